@@ -1,0 +1,35 @@
+# HARTS developer entry points. Every target below creates .venv on first use (see `venv`).
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.harts-installed
+
+.PHONY: venv demo test bench proto clean
+
+venv: $(STAMP)
+
+# Idempotent: re-installs only when the lock file or pyproject.toml changed.
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+## demo: synthetic agentic rollouts -> planner (in-process, SQLite) -> tree training on the CPU
+demo: venv
+	$(VENV)/bin/harts demo
+
+## test: the whole suite (unit, exactness, service and 2-rank torchrun integration tests)
+test: venv
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+## bench: benchmark suite; writes benchmarks/results/*.md and plots
+bench: venv
+	$(VENV)/bin/harts bench
+
+## proto: regenerate the Python modules from proto/harts/v1/*.proto
+proto: venv
+	$(PY) -m proto.generate
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,1 @@
+"""Generated protobuf modules of the `harts.v1` package (regenerate with `make proto`)."""
