@@ -1,0 +1,67 @@
+"""Project error types and the one table that maps them to HTTP and gRPC status codes.
+
+Core code (ingest, planner, store) raises these; the HTTP and gRPC adapters translate them with
+`STATUS` and never let any other exception text reach a client.
+"""
+from __future__ import annotations
+
+
+class HartsError(Exception):
+    """Base class: `message` is safe to show to a client."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ValidationError(HartsError, ValueError):
+    """Bad input. `field` is the path of the first offending field, e.g. `trajectories[3].loss_mask`."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class LimitError(HartsError, ValueError):
+    """Input larger than a configured limit (request bytes, tokens, trajectories)."""
+
+
+class ConflictError(HartsError):
+    """The batch_id is already stored with a different body."""
+
+
+class NotFoundError(HartsError):
+    """Unknown step, or a rank outside the step's topology."""
+
+
+class NotReadyError(HartsError):
+    """The step exists but its plan is not ready (yet)."""
+
+
+class PlanningError(HartsError, ValueError):
+    """Planner settings that cannot be satisfied (B < C, M < B, a path longer than B without windows...)."""
+
+
+class AuthError(HartsError):
+    """Missing or wrong bearer token."""
+
+
+#: error type -> (HTTP status, gRPC status code name). Most specific first.
+STATUS: list[tuple[type[HartsError], int, str]] = [
+    (ValidationError, 422, "INVALID_ARGUMENT"),
+    (LimitError, 413, "RESOURCE_EXHAUSTED"),
+    (PlanningError, 400, "FAILED_PRECONDITION"),
+    (ConflictError, 409, "ALREADY_EXISTS"),
+    (NotFoundError, 404, "NOT_FOUND"),
+    (NotReadyError, 404, "UNAVAILABLE"),
+    (AuthError, 401, "UNAUTHENTICATED"),
+    (HartsError, 500, "INTERNAL"),
+]
+
+
+def status_of(err: HartsError) -> tuple[int, str]:
+    """(HTTP status, gRPC code name) of a project error."""
+    for cls, http, grpc_code in STATUS:
+        if isinstance(err, cls):
+            return http, grpc_code
+    return 500, "INTERNAL"
