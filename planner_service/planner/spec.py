@@ -1,0 +1,43 @@
+"""The seam between partitioning (levels 1-2: what goes where) and the plan builder (how rows run).
+
+`partition(forest, cfg) -> Partition` decides microbatch membership, edge modes, placement and
+order; `build_plan(forest, cfg, partition) -> plan_pb2.Plan` lays out rows, ancestry, the
+minimum-call linear-attention schedule, imports/exports, the log-prob map and the report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True, kw_only=True)
+class MicrobatchSpec:
+    """One microbatch as the partitioner decided it."""
+
+    ranges: np.ndarray
+    """int64 [n, 3] kept token ranges (forest segment, start offset, end offset), end exclusive.
+    Each distinct forest token is kept in exactly one microbatch. A range that does not start at
+    offset 0 continues the same segment's previous range; long segments are split only at
+    chunk-aligned depths."""
+    parent: int = -1
+    """Microbatch whose rows precede this one's piece roots on their paths; -1 when every piece
+    starts at a forest root. All non-root pieces of a microbatch hang below the same parent."""
+    shared: bool = False
+    """With a parent: True imports the ancestors from the parent (sharing window); False
+    duplicates the whole root-to-piece path as context rows (occurrence 0, no loss terms)."""
+    rank: int = 0
+    """Data-parallel rank that runs it."""
+    recompute: bool = False
+    """Activation recomputation for this window parent (forward without graph first)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Partition:
+    """All microbatches of a step and each rank's execution order."""
+
+    microbatches: list[MicrobatchSpec]
+    """Indexed by global microbatch id."""
+    rank_steps: list[list[tuple[str, int]]] = field(default_factory=list)
+    """Per rank, ("F" | "B", global microbatch id) in execution order: depth-first over the
+    microbatch forest, forward on entry, backward after every dependent's backward."""
