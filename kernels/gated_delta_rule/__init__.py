@@ -1,0 +1,81 @@
+"""Chunked gated delta rule (Gated DeltaNet), varlen, with fp32 boundary-state exports (DESIGN §4.3, §6).
+
+Contract (shared with the trainer's Gated DeltaNet layer):
+
+    o_THV, states_EHKV = chunk_gated_delta_rule(
+        q_THK, k_THK, v_THV, g_TH, beta_TH, *, cu_seqlens, initial_state=None,
+        export_seq, export_pos, chunk_size=64, scale=None, use_qk_l2norm=False, backend="ref")
+
+Per head, S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T and o_t = S_t^T (scale q_t),
+with q, k optionally L2-normalised before the scale (transformers' Qwen3-Next convention). Chunks
+are [jC, (j+1)C) from each sequence start; a chunk's arithmetic does not depend on the rest of the
+call, so fp32 CPU outputs are bitwise equal however sequences are packed. Math in fp32 (float64
+inputs stay float64); states in fp32.
+
+Modules: `naive` (token-by-token oracle), `chunk_ref` (chunkwise PyTorch reference, the CPU path),
+`layout` (validation and chunk indexing shared by the backends).
+
+Legend: T packed rows, N sequences, E exported states, H heads, K key dim, V value dim.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.gated_delta_rule.chunk_ref import chunk_gated_delta_rule_ref
+from kernels.gated_delta_rule.naive import naive_gated_delta_rule
+
+BACKENDS = ("ref", "triton")
+
+
+def chunk_gated_delta_rule(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    export_seq: torch.Tensor,
+    export_pos: torch.Tensor,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen chunked gated delta rule; see the module docstring for the contract.
+
+    Args:
+        q_THK, k_THK: [T, H, K]; v_THV: [T, H, V]; g_TH: [T, H] log decay (<= 0); beta_TH: [T, H].
+        cu_seqlens: [N+1] packed sequence offsets (0 .. T).
+        initial_state: [N, H, K, V] fp32, or None for zeros.
+        export_seq, export_pos: [E] (sequence, rows done) of each state to return; export_pos is a
+            multiple of chunk_size or the sequence length.
+        chunk_size: C. scale: q factor (default K ** -0.5). use_qk_l2norm: L2-normalise q, k.
+        backend: "ref" (PyTorch, differentiable, bitwise batch-invariant on CPU) or "triton" (fused
+            forward kernel, backward by the reference); None picks "triton" for CUDA tensors, else "ref".
+
+    Returns:
+        o [T, H, V] in v's dtype, states [E, H, K, V] fp32 (float64 for float64 inputs).
+    """
+    if backend is None:
+        backend = "triton" if q_THK.is_cuda else "ref"
+    kwargs = dict(
+        cu_seqlens=cu_seqlens,
+        initial_state=initial_state,
+        export_seq=export_seq,
+        export_pos=export_pos,
+        chunk_size=chunk_size,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+    )
+    if backend == "ref":
+        return chunk_gated_delta_rule_ref(q_THK, k_THK, v_THV, g_TH, beta_TH, **kwargs)
+    if backend == "triton":
+        from kernels.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
+
+        return chunk_gated_delta_rule_triton(q_THK, k_THK, v_THV, g_TH, beta_TH, **kwargs)
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+__all__ = ["BACKENDS", "chunk_gated_delta_rule", "chunk_gated_delta_rule_ref", "naive_gated_delta_rule"]
