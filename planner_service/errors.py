@@ -35,7 +35,7 @@ class NotFoundError(HartsError):
 
 
 class NotReadyError(HartsError):
-    """The step exists but its plan is not ready (yet)."""
+    """The step exists but its plan is not ready (yet); long-polling clients ask again."""
 
 
 class PlanningError(HartsError, ValueError):
@@ -53,10 +53,14 @@ STATUS: list[tuple[type[HartsError], int, str]] = [
     (PlanningError, 400, "FAILED_PRECONDITION"),
     (ConflictError, 409, "ALREADY_EXISTS"),
     (NotFoundError, 404, "NOT_FOUND"),
-    (NotReadyError, 404, "UNAVAILABLE"),
+    (NotReadyError, 404, "DEADLINE_EXCEEDED"),
     (AuthError, 401, "UNAUTHENTICATED"),
     (HartsError, 500, "INTERNAL"),
 ]
+
+
+#: HTTP status and gRPC code of any other exception: its text never reaches the client.
+INTERNAL = (500, "INTERNAL")
 
 
 def status_of(err: HartsError) -> tuple[int, str]:
@@ -64,4 +68,4 @@ def status_of(err: HartsError) -> tuple[int, str]:
     for cls, http, grpc_code in STATUS:
         if isinstance(err, cls):
             return http, grpc_code
-    return 500, "INTERNAL"
+    return INTERNAL

@@ -1,0 +1,56 @@
+"""Run the planner service: HTTP (FastAPI, /docs) and gRPC (harts.v1.Planner) in one process.
+
+    harts serve --host 127.0.0.1 --http-port 8000 --grpc-port 50051 --db harts.db [--token T]
+
+With --world-size (and optionally the other budget flags) every submission is planned at once for
+that default topology. The token may also come from the HARTS_TOKEN environment variable.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
+    p.add_argument("--db", default="harts.db", help="SQLite database file (WAL mode)")
+    p.add_argument("--token", default=os.environ.get("HARTS_TOKEN") or None,
+                   help="bearer token required on every non-health endpoint (default: $HARTS_TOKEN)")
+    p.add_argument("--max-request-mb", type=float, default=256.0, help="largest request body in MiB (413 above)")
+    g = p.add_argument_group("default topology (plan every submission at once)")
+    g.add_argument("--world-size", type=int, default=0, help="data-parallel ranks (0: no default topology)")
+    g.add_argument("--microbatch-tokens", type=int, default=4096)
+    g.add_argument("--memory-tokens", type=int, default=0, help="0: 8 x microbatch tokens")
+    g.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C")
+    g.add_argument("--conv-kernel", type=int, default=4, help="short-convolution kernel size of the model")
+    p.add_argument("--plan-workers", type=int, default=1, help="planning threads")
+    p.add_argument("--max-wait", type=float, default=60.0, help="longest long-poll wait in seconds")
+    p.add_argument("--synchronous", default="FULL", choices=["NORMAL", "FULL"],
+                   help="SQLite synchronous mode (FULL: durable across power loss)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner_service.core import ServiceConfig
+    from planner_service.server import run as run_server
+    from proto.harts.v1 import planner_pb2
+
+    default = None
+    if args.world_size:
+        default = planner_pb2.Topology(
+            world_size=args.world_size, microbatch_tokens=args.microbatch_tokens,
+            memory_tokens=args.memory_tokens, chunk_size=args.chunk_size,
+        )
+    cfg = ServiceConfig(
+        db_path=args.db,
+        token=args.token,
+        max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+        default_topology=default,
+        conv_kernel=args.conv_kernel,
+        default_chunk_size=args.chunk_size,
+        plan_workers=args.plan_workers,
+        max_wait_seconds=args.max_wait,
+        synchronous=args.synchronous,
+    )
+    return run_server(cfg, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)

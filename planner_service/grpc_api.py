@@ -1,0 +1,123 @@
+"""gRPC transport of the planner service (grpc.aio): harts.v1.Planner over PlannerCore.
+
+The standard grpc.health.v1 service and server reflection are registered beside it and never need
+a token; every harts.v1.Planner RPC needs metadata `authorization: Bearer <token>` when a token is
+configured. Errors map through `planner_service.errors.STATUS`; the first offending field of an
+INVALID_ARGUMENT is also sent as trailing metadata `harts-field`. FetchPlan sends the stored sealed
+slice bytes verbatim (a pass-through serializer), so both transports serve identical bytes.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from planner_service.core import PlannerCore
+from planner_service.errors import INTERNAL, AuthError, HartsError, status_of
+from proto.harts.v1 import planner_pb2
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SERVICE", "add_to_server", "set_serving"]
+
+SERVICE = planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name
+
+
+class _Planner:
+    """Handlers of harts.v1.Planner; each one authenticates, calls the core and maps errors."""
+
+    def __init__(self, core: PlannerCore):
+        self.core = core
+        self.token = core.cfg.token
+
+    def _check_token(self, context: grpc.aio.ServicerContext) -> None:
+        if self.token is None:
+            return
+        got = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                got = value if isinstance(value, str) else value.decode("latin-1")
+        scheme, _, cred = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(cred.strip().encode(), self.token.encode()):
+            raise AuthError("authorization: expected metadata 'Bearer <token>' with the service's token")
+
+    async def _run(self, operation: str, context: grpc.aio.ServicerContext, call):
+        with self.core.metrics.request("grpc", operation) as box:
+            try:
+                self._check_token(context)
+                return await call()
+            except HartsError as exc:
+                _, code = status_of(exc)
+                box["code"] = code
+                field = getattr(exc, "field", None)
+                if field:
+                    context.set_trailing_metadata((("harts-field", field),))
+                await context.abort(getattr(grpc.StatusCode, code), exc.message)
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                log.exception("gRPC %s failed", operation)
+                box["code"] = INTERNAL[1]
+                await context.abort(grpc.StatusCode.INTERNAL, "internal error; the service log has the details")
+
+    async def submit_rollouts(self, req: planner_pb2.SubmitRolloutsRequest, context):
+        topology = req.topology if req.HasField("topology") else None
+        return await self._run("SubmitRollouts", context, lambda: self.core.submit_message_async(req.batch, topology))
+
+    async def plan_step(self, req: planner_pb2.PlanStepRequest, context):
+        return await self._run("PlanStep", context, lambda: self.core.plan_async(req.step_id, req.topology))
+
+    async def fetch_plan(self, req: planner_pb2.FetchPlanRequest, context) -> bytes:
+        return await self._run("FetchPlan", context, lambda: self.core.fetch_async(req.step_id, req.rank, req.wait_seconds))
+
+    async def get_status(self, req: planner_pb2.GetStatusRequest, context):
+        return await self._run("GetStatus", context, lambda: self.core.status_async(req.step_id))
+
+    async def list_steps(self, req: planner_pb2.ListStepsRequest, context):
+        async def call():
+            return planner_pb2.ListStepsResponse(steps=await self.core.list_steps_async(req.limit))
+
+        return await self._run("ListSteps", context, call)
+
+
+def _verbatim(data: bytes) -> bytes:
+    return data
+
+
+def add_to_server(server: grpc.aio.Server, core: PlannerCore) -> health_aio.HealthServicer:
+    """Register harts.v1.Planner, grpc.health.v1.Health (NOT_SERVING until `set_serving`) and reflection.
+
+    Returns:
+        the health servicer.
+    """
+    svc = _Planner(core)
+
+    def unary(fn, req_cls, serialize):
+        return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req_cls.FromString, response_serializer=serialize)
+
+    handlers = {
+        "SubmitRollouts": unary(svc.submit_rollouts, planner_pb2.SubmitRolloutsRequest,
+                                planner_pb2.SubmitRolloutsResponse.SerializeToString),
+        "PlanStep": unary(svc.plan_step, planner_pb2.PlanStepRequest, planner_pb2.StepStatus.SerializeToString),
+        "FetchPlan": unary(svc.fetch_plan, planner_pb2.FetchPlanRequest, _verbatim),
+        "GetStatus": unary(svc.get_status, planner_pb2.GetStatusRequest, planner_pb2.StepStatus.SerializeToString),
+        "ListSteps": unary(svc.list_steps, planner_pb2.ListStepsRequest, planner_pb2.ListStepsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    return health
+
+
+async def set_serving(health: health_aio.HealthServicer, serving: bool) -> None:
+    """Report the overall server and harts.v1.Planner as (not) serving."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE):
+        await health.set(name, status)

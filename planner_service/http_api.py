@@ -1,0 +1,438 @@
+"""HTTP transport of the planner service (FastAPI, OpenAPI at /docs): a thin adapter over PlannerCore.
+
+Routes (all under /v1 need `Authorization: Bearer <token>` when a token is configured, as does
+/metrics; /healthz, /readyz, /docs and /openapi.json never do):
+
+    POST /v1/steps                               submit rollouts (JSON document or
+                                                 `Content-Type: application/x-protobuf` RolloutBatch);
+                                                 optional topology in the query plans at once
+    POST /v1/steps/{step_id}/plan                plan a stored step for a topology (JSON body)
+    GET  /v1/steps/{step_id}/ranks/{rank}/plan   one rank's sealed PlanSlice (protobuf bytes,
+                                                 `X-Harts-Checksum` header), long-poll with ?wait=S
+    GET  /v1/steps/{step_id}                     step status
+    GET  /v1/steps                               steps, newest first
+    GET  /healthz, /readyz, /metrics
+
+Every error body is `{"error": {"code", "message", "field"}}`; the status code comes from
+`planner_service.errors.STATUS`. No exception text other than a HartsError's message reaches a client.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Literal
+
+from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from planner_service.core import PlannerCore
+from planner_service.errors import INTERNAL, AuthError, HartsError, LimitError, ValidationError, status_of
+from planner_service.metrics import CONTENT_TYPE_LATEST
+from proto.harts.v1 import plan_pb2, planner_pb2
+
+log = logging.getLogger(__name__)
+
+__all__ = ["create_app", "PROTOBUF", "slice_checksum"]
+
+PROTOBUF = "application/x-protobuf"
+_PROTO_TYPES = {PROTOBUF, "application/protobuf", "application/vnd.google.protobuf", "application/octet-stream"}
+_INT32 = 2**31 - 1
+_INT64 = 2**63 - 1
+
+# ---- models (OpenAPI and response bodies)
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="gRPC-style code name, e.g. INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS")
+    message: str = Field(description="What is wrong and, where possible, how to fix it")
+    field: str | None = Field(None, description="Path of the first offending field, e.g. trajectories[3].loss_mask")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Topology(BaseModel):
+    """Trainer topology and budgets a step is planned for."""
+
+    model_config = ConfigDict(extra="forbid")
+    world_size: int = Field(ge=1, le=65536, description="Number of data-parallel trainer ranks")
+    microbatch_tokens: int = Field(4096, ge=1, le=_INT32, description="Token budget per microbatch")
+    memory_tokens: int = Field(0, ge=0, le=_INT64, description="Live-activation budget per rank; 0: 8 x microbatch_tokens")
+    chunk_size: int = Field(0, ge=0, le=_INT32, description="Linear-attention chunk size (power of two); 0: service default")
+    no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
+    no_windows: bool = Field(False, description="Duplicate prefixes instead of opening sharing windows")
+
+    def to_proto(self) -> planner_pb2.Topology:
+        return planner_pb2.Topology(**self.model_dump())
+
+
+class PlanStats(BaseModel):
+    unique_tokens: int
+    expanded_tokens: int
+    computed_tokens: int
+    replay_tokens: int
+    duplicated_tokens: int
+    compression_ideal: float
+    compression_achieved: float
+    microbatches: int
+    linear_attention_calls: int
+    rank_costs: list[float]
+    imbalance: float
+    peak_live_tokens: int
+    plan_seconds: float
+    windows: int
+
+
+class StepStatus(BaseModel):
+    step_id: str
+    state: Literal["submitted", "planned", "failed"]
+    trajectories: int
+    unique_tokens: int
+    expanded_tokens: int
+    stats: PlanStats | None = Field(None, description="Present once planned")
+    topology: Topology | None = Field(None, description="Requested (submitted), planned or attempted (failed) topology")
+    error: str | None = Field(None, description="Why planning failed")
+    submitted_at: float = Field(description="Unix seconds")
+    planned_at: float | None = Field(None, description="Unix seconds")
+
+
+class SubmitResponse(BaseModel):
+    status: StepStatus
+    duplicate: bool = Field(description="True when the batch_id was already stored with the same body")
+
+
+class StepList(BaseModel):
+    steps: list[StepStatus]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "starting"]
+
+
+# The rollout document (docs/rollouts.md). Documentation only: the body is validated by
+# planner_service.ingest, which names the first offending field.
+class TrajectoryDoc(BaseModel):
+    id: str
+    tree_id: str | None = None
+    tokens: list[int] = Field(min_length=1)
+    loss_mask: list[Literal[0, 1]] | None = None
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    advantage: float | list[float] = 0.0
+    reward: float = 0.0
+    group_id: str | None = None
+    weight: float | None = Field(None, ge=0)
+
+
+class TreeNodeDoc(BaseModel):
+    id: int
+    parent: int | None = None
+    tokens: list[int] = Field(min_length=1)
+
+
+class TreeTrajectoryDoc(BaseModel):
+    id: str
+    node: int
+    loss_mask: list[Literal[0, 1]] | None = None
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    advantage: float | list[float] = 0.0
+    reward: float = 0.0
+    group_id: str | None = None
+    weight: float | None = Field(None, ge=0)
+
+
+class TreeDoc(BaseModel):
+    id: str
+    nodes: list[TreeNodeDoc]
+    trajectories: list[TreeTrajectoryDoc]
+
+
+class RolloutBatchDoc(BaseModel):
+    """One training step's rollouts (docs/rollouts.md); flat and explicit-tree forms may be mixed."""
+
+    batch_id: str = Field(min_length=1, description="Idempotency key of the step")
+    vocab_size: int = Field(ge=1, le=_INT32)
+    trajectories: list[TrajectoryDoc] = []
+    trees: list[TreeDoc] = []
+
+
+_STATE = {
+    planner_pb2.STEP_STATE_SUBMITTED: "submitted",
+    planner_pb2.STEP_STATE_PLANNED: "planned",
+    planner_pb2.STEP_STATE_FAILED: "failed",
+}
+
+
+def status_model(st: planner_pb2.StepStatus) -> StepStatus:
+    """JSON view of a StepStatus message."""
+    stats = None
+    if st.HasField("stats"):
+        s = st.stats
+        stats = PlanStats(**{f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields if f.name != "rank_costs"},
+                          rank_costs=list(s.rank_costs))
+    topo = None
+    if st.HasField("topology"):
+        topo = Topology.model_construct(**{f.name: getattr(st.topology, f.name) for f in st.topology.DESCRIPTOR.fields})
+    return StepStatus(
+        step_id=st.step_id,
+        state=_STATE[st.state],
+        trajectories=st.trajectories,
+        unique_tokens=st.unique_tokens,
+        expanded_tokens=st.expanded_tokens,
+        stats=stats,
+        topology=topo,
+        error=st.error or None,
+        submitted_at=st.submitted_at,
+        planned_at=st.planned_at or None,
+    )
+
+
+def slice_checksum(data: bytes) -> str:
+    """The checksum field of sealed PlanSlice bytes.
+
+    Deterministic serialisation writes fields in number order, so a sealed slice ends with field 3
+    (tag 0x1a, length 64, 64 hex digits); anything else is parsed.
+    """
+    if len(data) >= 66 and data[-66:-64] == b"\x1a\x40":
+        return data[-64:].decode("ascii")
+    return plan_pb2.PlanSlice.FromString(data).checksum
+
+
+def _error_response(status: int, code: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
+    body = ErrorBody(error=ErrorDetail(code=code, message=message, field=field))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+_ERRORS = {
+    400: {"model": ErrorBody, "description": "Planning impossible for these settings (FAILED_PRECONDITION)"},
+    401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
+    404: {"model": ErrorBody, "description": "Unknown step or rank, or plan not ready after the wait"},
+    409: {"model": ErrorBody, "description": "batch_id stored with another body, or step planned for another topology"},
+    413: {"model": ErrorBody, "description": "Request or batch over a configured limit"},
+    422: {"model": ErrorBody, "description": "Invalid input; `field` names the first offending field"},
+}
+
+
+def _responses(*codes: int) -> dict:
+    return {c: _ERRORS[c] for c in codes}
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) as soon as it exceeds `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise LimitError(f"request: expected at most {limit} bytes, got {int(declared)} (Content-Length)")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise LimitError(f"request: expected at most {limit} bytes, got more")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def create_app(core: PlannerCore) -> FastAPI:
+    """The FastAPI application of one service instance (core owned by the caller)."""
+    app = FastAPI(
+        title="HARTS planner service",
+        version="1",
+        description=(
+            "Ingests rollout trees, plans prefix-sharing microbatches and serves each trainer rank its "
+            "sealed plan slice. The gRPC service harts.v1.Planner offers the same operations."
+        ),
+    )
+    app.state.core = core
+    bearer = HTTPBearer(auto_error=False, description="Bearer token configured with `harts serve --token`")
+    token = core.cfg.token
+
+    async def require_token(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if token is None:
+            return
+        if creds is None or creds.scheme.lower() != "bearer" or not hmac.compare_digest(
+            creds.credentials.encode(), token.encode()
+        ):
+            raise AuthError("Authorization: expected 'Bearer <token>' with the service's token")
+
+    auth = [Depends(require_token)]
+
+    @app.exception_handler(HartsError)
+    async def _harts_error(request: Request, exc: HartsError):
+        status, code = status_of(exc)
+        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthError) else None
+        if status >= 500:
+            log.error("%s %s: %s", request.method, request.url.path, exc.message)
+        return _error_response(status, code, exc.message, getattr(exc, "field", None) or None, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_invalid(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        field = ".".join(str(p) for p in first.get("loc", ()))
+        return _error_response(422, "INVALID_ARGUMENT", f"{field}: {first.get('msg', 'invalid')}", field or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "NOT_FOUND", 405: "UNIMPLEMENTED"}.get(exc.status_code, "INVALID_ARGUMENT")
+        return _error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return _error_response(INTERNAL[0], INTERNAL[1], "internal error; the service log has the details")
+
+    @app.middleware("http")
+    async def _measure(request: Request, call_next):
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = request.scope.get("route")
+            op = getattr(route, "name", None) or "unmatched"
+            core.metrics.latency.labels("http", op).observe(time.perf_counter() - t0)
+            core.metrics.requests.labels("http", op, str(status)).inc()
+
+    # ---- health and metrics
+
+    @app.get("/healthz", response_model=Health, tags=["health"], name="healthz")
+    async def healthz() -> Health:
+        """Liveness: the process answers."""
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Health, tags=["health"], name="readyz",
+             responses={503: {"model": Health, "description": "Still compiling or recovering"}})
+    async def readyz():
+        """Readiness: Numba code compiled and interrupted plans resumed."""
+        if core.ready:
+            return Health(status="ok")
+        return JSONResponse({"status": "starting"}, status_code=503)
+
+    @app.get("/metrics", tags=["health"], name="metrics", dependencies=auth, response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}, **_responses(401)})
+    async def metrics():
+        """Prometheus metrics: request counts and latency, ingest bytes, plan seconds, compression, waiting steps."""
+        return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- steps
+
+    batch_schema = RolloutBatchDoc.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = batch_schema.pop("$defs", {})
+
+    @app.post(
+        "/v1/steps",
+        response_model=SubmitResponse,
+        tags=["steps"],
+        name="submit_rollouts",
+        dependencies=auth,
+        responses=_responses(400, 401, 409, 413, 422),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "description": "The rollout document (docs/rollouts.md) as JSON, or a serialised "
+                "harts.v1.RolloutBatch with Content-Type: application/x-protobuf.",
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/RolloutBatchDoc"}},
+                    PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
+                },
+            }
+        },
+    )
+    async def submit_rollouts(
+        request: Request,
+        world_size: int | None = Query(None, ge=1, le=65536, description="Plan at once for this many ranks"),
+        microbatch_tokens: int = Query(4096, ge=1, le=_INT32),
+        memory_tokens: int = Query(0, ge=0, le=_INT64),
+        chunk_size: int = Query(0, ge=0, le=_INT32),
+        no_sharing: bool = Query(False),
+        no_windows: bool = Query(False),
+    ) -> SubmitResponse:
+        """Store a step's rollouts: validated whole, idempotent by batch_id.
+
+        With `world_size` (or a service default topology) the step is planned at once, in the
+        background; trainers long-poll their slice.
+        """
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if ctype in _PROTO_TYPES:
+            fmt = "proto"
+        elif ctype in ("application/json", "text/json", "") or ctype.endswith("+json"):
+            fmt = "json"
+        else:
+            raise ValidationError("Content-Type", f"expected application/json or {PROTOBUF}, got {ctype!r}")
+        body = await _read_body(request, core.cfg.max_request_bytes)
+        topology = None
+        if world_size is not None:
+            topology = planner_pb2.Topology(
+                world_size=world_size, microbatch_tokens=microbatch_tokens, memory_tokens=memory_tokens,
+                chunk_size=chunk_size, no_sharing=no_sharing, no_windows=no_windows,
+            )
+        resp = await core.submit_async(body, fmt, topology)
+        return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate)
+
+    app.openapi_schema = None
+    _orig_openapi = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = _orig_openapi()
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            comps.update(defs)
+            comps["RolloutBatchDoc"] = batch_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.post("/v1/steps/{step_id}/plan", response_model=StepStatus, tags=["steps"], name="plan_step",
+              dependencies=auth, responses=_responses(400, 401, 404, 409, 422))
+    async def plan_step(topology: Topology, step_id: str = Path(min_length=1)) -> StepStatus:
+        """Plan (or, after a failure, re-plan) a stored step; idempotent for the same topology."""
+        return status_model(await core.plan_async(step_id, topology.to_proto()))
+
+    @app.get(
+        "/v1/steps/{step_id}/ranks/{rank}/plan",
+        tags=["steps"],
+        name="fetch_plan",
+        dependencies=auth,
+        response_class=Response,
+        responses={
+            200: {
+                "content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}},
+                "description": "Sealed harts.v1.PlanSlice bytes, identical on every retry; the "
+                "X-Harts-Checksum header repeats its checksum",
+                "headers": {"X-Harts-Checksum": {"schema": {"type": "string"}, "description": "hex SHA-256"}},
+            },
+            **_responses(400, 401, 404, 422),
+        },
+    )
+    async def fetch_plan(
+        step_id: str = Path(min_length=1),
+        rank: int = Path(ge=0, le=65535),
+        wait: float = Query(0.0, ge=0.0, le=3600.0, description="Long-poll: seconds to wait for the plan"),
+    ):
+        """One rank's plan slice; with `wait` the request returns as soon as the step is planned."""
+        data = await core.fetch_async(step_id, rank, wait)
+        return Response(data, media_type=PROTOBUF, headers={"X-Harts-Checksum": slice_checksum(data)})
+
+    @app.get("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="get_status",
+             dependencies=auth, responses=_responses(401, 404))
+    async def get_status(step_id: str = Path(min_length=1)) -> StepStatus:
+        """State, token counts, topology and (once planned) the plan report of a step."""
+        return status_model(await core.status_async(step_id))
+
+    @app.get("/v1/steps", response_model=StepList, tags=["steps"], name="list_steps",
+             dependencies=auth, responses=_responses(401, 422))
+    async def list_steps(limit: int = Query(0, ge=0, le=_INT32, description="At most this many (0: default)")) -> StepList:
+        """Steps, newest submission first."""
+        return StepList(steps=[status_model(s) for s in await core.list_steps_async(limit)])
+
+    return app
