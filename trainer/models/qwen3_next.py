@@ -1,0 +1,367 @@
+"""Qwen3-Next-style hybrid decoder over packed rows (DESIGN §5.1-§5.2).
+
+The arithmetic follows transformers' `models/qwen3_next` (zero-centred RMSNorm, Gated DeltaNet with
+fused `in_proj_qkvz`/`in_proj_ba` grouped per key head, gated softmax attention with partial RoPE,
+softmax top-k MoE with a gated shared expert), but the model runs on a packed set of rows described
+by a `trainer.layout.RowLayout` instead of a [batch, seq] grid: per-token operators run once per
+row, and the sequence-coupled ones (short conv, attention, linear attention) go through the
+layout's ancestry and call schedule (`trainer.tree_ops`).
+
+Parameter names equal the Hugging Face module names (`model.layers.3.self_attn.q_proj.weight`),
+so a checkpoint's state dict loads with only the per-expert weights regrouped (`loading.py`).
+
+Every projection is a `RowLinear`: a matmul over fixed-size row tiles, so that a row's result does
+not depend on how many other rows share the microbatch (plain CPU GEMMs pick different blockings
+for different row counts and break the bitwise equality of DESIGN §5.3).
+
+Legend: R rows, D hidden, H heads, Hk/Hv linear key/value heads, Kd/Vd linear head dims,
+hd attention head dim, E experts, k top-k, C conv channels, K conv kernel, V vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import tree_ops
+from trainer.models.config import FULL, ModelConfig
+
+#: rows per tile of RowLinear; every tile is one same-shape GEMM.
+ROW_TILE = 32
+
+
+def row_linear(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T + b`, batch-invariant: each row's result is independent of the other rows.
+
+    Pads the rows to a multiple of ROW_TILE and runs one batched matmul of [ROW_TILE, I] tiles.
+    """
+    R, I = x_RI.shape
+    pad = (-R) % ROW_TILE
+    x_NTI = F.pad(x_RI, (0, 0, 0, pad)).view(-1, ROW_TILE, I)
+    y_RO = torch.matmul(x_NTI, w_OI.t()).reshape(-1, w_OI.shape[0])[:R]
+    return y_RO if b_O is None else y_RO + b_O
+
+
+def row_linear_ref(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain reference of `row_linear` (not batch-invariant)."""
+    return F.linear(x_RI, w_OI, b_O)
+
+
+class RowLinear(nn.Linear):
+    """nn.Linear whose forward is the batch-invariant `row_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row_linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: `x_hat * (1 + w)`, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm (plain weight) followed by a `silu(z)` gate, per value head."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return (out * F.silu(z.float())).to(dtype)
+
+
+@dataclass(slots=True, kw_only=True)
+class Capture:
+    """What a forward records besides the hidden states (filled per layer, in layer order)."""
+
+    linear_outputs: bool = False
+    """Keep each linear-attention layer's kernel output (detached) in `linear`."""
+    linear: dict[int, torch.Tensor] = field(default_factory=dict)
+    """layer -> [R, Hv, Vd] kept kernel outputs."""
+    router_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """MoE layer -> [R, E] fp32 router softmax (with graph, for the auxiliary loss)."""
+    router_topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    """MoE layer -> [R, k] selected experts."""
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention token mixer (Gated DeltaNet), run through the layout's call schedule."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.Hk, self.Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.Kd, self.Vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.K = cfg.linear_conv_kernel_dim
+        key_dim, value_dim = self.Hk * self.Kd, self.Hv * self.Vd
+        self.conv_dim = 2 * key_dim + value_dim
+        D = cfg.hidden_size
+        self.in_proj_qkvz = RowLinear(D, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = RowLinear(D, 2 * self.Hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.K, groups=self.conv_dim, bias=False, padding=self.K - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.Hv))
+        self.A_log = nn.Parameter(torch.empty(self.Hv).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(self.Vd, cfg.rms_norm_eps)
+        self.out_proj = RowLinear(value_dim, D, bias=False)
+
+    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", capture: Capture | None) -> torch.Tensor:
+        R = x_RD.shape[0]
+        r = self.Hv // self.Hk
+        qkvz = self.in_proj_qkvz(x_RD).view(R, self.Hk, 2 * self.Kd + 2 * r * self.Vd)
+        q, k, v, z = torch.split(qkvz, [self.Kd, self.Kd, r * self.Vd, r * self.Vd], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x_RD).view(R, self.Hk, 2 * r), [r, r], dim=-1)
+        mixed_RC = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], dim=-1)
+        mixed_RC = F.silu(tree_ops.ancestry_conv(mixed_RC, self.conv1d.weight[:, 0, :], layout.conv_src))
+        key_dim = self.Hk * self.Kd
+        q_RHK, k_RHK, v_RHV = torch.split(mixed_RC, [key_dim, key_dim, self.Hv * self.Vd], dim=-1)
+        q_RHK = q_RHK.reshape(R, self.Hk, self.Kd).repeat_interleave(r, dim=1)
+        k_RHK = k_RHK.reshape(R, self.Hk, self.Kd).repeat_interleave(r, dim=1)
+        v_RHV = v_RHV.reshape(R, self.Hv, self.Vd)
+        beta_RH = b.reshape(R, self.Hv).sigmoid()
+        g_RH = -self.A_log.float().exp() * F.softplus(a.reshape(R, self.Hv).float() + self.dt_bias)
+        o_RHV = tree_ops.linear_attention(
+            q_RHK, k_RHK, v_RHV, g_RH, beta_RH, layout.linear_calls, layout.row_from_kept,
+            layout.num_states, fn=run.linear_fn, chunk_size=run.chunk_size,
+        )
+        if capture is not None and capture.linear_outputs:
+            capture.linear[self.layer_idx] = o_RHV.detach()
+        o_RHV = self.norm(o_RHV, z.reshape(R, self.Hv, self.Vd))
+        return self.out_proj(o_RHV.reshape(R, -1))
+
+
+class Attention(nn.Module):
+    """Gated softmax attention with q/k RMSNorm, partial RoPE at each row's depth and GQA."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.H, self.Hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = RowLinear(D, self.H * self.hd * 2, bias=bias)
+        self.k_proj = RowLinear(D, self.Hkv * self.hd, bias=bias)
+        self.v_proj = RowLinear(D, self.Hkv * self.hd, bias=bias)
+        self.o_proj = RowLinear(self.H * self.hd, D, bias=bias)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.rotary_dim = cfg.rotary_dim
+        self.theta = cfg.rope_theta
+
+    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", capture: Capture | None) -> torch.Tensor:
+        R = x_RD.shape[0]
+        q_gate = self.q_proj(x_RD).view(R, self.H, 2 * self.hd)
+        q_RHd, gate = q_gate[..., : self.hd], q_gate[..., self.hd :].reshape(R, -1)
+        q_RHd = self.q_norm(q_RHd)
+        k_RHd = self.k_norm(self.k_proj(x_RD).view(R, self.Hkv, self.hd))
+        v_RHd = self.v_proj(x_RD).view(R, self.Hkv, self.hd)
+        cos, sin = rope_cos_sin(layout.depth, self.rotary_dim, self.theta, x_RD.dtype)
+        q_RHd, k_RHd = apply_rope(q_RHd, cos, sin), apply_rope(k_RHd, cos, sin)
+        o_RHd = tree_ops.ancestor_attention(q_RHd, k_RHd, v_RHd, layout.attn_segments, scale=self.hd**-0.5)
+        o_RD = o_RHd.reshape(R, -1) * torch.sigmoid(gate)
+        return self.o_proj(o_RD)
+
+
+def rope_cos_sin(depth_R: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, rotary_dim] cos/sin at each row's depth (the RoPE position)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    freqs = depth_R[:, None].float() * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_RHd: torch.Tensor, cos_Rr: torch.Tensor, sin_Rr: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim dims of each head (rotate-half convention)."""
+    rd = cos_Rr.shape[-1]
+    x_rot, x_pass = x_RHd[..., :rd], x_RHd[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    x_rot = x_rot * cos_Rr[:, None, :] + rotated * sin_Rr[:, None, :]
+    return torch.cat([x_rot, x_pass], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, D: int, inner: int):
+        super().__init__()
+        self.gate_proj = RowLinear(D, inner, bias=False)
+        self.up_proj = RowLinear(D, inner, bias=False)
+        self.down_proj = RowLinear(inner, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed experts stored as 3D tensors (the transformers v5 in-memory layout)."""
+
+    def __init__(self, E: int, D: int, inner: int):
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, inner))
+
+    def forward(self, x_RD: torch.Tensor, topk_Rk: torch.Tensor, weight_Rk: torch.Tensor) -> torch.Tensor:
+        out_RD = torch.zeros_like(x_RD)
+        hit = torch.unique(topk_Rk).tolist()
+        for e in hit:
+            rows, slot = torch.where(topk_Rk == e)
+            gate, up = row_linear(x_RD.index_select(0, rows), self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = row_linear(F.silu(gate) * up, self.down_proj[e]) * weight_Rk[rows, slot, None]
+            out_RD = out_RD.index_add(0, rows, h.to(out_RD.dtype))
+        return out_RD
+
+
+class Router(nn.Module):
+    """Softmax router with deterministic top-k (no capacity, no token dropping)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+    def forward(self, x_RD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (probs [R, E] fp32, top-k weights [R, k], top-k experts [R, k])."""
+        probs_RE = torch.softmax(row_linear(x_RD, self.weight), dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs_RE, self.top_k, dim=-1)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return probs_RE, top_w.to(x_RD.dtype), top_i
+
+
+class SparseMoe(nn.Module):
+    """Routed experts plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = RowLinear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x_RD: torch.Tensor, capture: Capture | None) -> torch.Tensor:
+        probs_RE, top_w, top_i = self.gate(x_RD)
+        if capture is not None:
+            capture.router_probs[self.layer_idx] = probs_RE
+            capture.router_topk[self.layer_idx] = top_i
+        out = self.experts(x_RD, top_i, top_w)
+        if self.has_shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(x_RD)) * self.shared_expert(x_RD)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer_idx] != FULL
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = Attention(cfg, layer_idx)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.mlp = SparseMoe(cfg, layer_idx) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_RD, layout, run, capture):
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x_RD + mixer(self.input_layernorm(x_RD), layout, run, capture)
+        y = self.post_attention_layernorm(h)
+        y = self.mlp(y, capture) if self.is_moe else self.mlp(y)
+        return h + y
+
+
+@dataclass(slots=True, kw_only=True)
+class RunOptions:
+    """How the sequence-coupled operators run."""
+
+    linear_fn: object
+    """chunk_gated_delta_rule-compatible callable (the kernel backend)."""
+    chunk_size: int = 64
+    """Linear-attention chunk size C; must equal the plan's."""
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and the final norm (HF `model.*`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3NextForRL(nn.Module):
+    """The hybrid decoder plus lm head; `forward` maps a layout's rows to final hidden states."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = RowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self, seed: int) -> None:
+        """Seeded random initialisation with transformers' Qwen3-Next scheme."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.initializer_range
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("A_log"):
+                    p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log())
+                elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("norm.weight"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, layout, run: RunOptions, capture: Capture | None = None) -> torch.Tensor:
+        """Final hidden states [R, D] of the layout's rows."""
+        x = self.model.embed_tokens(layout.tokens)
+        for layer in self.model.layers:
+            x = layer(x, layout, run, capture)
+        return self.model.norm(x)
+
+    def logits(self, h_RD: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h_RD)
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Rough forward matmul FLOPs per row (for reports)."""
+    D = cfg.hidden_size
+    per = 2 * D * cfg.vocab_size
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_types[i] == FULL:
+            per += 2 * D * (cfg.num_attention_heads * cfg.head_dim * 3 + 2 * cfg.num_key_value_heads * cfg.head_dim)
+        else:
+            kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            per += 2 * D * (2 * kd + 3 * vd + 2 * cfg.linear_num_value_heads)
+        if cfg.is_moe_layer(i):
+            per += 2 * D * (3 * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 3 * cfg.shared_expert_intermediate_size)
+        else:
+            per += 6 * D * cfg.intermediate_size
+    return float(per)
+

@@ -1,0 +1,186 @@
+"""Sequence-coupled operators over packed tree rows (DESIGN §5.2-§5.3), each beside a plain reference.
+
+The per-token operators of the model run once per packed row; these three couple rows along
+root-to-leaf paths through the plan's ancestry:
+
+- `ancestry_conv`: the depthwise causal short convolution, gathering the K-1 ancestor rows of each
+  row and summing in the fixed order (oldest first) that a linear sequence uses;
+- `ancestor_attention`: per segment, queries attend to the segment's ancestor rows (all visible)
+  and causally to the segment's own rows; never a dense mask over the microbatch;
+- `linear_attention`: the linear-attention call schedule: per call, gather replay + range rows
+  differentiably, run the kernel from the state-table initial states, keep range outputs, discard
+  replay outputs, store exported states without detaching.
+
+Legend: R rows, C channels, K conv kernel, J = K-1 ancestors, H heads, Hkv kv heads, hd head dim,
+Kd/Vd linear key/value dims, n gathered rows of one call, N sequences, E exports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: StateSource kinds (proto/harts/v1/plan.proto).
+ZERO, LOCAL, IMPORTED = 0, 1, 2
+
+
+@dataclass(slots=True, kw_only=True)
+class AttnSegment:
+    """Queries q_start:q_start+q_len attend to kv_idx (ancestors first, then the segment's own rows)."""
+
+    q_start: int
+    q_len: int
+    kv_idx: torch.Tensor
+    """long [A + q_len] rows: A ancestor rows (visible to every query), then the q_len own rows."""
+
+
+@dataclass(slots=True, kw_only=True)
+class LinearCall:
+    """One varlen kernel launch of the schedule."""
+
+    gather_idx: torch.Tensor
+    """long [n] rows in kernel order: per sequence its replay rows then its range rows."""
+    cu_seqlens: torch.Tensor
+    """long [N+1] sequence offsets into gather_idx."""
+    init_kind: list[int]
+    """[N] ZERO / LOCAL / IMPORTED."""
+    init_state: list[int]
+    """[N] state-table id (LOCAL) or import id (IMPORTED); ignored for ZERO."""
+    keep_idx: torch.Tensor
+    """long [k] positions of the kernel output that are kept (range rows), in row-kept order."""
+    export_seq: torch.Tensor
+    """long [E] sequence of each export."""
+    export_pos: torch.Tensor
+    """long [E] rows of that sequence done at the export (a chunk multiple or its length)."""
+    export_state: list[int]
+    """[E] state-table id each export fills."""
+
+
+def ancestry_conv(x_RC: torch.Tensor, w_CK: torch.Tensor, conv_src_RJ: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv through the conv ancestry (no activation).
+
+    Args:
+        x_RC: [R, C] inputs. w_CK: [C, K] weights, w[:, K-1] multiplies the row itself.
+        conv_src_RJ: long [R, K-1] ancestor rows oldest first; R means zero padding.
+    """
+    R, C = x_RC.shape
+    K = w_CK.shape[1]
+    x_ext = torch.cat([x_RC, x_RC.new_zeros(1, C)], dim=0)
+    acc = None
+    for j in range(K - 1):
+        term = x_ext.index_select(0, conv_src_RJ[:, j]) * w_CK[:, j]
+        acc = term if acc is None else acc + term
+    term = x_RC * w_CK[:, K - 1]
+    return term if acc is None else acc + term
+
+
+def causal_conv_ref(x_LC: torch.Tensor, w_CK: torch.Tensor) -> torch.Tensor:
+    """Reference: one linear sequence through F.conv1d with left zero padding."""
+    L, C = x_LC.shape
+    K = w_CK.shape[1]
+    y = F.conv1d(x_LC.t()[None], w_CK[:, None, :], padding=K - 1, groups=C)[0, :, :L]
+    return y.t()
+
+
+def _attend(q_LHd, k_AHd, v_AHd, n_anc: int, scale: float) -> torch.Tensor:
+    Lq, H, hd = q_LHd.shape
+    rep = H // k_AHd.shape[1]
+    k = k_AHd.repeat_interleave(rep, dim=1)
+    v = v_AHd.repeat_interleave(rep, dim=1)
+    s_HLA = torch.einsum("qhd,khd->hqk", q_LHd, k) * scale
+    Lk = k.shape[0]
+    qi = torch.arange(Lq)[:, None]
+    kj = torch.arange(Lk)[None, :] - n_anc
+    s_HLA = s_HLA.masked_fill(kj > qi, float("-inf"))
+    p_HLA = torch.softmax(s_HLA, dim=-1, dtype=torch.float32).to(q_LHd.dtype)
+    return torch.einsum("hqk,khd->qhd", p_HLA, v)
+
+
+def ancestor_attention(q_RHd, k_RHd, v_RHd, segments: list[AttnSegment], *, scale: float) -> torch.Tensor:
+    """Tree attention, segment by segment (segments tile the rows in order).
+
+    Args:
+        q_RHd: [R, H, hd] queries (RoPE applied). k_RHd, v_RHd: [R, Hkv, hd].
+        segments: AttnSegment per segment, sorted by q_start, covering 0..R.
+    Returns:
+        [R, H, hd].
+    """
+    outs = []
+    for seg in segments:
+        q = q_RHd[seg.q_start : seg.q_start + seg.q_len]
+        k = k_RHd.index_select(0, seg.kv_idx)
+        v = v_RHd.index_select(0, seg.kv_idx)
+        outs.append(_attend(q, k, v, seg.kv_idx.shape[0] - seg.q_len, scale))
+    return torch.cat(outs, dim=0)
+
+
+def ancestor_attention_ref(q_RHd, k_RHd, v_RHd, visible_RR: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Reference with a dense [R, R] visibility mask (tests only: quadratic memory)."""
+    rep = q_RHd.shape[1] // k_RHd.shape[1]
+    k = k_RHd.repeat_interleave(rep, dim=1)
+    v = v_RHd.repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q_RHd, k) * scale
+    s = s.masked_fill(~visible_RR[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1, dtype=torch.float32).to(q_RHd.dtype), v)
+
+
+def linear_attention(
+    q_RHK: torch.Tensor,
+    k_RHK: torch.Tensor,
+    v_RHV: torch.Tensor,
+    g_RH: torch.Tensor,
+    beta_RH: torch.Tensor,
+    calls: list[LinearCall],
+    row_from_kept: torch.Tensor,
+    num_states: int,
+    *,
+    fn,
+    chunk_size: int,
+    imported_states: list[torch.Tensor] | None = None,
+    exported: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Run the linear-attention call schedule of one microbatch for one layer.
+
+    Args:
+        q_RHK, k_RHK: [R, H, Kd] (H = value heads; q/k already repeated per value head).
+        v_RHV: [R, H, Vd]. g_RH: [R, H] fp32 log decay. beta_RH: [R, H].
+        calls: the schedule, in order. row_from_kept: long [R] row -> index in the concatenation of
+            all calls' kept outputs. num_states: size of the microbatch's state table.
+        fn: chunk_gated_delta_rule-compatible kernel. chunk_size: C.
+        imported_states: [H, Kd, Vd] fp32 states of other microbatches (sharing windows).
+        exported: if given, filled with state id -> state (for exports to other microbatches).
+    Returns:
+        [R, H, Vd] outputs, every row from the sequence that keeps it. States are never detached,
+        so gradients of later calls flow into the calls and replay rows that produced them.
+    """
+    H, Kd, Vd = q_RHK.shape[1], q_RHK.shape[2], v_RHV.shape[2]
+    states: list[torch.Tensor | None] = [None] * num_states
+    zero = torch.zeros(H, Kd, Vd, dtype=torch.float32, device=q_RHK.device)
+    kept = []
+    for c, call in enumerate(calls):
+        inits = []
+        for kind, sid in zip(call.init_kind, call.init_state):
+            if kind == ZERO:
+                inits.append(zero)
+            elif kind == LOCAL:
+                if states[sid] is None:
+                    raise ValueError(f"linear_calls[{c}]: state {sid} is read before any earlier call exported it")
+                inits.append(states[sid])
+            else:
+                if imported_states is None:
+                    raise ValueError(f"linear_calls[{c}]: imported state {sid} but no imports were given")
+                inits.append(imported_states[sid])
+        idx = call.gather_idx
+        o, st = fn(
+            q_RHK.index_select(0, idx), k_RHK.index_select(0, idx), v_RHV.index_select(0, idx),
+            g_RH.index_select(0, idx), beta_RH.index_select(0, idx),
+            cu_seqlens=call.cu_seqlens, initial_state=torch.stack(inits), export_seq=call.export_seq,
+            export_pos=call.export_pos, chunk_size=chunk_size, scale=None, use_qk_l2norm=True,
+        )
+        for e, sid in enumerate(call.export_state):
+            states[sid] = st[e]
+        kept.append(o.index_select(0, call.keep_idx))
+    if exported is not None:
+        exported.update({i: s for i, s in enumerate(states) if s is not None})
+    return torch.cat(kept, dim=0).index_select(0, row_from_kept)
