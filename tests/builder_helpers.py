@@ -1,0 +1,125 @@
+"""Test helpers for the plan builder: a plain trie from trajectories to a Forest, random batches.
+
+Kept independent of `planner_service.ingest` so the builder tests do not depend on ingestion.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from planner_service.forest import Forest
+
+
+def forest_from_trajectories(
+    trajs: list[list[int]],
+    *,
+    tree_of: list[str] | None = None,
+    loss_masks: list[list[int]] | None = None,
+    vocab_size: int = 1000,
+    seed: int = 0,
+    with_logprobs: bool = True,
+) -> Forest:
+    """Radix forest of `trajs` (one trie per tree id), segments in depth-first preorder."""
+    rng = np.random.default_rng(seed)
+    tree_of = tree_of or [""] * len(trajs)
+    tree_ids = sorted(set(tree_of))
+    # Trie node: [token, children dict, ends]
+    roots = {t: {} for t in tree_ids}
+    end_node = []
+    for traj, tree in zip(trajs, tree_of):
+        assert len(traj) >= 1
+        level = roots[tree]
+        node = None
+        for tok in traj:
+            if tok not in level:
+                level[tok] = {"kids": {}, "ends": 0, "tok": tok}
+            node = level[tok]
+            level = node["kids"]
+        node["ends"] += 1
+        end_node.append(node)
+    seg_parent, seg_depth, seg_len, seg_tree, tokens = [], [], [], [], []
+    seg_of_node: dict[int, int] = {}
+
+    def walk(node, parent_seg, depth, tree_idx):
+        # Start a segment at `node`, extend while single child and no trajectory ends.
+        s = len(seg_parent)
+        seg_parent.append(parent_seg)
+        seg_depth.append(depth)
+        seg_tree.append(tree_idx)
+        n = 0
+        cur = node
+        while True:
+            tokens.append(cur["tok"])
+            n += 1
+            if cur["ends"] or len(cur["kids"]) != 1:
+                break
+            cur = next(iter(cur["kids"].values()))
+        seg_len.append(n)
+        seg_of_node[id(cur)] = s
+        for tok in sorted(cur["kids"]):
+            walk(cur["kids"][tok], s, depth + n, tree_idx)
+
+    for ti, tree in enumerate(tree_ids):
+        for tok in sorted(roots[tree]):
+            walk(roots[tree][tok], -1, 0, ti)
+    S = len(seg_parent)
+    seg_length = np.array(seg_len, np.int32)
+    seg_offset = np.concatenate([[0], np.cumsum(seg_length)[:-1]]).astype(np.int64) if S else np.zeros(0, np.int64)
+    lengths = [len(t) for t in trajs]
+    traj_offset = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n_e = int(traj_offset[-1])
+    if loss_masks is None:
+        loss_mask = (rng.random(n_e) < 0.6).astype(np.uint8)
+    else:
+        loss_mask = np.concatenate([np.asarray(m, np.uint8) for m in loss_masks])
+    forest = Forest(
+        batch_id="test",
+        vocab_size=vocab_size,
+        tokens=np.array(tokens, np.int32),
+        seg_parent=np.array(seg_parent, np.int32),
+        seg_offset=seg_offset,
+        seg_length=seg_length,
+        seg_depth=np.array(seg_depth, np.int32),
+        seg_tree=np.array(seg_tree, np.int32),
+        tree_ids=tree_ids,
+        traj_ids=[f"t{i}" for i in range(len(trajs))],
+        traj_seg=np.array([seg_of_node[id(n)] for n in end_node], np.int32),
+        traj_offset=traj_offset,
+        loss_mask=loss_mask,
+        advantages=rng.standard_normal(n_e).astype(np.float32),
+        old_logprobs=(-rng.random(n_e)).astype(np.float32) if with_logprobs else None,
+        ref_logprobs=None,
+        reward=rng.standard_normal(len(trajs)).astype(np.float32),
+        weight=np.ones(len(trajs), np.float32),
+        group_ids=[""] * len(trajs),
+    )
+    forest.check()
+    return forest
+
+
+def random_trajectories(
+    rng: np.random.Generator, *, n: int, max_len: int, vocab: int = 50, trees: int = 1, chunk: int = 8
+) -> tuple[list[list[int]], list[str]]:
+    """Trajectories that branch from earlier ones at random (often chunk-aligned) depths."""
+    trajs: list[list[int]] = []
+    tree_of: list[str] = []
+    for i in range(n):
+        tree = f"tree{rng.integers(trees)}"
+        same = [j for j in range(len(trajs)) if tree_of[j] == tree]
+        if same and rng.random() < 0.85:
+            base = trajs[same[rng.integers(len(same))]]
+            if rng.random() < 0.3:
+                cut = int(min(len(base), chunk * rng.integers(0, len(base) // chunk + 1)))
+            else:
+                cut = int(rng.integers(0, len(base) + 1))
+            prefix = base[:cut]
+        else:
+            prefix = []
+        extra = int(rng.integers(0 if prefix else 1, max(2, max_len - len(prefix)) + 1))
+        if rng.random() < 0.1 and prefix:
+            extra = 0  # a trajectory that ends inside the tree
+        t = prefix + [int(x) for x in rng.integers(0, vocab, extra)]
+        if not t:
+            t = [int(rng.integers(vocab))]
+        trajs.append(t)
+        tree_of.append(tree)
+    return trajs, tree_of
