@@ -200,12 +200,11 @@ class Workload:
         return self.tokens[idx], self.loss_mask[idx]
 
     def branch_depths(self) -> np.ndarray:
-        """int64 [*] depth of every branch point (the start depth of nodes that have siblings)."""
+        """int64 [*] depth of every branch point (first depth after the end of a node with >= 2 children)."""
         depth = self.node_depth()
-        child = np.flatnonzero(self.node_parent >= 0)
-        counts = np.bincount(self.node_parent[child], minlength=self.node_parent.shape[0])
-        branched = child[counts[self.node_parent[child]] >= 2]
-        return np.unique(np.stack([self.node_task[branched].astype(np.int64), depth[branched]]), axis=1)[1]
+        counts = np.bincount(self.node_parent[self.node_parent >= 0], minlength=self.node_parent.shape[0])
+        parents = np.flatnonzero(counts >= 2)
+        return depth[parents] + np.diff(self.node_offset)[parents]
 
     def node_depth(self) -> np.ndarray:
         """int64 [M] depth of each node's first token."""
