@@ -3,7 +3,10 @@ token-by-token oracle, transformers' Qwen3-Next functions, and the bitwise packi
 tree execution relies on (DESIGN §2 invariant E, §5.3)."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,3 +238,16 @@ def test_unknown_backend_is_rejected():
     x, cu = make_inputs([4], 1, 2, 2, dtype=torch.float32, seed=13)
     with pytest.raises(ValueError, match="backend"):
         run(chunk_gated_delta_rule, x, cu, [], [], 4, backend="cuda")
+
+
+def test_triton_backend_under_interpreter():
+    """The Triton kernel's tests, in a subprocess with TRITON_INTERPRET=1 set before triton loads."""
+    pytest.importorskip("triton")
+    path = Path(__file__).with_name("test_gated_delta_rule_triton.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
