@@ -1,0 +1,216 @@
+"""Level 1 of the partitioner (DESIGN §4.1), Numba kernels over flat arrays.
+
+The forest is first refined into **units**: every segment is cut at the chunk-aligned depths
+(multiples of C) strictly inside it, so a unit is at most C tokens and every cut between two units of
+one segment needs no replay. The unit forest keeps the segments' depth-first preorder (a parent unit
+precedes its children). On it:
+
+- `cut_pieces` is the bottom-up greedy of Kundu and Misra (1977): at each unit, keep the children's
+  residual pieces while they fit the budget and cut the largest ones off otherwise. With additive
+  weights it gives the fewest connected pieces of size <= B; here the size of a piece also counts
+  the rows the builder adds (bounded replay at unaligned branches inside a piece, and the replay or
+  duplicated context a piece root needs), so every piece fits B by construction.
+- `first_fit_decreasing` packs pieces that hang below the same parent (or start at forest roots)
+  into microbatches, first fit over bins kept in a max segment tree: O(n log n).
+
+Plain-Python oracles of each kernel live in `partition_ref.py`.
+
+Legend: S segments, U units, n items (pieces), m items of one group, P a power of two >= m.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def build_units(seg_parent, seg_length, seg_depth, chunk):
+    """Cut segments at the chunk-aligned depths inside them.
+
+    Args:
+        seg_parent, seg_length, seg_depth: int [S] the forest's segment arrays (preorder).
+        chunk: chunk size C.
+
+    Returns:
+        unit_seg int32 [U], unit_off int32 [U] (offset inside the segment), unit_len int32 [U],
+        unit_depth int64 [U] (depth of the first token), unit_parent int64 [U] (-1 for a root).
+    """
+    S = seg_parent.shape[0]
+    n = 0
+    for s in range(S):
+        d = np.int64(seg_depth[s])
+        e = d + seg_length[s]
+        first = (d // chunk + 1) * chunk
+        n += 1
+        if first < e:
+            n += (e - 1 - first) // chunk + 1
+    unit_seg = np.empty(n, np.int32)
+    unit_off = np.empty(n, np.int32)
+    unit_len = np.empty(n, np.int32)
+    unit_depth = np.empty(n, np.int64)
+    unit_parent = np.empty(n, np.int64)
+    seg_last = np.empty(S, np.int64)
+    u = 0
+    for s in range(S):
+        d = np.int64(seg_depth[s])
+        L = np.int64(seg_length[s])
+        p = seg_parent[s]
+        prev = seg_last[p] if p >= 0 else -1
+        o = np.int64(0)
+        while o < L:
+            nxt = ((d + o) // chunk + 1) * chunk - d
+            if nxt > L:
+                nxt = L
+            unit_seg[u] = s
+            unit_off[u] = o
+            unit_len[u] = nxt - o
+            unit_depth[u] = d + o
+            unit_parent[u] = prev
+            prev = u
+            u += 1
+            o = nxt
+        seg_last[s] = prev
+    return unit_seg, unit_off, unit_len, unit_depth, unit_parent
+
+
+@njit(cache=True)
+def children_csr(parent):
+    """Children of every node, in increasing index order: (offsets int64 [n+1], children int64 [*])."""
+    n = parent.shape[0]
+    off = np.zeros(n + 1, np.int64)
+    for u in range(n):
+        p = parent[u]
+        if p >= 0:
+            off[p + 1] += 1
+    for i in range(n):
+        off[i + 1] += off[i]
+    fill = off[:-1].copy()
+    kids = np.empty(off[n], np.int64)
+    for u in range(n):
+        p = parent[u]
+        if p >= 0:
+            kids[fill[p]] = u
+            fill[p] += 1
+    return off, kids
+
+
+@njit(cache=True)
+def root_cost(depth, parent, chunk, dup, replay):
+    """Rows a piece rooted at a unit of `depth` adds besides its own: duplicated context (`dup`) or
+    the replay rows [floor(depth/C)*C, depth) it imports (shared)."""
+    if parent < 0:
+        return 0
+    if dup:
+        return depth
+    if replay:
+        return depth % chunk
+    return 0
+
+
+@njit(cache=True)
+def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay):
+    """Kundu-Misra bottom-up greedy over the unit forest.
+
+    Args:
+        unit_parent, unit_len, unit_depth: int [U] the unit forest (preorder).
+        chunk: chunk size C; budget: B.
+        dup: piece roots carry their whole root path as context rows (no sharing windows).
+        replay: bounded replay at unaligned branches (PlanConfig.replay).
+
+    Returns:
+        cut bool [U] (True: the unit roots a piece below another piece), resid int64 [U] (rows of
+        the unit's part of its piece: kept tokens plus replay at branches inside it), bad int64
+        (-1, or a unit that cannot fit B even alone).
+    """
+    n = unit_parent.shape[0]
+    off, kids = children_csr(unit_parent)
+    resid = np.zeros(n, np.int64)
+    cut = np.zeros(n, np.bool_)
+    for u in range(n - 1, -1, -1):
+        lo = off[u]
+        hi = off[u + 1]
+        k = hi - lo
+        total = np.int64(unit_len[u])
+        for i in range(lo, hi):
+            total += resid[kids[i]]
+        br = (unit_depth[u] + unit_len[u]) % chunk if replay else 0
+        rr = root_cost(unit_depth[u], unit_parent[u], chunk, dup, replay)
+        extra = (k - 1) * br if k > 1 else 0
+        if total + extra + rr > budget:
+            keys = np.empty(k, np.int64)
+            for i in range(k):
+                c = kids[lo + i]
+                keys[i] = (budget - resid[c]) * n + c
+            order = np.argsort(keys)
+            j = 0
+            while total + extra + rr > budget and k > 0:
+                c = kids[lo + order[j]]
+                cut[c] = True
+                total -= resid[c]
+                k -= 1
+                j += 1
+                extra = (k - 1) * br if k > 1 else 0
+            if total + rr > budget:
+                return cut, resid, np.int64(u)
+        resid[u] = total + extra
+    return cut, resid, np.int64(-1)
+
+
+@njit(cache=True)
+def piece_roots(unit_parent, cut):
+    """Root unit of every unit's piece (preorder pass)."""
+    n = unit_parent.shape[0]
+    root = np.empty(n, np.int64)
+    for u in range(n):
+        p = unit_parent[u]
+        root[u] = u if (p < 0 or cut[u]) else root[p]
+    return root
+
+
+@njit(cache=True)
+def first_fit_decreasing(sizes, group_off, caps):
+    """First fit over items already sorted by (group, size descending, id).
+
+    Args:
+        sizes: int64 [n] item sizes, in packing order.
+        group_off: int64 [G+1] items group_off[g]:group_off[g+1] form group g (packed separately).
+        caps: int64 [G] bin capacity of each group.
+
+    Returns:
+        bin int64 [n] global bin of each item (bins numbered group after group, in opening order),
+        num_bins int64.
+    """
+    n = sizes.shape[0]
+    out = np.empty(n, np.int64)
+    base = np.int64(0)
+    G = group_off.shape[0] - 1
+    for g in range(G):
+        a = group_off[g]
+        b = group_off[g + 1]
+        m = b - a
+        if m == 0:
+            continue
+        P = 1
+        while P < m:
+            P *= 2
+        tree = np.empty(2 * P, np.int64)
+        tree[P:] = caps[g]
+        for i in range(P - 1, 0, -1):
+            tree[i] = max(tree[2 * i], tree[2 * i + 1])
+        used = np.int64(0)
+        for i in range(a, b):
+            size = sizes[i]
+            node = 1
+            while node < P:
+                node = 2 * node if tree[2 * node] >= size else 2 * node + 1
+            leaf = node - P
+            tree[node] -= size
+            node //= 2
+            while node >= 1:
+                tree[node] = max(tree[2 * node], tree[2 * node + 1])
+                node //= 2
+            out[i] = base + leaf
+            if leaf + 1 > used:
+                used = leaf + 1
+        base += used
+    return out, base

@@ -1,0 +1,179 @@
+"""Level 2 of the partitioner (DESIGN §4.2), Numba kernels over flat arrays.
+
+- `context_cost`: rows a microbatch would add if its edge to the parent were duplicated (the union
+  of its pieces' root paths, plus the bounded replay at the branch points of that union).
+- `export_rows`: rows a window parent keeps for its shared children (their piece roots' paths
+  through the parent's own units): the live cost of a window under activation recomputation.
+- `lpt_place`: longest-processing-time-first placement of window groups on ranks.
+- `dfs_order`: per-rank execution order, depth-first over the window forest (forward on entry,
+  backward after every dependent), and the live stack it implies.
+
+Plain-Python oracles of each kernel live in `partition_ref.py`.
+
+Legend: U units, M microbatches, G window groups, W ranks.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from planner_service.planner.level1 import children_csr
+
+
+@njit(cache=True)
+def context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, chunk, replay):
+    """Duplicated context of every microbatch.
+
+    Args:
+        roots_off: int64 [M+1], roots: int64 [*] piece-root units of each microbatch.
+        unit_parent, unit_len, unit_depth: int [U] the unit forest.
+        chunk: C; replay: count bounded replay at the branch points of the context tree.
+
+    Returns:
+        ctx int64 [M] context rows (0 for a microbatch of forest-root pieces only), ctx_replay int64 [M].
+    """
+    M = roots_off.shape[0] - 1
+    n = unit_parent.shape[0]
+    stamp = np.full(n, -1, np.int64)
+    nchild = np.zeros(n, np.int64)
+    ctx = np.zeros(M, np.int64)
+    ctx_replay = np.zeros(M, np.int64)
+    visited = np.empty(n, np.int64)
+    for m in range(M):
+        nv = 0
+        for i in range(roots_off[m], roots_off[m + 1]):
+            a = unit_parent[roots[i]]
+            while a >= 0:
+                if stamp[a] == m:
+                    nchild[a] += 1
+                    break
+                stamp[a] = m
+                nchild[a] = 1
+                visited[nv] = a
+                nv += 1
+                ctx[m] += unit_len[a]
+                a = unit_parent[a]
+        if replay:
+            for j in range(nv):
+                a = visited[j]
+                if nchild[a] > 1:
+                    ctx_replay[m] += (nchild[a] - 1) * ((unit_depth[a] + unit_len[a]) % chunk)
+    return ctx, ctx_replay
+
+
+@njit(cache=True)
+def export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_shared):
+    """Rows of each window parent that its shared children import (paths through its own units).
+
+    Returns:
+        exports int64 [M].
+    """
+    M = roots_off.shape[0] - 1
+    n = unit_parent.shape[0]
+    stamp = np.full(n, -1, np.int64)
+    out = np.zeros(M, np.int64)
+    for c in range(M):
+        a = mb_parent[c]
+        if a < 0 or not mb_shared[c]:
+            continue
+        for i in range(roots_off[c], roots_off[c + 1]):
+            u = unit_parent[roots[i]]
+            while u >= 0 and unit_mb[u] == a and stamp[u] != a:
+                stamp[u] = a
+                out[a] += unit_len[u]
+                u = unit_parent[u]
+    return out
+
+
+@njit(cache=True)
+def lpt_place(costs_sorted, world_size):
+    """Assign items (sorted by cost descending) to the least-loaded rank, lowest rank on ties.
+
+    Returns:
+        rank int64 [G] per item (in the given order), load float64 [W].
+    """
+    G = costs_sorted.shape[0]
+    load = np.zeros(world_size, np.float64)
+    rank = np.empty(G, np.int64)
+    for g in range(G):
+        best = 0
+        for r in range(1, world_size):
+            if load[r] < load[best]:
+                best = r
+        rank[g] = best
+        load[best] += costs_sorted[g]
+    return rank, load
+
+
+@njit(cache=True)
+def live_stack(mb_parent, mb_shared, rows, live_cost):
+    """Live rows while each microbatch runs: its rows plus its open window ancestors' live costs.
+
+    Microbatch ids are topological (a parent precedes its children).
+
+    Returns:
+        live int64 [M], anc int64 [M] (the ancestors' part).
+    """
+    M = mb_parent.shape[0]
+    anc = np.zeros(M, np.int64)
+    live = np.empty(M, np.int64)
+    for m in range(M):
+        p = mb_parent[m]
+        if p >= 0 and mb_shared[m]:
+            anc[m] = anc[p] + live_cost[p]
+        live[m] = anc[m] + rows[m]
+    return live, anc
+
+
+@njit(cache=True)
+def dfs_order(mb_parent, mb_shared, mb_rank, world_size):
+    """Execution steps of every rank: depth-first over the window forest, roots and children by id.
+
+    Returns:
+        step_rank int64 [2M], step_kind int8 [2M] (0 forward, 1 backward), step_mb int64 [2M],
+        grouped by rank (rank 0's steps first), each rank's steps in execution order.
+    """
+    M = mb_parent.shape[0]
+    wparent = np.full(M, -1, np.int64)
+    for m in range(M):
+        if mb_parent[m] >= 0 and mb_shared[m]:
+            wparent[m] = mb_parent[m]
+    off, kids = children_csr(wparent)
+    n = 2 * M
+    step_rank = np.empty(n, np.int64)
+    step_kind = np.empty(n, np.int8)
+    step_mb = np.empty(n, np.int64)
+    stack_m = np.empty(M, np.int64)
+    stack_i = np.empty(M, np.int64)
+    k = 0
+    for r in range(world_size):
+        for root in range(M):
+            if wparent[root] >= 0 or mb_rank[root] != r:
+                continue
+            top = 0
+            stack_m[0] = root
+            stack_i[0] = off[root]
+            step_rank[k] = r
+            step_kind[k] = 0
+            step_mb[k] = root
+            k += 1
+            while top >= 0:
+                m = stack_m[top]
+                i = stack_i[top]
+                if i < off[m + 1]:
+                    stack_i[top] = i + 1
+                    c = kids[i]
+                    top += 1
+                    stack_m[top] = c
+                    stack_i[top] = off[c]
+                    step_rank[k] = r
+                    step_kind[k] = 0
+                    step_mb[k] = c
+                    k += 1
+                else:
+                    step_rank[k] = r
+                    step_kind[k] = 1
+                    step_mb[k] = m
+                    k += 1
+                    top -= 1
+    return step_rank[:k], step_kind[:k], step_mb[:k]
