@@ -1,0 +1,162 @@
+"""The source-independent form of a rollout batch between parsing and validation.
+
+`parse_json` and `parse_proto` fill a `RawBatch` in one pass over the document (structure, scalar
+fields, ids), leaving per-position arrays raw (JSON lists or protobuf bytes) in `Column`s;
+`check.check_batch` then validates and materialises the arrays with vectorised numpy, and
+`build.build_forest` turns the checked batch into a `Forest`. Both input forms therefore share
+every rule and produce the same Forest for the same content.
+
+"First offending field": every problem is reported with a sort key that follows document order
+(batch_id, vocab_size, trajectories[i] field by field, then trees[k]: id, nodes[j], trajectories[j]),
+and the smallest key wins. The parsing pass stops at its first problem; the vectorised checks
+then only look at what was parsed before it, so the winner is the first problem in the document.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner_service.errors import ValidationError
+
+#: Order of the fields inside one trajectory / node object (document order for "first field").
+RANK = {
+    "id": 0, "tree_id": 1, "tokens": 2, "node": 2, "parent": 1,
+    "loss_mask": 3, "old_logprobs": 4, "ref_logprobs": 5, "advantage": 6, "advantages": 6,
+    "reward": 7, "group_id": 8, "weight": 9,
+}
+
+#: Largest finite float32, the type every float field is stored in.
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+class Stop(Exception):
+    """The parsing pass met a problem: `key` orders it among all problems of the batch."""
+
+    def __init__(self, key: tuple, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.key, self.field, self.message = key, field, message
+
+
+class FirstError:
+    """Collects problems and raises the one that comes first in document order."""
+
+    __slots__ = ("key", "field", "message")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.field = ""
+        self.message = ""
+
+    def offer(self, key: tuple, field: str, message: str) -> None:
+        if self.key is None or key < self.key:
+            self.key, self.field, self.message = key, field, message
+
+    def raise_first(self) -> None:
+        if self.key is not None:
+            raise ValidationError(self.field, self.message)
+
+
+@dataclass(slots=True)
+class Column:
+    """One per-position field: a raw value per owner (trajectory or node) that has it.
+
+    After `check_batch`: `values` holds all entries concatenated and `offsets` [n+1] their bounds.
+    """
+
+    name: str
+    """Field name as the source spells it ("tokens", "loss_mask", "advantage"/"advantages", ...)."""
+    kind: str
+    """"token" (int ids), "mask" (0/1) or "float"."""
+    owners: list[int] = field(default_factory=list)
+    """Global owner index of each entry, increasing."""
+    raw: list = field(default_factory=list)
+    """JSON lists or little-endian bytes, one per entry."""
+    values: np.ndarray | None = None
+    offsets: np.ndarray | None = None
+
+    @property
+    def rank(self) -> int:
+        return RANK[self.name]
+
+    def lengths(self) -> np.ndarray:
+        """int64 [entries] entry lengths (after materialisation)."""
+        return np.diff(self.offsets)
+
+
+@dataclass(slots=True, kw_only=True)
+class RawBatch:
+    """A parsed rollout batch. Trajectories are indexed globally (g): flat ones first, then each
+    explicit tree's, in document order; nodes likewise over all trees."""
+
+    source: str
+    """"json" or "proto" (decides how `Column.raw` is decoded)."""
+    batch_id: str = ""
+    vocab_size: int = 0
+    # trajectories [T]
+    traj_ids: list[str] = field(default_factory=list)
+    traj_tree: list[int] = field(default_factory=list)
+    """-1 for flat trajectories, else the explicit tree index k."""
+    traj_index: list[int] = field(default_factory=list)
+    """Index j inside its section (`trajectories[j]` or `trees[k].trajectories[j]`)."""
+    flat_tree_name: list[str] = field(default_factory=list)
+    """[n_flat] tree_id of each flat trajectory."""
+    traj_node_id: list[int] = field(default_factory=list)
+    """[T - n_flat] node id where each explicit-tree trajectory ends."""
+    adv_scalar: list[float] = field(default_factory=list)
+    reward: list[float] = field(default_factory=list)
+    weight: list[float | None] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+    columns: dict[str, Column] = field(default_factory=dict)
+    """"tokens" (flat owners), "loss_mask", "old_logprobs", "ref_logprobs", "advantage"."""
+    # explicit trees [K] and their nodes [V]
+    tree_ids: list[str] = field(default_factory=list)
+    trees_complete: int = 0
+    """Trees whose node lists were parsed entirely (structure checks run on those only)."""
+    node_tree: list[int] = field(default_factory=list)
+    node_index: list[int] = field(default_factory=list)
+    node_id: list[int] = field(default_factory=list)
+    node_parent: list[int | None] = field(default_factory=list)
+    node_tokens: Column = field(default_factory=lambda: Column("tokens", "token"))
+    stop: Stop | None = None
+    """The parsing pass's first problem, if any."""
+    # filled by check_batch
+    n_flat: int = 0
+    node_parent_idx: np.ndarray | None = None
+    """int64 [V] parent node (global index), -1 for roots."""
+    traj_node_idx: np.ndarray | None = None
+    """int64 [T - n_flat] global node index of each explicit trajectory's last node."""
+    traj_len: np.ndarray | None = None
+    """int64 [T] trajectory lengths (explicit ones: root-to-node path lengths)."""
+
+    def traj_key(self, g: int) -> tuple:
+        k = self.traj_tree[g]
+        return (2, self.traj_index[g]) if k < 0 else (3, k, 2, self.traj_index[g])
+
+    def traj_path(self, g: int) -> str:
+        k = self.traj_tree[g]
+        j = self.traj_index[g]
+        return f"trajectories[{j}]" if k < 0 else f"trees[{k}].trajectories[{j}]"
+
+    def node_key(self, n: int) -> tuple:
+        return (3, self.node_tree[n], 1, self.node_index[n])
+
+    def node_path(self, n: int) -> str:
+        return f"trees[{self.node_tree[n]}].nodes[{self.node_index[n]}]"
+
+
+def describe(value) -> str:
+    """Short description of a JSON value for "got ..." messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"number {value!r}"
+    if isinstance(value, str):
+        return f"string {value[:40]!r}" + ("..." if len(value) > 40 else "")
+    if isinstance(value, list):
+        return f"list of {len(value)}"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__

@@ -1,0 +1,113 @@
+"""A checked `RawBatch` -> `Forest`: radix forests of the flat trees, explicit trees, and the
+trajectory-space arrays.
+
+Flat trees come first (in order of first appearance of their tree_id), then explicit trees in
+submission order; trajectories keep submission order (flat ones, then each tree's). Scalar
+advantages are broadcast to every position, a missing loss_mask means all ones, a missing weight 1.0.
+
+Legend: T trajectories, N_e expanded tokens, S segments.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from planner_service.forest import Forest
+from planner_service.ingest.batch import Column, RawBatch
+from planner_service.ingest.explicit import explicit_forest
+from planner_service.ingest.radix import RadixForest, radix_forest
+
+
+def _empty() -> RadixForest:
+    z = np.zeros(0, np.int32)
+    return RadixForest(tokens=z, seg_parent=z, seg_length=z, seg_depth=z, seg_tree=z, traj_seg=z)
+
+
+def _scatter(out_Ne: np.ndarray, col: Column, traj_offset: np.ndarray) -> None:
+    """Write each entry of `col` over its owner's positions in the trajectory-space array."""
+    if not col.owners:
+        return
+    values = col.values.astype(out_Ne.dtype, copy=False)
+    if len(col.owners) == traj_offset.shape[0] - 1:  # every trajectory has it: already in order
+        out_Ne[:] = values
+        return
+    owners = np.asarray(col.owners, np.int64)
+    lengths = np.diff(col.offsets)
+    shift = np.repeat(traj_offset[owners] - col.offsets[:-1], lengths)
+    out_Ne[shift + np.arange(values.shape[0])] = values
+
+
+def build_forest(raw: RawBatch, *, numba: bool = True) -> Forest:
+    """Build the Forest of a batch that `check_batch` accepted.
+
+    Args:
+        numba: False builds the flat trees with the plain-Python reference (tests, benchmarks).
+    """
+    n_flat = raw.n_flat
+    names: dict[str, int] = {}
+    flat_tree = np.fromiter((names.setdefault(n, len(names)) for n in raw.flat_tree_name), np.int32, n_flat)
+    tokens_col = raw.columns["tokens"]
+    if n_flat:
+        tokens = tokens_col.values.astype(np.int32, copy=False)
+        if numba:
+            flat = radix_forest(tokens, tokens_col.offsets, flat_tree, len(names))
+        else:
+            from planner_service.ingest.radix_reference import radix_forest_reference
+            flat = radix_forest_reference(tokens, tokens_col.offsets, flat_tree, len(names))
+    else:
+        flat = _empty()
+    if raw.node_id:
+        expl = explicit_forest(
+            node_tree_V=np.asarray(raw.node_tree, np.int64),
+            node_id_V=np.asarray(raw.node_id, np.int64),
+            parent_V=raw.node_parent_idx,
+            tokens_N=raw.node_tokens.values.astype(np.int32, copy=False),
+            offsets_V1=raw.node_tokens.offsets,
+            n_trees=len(raw.tree_ids),
+            traj_node=raw.traj_node_idx,
+        )
+    else:
+        expl = _empty()
+
+    S_flat = flat.seg_parent.shape[0]
+    seg_length = np.concatenate([flat.seg_length, expl.seg_length]).astype(np.int32)
+    seg_offset = np.zeros(seg_length.shape[0], np.int64)
+    np.cumsum(seg_length[:-1], out=seg_offset[1:])
+    traj_len = raw.traj_len
+    T = traj_len.shape[0]
+    traj_offset = np.zeros(T + 1, np.int64)
+    np.cumsum(traj_len, out=traj_offset[1:])
+    n_e = int(traj_offset[-1])
+
+    loss_mask = np.ones(n_e, np.uint8)
+    _scatter(loss_mask, raw.columns["loss_mask"], traj_offset)
+    advantages = np.repeat(np.asarray(raw.adv_scalar, np.float32), traj_len)
+    _scatter(advantages, raw.columns["advantage"], traj_offset)
+    logprobs = {}
+    for name in ("old_logprobs", "ref_logprobs"):
+        col = raw.columns[name]
+        logprobs[name] = None
+        if col.owners:
+            logprobs[name] = np.empty(n_e, np.float32)
+            _scatter(logprobs[name], col, traj_offset)
+
+    return Forest(
+        batch_id=raw.batch_id,
+        vocab_size=raw.vocab_size,
+        tokens=np.concatenate([flat.tokens, expl.tokens]).astype(np.int32),
+        seg_parent=np.concatenate([flat.seg_parent, np.where(expl.seg_parent >= 0, expl.seg_parent + S_flat, -1)]).astype(np.int32),
+        seg_offset=seg_offset,
+        seg_length=seg_length,
+        seg_depth=np.concatenate([flat.seg_depth, expl.seg_depth]).astype(np.int32),
+        seg_tree=np.concatenate([flat.seg_tree, expl.seg_tree + len(names)]).astype(np.int32),
+        tree_ids=list(names) + list(raw.tree_ids),
+        traj_ids=list(raw.traj_ids),
+        traj_seg=np.concatenate([flat.traj_seg, expl.traj_seg + S_flat]).astype(np.int32),
+        traj_offset=traj_offset,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        old_logprobs=logprobs["old_logprobs"],
+        ref_logprobs=logprobs["ref_logprobs"],
+        reward=np.asarray(raw.reward, np.float32),
+        weight=np.asarray([1.0 if w is None else w for w in raw.weight], np.float32),
+        group_ids=list(raw.group_ids),
+    )

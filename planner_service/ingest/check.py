@@ -1,0 +1,193 @@
+"""Vectorised validation of a parsed batch (DESIGN §3), shared by the JSON and protobuf paths.
+
+Decodes every per-position column with one numpy conversion over all its entries, then checks
+element types, token ranges, 0/1 masks and finite float32 values on the concatenated arrays;
+resolves explicit-tree parents, finds cycles and checks root-to-node path lengths. Only the error
+path drops to per-element Python (to describe the offending value). Every problem is offered to
+a `FirstError`; the first one in document order is raised as `ValidationError`.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from planner_service.ingest.batch import Column, FirstError, RawBatch, describe
+from planner_service.ingest.explicit import first_cycle, path_depths, resolve_ids
+from planner_service.ingest.limits import Limits
+
+_KINDS = {"token": "iu", "mask": "iub", "float": "iuf"}
+_PROTO_DTYPE = {"token": np.dtype("<i4"), "mask": np.dtype("u1"), "float": np.dtype("<f4")}
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_EXPECT = {"token": "integer token ids", "mask": "0/1 values", "float": "numbers"}
+
+
+def _element_ok(value, kind: str) -> bool:
+    if kind == "float":
+        return (isinstance(value, float) or (isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX)) \
+            and not isinstance(value, bool)
+    if isinstance(value, bool):
+        return kind == "mask"
+    return isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX
+
+
+def _decode(col: Column, source: str) -> tuple[int, str] | None:
+    """Fill col.values / col.offsets; on a type problem return (entry, message) instead."""
+    n = len(col.raw)
+    if source == "proto":
+        dtype = _PROTO_DTYPE[col.kind]
+        lengths = np.fromiter((len(b) for b in col.raw), np.int64, n) // dtype.itemsize
+        col.values = np.frombuffer(b"".join(col.raw), dtype=dtype)
+    else:
+        lengths = np.fromiter((len(v) for v in col.raw), np.int64, n)
+        col.values = _json_values(col)
+    col.offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=col.offsets[1:])
+    if col.values is not None:
+        return None
+    for e, entry in enumerate(col.raw):
+        for i, value in enumerate(entry):
+            if not _element_ok(value, col.kind):
+                return e, f"expected {_EXPECT[col.kind]}, got {describe(value)} at position {i}"
+    raise AssertionError("a column failed to convert but every element is valid")
+
+
+def _json_values(col: Column) -> np.ndarray | None:
+    """All entries as one 1-D numeric array, or None when some element has the wrong type."""
+    flat = list(itertools.chain.from_iterable(col.raw))
+    if not flat:
+        return np.zeros(0, np.int64 if col.kind != "float" else np.float64)
+    try:
+        arr = np.asarray(flat)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if arr.ndim != 1 or arr.dtype.kind not in _KINDS[col.kind]:
+        return None
+    if col.kind == "token" and arr.dtype.kind == "u" and arr.dtype.itemsize == 8:
+        return None  # ids >= 2**63: reported per element as out of the int64 range
+    return arr
+
+
+def _first_bad(bad: np.ndarray) -> int:
+    return int(np.argmax(bad)) if bad.any() else -1
+
+
+class _Checker:
+    def __init__(self, raw: RawBatch, limits: Limits):
+        self.raw = raw
+        self.limits = limits
+        self.errors = FirstError()
+        if raw.stop is not None:
+            self.errors.offer(raw.stop.key, raw.stop.field, raw.stop.message)
+
+    def owner(self, col: Column, e: int, nodes: bool) -> tuple[tuple, str]:
+        owner = col.owners[e]
+        if nodes:
+            return self.raw.node_key(owner) + (col.rank,), f"{self.raw.node_path(owner)}.{col.name}"
+        return self.raw.traj_key(owner) + (col.rank,), f"{self.raw.traj_path(owner)}.{col.name}"
+
+    def column(self, col: Column, *, nodes: bool = False) -> None:
+        problem = _decode(col, self.raw.source)
+        if problem is not None:
+            key, field = self.owner(col, problem[0], nodes)
+            self.errors.offer(key + (1,), field, problem[1])
+            return
+        values = col.values
+        if col.kind == "token":
+            bad = (values < 0) | (values >= self.raw.vocab_size)
+            expect = f"token ids in [0, {self.raw.vocab_size})"
+        elif col.kind == "mask":
+            bad = (values != 0) & (values != 1) if values.dtype.kind != "b" else np.zeros(0, bool)
+            expect = "loss-mask values 0 or 1"
+        else:
+            f32 = values.astype(np.float32)  # overflow to inf is what we detect
+            bad = ~np.isfinite(f32)
+            expect = "finite float32 values"
+        i = _first_bad(bad)
+        if i >= 0:
+            e = int(np.searchsorted(col.offsets, i, side="right")) - 1
+            key, field = self.owner(col, e, nodes)
+            got = values[i].item()
+            self.errors.offer(key + (2,), field, f"expected {expect}, got {got!r} at position {i - int(col.offsets[e])}")
+
+    def trees(self) -> None:
+        """Parents, cycles, trajectory nodes and path lengths of the completely parsed trees."""
+        raw = self.raw
+        K = raw.trees_complete
+        V = int(np.searchsorted(np.asarray(raw.node_tree, np.int64), K)) if raw.node_tree else 0
+        node_tree = np.asarray(raw.node_tree[:V], np.int64)
+        node_id = np.asarray(raw.node_id[:V], np.int64)
+        parent_ids = raw.node_parent[:V]
+        has_parent = np.fromiter((p is not None for p in parent_ids), bool, V)
+        pid = np.fromiter((0 if p is None else p for p in parent_ids), np.int64, V)
+        parent = np.full(V, -1, np.int64)
+        q = np.flatnonzero(has_parent)
+        parent[q] = resolve_ids(node_tree, node_id, node_tree[q], pid[q])
+        unknown = q[parent[q] < 0]
+        if unknown.size:
+            n = int(unknown[0])
+            self.errors.offer(raw.node_key(n) + (1,), f"{raw.node_path(n)}.parent",
+                              f"expected the id of a node of trees[{raw.node_tree[n]}], got {int(pid[n])}")
+        lengths = np.diff(raw.node_tokens.offsets)[:V]
+        depth = path_depths(node_tree, parent, lengths, K)
+        unreached = np.flatnonzero(depth < 0)
+        if unreached.size:
+            cycle = first_cycle(parent, unreached)
+            n = cycle[0]
+            ids = " -> ".join(str(raw.node_id[m]) for m in cycle + [n])
+            self.errors.offer(raw.node_key(n) + (1,), f"{raw.node_path(n)}.parent",
+                              f"expected a parent chain that ends at a root, got a cycle: {ids}")
+        raw.node_parent_idx = parent
+
+        n_flat = sum(1 for k in raw.traj_tree if k < 0)
+        X = len(raw.traj_node_id)
+        tree_x = np.asarray(raw.traj_tree[n_flat:n_flat + X], np.int64)
+        node_x = resolve_ids(node_tree, node_id, tree_x, np.asarray(raw.traj_node_id, np.int64))
+        missing = np.flatnonzero(node_x < 0)
+        if missing.size:
+            g = n_flat + int(missing[0])
+            self.errors.offer(raw.traj_key(g) + (2,), f"{raw.traj_path(g)}.node",
+                              f"expected the id of a node of trees[{raw.traj_tree[g]}], got {raw.traj_node_id[g - n_flat]}")
+        raw.traj_node_idx = node_x
+        safe = np.maximum(node_x, 0)
+        path_len = np.full(X, -1, np.int64)
+        if V:
+            ok = (node_x >= 0) & (depth[safe] >= 0)
+            path_len[ok] = depth[safe[ok]] + lengths[safe[ok]]
+        flat_len = np.diff(raw.columns["tokens"].offsets)
+        if X and (path_len >= 0).any():
+            self.limits.check("max_trajectory_length", int(path_len.max()), "tokens in one trajectory path")
+            self.limits.check("max_tokens", int(flat_len.sum() + path_len[path_len > 0].sum()), "expanded tokens")
+        raw.traj_len = np.concatenate([flat_len, path_len]).astype(np.int64)
+
+        for col in raw.columns.values():
+            if col.name == "tokens":
+                continue
+            owners = np.asarray(col.owners, np.int64)
+            sel = np.flatnonzero(owners >= n_flat)
+            if not sel.size:
+                continue
+            want = raw.traj_len[owners[sel]]
+            have = np.diff(col.offsets)[sel]
+            bad = sel[(want >= 0) & (want != have)]
+            if bad.size:
+                e = int(bad[0])
+                key, field = self.owner(col, e, False)
+                self.errors.offer(key + (0,), field,
+                                  f"expected {int(raw.traj_len[col.owners[e]])} values (one per token of the "
+                                  f"root-to-node path), got {int(have[np.searchsorted(sel, e)])}")
+
+
+def check_batch(raw: RawBatch, limits: Limits) -> RawBatch:
+    """Validate `raw` in place (materialising its columns) or raise the first `ValidationError`."""
+    checker = _Checker(raw, limits)
+    for col in raw.columns.values():
+        checker.column(col)
+    checker.column(raw.node_tokens, nodes=True)
+    if raw.trees_complete:
+        checker.trees()
+    else:
+        raw.traj_len = np.diff(raw.columns["tokens"].offsets)
+    checker.errors.raise_first()
+    raw.n_flat = len(raw.flat_tree_name)
+    return raw

@@ -1,0 +1,262 @@
+"""Parsing pass over a JSON rollout document (docs/rollouts.md): structure, scalars, ids.
+
+One walk in document order that checks object shapes, scalar fields and id uniqueness, counts
+sizes against the limits and collects per-position arrays as raw lists; element types and values
+are checked afterwards, vectorised, by `check.check_batch`. The walk stops at its first problem
+(recorded in `RawBatch.stop`).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from planner_service.errors import ValidationError
+from planner_service.ingest.batch import F32_MAX, RANK, Column, RawBatch, Stop, describe
+from planner_service.ingest.limits import Limits
+
+_TOP = ("batch_id", "vocab_size", "trajectories", "trees")
+_FLAT = ("id", "tree_id", "tokens", "loss_mask", "old_logprobs", "ref_logprobs", "advantage", "reward",
+         "group_id", "weight")
+_TREE_TRAJ = ("id", "node", "loss_mask", "old_logprobs", "ref_logprobs", "advantage", "reward", "group_id",
+              "weight")
+_TREE = ("id", "nodes", "trajectories")
+_NODE = ("id", "parent", "tokens")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_INT32_MAX = (1 << 31) - 1
+
+
+def load_document(doc: dict | bytes | bytearray | str, limits: Limits) -> dict:
+    """Decode JSON text/bytes (size-checked) into the document object."""
+    if isinstance(doc, (bytes, bytearray, memoryview, str)):
+        limits.check("max_body_bytes", len(doc), "bytes of JSON")
+        try:
+            doc = json.loads(doc)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValidationError("", f"expected a JSON document, got invalid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValidationError("", f"expected a JSON object, got {describe(doc)}")
+    return doc
+
+
+def parse_json(doc: dict, limits: Limits) -> RawBatch:
+    """One parsing pass over a decoded document; see the module docstring."""
+    raw = RawBatch(source="json")
+    for name in ("loss_mask", "old_logprobs", "ref_logprobs", "advantage"):
+        raw.columns[name] = Column(name, "mask" if name == "loss_mask" else "float")
+    raw.columns["tokens"] = Column("tokens", "token")
+    try:
+        _Walk(raw, limits).run(doc)
+    except Stop as stop:
+        raw.stop = stop
+    return raw
+
+
+class _Walk:
+    def __init__(self, raw: RawBatch, limits: Limits):
+        self.raw = raw
+        self.limits = limits
+        self.seen_traj: dict[str, str] = {}
+        self.presence: dict[str, tuple[bool, str]] = {}
+        self.total_tokens = 0
+        self.total_nodes = 0
+        self.total_node_tokens = 0
+
+    # -- scalars -------------------------------------------------------------------------------
+    def string(self, obj: dict, name: str, key: tuple, path: str, *, required: bool) -> str:
+        value = obj.get(name)
+        if value is None:
+            if required:
+                raise Stop(key, f"{path}.{name}" if path else name, "expected a non-empty string, got nothing")
+            return ""
+        if not isinstance(value, str) or (required and not value):
+            raise Stop(key, f"{path}.{name}" if path else name,
+                       f"expected a {'non-empty ' if required else ''}string, got {describe(value)}")
+        if len(value) > self.limits.max_id_length:
+            raise Stop(key, f"{path}.{name}" if path else name,
+                       f"expected at most {self.limits.max_id_length} characters (Limits.max_id_length), got {len(value)}")
+        return value
+
+    def number(self, obj: dict, name: str, key: tuple, path: str, default: float | None) -> float | None:
+        value = obj.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise Stop(key, f"{path}.{name}", f"expected a number, got {describe(value)}")
+        value = float(value)
+        if not math.isfinite(value) or abs(value) > F32_MAX:
+            raise Stop(key, f"{path}.{name}", f"expected a finite float32, got {value!r}")
+        return value
+
+    def integer(self, value, key: tuple, field: str, lo: int, hi: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise Stop(key, field, f"expected an integer, got {describe(value)}")
+        if not lo <= value <= hi:
+            raise Stop(key, field, f"expected an integer in [{lo}, {hi}], got {value}")
+        return value
+
+    def array(self, obj: dict, name: str, key: tuple, path: str) -> list | None:
+        value = obj.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            raise Stop(key + (RANK[name],), f"{path}.{name}", f"expected a list, got {describe(value)}")
+        return value
+
+    def unknown(self, obj: dict, allowed: tuple, key: tuple, path: str) -> None:
+        for name in obj:
+            if name not in allowed:
+                raise Stop(key + (99,), f"{path}.{name}" if path else name,
+                           f"expected one of the fields {', '.join(allowed)}, got unknown field {name!r}")
+
+    # -- document --------------------------------------------------------------------------------
+    def run(self, doc: dict) -> None:
+        raw = self.raw
+        raw.batch_id = self.string(doc, "batch_id", (0,), "", required=True)
+        raw.vocab_size = self.integer(doc.get("vocab_size"), (1,), "vocab_size", 1, _INT32_MAX)
+        trajectories = doc.get("trajectories") or []
+        trees = doc.get("trees") or []
+        for name, value in (("trajectories", trajectories), ("trees", trees)):
+            if not isinstance(value, list):
+                raise Stop((_TOP.index(name),), name, f"expected a list, got {describe(value)}")
+        self.limits.check("max_trajectories", len(trajectories), "trajectories")
+        self.limits.check("max_trees", len(trees), "trees")
+        for j, traj in enumerate(trajectories):
+            self.flat_trajectory(j, traj)
+        flat_names = {}
+        for j, name in enumerate(raw.flat_tree_name):
+            flat_names.setdefault(name, j)
+        seen_trees: dict[str, int] = {}
+        for k, tree in enumerate(trees):
+            self.tree(k, tree, flat_names, seen_trees)
+        self.unknown(doc, _TOP, (4,), "")
+        if not raw.traj_ids:
+            raise Stop((5,), "trajectories", "expected at least one trajectory (flat or in a tree), got none")
+
+    def common(self, obj: dict, g_key: tuple, path: str, length: int | None) -> None:
+        """Fields shared by flat and explicit-tree trajectories, after id/tokens/node."""
+        raw = self.raw
+        g = len(raw.traj_ids) - 1
+        mask = self.array(obj, "loss_mask", g_key, path)
+        if mask is not None:
+            self.per_position("loss_mask", mask, g, g_key, path, length)
+        for name in ("old_logprobs", "ref_logprobs"):
+            values = self.array(obj, name, g_key, path)
+            has = values is not None
+            first = self.presence.setdefault(name, (has, path))
+            if first[0] != has:
+                raise Stop(g_key + (RANK[name],), f"{path}.{name}",
+                           f"expected {name} on every trajectory or on none ({first[1]} "
+                           f"{'has' if first[0] else 'has none'}), got {'a list' if has else 'none'}")
+            if has:
+                self.per_position(name, values, g, g_key, path, length)
+        adv = obj.get("advantage")
+        if isinstance(adv, list):
+            self.per_position("advantage", adv, g, g_key, path, length)
+            raw.adv_scalar.append(0.0)
+        else:
+            raw.adv_scalar.append(self.number(obj, "advantage", g_key + (RANK["advantage"],), path, 0.0))
+        raw.reward.append(self.number(obj, "reward", g_key + (RANK["reward"],), path, 0.0))
+        raw.group_ids.append(self.string(obj, "group_id", g_key + (RANK["group_id"],), path, required=False))
+        weight = self.number(obj, "weight", g_key + (RANK["weight"],), path, None)
+        if weight is not None and weight < 0:
+            raise Stop(g_key + (RANK["weight"],), f"{path}.weight", f"expected a weight >= 0, got {weight!r}")
+        raw.weight.append(weight)
+
+    def per_position(self, name: str, values: list, g: int, g_key: tuple, path: str, length: int | None) -> None:
+        if length is not None and len(values) != length:
+            raise Stop(g_key + (RANK[name],), f"{path}.{name}",
+                       f"expected {length} values (one per token), got {len(values)}")
+        col = self.raw.columns[name]
+        col.owners.append(g)
+        col.raw.append(values)
+
+    def trajectory_id(self, obj, key: tuple, path: str) -> None:
+        if not isinstance(obj, dict):
+            raise Stop(key, path, f"expected an object, got {describe(obj)}")
+        tid = self.string(obj, "id", key + (0,), path, required=True)
+        if tid in self.seen_traj:
+            raise Stop(key + (0,), f"{path}.id", f"expected a unique trajectory id, got {tid!r} again (first at {self.seen_traj[tid]})")
+        self.seen_traj[tid] = path
+        self.limits.check("max_trajectories", len(self.seen_traj), "trajectories")
+        raw = self.raw
+        raw.traj_ids.append(tid)
+
+    def flat_trajectory(self, j: int, obj) -> None:
+        raw = self.raw
+        key, path = (2, j), f"trajectories[{j}]"
+        self.trajectory_id(obj, key, path)
+        raw.traj_tree.append(-1)
+        raw.traj_index.append(j)
+        raw.flat_tree_name.append(self.string(obj, "tree_id", key + (1,), path, required=False))
+        tokens = self.array(obj, "tokens", key, path)
+        if not tokens:
+            raise Stop(key + (2,), f"{path}.tokens", f"expected a list of at least one token id, got {describe(tokens)}")
+        self.limits.check("max_trajectory_length", len(tokens), f"tokens in {path}")
+        self.total_tokens += len(tokens)
+        self.limits.check("max_tokens", self.total_tokens, "expanded tokens")
+        col = raw.columns["tokens"]
+        col.owners.append(len(raw.traj_ids) - 1)
+        col.raw.append(tokens)
+        self.common(obj, key, path, len(tokens))
+        self.unknown(obj, _FLAT, key, path)
+
+    def tree(self, k: int, obj, flat_names: dict[str, int], seen: dict[str, int]) -> None:
+        raw = self.raw
+        key, path = (3, k), f"trees[{k}]"
+        if not isinstance(obj, dict):
+            raise Stop(key, path, f"expected an object, got {describe(obj)}")
+        tid = self.string(obj, "id", key + (0,), path, required=True)
+        if tid in seen:
+            raise Stop(key + (0,), f"{path}.id", f"expected a unique tree id, got {tid!r} again (first at trees[{seen[tid]}])")
+        if tid in flat_names:
+            raise Stop(key + (0,), f"{path}.id",
+                       f"expected a tree id distinct from the flat trajectories' tree_ids, got {tid!r} "
+                       f"(trajectories[{flat_names[tid]}].tree_id)")
+        seen[tid] = k
+        raw.tree_ids.append(tid)
+        nodes = obj.get("nodes")
+        if not isinstance(nodes, list) or not nodes:
+            raise Stop(key + (1,), f"{path}.nodes", f"expected a list of at least one node, got {describe(nodes)}")
+        ids: dict[int, int] = {}
+        for j, node in enumerate(nodes):
+            self.node(k, j, node, ids)
+        raw.trees_complete = k + 1
+        trajs = obj.get("trajectories") or []
+        if not isinstance(trajs, list):
+            raise Stop(key + (2,), f"{path}.trajectories", f"expected a list, got {describe(trajs)}")
+        for j, traj in enumerate(trajs):
+            tkey, tpath = (3, k, 2, j), f"{path}.trajectories[{j}]"
+            self.trajectory_id(traj, tkey, tpath)
+            raw.traj_tree.append(k)
+            raw.traj_index.append(j)
+            raw.traj_node_id.append(self.integer(traj.get("node"), tkey + (2,), f"{tpath}.node", *_INT64))
+            self.common(traj, tkey, tpath, None)
+            self.unknown(traj, _TREE_TRAJ, tkey, tpath)
+        self.unknown(obj, _TREE, key, path)
+
+    def node(self, k: int, j: int, obj, ids: dict[int, int]) -> None:
+        raw = self.raw
+        key, path = (3, k, 1, j), f"trees[{k}].nodes[{j}]"
+        if not isinstance(obj, dict):
+            raise Stop(key, path, f"expected an object, got {describe(obj)}")
+        nid = self.integer(obj.get("id"), key + (0,), f"{path}.id", *_INT64)
+        if nid in ids:
+            raise Stop(key + (0,), f"{path}.id", f"expected a node id unique in its tree, got {nid} again (first at nodes[{ids[nid]}])")
+        ids[nid] = j
+        parent = obj.get("parent")
+        if parent is not None:
+            parent = self.integer(parent, key + (1,), f"{path}.parent", *_INT64)
+        tokens = self.array(obj, "tokens", key, path)
+        if not tokens:
+            raise Stop(key + (2,), f"{path}.tokens", f"expected a list of at least one token id, got {describe(tokens)}")
+        self.total_nodes += 1
+        self.limits.check("max_nodes", self.total_nodes, "tree nodes")
+        self.total_node_tokens += len(tokens)
+        self.limits.check("max_node_tokens", self.total_node_tokens, "tree-node tokens")
+        raw.node_tree.append(k)
+        raw.node_index.append(j)
+        raw.node_id.append(nid)
+        raw.node_parent.append(parent)
+        raw.node_tokens.owners.append(len(raw.node_id) - 1)
+        raw.node_tokens.raw.append(tokens)
+        self.unknown(obj, _NODE, key, path)
