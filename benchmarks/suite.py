@@ -1,0 +1,577 @@
+"""The benchmark suite: `make bench` / `harts bench [--quick] [--full] [--only NAME ...]`.
+
+Runs the per-workload headline benchmark (this module) and every component benchmark module
+`benchmarks/bench_<name>.py` (contract: `run(quick: bool = False) -> dict` and `main()`); a module
+that is not there yet is skipped and the results say so. Writes into `benchmarks/results/`
+(or `--out DIR`):
+
+- `summary.md`: the headline table, each benchmark's status and seconds, the command, the machine;
+- `README-table.md`: the headline table for the top-level README (the lead pastes it);
+- `<name>.md` per benchmark, `results.json` (everything), `compression.png`, `planner.png`.
+
+Headline, per synthetic agentic workload (`benchmarks/workloads.py`, fixed seeds): ideal
+compression (expanded / unique tokens), computed / unique tokens of the plan, planner time (Numba
+vs the plain-Python reference), sequential linear-attention calls (tree vs expanded plan), and the
+update throughput (forward + backward + optimizer step, expanded tokens/s) of tree vs expanded
+execution on the tiny model, as a ratio and as a fraction of the ideal compression.
+
+Modes: default CPU scale (a few minutes on 2 cores); `--quick` (tiny inputs, for tests);
+`--full`: planning only, at full scale (tens of millions of expanded tokens per workload).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.workloads import WorkloadConfig, generate_workload
+
+log = logging.getLogger(__name__)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+#: component benchmarks: name -> (module, what it measures)
+MODULES: dict[str, tuple[str, str]] = {
+    "forest": ("benchmarks.bench_forest", "ingest: JSON/protobuf -> prefix forest, Numba vs reference"),
+    "planner": ("benchmarks.bench_planner", "planner: ~1M distinct tokens, Numba vs reference, plan quality"),
+    "trainer": ("benchmarks.bench_trainer", "trainer: update throughput of tree vs expanded execution"),
+    "service": ("benchmarks.bench_service", "service: concurrent submissions and plan polling on loopback"),
+    "kernels": ("benchmarks.bench_kernels", "kernels: chunked gated delta rule"),
+}
+#: every benchmark name `--only` accepts, in run order
+NAMES = ("workloads", *MODULES)
+
+#: published update-throughput speedups, for context in the table and the plot
+PUBLISHED = (
+    ("HARTS (arXiv 2608.28158), SWE-bench trees", 4.77, 10.45),
+    ("Tree Training (arXiv 2511.00413)", 6.2, 6.2),
+    ("AReaL-DTA (arXiv 2602.00482), tau2-bench", 8.31, 8.31),
+)
+
+
+@dataclass(slots=True, kw_only=True)
+class WorkloadSpec:
+    """One row of the headline table."""
+
+    name: str
+    """Row label."""
+    gen: dict
+    """WorkloadConfig keyword arguments."""
+    microbatch_tokens: int
+    """Planner token budget B."""
+    world_size: int = 1
+    """Planner ranks (1 at CPU scale: the trainer runs the whole plan in-process)."""
+    windows: bool = False
+    """Sharing windows (the CPU trainer runs plans without them)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class SuiteConfig:
+    """What `run_suite` runs and where it writes."""
+
+    out_dir: Path = RESULTS_DIR
+    """Directory of the result files (created)."""
+    quick: bool = False
+    """Tiny inputs everywhere (tests); module benchmarks get run(quick=True)."""
+    full: bool = False
+    """Planning only at full scale (the headline benchmark only, no trainer, no modules)."""
+    only: tuple[str, ...] = ()
+    """Benchmark names to run (default: all of NAMES; `--full` implies "workloads")."""
+    trainer_steps: int = 2
+    """Timed optimizer steps per execution mode (after one warm-up step each)."""
+    reference_planner: bool = True
+    """Also time the plain-Python reference planner (skipped above `reference_max_tokens`)."""
+    reference_max_tokens: int = 3_000_000
+    """Largest expanded-token count the reference planner is timed on."""
+
+    def __post_init__(self) -> None:
+        bad = [n for n in self.only if n not in NAMES]
+        if bad:
+            raise ValueError(f"only: expected names from {', '.join(NAMES)}, got {', '.join(bad)}")
+        if self.quick and self.full:
+            raise ValueError("full: expected either quick or full, got both")
+        if self.trainer_steps < 1:
+            raise ValueError(f"trainer_steps: expected >= 1, got {self.trainer_steps}")
+        self.out_dir = Path(self.out_dir)
+
+    def names(self) -> list[str]:
+        if self.full:
+            return ["workloads"]
+        return [n for n in NAMES if not self.only or n in self.only]
+
+
+def workload_specs(*, quick: bool = False, full: bool = False) -> list[WorkloadSpec]:
+    """The headline workloads. CPU scale sizes each step so that the expanded baseline of the tiny
+    model trains in seconds; full scale keeps the published lengths (tens of millions of expanded
+    tokens) and plans with sharing windows for 8 ranks."""
+    if full:
+        return [
+            WorkloadSpec(name="group (G=8)", gen=dict(scheme="group", tasks=48, seed=0), microbatch_tokens=65536, world_size=8, windows=True),
+            WorkloadSpec(name="tree (k=2, 3 levels)", gen=dict(scheme="tree", tasks=40, seed=0), microbatch_tokens=65536, world_size=8, windows=True),
+            WorkloadSpec(name="tree (k=4, 2 levels)", gen=dict(scheme="tree", tasks=16, seed=0, branching=4, levels=2), microbatch_tokens=65536, world_size=8, windows=True),
+            WorkloadSpec(name="percall (G=4)", gen=dict(scheme="percall", tasks=4, seed=0), microbatch_tokens=65536, world_size=8, windows=True),
+        ]
+    if quick:
+        return [
+            WorkloadSpec(name="group (G=4)", gen=dict(scheme="group", tasks=1, seed=0, scale=0.01, group_size=4, turns=(10, 20)), microbatch_tokens=1024),
+            WorkloadSpec(name="tree (k=2, 2 levels)", gen=dict(scheme="tree", tasks=1, seed=0, scale=0.01, levels=2, turns=(10, 20)), microbatch_tokens=1024),
+            WorkloadSpec(name="percall (G=1)", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.01, group_size=1, turns=(10, 20)), microbatch_tokens=1024),
+        ]
+    return [
+        WorkloadSpec(name="group (G=8)", gen=dict(scheme="group", tasks=2, seed=0, scale=0.02), microbatch_tokens=8192),
+        WorkloadSpec(name="tree (k=2, 3 levels)", gen=dict(scheme="tree", tasks=2, seed=0, scale=0.02), microbatch_tokens=8192),
+        WorkloadSpec(name="tree (k=4, 2 levels)", gen=dict(scheme="tree", tasks=1, seed=0, scale=0.02, branching=4, levels=2), microbatch_tokens=8192),
+        WorkloadSpec(name="percall (G=2)", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.02, group_size=2, turns=(10, 40)), microbatch_tokens=8192),
+    ]
+
+
+def _optional(module: str, attr: str):
+    """`module.attr`, or None when the module (or the attribute) has not landed yet."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            return None
+        raise
+    return getattr(mod, attr, None)
+
+
+def _timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def _plan_stats(plan) -> dict:
+    s = plan.header.stats
+    return {
+        "unique_tokens": int(s.unique_tokens),
+        "expanded_tokens": int(s.expanded_tokens),
+        "computed_tokens": int(s.computed_tokens),
+        "replay_tokens": int(s.replay_tokens),
+        "duplicated_tokens": int(s.duplicated_tokens),
+        "compression_achieved": float(s.compression_achieved),
+        "microbatches": int(s.microbatches),
+        "linear_attention_calls": int(s.linear_attention_calls),
+        "imbalance": float(s.imbalance),
+        "plan_seconds": float(s.plan_seconds),
+    }
+
+
+def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig) -> dict:
+    """Generate, ingest, plan (Numba and reference) and train (tree vs expanded) one workload."""
+    row: dict = {"workload": spec.name}
+    wcfg = WorkloadConfig(**spec.gen)
+    w, row["gen_seconds"] = _timed(generate_workload, wcfg)
+    row.update({k: v for k, v in w.stats().items() if k in ("trajectories", "unique_tokens", "expanded_tokens", "compression_ideal", "max_trajectory_tokens")})
+    log.info("bench workloads: %s: %d trajectories, %d expanded / %d unique tokens (ideal %.2fx)",
+             spec.name, row["trajectories"], row["expanded_tokens"], row["unique_tokens"], row["compression_ideal"])
+
+    forest_from_json = _optional("planner_service.ingest", "forest_from_json")
+    if forest_from_json is None:
+        row["skipped"] = "ingest (planner_service.ingest.forest_from_json) not present yet"
+        return row
+    doc = w.dumps("tree")
+    forest, row["ingest_seconds"] = _timed(forest_from_json, doc)
+    del doc
+    if (forest.unique_tokens, forest.expanded_tokens) != (w.unique_tokens, w.expanded_tokens):
+        raise AssertionError(
+            f"{spec.name}: ingest built {forest.unique_tokens}/{forest.expanded_tokens} unique/expanded tokens, "
+            f"the generator made {w.unique_tokens}/{w.expanded_tokens}"
+        )
+    plan_step = _optional("planner_service.planner", "plan_step")
+    PlanConfig = _optional("planner_service.planner", "PlanConfig")
+    if plan_step is None or PlanConfig is None:
+        row["skipped"] = "planner (planner_service.planner.plan_step) not present yet"
+        return row
+    warmup = _optional("planner_service.planner", "warmup")
+    if warmup is not None:
+        warmup()
+    pcfg = PlanConfig(world_size=spec.world_size, microbatch_tokens=spec.microbatch_tokens, windows=spec.windows)
+    plan, row["planner_seconds"] = _timed(plan_step, forest, pcfg)
+    st = _plan_stats(plan)
+    row.update(
+        computed_tokens=st["computed_tokens"],
+        computed_per_unique=st["computed_tokens"] / max(1, st["unique_tokens"]),
+        compression_achieved=st["compression_achieved"],
+        microbatches=st["microbatches"],
+        linear_attention_calls=st["linear_attention_calls"],
+        replay_tokens=st["replay_tokens"],
+        duplicated_tokens=st["duplicated_tokens"],
+    )
+    log.info("bench workloads: %s: planned in %.3f s, computed/unique %.3f, %d linear-attention calls",
+             spec.name, row["planner_seconds"], row["computed_per_unique"], row["linear_attention_calls"])
+    if cfg.reference_planner and w.expanded_tokens <= cfg.reference_max_tokens:
+        try:
+            ref, row["planner_ref_seconds"] = _timed(plan_step, forest, pcfg, impl="ref")
+        except TypeError as exc:  # plan_step without a reference switch
+            row["planner_ref_note"] = f"no reference planner entry point ({exc})"
+        else:
+            if _plan_stats(ref)["computed_tokens"] != st["computed_tokens"]:
+                row["planner_ref_note"] = "reference plan differs from the Numba plan"
+            row["planner_speedup"] = row["planner_ref_seconds"] / max(row["planner_seconds"], 1e-9)
+    elif cfg.reference_planner:
+        row["planner_ref_note"] = f"reference not timed above {cfg.reference_max_tokens} expanded tokens"
+    expanded, row["planner_expanded_seconds"] = _timed(plan_step, forest, _replace(pcfg, PlanConfig, sharing=False))
+    row["linear_attention_calls_expanded"] = _plan_stats(expanded)["linear_attention_calls"]
+    if not cfg.full:
+        row.update(_measure_trainer(plan, expanded, row, cfg))
+    return row
+
+
+def _replace(pcfg, PlanConfig, **changes):
+    fields = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "sharing", "windows", "replay", "all_positions")
+    return PlanConfig(**{**{f: getattr(pcfg, f) for f in fields if hasattr(pcfg, f)}, **changes})
+
+
+def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
+    """Update throughput (expanded tokens per second of forward + backward + AdamW step) of the tree
+    plan and the expanded plan on the same tiny model, alternating steps so that both see the same
+    machine state."""
+    Executor = _optional("trainer.executor", "Executor")
+    ExecutorConfig = _optional("trainer.executor", "ExecutorConfig")
+    build_model = _optional("trainer.models.loading", "build_model")
+    if Executor is None or ExecutorConfig is None or build_model is None:
+        return {"trainer_note": "trainer (trainer.executor.Executor) not present yet"}
+    import torch
+
+    torch.manual_seed(0)
+    model = build_model("tiny", seed=0)
+    ex = Executor(model, ExecutorConfig(chunk_size=plan.header.params.chunk_size))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times: dict[str, list[float]] = {"tree": [], "expanded": []}
+    for step in range(cfg.trainer_steps + 1):
+        for name, p in (("tree", plan), ("expanded", expanded)):
+            _, dt = _timed(ex.run_step, p, optimizer=opt)
+            if step:  # step 0 warms up allocators and caches
+                times[name].append(dt)
+        log.info("bench workloads: %s: trainer step %d/%d", row["workload"], step, cfg.trainer_steps)
+    tree_s, exp_s = float(np.median(times["tree"])), float(np.median(times["expanded"]))
+    n_e = row["expanded_tokens"]
+    ratio = exp_s / tree_s
+    return {
+        "tree_step_seconds": tree_s,
+        "expanded_step_seconds": exp_s,
+        "tree_tokens_per_s": n_e / tree_s,
+        "expanded_tokens_per_s": n_e / exp_s,
+        "throughput_ratio": ratio,
+        "fraction_of_ideal": ratio / row["compression_ideal"],
+    }
+
+
+def run_workloads(cfg: SuiteConfig) -> dict:
+    """The headline benchmark: one row per workload of `workload_specs`."""
+    rows = []
+    for spec in workload_specs(quick=cfg.quick, full=cfg.full):
+        rows.append(measure_workload(spec, cfg))
+    return {"mode": _mode(cfg), "rows": rows}
+
+
+def _mode(cfg: SuiteConfig) -> str:
+    return "full" if cfg.full else "quick" if cfg.quick else "cpu"
+
+
+def run_module(name: str, cfg: SuiteConfig) -> dict:
+    """Run one component benchmark module; {"status": "skipped"|"failed"|"ok", ...}."""
+    module, _ = MODULES[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return {"status": "skipped", "reason": f"{module.replace('.', '/')}.py is not present yet"}
+        return {"status": "skipped", "reason": f"{module} needs {exc.name}, which is not present yet"}
+    if not callable(getattr(mod, "run", None)):
+        return {"status": "skipped", "reason": f"{module} has no run(quick) function"}
+    result, seconds = _timed(mod.run, quick=cfg.quick)
+    return {"status": "ok", "seconds": seconds, "result": result}
+
+
+def run_suite(cfg: SuiteConfig) -> dict:
+    """Run the selected benchmarks and write every result file. Returns the results document."""
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict = {"mode": _mode(cfg), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                 "machine": _machine(), "command": _command(cfg), "benchmarks": {}}
+    for name in cfg.names():
+        log.info("bench: %s ...", name)
+        t0 = time.perf_counter()
+        try:
+            if name == "workloads":
+                entry = {"status": "ok", "result": run_workloads(cfg)}
+            else:
+                entry = run_module(name, cfg)
+        except Exception as exc:  # a failing benchmark must not hide the others' results
+            entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            log.error("bench: %s failed: %s", name, entry["error"])
+        entry["seconds"] = time.perf_counter() - t0
+        doc["benchmarks"][name] = entry
+        log.info("bench: %s %s in %.1f s%s", name, entry["status"], entry["seconds"],
+                 f" ({entry['reason']})" if "reason" in entry else "")
+    write_results(doc, cfg)
+    return doc
+
+
+def _machine() -> dict:
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "commit": _git_commit()}
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _command(cfg: SuiteConfig) -> str:
+    parts = ["harts bench"]
+    if cfg.quick:
+        parts.append("--quick")
+    if cfg.full:
+        parts.append("--full")
+    parts += [f"--only {n}" for n in cfg.only]
+    return " ".join(parts)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (int, np.integer)):
+        return f"{int(v):,}"
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        if not math.isfinite(v):
+            return str(v)
+        if v == 0:
+            return "0"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.3g}" if abs(v) < 0.01 else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+HEADLINE = (
+    ("workload", "workload"),
+    ("expanded_tokens", "expanded tokens"),
+    ("compression_ideal", "ideal compression"),
+    ("computed_per_unique", "computed / unique"),
+    ("compression_achieved", "achieved compression"),
+    ("planner_seconds", "planner Numba (s)"),
+    ("planner_ref_seconds", "planner reference (s)"),
+    ("calls", "linear-attn calls tree / expanded"),
+    ("throughput_ratio", "update throughput tree / expanded"),
+    ("fraction_of_ideal", "fraction of ideal"),
+)
+
+
+def headline_table(rows: list[dict]) -> str:
+    """The markdown headline table (one row per workload)."""
+    lines = ["| " + " | ".join(h for _, h in HEADLINE) + " |", "|" + "---|" * len(HEADLINE)]
+    for r in rows:
+        cells = []
+        for key, _ in HEADLINE:
+            if key == "calls":
+                cells.append(f"{_fmt(r.get('linear_attention_calls'))} / {_fmt(r.get('linear_attention_calls_expanded'))}"
+                             if "linear_attention_calls" in r else "-")
+            elif key in ("compression_ideal", "compression_achieved", "throughput_ratio") and key in r:
+                cells.append(f"{r[key]:.2f}x")
+            elif key == "fraction_of_ideal" and key in r:
+                cells.append(f"{100 * r[key]:.0f}%")
+            else:
+                cells.append(_fmt(r.get(key)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _published_line() -> str:
+    parts = [f"{name} {lo}x" if lo == hi else f"{name} {lo}-{hi}x" for name, lo, hi in PUBLISHED]
+    return "Published update-throughput speedups for context (GPU clusters, large models): " + "; ".join(parts) + "."
+
+
+def _workload_notes(rows: list[dict], mode: str) -> list[str]:
+    notes = []
+    for r in rows:
+        for key in ("skipped", "trainer_note", "planner_ref_note"):
+            if key in r:
+                notes.append(f"- {r['workload']}: {r[key]}.")
+    if mode == "full":
+        notes.append("- Full scale: planning only (8 ranks, sharing windows, B = 65,536); no trainer run.")
+    return notes
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def render_result(name: str, entry: dict) -> str:
+    """Markdown of one benchmark's entry: a key/value table, and a table per list of dict rows."""
+    lines = [f"# Benchmark: {name}", ""]
+    if name in MODULES:
+        lines += [MODULES[name][1] + ".", ""]
+    lines.append(f"Status: **{entry['status']}** in {entry.get('seconds', 0):.1f} s.")
+    if entry["status"] == "skipped":
+        lines.append(f"Skipped: {entry['reason']}.")
+    if entry["status"] == "failed":
+        lines += ["", "```", entry.get("traceback", entry.get("error", "")).strip(), "```"]
+    result = entry.get("result")
+    if isinstance(result, dict):
+        scalars, tables = {}, {}
+        for k, v in _flatten(result).items():
+            if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+                tables[k] = v
+            else:
+                scalars[k] = v
+        if scalars:
+            lines += ["", "| metric | value |", "|---|---|"]
+            lines += [f"| {k} | {_fmt(v if not isinstance(v, (list, tuple)) else ', '.join(_fmt(x) for x in v))} |" for k, v in scalars.items()]
+        for k, rows in tables.items():
+            cols = list(dict.fromkeys(c for r in rows for c in _flatten(r)))
+            lines += ["", f"**{k}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            for r in rows:
+                fr = _flatten(r)
+                lines.append("| " + " | ".join(_fmt(fr.get(c)) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
+    """Write summary.md, README-table.md, <name>.md, results.json and the plots; returns the paths."""
+    out = cfg.out_dir
+    suffix = "-full" if cfg.full else ""
+    written = []
+    wl = doc["benchmarks"].get("workloads", {})
+    rows = wl.get("result", {}).get("rows", []) if wl.get("status") == "ok" else []
+    plots = write_plots(rows, out, suffix) if rows else []
+    written += plots
+
+    table = headline_table(rows) if rows else "(the workloads benchmark did not run)"
+    notes = _workload_notes(rows, doc["mode"])
+    intro = (f"Synthetic agentic workloads from `benchmarks/workloads.py` ({doc['mode']} scale, "
+             f"`{doc['command']}`, commit {doc['machine']['commit']}, {doc['machine']['cpus']} CPUs). "
+             "Update throughput: tiny Qwen3-Next-style model on the CPU, forward + backward + AdamW step, "
+             "expanded tokens per second; fraction of ideal = throughput ratio / ideal compression.")
+    if not cfg.full and (not cfg.only or "workloads" in cfg.only):
+        readme = [intro, "", table, "", _published_line(), *([""] + notes if notes else []), "",
+                  "![compression](benchmarks/results/compression.png)", ""]
+        (out / "README-table.md").write_text("\n".join(readme))
+        written.append(out / "README-table.md")
+
+    summary = [f"# HARTS benchmark results ({doc['mode']})", "", f"Command: `{doc['command']}`; started {doc['started']}; "
+               f"machine: {doc['machine']['platform']}, Python {doc['machine']['python']}, {doc['machine']['cpus']} CPUs, "
+               f"commit {doc['machine']['commit']}.", "", "## Headline", "", intro, "", table, "", _published_line()]
+    if notes:
+        summary += ["", *notes]
+    summary += ["", "## Benchmarks", "", "| benchmark | status | seconds | details |", "|---|---|---|---|"]
+    for name, entry in doc["benchmarks"].items():
+        detail = entry.get("reason") or entry.get("error") or f"[{name}{suffix}.md]({name}{suffix}.md)"
+        summary.append(f"| {name} | {entry['status']} | {entry['seconds']:.1f} | {_fmt(detail)} |")
+        (out / f"{name}{suffix}.md").write_text(render_result(name, entry))
+        written.append(out / f"{name}{suffix}.md")
+    summary += [""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    (out / f"summary{suffix}.md").write_text("\n".join(summary))
+    written.append(out / f"summary{suffix}.md")
+    (out / f"results{suffix}.json").write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+    written.append(out / f"results{suffix}.json")
+    log.info("bench: wrote %s", ", ".join(str(p) for p in written))
+    return written
+
+
+def _json_default(v):
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, Path):
+        return str(v)
+    return repr(v)
+
+
+def write_plots(rows: list[dict], out: Path, suffix: str = "") -> list[Path]:
+    """compression.png (ideal / achieved compression and throughput ratio per workload, published
+    figures as a band) and planner.png (Numba vs reference planner seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    names = [r["workload"] for r in rows]
+    x = np.arange(len(rows))
+    series = [("compression_ideal", "ideal compression (expanded / unique)"),
+              ("compression_achieved", "plan compression (expanded / computed)"),
+              ("throughput_ratio", "update throughput, tree / expanded")]
+    series = [(k, label) for k, label in series if any(k in r for r in rows)]
+    fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=110)
+    width = 0.8 / max(1, len(series))
+    for i, (key, label) in enumerate(series):
+        vals = [r.get(key, np.nan) for r in rows]
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=label)
+        ax.bar_label(bars, labels=[f"{v:.1f}x" if np.isfinite(v) else "" for v in vals], fontsize=7, padding=1)
+    lo, hi = PUBLISHED[0][1], PUBLISHED[0][2]
+    ax.axhspan(lo, hi, color="0.85", zorder=0, label=f"HARTS published {lo}-{hi}x")
+    for name, v, _ in PUBLISHED[1:]:
+        ax.axhline(v, color="0.5", lw=0.8, ls="--", zorder=0)
+        ax.text(len(rows) - 0.5, v, f" {name.split(' (')[0]} {v}x", fontsize=7, va="bottom", ha="right", color="0.3")
+    ax.set_xticks(x, names, fontsize=8)
+    ax.set_ylabel("x over trajectory-expanded")
+    ax.set_title("Prefix sharing on synthetic agentic workloads", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    p = out / f"compression{suffix}.png"
+    fig.savefig(p)
+    plt.close(fig)
+    paths.append(p)
+
+    if any("planner_seconds" in r for r in rows):
+        fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+        for i, (key, label) in enumerate((("planner_seconds", "Numba"), ("planner_ref_seconds", "plain-Python reference"))):
+            vals = [r.get(key, np.nan) for r in rows]
+            ax.bar(x + (i - 0.5) * 0.4, vals, 0.4, label=label)
+        ax.set_yscale("log")
+        ax.set_xticks(x, names, fontsize=8)
+        ax.set_ylabel("planning time (s, log)")
+        ax.set_title("Planner time per step", fontsize=10)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out / f"planner{suffix}.png"
+        fig.savefig(p)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.suite [--quick|--full] [--only NAME ...] [--out DIR]`."""
+    import argparse
+
+    from harts_cli import cmd_bench
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__.split("\n\n")[0])
+    cmd_bench.add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return cmd_bench.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
