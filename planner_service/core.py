@@ -48,7 +48,10 @@ from proto.plan_io import seal, slice_plan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServiceConfig", "PlannerCore", "topology_to_config"]
+__all__ = ["ServiceConfig", "PlannerCore", "topology_to_config", "MAX_WORLD_SIZE"]
+
+MAX_WORLD_SIZE = 4096
+"""Largest data-parallel world a step is planned for (one sealed slice per rank)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -101,8 +104,8 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
     """PlanConfig of a requested topology; ValidationError names the offending `topology.<field>`."""
     if topo.world_size < 1:
         raise ValidationError("topology.world_size", f"expected >= 1, got {topo.world_size}")
-    if topo.world_size > 65536:
-        raise ValidationError("topology.world_size", f"expected <= 65536, got {topo.world_size}")
+    if topo.world_size > MAX_WORLD_SIZE:
+        raise ValidationError("topology.world_size", f"expected <= {MAX_WORLD_SIZE}, got {topo.world_size}")
     if topo.memory_tokens < 0:
         raise ValidationError("topology.memory_tokens", f"expected >= 0 (0: default), got {topo.memory_tokens}")
     if topo.chunk_size < 0:

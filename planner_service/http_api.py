@@ -30,7 +30,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from planner_service.core import PlannerCore
+from planner_service.core import MAX_WORLD_SIZE, PlannerCore
 from planner_service.errors import INTERNAL, AuthError, HartsError, LimitError, ValidationError, status_of
 from planner_service.metrics import CONTENT_TYPE_LATEST
 from proto.harts.v1 import plan_pb2, planner_pb2
@@ -61,7 +61,7 @@ class Topology(BaseModel):
     """Trainer topology and budgets a step is planned for."""
 
     model_config = ConfigDict(extra="forbid")
-    world_size: int = Field(ge=1, le=65536, description="Number of data-parallel trainer ranks")
+    world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="Number of data-parallel trainer ranks")
     microbatch_tokens: int = Field(4096, ge=1, le=_INT32, description="Token budget per microbatch")
     memory_tokens: int = Field(0, ge=0, le=_INT64, description="Live-activation budget per rank; 0: 8 x microbatch_tokens")
     chunk_size: int = Field(0, ge=0, le=_INT32, description="Linear-attention chunk size (power of two); 0: service default")
@@ -349,7 +349,7 @@ def create_app(core: PlannerCore) -> FastAPI:
     )
     async def submit_rollouts(
         request: Request,
-        world_size: int | None = Query(None, ge=1, le=65536, description="Plan at once for this many ranks"),
+        world_size: int | None = Query(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks"),
         microbatch_tokens: int = Query(4096, ge=1, le=_INT32),
         memory_tokens: int = Query(0, ge=0, le=_INT64),
         chunk_size: int = Query(0, ge=0, le=_INT32),

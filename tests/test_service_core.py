@@ -1,0 +1,183 @@
+"""PlannerCore without a transport: idempotent submit, planning, sealed slices, long-poll, recovery."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from planner_service.core import PlannerCore, ServiceConfig
+from planner_service.errors import ConflictError, LimitError, NotFoundError, NotReadyError, PlanningError, ValidationError
+from planner_service.ingest import json_to_proto
+from proto.harts.v1 import planner_pb2
+from proto.plan_io import open_sealed
+from tests.service_helpers import TOPOLOGY, rollout_doc
+
+TOPO = planner_pb2.Topology(**TOPOLOGY)
+
+
+@pytest.fixture()
+def core(tmp_path):
+    c = PlannerCore(ServiceConfig(db_path=str(tmp_path / "core.db"), max_request_bytes=1 << 20))
+    c.start()
+    yield c
+    c.close()
+
+
+def _body(doc: dict) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def test_submit_is_idempotent_by_batch_id(core):
+    doc = rollout_doc("s-idem")
+    first = core.submit(_body(doc), "json")
+    assert not first.duplicate and first.status.state == planner_pb2.STEP_STATE_SUBMITTED
+    again = core.submit(_body(doc), "json")
+    assert again.duplicate and again.status == first.status
+    other = rollout_doc("s-idem", seed=1)
+    with pytest.raises(ConflictError, match="batch_id"):
+        core.submit(_body(other), "json")
+    assert [s.step_id for s in core.list_steps()] == ["s-idem"]
+    # the protobuf form of the same id is another body too
+    with pytest.raises(ConflictError):
+        core.submit(json_to_proto(doc).SerializeToString(), "proto")
+
+
+def test_invalid_batch_names_the_field_and_stores_nothing(core):
+    doc = rollout_doc("s-bad")
+    doc["trajectories"][2]["tokens"][3] = 64  # vocab_size is 64
+    with pytest.raises(ValidationError) as err:
+        core.submit(_body(doc), "json")
+    assert err.value.field.startswith("trajectories[2].tokens")
+    with pytest.raises(ValidationError, match="RolloutBatch"):
+        core.submit(b"\xff\xff\xff", "proto")
+    with pytest.raises(LimitError):
+        core.submit(b" " * (core.cfg.max_request_bytes + 1), "json")
+    assert core.list_steps() == []
+
+
+def test_plan_seals_one_slice_per_rank_and_serves_identical_bytes(core):
+    core.submit(_body(rollout_doc("s-plan")), "json")
+    with pytest.raises(NotReadyError):
+        core.fetch("s-plan", 0)
+    st = core.plan("s-plan", TOPO)
+    assert st.state == planner_pb2.STEP_STATE_PLANNED
+    assert st.stats.unique_tokens == st.unique_tokens and st.stats.expanded_tokens == st.expanded_tokens
+    assert st.stats.compression_ideal > 1.0  # the rollouts share a prompt
+    assert st.topology.world_size == 2 and st.topology.chunk_size == 16
+    for rank in range(2):
+        data = core.fetch("s-plan", rank)
+        sl = open_sealed(data)
+        assert sl.header.step_id == "s-plan" and sl.rank.rank == rank
+        assert core.fetch("s-plan", rank) == data
+        assert core.store.slice("s-plan", rank) == data
+    with pytest.raises(NotFoundError, match="rank"):
+        core.fetch("s-plan", 2)
+    with pytest.raises(NotFoundError):
+        core.fetch("nope", 0)
+    # same topology again: the stored plan, not a new one; another topology: refused
+    assert core.plan("s-plan", TOPO).planned_at == st.planned_at
+    with pytest.raises(ConflictError, match="topology"):
+        core.plan("s-plan", planner_pb2.Topology(world_size=3, microbatch_tokens=128, chunk_size=16))
+
+
+def test_topology_errors_name_the_field(core):
+    core.submit(_body(rollout_doc("s-topo")), "json")
+    cases = {
+        "topology.world_size": planner_pb2.Topology(world_size=0, microbatch_tokens=128),
+        "topology.chunk_size": planner_pb2.Topology(world_size=1, microbatch_tokens=128, chunk_size=24),
+        "topology.microbatch_tokens": planner_pb2.Topology(world_size=1, microbatch_tokens=8, chunk_size=16),
+    }
+    for field, topo in cases.items():
+        with pytest.raises(ValidationError) as err:
+            core.plan("s-topo", topo)
+        assert err.value.field == field
+    assert core.status("s-topo").state == planner_pb2.STEP_STATE_SUBMITTED
+
+
+def test_planning_failure_is_stored_and_the_step_can_be_replanned(core):
+    doc = rollout_doc("s-fail")
+    core.submit(_body(doc), "json")
+    longest = max(len(t["tokens"]) for t in doc["trajectories"])
+    impossible = planner_pb2.Topology(world_size=1, microbatch_tokens=16, chunk_size=16, no_windows=True)
+    assert longest > 16
+    with pytest.raises(PlanningError):
+        core.plan("s-fail", impossible)
+    st = core.status("s-fail")
+    assert st.state == planner_pb2.STEP_STATE_FAILED and st.error
+    with pytest.raises(PlanningError):
+        core.fetch("s-fail", 0)
+    assert core.plan("s-fail", TOPO).state == planner_pb2.STEP_STATE_PLANNED
+
+
+def test_submit_with_topology_plans_in_the_background_and_wakes_long_polls(core):
+    doc = rollout_doc("s-poll")
+
+    async def scenario():
+        waiter = asyncio.create_task(core.fetch_async("s-poll", 1, wait=20.0))
+        await asyncio.sleep(0.2)  # the step does not exist yet: the fetch waits for it
+        assert not waiter.done()
+        t0 = time.perf_counter()
+        threading.Thread(target=core.submit, args=(_body(doc), "json", TOPO)).start()
+        data = await waiter
+        return data, time.perf_counter() - t0
+
+    data, elapsed = asyncio.run(scenario())
+    assert open_sealed(data).rank.rank == 1
+    assert elapsed < 10.0
+    assert data == core.fetch("s-poll", 1)
+
+
+def test_long_poll_gives_up_after_the_wait(core):
+    core.submit(_body(rollout_doc("s-wait")), "json")
+
+    async def scenario(step):
+        t0 = time.perf_counter()
+        with pytest.raises((NotReadyError, NotFoundError)) as err:
+            await core.fetch_async(step, 0, wait=0.3)
+        return err.type, time.perf_counter() - t0
+
+    kind, elapsed = asyncio.run(scenario("s-wait"))
+    assert kind is NotReadyError and 0.25 <= elapsed < 3.0
+    kind, elapsed = asyncio.run(scenario("unknown"))
+    assert kind is NotFoundError and 0.25 <= elapsed < 3.0
+
+
+def test_restart_recovers_plans_and_resumes_interrupted_planning(tmp_path):
+    cfg = ServiceConfig(db_path=str(tmp_path / "r.db"))
+    a = PlannerCore(cfg)
+    a.start()
+    a.submit(_body(rollout_doc("s-done")), "json")
+    a.plan("s-done", TOPO)
+    before = [a.fetch("s-done", r) for r in range(2)]
+    a.submit(json_to_proto(rollout_doc("s-cut")).SerializeToString(), "proto")
+    # a crash right after the plan was requested, before it was stored
+    a.store.request_plan("s-cut", planner_pb2.Topology(world_size=2, microbatch_tokens=128, memory_tokens=1024,
+                                                       chunk_size=16).SerializeToString(deterministic=True))
+    a.close()
+
+    b = PlannerCore(cfg)
+    b.start()
+    try:
+        assert [b.fetch("s-done", r) for r in range(2)] == before
+        data = asyncio.run(b.fetch_async("s-cut", 0, wait=20.0))
+        assert open_sealed(data).header.step_id == "s-cut"
+        assert b.submit(json_to_proto(rollout_doc("s-cut")).SerializeToString(), "proto").duplicate
+    finally:
+        b.close()
+
+
+def test_metrics_count_plans_and_waiting_steps(core):
+    core.submit(_body(rollout_doc("s-m1")), "json")
+    core.submit(_body(rollout_doc("s-m2")), "json")
+    text = core.metrics.render().decode()
+    assert "harts_steps_waiting 2.0" in text
+    core.plan("s-m1", TOPO)
+    text = core.metrics.render().decode()
+    assert "harts_steps_waiting 1.0" in text
+    assert "harts_plan_seconds_count 1.0" in text
+    assert 'harts_plans_total{outcome="planned"} 1.0' in text
+    assert "harts_compression_ideal_count 1.0" in text
+    assert 'harts_ingest_bytes_total{format="json"}' in text
