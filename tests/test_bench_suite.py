@@ -1,0 +1,106 @@
+"""The benchmark suite (`harts bench`): result files, skipped and failing modules, the headline table."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from benchmarks import suite
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    r = subprocess.run([sys.executable, "-m", "harts_cli.main", "bench", "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    return r, out
+
+
+def test_quick_suite_writes_results(quick_run):
+    r, out = quick_run
+    assert r.returncode in (0, 1), r.stderr  # 1: some benchmark failed, reported in the files
+    printed = json.loads(r.stdout)
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["mode"] == "quick" and set(doc["benchmarks"]) == set(suite.NAMES) == set(printed["benchmarks"])
+    assert r.returncode == (1 if any(e["status"] == "failed" for e in doc["benchmarks"].values()) else 0)
+    wl = doc["benchmarks"]["workloads"]
+    assert wl["status"] == "ok", wl.get("traceback")
+    rows = wl["result"]["rows"]
+    assert [row["workload"] for row in rows] == [s.name for s in suite.workload_specs(quick=True)]
+    for row in rows:
+        assert row["compression_ideal"] == pytest.approx(row["expanded_tokens"] / row["unique_tokens"])
+        if "computed_tokens" in row:  # the planner has landed
+            assert row["computed_tokens"] >= row["unique_tokens"]
+            assert row["compression_achieved"] <= row["compression_ideal"] + 1e-9
+            assert row["linear_attention_calls"] >= row["linear_attention_calls_expanded"] >= 1
+        if "throughput_ratio" in row:  # the trainer has landed
+            assert row["tree_tokens_per_s"] > 0 and row["fraction_of_ideal"] > 0
+    for name, entry in doc["benchmarks"].items():
+        assert entry["status"] in ("ok", "skipped", "failed")
+        text = (out / f"{name}.md").read_text()
+        assert f"Status: **{entry['status']}**" in text
+        if entry["status"] == "skipped":
+            assert entry["reason"] in text
+    summary = (out / "summary.md").read_text()
+    table = (out / "README-table.md").read_text()
+    for row in rows:
+        assert f"| {row['workload']} |" in summary and f"| {row['workload']} |" in table
+    assert "ideal compression" in table and "HARTS" in table and "compression.png" in table
+    assert (out / "compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_and_failing_modules_are_reported(tmp_path, monkeypatch):
+    (tmp_path / "bench_boom_h5.py").write_text(textwrap.dedent("""
+        def run(quick=False):
+            raise RuntimeError("boom")
+    """))
+    (tmp_path / "bench_fine_h5.py").write_text(textwrap.dedent("""
+        def run(quick=False):
+            return {"quick": quick, "rows": [{"case": "a", "seconds": 0.5}], "tokens_per_s": 12345.6}
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules = {"ghost": ("benchmarks.bench_ghost_h5", "never written"),
+               "boom": ("bench_boom_h5", "raises"), "fine": ("bench_fine_h5", "works")}
+    monkeypatch.setattr(suite, "MODULES", modules)
+    monkeypatch.setattr(suite, "NAMES", ("workloads", *modules))
+    doc = suite.run_suite(suite.SuiteConfig(out_dir=tmp_path / "out", quick=True, only=("ghost", "boom", "fine")))
+    b = doc["benchmarks"]
+    assert list(b) == ["ghost", "boom", "fine"]
+    assert b["ghost"]["status"] == "skipped" and "benchmarks/bench_ghost_h5.py is not present yet" in b["ghost"]["reason"]
+    assert b["boom"]["status"] == "failed" and b["boom"]["error"] == "RuntimeError: boom"
+    assert b["fine"]["status"] == "ok" and b["fine"]["result"]["quick"] is True
+    fine = (tmp_path / "out" / "fine.md").read_text()
+    assert "| tokens_per_s | 12,346 |" in fine and "| a | 0.500 |" in fine
+    assert "RuntimeError: boom" in (tmp_path / "out" / "boom.md").read_text()
+    assert not (tmp_path / "out" / "README-table.md").exists()  # the headline did not run
+
+
+def test_headline_table_formats_every_column():
+    row = {"workload": "tree (k=2)", "expanded_tokens": 123456, "compression_ideal": 6.0, "computed_per_unique": 1.04,
+           "compression_achieved": 5.77, "planner_seconds": 0.0123, "planner_ref_seconds": 1.5,
+           "linear_attention_calls": 4, "linear_attention_calls_expanded": 1, "throughput_ratio": 4.8,
+           "fraction_of_ideal": 0.8}
+    table = suite.headline_table([row, {"workload": "bare"}])
+    header, rule, full, bare = table.splitlines()
+    assert header.count("|") == rule.count("|") == full.count("|") == bare.count("|") == len(suite.HEADLINE) + 1
+    assert full == "| tree (k=2) | 123,456 | 6.00x | 1.040 | 5.77x | 0.012 | 1.500 | 4 / 1 | 4.80x | 80% |"
+    assert bare == "| bare |" + " - |" * (len(suite.HEADLINE) - 1)
+
+
+def test_modes_and_names():
+    assert suite.SuiteConfig(full=True).names() == ["workloads"]
+    assert suite.SuiteConfig(only=("planner",)).names() == ["planner"]
+    with pytest.raises(ValueError, match="^only: expected"):
+        suite.SuiteConfig(only=("nope",))
+    with pytest.raises(ValueError, match="^full: expected"):
+        suite.SuiteConfig(quick=True, full=True)
+    full = suite.workload_specs(full=True)
+    # Full scale keeps the published lengths: tens of millions of expanded tokens per workload.
+    from benchmarks.workloads import WorkloadConfig
+
+    assert all(WorkloadConfig(**s.gen).scale == 1.0 and s.windows for s in full)
+    r = subprocess.run([sys.executable, "-m", "harts_cli.main", "bench", "--only", "nope"], capture_output=True, text=True)
+    assert r.returncode == 2 and "expected names from" in r.stderr
