@@ -100,7 +100,8 @@ class _Checker:
             bad = (values != 0) & (values != 1) if values.dtype.kind != "b" else np.zeros(0, bool)
             expect = "loss-mask values 0 or 1"
         else:
-            f32 = values.astype(np.float32)  # overflow to inf is what we detect
+            with np.errstate(over="ignore"):  # overflow to inf is what we detect
+                f32 = values.astype(np.float32)
             bad = ~np.isfinite(f32)
             expect = "finite float32 values"
         i = _first_bad(bad)
