@@ -123,3 +123,54 @@ def random_trajectories(
         trajs.append(t)
         tree_of.append(tree)
     return trajs, tree_of
+
+
+def random_partition(forest: Forest, rng: np.random.Generator, *, chunk: int, world_size: int = 1,
+                     windows: bool = True, cut_prob: float = 0.3, merge_prob: float = 0.5):
+    """A random valid Partition: forest cut into connected pieces at segment starts and at
+    chunk-aligned depths inside segments; sibling pieces sometimes share a microbatch; edges shared
+    or duplicated at random; a window group stays on one rank. rank_steps left empty (default order)."""
+    from planner_service.planner.spec import MicrobatchSpec, Partition
+
+    units = []  # (segment, start offset, end offset, parent unit)
+    last_unit = {}
+    for s in range(forest.num_segments):
+        d, n = int(forest.seg_depth[s]), int(forest.seg_length[s])
+        cuts = [o for o in range(1, n) if (d + o) % chunk == 0 and rng.random() < cut_prob]
+        bounds = [0] + cuts + [n]
+        p = last_unit.get(int(forest.seg_parent[s]), -1)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            units.append((s, a, b, p))
+            p = len(units) - 1
+        last_unit[s] = p
+    piece_of = []
+    piece_parent = []
+    for u, (s, a, b, p) in enumerate(units):
+        if p < 0 or rng.random() < cut_prob:
+            piece_of.append(len(piece_parent))
+            piece_parent.append(piece_of[p] if p >= 0 else -1)
+        else:
+            piece_of.append(piece_of[p])
+    # Group pieces into microbatches: sibling pieces (same parent piece) may merge.
+    mb_of_piece = [-1] * len(piece_parent)
+    mb_parent: list[int] = []
+    group_by_parent: dict[int, int] = {}
+    for q, pp in enumerate(piece_parent):
+        parent_mb = mb_of_piece[pp] if pp >= 0 else -1
+        key = pp
+        if key in group_by_parent and rng.random() < merge_prob:
+            mb_of_piece[q] = group_by_parent[key]
+        else:
+            mb_of_piece[q] = len(mb_parent)
+            mb_parent.append(parent_mb)
+            group_by_parent[key] = mb_of_piece[q]
+    ranges: list[list] = [[] for _ in mb_parent]
+    for u, (s, a, b, _) in enumerate(units):
+        ranges[mb_of_piece[piece_of[u]]].append((s, a, b))
+    specs = []
+    for m, pm in enumerate(mb_parent):
+        shared = bool(windows and pm >= 0 and rng.random() < 0.6)
+        rank = specs[pm].rank if shared else int(rng.integers(world_size))
+        specs.append(MicrobatchSpec(ranges=np.array(ranges[m], np.int64).reshape(-1, 3), parent=pm, shared=shared,
+                                    rank=rank, recompute=bool(rng.random() < 0.2)))
+    return Partition(microbatches=specs, rank_steps=[])

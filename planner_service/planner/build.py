@@ -1,0 +1,618 @@
+"""The plan builder: from a Forest and a Partition to the wire plan (DESIGN §4.3-§4.4, §5.5).
+
+`build_plan(forest, cfg, partition)` lays out, for every microbatch, its rows (packed depth-first,
+the continuing child first), segment table, occurrence counts, conv and attention ancestry, the
+minimum-call linear-attention schedule (min_calls.py), sharing-window imports/exports, the log-prob
+map with its trajectory-space fields, then the global normalisers, header, execution steps and the
+report. `PlanStats.plan_seconds` is left to `plan_step`.
+
+Rows of a microbatch m:
+- kept rows: the forest tokens m keeps (MicrobatchSpec.ranges);
+- context: every forest token on the root-to-piece paths of m's pieces, plus the context its
+  shared children need, that m does not keep. A shared (window) child imports its context from its
+  parent's extended rows (the parent re-exports rows it imported itself); any other microbatch with
+  a parent duplicates it as local rows (occurrence 0, no log-prob entries).
+A linear-attention state consumed across microbatches comes straight from the microbatch whose
+sequence computed it (an ancestor in the same window), which lists it in export_states.
+
+Cost model (Microbatch.cost, PlanStats.rank_costs): computed rows (local + replay) plus
+`attention_weight` x attended (query, key) pairs, where a row at depth d attends to d + 1 keys.
+
+Legend: N_u forest tokens, N_e expanded positions, T trajectories, R local rows, I imported rows,
+S local segments, K conv kernel, C chunk size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner_service.errors import PlanningError
+from planner_service.forest import Forest
+from planner_service.planner import min_calls as mc
+from planner_service.planner.config import PlanConfig
+from planner_service.planner.spec import MicrobatchSpec, Partition
+from proto.arrays import pack as pk
+from proto.harts.v1 import plan_pb2
+from proto.plan_io import PLAN_VERSION
+
+
+@dataclass(slots=True)
+class _Layout:
+    """Everything the builder computes for one microbatch before serialising it."""
+
+    mb: int
+    spec: MicrobatchSpec
+    kept_tok: np.ndarray  # int64 [n] forest tokens kept here
+    ctx_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted context tokens
+    local_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [R] packed order
+    local_sorted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # argsort of local_tok
+    packed: dict = field(default_factory=dict)
+    seg_forest: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    seg_forest_offset: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    seg_dup: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    sched: tuple = ()
+    states: dict = field(default_factory=dict)  # local row -> state id
+    state_imports: list = field(default_factory=list)  # (exporter mb, state id)
+    export_states: set = field(default_factory=set)
+    export_rows: set = field(default_factory=set)
+    import_row: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    @property
+    def shared(self) -> bool:
+        return self.spec.parent >= 0 and self.spec.shared
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.local_tok.shape[0])
+
+    def local_rows(self, toks: np.ndarray) -> np.ndarray:
+        """int64 local row of each token, -1 where the token is not a local row."""
+        toks = np.asarray(toks, np.int64)
+        if self.num_rows == 0:
+            return np.full(toks.shape, -1, np.int64)
+        sorted_tok = self.local_tok[self.local_sorted]
+        i = np.minimum(np.searchsorted(sorted_tok, toks), self.num_rows - 1)
+        return np.where(sorted_tok[i] == toks, self.local_sorted[i], -1)
+
+    def ext_rows(self, toks: np.ndarray) -> np.ndarray:
+        """int64 extended row of each token (local, else imported), -1 when absent."""
+        rows = self.local_rows(toks)
+        if self.shared and self.ctx_tok.shape[0]:
+            j = np.minimum(np.searchsorted(self.ctx_tok, toks), self.ctx_tok.shape[0] - 1)
+            rows = np.where((rows < 0) & (self.ctx_tok[j] == toks), self.num_rows + j, rows)
+        return rows
+
+
+class _TokenIndex:
+    """Per forest token: segment, offset, depth, predecessor (flat int64 arrays [N_u])."""
+
+    def __init__(self, forest: Forest):
+        S = forest.num_segments
+        lengths = forest.seg_length.astype(np.int64)
+        self.seg = np.repeat(np.arange(S, dtype=np.int64), lengths)
+        self.off = np.arange(forest.unique_tokens, dtype=np.int64) - forest.seg_offset[self.seg]
+        self.depth = forest.seg_depth[self.seg].astype(np.int64) + self.off
+        last = forest.seg_offset + lengths - 1
+        parent = forest.seg_parent.astype(np.int64)
+        first_pred = np.where(parent >= 0, last[np.maximum(parent, 0)], -1)
+        self.pred = np.where(self.off > 0, np.arange(forest.unique_tokens) - 1, first_pred[self.seg])
+        self.forest = forest
+
+
+def _topological(specs: list[MicrobatchSpec]) -> list[int]:
+    """Microbatch ids, parents before children; raises on unknown parents or cycles."""
+    n = len(specs)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for m, sp in enumerate(specs):
+        if sp.parent >= n or sp.parent < -1 or sp.parent == m:
+            raise PlanningError(f"partition.microbatches[{m}].parent: expected -1 or another id < {n}, got {sp.parent}")
+        (kids[sp.parent] if sp.parent >= 0 else roots).append(m)
+    order = []
+    stack = roots[::-1]
+    while stack:
+        m = stack.pop()
+        order.append(m)
+        stack.extend(kids[m][::-1])
+    if len(order) != n:
+        raise PlanningError("partition: microbatch parents form a cycle")
+    return order
+
+
+def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int) -> np.ndarray:
+    rng = np.asarray(spec.ranges, np.int64).reshape(-1, 3)
+    if rng.shape[0] == 0:
+        return np.zeros(0, np.int64)
+    s, a, b = rng[:, 0], rng[:, 1], rng[:, 2]
+    bad = (s < 0) | (s >= forest.num_segments)
+    if not bad.any():
+        bad = (a < 0) | (b <= a) | (b > forest.seg_length[s])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanningError(f"partition.microbatches[{m}].ranges[{i}]: expected a non-empty range inside its segment, got {rng[i].tolist()}")
+    start = forest.seg_offset[s] + a
+    lens = b - a
+    base = np.repeat(start - np.cumsum(lens) + lens, lens)
+    return base + np.arange(int(lens.sum()), dtype=np.int64)
+
+
+def _path_need(tix: _TokenIndex, toks, need: dict[int, int]) -> None:
+    """Add the root paths of `toks` (inclusive) to `need` (forest segment -> prefix length)."""
+    f = tix.forest
+    for x in toks:
+        s = int(tix.seg[x])
+        n = int(tix.off[x]) + 1
+        while s >= 0:
+            if need.get(s, 0) >= n:
+                break
+            need[s] = n
+            s = int(f.seg_parent[s])
+            n = int(f.seg_length[s]) if s >= 0 else 0
+
+
+def _need_tokens(forest: Forest, need: dict[int, int]) -> np.ndarray:
+    if not need:
+        return np.zeros(0, np.int64)
+    segs = np.array(sorted(need), np.int64)
+    lens = np.array([need[s] for s in segs.tolist()], np.int64)
+    start = forest.seg_offset[segs]
+    base = np.repeat(start - np.cumsum(lens) + lens, lens)
+    return base + np.arange(int(lens.sum()), dtype=np.int64)
+
+
+def _slices(tix: _TokenIndex, toks: np.ndarray, dup: np.ndarray):
+    """Cut sorted tokens into runs of consecutive tokens of one forest segment.
+
+    Returns (first token, length, duplicated flag) per run, int64/int64/uint8.
+    """
+    if toks.shape[0] == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint8)
+    brk = np.ones(toks.shape[0], bool)
+    brk[1:] = (toks[1:] != toks[:-1] + 1) | (tix.seg[toks[1:]] != tix.seg[toks[:-1]]) | (dup[1:] != dup[:-1])
+    starts = np.flatnonzero(brk)
+    lens = np.diff(np.append(starts, toks.shape[0]))
+    return toks[starts], lens, dup[starts]
+
+
+def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool) -> None:
+    """Local forest of one microbatch (kept ranges plus duplicated context), packed."""
+    dup_tok = np.zeros(0, np.int64) if L.shared else L.ctx_tok
+    toks = np.concatenate([L.kept_tok, dup_tok])
+    dup = np.concatenate([np.zeros(L.kept_tok.shape[0], np.uint8), np.ones(dup_tok.shape[0], np.uint8)])
+    order = np.argsort(toks, kind="stable")
+    toks, dup = toks[order], dup[order]
+    first, lens, sdup = _slices(tix, toks, dup)
+    S = first.shape[0]
+    last = first + lens - 1
+    last_pos = {int(t): i for i, t in enumerate(last.tolist())}
+    pred = tix.pred[first]
+    parent = np.full(S, -1, np.int32)
+    attach = np.full(S, -1, np.int32)
+    for i in range(S):
+        p = int(pred[i])
+        if p < 0:
+            continue
+        j = last_pos.get(p, -1)
+        if j >= 0:
+            parent[i] = j
+            continue
+        if L.shared:
+            k = int(np.searchsorted(L.ctx_tok, p))
+            if k < L.ctx_tok.shape[0] and L.ctx_tok[k] == p:
+                attach[i] = k
+                continue
+        raise PlanningError(
+            f"partition.microbatches[{L.mb}]: expected the predecessor of forest token {int(first[i])} "
+            f"(segment {int(tix.seg[first[i]])}) to be a row of this microbatch or of its context, got none"
+        )
+    P = mc.pack(parent, tix.depth[first].astype(np.int32), lens.astype(np.int32), attach, cfg.chunk_size, use_numba=use_numba)
+    po = P["order"]
+    L.packed = P
+    L.seg_forest = tix.seg[first[po]].astype(np.int32)
+    L.seg_forest_offset = tix.off[first[po]].astype(np.int32)
+    L.seg_dup = sdup[po].astype(np.uint8)
+    p_first = first[po]
+    row_off = np.arange(P["num_rows"], dtype=np.int64) - P["seg_start"][P["row_seg"]]
+    L.local_tok = p_first[P["row_seg"]] + row_off
+    L.local_sorted = np.argsort(L.local_tok, kind="stable")
+
+
+def _ext_parent_depth(L: _Layout, tix: _TokenIndex) -> tuple[np.ndarray, np.ndarray]:
+    """int32 [R + I] predecessor extended row and depth of every extended row."""
+    P = L.packed
+    R = L.num_rows
+    imp = L.ctx_tok if L.shared else np.zeros(0, np.int64)
+    if imp.shape[0]:
+        pred = tix.pred[imp]
+        j = np.searchsorted(imp, np.maximum(pred, 0))
+        imp_parent = np.where(pred >= 0, R + j, -1)
+    else:
+        imp_parent = np.zeros(0, np.int64)
+    parent = np.concatenate([P["row_parent"].astype(np.int64), imp_parent]).astype(np.int32)
+    depth = np.concatenate([P["row_depth"].astype(np.int64), tix.depth[imp]]).astype(np.int32)
+    return parent, depth
+
+
+def _owner(layouts: list[_Layout], m: int, tok: int) -> tuple[int, int]:
+    """(microbatch, local row) that computes token `tok` for microbatch m: m or a window ancestor."""
+    while True:
+        L = layouts[m]
+        r = int(L.local_rows(np.array([tok]))[0])
+        if r >= 0:
+            return m, r
+        if not L.shared:
+            raise PlanningError(f"microbatch {m}: forest token {tok} is neither a local row nor imported")
+        m = L.spec.parent
+
+
+def _attn_ranges(L: _Layout, ext_parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Compact ancestor ranges per packed segment: (offsets int32 [S+1], ranges int32 [n, 2])."""
+    P = L.packed
+    S = P["seg_start"].shape[0]
+    per_seg: list[list[tuple[int, int]]] = [[] for _ in range(S)]
+    imported_cache: dict[int, list[tuple[int, int]]] = {}
+    for s in range(S):
+        p = int(P["seg_parent"][s])
+        if p >= 0:
+            base = per_seg[p]
+            lo, hi = int(P["seg_start"][p]), int(P["seg_start"][p] + P["seg_length"][p])
+            out = list(base)
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+            per_seg[s] = out
+            continue
+        x = int(P["row_parent"][P["seg_start"][s]])
+        if x < 0:
+            continue
+        if x not in imported_cache:
+            rows = []
+            y = x
+            while y >= 0:  # imported ancestors: a path through the sorted context rows
+                rows.append(y)
+                y = int(ext_parent[y])
+            rows.reverse()
+            rr = np.asarray(rows, np.int64)
+            brk = np.flatnonzero(np.diff(rr) != 1) + 1
+            starts = np.concatenate([[0], brk])
+            ends = np.concatenate([brk, [rr.shape[0]]])
+            imported_cache[x] = [(int(rr[a]), int(rr[b - 1]) + 1) for a, b in zip(starts, ends)]
+        per_seg[s] = imported_cache[x]
+    offsets = np.zeros(S + 1, np.int64)
+    offsets[1:] = np.cumsum([len(r) for r in per_seg])
+    flat = np.array([x for r in per_seg for x in r], np.int32).reshape(-1, 2)
+    return offsets.astype(np.int32), flat
+
+
+def _conv_ancestors(ext_parent: np.ndarray, R: int, K: int) -> np.ndarray:
+    """int32 [R, K-1] the K-1 predecessors of each local row, oldest first, -1 padded."""
+    out = np.full((R, max(K - 1, 0)), -1, np.int32)
+    if K <= 1 or R == 0:
+        return out
+    cur = ext_parent[:R].astype(np.int64)
+    for j in range(K - 2, -1, -1):
+        out[:, j] = cur
+        cur = np.where(cur >= 0, ext_parent[np.maximum(cur, 0)], -1)
+    return out
+
+
+def _traj_tokens(forest: Forest) -> np.ndarray:
+    """int64 [N_e] forest token of every trajectory position."""
+    out = np.empty(forest.expanded_tokens, np.int64)
+    for t in range(forest.num_trajectories):
+        base = int(forest.traj_offset[t])
+        for s in forest.path(t):
+            d, n, o = int(forest.seg_depth[s]), int(forest.seg_length[s]), int(forest.seg_offset[s])
+            out[base + d : base + d + n] = np.arange(o, o + n)
+    return out
+
+
+def _default_steps(specs: list[MicrobatchSpec], world: int) -> list[list[tuple[str, int]]]:
+    """Depth-first per rank over the microbatch forest: F on entry, B after every dependent."""
+    kids: list[list[int]] = [[] for _ in specs]
+    for m, sp in enumerate(specs):
+        if sp.parent >= 0 and specs[sp.parent].rank == sp.rank and sp.shared:
+            kids[sp.parent].append(m)
+    steps: list[list[tuple[str, int]]] = [[] for _ in range(world)]
+
+    def visit(m: int) -> None:
+        steps[specs[m].rank].append(("F", m))
+        for c in kids[m]:
+            visit(c)
+        steps[specs[m].rank].append(("B", m))
+
+    for m, sp in enumerate(specs):
+        if not (sp.parent >= 0 and specs[sp.parent].rank == sp.rank and sp.shared):
+            visit(m)
+    return steps
+
+
+def build_plan(
+    forest: Forest, cfg: PlanConfig, partition: Partition, *, attention_weight: float = 0.0, use_numba: bool = True
+) -> plan_pb2.Plan:
+    """Lay out and serialise the plan of one step.
+
+    Args:
+        forest: the step's prefix forest.
+        cfg: planner settings (chunk size, conv kernel, replay, log-prob positions, budgets).
+        partition: microbatch membership, edge modes, placement and per-rank order.
+        attention_weight: weight of attended (query, key) pairs in the cost model (0 = rows only).
+        use_numba: False runs the plain-Python twins of the Numba kernels (tests).
+
+    Raises:
+        PlanningError: the partition does not describe a valid microbatch forest for `forest`.
+    """
+    specs = partition.microbatches
+    C, K = cfg.chunk_size, cfg.conv_kernel
+    tix = _TokenIndex(forest)
+    M = len(specs)
+    layouts = [_Layout(mb=m, spec=sp, kept_tok=_kept_tokens(forest, sp, m)) for m, sp in enumerate(specs)]
+    kept_mb = np.full(forest.unique_tokens, -1, np.int64)
+    for L in layouts:
+        if (kept_mb[L.kept_tok] >= 0).any() or np.unique(L.kept_tok).shape[0] != L.kept_tok.shape[0]:
+            raise PlanningError(f"partition.microbatches[{L.mb}].ranges: expected each forest token kept once, got a repeat")
+        kept_mb[L.kept_tok] = L.mb
+    if (kept_mb < 0).any():
+        raise PlanningError(f"partition: expected every forest token kept, token {int(np.flatnonzero(kept_mb < 0)[0])} is in no microbatch")
+    for m, sp in enumerate(specs):
+        if not 0 <= sp.rank < cfg.world_size:
+            raise PlanningError(f"partition.microbatches[{m}].rank: expected 0 <= rank < {cfg.world_size}, got {sp.rank}")
+    topo = _topological(specs)
+
+    # Context (children first): root paths of every piece root and what shared children need.
+    needs: list[dict[int, int]] = [dict() for _ in range(M)]
+    for m in reversed(topo):
+        L = layouts[m]
+        pred = tix.pred[L.kept_tok]
+        attach = pred[(pred >= 0) & (kept_mb[np.maximum(pred, 0)] != m)]
+        _path_need(tix, np.unique(attach).tolist(), needs[m])
+        ctx = _need_tokens(forest, needs[m])
+        L.ctx_tok = ctx[kept_mb[ctx] != m] if ctx.shape[0] else ctx
+        if L.ctx_tok.shape[0] and L.spec.parent < 0:
+            raise PlanningError(f"partition.microbatches[{m}]: has pieces below other microbatches' rows, expected a parent")
+        if L.shared:  # the parent provides this context: its own rows, else context it imports too
+            rest = L.ctx_tok[kept_mb[L.ctx_tok] != L.spec.parent]
+            if rest.shape[0]:
+                seg = tix.seg[rest]
+                last = np.flatnonzero(np.append(seg[1:] != seg[:-1], True))  # deepest token per segment
+                _path_need(tix, rest[last].tolist(), needs[L.spec.parent])
+
+    for m in topo:
+        _lay_out(layouts[m], tix, cfg, use_numba)
+
+    # Sharing windows: imports from the parent's extended rows.
+    for m in topo:
+        L = layouts[m]
+        if not L.shared:
+            continue
+        P = layouts[L.spec.parent]
+        rows = P.ext_rows(L.ctx_tok)
+        if (rows < 0).any():
+            raise PlanningError(f"microbatch {m}: parent {P.mb} lacks context token {int(L.ctx_tok[np.flatnonzero(rows < 0)[0]])}")
+        L.import_row = rows.astype(np.int32)
+        P.export_rows.update(rows.tolist())
+
+    # Ablation: states consumed at unaligned depths by window children split the owner's sequence.
+    state_after = [np.zeros(L.num_rows, np.uint8) for L in layouts]
+    if not cfg.replay:
+        for L in layouts:
+            if L.shared:
+                pred = tix.pred[L.local_tok[L.packed["seg_start"]]]
+                for x in pred[(pred >= 0) & (L.local_rows(np.maximum(pred, 0)) < 0)].tolist():
+                    o, r = _owner(layouts, L.spec.parent, int(x))
+                    state_after[o][r] = 1
+
+    ext = {}
+    sched_fn = mc.schedule if use_numba else mc.schedule_ref
+    for m in topo:
+        L = layouts[m]
+        ext_parent, ext_depth = _ext_parent_depth(L, tix)
+        ext[m] = (ext_parent, ext_depth)
+        P = L.packed
+        L.sched = sched_fn(
+            P["seg_start"], P["seg_length"], P["seg_parent"], P["seg_continues"],
+            ext_parent, ext_depth, state_after[m], C, cfg.replay,
+        )
+
+    # State tables: every sequence's initial state, resolved to the microbatch that computes it.
+    sources: list[list[tuple[int, int]]] = []
+    for m in range(M):
+        L = layouts[m]
+        R = L.num_rows
+        src = []
+        imp_index: dict[tuple[int, int], int] = {}
+        for init in L.sched[3].tolist():
+            if init < 0:
+                src.append((plan_pb2.StateSource.ZERO, 0))
+            elif init < R:
+                src.append((plan_pb2.StateSource.LOCAL, L.states.setdefault(init, len(L.states))))
+            else:
+                o, r = _owner(layouts, L.spec.parent, int(L.ctx_tok[init - R]))
+                O = layouts[o]
+                sid = O.states.setdefault(r, len(O.states))
+                O.export_states.add(sid)
+                key = (o, sid)
+                if key not in imp_index:
+                    imp_index[key] = len(L.state_imports)
+                    L.state_imports.append(key)
+                src.append((plan_pb2.StateSource.IMPORTED, imp_index[key]))
+        sources.append(src)
+
+    # Log-prob map.
+    traj_tok = _traj_tokens(forest)
+    pos_in_traj = np.arange(forest.expanded_tokens, dtype=np.int64) - np.repeat(forest.traj_offset[:-1], forest.traj_length())
+    traj_of = np.repeat(np.arange(forest.num_trajectories, dtype=np.int64), forest.traj_length())
+    sel = pos_in_traj >= 1
+    if not cfg.all_positions:
+        sel &= forest.loss_mask.astype(bool)
+    g = np.flatnonzero(sel)
+    prev_tok = traj_tok[g - 1]
+    lp_mb = kept_mb[prev_tok]
+    kept_row = np.full(forest.unique_tokens, -1, np.int64)
+    for L in layouts:
+        kept_row[L.kept_tok] = L.local_rows(L.kept_tok)
+    lp_order = np.argsort(lp_mb, kind="stable")
+    lp_bounds = np.searchsorted(lp_mb[lp_order], np.arange(M + 1))
+
+    # Occurrence: trajectories ending in each forest segment's subtree.
+    occ_seg = np.bincount(forest.traj_seg, minlength=forest.num_segments).astype(np.int64)
+    for s in range(forest.num_segments - 1, -1, -1):
+        p = int(forest.seg_parent[s])
+        if p >= 0:
+            occ_seg[p] += occ_seg[s]
+
+    mbs: list[plan_pb2.Microbatch] = []
+    calls_max = 0
+    live_rows = np.zeros(M, np.int64)
+    for m in range(M):
+        L = layouts[m]
+        P = L.packed
+        R = L.num_rows
+        ext_parent, ext_depth = ext[m]
+        msg = plan_pb2.Microbatch(id=m, num_rows=R, recompute=bool(L.spec.recompute))
+        msg.tokens = pk(forest.tokens[L.local_tok], "int32")
+        msg.depth = pk(P["row_depth"], "int32")
+        row_dup = L.seg_dup[P["row_seg"]] if R else np.zeros(0, np.uint8)
+        msg.occurrence = pk(np.where(row_dup == 1, 0, occ_seg[tix.seg[L.local_tok]]), "int32")
+        msg.seg_start = pk(P["seg_start"], "int32")
+        msg.seg_length = pk(P["seg_length"], "int32")
+        msg.seg_parent = pk(P["seg_parent"], "int32")
+        msg.seg_tree = pk(forest.seg_tree[L.seg_forest], "int32")
+        msg.seg_forest = pk(L.seg_forest, "int32")
+        msg.seg_forest_offset = pk(L.seg_forest_offset, "int32")
+        msg.seg_duplicated = pk(L.seg_dup, "uint8")
+        msg.conv_ancestors = pk(_conv_ancestors(ext_parent, R, K), "int32")
+        offs, ranges = _attn_ranges(L, ext_parent)
+        msg.attn_offsets = pk(offs, "int32")
+        msg.attn_ranges = pk(ranges, "int32")
+
+        q_start, q_end, q_depth, q_init, q_call, r_off, r_rows, seq_of_row = L.sched
+        exports_of: dict[int, list[tuple[int, int]]] = {}
+        for r, sid in L.states.items():
+            exports_of.setdefault(int(seq_of_row[r]), []).append((int(ext_depth[r]) + 1, sid))
+        n_calls = int(q_call.max()) + 1 if q_call.shape[0] else 0
+        calls_max = max(calls_max, n_calls)
+        calls = [plan_pb2.LinearCall() for _ in range(n_calls)]
+        for q in range(q_start.shape[0]):
+            kind, idx = sources[m][q]
+            seq = calls[int(q_call[q])].sequences.add(
+                replay_rows=pk(r_rows[r_off[q] : r_off[q + 1]], "int32"),
+                row_start=int(q_start[q]), row_end=int(q_end[q]), start_depth=int(q_depth[q]),
+            )
+            seq.init_state.kind = kind
+            seq.init_state.state = idx
+            for depth, sid in sorted(exports_of.get(q, [])):
+                seq.exports.add(state=sid, depth=depth)
+        msg.linear_calls.extend(calls)
+        msg.num_states = len(L.states)
+
+        if L.shared:
+            msg.import_microbatch = pk(np.full(L.ctx_tok.shape[0], L.spec.parent), "int32")
+            msg.import_row = pk(L.import_row, "int32")
+        for o, sid in L.state_imports:
+            msg.state_imports.add(microbatch=o, state=sid)
+        msg.export_rows = pk(sorted(L.export_rows), "int32")
+        msg.export_states = pk(sorted(L.export_states), "int32")
+
+        idx = lp_order[lp_bounds[m] : lp_bounds[m + 1]]
+        gm = g[idx]
+        msg.lp_row = pk(kept_row[prev_tok[idx]], "int32")
+        msg.lp_label = pk(forest.tokens[traj_tok[gm]], "int32")
+        msg.lp_traj = pk(traj_of[gm], "int32")
+        msg.lp_pos = pk(pos_in_traj[gm], "int32")
+        msg.lp_loss_mask = pk(forest.loss_mask[gm], "uint8")
+        if forest.old_logprobs is not None:
+            msg.lp_old_logprob = pk(forest.old_logprobs[gm], "float32")
+        if forest.ref_logprobs is not None:
+            msg.lp_ref_logprob = pk(forest.ref_logprobs[gm], "float32")
+        msg.lp_advantage = pk(forest.advantages[gm], "float32")
+
+        replay = int(r_rows.shape[0])
+        dup = int(row_dup.sum())
+        msg.replay_tokens = replay
+        msg.duplicated_tokens = dup
+        msg.cost = float(R + replay + attention_weight * float((P["row_depth"].astype(np.int64) + 1).sum()))
+        live_rows[m] = R + replay
+        mbs.append(msg)
+
+    plan = plan_pb2.Plan()
+    _fill_header(plan.header, forest, cfg)
+    steps = partition.rank_steps if any(partition.rank_steps) else _default_steps(specs, cfg.world_size)
+    if len(steps) != cfg.world_size:
+        raise PlanningError(f"partition.rank_steps: expected {cfg.world_size} ranks, got {len(steps)}")
+    placed = np.zeros(M, np.int64)
+    rank_costs = []
+    peak = 0
+    for r in range(cfg.world_size):
+        rp = plan.ranks.add(rank=r)
+        local: dict[int, int] = {}
+        stack: list[int] = []
+        cost = 0.0
+        for kind, m in steps[r]:
+            if not 0 <= m < M or specs[m].rank != r:
+                raise PlanningError(f"partition.rank_steps[{r}]: microbatch {m} is not placed on rank {r}")
+            if m not in local:
+                local[m] = len(rp.microbatches)
+                rp.microbatches.append(mbs[m])
+                placed[m] += 1
+                cost += mbs[m].cost
+            if kind not in ("F", "B"):
+                raise PlanningError(f"partition.rank_steps[{r}]: expected step kind 'F' or 'B', got {kind!r}")
+            if kind == "F":
+                stack.append(m)
+            open_windows = [a for a in stack if a != m]
+            live = live_rows[m] + sum(len(layouts[a].export_rows) if specs[a].recompute else live_rows[a] for a in open_windows)
+            peak = max(peak, int(live))
+            if kind == "B" and m in stack:
+                stack.remove(m)
+            rp.steps.add(kind=plan_pb2.ExecStep.FORWARD if kind == "F" else plan_pb2.ExecStep.BACKWARD, microbatch=local[m])
+        rank_costs.append(cost)
+    if (placed != 1).any():
+        raise PlanningError(f"partition.rank_steps: microbatch {int(np.flatnonzero(placed != 1)[0])} is not placed exactly once")
+
+    st = plan.header.stats
+    st.unique_tokens = forest.unique_tokens
+    st.expanded_tokens = forest.expanded_tokens
+    st.replay_tokens = sum(x.replay_tokens for x in mbs)
+    st.duplicated_tokens = sum(x.duplicated_tokens for x in mbs)
+    st.computed_tokens = st.unique_tokens + st.replay_tokens + st.duplicated_tokens
+    st.compression_ideal = st.expanded_tokens / st.unique_tokens if st.unique_tokens else 0.0
+    st.compression_achieved = st.expanded_tokens / st.computed_tokens if st.computed_tokens else 0.0
+    st.microbatches = M
+    st.linear_attention_calls = calls_max
+    st.rank_costs.extend(rank_costs)
+    mean = float(np.mean(rank_costs)) if rank_costs else 0.0
+    st.imbalance = max(rank_costs) / mean if mean > 0 else 1.0
+    st.peak_live_tokens = int(peak)
+    st.windows = sum(1 for L in layouts if L.shared)
+    return plan
+
+
+def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> None:
+    h.version = PLAN_VERSION
+    h.step_id = forest.batch_id
+    p = h.params
+    p.world_size = cfg.world_size
+    p.microbatch_tokens = cfg.microbatch_tokens
+    p.memory_tokens = cfg.memory_tokens
+    p.chunk_size = cfg.chunk_size
+    p.conv_kernel = cfg.conv_kernel
+    p.vocab_size = forest.vocab_size
+    p.sharing = cfg.sharing
+    p.windows = cfg.windows
+    p.replay = cfg.replay
+    p.logprob_positions = plan_pb2.LOGPROB_POSITIONS_ALL if cfg.all_positions else plan_pb2.LOGPROB_POSITIONS_LOSS
+    n = h.normalizers
+    T = forest.num_trajectories
+    per_traj = np.add.reduceat(forest.loss_mask.astype(np.float64), forest.traj_offset[:-1]) if T else np.zeros(0)
+    per_traj = np.where(forest.traj_length() > 0, per_traj, 0.0)
+    n.total_loss_tokens = float(forest.loss_mask.astype(np.int64).sum())
+    n.num_trajectories = T
+    n.traj_loss_tokens = pk(per_traj, "float32")
+    weight = forest.weight if forest.weight.shape[0] == T else np.ones(T, np.float32)
+    n.traj_weight = pk(weight, "float32")
+    h.trajectory_ids.extend(forest.traj_ids)
+    h.trajectory_lengths = pk(forest.traj_length(), "int32")
+    h.tree_ids.extend(forest.tree_ids)

@@ -1,0 +1,569 @@
+"""Independent checker of HARTS plans (the wire contract of proto/harts/v1/plan.proto).
+
+Used by the planner before it hands a plan out and by trainers before they execute one; it never
+imports the planner. Numpy plus plain Python, written from the contract, not from the builder.
+
+    validate_plan(plan, forest_like=None)   # the whole step (all ranks)
+    validate_slice(slice_)                  # one rank's slice: what a trainer can check alone
+
+Both raise `PlanValidationError` (a ValueError) naming the microbatch and field at fault.
+
+`forest_like` (optional) is any object with `path_tokens(t) -> int array`, `traj_offset` [T+1]
+and `loss_mask` [N_e] (a planner Forest qualifies); with it the validator also checks that every
+log-prob row's token chain reproduces the trajectory prefix, every label, the loss mask, and that
+the plan keeps every distinct token of the batch. Token chains are compared through 64-bit
+polynomial prefix hashes (wrap-around arithmetic), so a mismatch can only slip through by a hash
+collision.
+
+Live memory (what must fit params.memory_tokens): while microbatch m runs, its computed rows
+(num_rows + replay_tokens) plus, for every open window below which it runs, that window's computed
+rows, or its number of export rows when it is marked `recompute`.
+
+Legend: R local rows, I imported rows, S segments, P log-prob entries, K conv kernel, C chunk size.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from proto.arrays import unpack
+from proto.harts.v1 import plan_pb2
+
+_HASH_BASE = np.uint64(0x9E3779B97F4A7C15 | 1)
+
+
+class PlanValidationError(ValueError):
+    """A plan that breaks the contract; the message names the offending microbatch and field."""
+
+
+def _fail(where: str, msg: str) -> None:
+    raise PlanValidationError(f"{where}: {msg}")
+
+
+class _MB:
+    """Decoded arrays of one microbatch plus derived per-row facts."""
+
+    def __init__(self, mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams):
+        self.msg = mb
+        self.id = mb.id
+        w = self.where = f"microbatch {mb.id}"
+        R = self.R = mb.num_rows
+        K = params.conv_kernel
+
+        def arr(name: str, dtype: str, n: int | None, width: int = 1) -> np.ndarray:
+            try:
+                a = unpack(getattr(mb, name), dtype, width=width, name=f"{w}.{name}")
+            except ValueError as exc:
+                raise PlanValidationError(str(exc)) from None
+            if width > 1 and len(getattr(mb, name)) == 0:
+                a = a.reshape(0, width)
+            if n is not None and a.shape[0] != n:
+                _fail(f"{w}.{name}", f"expected {n} entries, got {a.shape[0]}")
+            return a
+
+        if R < 0:
+            _fail(f"{w}.num_rows", f"expected >= 0, got {R}")
+        self.tokens = arr("tokens", "int32", R)
+        self.depth = arr("depth", "int32", R)
+        self.occurrence = arr("occurrence", "int32", R)
+        self.seg_start = arr("seg_start", "int32", None)
+        S = self.S = self.seg_start.shape[0]
+        self.seg_length = arr("seg_length", "int32", S)
+        self.seg_parent = arr("seg_parent", "int32", S)
+        self.seg_tree = arr("seg_tree", "int32", S)
+        self.seg_forest = arr("seg_forest", "int32", S)
+        self.seg_forest_offset = arr("seg_forest_offset", "int32", S)
+        self.seg_dup = arr("seg_duplicated", "uint8", S)
+        self.import_mb = arr("import_microbatch", "int32", None)
+        I = self.I = self.import_mb.shape[0]
+        self.import_row = arr("import_row", "int32", I)
+        if K > 1:
+            self.conv = arr("conv_ancestors", "int32", R, width=K - 1).reshape(R, K - 1)
+        else:
+            self.conv = np.zeros((R, 0), np.int32)
+            if len(mb.conv_ancestors):
+                _fail(f"{w}.conv_ancestors", f"expected empty for conv_kernel {K}, got {len(mb.conv_ancestors)} bytes")
+        self.attn_offsets = arr("attn_offsets", "int32", S + 1)
+        self.attn_ranges = arr("attn_ranges", "int32", None, width=2).reshape(-1, 2)
+        self.export_rows = arr("export_rows", "int32", None)
+        self.export_states = arr("export_states", "int32", None)
+        self.lp_row = arr("lp_row", "int32", None)
+        P = self.P = self.lp_row.shape[0]
+        self.lp_label = arr("lp_label", "int32", P)
+        self.lp_traj = arr("lp_traj", "int32", P)
+        self.lp_pos = arr("lp_pos", "int32", P)
+        self.lp_loss_mask = arr("lp_loss_mask", "uint8", P)
+        self.lp_advantage = arr("lp_advantage", "float32", P)
+        for name in ("lp_old_logprob", "lp_ref_logprob"):
+            a = arr(name, "float32", None)
+            if a.shape[0] not in (0, P):
+                _fail(f"{w}.{name}", f"expected {P} entries or none, got {a.shape[0]}")
+        self._check_tables(params)
+
+    def _check_tables(self, params: plan_pb2.PlanParams) -> None:
+        w, R, S, I = self.where, self.R, self.S, self.I
+        if ((self.tokens < 0) | (self.tokens >= params.vocab_size)).any():
+            _fail(f"{w}.tokens", f"expected ids in [0, {params.vocab_size}), got {int(self.tokens.min())}..{int(self.tokens.max())}")
+        if (self.seg_length < 1).any():
+            _fail(f"{w}.seg_length", "expected every segment to have >= 1 row")
+        expect_start = np.concatenate([[0], np.cumsum(self.seg_length)[:-1]]) if S else np.zeros(0)
+        if not np.array_equal(self.seg_start, expect_start) or int(self.seg_length.sum()) != R:
+            _fail(f"{w}.seg_start", "expected segments to tile rows [0, num_rows) in order")
+        seg_of_row = np.repeat(np.arange(S), self.seg_length)
+        self.row_seg = seg_of_row
+        off = np.arange(R) - self.seg_start[seg_of_row] if R else np.zeros(0, np.int64)
+        if not np.array_equal(self.depth, (self.depth[self.seg_start][seg_of_row] + off) if R else self.depth):
+            _fail(f"{w}.depth", "expected consecutive depths inside every segment")
+        self.row_dup = self.seg_dup[seg_of_row] if R else np.zeros(0, np.uint8)
+        if ((self.seg_dup == 1) & (self.seg_parent >= 0)).any():
+            bad = np.flatnonzero((self.seg_dup == 1) & (self.seg_parent >= 0))
+            for s in bad.tolist():
+                if self.seg_dup[self.seg_parent[s]] != 1:
+                    _fail(f"{w}.seg_duplicated[{s}]", "expected a duplicated segment's parent to be duplicated too")
+        if (self.occurrence[self.row_dup == 1] != 0).any():
+            _fail(f"{w}.occurrence", "expected 0 on duplicated rows")
+        if (self.occurrence[self.row_dup == 0] < 1).any():
+            _fail(f"{w}.occurrence", "expected >= 1 on kept rows (some trajectory passes through each)")
+        for s in range(S):
+            p = int(self.seg_parent[s])
+            if not -1 <= p < s:
+                _fail(f"{w}.seg_parent[{s}]", f"expected -1 or a preceding segment, got {p}")
+        if I and ((self.import_row < 0).any()):
+            _fail(f"{w}.import_row", "expected extended rows >= 0")
+        offs = self.attn_offsets
+        if S and (offs[0] != 0 or (np.diff(offs) < 0).any() or offs[-1] != self.attn_ranges.shape[0]):
+            _fail(f"{w}.attn_offsets", f"expected a monotone offset table from 0 to {self.attn_ranges.shape[0]}")
+        rg = self.attn_ranges
+        if rg.shape[0] and ((rg[:, 0] < 0) | (rg[:, 1] <= rg[:, 0]) | (rg[:, 1] > R + I)).any():
+            _fail(f"{w}.attn_ranges", f"expected non-empty ranges inside [0, {R + I})")
+
+    def first_pred(self, s: int) -> int:
+        """Extended row before segment s's first row: parent's last row, or the attention ancestry's last row."""
+        p = int(self.seg_parent[s])
+        if p >= 0:
+            if self.depth[self.seg_start[s]] != self.depth[self.seg_start[p] + self.seg_length[p] - 1] + 1:
+                _fail(f"{self.where}.depth", f"expected segment {s} to start one below its parent's last row")
+            return int(self.seg_start[p] + self.seg_length[p] - 1)
+        d = int(self.depth[self.seg_start[s]])
+        if d == 0:
+            return -1
+        a, b = int(self.attn_offsets[s]), int(self.attn_offsets[s + 1])
+        if b == a:
+            _fail(f"{self.where}.attn_ranges", f"expected imported ancestors for root segment {s} at depth {d}, got none")
+        x = int(self.attn_ranges[b - 1, 1]) - 1
+        if x < self.R:
+            _fail(f"{self.where}.seg_parent[{s}]", f"root segment at depth {d} must hang below an imported row, got local row {x}")
+        return x
+
+
+class _Step:
+    """Cross-microbatch facts: extended-row predecessors, depths, hashes, forest identities."""
+
+    def __init__(self, mbs: dict[int, _MB]):
+        self.mbs = mbs
+        self.pred: dict[int, np.ndarray] = {}
+        self.edepth: dict[int, np.ndarray] = {}
+        self.etok: dict[int, np.ndarray] = {}
+        self.hash: dict[int, np.ndarray] = {}
+        self.ident: dict[int, np.ndarray] = {}  # int64 (seg_forest << 32 | offset) per extended row
+
+    def resolve(self, m: int, order: list[int]) -> None:
+        """Fill per-extended-row facts of m; exporters must be resolved first (order)."""
+        mb = self.mbs[m]
+        R, I = mb.R, mb.I
+        pred = np.full(R + I, -1, np.int64)
+        depth = np.zeros(R + I, np.int64)
+        tok = np.zeros(R + I, np.int64)
+        ident = np.zeros(R + I, np.int64)
+        h = np.zeros(R + I, np.uint64)
+        depth[:R] = mb.depth
+        tok[:R] = mb.tokens
+        if R:
+            off = np.arange(R) - mb.seg_start[mb.row_seg]
+            ident[:R] = (mb.seg_forest[mb.row_seg].astype(np.int64) << 32) | (mb.seg_forest_offset[mb.row_seg] + off)
+        imports: dict[tuple[int, int], int] = {}
+        for i in range(I):
+            e, r = int(mb.import_mb[i]), int(mb.import_row[i])
+            where = f"{mb.where}.import_row[{i}]"
+            if e not in self.pred:
+                _fail(f"{mb.where}.import_microbatch[{i}]", f"exporter {e} is not an earlier microbatch of this rank")
+            if r >= self.pred[e].shape[0]:
+                _fail(where, f"expected an extended row of microbatch {e} (< {self.pred[e].shape[0]}), got {r}")
+            if r not in set(self.mbs[e].export_rows.tolist()):
+                _fail(where, f"row {r} is not listed in microbatch {e}'s export_rows")
+            imports[(e, r)] = R + i
+            depth[R + i] = self.edepth[e][r]
+            tok[R + i] = self.etok[e][r]
+            ident[R + i] = self.ident[e][r]
+            h[R + i] = self.hash[e][r]
+        for i in range(I):
+            e, r = int(mb.import_mb[i]), int(mb.import_row[i])
+            pe = int(self.pred[e][r])
+            if pe >= 0:
+                if (e, pe) not in imports:
+                    _fail(f"{mb.where}.import_row[{i}]", f"its predecessor (row {pe} of microbatch {e}) is not imported")
+                pred[R + i] = imports[(e, pe)]
+        for s in range(mb.S):
+            a = int(mb.seg_start[s])
+            pred[a] = mb.first_pred(s)
+            pred[a + 1 : a + mb.seg_length[s]] = np.arange(a, a + mb.seg_length[s] - 1)
+            x = int(pred[a])
+            if x >= 0 and depth[x] != depth[a] - 1:
+                _fail(f"{mb.where}.depth", f"segment {s} starts at depth {int(depth[a])} below a row of depth {int(depth[x])}")
+            if x >= 0:
+                fs, fo = int(mb.seg_forest[s]), int(mb.seg_forest_offset[s])
+                if fo > 0 and ident[x] != ((fs << 32) | (fo - 1)):
+                    _fail(f"{mb.where}.seg_forest_offset[{s}]", "expected the predecessor to be the previous token of the same forest segment")
+            # prefix hashes of the segment's rows, vectorised with wrap-around uint64 arithmetic
+            n = int(mb.seg_length[s])
+            t = tok[a : a + n].astype(np.uint64) + np.uint64(1)
+            with np.errstate(over="ignore"):
+                hx = h[x] if x >= 0 else np.uint64(0)
+                vals = np.empty(n, np.uint64)
+                acc = hx
+                for j in range(n):  # short loop per segment; segments are processed in order
+                    acc = acc * _HASH_BASE + t[j]
+                    vals[j] = acc
+            h[a : a + n] = vals
+        self.pred[m], self.edepth[m], self.etok[m], self.hash[m], self.ident[m] = pred, depth, tok, h, ident
+        if (depth[:R] < 0).any():
+            _fail(f"{mb.where}.depth", "expected depths >= 0")
+
+
+def _check_ancestry(mb: _MB, pred: np.ndarray, K: int) -> None:
+    R = mb.R
+    cur = pred[:R].copy()
+    for j in range(K - 2, -1, -1):
+        if not np.array_equal(mb.conv[:, j], cur):
+            r = int(np.flatnonzero(mb.conv[:, j] != cur)[0])
+            _fail(f"{mb.where}.conv_ancestors[{r}, {j}]", f"expected {int(cur[r])}, got {int(mb.conv[r, j])}")
+        cur = np.where(cur >= 0, pred[np.maximum(cur, 0)], -1)
+    for s in range(mb.S):
+        rows = []
+        x = int(pred[mb.seg_start[s]])
+        while x >= 0:
+            rows.append(x)
+            x = int(pred[x])
+        rows.reverse()
+        rg = mb.attn_ranges[mb.attn_offsets[s] : mb.attn_offsets[s + 1]]
+        got = [r for a, b in rg.tolist() for r in range(a, b)]
+        if got != rows:
+            _fail(f"{mb.where}.attn_ranges", f"segment {s}: expected its {len(rows)} ancestor rows in path order, got {len(got)} other rows")
+
+
+def _check_linear(mb: _MB, st: _Step, params: plan_pb2.PlanParams, states_of: dict[int, dict[int, tuple[int, int]]]) -> None:
+    """Sequences: contiguous owned ranges, replay chains, aligned starts, states available in time."""
+    w, R, C = mb.where, mb.R, params.chunk_size
+    pred, depth, ident = st.pred[mb.id], st.edepth[mb.id], st.ident[mb.id]
+    owned = np.zeros(R, np.int64)
+    exported: dict[int, tuple[int, int, int]] = {}  # state -> (call, depth, extended row before it)
+    replay_total = 0
+    for ci, call in enumerate(mb.msg.linear_calls):
+        for qi, seq in enumerate(call.sequences):
+            where = f"{w}.linear_calls[{ci}].sequences[{qi}]"
+            reps = unpack(seq.replay_rows, "int32", name=f"{where}.replay_rows")
+            if not 0 <= seq.row_start < seq.row_end <= R:
+                _fail(where, f"expected 0 <= row_start < row_end <= {R}, got [{seq.row_start}, {seq.row_end})")
+            if params.replay and len(reps) > C - 1:
+                _fail(f"{where}.replay_rows", f"expected <= C-1 = {C - 1} rows, got {len(reps)}")
+            if not params.replay and len(reps):
+                _fail(f"{where}.replay_rows", f"expected none with replay off, got {len(reps)}")
+            if ((reps < 0) | (reps >= R + mb.I)).any():
+                _fail(f"{where}.replay_rows", f"expected extended rows in [0, {R + mb.I})")
+            replay_total += len(reps)
+            chain = np.concatenate([reps.astype(np.int64), np.arange(seq.row_start, seq.row_end)])
+            if (pred[chain[1:]] != chain[:-1]).any():
+                _fail(where, "expected replay rows then the range to be consecutive rows of one path")
+            if depth[chain[0]] != seq.start_depth:
+                _fail(f"{where}.start_depth", f"expected {int(depth[chain[0]])} (depth of its first row), got {seq.start_depth}")
+            if params.replay and seq.start_depth % C:
+                _fail(f"{where}.start_depth", f"expected a multiple of C = {C} with replay on, got {seq.start_depth}")
+            owned[seq.row_start : seq.row_end] += 1
+            before = int(pred[chain[0]])
+            src = seq.init_state
+            if src.kind == plan_pb2.StateSource.ZERO:
+                if seq.start_depth != 0:
+                    _fail(f"{where}.init_state", f"zero state at depth {seq.start_depth}, expected depth 0")
+            elif src.kind == plan_pb2.StateSource.LOCAL:
+                got = exported.get(src.state)
+                if got is None:
+                    _fail(f"{where}.init_state", f"local state {src.state} is not exported by an earlier call")
+                if got[1] != seq.start_depth or got[2] != before:
+                    _fail(f"{where}.init_state", f"state {src.state} is the state at depth {got[1]} of another path, expected depth {seq.start_depth} on this one")
+            else:
+                if not 0 <= src.state < len(mb.msg.state_imports):
+                    _fail(f"{where}.init_state", f"expected an index into state_imports (< {len(mb.msg.state_imports)}), got {src.state}")
+                imp = mb.msg.state_imports[src.state]
+                table = states_of.get(imp.microbatch)
+                if table is None or imp.state not in table:
+                    _fail(f"{w}.state_imports[{src.state}]", f"microbatch {imp.microbatch} does not export state {imp.state} earlier on this rank")
+                if imp.state not in set(st.mbs[imp.microbatch].export_states.tolist()):
+                    _fail(f"{w}.state_imports[{src.state}]", f"state {imp.state} is not in microbatch {imp.microbatch}'s export_states")
+                e_depth, e_ident = table[imp.state]
+                if e_depth != seq.start_depth or before < 0 or ident[before] != e_ident:
+                    _fail(f"{where}.init_state", f"imported state is at depth {e_depth} of another path, expected depth {seq.start_depth} on this one")
+            end_depth = int(depth[seq.row_end - 1]) + 1
+            for ex in seq.exports:
+                if not seq.start_depth < ex.depth <= end_depth:
+                    _fail(f"{where}.exports", f"expected a depth in ({seq.start_depth}, {end_depth}], got {ex.depth}")
+                aligned = (ex.depth - seq.start_depth) % C == 0
+                if not (aligned or (not params.replay and ex.depth == end_depth)):
+                    _fail(f"{where}.exports", f"state at depth {ex.depth} is not at a chunk boundary of the sequence")
+                if ex.state in exported or not 0 <= ex.state < mb.msg.num_states:
+                    _fail(f"{where}.exports", f"state id {ex.state} repeated or outside [0, {mb.msg.num_states})")
+                k = ex.depth - seq.start_depth - 1
+                exported[ex.state] = (ci, ex.depth, int(chain[k]))
+        # a state is readable only by later calls: register after the whole call
+    if (owned != 1).any():
+        r = int(np.flatnonzero(owned != 1)[0])
+        _fail(f"{w}.linear_calls", f"expected every local row in exactly one sequence range, row {r} is in {int(owned[r])}")
+    if len(exported) != mb.msg.num_states:
+        _fail(f"{w}.num_states", f"expected {len(exported)} (exported states), got {mb.msg.num_states}")
+    if replay_total != mb.msg.replay_tokens:
+        _fail(f"{w}.replay_tokens", f"expected {replay_total}, got {mb.msg.replay_tokens}")
+    states_of[mb.id] = {s: (d, int(ident[r])) for s, (_, d, r) in exported.items()}
+    for s in mb.export_states.tolist():
+        if s not in exported:
+            _fail(f"{w}.export_states", f"state {s} is not exported by any sequence")
+    for ci, call in enumerate(mb.msg.linear_calls):  # local states must come from strictly earlier calls
+        for seq in call.sequences:
+            if seq.init_state.kind == plan_pb2.StateSource.LOCAL and exported[seq.init_state.state][0] >= ci:
+                _fail(f"{w}.linear_calls[{ci}]", f"reads local state {seq.init_state.state} produced in call {exported[seq.init_state.state][0]}")
+
+
+def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[dict[int, _MB], _Step]:
+    params = header.params
+    where = f"rank {rank.rank}"
+    mbs: dict[int, _MB] = {}
+    for mb in rank.microbatches:
+        if mb.id in mbs:
+            _fail(f"{where}.microbatches", f"microbatch id {mb.id} appears twice")
+        mbs[mb.id] = _MB(mb, params)
+        computed = mb.num_rows + mb.replay_tokens
+        if computed > params.microbatch_tokens:
+            _fail(f"microbatch {mb.id}", f"computed rows {computed} exceed microbatch_tokens {params.microbatch_tokens}")
+        if int(mbs[mb.id].row_dup.sum()) != mb.duplicated_tokens:
+            _fail(f"microbatch {mb.id}.duplicated_tokens", f"expected {int(mbs[mb.id].row_dup.sum())}, got {mb.duplicated_tokens}")
+        if mbs[mb.id].I and not params.windows:
+            _fail(f"microbatch {mb.id}.import_row", "expected no imports with windows off")
+    # Execution order: each microbatch forward once then backward once, properly nested.
+    ids = [mb.id for mb in rank.microbatches]
+    seen_f: dict[int, int] = {}
+    seen_b: dict[int, int] = {}
+    stack: list[int] = []
+    order: list[int] = []
+    peak = 0
+    for i, step in enumerate(rank.steps):
+        if not 0 <= step.microbatch < len(ids):
+            _fail(f"{where}.steps[{i}]", f"expected an index < {len(ids)}, got {step.microbatch}")
+        m = ids[step.microbatch]
+        if step.kind == plan_pb2.ExecStep.FORWARD:
+            if m in seen_f:
+                _fail(f"{where}.steps[{i}]", f"microbatch {m} forwarded twice")
+            seen_f[m] = i
+            for e in set(mbs[m].import_mb.tolist()) | {s.microbatch for s in mbs[m].msg.state_imports}:
+                if e not in stack:
+                    _fail(f"{where}.steps[{i}]", f"microbatch {m} imports from {e}, which is not an open window here")
+            stack.append(m)
+            order.append(m)
+        else:
+            if m not in seen_f or m in seen_b:
+                _fail(f"{where}.steps[{i}]", f"backward of microbatch {m} without one prior forward")
+            if not stack or stack[-1] != m:
+                _fail(f"{where}.steps[{i}]", f"backward of {m} is not depth-first (open: {stack})")
+            seen_b[m] = i
+            stack.pop()
+        live = 0
+        for a in stack[:-1] if step.kind == plan_pb2.ExecStep.FORWARD else stack:
+            ma = mbs[a].msg
+            live += len(mbs[a].export_rows) if ma.recompute else ma.num_rows + ma.replay_tokens
+        cur = mbs[m].msg
+        live += cur.num_rows + cur.replay_tokens
+        peak = max(peak, live)
+        if live > params.memory_tokens:
+            _fail(f"{where}.steps[{i}]", f"live window stack {live} exceeds memory_tokens {params.memory_tokens}")
+    for m in ids:
+        if m not in seen_f or m not in seen_b:
+            _fail(f"{where}.steps", f"microbatch {m} is not forwarded and backwarded exactly once")
+    st = _Step(mbs)
+    states_of: dict[int, dict[int, tuple[int, int]]] = {}
+    for m in order:
+        st.resolve(m, order)
+        _check_ancestry(mbs[m], st.pred[m], params.conv_kernel)
+        _check_linear(mbs[m], st, params, states_of)
+        mb = mbs[m]
+        if mb.P:
+            r = mb.lp_row
+            if ((r < 0) | (r >= mb.R)).any():
+                _fail(f"{mb.where}.lp_row", f"expected local rows in [0, {mb.R})")
+            if (mb.row_dup[r] == 1).any():
+                _fail(f"{mb.where}.lp_row", "expected kept rows, got a duplicated context row")
+            if not np.array_equal(mb.depth[r].astype(np.int64), mb.lp_pos.astype(np.int64) - 1):
+                i = int(np.flatnonzero(mb.depth[r] != mb.lp_pos - 1)[0])
+                _fail(f"{mb.where}.lp_row[{i}]", f"expected a row at depth {int(mb.lp_pos[i]) - 1} (position - 1), got depth {int(mb.depth[r[i]])}")
+            if header.params.logprob_positions == plan_pb2.LOGPROB_POSITIONS_LOSS and (mb.lp_loss_mask != 1).any():
+                _fail(f"{mb.where}.lp_loss_mask", "expected only loss positions (mask 1) in a loss-positions plan")
+        rows = mb.export_rows
+        if rows.shape[0] and ((rows < 0) | (rows >= mb.R + mb.I)).any():
+            _fail(f"{mb.where}.export_rows", f"expected extended rows in [0, {mb.R + mb.I})")
+    return mbs, st
+
+
+def validate_slice(slice_: plan_pb2.PlanSlice) -> None:
+    """Check one rank's slice: tables, ancestry, schedule, imports, budgets and execution order.
+
+    Raises:
+        PlanValidationError: the first violated rule, naming the microbatch and field.
+    """
+    _check_header(slice_.header)
+    _check_rank(slice_.header, slice_.rank)
+
+
+def _check_header(header: plan_pb2.PlanHeader) -> None:
+    from proto.plan_io import PLAN_VERSION
+
+    if header.version != PLAN_VERSION:
+        _fail("header.version", f"expected {PLAN_VERSION!r}, got {header.version!r}")
+    p = header.params
+    c = p.chunk_size
+    if c < 1 or c & (c - 1):
+        _fail("header.params.chunk_size", f"expected a power of two, got {c}")
+    if p.conv_kernel < 1 or p.vocab_size < 1 or p.world_size < 1:
+        _fail("header.params", "expected conv_kernel, vocab_size and world_size >= 1")
+    T = len(header.trajectory_ids)
+    try:
+        lengths = unpack(header.trajectory_lengths, "int32", name="header.trajectory_lengths")
+    except ValueError as exc:
+        raise PlanValidationError(str(exc)) from None
+    if lengths.shape[0] != T:
+        _fail("header.trajectory_lengths", f"expected {T} entries, got {lengths.shape[0]}")
+    n = header.normalizers
+    if n.num_trajectories != T:
+        _fail("header.normalizers.num_trajectories", f"expected {T}, got {n.num_trajectories}")
+    for name in ("traj_loss_tokens", "traj_weight"):
+        a = unpack(getattr(n, name), "float32", name=f"header.normalizers.{name}")
+        if a.shape[0] != T:
+            _fail(f"header.normalizers.{name}", f"expected {T} entries, got {a.shape[0]}")
+    tl = unpack(n.traj_loss_tokens, "float32")
+    if abs(float(tl.astype(np.float64).sum()) - n.total_loss_tokens) > 1e-6 * max(1.0, n.total_loss_tokens):
+        _fail("header.normalizers.total_loss_tokens", f"expected the sum of traj_loss_tokens {float(tl.sum())}, got {n.total_loss_tokens}")
+
+
+def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
+    """Check a whole plan: every rank slice, then the step-wide rules.
+
+    Step-wide rules: microbatch ids 0..M-1 each placed exactly once; every forest token kept
+    (non-duplicated) exactly once; every trajectory position with a loss term (or every position
+    1..L-1 for LOGPROB_POSITIONS_ALL) has exactly one log-prob entry whose row ends the
+    trajectory's prefix and whose label is the next token (through `forest_like` when given;
+    otherwise consecutive entries of a trajectory must chain); normalisers and stats consistent.
+
+    Raises:
+        PlanValidationError: the first violated rule.
+    """
+    header = plan.header
+    _check_header(header)
+    p = header.params
+    if len(plan.ranks) != p.world_size:
+        _fail("ranks", f"expected {p.world_size} rank plans, got {len(plan.ranks)}")
+    all_mbs: dict[int, _MB] = {}
+    steps: dict[int, _Step] = {}
+    for i, rank in enumerate(plan.ranks):
+        if rank.rank != i:
+            _fail(f"ranks[{i}].rank", f"expected {i}, got {rank.rank}")
+        mbs, st = _check_rank(header, rank)
+        for m, mb in mbs.items():
+            if m in all_mbs:
+                _fail(f"microbatch {m}", "placed on more than one rank")
+            all_mbs[m] = mb
+            steps[m] = st
+    M = len(all_mbs)
+    if sorted(all_mbs) != list(range(M)):
+        _fail("ranks", f"expected microbatch ids 0..{M - 1}, got {sorted(all_mbs)[:5]}...")
+    # Kept tokens: each forest identity once over non-duplicated rows.
+    kept = [steps[m].ident[m][: mb.R][mb.row_dup == 0] for m, mb in all_mbs.items()]
+    kept_all = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+    uniq, counts = np.unique(kept_all, return_counts=True)
+    if (counts > 1).any():
+        x = int(uniq[np.flatnonzero(counts > 1)[0]])
+        _fail("ranks", f"forest token (segment {x >> 32}, offset {x & 0xFFFFFFFF}) is kept in more than one microbatch")
+    st = header.stats
+    if st.unique_tokens != kept_all.shape[0]:
+        _fail("header.stats.unique_tokens", f"expected {kept_all.shape[0]} kept rows, got {st.unique_tokens}")
+    replay = sum(mb.msg.replay_tokens for mb in all_mbs.values())
+    dup = sum(mb.msg.duplicated_tokens for mb in all_mbs.values())
+    if (st.replay_tokens, st.duplicated_tokens, st.computed_tokens, st.microbatches) != (replay, dup, kept_all.shape[0] + replay + dup, M):
+        _fail("header.stats", "expected replay/duplicated/computed tokens and microbatches to match the microbatches")
+    calls = max((len(mb.msg.linear_calls) for mb in all_mbs.values()), default=0)
+    if st.linear_attention_calls != calls:
+        _fail("header.stats.linear_attention_calls", f"expected {calls}, got {st.linear_attention_calls}")
+    _check_logprobs(header, all_mbs, steps, forest_like)
+    if forest_like is not None:
+        expect = getattr(forest_like, "unique_tokens", None)
+        if expect is not None and int(expect) != kept_all.shape[0]:
+            _fail("ranks", f"expected {int(expect)} distinct forest tokens kept, got {kept_all.shape[0]}")
+
+
+def _prefix_hashes(tokens: np.ndarray) -> np.ndarray:
+    out = np.empty(tokens.shape[0], np.uint64)
+    acc = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for j, t in enumerate(tokens.tolist()):
+            acc = acc * _HASH_BASE + np.uint64(t + 1)
+            out[j] = acc
+    return out
+
+
+def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], forest_like) -> None:
+    lengths = unpack(header.trajectory_lengths, "int32").astype(np.int64)
+    T = lengths.shape[0]
+    parts = [(m, mb) for m, mb in sorted(all_mbs.items()) if mb.P]
+    if not parts:
+        traj = pos = row_hash = label = mask = np.zeros(0, np.int64)
+    else:
+        traj = np.concatenate([mb.lp_traj for _, mb in parts]).astype(np.int64)
+        pos = np.concatenate([mb.lp_pos for _, mb in parts]).astype(np.int64)
+        label = np.concatenate([mb.lp_label for _, mb in parts]).astype(np.int64)
+        mask = np.concatenate([mb.lp_loss_mask for _, mb in parts]).astype(np.int64)
+        row_hash = np.concatenate([steps[m].hash[m][mb.lp_row] for m, mb in parts])
+    if ((traj < 0) | (traj >= T)).any():
+        _fail("lp_traj", f"expected trajectory indices in [0, {T})")
+    if ((pos < 1) | (pos >= lengths[traj] if T else pos >= 0)).any():
+        _fail("lp_pos", "expected positions in [1, L) of their trajectory")
+    key = traj * (int(lengths.max()) + 1 if T else 1) + pos
+    order = np.argsort(key, kind="stable")
+    if (np.diff(key[order]) == 0).any():
+        i = int(order[np.flatnonzero(np.diff(key[order]) == 0)[0]])
+        _fail("lp_pos", f"trajectory {int(traj[i])} position {int(pos[i])} has more than one log-prob entry")
+    all_pos = header.params.logprob_positions == plan_pb2.LOGPROB_POSITIONS_ALL
+    if all_pos and key.shape[0] != int(np.maximum(lengths - 1, 0).sum()):
+        _fail("lp_pos", f"expected an entry for every position 1..L-1 ({int(np.maximum(lengths - 1, 0).sum())}), got {key.shape[0]}")
+    if forest_like is None:
+        # consecutive entries of one trajectory must chain: hash(row at p+1) = hash(row at p) extended by label p
+        t, p, h, lab = traj[order], pos[order], row_hash[order], label[order]
+        nxt = (t[1:] == t[:-1]) & (p[1:] == p[:-1] + 1)
+        with np.errstate(over="ignore"):
+            want = h[:-1] * _HASH_BASE + (lab[:-1].astype(np.uint64) + np.uint64(1))
+        if (nxt & (h[1:] != want)).any():
+            i = int(np.flatnonzero(nxt & (h[1:] != want))[0])
+            _fail("lp_label", f"trajectory {int(t[i])} position {int(p[i])}: label or row does not chain with position {int(p[i]) + 1}")
+        return
+    offs = np.asarray(forest_like.traj_offset, np.int64)
+    loss = np.asarray(forest_like.loss_mask).astype(np.int64)
+    if offs.shape[0] != T + 1 or not np.array_equal(np.diff(offs), lengths):
+        _fail("header.trajectory_lengths", "expected the forest's trajectory lengths")
+    want_n = int(sum(int(loss[offs[t] + 1 : offs[t + 1]].sum()) for t in range(T))) if not all_pos else key.shape[0]
+    if key.shape[0] != want_n:
+        _fail("lp_pos", f"expected {want_n} log-prob entries (every loss position >= 1), got {key.shape[0]}")
+    if (mask != loss[offs[traj] + pos]).any():
+        _fail("lp_loss_mask", "expected the trajectory's loss mask at each entry")
+    for t in np.unique(traj).tolist():
+        sel = np.flatnonzero(traj == t)
+        toks = np.asarray(forest_like.path_tokens(t), np.int64)
+        ph = _prefix_hashes(toks)
+        p = pos[sel]
+        if (row_hash[sel] != ph[p - 1]).any():
+            i = int(p[np.flatnonzero(row_hash[sel] != ph[p - 1])[0]])
+            _fail("lp_row", f"trajectory {t} position {i}: the row's token chain does not reproduce the trajectory prefix")
+        if (label[sel] != toks[p]).any():
+            i = int(p[np.flatnonzero(label[sel] != toks[p])[0]])
+            _fail("lp_label", f"trajectory {t} position {i}: expected label {int(toks[i])}, got another token")
