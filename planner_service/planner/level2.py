@@ -2,8 +2,9 @@
 
 - `context_cost`: rows a microbatch would add if its edge to the parent were duplicated (the union
   of its pieces' root paths, plus the bounded replay at the branch points of that union).
-- `export_rows`: rows a window parent keeps for its shared children (their piece roots' paths
-  through the parent's own units): the live cost of a window under activation recomputation.
+- `export_rows`: rows a window parent exports to its shared children (the union of their piece
+  roots' paths: its own rows there, and the rows it imported and re-exports): the live cost of a
+  window under activation recomputation.
 - `lpt_place`: longest-processing-time-first placement of window groups on ranks.
 - `dfs_order`: per-rank execution order, depth-first over the window forest (forward on entry,
   backward after every dependent), and the live stack it implies.
@@ -62,8 +63,8 @@ def context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, chunk, rep
 
 
 @njit(cache=True)
-def export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_shared):
-    """Rows of each window parent that its shared children import (paths through its own units).
+def export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared):
+    """Rows each window parent exports: the union of its shared children's piece-root paths.
 
     Returns:
         exports int64 [M].
@@ -78,7 +79,7 @@ def export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_
             continue
         for i in range(roots_off[c], roots_off[c + 1]):
             u = unit_parent[roots[i]]
-            while u >= 0 and unit_mb[u] == a and stamp[u] != a:
+            while u >= 0 and stamp[u] != a:
                 stamp[u] = a
                 out[a] += unit_len[u]
                 u = unit_parent[u]

@@ -142,7 +142,7 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     sizes_sorted = size[order].astype(np.int64)
     bins_sorted, M = k.first_fit_decreasing(sizes_sorted, group_off, caps)
     if W > 1 and M % W:
-        caps[0] = _balanced_root_cap(k, sizes_sorted[: group_off[1]], int(bins_sorted[group_off[1] - 1]) + 1, M, W, B)
+        caps[0] = _balanced_root_cap(k, sizes_sorted[: group_off[1]], int(bins_sorted[: group_off[1]].max()) + 1, M, W, B)
         bins_sorted, M = k.first_fit_decreasing(sizes_sorted, group_off, caps)
     piece_mb = np.empty(pieces.shape[0], np.int64)
     piece_mb[order] = bins_sorted
@@ -181,7 +181,7 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
 
     # ---- live window stack under M: recompute, then duplicate
     recompute = np.zeros(M, np.bool_)
-    live = _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len, unit_mb)
+    live = _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len)
     rows = rows_now()
     load = np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
 
@@ -303,13 +303,13 @@ def _place(k, W, mb_parent, shared, can_dup, rows_now):
     return mb_rank, load
 
 
-def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len, unit_mb):
+def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len):
     """Mark recomputation, then duplicate edges, until every live stack fits M; returns live [M]."""
     M_budget = cfg.memory_tokens
 
     def live_now():
         rows = rows_now()
-        exports = k.export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, shared)
+        exports = k.export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, shared)
         cost = np.where(recompute, exports, rows)
         return k.live_stack(mb_parent, shared, rows, cost)[0]
 

@@ -1,0 +1,231 @@
+"""Planner benchmark: partitioner (and `plan_step`) speed against the plain-Python reference, and
+plan quality (compression achieved vs ideal, rank imbalance). A benchmark, not a timed test.
+
+Run: `.venv/bin/python -m benchmarks.bench_planner [--quick]` (prints progress on stderr and one
+JSON object of figures on stdout).
+
+The forest is synthesised directly with numpy (no dependency on ingestion or the workload
+generator): `n_trees` random branching trees, each a long prompt segment followed by a random
+recursive tree of short segments (chain-biased, so trajectories are deep), every leaf a trajectory.
+The default size is about 1M distinct tokens, 10M expanded tokens and 50k segments.
+
+Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+import numpy as np
+
+from planner_service.forest import Forest
+from planner_service.planner.config import PlanConfig
+from planner_service.planner.partition import expand_forest, partition_with_report
+
+log = logging.getLogger("bench_planner")
+
+
+def synth_forest(*, n_trees: int, segments_per_tree: int, seed: int = 0, vocab: int = 50_000) -> Forest:
+    """Random branching forest in DFS preorder (see module docstring)."""
+    rng = np.random.default_rng(seed)
+    parents: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    trees: list[np.ndarray] = []
+    base = 0
+    for tree in range(n_trees):
+        n = max(2, int(rng.poisson(segments_per_tree)))
+        chain = rng.random(n) < 0.55
+        anyp = (rng.random(n) * np.arange(n)).astype(np.int64)
+        par = np.where(chain, np.arange(n) - 1, anyp)
+        par[0] = -1
+        kids: list[list[int]] = [[] for _ in range(n)]
+        for u in range(1, n):
+            kids[par[u]].append(u)
+        order, stack = [], [0]
+        while stack:  # preorder, children in index order
+            u = stack.pop()
+            order.append(u)
+            stack.extend(reversed(kids[u]))
+        new_id = np.empty(n, np.int64)
+        new_id[order] = np.arange(n)
+        p = np.where(par[order] >= 0, new_id[np.maximum(par[order], 0)], -1)
+        ln = np.clip(rng.lognormal(np.log(12.0), 0.9, size=n), 1, 400).astype(np.int64)
+        ln[0] = int(np.clip(rng.lognormal(np.log(450.0), 0.5), 100, 1500))
+        parents.append(np.where(p >= 0, p + base, -1))
+        lengths.append(ln)
+        trees.append(np.full(n, tree, np.int32))
+        base += n
+    seg_parent = np.concatenate(parents).astype(np.int32)
+    seg_length = np.concatenate(lengths).astype(np.int32)
+    S = seg_parent.shape[0]
+    seg_depth = np.zeros(S, np.int64)
+    for s in np.flatnonzero(seg_parent >= 0).tolist():  # parents precede children
+        p = seg_parent[s]
+        seg_depth[s] = seg_depth[p] + seg_length[p]
+    has_kid = np.zeros(S, np.bool_)
+    has_kid[seg_parent[seg_parent >= 0]] = True
+    traj_seg = np.flatnonzero(~has_kid).astype(np.int32)
+    traj_len = seg_depth[traj_seg] + seg_length[traj_seg]
+    traj_offset = np.r_[0, np.cumsum(traj_len)].astype(np.int64)
+    n_u = int(seg_length.sum())
+    n_e = int(traj_offset[-1])
+    T = traj_seg.shape[0]
+    return Forest(
+        batch_id=f"bench-{seed}",
+        vocab_size=vocab,
+        tokens=rng.integers(0, vocab, size=n_u, dtype=np.int32),
+        seg_parent=seg_parent,
+        seg_offset=(np.cumsum(seg_length, dtype=np.int64) - seg_length),
+        seg_length=seg_length,
+        seg_depth=seg_depth.astype(np.int32),
+        seg_tree=np.concatenate(trees),
+        tree_ids=[f"task-{i}" for i in range(n_trees)],
+        traj_ids=[f"r{t}" for t in range(T)],
+        traj_seg=traj_seg,
+        traj_offset=traj_offset,
+        loss_mask=(rng.random(n_e) < 0.5).astype(np.uint8),
+        advantages=rng.standard_normal(n_e).astype(np.float32),
+        old_logprobs=None,
+        reward=np.zeros(T, np.float32),
+        weight=np.ones(T, np.float32),
+        group_ids=[""] * T,
+    )
+
+
+def intrinsic_replay(forest: Forest, chunk: int) -> int:
+    """Replay rows of the forest planned whole (every tree in one microbatch): each extra child of
+    a branch at depth e re-runs e % C rows. Any plan computes at least this under bounded replay."""
+    kids = np.bincount(forest.seg_parent[forest.seg_parent >= 0], minlength=forest.num_segments)
+    end = forest.seg_depth.astype(np.int64) + forest.seg_length
+    return int((np.maximum(kids - 1, 0) * (end % chunk)).sum())
+
+
+def _time(fn, repeat: int = 3) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _subforest(forest: Forest, n_trees: int) -> Forest:
+    """The first `n_trees` trees of a synthetic forest (their segments are a prefix)."""
+    S = int(np.searchsorted(forest.seg_tree, n_trees))
+    T = int(np.searchsorted(forest.traj_seg, S))
+    n_u = int(forest.seg_offset[S - 1] + forest.seg_length[S - 1])
+    n_e = int(forest.traj_offset[T])
+    return Forest(
+        batch_id=forest.batch_id, vocab_size=forest.vocab_size, tokens=forest.tokens[:n_u],
+        seg_parent=forest.seg_parent[:S], seg_offset=forest.seg_offset[:S], seg_length=forest.seg_length[:S],
+        seg_depth=forest.seg_depth[:S], seg_tree=forest.seg_tree[:S], tree_ids=forest.tree_ids[:n_trees],
+        traj_ids=forest.traj_ids[:T], traj_seg=forest.traj_seg[:T], traj_offset=forest.traj_offset[: T + 1],
+        loss_mask=forest.loss_mask[:n_e], advantages=forest.advantages[:n_e], old_logprobs=None,
+        reward=forest.reward[:T], weight=forest.weight[:T], group_ids=forest.group_ids[:T],
+    )
+
+
+def _quality(forest: Forest, cfg: PlanConfig, report) -> dict:
+    computed = int(report.rows.sum())
+    ideal = forest.expanded_tokens / forest.unique_tokens
+    achieved = forest.expanded_tokens / computed
+    floor = forest.unique_tokens + (intrinsic_replay(forest, cfg.chunk_size) if cfg.replay else 0)
+    return {
+        "microbatches": int(report.rows.shape[0]),
+        "microbatches_per_rank": report.rows.shape[0] / cfg.world_size,
+        "computed_tokens": computed,
+        "compression_ideal": round(ideal, 4),
+        "compression_achieved": round(achieved, 4),
+        "achieved_over_ideal": round(achieved / ideal, 4),
+        "intrinsic_replay_tokens": floor - forest.unique_tokens,
+        "partition_overhead": round(computed / floor - 1, 5),
+        "imbalance": round(report.imbalance, 4),
+        "peak_live_tokens": report.peak_live,
+    }
+
+
+def run(quick: bool = False) -> dict:
+    """Synthesise the forest, time the partitioner (Numba vs reference) and plan_step, report quality."""
+    n_trees = 60 if quick else 650
+    t0 = time.perf_counter()
+    forest = synth_forest(n_trees=n_trees, segments_per_tree=80, seed=0)
+    largest = int(np.bincount(forest.seg_tree, weights=forest.seg_length).max())
+    log.info(
+        "forest: %d trees, %d segments, %d trajectories, %d distinct / %d expanded tokens, largest tree %d (%.1fs)",
+        n_trees, forest.num_segments, forest.num_trajectories, forest.unique_tokens, forest.expanded_tokens,
+        largest, time.perf_counter() - t0,
+    )
+    out: dict = {"forest": forest.stats() | {"largest_tree": largest}, "configs": {}}
+    W = 8
+    # B >= 4x the largest tree, sized for >= 8 microbatches per rank
+    b_pack = max(4 * largest, 64 * ((forest.unique_tokens // (8 * W)) // 64))
+    configs = {
+        "pack": PlanConfig(world_size=W, microbatch_tokens=b_pack, chunk_size=64),
+        "pack_noreplay": PlanConfig(world_size=W, microbatch_tokens=b_pack, chunk_size=64, replay=False),
+        "windows": PlanConfig(world_size=W, microbatch_tokens=2048, chunk_size=64),
+        "no_windows": PlanConfig(world_size=W, microbatch_tokens=4096, chunk_size=64, windows=False),
+    }
+    partition_with_report(_subforest(forest, 3), configs["pack"])  # compile / load the Numba cache
+    for name, cfg in configs.items():
+        secs, (part, report) = _time(lambda: partition_with_report(forest, cfg))
+        row = {"B": cfg.microbatch_tokens, "partition_seconds": round(secs, 4)} | _quality(forest, cfg, report)
+        out["configs"][name] = row
+        log.info("%s: %s", name, row)
+
+    cfg = configs["windows"]
+    sub = forest if not quick else forest
+    ref_trees = n_trees if quick else n_trees // 5
+    sub = _subforest(forest, ref_trees)
+    t_numba, _ = _time(lambda: partition_with_report(sub, cfg))
+    t_ref, _ = _time(lambda: partition_with_report(sub, cfg, impl="ref"), repeat=1)
+    out["reference"] = {
+        "trees": ref_trees, "unique_tokens": sub.unique_tokens, "segments": sub.num_segments,
+        "numba_seconds": round(t_numba, 4), "ref_seconds": round(t_ref, 3), "speedup": round(t_ref / t_numba, 1),
+    }
+    log.info("reference on %d trees: %s", ref_trees, out["reference"])
+
+    t0 = time.perf_counter()
+    expanded = expand_forest(forest)
+    t_expand = time.perf_counter() - t0
+    base_cfg = PlanConfig(world_size=W, microbatch_tokens=b_pack, chunk_size=64, sharing=False)
+    secs, (part, report) = _time(lambda: partition_with_report(expanded, base_cfg), repeat=1)
+    out["expanded_baseline"] = {
+        "expand_seconds": round(t_expand, 3), "partition_seconds": round(secs, 3),
+        "microbatches": len(part.microbatches), "imbalance": round(report.imbalance, 4),
+    }
+    log.info("expanded baseline: %s", out["expanded_baseline"])
+
+    try:
+        from planner_service.planner import plan_step
+    except ImportError:  # the builder has not landed
+        plan_step = None
+    if plan_step is not None:
+        for name in ("pack", "windows"):
+            cfg = configs[name]
+            plan_step(_subforest(forest, 3), cfg)
+            secs, plan = _time(lambda: plan_step(forest, cfg), repeat=2)
+            st = plan.header.stats
+            out["configs"][name]["plan_step_seconds"] = round(secs, 3)
+            out["configs"][name]["plan_stats"] = {
+                "computed_tokens": st.computed_tokens, "replay_tokens": st.replay_tokens,
+                "duplicated_tokens": st.duplicated_tokens, "compression_achieved": round(st.compression_achieved, 4),
+                "imbalance": round(st.imbalance, 4), "linear_attention_calls": st.linear_attention_calls,
+            }
+            log.info("plan_step %s: %.3fs %s", name, secs, out["configs"][name]["plan_stats"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small forest (CI smoke run)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    print(json.dumps(run(quick=args.quick), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

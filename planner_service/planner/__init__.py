@@ -1,0 +1,108 @@
+"""The HARTS planner (DESIGN §4): partition a step's prefix forest and build its plan.
+
+    from planner_service.planner import PlanConfig, plan_step, warmup
+    warmup()                                   # compile the Numba kernels once, at start-up
+    plan = plan_step(forest, PlanConfig(world_size=8, microbatch_tokens=16384))
+
+`plan_step` = `partition` (levels 1-2, `partition.py`) + `build_plan` (`build.py`) + the wall time
+of both in `PlanStats.plan_seconds`. With `cfg.sharing=False` it plans the trajectory-expanded
+baseline: every trajectory its own tree (`expand_forest`), standard packing, the same builder.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from planner_service.errors import PlanningError
+from planner_service.forest import Forest
+from planner_service.planner.build import build_plan
+from planner_service.planner.config import PlanConfig
+from planner_service.planner.partition import expand_forest, partition, partition_with_report
+from planner_service.planner.spec import MicrobatchSpec, Partition
+from proto.harts.v1 import plan_pb2
+
+__all__ = [
+    "MicrobatchSpec", "Partition", "PlanConfig", "PlanningError", "build_plan", "expand_forest",
+    "partition", "partition_with_report", "plan_step", "warmup",
+]
+
+log = logging.getLogger(__name__)
+
+
+def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_pb2.Plan:
+    """Plan one training step.
+
+    Args:
+        forest: the step's prefix forest (planner_service.ingest).
+        cfg: topology and budgets.
+        impl: "numba" (default) or "ref" (plain-Python partitioner and builder kernels; tests and
+            the benchmark's baseline).
+
+    Raises:
+        PlanningError: settings the forest cannot satisfy (see `partition`); the message names the
+            setting and the remedy.
+    """
+    t0 = time.perf_counter()
+    source = forest if cfg.sharing else expand_forest(forest)
+    part = partition(source, cfg, impl=impl)
+    plan = build_plan(source, cfg, part, use_numba=impl == "numba")
+    plan.header.stats.plan_seconds = time.perf_counter() - t0
+    st = plan.header.stats
+    log.debug(
+        "planned %s: %d microbatches, compression %.3f of %.3f, imbalance %.3f, %.3f s",
+        forest.batch_id, st.microbatches, st.compression_achieved, st.compression_ideal, st.imbalance, st.plan_seconds,
+    )
+    return plan
+
+
+def _tiny_forest() -> Forest:
+    """Two trees: a 10-token prompt with three 12-token branches, and a lone 20-token trajectory."""
+    seg_length = np.array([10, 12, 12, 12, 20], np.int32)
+    n_u = int(seg_length.sum())
+    traj_len = np.array([22, 22, 22, 20], np.int64)
+    n_e = int(traj_len.sum())
+    return Forest(
+        batch_id="warmup",
+        vocab_size=64,
+        tokens=(np.arange(n_u) % 64).astype(np.int32),
+        seg_parent=np.array([-1, 0, 0, 0, -1], np.int32),
+        seg_offset=(np.cumsum(seg_length, dtype=np.int64) - seg_length),
+        seg_length=seg_length,
+        seg_depth=np.array([0, 10, 10, 10, 0], np.int32),
+        seg_tree=np.array([0, 0, 0, 0, 1], np.int32),
+        tree_ids=["a", "b"],
+        traj_ids=["a0", "a1", "a2", "b0"],
+        traj_seg=np.array([1, 2, 3, 4], np.int32),
+        traj_offset=np.r_[0, np.cumsum(traj_len)].astype(np.int64),
+        loss_mask=np.ones(n_e, np.uint8),
+        advantages=np.zeros(n_e, np.float32),
+        old_logprobs=np.zeros(n_e, np.float32),
+        reward=np.zeros(4, np.float32),
+        weight=np.ones(4, np.float32),
+        group_ids=["g"] * 4,
+    )
+
+
+def warmup() -> float:
+    """Compile (or load from the on-disk cache) every Numba kernel of the planner on a tiny input:
+    windows, duplication, recomputation, the expanded baseline and the replay ablation.
+
+    Returns the seconds it took.
+    """
+    t0 = time.perf_counter()
+    forest = _tiny_forest()
+    for cfg in (
+        PlanConfig(world_size=2, microbatch_tokens=16, chunk_size=8, memory_tokens=24),
+        PlanConfig(world_size=2, microbatch_tokens=32, chunk_size=8, windows=False),
+        PlanConfig(world_size=1, microbatch_tokens=16, chunk_size=4, replay=False),
+        PlanConfig(world_size=2, microbatch_tokens=64, chunk_size=8, sharing=False),
+    ):
+        try:
+            plan_step(forest, cfg)
+        except PlanningError:
+            partition(forest, PlanConfig(world_size=cfg.world_size, microbatch_tokens=64, chunk_size=cfg.chunk_size))
+    seconds = time.perf_counter() - t0
+    log.debug("planner warm-up %.3f s", seconds)
+    return seconds
