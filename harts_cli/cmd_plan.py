@@ -1,0 +1,105 @@
+"""Plan a rollout batch for a trainer topology and print the plan report.
+
+    harts plan rollouts.json --world-size 8 --microbatch-tokens 16384 --chunk-size 64 -o plan.bin
+    harts plan batch.pb --world-size 2 --microbatch-tokens 4096 --no-sharing     # expanded baseline
+    cat rollouts.json | harts plan - --world-size 1
+
+Prints one JSON object on stdout: the plan's PlanStats (unique_tokens, expanded_tokens,
+computed_tokens, replay_tokens, duplicated_tokens, compression_ideal, compression_achieved,
+microbatches, linear_attention_calls, rank_costs, imbalance, peak_live_tokens, plan_seconds,
+windows) plus `validated` and, with -o, `output`. The plan is checked with the independent
+validator before it is written. `-o` writes the `harts.v1.Plan` serialised deterministically with
+`plan_seconds` zeroed, so that the same batch and settings always give the same bytes (the timing
+is in the printed report). Settings that cannot be satisfied exit with code 2 and a message that
+names the setting and the remedy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+#: PlanStats fields printed, in order.
+REPORT_FIELDS = (
+    "unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens",
+    "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls",
+    "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="rollout batch: a .json file, a .pb file (protobuf RolloutBatch) or - for stdin")
+    parser.add_argument("--format", choices=("auto", "json", "pb"), default="auto",
+                        help="input format; auto: .pb files are protobuf, everything else JSON")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel trainer ranks W")
+    parser.add_argument("--microbatch-tokens", type=int, default=4096,
+                        help="token budget B per microbatch (computed rows: kept + replay + duplicated)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C (the kernel's)")
+    parser.add_argument("--memory-tokens", type=int, default=0,
+                        help="live window-stack budget M per rank in tokens (default 8 x B)")
+    parser.add_argument("--conv-kernel", type=int, default=4, help="short-convolution kernel size K")
+    parser.add_argument("--no-windows", action="store_true",
+                        help="duplicate the prefix of every cross-microbatch edge instead of sharing it")
+    parser.add_argument("--no-sharing", action="store_true",
+                        help="trajectory-expanded baseline: every trajectory its own tree, standard packing")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="ablation: hand over states at unaligned branch depths instead of replaying")
+    parser.add_argument("--all-positions", action="store_true",
+                        help="a log-prob entry for every position, not only loss positions")
+    parser.add_argument("--python", action="store_true", help="plain-Python partitioner and builder kernels (reference)")
+    parser.add_argument("-o", "--output", help="write the serialised harts.v1.Plan here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner_service import ingest
+    from planner_service.planner import PlanConfig, expand_forest, plan_step, warmup
+    from proto.plan_validator import validate_plan
+
+    cfg = PlanConfig(
+        world_size=args.world_size,
+        microbatch_tokens=args.microbatch_tokens,
+        memory_tokens=args.memory_tokens,
+        chunk_size=args.chunk_size,
+        conv_kernel=args.conv_kernel,
+        sharing=not args.no_sharing,
+        windows=not args.no_windows,
+        replay=not args.no_replay,
+        all_positions=args.all_positions,
+    )
+    if args.input == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        with open(args.input, "rb") as fh:
+            data = fh.read()
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "pb" if args.input.endswith(".pb") else "json"
+    t0 = time.perf_counter()
+    ingest.warmup()
+    warmup()
+    log.debug("numba warm-up %.3f s", time.perf_counter() - t0)
+    build = ingest.forest_from_proto if fmt == "pb" else ingest.forest_from_json
+    forest = build(data)
+    log.info("forest: %d trajectories, %d segments, %d distinct tokens", forest.num_trajectories,
+             forest.num_segments, forest.unique_tokens)
+    plan = plan_step(forest, cfg, impl="ref" if args.python else "numba")
+    validate_plan(plan, forest if cfg.sharing else expand_forest(forest))
+    st = plan.header.stats
+    report = {name: getattr(st, name) for name in REPORT_FIELDS}
+    report["rank_costs"] = list(st.rank_costs)
+    report["validated"] = True
+    log.info("plan: %d microbatches on %d ranks, compression %.3f of %.3f, imbalance %.3f, %.3f s",
+             st.microbatches, cfg.world_size, st.compression_achieved, st.compression_ideal, st.imbalance,
+             st.plan_seconds)
+    if args.output:
+        plan.header.stats.plan_seconds = 0.0
+        with open(args.output, "wb") as fh:
+            fh.write(plan.SerializeToString(deterministic=True))
+        report["output"] = args.output
+        log.info("wrote %s", args.output)
+    print(json.dumps(report))
+    return 0
