@@ -35,12 +35,12 @@ def _assert_forests_equal(a: Forest, b: Forest) -> None:
 
 
 @st.composite
-def trajectory_sets(draw, max_trees: int = 3, alphabet: int = 3):
+def trajectory_sets(draw, max_trees: int = 8, alphabet: int = 3):
     """(tree index, tokens) lists with shared prefixes, prefixes of others, duplicates, singletons."""
     n_trees = draw(st.integers(1, max_trees))
     base = draw(st.lists(st.tuples(st.integers(0, n_trees - 1),
                                    st.lists(st.integers(0, alphabet - 1), min_size=1, max_size=9)),
-                         min_size=1, max_size=10))
+                         min_size=1, max_size=14))
     out = list(base)
     for _ in range(draw(st.integers(0, 6))):
         tree, toks = out[draw(st.integers(0, len(out) - 1))]
@@ -263,3 +263,13 @@ def test_larger_batch_is_deterministic_under_copy():
     _oracle(a, trajs)
     _assert_forests_equal(a, forest_from_json(copy.deepcopy(doc)))
     _assert_forests_equal(a, forest_from_json(doc, numba=False))
+
+
+def test_bench_forest_quick_smoke():
+    from benchmarks import bench_forest
+
+    out = bench_forest.run(quick=True)
+    assert out["expanded_tokens"] == 16 * 4096 and out["unique_tokens"] == 2048 + 16 * 2048
+    assert out["segments"] == 17
+    for key in ("json_numba_s", "proto_numba_s", "json_python_s", "proto_python_s", "radix_numba_s", "radix_python_s"):
+        assert out[key] > 0

@@ -191,7 +191,7 @@ class _Walk:
         tokens = self.array(obj, "tokens", key, path)
         if not tokens:
             raise Stop(key + (2,), f"{path}.tokens", f"expected a list of at least one token id, got {describe(tokens)}")
-        self.limits.check("max_trajectory_length", len(tokens), f"tokens in {path}")
+        self.limits.check("max_trajectory_length", len(tokens), "tokens in one trajectory")
         self.total_tokens += len(tokens)
         self.limits.check("max_tokens", self.total_tokens, "expanded tokens")
         col = raw.columns["tokens"]

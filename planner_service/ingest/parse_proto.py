@@ -149,7 +149,7 @@ class _Walk:
         n = self.array(traj.tokens, "token", key + (2,), f"{path}.tokens", None)
         if n == 0:
             raise Stop(key + (2,), f"{path}.tokens", "expected at least one token id, got an empty array")
-        self.limits.check("max_trajectory_length", n, f"tokens in {path}")
+        self.limits.check("max_trajectory_length", n, "tokens in one trajectory")
         self.total_tokens += n
         self.limits.check("max_tokens", self.total_tokens, "expanded tokens")
         col = raw.columns["tokens"]
