@@ -270,3 +270,50 @@ def test_id_length_limit_names_the_field_and_the_limit():
 def test_limits_config_validation():
     with pytest.raises(ValueError, match="max_tokens: expected an int >= 1, got 0"):
         Limits(max_tokens=0)
+
+
+_JUNK = [None, 0, -1, 2, 99, 1.5, math.nan, math.inf, "", "x", "a", [], [1], [[1]], {}, {"id": 1}, True, 1 << 70,
+         [None], [1.5, 2], ["x"], -1e40]
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    children = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in children:
+        yield from _paths(v, prefix + (k,))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_corruption_gives_a_forest_or_a_project_error(seed):
+    """A service must never leak another exception: random edits either validate or are rejected."""
+    import random
+
+    rng = random.Random(seed)
+    base = _base()
+    paths = list(_paths(base))[1:]
+    for _ in range(150):
+        doc = copy.deepcopy(base)
+        for _ in range(rng.randint(1, 3)):
+            *parents, last = rng.choice(paths)
+            obj = doc
+            try:
+                for k in parents:
+                    obj = obj[k]
+                if rng.random() < 0.15 and isinstance(obj, dict):
+                    del obj[last]
+                else:
+                    obj[last] = copy.deepcopy(rng.choice(_JUNK))
+            except (KeyError, IndexError, TypeError):
+                pass  # an earlier edit removed or replaced this path
+        try:
+            forest_from_json(doc).check()
+        except (ValidationError, LimitError):
+            continue
+        batch = json_to_proto(doc)
+        forest_from_proto(batch.SerializeToString()).check()
+        body = bytearray(batch.SerializeToString())
+        body[rng.randrange(len(body))] = rng.randrange(256)
+        try:
+            forest_from_proto(bytes(body)).check()
+        except (ValidationError, LimitError):
+            pass

@@ -113,6 +113,11 @@ class _Checker:
 
     def trees(self) -> None:
         """Parents, cycles, trajectory nodes and path lengths of the completely parsed trees."""
+        node_tree, node_id, depth, lengths = self.tree_nodes()
+        self.tree_trajectories(node_tree, node_id, depth, lengths)
+
+    def tree_nodes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Resolve parents, find unknown parents and cycles; returns node tree, id, depth, length [V]."""
         raw = self.raw
         K = raw.trees_complete
         V = int(np.searchsorted(np.asarray(raw.node_tree, np.int64), K)) if raw.node_tree else 0
@@ -139,7 +144,13 @@ class _Checker:
             self.errors.offer(raw.node_key(n) + (1,), f"{raw.node_path(n)}.parent",
                               f"expected a parent chain that ends at a root, got a cycle: {ids}")
         raw.node_parent_idx = parent
+        return node_tree, node_id, depth, lengths
 
+    def tree_trajectories(self, node_tree: np.ndarray, node_id: np.ndarray, depth: np.ndarray,
+                          lengths: np.ndarray) -> None:
+        """Resolve explicit trajectories' nodes; check path-length limits and per-position lengths."""
+        raw = self.raw
+        V = node_id.shape[0]
         n_flat = sum(1 for k in raw.traj_tree if k < 0)
         X = len(raw.traj_node_id)
         tree_x = np.asarray(raw.traj_tree[n_flat:n_flat + X], np.int64)
