@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit
 
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
@@ -298,15 +299,91 @@ def _conv_ancestors(ext_parent: np.ndarray, R: int, K: int) -> np.ndarray:
     return out
 
 
-def _traj_tokens(forest: Forest) -> np.ndarray:
-    """int64 [N_e] forest token of every trajectory position."""
-    out = np.empty(forest.expanded_tokens, np.int64)
-    for t in range(forest.num_trajectories):
-        base = int(forest.traj_offset[t])
-        for s in forest.path(t):
-            d, n, o = int(forest.seg_depth[s]), int(forest.seg_length[s]), int(forest.seg_offset[s])
-            out[base + d : base + d + n] = np.arange(o, o + n)
+@njit(cache=True)
+def lp_entries(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, loss_mask, all_positions):
+    """Log-prob entries of every trajectory (Numba).
+
+    An entry is a position i >= 1 with loss_mask 1 (every i >= 1 when all_positions).
+
+    Returns:
+        g int64 [P] global trajectory-space index, traj int64 [P], pos int64 [P], prev_tok and
+        tok int64 [P]: the forest tokens at positions i-1 and i.
+    """
+    T = traj_seg.shape[0]
+    n = 0
+    for t in range(T):
+        for x in range(traj_offset[t] + 1, traj_offset[t + 1]):
+            if all_positions or loss_mask[x] != 0:
+                n += 1
+    g = np.empty(n, np.int64)
+    traj = np.empty(n, np.int64)
+    pos = np.empty(n, np.int64)
+    prev_tok = np.empty(n, np.int64)
+    tok = np.empty(n, np.int64)
+    L = 0
+    for t in range(T):
+        L = max(L, traj_offset[t + 1] - traj_offset[t])
+    path_tok = np.empty(L, np.int64)
+    k = 0
+    for t in range(T):
+        s = traj_seg[t]
+        while s >= 0:  # forest token at every depth of the path
+            for j in range(seg_length[s]):
+                path_tok[seg_depth[s] + j] = seg_offset[s] + j
+            s = seg_parent[s]
+        base = traj_offset[t]
+        for i in range(1, traj_offset[t + 1] - base):
+            if all_positions or loss_mask[base + i] != 0:
+                g[k] = base + i
+                traj[k] = t
+                pos[k] = i
+                prev_tok[k] = path_tok[i - 1]
+                tok[k] = path_tok[i]
+                k += 1
+    return g, traj, pos, prev_tok, tok
+
+
+@njit(cache=True)
+def group_by(keys: np.ndarray, n: int):
+    """Stable counting sort of int keys in [0, n): (order int64 [P], bounds int64 [n+1]) (Numba)."""
+    bounds = np.zeros(n + 1, np.int64)
+    for k in keys:
+        bounds[k + 1] += 1
+    for i in range(n):
+        bounds[i + 1] += bounds[i]
+    fill = bounds[:-1].copy()
+    order = np.empty(keys.shape[0], np.int64)
+    for i in range(keys.shape[0]):
+        order[fill[keys[i]]] = i
+        fill[keys[i]] += 1
+    return order, bounds
+
+
+@njit(cache=True)
+def loss_per_trajectory(traj_offset: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """int64 [T] sum of loss_mask per trajectory (Numba)."""
+    T = traj_offset.shape[0] - 1
+    out = np.zeros(T, np.int64)
+    for t in range(T):
+        for x in range(traj_offset[t], traj_offset[t + 1]):
+            out[t] += loss_mask[x]
     return out
+
+
+def lp_entries_ref(forest: Forest, all_positions: bool):
+    """Plain-Python twin of `lp_entries` (same outputs)."""
+    out = [[], [], [], [], []]
+    for t in range(forest.num_trajectories):
+        path = []
+        for s in forest.path(t):
+            o = int(forest.seg_offset[s])
+            path.extend(range(o, o + int(forest.seg_length[s])))
+        base = int(forest.traj_offset[t])
+        for i in range(1, len(path)):
+            if all_positions or forest.loss_mask[base + i]:
+                for col, v in zip(out, (base + i, t, i, path[i - 1], path[i])):
+                    col.append(v)
+    return tuple(np.array(c, np.int64) for c in out)
 
 
 def _default_steps(specs: list[MicrobatchSpec], world: int) -> list[list[tuple[str, int]]]:
@@ -351,10 +428,11 @@ def build_plan(
     layouts = [_Layout(mb=m, spec=sp, kept_tok=_kept_tokens(forest, sp, m)) for m, sp in enumerate(specs)]
     kept_mb = np.full(forest.unique_tokens, -1, np.int64)
     for L in layouts:
-        if (kept_mb[L.kept_tok] >= 0).any() or np.unique(L.kept_tok).shape[0] != L.kept_tok.shape[0]:
-            raise PlanningError(f"partition.microbatches[{L.mb}].ranges: expected each forest token kept once, got a repeat")
         kept_mb[L.kept_tok] = L.mb
-    if (kept_mb < 0).any():
+    if sum(L.kept_tok.shape[0] for L in layouts) != forest.unique_tokens or (kept_mb < 0).any():
+        for L in layouts:  # slow path, only to name the culprit
+            if (kept_mb[L.kept_tok] != L.mb).any() or np.unique(L.kept_tok).shape[0] != L.kept_tok.shape[0]:
+                raise PlanningError(f"partition.microbatches[{L.mb}].ranges: expected each forest token kept once, got a repeat")
         raise PlanningError(f"partition: expected every forest token kept, token {int(np.flatnonzero(kept_mb < 0)[0])} is in no microbatch")
     for m, sp in enumerate(specs):
         if not 0 <= sp.rank < cfg.world_size:
@@ -441,20 +519,22 @@ def build_plan(
         sources.append(src)
 
     # Log-prob map.
-    traj_tok = _traj_tokens(forest)
-    pos_in_traj = np.arange(forest.expanded_tokens, dtype=np.int64) - np.repeat(forest.traj_offset[:-1], forest.traj_length())
-    traj_of = np.repeat(np.arange(forest.num_trajectories, dtype=np.int64), forest.traj_length())
-    sel = pos_in_traj >= 1
-    if not cfg.all_positions:
-        sel &= forest.loss_mask.astype(bool)
-    g = np.flatnonzero(sel)
-    prev_tok = traj_tok[g - 1]
+    if use_numba:
+        g, traj_of, pos_of, prev_tok, cur_tok = lp_entries(
+            forest.traj_offset, forest.traj_seg, forest.seg_parent, forest.seg_offset, forest.seg_depth,
+            forest.seg_length, forest.loss_mask, cfg.all_positions,
+        )
+    else:
+        g, traj_of, pos_of, prev_tok, cur_tok = lp_entries_ref(forest, cfg.all_positions)
     lp_mb = kept_mb[prev_tok]
     kept_row = np.full(forest.unique_tokens, -1, np.int64)
     for L in layouts:
         kept_row[L.kept_tok] = L.local_rows(L.kept_tok)
-    lp_order = np.argsort(lp_mb, kind="stable")
-    lp_bounds = np.searchsorted(lp_mb[lp_order], np.arange(M + 1))
+    if use_numba:
+        lp_order, lp_bounds = group_by(lp_mb, M)
+    else:
+        lp_order = np.argsort(lp_mb, kind="stable")
+        lp_bounds = np.searchsorted(lp_mb[lp_order], np.arange(M + 1))
 
     # Occurrence: trajectories ending in each forest segment's subtree.
     occ_seg = np.bincount(forest.traj_seg, minlength=forest.num_segments).astype(np.int64)
@@ -463,15 +543,38 @@ def build_plan(
         if p >= 0:
             occ_seg[p] += occ_seg[s]
 
-    mbs: list[plan_pb2.Microbatch] = []
+    plan = plan_pb2.Plan()
+    _fill_header(plan.header, forest, cfg)
+    steps = partition.rank_steps if any(partition.rank_steps) else _default_steps(specs, cfg.world_size)
+    if len(steps) != cfg.world_size:
+        raise PlanningError(f"partition.rank_steps: expected {cfg.world_size} ranks, got {len(steps)}")
+    placed = np.zeros(M, np.int64)
+    rank_order: list[list[int]] = []
+    for r in range(cfg.world_size):
+        order: list[int] = []
+        for kind, m in steps[r]:
+            if not 0 <= m < M or specs[m].rank != r:
+                raise PlanningError(f"partition.rank_steps[{r}]: microbatch {m} is not placed on rank {r}")
+            if kind not in ("F", "B"):
+                raise PlanningError(f"partition.rank_steps[{r}]: expected step kind 'F' or 'B', got {kind!r}")
+            if placed[m] == 0:
+                order.append(m)
+            placed[m] += 1
+        rank_order.append(order)
+    if (placed != 2).any():
+        raise PlanningError(f"partition.rank_steps: microbatch {int(np.flatnonzero(placed != 2)[0])} must have one F and one B step")
+
+    mbs: dict[int, plan_pb2.Microbatch] = {}
     calls_max = 0
     live_rows = np.zeros(M, np.int64)
-    for m in range(M):
+    for r, m in ((r, m) for r in range(cfg.world_size) for m in rank_order[r]):
         L = layouts[m]
         P = L.packed
         R = L.num_rows
         ext_parent, ext_depth = ext[m]
-        msg = plan_pb2.Microbatch(id=m, num_rows=R, recompute=bool(L.spec.recompute))
+        while len(plan.ranks) <= r:
+            plan.ranks.add(rank=len(plan.ranks))
+        msg = plan.ranks[r].microbatches.add(id=m, num_rows=R, recompute=bool(L.spec.recompute))
         msg.tokens = pk(forest.tokens[L.local_tok], "int32")
         msg.depth = pk(P["row_depth"], "int32")
         row_dup = L.seg_dup[P["row_seg"]] if R else np.zeros(0, np.uint8)
@@ -519,9 +622,9 @@ def build_plan(
         idx = lp_order[lp_bounds[m] : lp_bounds[m + 1]]
         gm = g[idx]
         msg.lp_row = pk(kept_row[prev_tok[idx]], "int32")
-        msg.lp_label = pk(forest.tokens[traj_tok[gm]], "int32")
-        msg.lp_traj = pk(traj_of[gm], "int32")
-        msg.lp_pos = pk(pos_in_traj[gm], "int32")
+        msg.lp_label = pk(forest.tokens[cur_tok[idx]], "int32")
+        msg.lp_traj = pk(traj_of[idx], "int32")
+        msg.lp_pos = pk(pos_of[idx], "int32")
         msg.lp_loss_mask = pk(forest.loss_mask[gm], "uint8")
         if forest.old_logprobs is not None:
             msg.lp_old_logprob = pk(forest.old_logprobs[gm], "float32")
@@ -535,31 +638,17 @@ def build_plan(
         msg.duplicated_tokens = dup
         msg.cost = float(R + replay + attention_weight * float((P["row_depth"].astype(np.int64) + 1).sum()))
         live_rows[m] = R + replay
-        mbs.append(msg)
+        mbs[m] = msg
 
-    plan = plan_pb2.Plan()
-    _fill_header(plan.header, forest, cfg)
-    steps = partition.rank_steps if any(partition.rank_steps) else _default_steps(specs, cfg.world_size)
-    if len(steps) != cfg.world_size:
-        raise PlanningError(f"partition.rank_steps: expected {cfg.world_size} ranks, got {len(steps)}")
-    placed = np.zeros(M, np.int64)
+    while len(plan.ranks) < cfg.world_size:
+        plan.ranks.add(rank=len(plan.ranks))
     rank_costs = []
     peak = 0
     for r in range(cfg.world_size):
-        rp = plan.ranks.add(rank=r)
-        local: dict[int, int] = {}
+        rp = plan.ranks[r]
+        local = {m: i for i, m in enumerate(rank_order[r])}
         stack: list[int] = []
-        cost = 0.0
         for kind, m in steps[r]:
-            if not 0 <= m < M or specs[m].rank != r:
-                raise PlanningError(f"partition.rank_steps[{r}]: microbatch {m} is not placed on rank {r}")
-            if m not in local:
-                local[m] = len(rp.microbatches)
-                rp.microbatches.append(mbs[m])
-                placed[m] += 1
-                cost += mbs[m].cost
-            if kind not in ("F", "B"):
-                raise PlanningError(f"partition.rank_steps[{r}]: expected step kind 'F' or 'B', got {kind!r}")
             if kind == "F":
                 stack.append(m)
             open_windows = [a for a in stack if a != m]
@@ -568,15 +657,13 @@ def build_plan(
             if kind == "B" and m in stack:
                 stack.remove(m)
             rp.steps.add(kind=plan_pb2.ExecStep.FORWARD if kind == "F" else plan_pb2.ExecStep.BACKWARD, microbatch=local[m])
-        rank_costs.append(cost)
-    if (placed != 1).any():
-        raise PlanningError(f"partition.rank_steps: microbatch {int(np.flatnonzero(placed != 1)[0])} is not placed exactly once")
+        rank_costs.append(float(sum(mbs[m].cost for m in rank_order[r])))
 
     st = plan.header.stats
     st.unique_tokens = forest.unique_tokens
     st.expanded_tokens = forest.expanded_tokens
-    st.replay_tokens = sum(x.replay_tokens for x in mbs)
-    st.duplicated_tokens = sum(x.duplicated_tokens for x in mbs)
+    st.replay_tokens = sum(x.replay_tokens for x in mbs.values())
+    st.duplicated_tokens = sum(x.duplicated_tokens for x in mbs.values())
     st.computed_tokens = st.unique_tokens + st.replay_tokens + st.duplicated_tokens
     st.compression_ideal = st.expanded_tokens / st.unique_tokens if st.unique_tokens else 0.0
     st.compression_achieved = st.expanded_tokens / st.computed_tokens if st.computed_tokens else 0.0
@@ -606,9 +693,8 @@ def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> Non
     p.logprob_positions = plan_pb2.LOGPROB_POSITIONS_ALL if cfg.all_positions else plan_pb2.LOGPROB_POSITIONS_LOSS
     n = h.normalizers
     T = forest.num_trajectories
-    per_traj = np.add.reduceat(forest.loss_mask.astype(np.float64), forest.traj_offset[:-1]) if T else np.zeros(0)
-    per_traj = np.where(forest.traj_length() > 0, per_traj, 0.0)
-    n.total_loss_tokens = float(forest.loss_mask.astype(np.int64).sum())
+    per_traj = loss_per_trajectory(forest.traj_offset, forest.loss_mask).astype(np.float64)
+    n.total_loss_tokens = float(per_traj.sum())
     n.num_trajectories = T
     n.traj_loss_tokens = pk(per_traj, "float32")
     weight = forest.weight if forest.weight.shape[0] == T else np.ones(T, np.float32)
