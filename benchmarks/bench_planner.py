@@ -177,7 +177,7 @@ def run(quick: bool = False) -> dict:
 
     cfg = configs["windows"]
     sub = forest if not quick else forest
-    ref_trees = n_trees if quick else n_trees // 5
+    ref_trees = n_trees
     sub = _subforest(forest, ref_trees)
     t_numba, _ = _time(lambda: partition_with_report(sub, cfg))
     t_ref, _ = _time(lambda: partition_with_report(sub, cfg, impl="ref"), repeat=1)

@@ -437,3 +437,29 @@ def test_empty_forest():
     f = make_forest([])
     part = partition(f, PlanConfig(world_size=2))
     assert part.microbatches == [] and part.rank_steps == [[], []]
+
+
+def test_more_ranks_than_microbatches_leaves_ranks_idle():
+    f = make_forest([[1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9]])
+    cfg = PlanConfig(world_size=8, microbatch_tokens=64, chunk_size=4)
+    part, report = partition_with_report(f, cfg)
+    assert len(part.microbatches) == 1
+    assert sum(1 for steps in part.rank_steps if steps) == 1
+    _check_partition(f, cfg, part, report)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_memory_error_names_a_sufficient_budget(seed):
+    f = random_forest(seed, n_trees=2, per_tree=6, max_len=60)
+    cfg = PlanConfig(world_size=1, microbatch_tokens=16, chunk_size=4, memory_tokens=16)
+    try:
+        partition(f, cfg)
+    except PlanningError as exc:
+        import re
+
+        need = int(re.search(r"raise memory_tokens to >= (\d+)", str(exc)).group(1))
+        roomy = PlanConfig(world_size=1, microbatch_tokens=16, chunk_size=4, memory_tokens=need)
+        part, report = partition_with_report(f, roomy)
+        _check_partition(f, roomy, part, report)
+    else:
+        pytest.skip("fits without an error")

@@ -122,3 +122,29 @@ def test_invalid_config_is_rejected(kw, match):
 
 def test_warmup_runs():
     assert warmup() >= 0
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_settings_end_to_end(seed):
+    """Random forests and settings: either a clear PlanningError or a valid plan within budgets."""
+    rng = np.random.default_rng(100 + seed)
+    forest = random_forest(seed + 50, n_trees=int(rng.integers(1, 5)), per_tree=int(rng.integers(1, 9)),
+                           max_len=int(rng.integers(5, 70)))
+    C = int(rng.choice([1, 2, 4, 8, 16]))
+    B = int(rng.integers(max(C, 8), 96))
+    cfg = PlanConfig(
+        world_size=int(rng.integers(1, 5)), microbatch_tokens=B, chunk_size=C,
+        memory_tokens=int(B * rng.choice([1, 1.5, 3, 8])), windows=bool(rng.random() < 0.75),
+        sharing=bool(rng.random() < 0.8), replay=bool(rng.random() < 0.8), all_positions=bool(rng.random() < 0.3),
+    )
+    try:
+        plan = plan_step(forest, cfg)
+    except PlanningError as exc:
+        assert str(exc).startswith(("memory_tokens:", "microbatch_tokens:")), exc
+        return
+    source = forest if cfg.sharing else expand_forest(forest)
+    validate_plan(plan, source)
+    _, report = partition_with_report(source, cfg)
+    rows = _mb_rows(plan)
+    assert [rows[m] for m in range(len(rows))] == report.rows.tolist()
+    assert plan.header.stats.peak_live_tokens <= cfg.memory_tokens

@@ -221,14 +221,25 @@ def _balanced_root_cap(k, sizes: np.ndarray, n_root: int, M: int, W: int, budget
     """Bin capacity (<= B) for the forest-root pieces so that the microbatch count becomes a
     multiple of W: bins of about equal size that LPT can spread evenly, instead of full bins plus
     a remainder that one rank carries alone."""
-    target = n_root + (-M) % W
-    cap = max(int(sizes.max()), -(-int(sizes.sum()) // target))
+    target = min(n_root + (-M) % W, sizes.shape[0])
     one_group = np.array([0, sizes.shape[0]], np.int64)
-    while cap < budget:
-        if k.first_fit_decreasing(sizes, one_group, np.array([cap], np.int64))[1] <= target:
-            return cap
-        cap = min(budget, cap + max(1, cap // 64))
-    return budget
+
+    def bins(cap: int) -> int:
+        return int(k.first_fit_decreasing(sizes, one_group, np.array([cap], np.int64))[1])
+
+    # smallest capacity whose packing needs <= target bins (binary search: FFD's bin count is
+    # non-increasing in the capacity up to rare anomalies, which only cost a slightly larger cap)
+    lo = max(int(sizes.max()), -(-int(sizes.sum()) // target))
+    hi = budget
+    if lo >= hi or bins(lo) <= target:
+        return min(lo, budget)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if bins(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _window_groups(mb_parent: np.ndarray, shared: np.ndarray) -> np.ndarray:
@@ -322,6 +333,7 @@ def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_o
             c = int(mb_parent[c])
             recompute[c] = True
     live = live_now()
+    need = int(live.max())  # enough M without any duplication (see the error below)
     while (live > M_budget).any():
         changed = False
         for m in np.flatnonzero(live > M_budget).tolist():
@@ -339,7 +351,8 @@ def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_o
             raise PlanningError(
                 f"memory_tokens: the live window stack of microbatch {worst} needs {int(live[worst])} tokens, "
                 f"expected <= {M_budget} (a trajectory's ancestors must stay live for its attention); "
-                f"raise memory_tokens to >= {int(live.max())} or raise microbatch_tokens"
+                f"raise memory_tokens to >= {need}, or raise microbatch_tokens so that deep edges can duplicate "
+                f"their prefix"
             )
         live = live_now()
     has_kids = np.zeros(mb_parent.shape[0], np.bool_)
