@@ -10,9 +10,13 @@ layout's ancestry and call schedule (`trainer.tree_ops`).
 Parameter names equal the Hugging Face module names (`model.layers.3.self_attn.q_proj.weight`),
 so a checkpoint's state dict loads with only the per-expert weights regrouped (`loading.py`).
 
-Every projection is a `RowLinear`: a matmul over fixed-size row tiles, so that a row's result does
-not depend on how many other rows share the microbatch (plain CPU GEMMs pick different blockings
-for different row counts and break the bitwise equality of DESIGN §5.3).
+Batch invariance (DESIGN §5.3 asks for bitwise equal linear-attention outputs between tree and
+expanded runs on CPU): a row's result must not depend on the other rows of the microbatch or on
+its position. Every projection is a `RowLinear`, a matmul over fixed-size row tiles (plain CPU
+GEMMs pick different blockings for different row counts); sigmoid/silu/softplus are written with
+`exp` (torch's own kernels round their vector body and scalar tail differently, measured).
+Softmax attention over ancestor sets of different sizes is not batch-invariant: linear layers
+after a full-attention layer match the expanded run to ~1e-7, not bitwise.
 
 Legend: R rows, D hidden, H heads, Hk/Hv linear key/value heads, Kd/Vd linear head dims,
 hd attention head dim, E experts, k top-k, C conv channels, K conv kernel, V vocab.
@@ -49,6 +53,21 @@ def row_linear_ref(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | N
     return F.linear(x_RI, w_OI, b_O)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)): unlike torch.sigmoid, bitwise the same wherever x sits in the tensor."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x), position-independent (torch's silu rounds its vector body and tail differently)."""
+    return x / (1.0 + torch.exp(-x))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)) with torch's threshold of 20, position-independent."""
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp_max(20.0))))
+
+
 class RowLinear(nn.Linear):
     """nn.Linear whose forward is the batch-invariant `row_linear`."""
 
@@ -83,7 +102,7 @@ class GatedRMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(dtype)
-        return (out * F.silu(z.float())).to(dtype)
+        return (out * silu(z.float())).to(dtype)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -127,14 +146,14 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = torch.split(qkvz, [self.Kd, self.Kd, r * self.Vd, r * self.Vd], dim=-1)
         b, a = torch.split(self.in_proj_ba(x_RD).view(R, self.Hk, 2 * r), [r, r], dim=-1)
         mixed_RC = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], dim=-1)
-        mixed_RC = F.silu(tree_ops.ancestry_conv(mixed_RC, self.conv1d.weight[:, 0, :], layout.conv_src))
+        mixed_RC = silu(tree_ops.ancestry_conv(mixed_RC, self.conv1d.weight[:, 0, :], layout.conv_src))
         key_dim = self.Hk * self.Kd
         q_RHK, k_RHK, v_RHV = torch.split(mixed_RC, [key_dim, key_dim, self.Hv * self.Vd], dim=-1)
         q_RHK = q_RHK.reshape(R, self.Hk, self.Kd).repeat_interleave(r, dim=1)
         k_RHK = k_RHK.reshape(R, self.Hk, self.Kd).repeat_interleave(r, dim=1)
         v_RHV = v_RHV.reshape(R, self.Hv, self.Vd)
-        beta_RH = b.reshape(R, self.Hv).sigmoid()
-        g_RH = -self.A_log.float().exp() * F.softplus(a.reshape(R, self.Hv).float() + self.dt_bias)
+        beta_RH = sigmoid(b.reshape(R, self.Hv))
+        g_RH = -self.A_log.float().exp() * softplus(a.reshape(R, self.Hv).float() + self.dt_bias)
         o_RHV = tree_ops.linear_attention(
             q_RHK, k_RHK, v_RHV, g_RH, beta_RH, layout.linear_calls, layout.row_from_kept,
             layout.num_states, fn=run.linear_fn, chunk_size=run.chunk_size,
@@ -171,7 +190,7 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(layout.depth, self.rotary_dim, self.theta, x_RD.dtype)
         q_RHd, k_RHd = apply_rope(q_RHd, cos, sin), apply_rope(k_RHd, cos, sin)
         o_RHd = tree_ops.ancestor_attention(q_RHd, k_RHd, v_RHd, layout.attn_segments, scale=self.hd**-0.5)
-        o_RD = o_RHd.reshape(R, -1) * torch.sigmoid(gate)
+        o_RD = o_RHd.reshape(R, -1) * sigmoid(gate)
         return self.o_proj(o_RD)
 
 
@@ -203,7 +222,7 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(inner, D, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
@@ -221,7 +240,7 @@ class Experts(nn.Module):
         for e in hit:
             rows, slot = torch.where(topk_Rk == e)
             gate, up = row_linear(x_RD.index_select(0, rows), self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = row_linear(F.silu(gate) * up, self.down_proj[e]) * weight_Rk[rows, slot, None]
+            h = row_linear(silu(gate) * up, self.down_proj[e]) * weight_Rk[rows, slot, None]
             out_RD = out_RD.index_add(0, rows, h.to(out_RD.dtype))
         return out_RD
 
@@ -263,7 +282,7 @@ class SparseMoe(nn.Module):
             capture.router_topk[self.layer_idx] = top_i
         out = self.experts(x_RD, top_i, top_w)
         if self.has_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x_RD)) * self.shared_expert(x_RD)
+            out = out + sigmoid(self.shared_expert_gate(x_RD)) * self.shared_expert(x_RD)
         return out
 
 

@@ -1,0 +1,237 @@
+"""Test helpers for the executor: a small, independent tree-plan maker (no planner_service).
+
+`make_plan(trajs, ...)` builds a `plan_pb2.Plan` from token lists with a plain trie. Rows are packed
+depth-first per microbatch; every segment is one linear sequence that starts at the chunk boundary
+at or before its first depth, replays the path rows in between (<= C-1) and starts from the state
+the covering ancestor sequence exports there (not the minimum number of calls: a different,
+simpler schedule than the planner's, which is the point of an oracle). `replay=False` starts each
+segment at its own depth from the parent's end state. Microbatches (`groups`, trajectory index
+lists) without windows: a row shared with an earlier microbatch is duplicated (occurrence 0, no
+log-prob entries); log-prob entries live where the row of token i-1 is kept.
+`sharing=False` gives every trajectory its own tree (the expanded baseline).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from proto.arrays import pack
+from proto.harts.v1 import plan_pb2
+from proto.plan_io import PLAN_VERSION
+
+
+class _Node:
+    __slots__ = ("tok", "kids", "depth", "parent", "trajs", "uid")
+
+    def __init__(self, tok, depth, parent, uid):
+        self.tok, self.depth, self.parent, self.uid = tok, depth, parent, uid
+        self.kids: dict = {}
+        self.trajs: list[int] = []
+
+
+def _trie(trajs, tree_of, sharing):
+    roots: dict = {}
+    ends, uid = [], 0
+    for t, traj in enumerate(trajs):
+        key = tree_of[t] if sharing else f"traj-{t}"
+        level, parent = roots.setdefault(key, {}), None
+        for d, tok in enumerate(traj):
+            if tok not in level:
+                level[tok] = _Node(tok, d, parent, uid)
+                uid += 1
+            node = level[tok]
+            node.trajs.append(t)
+            parent, level = node, node.kids
+        ends.append(parent)
+    return roots, ends
+
+
+def make_plan(
+    trajs: list[list[int]],
+    *,
+    chunk_size: int,
+    vocab_size: int = 256,
+    conv_kernel: int = 4,
+    groups: list[list[int]] | None = None,
+    sharing: bool = True,
+    replay: bool = True,
+    loss_masks: list[list[int]] | None = None,
+    advantages: list[float] | None = None,
+    old_logprobs: list[list[float]] | None = None,
+    ref_logprobs: list[list[float]] | None = None,
+    weights: list[float] | None = None,
+    tree_of: list[str] | None = None,
+    all_positions: bool = False,
+) -> plan_pb2.Plan:
+    T, C, J = len(trajs), chunk_size, conv_kernel - 1
+    tree_of = tree_of or [""] * T
+    loss_masks = loss_masks or [[0] + [1] * (len(x) - 1) for x in trajs]
+    advantages = advantages or [1.0] * T
+    weights = weights or [1.0] * T
+    groups = groups or [list(range(T))]
+    roots, ends = _trie(trajs, tree_of, sharing)
+    tree_ids = sorted(roots)
+    kept_in: dict[int, tuple[int, int]] = {}  # node uid -> (microbatch, row)
+    plan = plan_pb2.Plan()
+    h = plan.header
+    h.version, h.step_id = PLAN_VERSION, "test"
+    p = h.params
+    p.world_size, p.microbatch_tokens, p.chunk_size, p.conv_kernel, p.vocab_size = 1, 1 << 20, C, conv_kernel, vocab_size
+    p.sharing, p.windows, p.replay = sharing, False, replay
+    p.logprob_positions = plan_pb2.LOGPROB_POSITIONS_ALL if all_positions else plan_pb2.LOGPROB_POSITIONS_LOSS
+    h.trajectory_ids.extend([f"t{t}" for t in range(T)])
+    h.trajectory_lengths = pack([len(x) for x in trajs], "int32")
+    h.tree_ids.extend(tree_ids)
+    tl = np.array([sum(m[1:]) for m in loss_masks], np.float32)  # position 0 never has a log-prob
+    h.normalizers.total_loss_tokens = float(tl.sum())
+    h.normalizers.num_trajectories = T
+    h.normalizers.traj_loss_tokens = pack(tl, "float32")
+    h.normalizers.traj_weight = pack(weights, "float32")
+    h.stats.expanded_tokens = sum(len(x) for x in trajs)
+    rank = plan.ranks.add()
+    for g, members in enumerate(groups):
+        # Nodes of this microbatch: union of its trajectories' paths, as segments (split where branching
+        # or where a member trajectory ends, or where kept/duplicated status changes).
+        member_set = set(members)
+        on_path = {}
+        for t in members:
+            n = ends[t]
+            while n is not None:
+                on_path[n.uid] = n
+                n = n.parent
+        rows: list[_Node] = []
+        segs = []  # (start_row, length, parent_seg)
+        seg_of_row = []
+
+        def kids_of(n):
+            return [k for k in n.kids.values() if k.uid in on_path]
+
+        def walk(n, parent_seg):
+            s = len(segs)
+            segs.append([len(rows), 0, parent_seg])
+            cur = n
+            while True:
+                rows.append(cur)
+                seg_of_row.append(s)
+                segs[s][1] += 1
+                ks = kids_of(cur)
+                ends_here = any(ends[t] is cur for t in member_set)
+                dup_change = len(ks) == 1 and ((ks[0].uid in kept_in) != (cur.uid in kept_in))
+                if len(ks) != 1 or ends_here or dup_change:
+                    break
+                cur = ks[0]
+            for k in sorted(ks, key=lambda k: k.tok):
+                walk(k, s)
+
+        for key in tree_ids:
+            for r in sorted(roots[key].values(), key=lambda n: n.tok):
+                if r.uid in on_path:
+                    walk(r, -1)
+        R = len(rows)
+        row_of = {n.uid: i for i, n in enumerate(rows)}
+        dup = np.array([n.uid in kept_in for n in rows])
+        for i, n in enumerate(rows):
+            if n.uid not in kept_in:
+                kept_in[n.uid] = (g, i)
+
+        def path_row(i, depth):
+            n = rows[i]
+            while n.depth > depth:
+                n = n.parent
+            return row_of[n.uid]
+
+        mb = rank.microbatches.add()
+        mb.id, mb.num_rows = g, R
+        mb.tokens = pack([n.tok for n in rows], "int32")
+        mb.depth = pack([n.depth for n in rows], "int32")
+        mb.occurrence = pack([0 if dup[i] else len(n.trajs) for i, n in enumerate(rows)], "int32")
+        S = len(segs)
+        mb.seg_start = pack([s[0] for s in segs], "int32")
+        mb.seg_length = pack([s[1] for s in segs], "int32")
+        mb.seg_parent = pack([s[2] for s in segs], "int32")
+        mb.seg_tree = pack([0] * S, "int32")
+        mb.seg_forest = pack(range(S), "int32")
+        mb.seg_forest_offset = pack([0] * S, "int32")
+        mb.seg_duplicated = pack([int(dup[s[0]]) for s in segs], "uint8")
+        conv = np.full((R, J), -1, np.int64)
+        for i, n in enumerate(rows):
+            for j in range(J):
+                d = n.depth - (J - j)
+                if d >= 0:
+                    conv[i, j] = path_row(i, d)
+        mb.conv_ancestors = pack(conv, "int32")
+        offs, rngs = [0], []
+        for s in segs:
+            chain, q = [], s[2]
+            while q >= 0:
+                chain.append((segs[q][0], segs[q][0] + segs[q][1]))
+                q = segs[q][2]
+            rngs += chain[::-1]
+            offs.append(len(rngs))
+        mb.attn_offsets = pack(offs, "int32")
+        mb.attn_ranges = pack(np.array(rngs, np.int64).reshape(-1, 2), "int32")
+        # Linear schedule: one sequence per segment.
+        seg_call, seg_start_depth, exports_of = [0] * S, [0] * S, {}
+        seqs_by_call: dict[int, list] = {}
+        n_states = 0
+        for s, (a, ln, par) in enumerate(segs):
+            d = rows[a].depth
+            start = (d // C) * C if replay else d
+            replay_rows = [path_row(a, x) for x in range(start, d)] if d > start else []
+            if start == 0:
+                src, call = (plan_pb2.StateSource.ZERO, 0), 0
+            else:
+                # the sequence covering depth start-1 on this path
+                prov = seg_of_row[path_row(a, start - 1)]
+                key = (prov, start)
+                if key not in exports_of:
+                    exports_of[key] = n_states
+                    n_states += 1
+                src, call = (plan_pb2.StateSource.LOCAL, exports_of[key]), seg_call[prov] + 1
+            seg_call[s], seg_start_depth[s] = call, start
+            seqs_by_call.setdefault(call, []).append((s, replay_rows, src))
+        for c in range(max(seqs_by_call) + 1 if seqs_by_call else 0):
+            lc = mb.linear_calls.add()
+            for s, replay_rows, src in seqs_by_call.get(c, []):
+                sq = lc.sequences.add()
+                sq.replay_rows = pack(replay_rows, "int32")
+                sq.row_start, sq.row_end = segs[s][0], segs[s][0] + segs[s][1]
+                sq.start_depth = seg_start_depth[s]
+                sq.init_state.kind, sq.init_state.state = src
+                for (prov, depth), sid in sorted(exports_of.items(), key=lambda kv: kv[1]):
+                    if prov == s:
+                        ex = sq.exports.add()
+                        ex.state, ex.depth = sid, depth
+        mb.num_states = n_states
+        lp = {k: [] for k in ("row", "label", "traj", "pos", "mask", "old", "ref", "adv")}
+        for t in range(T):
+            n, path = ends[t], []
+            while n is not None:
+                path.append(n)
+                n = n.parent
+            path = path[::-1]
+            for i in range(1, len(path)):
+                if not (all_positions or loss_masks[t][i]):
+                    continue
+                mbi, row = kept_in.get(path[i - 1].uid, (-1, -1))
+                if mbi != g:
+                    continue
+                lp["row"].append(row)
+                lp["label"].append(path[i].tok)
+                lp["traj"].append(t)
+                lp["pos"].append(i)
+                lp["mask"].append(loss_masks[t][i])
+                lp["adv"].append(advantages[t])
+                if old_logprobs:
+                    lp["old"].append(old_logprobs[t][i])
+                if ref_logprobs:
+                    lp["ref"].append(ref_logprobs[t][i])
+        for k, field_ in (("row", "lp_row"), ("label", "lp_label"), ("traj", "lp_traj"), ("pos", "lp_pos")):
+            setattr(mb, field_, pack(lp[k], "int32"))
+        mb.lp_loss_mask = pack(lp["mask"], "uint8")
+        mb.lp_advantage = pack(lp["adv"], "float32")
+        mb.lp_old_logprob = pack(lp["old"], "float32")
+        mb.lp_ref_logprob = pack(lp["ref"], "float32")
+        for kind in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD):
+            st = rank.steps.add()
+            st.kind, st.microbatch = kind, g
+    return plan

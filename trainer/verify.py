@@ -1,0 +1,88 @@
+"""Compare two executions of the same step (tree vs trajectory-expanded) for Invariant E (DESIGN §2).
+
+`run_and_capture` runs a plan with log-probs, linear-attention outputs and gradients captured;
+`compare_runs` reports log-prob, loss, gradient, linear-output and expert-load differences.
+
+Gradient differences are relative per parameter: max|g_a - g_b| / max(max|g_a|, floor), with
+floor = GRAD_FLOOR (1%) x the largest |g_a| over all parameters. Without the floor, a parameter whose
+gradient is pure cancellation residue (e.g. A_log of a head whose decay exp(g) ~ 1e-9 makes every
+term vanish: |g| ~ 1e-8 while the model's largest gradient is ~1e-1) turns fp32 reassociation
+into a large "relative" number; `grad_rel_diff_raw_max` reports the unfloored value too.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trainer.executor import Executor, StepResult
+
+GRAD_FLOOR = 1e-2
+
+
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of every parameter gradient (zeros where none)."""
+    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def run_and_capture(executor: Executor, plan, *, backward: bool = True) -> tuple[StepResult, dict[str, torch.Tensor]]:
+    """One step without an optimizer; returns the result and the accumulated gradients."""
+    res = executor.run_step(plan, backward=backward)
+    return res, grads_of(executor.model) if backward else {}
+
+
+def _max_abs_rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float, int]:
+    mx_abs = mx_rel = 0.0
+    n = 0
+    for k, x in a.items():
+        y = b[k]
+        if x.shape != y.shape or not np.array_equal(np.isnan(x), np.isnan(y)):
+            return float("inf"), float("inf"), n
+        ok = ~np.isnan(x)
+        if ok.any():
+            d = np.abs(x[ok] - y[ok])
+            mx_abs = max(mx_abs, float(d.max()))
+            mx_rel = max(mx_rel, float((d / np.maximum(np.abs(x[ok]), 1e-30)).max()))
+            n += int(ok.sum())
+    return mx_abs, mx_rel, n
+
+
+def compare_runs(ref: StepResult, ref_grads: dict, got: StepResult, got_grads: dict) -> dict:
+    """Differences of `got` against `ref` (the expanded run). JSON-serialisable."""
+    out: dict = {}
+    if ref.logprobs is not None and got.logprobs is not None:
+        out["logprob_max_abs_diff"], out["logprob_max_rel_diff"], out["logprob_positions"] = _max_abs_rel(ref.logprobs, got.logprobs)
+    out["loss_ref"], out["loss"] = ref.loss, got.loss
+    out["loss_diff"] = abs(ref.loss - got.loss)
+    if ref_grads and got_grads:
+        top = max(float(g.abs().max()) for g in ref_grads.values()) if ref_grads else 0.0
+        floor = max(GRAD_FLOOR * top, 1e-30)
+        per, raw = {}, {}
+        for name, ga in ref_grads.items():
+            d = float((ga - got_grads[name]).abs().max())
+            scale = float(ga.abs().max())
+            per[name] = d / max(scale, floor)
+            raw[name] = d / max(scale, 1e-30)
+        out["grad_rel_diff"] = per
+        out["grad_rel_diff_max"] = max(per.values()) if per else 0.0
+        out["grad_rel_diff_raw_max"] = max(raw.values()) if raw else 0.0
+        out["grad_max_abs"] = top
+    if ref.linear_outputs is not None and got.linear_outputs is not None:
+        equal, mx, layers = True, 0.0, set()
+        for traj, by_layer in ref.linear_outputs.items():
+            for layer, x in by_layer.items():
+                layers.add(layer)
+                y = got.linear_outputs[traj].get(layer)
+                if y is None or x.shape != y.shape or not np.array_equal(x, y, equal_nan=True):
+                    equal = False
+                    if y is not None and x.shape == y.shape:
+                        ok = ~np.isnan(x)
+                        if ok.any():
+                            mx = max(mx, float(np.abs(x[ok] - y[ok]).max()))
+        out["linear_outputs_bitwise_equal"] = equal
+        out["linear_outputs_max_abs_diff"] = mx
+        out["linear_layers_compared"] = sorted(layers)
+    out["expert_load_equal"] = bool(np.array_equal(ref.expert_load, got.expert_load))
+    out["expert_load_total"] = int(ref.expert_load.sum())
+    out["computed_tokens_ref"], out["computed_tokens"] = ref.computed_tokens, got.computed_tokens
+    out["expanded_tokens"] = got.expanded_tokens
+    return out
