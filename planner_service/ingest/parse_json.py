@@ -76,12 +76,13 @@ class _Walk:
                        f"expected at most {self.limits.max_id_length} characters (Limits.max_id_length), got {len(value)}")
         return value
 
-    def number(self, obj: dict, name: str, key: tuple, path: str, default: float | None) -> float | None:
+    def number(self, obj: dict, name: str, key: tuple, path: str, default: float | None,
+               expect: str = "a number") -> float | None:
         value = obj.get(name)
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise Stop(key, f"{path}.{name}", f"expected a number, got {describe(value)}")
+            raise Stop(key, f"{path}.{name}", f"expected {expect}, got {describe(value)}")
         value = float(value)
         if not math.isfinite(value) or abs(value) > F32_MAX:
             raise Stop(key, f"{path}.{name}", f"expected a finite float32, got {value!r}")
@@ -154,7 +155,8 @@ class _Walk:
             self.per_position("advantage", adv, g, g_key, path, length)
             raw.adv_scalar.append(0.0)
         else:
-            raw.adv_scalar.append(self.number(obj, "advantage", g_key + (RANK["advantage"],), path, 0.0))
+            raw.adv_scalar.append(self.number(obj, "advantage", g_key + (RANK["advantage"],), path, 0.0,
+                                              "a number or a list of numbers (one per token)"))
         raw.reward.append(self.number(obj, "reward", g_key + (RANK["reward"],), path, 0.0))
         raw.group_ids.append(self.string(obj, "group_id", g_key + (RANK["group_id"],), path, required=False))
         weight = self.number(obj, "weight", g_key + (RANK["weight"],), path, None)
