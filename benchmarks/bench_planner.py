@@ -7,7 +7,13 @@ JSON object of figures on stdout).
 The forest is synthesised directly with numpy (no dependency on ingestion or the workload
 generator): `n_trees` random branching trees, each a long prompt segment followed by a random
 recursive tree of short segments (chain-biased, so trajectories are deep), every leaf a trajectory.
-The default size is about 1M distinct tokens, 10M expanded tokens and 50k segments.
+The default size is about 1M distinct tokens, 10M expanded tokens and 50k segments (short
+segments: many branches at unaligned depths, so bounded replay is a large share of the computed
+rows whatever the partition). A second forest of long turns (~1k-token segments, ~2k-token prompts)
+shows the regime of agentic trees that branch at turn boundaries.
+
+Figures: `partition_overhead` = computed rows / (distinct tokens + the forest's intrinsic replay) - 1
+isolates what the partition adds (cuts, duplication); `achieved_over_ideal` includes replay.
 
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
 """
@@ -28,8 +34,12 @@ from planner_service.planner.partition import expand_forest, partition_with_repo
 log = logging.getLogger("bench_planner")
 
 
-def synth_forest(*, n_trees: int, segments_per_tree: int, seed: int = 0, vocab: int = 50_000) -> Forest:
-    """Random branching forest in DFS preorder (see module docstring)."""
+def synth_forest(
+    *, n_trees: int, segments_per_tree: int, seed: int = 0, vocab: int = 50_000, segment_median: float = 12.0,
+    prompt_median: float = 450.0, chain: float = 0.55,
+) -> Forest:
+    """Random branching forest in DFS preorder (see module docstring); segment and prompt lengths
+    are log-normal around the given medians."""
     rng = np.random.default_rng(seed)
     parents: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
@@ -37,9 +47,9 @@ def synth_forest(*, n_trees: int, segments_per_tree: int, seed: int = 0, vocab: 
     base = 0
     for tree in range(n_trees):
         n = max(2, int(rng.poisson(segments_per_tree)))
-        chain = rng.random(n) < 0.55
+        is_chain = rng.random(n) < chain
         anyp = (rng.random(n) * np.arange(n)).astype(np.int64)
-        par = np.where(chain, np.arange(n) - 1, anyp)
+        par = np.where(is_chain, np.arange(n) - 1, anyp)
         par[0] = -1
         kids: list[list[int]] = [[] for _ in range(n)]
         for u in range(1, n):
@@ -52,8 +62,8 @@ def synth_forest(*, n_trees: int, segments_per_tree: int, seed: int = 0, vocab: 
         new_id = np.empty(n, np.int64)
         new_id[order] = np.arange(n)
         p = np.where(par[order] >= 0, new_id[np.maximum(par[order], 0)], -1)
-        ln = np.clip(rng.lognormal(np.log(12.0), 0.9, size=n), 1, 400).astype(np.int64)
-        ln[0] = int(np.clip(rng.lognormal(np.log(450.0), 0.5), 100, 1500))
+        ln = np.clip(rng.lognormal(np.log(segment_median), 0.9, size=n), 1, 40 * segment_median).astype(np.int64)
+        ln[0] = int(np.clip(rng.lognormal(np.log(prompt_median), 0.5), prompt_median / 4, 4 * prompt_median))
         parents.append(np.where(p >= 0, p + base, -1))
         lengths.append(ln)
         trees.append(np.full(n, tree, np.int32))
@@ -197,6 +207,20 @@ def run(quick: bool = False) -> dict:
         "microbatches": len(part.microbatches), "imbalance": round(report.imbalance, 4),
     }
     log.info("expanded baseline: %s", out["expanded_baseline"])
+
+    # long turns (agentic trees branching at turn boundaries): few, long segments, so bounded
+    # replay (< C rows per extra branch) is a small fraction of the distinct tokens
+    turns = synth_forest(n_trees=max(8, n_trees // 2), segments_per_tree=6, seed=1, segment_median=1000.0,
+                         prompt_median=2000.0, chain=0.0)
+    t_largest = int(np.bincount(turns.seg_tree, weights=turns.seg_length).max())
+    b_turns = max(4 * t_largest, 64 * ((turns.unique_tokens // (8 * W)) // 64))
+    cfg = PlanConfig(world_size=W, microbatch_tokens=b_turns, chunk_size=64)
+    secs, (part, report) = _time(lambda: partition_with_report(turns, cfg))
+    out["turns_forest"] = (
+        turns.stats() | {"largest_tree": t_largest, "B": b_turns, "partition_seconds": round(secs, 4)}
+        | _quality(turns, cfg, report)
+    )
+    log.info("long-turn forest: %s", out["turns_forest"])
 
     try:
         from planner_service.planner import plan_step
