@@ -8,6 +8,7 @@ radix-tree nodes (prefixes where a trajectory ends or the continuations are not 
 from __future__ import annotations
 
 import copy
+import json
 import random
 
 import numpy as np
@@ -195,7 +196,7 @@ def test_mixed_batch_layout():
     np.testing.assert_array_equal(forest.path_tokens(4), [0, 1, 2])
     np.testing.assert_array_equal(forest.path_tokens(5), [0, 1, 2, 2])
     np.testing.assert_array_equal(forest.path_tokens(6), [0, 1])
-    # explicit children ordered by first token then id: node -4 (2,2) before node 7 (2); roots 9 (0) before... by id
+    # siblings by (first token, id): node -4 [2, 2] before node 7 [2]; root 3 [0, 1] before root 9 [0]
     a = forest.tree_ids.index("explicit-a")
     segs = np.flatnonzero(forest.seg_tree == a)
     seg_tokens = [forest.tokens[forest.seg_offset[s]: forest.seg_offset[s] + forest.seg_length[s]].tolist() for s in segs]
@@ -223,7 +224,6 @@ def test_json_and_proto_build_the_same_forest_and_round_trip():
 
 def test_json_text_and_bytes_inputs():
     doc = _mixed_doc()
-    import json
     _assert_forests_equal(forest_from_json(doc), forest_from_json(json.dumps(doc)))
     _assert_forests_equal(forest_from_json(doc), forest_from_json(json.dumps(doc).encode()))
 
