@@ -216,6 +216,44 @@ def test_lpt_matches_reference_and_bound():
     assert l1.max() <= 4 / 3 * opt_lb + 1e-9
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_order_and_live_stack_match_reference(seed):
+    rng = np.random.default_rng(seed)
+    M, W = 40, 3
+    parent = np.array([-1] + [int(rng.integers(-1, m)) for m in range(1, M)], np.int64)
+    shared = (parent >= 0) & (rng.random(M) < 0.7)
+    rank = np.array([0] * M, np.int64)
+    for m in range(M):  # a window child runs on its parent's rank
+        rank[m] = rank[parent[m]] if shared[m] else rng.integers(W)
+    rows = rng.integers(1, 50, size=M).astype(np.int64)
+    cost = np.where(rng.random(M) < 0.5, rows, rows // 3)
+    for got, want in zip(level2.dfs_order(parent, shared, rank, W), partition_ref.dfs_order(parent, shared, rank, W)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(level2.live_stack(parent, shared, rows, cost), partition_ref.live_stack(parent, shared, rows, cost)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_context_and_exports_match_reference(seed):
+    f = random_forest(seed, max_len=50)
+    _, _, unit_len, unit_depth, unit_parent = level1.build_units(f.seg_parent, f.seg_length, f.seg_depth, 4)
+    rng = np.random.default_rng(seed)
+    U = unit_parent.shape[0]
+    M = 6
+    roots_sel = np.sort(rng.choice(U, size=min(U, 18), replace=False))
+    mb_of = rng.integers(0, M, size=roots_sel.shape[0])
+    order = np.argsort(mb_of, kind="stable")
+    roots = roots_sel[order].astype(np.int64)
+    roots_off = np.r_[0, np.cumsum(np.bincount(mb_of, minlength=M))].astype(np.int64)
+    args = (roots_off, roots, unit_parent, unit_len, unit_depth, 4, True)
+    for got, want in zip(level2.context_cost(*args), partition_ref.context_cost(*args)):
+        np.testing.assert_array_equal(got, want)
+    mb_parent = np.array([-1, 0, 0, 1, -1, 4], np.int64)
+    mb_shared = np.array([False, True, False, True, False, True])
+    args = (roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared)
+    np.testing.assert_array_equal(level2.export_rows(*args), partition_ref.export_rows(*args))
+
+
 # ---------------------------------------------------------------- the whole partitioner
 def _check_partition(f: Forest, cfg: PlanConfig, part, report) -> None:
     mbs = part.microbatches

@@ -146,11 +146,23 @@ def dfs_order(mb_parent, mb_shared, mb_rank, world_size):
     step_mb = np.empty(n, np.int64)
     stack_m = np.empty(M, np.int64)
     stack_i = np.empty(M, np.int64)
+    # window roots grouped by rank, by id within a rank (counting sort)
+    first = np.zeros(world_size + 1, np.int64)
+    for m in range(M):
+        if wparent[m] < 0:
+            first[mb_rank[m] + 1] += 1
+    for r in range(world_size):
+        first[r + 1] += first[r]
+    fill = first[:-1].copy()
+    roots = np.empty(first[world_size], np.int64)
+    for m in range(M):
+        if wparent[m] < 0:
+            roots[fill[mb_rank[m]]] = m
+            fill[mb_rank[m]] += 1
     k = 0
     for r in range(world_size):
-        for root in range(M):
-            if wparent[root] >= 0 or mb_rank[root] != r:
-                continue
+        for j in range(first[r], first[r + 1]):
+            root = roots[j]
             top = 0
             stack_m[0] = root
             stack_i[0] = off[root]
