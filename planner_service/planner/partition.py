@@ -128,24 +128,15 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     tail = np.where(has_anchor, tail, 0)
     size = resid[pieces] + tail
     if dup_only:
-        key = anchor.copy()
         cap_of = np.where(has_anchor, B - pdepth + tail, B)
     else:
-        key = np.where(has_anchor, root[np.maximum(anchor, 0)], -1)
         cap_of = np.full(pieces.shape[0], B, np.int64)
     assert (size <= cap_of).all(), "a piece larger than its bin: cut_pieces broke its contract"
-    order = np.lexsort((pieces, -size, key))
-    skey = key[order]
-    starts = np.flatnonzero(np.r_[True, skey[1:] != skey[:-1]])
-    group_off = np.r_[starts, order.shape[0]].astype(np.int64)
-    caps = cap_of[order][starts].astype(np.int64)
-    sizes_sorted = size[order].astype(np.int64)
-    bins_sorted, M = k.first_fit_decreasing(sizes_sorted, group_off, caps)
+    ppar = np.where(has_anchor, np.searchsorted(pieces, root[np.maximum(anchor, 0)]), -1)
+    piece_mb, M, n_root = _pack(k, size, cap_of, ppar, anchor, dup_only, B)
     if W > 1 and M % W:
-        caps[0] = _balanced_root_cap(k, sizes_sorted[: group_off[1]], int(bins_sorted[: group_off[1]].max()) + 1, M, W, B)
-        bins_sorted, M = k.first_fit_decreasing(sizes_sorted, group_off, caps)
-    piece_mb = np.empty(pieces.shape[0], np.int64)
-    piece_mb[order] = bins_sorted
+        roots_sorted = np.sort(size[ppar < 0])[::-1]
+        piece_mb, M, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, _balanced_root_cap(k, roots_sorted, n_root, M, W, B))
     unit_piece = np.searchsorted(pieces, root)
     unit_mb = piece_mb[unit_piece]
     mb_parent = np.full(M, -1, np.int64)
@@ -215,6 +206,48 @@ def _check_paths_fit(forest: Forest, budget: int) -> None:
             f"{budget} without sharing windows (a duplicated edge recomputes the whole root path in one "
             f"microbatch); raise microbatch_tokens to >= {int(lengths[t])} or enable windows"
         )
+
+
+def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int) -> tuple[np.ndarray, int, int]:
+    """Microbatch of every piece: first fit decreasing, level by level down the piece forest.
+
+    Forest-root pieces are packed together (bins of `root_cap`); the pieces hanging below one
+    microbatch's pieces are packed together (without windows: below one anchor unit, so that
+    they share one duplicated context). Parents get smaller ids than their children.
+
+    Returns:
+        piece_mb int64 [K], number of microbatches, number of root microbatches.
+    """
+    K = size.shape[0]
+    level = np.zeros(K, np.int64)
+    child = np.flatnonzero(ppar >= 0)
+    while True:  # one pass per level of the piece forest
+        deeper = level[ppar[child]] + 1
+        if (deeper == level[child]).all():
+            break
+        level[child] = deeper
+    piece_mb = np.full(K, -1, np.int64)
+    M = n_root = 0
+    for L in range(int(level.max()) + 1 if K else 0):
+        idx = np.flatnonzero(level == L)
+        if L == 0:
+            key = np.zeros(idx.shape[0], np.int64)
+        elif dup_only:
+            key = anchor[idx]
+        else:
+            key = piece_mb[ppar[idx]]
+        sort = np.lexsort((idx, -size[idx], key))
+        order = idx[sort]
+        skey = key[sort]
+        starts = np.flatnonzero(np.r_[True, skey[1:] != skey[:-1]])
+        group_off = np.r_[starts, order.shape[0]].astype(np.int64)
+        caps = np.full(starts.shape[0], root_cap, np.int64) if L == 0 else cap_of[order][starts].astype(np.int64)
+        bins, nb = k.first_fit_decreasing(size[order].astype(np.int64), group_off, caps)
+        piece_mb[order] = M + bins
+        M += int(nb)
+        if L == 0:
+            n_root = int(nb)
+    return piece_mb, M, n_root
 
 
 def _balanced_root_cap(k, sizes: np.ndarray, n_root: int, M: int, W: int, budget: int) -> int:
