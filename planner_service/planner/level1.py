@@ -10,8 +10,8 @@ precedes its children). On it:
   weights it gives the fewest connected pieces of size <= B; here the size of a piece also counts
   the rows the builder adds (bounded replay at unaligned branches inside a piece, and the replay or
   duplicated context a piece root needs), so every piece fits B by construction.
-- `first_fit_decreasing` packs pieces that hang below the same parent (or start at forest roots)
-  into microbatches, first fit over bins kept in a max segment tree: O(n log n).
+- `first_fit_decreasing` packs groups of pieces (those that start at forest roots, or hang below
+  one microbatch) into microbatches, first fit over bins kept in a max segment tree: O(n log n).
 
 Plain-Python oracles of each kernel live in `partition_ref.py`.
 

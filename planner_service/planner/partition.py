@@ -3,10 +3,12 @@
 `partition(forest, cfg) -> Partition` is what `build_plan` consumes (see `spec.py`):
 
 1. Level 1 (`level1.py`): cut the forest into units at chunk-aligned depths, cut it into the fewest
-   connected pieces that fit B (Kundu-Misra), and pack the pieces that hang below the same parent
-   piece (or start at forest roots) into microbatches, first fit decreasing. A piece's size counts
+   connected pieces that fit B (Kundu-Misra), and pack pieces into microbatches, first fit
+   decreasing, level by level down the piece forest: forest-root pieces together, then the pieces
+   hanging below one microbatch together (so microbatches form a forest). A piece's size counts
    every row the builder will compute for it: kept tokens, bounded replay at its unaligned branches,
-   and the replay rows (window) or the duplicated root path (no windows) its root needs.
+   and the replay rows (window) or the duplicated root path (no windows) its root needs. With
+   W > 1 the root bins are re-packed to a multiple of W bins of about equal size.
 2. Level 2 (`level2.py`): choose each cross-microbatch edge's mode (share through a window, or
    duplicate a short prefix), split window groups that are too heavy for one rank by duplicating an
    edge, place window groups on ranks (LPT over computed rows), keep every rank's live window stack
