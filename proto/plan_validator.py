@@ -28,7 +28,28 @@ import numpy as np
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 
-_HASH_BASE = np.uint64(0x9E3779B97F4A7C15 | 1)
+_HASH_BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
+_HASH_INV = pow(_HASH_BASE, -1, 1 << 64)
+_inv_powers = np.ones(1, np.uint64)
+
+
+def _inv_pow(depth: np.ndarray) -> np.ndarray:
+    """uint64 BASE**-depth modulo 2**64 for every entry of `depth`."""
+    global _inv_powers
+    need = int(depth.max()) + 1 if depth.size else 1
+    if need > _inv_powers.shape[0]:
+        n = max(need, 2 * _inv_powers.shape[0])
+        with np.errstate(over="ignore"):
+            factors = np.full(n, _HASH_INV, np.uint64)
+            factors[0] = 1
+            _inv_powers = np.cumprod(factors, dtype=np.uint64)
+    return _inv_powers[depth]
+
+
+def _hash_terms(tokens: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Per-token terms of the prefix hash H(prefix) = sum_i (token_i + 1) * BASE**-i (mod 2**64)."""
+    with np.errstate(over="ignore"):
+        return (tokens.astype(np.uint64) + np.uint64(1)) * _inv_pow(depth)
 
 
 class PlanValidationError(ValueError):
@@ -202,6 +223,8 @@ class _Step:
                 if (e, pe) not in imports:
                     _fail(f"{mb.where}.import_row[{i}]", f"its predecessor (row {pe} of microbatch {e}) is not imported")
                 pred[R + i] = imports[(e, pe)]
+        with np.errstate(over="ignore"):
+            csum = np.cumsum(_hash_terms(tok[:R], depth[:R]), dtype=np.uint64)
         for s in range(mb.S):
             a = int(mb.seg_start[s])
             pred[a] = mb.first_pred(s)
@@ -213,17 +236,9 @@ class _Step:
                 fs, fo = int(mb.seg_forest[s]), int(mb.seg_forest_offset[s])
                 if fo > 0 and ident[x] != ((fs << 32) | (fo - 1)):
                     _fail(f"{mb.where}.seg_forest_offset[{s}]", "expected the predecessor to be the previous token of the same forest segment")
-            # prefix hashes of the segment's rows, vectorised with wrap-around uint64 arithmetic
-            n = int(mb.seg_length[s])
-            t = tok[a : a + n].astype(np.uint64) + np.uint64(1)
+            hx = h[x] if x >= 0 else np.uint64(0)
             with np.errstate(over="ignore"):
-                hx = h[x] if x >= 0 else np.uint64(0)
-                vals = np.empty(n, np.uint64)
-                acc = hx
-                for j in range(n):  # short loop per segment; segments are processed in order
-                    acc = acc * _HASH_BASE + t[j]
-                    vals[j] = acc
-            h[a : a + n] = vals
+                h[a : a + mb.seg_length[s]] = hx + (csum[a : a + mb.seg_length[s]] - (csum[a - 1] if a else np.uint64(0)))
         self.pred[m], self.edepth[m], self.etok[m], self.hash[m], self.ident[m] = pred, depth, tok, h, ident
         if (depth[:R] < 0).any():
             _fail(f"{mb.where}.depth", "expected depths >= 0")
@@ -237,17 +252,34 @@ def _check_ancestry(mb: _MB, pred: np.ndarray, K: int) -> None:
             r = int(np.flatnonzero(mb.conv[:, j] != cur)[0])
             _fail(f"{mb.where}.conv_ancestors[{r}, {j}]", f"expected {int(cur[r])}, got {int(mb.conv[r, j])}")
         cur = np.where(cur >= 0, pred[np.maximum(cur, 0)], -1)
+    def canonical(ranges) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for a, b in ranges:
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
+
+    got = [canonical(mb.attn_ranges[mb.attn_offsets[s] : mb.attn_offsets[s + 1]].tolist()) for s in range(mb.S)]
+    chains: dict[int, list[tuple[int, int]]] = {}
     for s in range(mb.S):
-        rows = []
-        x = int(pred[mb.seg_start[s]])
-        while x >= 0:
-            rows.append(x)
-            x = int(pred[x])
-        rows.reverse()
-        rg = mb.attn_ranges[mb.attn_offsets[s] : mb.attn_offsets[s + 1]]
-        got = [r for a, b in rg.tolist() for r in range(a, b)]
-        if got != rows:
-            _fail(f"{mb.where}.attn_ranges", f"segment {s}: expected its {len(rows)} ancestor rows in path order, got {len(got)} other rows")
+        p = int(mb.seg_parent[s])
+        if p >= 0:
+            a = int(mb.seg_start[p])
+            want = canonical(got[p] + [(a, a + int(mb.seg_length[p]))])
+        else:
+            x = int(pred[mb.seg_start[s]])
+            if x not in chains:
+                rows = []
+                y = x
+                while y >= 0:
+                    rows.append(y)
+                    y = int(pred[y])
+                chains[x] = canonical((r, r + 1) for r in reversed(rows))
+            want = chains[x]
+        if got[s] != want:
+            _fail(f"{mb.where}.attn_ranges", f"segment {s}: expected its ancestor rows {want[:4]}..., got {got[s][:4]}...")
 
 
 def _check_linear(mb: _MB, st: _Step, params: plan_pb2.PlanParams, states_of: dict[int, dict[int, tuple[int, int]]]) -> None:
@@ -504,13 +536,9 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
 
 
 def _prefix_hashes(tokens: np.ndarray) -> np.ndarray:
-    out = np.empty(tokens.shape[0], np.uint64)
-    acc = np.uint64(0)
+    """uint64 [L] prefix hash H of tokens[:i+1] for every i."""
     with np.errstate(over="ignore"):
-        for j, t in enumerate(tokens.tolist()):
-            acc = acc * _HASH_BASE + np.uint64(t + 1)
-            out[j] = acc
-    return out
+        return np.cumsum(_hash_terms(tokens, np.arange(tokens.shape[0])), dtype=np.uint64)
 
 
 def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], forest_like) -> None:
@@ -541,8 +569,7 @@ def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], fo
         # consecutive entries of one trajectory must chain: hash(row at p+1) = hash(row at p) extended by label p
         t, p, h, lab = traj[order], pos[order], row_hash[order], label[order]
         nxt = (t[1:] == t[:-1]) & (p[1:] == p[:-1] + 1)
-        with np.errstate(over="ignore"):
-            want = h[:-1] * _HASH_BASE + (lab[:-1].astype(np.uint64) + np.uint64(1))
+        want = h[:-1] + _hash_terms(lab[:-1], p[:-1])  # the label at position p sits at depth p
         if (nxt & (h[1:] != want)).any():
             i = int(np.flatnonzero(nxt & (h[1:] != want))[0])
             _fail("lp_label", f"trajectory {int(t[i])} position {int(p[i])}: label or row does not chain with position {int(p[i]) + 1}")
@@ -551,19 +578,25 @@ def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], fo
     loss = np.asarray(forest_like.loss_mask).astype(np.int64)
     if offs.shape[0] != T + 1 or not np.array_equal(np.diff(offs), lengths):
         _fail("header.trajectory_lengths", "expected the forest's trajectory lengths")
-    want_n = int(sum(int(loss[offs[t] + 1 : offs[t + 1]].sum()) for t in range(T))) if not all_pos else key.shape[0]
+    want_n = key.shape[0] if all_pos else int(loss.sum() - loss[offs[:-1]].sum()) if T else 0
     if key.shape[0] != want_n:
         _fail("lp_pos", f"expected {want_n} log-prob entries (every loss position >= 1), got {key.shape[0]}")
-    if (mask != loss[offs[traj] + pos]).any():
+    g = offs[traj] + pos
+    if (mask != loss[g]).any():
         _fail("lp_loss_mask", "expected the trajectory's loss mask at each entry")
-    for t in np.unique(traj).tolist():
-        sel = np.flatnonzero(traj == t)
-        toks = np.asarray(forest_like.path_tokens(t), np.int64)
-        ph = _prefix_hashes(toks)
-        p = pos[sel]
-        if (row_hash[sel] != ph[p - 1]).any():
-            i = int(p[np.flatnonzero(row_hash[sel] != ph[p - 1])[0]])
-            _fail("lp_row", f"trajectory {t} position {i}: the row's token chain does not reproduce the trajectory prefix")
-        if (label[sel] != toks[p]).any():
-            i = int(p[np.flatnonzero(label[sel] != toks[p])[0]])
-            _fail("lp_label", f"trajectory {t} position {i}: expected label {int(toks[i])}, got another token")
+    toks = np.concatenate([np.asarray(forest_like.path_tokens(t), np.int64) for t in range(T)]) if T else np.zeros(0, np.int64)
+    if toks.shape[0] != offs[-1]:
+        _fail("forest_like", f"expected {int(offs[-1])} trajectory tokens, got {toks.shape[0]}")
+    at = np.arange(toks.shape[0]) - np.repeat(offs[:-1], lengths)
+    with np.errstate(over="ignore"):
+        cs = np.cumsum(_hash_terms(toks, at), dtype=np.uint64)
+        start = np.where(offs[:-1] > 0, cs[np.maximum(offs[:-1] - 1, 0)], np.uint64(0)) if T else cs[:0]
+        want_hash = cs[g - 1] - start[traj]
+    bad = np.flatnonzero(row_hash != want_hash)
+    if bad.shape[0]:
+        i = int(bad[0])
+        _fail("lp_row", f"trajectory {int(traj[i])} position {int(pos[i])}: the row's token chain does not reproduce the trajectory prefix")
+    bad = np.flatnonzero(label != toks[g])
+    if bad.shape[0]:
+        i = int(bad[0])
+        _fail("lp_label", f"trajectory {int(traj[i])} position {int(pos[i])}: expected label {int(toks[g[i]])}, got {int(label[i])}")
