@@ -63,7 +63,7 @@ def _fail(where: str, msg: str) -> None:
 class _MB:
     """Decoded arrays of one microbatch plus derived per-row facts."""
 
-    def __init__(self, mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams):
+    def __init__(self, mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams, n_trees: int):
         self.msg = mb
         self.id = mb.id
         w = self.where = f"microbatch {mb.id}"
@@ -118,12 +118,14 @@ class _MB:
             a = arr(name, "float32", None)
             if a.shape[0] not in (0, P):
                 _fail(f"{w}.{name}", f"expected {P} entries or none, got {a.shape[0]}")
-        self._check_tables(params)
+        self._check_tables(params, n_trees)
 
-    def _check_tables(self, params: plan_pb2.PlanParams) -> None:
+    def _check_tables(self, params: plan_pb2.PlanParams, n_trees: int) -> None:
         w, R, S, I = self.where, self.R, self.S, self.I
         if ((self.tokens < 0) | (self.tokens >= params.vocab_size)).any():
             _fail(f"{w}.tokens", f"expected ids in [0, {params.vocab_size}), got {int(self.tokens.min())}..{int(self.tokens.max())}")
+        if S and ((self.seg_tree < 0) | (self.seg_tree >= n_trees)).any():
+            _fail(f"{w}.seg_tree", f"expected indices into header.tree_ids (< {n_trees})")
         if (self.seg_length < 1).any():
             _fail(f"{w}.seg_length", "expected every segment to have >= 1 row")
         expect_start = np.concatenate([[0], np.cumsum(self.seg_length)[:-1]]) if S else np.zeros(0)
@@ -369,7 +371,7 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
     for mb in rank.microbatches:
         if mb.id in mbs:
             _fail(f"{where}.microbatches", f"microbatch id {mb.id} appears twice")
-        mbs[mb.id] = _MB(mb, params)
+        mbs[mb.id] = _MB(mb, params, len(header.tree_ids))
         computed = mb.num_rows + mb.replay_tokens
         if computed > params.microbatch_tokens:
             _fail(f"microbatch {mb.id}", f"computed rows {computed} exceed microbatch_tokens {params.microbatch_tokens}")

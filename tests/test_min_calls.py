@@ -154,3 +154,24 @@ def test_ablation_without_replay_starts_at_branch_depths():
     assert out["replay_tokens"] == 0
     # Parent sequence split at the unaligned depth 9: [0,9) call 0, then two sequences from depth 9.
     assert sorted(depth.tolist()) == [0, 9, 9] and out["calls"] == 2
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4], ids=lambda c: f"C{c}")
+def test_min_calls_matches_brute_force_on_bushy_trees(chunk):
+    """Random subsets of binary strings, each bit a block of 1..C+1 tokens: deep nesting, f up to 4."""
+    rng = np.random.default_rng(300 + chunk)
+    seen = set()
+    for _ in range(80):
+        height = int(rng.integers(2, 6))
+        block = [int(b) for b in rng.integers(1, chunk + 2, height)]
+        words = {tuple(int(x) for x in rng.integers(0, 2, height)) for _ in range(int(rng.integers(2, 13)))}
+        trajs = [[tok for b, w in zip(block, word) for tok in [w] * b] for word in sorted(words)]
+        roots, children = _chunk_tree_from_tokens(trajs, [""] * len(trajs), chunk)
+        if np.prod([len(v) + 1 for v in children.values()] or [1]) > 30000:
+            continue
+        forest = forest_from_trajectories(trajs)
+        want = _brute_force_calls(roots, children)
+        seen.add(want)
+        assert mc.min_calls(*_forest_arrays(forest), chunk) == want, trajs
+        assert mc.forest_schedule(*_forest_arrays(forest), chunk)["calls"] == want, trajs
+    assert max(seen) >= 3

@@ -7,6 +7,7 @@ import pytest
 from planner_service.errors import PlanningError
 from planner_service.planner.build import build_plan
 from planner_service.planner.config import PlanConfig
+from planner_service.planner.min_calls import min_calls, min_calls_chunk_tree_ref
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
@@ -144,14 +145,17 @@ def test_random_forests_and_partitions_validate(case):
         st = plan.header.stats
         assert st.computed_tokens == st.unique_tokens + st.replay_tokens + st.duplicated_tokens
         assert st.windows == sum(1 for sp in part.microbatches if sp.parent >= 0 and sp.shared)
+        if cfg.replay:  # every microbatch's schedule is optimal for its local forest
+            for mb in mbs.values():
+                start, par = unpack(mb.seg_start, "int32"), unpack(mb.seg_parent, "int32")
+                local = (par, unpack(mb.depth, "int32")[start], unpack(mb.seg_length, "int32"), C)
+                assert len(mb.linear_calls) == min_calls(*local) == min_calls_chunk_tree_ref(*local)
         # the Numba kernels and their plain-Python twins give byte-identical plans
         ref = build_plan(f, cfg, part, use_numba=False)
         assert ref.SerializeToString(deterministic=True) == plan.SerializeToString(deterministic=True)
 
 
 def test_whole_forest_calls_equal_min_calls():
-    from planner_service.planner.min_calls import min_calls
-
     rng = np.random.default_rng(5)
     for C in (2, 4, 8):
         trajs, tree_of = random_trajectories(rng, n=20, max_len=6 * C, vocab=3, trees=2, chunk=C)

@@ -18,6 +18,13 @@ The order that realises the optimum: visit a segment's children by decreasing to
 continuing child first). A depth-first packing in that order makes every sequence a contiguous run
 of rows (its owned rows) preceded by at most C-1 replay rows (the shared rows [kC, branch depth)).
 
+Ablation `replay=False` (PlanConfig.replay, DESIGN §5.3): no replay rows. A branch child starts a
+new sequence at its own, possibly unaligned, branch depth from the state its parent's sequence
+exports there; since a sequence can only export at start_depth + jC or at its end, the parent
+sequence is split at that depth when needed (the continuation becomes a new sequence one call
+later). The result is neither call-optimal nor bitwise-exact against expanded execution; it exists
+to measure what bounded replay buys.
+
 Legend: S segments. Arrays are numpy; segments are numbered so that a parent precedes its children.
 Each Numba function has a plain-Python twin named `*_ref` with the same contract (the test oracle);
 `min_calls_chunk_tree_ref` is an independent oracle that builds the chunk tree explicitly.
