@@ -350,25 +350,36 @@ def _place(k, W, mb_parent, shared, can_dup, rows_now):
 
 
 def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len):
-    """Mark recomputation, then duplicate edges, until every live stack fits M; returns live [M]."""
+    """Keep every live window stack within M: mark recomputation where it saves rows, then
+    duplicate edges (deepest first along a violating stack). Returns live [M].
+
+    A recomputed window stays live with its export rows only; those include the rows it imported
+    and re-exports, so recomputation pays off only where exports < rows.
+    """
     M_budget = cfg.memory_tokens
 
-    def live_now():
+    def costs():
         rows = rows_now()
         exports = k.export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, shared)
-        cost = np.where(recompute, exports, rows)
-        return k.live_stack(mb_parent, shared, rows, cost)[0]
+        return rows, exports
+
+    def live_now():
+        rows, exports = costs()
+        return k.live_stack(mb_parent, shared, rows, np.where(recompute, exports, rows))[0]
 
     live = live_now()
     if (live <= M_budget).all():
         return live
+    rows, exports = costs()
     for m in np.flatnonzero(live > M_budget).tolist():
         c = m
         while mb_parent[c] >= 0 and shared[c]:
             c = int(mb_parent[c])
-            recompute[c] = True
+            recompute[c] = exports[c] < rows[c]
     live = live_now()
-    need = int(live.max())  # enough M without any duplication (see the error below)
+    # Enough M without any duplication: under a larger M the violators are a subset of these and
+    # their ancestors get the same marks.
+    need = int(live.max())
     while (live > M_budget).any():
         changed = False
         for m in np.flatnonzero(live > M_budget).tolist():
@@ -390,10 +401,10 @@ def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_o
                 f"their prefix"
             )
         live = live_now()
+    rows, exports = costs()
     has_kids = np.zeros(mb_parent.shape[0], np.bool_)
-    wkids = mb_parent[(mb_parent >= 0) & shared]
-    has_kids[wkids] = True
-    recompute &= has_kids
+    has_kids[mb_parent[(mb_parent >= 0) & shared]] = True
+    recompute &= has_kids & (exports < rows)  # only lowers live costs
     return live_now()
 
 
