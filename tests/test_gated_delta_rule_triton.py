@@ -76,6 +76,20 @@ def test_triton_forward_matches_ref_fp32(case):
     torch.testing.assert_close(s_t, s_r, rtol=1e-5, atol=1e-5)
 
 
+def test_triton_packing_is_bitwise_invariant():
+    """One program per (sequence, head, V block): a sequence's bits do not depend on its neighbours."""
+    L, C = 45, 16
+    x, cu = make_inputs([L], 2, 16, 16, seed=7)
+    o_alone, s_alone = run("triton", x, cu, [(0, 32), (0, L)], C, use_qk_l2norm=True)
+    y, cu2 = make_inputs([20, L, 33], 2, 16, 16, seed=8)
+    for n in ("q", "k", "v", "g", "beta"):
+        y[n][20 : 20 + L] = x[n]
+    y["h0"][1] = x["h0"][0]
+    o, s = run("triton", y, cu2, [(2, 33), (1, 32), (1, L)], C, use_qk_l2norm=True)
+    assert torch.equal(o[20 : 20 + L], o_alone)
+    assert torch.equal(s[1:], s_alone)
+
+
 def test_triton_backward_is_the_reference_gradient():
     """Backward recomputes the reference: gradients (with a cotangent on the exported states) match it."""
     x, cu = make_inputs([37, 16], 2, 8, 8, seed=2)
