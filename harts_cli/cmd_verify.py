@@ -1,0 +1,66 @@
+"""Run a batch's tree plan and its trajectory-expanded plan on the same weights and compare them.
+
+    harts verify rollouts.json --model tiny --chunk-size 8 --microbatch-tokens 512
+    harts verify rollouts.json --model tiny --no-replay          # ablation: shows the difference
+
+Plans the batch twice (sharing with windows off, and PlanConfig(sharing=False)), runs forward and
+backward of both with log-probs and linear-attention outputs captured, and prints ONE JSON object:
+log-prob max abs/rel difference, loss difference, relative gradient difference per parameter and
+its max (see trainer/verify.py for the definition), whether linear-attention outputs are bitwise
+equal at every trajectory position and layer, and whether expert-load counts are equal.
+`targets_met` applies DESIGN's fp32 CPU targets (bitwise linear outputs, log-prob <= 1e-5,
+gradients <= 1e-5, equal expert loads); the exit code is 0 either way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from harts_cli.cmd_logprobs import add_model_arguments, load_forest
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--no-replay", action="store_true", help="ablation: tree plan hands over states at unaligned branch depths")
+    parser.add_argument("--aggregation", default="token-mean", help="loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL weight (needs ref_logprobs in the batch)")
+    parser.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus weight")
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from planner_service.planner import PlanConfig, plan_step
+    from trainer.executor import Executor, ExecutorConfig
+    from trainer.models import build_model
+    from trainer.objectives import ObjectiveConfig
+    from trainer.verify import compare_runs, run_and_capture
+
+    forest = load_forest(args.input)
+    model = build_model(args.model, seed=args.seed)
+    K = model.config.linear_conv_kernel_dim
+    longest = int(forest.traj_length().max()) if forest.num_trajectories else 1
+    common = dict(chunk_size=args.chunk_size, conv_kernel=K, windows=False, all_positions=True)
+    tree = plan_step(forest, PlanConfig(microbatch_tokens=args.microbatch_tokens, replay=not args.no_replay, **common))
+    expanded = plan_step(forest, PlanConfig(microbatch_tokens=max(args.microbatch_tokens, longest), sharing=False, **common))
+    obj = ObjectiveConfig(aggregation=args.aggregation, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef)
+    ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, objective=obj,
+                                        want_logprobs=True, capture_linear=True))
+    ref, g_ref = run_and_capture(ex, expanded)
+    got, g_got = run_and_capture(ex, tree)
+    rep = compare_runs(ref, g_ref, got, g_got)
+    rep["targets_met"] = bool(
+        rep.get("linear_outputs_bitwise_equal", True) and rep["logprob_max_abs_diff"] <= 1e-5
+        and rep["grad_rel_diff_max"] <= 1e-5 and rep["expert_load_equal"]
+    )
+    rep["replay"] = not args.no_replay
+    rep["compression_ideal"] = float(tree.header.stats.compression_ideal)
+    rep["seconds_tree"], rep["seconds_expanded"] = round(got.seconds, 4), round(ref.seconds, 4)
+    rep = {k: (float(v) if isinstance(v, np.floating) else v) for k, v in rep.items()}
+    log.info("verify: log-prob diff %.3g, grad rel diff %.3g, linear bitwise %s, loads equal %s",
+             rep["logprob_max_abs_diff"], rep["grad_rel_diff_max"], rep.get("linear_outputs_bitwise_equal"), rep["expert_load_equal"])
+    print(json.dumps(rep))
+    return 0
