@@ -364,7 +364,7 @@ def _check_linear(mb: _MB, st: _Step, params: plan_pb2.PlanParams, states_of: di
                 _fail(f"{w}.linear_calls[{ci}]", f"reads local state {seq.init_state.state} produced in call {exported[seq.init_state.state][0]}")
 
 
-def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[dict[int, _MB], _Step]:
+def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[dict[int, _MB], _Step, int]:
     params = header.params
     where = f"rank {rank.rank}"
     mbs: dict[int, _MB] = {}
@@ -439,7 +439,7 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
         rows = mb.export_rows
         if rows.shape[0] and ((rows < 0) | (rows >= mb.R + mb.I)).any():
             _fail(f"{mb.where}.export_rows", f"expected extended rows in [0, {mb.R + mb.I})")
-    return mbs, st
+    return mbs, st, peak
 
 
 def validate_slice(slice_: plan_pb2.PlanSlice) -> None:
@@ -501,10 +501,12 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
         _fail("ranks", f"expected {p.world_size} rank plans, got {len(plan.ranks)}")
     all_mbs: dict[int, _MB] = {}
     steps: dict[int, _Step] = {}
+    peak = 0
     for i, rank in enumerate(plan.ranks):
         if rank.rank != i:
             _fail(f"ranks[{i}].rank", f"expected {i}, got {rank.rank}")
-        mbs, st = _check_rank(header, rank)
+        mbs, st, rank_peak = _check_rank(header, rank)
+        peak = max(peak, rank_peak)
         for m, mb in mbs.items():
             if m in all_mbs:
                 _fail(f"microbatch {m}", "placed on more than one rank")
@@ -527,6 +529,20 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
     dup = sum(mb.msg.duplicated_tokens for mb in all_mbs.values())
     if (st.replay_tokens, st.duplicated_tokens, st.computed_tokens, st.microbatches) != (replay, dup, kept_all.shape[0] + replay + dup, M):
         _fail("header.stats", "expected replay/duplicated/computed tokens and microbatches to match the microbatches")
+    if st.peak_live_tokens != peak:
+        _fail("header.stats.peak_live_tokens", f"expected {peak} (live stack along the execution order), got {st.peak_live_tokens}")
+    windows = sum(1 for mb in all_mbs.values() if mb.I)
+    if st.windows != windows:
+        _fail("header.stats.windows", f"expected {windows} (microbatches with imports), got {st.windows}")
+    # Every copy of a forest token (kept or duplicated) carries the same token id and depth.
+    ident = np.concatenate([steps[m].ident[m][: mb.R] for m, mb in all_mbs.items()]) if M else np.zeros(0, np.int64)
+    tok_depth = np.concatenate([np.stack([mb.tokens, mb.depth], 1) for mb in all_mbs.values()]) if M else np.zeros((0, 2), np.int32)
+    order = np.argsort(ident, kind="stable")
+    same = ident[order][1:] == ident[order][:-1]
+    differs = (tok_depth[order][1:] != tok_depth[order][:-1]).any(axis=1)
+    if (same & differs).any():
+        x = int(ident[order][1:][np.flatnonzero(same & differs)[0]])
+        _fail("ranks", f"copies of forest token (segment {x >> 32}, offset {x & 0xFFFFFFFF}) disagree on token id or depth")
     calls = max((len(mb.msg.linear_calls) for mb in all_mbs.values()), default=0)
     if st.linear_attention_calls != calls:
         _fail("header.stats.linear_attention_calls", f"expected {calls}, got {st.linear_attention_calls}")

@@ -190,3 +190,28 @@ def test_bad_partitions_are_rejected():
         build_plan(f, cfg, Partition(microbatches=[MicrobatchSpec(ranges=ranges[:1]), MicrobatchSpec(ranges=ranges[1:])]))
     with pytest.raises(PlanningError, match="rank"):
         build_plan(f, cfg, Partition(microbatches=[MicrobatchSpec(ranges=ranges, rank=3)]))
+
+
+@pytest.mark.parametrize("all_positions", [False, True], ids=["loss", "all"])
+def test_logprob_map_kernels_match_references(all_positions):
+    from planner_service.planner.logprob_map import group_by, loss_per_trajectory, lp_entries, lp_entries_ref
+
+    rng = np.random.default_rng(17)
+    for it in range(5):
+        trajs, tree_of = random_trajectories(rng, n=int(rng.integers(1, 25)), max_len=40, vocab=3, trees=3)
+        f = forest_from_trajectories(trajs, tree_of=tree_of, seed=it)
+        got = lp_entries(f.traj_offset, f.traj_seg, f.seg_parent, f.seg_offset, f.seg_depth, f.seg_length,
+                         f.loss_mask, all_positions)
+        for a, b in zip(got, lp_entries_ref(f, all_positions)):
+            np.testing.assert_array_equal(a, b)
+        g, traj, pos, prev_tok, tok = got
+        for t in range(f.num_trajectories):  # labels are the trajectory's own tokens
+            sel = traj == t
+            np.testing.assert_array_equal(f.tokens[tok[sel]], np.asarray(trajs[t])[pos[sel]])
+            np.testing.assert_array_equal(f.tokens[prev_tok[sel]], np.asarray(trajs[t])[pos[sel] - 1])
+        np.testing.assert_array_equal(loss_per_trajectory(f.traj_offset, f.loss_mask),
+                                      [int(f.loss_mask[a:b].sum()) for a, b in zip(f.traj_offset[:-1], f.traj_offset[1:])])
+        keys = rng.integers(0, 7, 50)
+        order, bounds = group_by(keys, 7)
+        np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
+        np.testing.assert_array_equal(bounds, np.searchsorted(np.sort(keys), np.arange(8)))

@@ -288,3 +288,21 @@ def test_slice_detects_local_corruption():
     sl.rank.microbatches[1].linear_calls[0].sequences[0].start_depth = 9
     with pytest.raises(PlanValidationError, match="start_depth"):
         validate_slice(sl)
+
+
+def test_rejects_duplicated_copy_with_other_token():
+    f, plan = _window_plan(shared=False)
+    child = _mb(plan, 1)
+    toks = _arr(child, "tokens", "int32")
+    toks[3] = 999  # a duplicated context row that no longer matches the kept copy
+    child.tokens = pack(toks, "int32")
+    _rejects(plan, "disagree on token id or depth")
+
+
+def test_rejects_wrong_peak_and_windows_stats():
+    f, plan = _window_plan()
+    plan.header.stats.peak_live_tokens += 1
+    _rejects(plan, "peak_live_tokens: expected 21", f)
+    f, plan = _window_plan()
+    plan.header.stats.windows = 0
+    _rejects(plan, "windows: expected 1", f)
