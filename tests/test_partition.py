@@ -189,11 +189,17 @@ def test_first_fit_decreasing_matches_reference_and_first_fit_rule():
         sizes += items
         group_off.append(len(sizes))
         caps.append(cap)
-    args = (np.array(sizes, np.int64), np.array(group_off, np.int64), np.array(caps, np.int64))
+    opens = np.zeros(len(sizes), np.bool_)
+    args = (np.array(sizes, np.int64), np.array(group_off, np.int64), np.array(caps, np.int64), opens)
     got, nb = level1.first_fit_decreasing(*args)
     want, nb_ref = partition_ref.first_fit_decreasing(*args)
     np.testing.assert_array_equal(got, want)
     assert nb == nb_ref
+    # items that open their own bin (window-group roots) never share one with each other
+    opens[group_off[0] : group_off[0] + 3] = True
+    got2, _ = level1.first_fit_decreasing(*args)
+    np.testing.assert_array_equal(got2, partition_ref.first_fit_decreasing(*args)[0])
+    assert len(set(got2[:3].tolist())) == 3
     for g in range(5):
         sl = slice(group_off[g], group_off[g + 1])
         load = np.bincount(got[sl], weights=np.array(sizes[sl]))
@@ -501,3 +507,26 @@ def test_memory_error_names_a_sufficient_budget(seed):
         _check_partition(f, roomy, part, report)
     else:
         pytest.skip("fits without an error")
+
+
+def test_window_groups_of_big_trees_stay_apart_when_that_balances_ranks():
+    # 4 trees: a 12-token prompt, two 40-token branches (cut off into windows: 44 rows each with
+    # replay, too big to duplicate their prompt) and one 3-token branch kept with the prompt
+    trajs, trees = [], []
+    for t in range(4):
+        prompt = [t * 100 + i for i in range(12)]
+        for b, n in enumerate((40, 40, 3)):
+            trajs.append(prompt + [t * 100 + 50 + b] * n)
+            trees.append(f"task{t}")
+    f = make_forest(trajs, trees)
+    cfg = PlanConfig(world_size=4, microbatch_tokens=48, chunk_size=8)
+    part, report = partition_with_report(f, cfg)
+    _check_partition(f, cfg, part, report)
+    assert all(spec.shared for spec in part.microbatches if spec.parent >= 0)
+    assert report.imbalance == pytest.approx(1.0)
+    for r in range(4):  # one whole tree per rank
+        segs = [s for spec in part.microbatches if spec.rank == r for s in spec.ranges[:, 0].tolist()]
+        assert len({int(f.seg_tree[s]) for s in segs}) == 1
+    # one rank: the root pieces share microbatches (15 rows each, three per bin)
+    part1, _ = partition_with_report(f, PlanConfig(world_size=1, microbatch_tokens=48, chunk_size=8))
+    assert len(part1.microbatches) == len(part.microbatches) - 2

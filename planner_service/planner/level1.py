@@ -168,13 +168,15 @@ def piece_roots(unit_parent, cut):
 
 
 @njit(cache=True)
-def first_fit_decreasing(sizes, group_off, caps):
-    """First fit over items already sorted by (group, size descending, id).
+def first_fit_decreasing(sizes, group_off, caps, opens):
+    """First fit over items already sorted by (group, opens first, size descending, id).
 
     Args:
         sizes: int64 [n] item sizes, in packing order.
         group_off: int64 [G+1] items group_off[g]:group_off[g+1] form group g (packed separately).
         caps: int64 [G] bin capacity of each group.
+        opens: bool [n] the item opens a new bin (never joins a bin opened before it); later items
+            may still join its bin.
 
     Returns:
         bin int64 [n] global bin of each item (bins numbered group after group, in opening order),
@@ -200,9 +202,12 @@ def first_fit_decreasing(sizes, group_off, caps):
         used = np.int64(0)
         for i in range(a, b):
             size = sizes[i]
-            node = 1
-            while node < P:
-                node = 2 * node if tree[2 * node] >= size else 2 * node + 1
+            if opens[i]:
+                node = P + used
+            else:
+                node = 1
+                while node < P:
+                    node = 2 * node if tree[2 * node] >= size else 2 * node + 1
             leaf = node - P
             tree[node] -= size
             node //= 2

@@ -58,6 +58,8 @@ _KERNELS = {
 SHORT_PREFIX_FRACTION = 0.05
 #: Imbalance (max / mean rank cost) below which placement stops splitting window groups.
 IMBALANCE_TARGET = 1.05
+#: Duplicated-edge candidates placement tries per balancing round.
+SPLIT_CANDIDATES = 8
 
 
 @dataclass(slots=True, kw_only=True)
@@ -135,10 +137,19 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
         cap_of = np.full(pieces.shape[0], B, np.int64)
     assert (size <= cap_of).all(), "a piece larger than its bin: cut_pieces broke its contract"
     ppar = np.where(has_anchor, np.searchsorted(pieces, root[np.maximum(anchor, 0)]), -1)
-    piece_mb, M, n_root = _pack(k, size, cap_of, ppar, anchor, dup_only, B)
+    separate = False
+    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, B, separate)
+    if W > 1 and not dup_only:
+        # few large trees: keep their window groups apart if that is what balances the ranks
+        before = _group_imbalance(k, W, piece_mb, M, ppar, size)
+        if before > IMBALANCE_TARGET:
+            alt = _pack(k, size, cap_of, ppar, anchor, dup_only, B, True)
+            if _group_imbalance(k, W, alt[0], alt[1], ppar, size) < before:
+                separate = True
+                piece_mb, M, n_root, root_items = alt
     if W > 1 and M % W:
-        roots_sorted = np.sort(size[ppar < 0])[::-1]
-        piece_mb, M, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, _balanced_root_cap(k, roots_sorted, n_root, M, W, B))
+        root_cap = _balanced_root_cap(k, *root_items, n_root, M, W, B)
+        piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, root_cap, separate)
     unit_piece = np.searchsorted(pieces, root)
     unit_mb = piece_mb[unit_piece]
     mb_parent = np.full(M, -1, np.int64)
@@ -210,15 +221,17 @@ def _check_paths_fit(forest: Forest, budget: int) -> None:
         )
 
 
-def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int) -> tuple[np.ndarray, int, int]:
+def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, separate: bool = False):
     """Microbatch of every piece: first fit decreasing, level by level down the piece forest.
 
-    Forest-root pieces are packed together (bins of `root_cap`); the pieces hanging below one
-    microbatch's pieces are packed together (without windows: below one anchor unit, so that
-    they share one duplicated context). Parents get smaller ids than their children.
+    Forest-root pieces are packed together (bins of `root_cap`); with `separate`, two that have
+    pieces below them never share a bin, so that their window groups stay apart for placement.
+    The pieces hanging below one microbatch's pieces are packed together (without windows: below
+    one anchor unit, so that they share one duplicated context). Parents get smaller ids.
 
     Returns:
-        piece_mb int64 [K], number of microbatches, number of root microbatches.
+        piece_mb int64 [K], number of microbatches, number of root microbatches, and the root
+        items in packing order (sizes int64, opens bool) for `_balanced_root_cap`.
     """
     K = size.shape[0]
     level = np.zeros(K, np.int64)
@@ -228,31 +241,49 @@ def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int) -> tuple
         if (deeper == level[child]).all():
             break
         level[child] = deeper
+    has_below = np.zeros(K, np.bool_)
+    has_below[ppar[ppar >= 0]] = True
     piece_mb = np.full(K, -1, np.int64)
     M = n_root = 0
+    root_items = (np.zeros(0, np.int64), np.zeros(0, np.bool_))
     for L in range(int(level.max()) + 1 if K else 0):
         idx = np.flatnonzero(level == L)
         if L == 0:
             key = np.zeros(idx.shape[0], np.int64)
+            opens = has_below[idx] & separate
         elif dup_only:
             key = anchor[idx]
+            opens = np.zeros(idx.shape[0], np.bool_)
         else:
             key = piece_mb[ppar[idx]]
-        sort = np.lexsort((idx, -size[idx], key))
+            opens = np.zeros(idx.shape[0], np.bool_)
+        sort = np.lexsort((idx, -size[idx], ~opens, key))
         order = idx[sort]
         skey = key[sort]
         starts = np.flatnonzero(np.r_[True, skey[1:] != skey[:-1]])
         group_off = np.r_[starts, order.shape[0]].astype(np.int64)
         caps = np.full(starts.shape[0], root_cap, np.int64) if L == 0 else cap_of[order][starts].astype(np.int64)
-        bins, nb = k.first_fit_decreasing(size[order].astype(np.int64), group_off, caps)
+        sizes = size[order].astype(np.int64)
+        bins, nb = k.first_fit_decreasing(sizes, group_off, caps, opens[sort])
         piece_mb[order] = M + bins
         M += int(nb)
         if L == 0:
             n_root = int(nb)
-    return piece_mb, M, n_root
+            root_items = (sizes, opens[sort])
+    return piece_mb, M, n_root, root_items
 
 
-def _balanced_root_cap(k, sizes: np.ndarray, n_root: int, M: int, W: int, budget: int) -> int:
+def _group_imbalance(k, W: int, piece_mb: np.ndarray, M: int, ppar: np.ndarray, size: np.ndarray) -> float:
+    """LPT imbalance of a packing if every cross-microbatch edge were a window."""
+    mb_parent = np.full(M, -1, np.int64)
+    below = ppar >= 0
+    mb_parent[piece_mb[below]] = piece_mb[ppar[below]]
+    rows = np.bincount(piece_mb, weights=size, minlength=M)
+    _, load = _lpt(k, W, _window_groups(mb_parent, np.ones(M, np.bool_)), rows)
+    return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
+
+
+def _balanced_root_cap(k, sizes: np.ndarray, opens: np.ndarray, n_root: int, M: int, W: int, budget: int) -> int:
     """Bin capacity (<= B) for the forest-root pieces so that the microbatch count becomes a
     multiple of W: bins of about equal size that LPT can spread evenly, instead of full bins plus
     a remainder that one rank carries alone."""
@@ -260,7 +291,7 @@ def _balanced_root_cap(k, sizes: np.ndarray, n_root: int, M: int, W: int, budget
     one_group = np.array([0, sizes.shape[0]], np.int64)
 
     def bins(cap: int) -> int:
-        return int(k.first_fit_decreasing(sizes, one_group, np.array([cap], np.int64))[1])
+        return int(k.first_fit_decreasing(sizes, one_group, np.array([cap], np.int64), opens)[1])
 
     # smallest capacity whose packing needs <= target bins (binary search: FFD's bin count is
     # non-increasing in the capacity up to rare anomalies, which only cost a slightly larger cap)
@@ -329,23 +360,29 @@ def _place(k, W, mb_parent, shared, can_dup, rows_now):
     rows = rows_now()
     group = _window_groups(mb_parent, shared)
     mb_rank, load = _lpt(k, W, group, rows)
-    for _ in range(2 * W if W > 1 else 0):
+    for _ in range(4 * W if W > 1 else 0):
         imbalance = load.max() / load.mean() if load.mean() > 0 else 1.0
         if imbalance <= IMBALANCE_TARGET:
             break
-        top = int(np.argmax(load))
-        on_top = np.unique(group[mb_rank == top])
-        multi = [g for g in on_top.tolist() if (group == g).sum() > 1]
-        saved = shared.copy()
-        if not multi or not _split_once(mb_parent, shared, can_dup, rows, group, multi):
+        # detach the subtree (one duplicated edge on the busiest rank) that LPT balances best,
+        # among the few whose cost is closest to half the gap between the busiest and idlest ranks
+        sub = _subtree_costs(mb_parent, shared, rows)
+        cand = np.flatnonzero((mb_rank == int(np.argmax(load))) & shared & can_dup)
+        gap = (load.max() - load.min()) / 2
+        best = None
+        for c in cand[np.argsort(np.abs(sub[cand] - gap), kind="stable")[:SPLIT_CANDIDATES]].tolist():
+            shared[c] = False
+            rows2 = rows_now()
+            group2 = _window_groups(mb_parent, shared)
+            rank2, load2 = _lpt(k, W, group2, rows2)
+            score = load2.max() / load2.mean()
+            if score < imbalance and (best is None or score < best[0]):
+                best = (score, c, rows2, group2, rank2, load2)
+            shared[c] = True
+        if best is None:
             break
-        rows2 = rows_now()
-        group2 = _window_groups(mb_parent, shared)
-        rank2, load2 = _lpt(k, W, group2, rows2)
-        if load2.max() / load2.mean() >= imbalance:
-            shared[:] = saved
-            break
-        rows, group, mb_rank, load = rows2, group2, rank2, load2
+        _, c, rows, group, mb_rank, load = best
+        shared[c] = False
     return mb_rank, load
 
 

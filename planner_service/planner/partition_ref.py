@@ -78,7 +78,7 @@ def piece_roots(unit_parent, cut):
     return np.array(root, np.int64)
 
 
-def first_fit_decreasing(sizes, group_off, caps):
+def first_fit_decreasing(sizes, group_off, caps, opens):
     """See `level1.first_fit_decreasing`: scan the open bins left to right."""
     out = []
     base = 0
@@ -87,7 +87,7 @@ def first_fit_decreasing(sizes, group_off, caps):
         for i in range(int(group_off[g]), int(group_off[g + 1])):
             size = int(sizes[i])
             for b, room in enumerate(free):
-                if room >= size:
+                if room >= size and not opens[i]:
                     break
             else:
                 free.append(int(caps[g]))
