@@ -190,6 +190,10 @@ def test_bad_partitions_are_rejected():
         build_plan(f, cfg, Partition(microbatches=[MicrobatchSpec(ranges=ranges[:1]), MicrobatchSpec(ranges=ranges[1:])]))
     with pytest.raises(PlanningError, match="rank"):
         build_plan(f, cfg, Partition(microbatches=[MicrobatchSpec(ranges=ranges, rank=3)]))
+    two = PlanConfig(chunk_size=8, microbatch_tokens=64, world_size=2)
+    with pytest.raises(PlanningError, match="stays on its parent's rank"):
+        build_plan(f, two, Partition(microbatches=[MicrobatchSpec(ranges=ranges[:2]),
+                                                   MicrobatchSpec(ranges=ranges[2:], parent=0, shared=True, rank=1)]))
 
 
 @pytest.mark.parametrize("all_positions", [False, True], ids=["loss", "all"])

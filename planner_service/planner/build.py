@@ -351,6 +351,12 @@ def build_plan(
         if not 0 <= sp.rank < cfg.world_size:
             raise PlanningError(f"partition.microbatches[{m}].rank: expected 0 <= rank < {cfg.world_size}, got {sp.rank}")
     topo = _topological(specs)
+    for m, sp in enumerate(specs):
+        if sp.parent >= 0 and sp.shared and specs[sp.parent].rank != sp.rank:
+            raise PlanningError(
+                f"partition.microbatches[{m}].rank: expected {specs[sp.parent].rank} (a sharing window stays on "
+                f"its parent's rank), got {sp.rank}"
+            )
 
     # Context (children first): root paths of every piece root and what shared children need.
     needs: list[dict[int, int]] = [dict() for _ in range(M)]
@@ -586,7 +592,7 @@ def build_plan(
     mean = float(np.mean(rank_costs)) if rank_costs else 0.0
     st.imbalance = max(rank_costs) / mean if mean > 0 else 1.0
     st.peak_live_tokens = int(peak)
-    st.windows = sum(1 for L in layouts if L.shared)
+    st.windows = sum(1 for L in layouts if L.shared and L.ctx_tok.shape[0])
     return plan
 
 
