@@ -239,6 +239,16 @@ def run(quick: bool = False) -> dict:
                 "imbalance": round(st.imbalance, 4), "linear_attention_calls": st.linear_attention_calls,
             }
             log.info("plan_step %s: %.3fs %s", name, secs, out["configs"][name]["plan_stats"])
+        # the builder's "reference" swaps only its Numba kernels, so this ratio is modest
+        sub = _subforest(forest, max(3, n_trees // 10))
+        cfg = configs["windows"]
+        t_numba, _ = _time(lambda: plan_step(sub, cfg), repeat=2)
+        t_ref, _ = _time(lambda: plan_step(sub, cfg, impl="ref"), repeat=1)
+        out["plan_step_reference"] = {
+            "unique_tokens": sub.unique_tokens, "numba_seconds": round(t_numba, 3), "ref_seconds": round(t_ref, 3),
+            "speedup": round(t_ref / t_numba, 1),
+        }
+        log.info("plan_step reference: %s", out["plan_step_reference"])
     return out
 
 
