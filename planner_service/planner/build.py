@@ -352,6 +352,8 @@ def build_plan(
             raise PlanningError(f"partition.microbatches[{m}].rank: expected 0 <= rank < {cfg.world_size}, got {sp.rank}")
     topo = _topological(specs)
     for m, sp in enumerate(specs):
+        if sp.parent >= 0 and sp.shared and not cfg.windows:
+            raise PlanningError(f"partition.microbatches[{m}].shared: expected False with windows off, got True")
         if sp.parent >= 0 and sp.shared and specs[sp.parent].rank != sp.rank:
             raise PlanningError(
                 f"partition.microbatches[{m}].rank: expected {specs[sp.parent].rank} (a sharing window stays on "
