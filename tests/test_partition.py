@@ -237,6 +237,12 @@ def test_order_and_live_stack_match_reference(seed):
         np.testing.assert_array_equal(got, want)
     for got, want in zip(level2.live_stack(parent, shared, rows, cost), partition_ref.live_stack(parent, shared, rows, cost)):
         np.testing.assert_array_equal(got, want)
+    groups = level2.window_groups(parent, shared)
+    np.testing.assert_array_equal(groups, partition_ref.window_groups(parent, shared))
+    sub = level2.subtree_costs(parent, shared, rows)
+    np.testing.assert_allclose(sub, partition_ref.subtree_costs(parent, shared, rows))
+    roots = np.flatnonzero(groups == np.arange(M))
+    np.testing.assert_allclose(sub[roots], np.bincount(groups, weights=rows)[roots])
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -5,6 +5,7 @@
 - `export_rows`: rows a window parent exports to its shared children (the union of their piece
   roots' paths: its own rows there, and the rows it imported and re-exports): the live cost of a
   window under activation recomputation.
+- `window_groups`, `subtree_costs`: the window forest's components and subtree costs.
 - `lpt_place`: longest-processing-time-first placement of window groups on ranks.
 - `dfs_order`: per-rank execution order, depth-first over the window forest (forward on entry,
   backward after every dependent), and the live stack it implies.
@@ -84,6 +85,29 @@ def export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared):
                 out[a] += unit_len[u]
                 u = unit_parent[u]
     return out
+
+
+@njit(cache=True)
+def window_groups(mb_parent, mb_shared):
+    """Window group of every microbatch: the id of its window root (parents precede children)."""
+    M = mb_parent.shape[0]
+    group = np.empty(M, np.int64)
+    for m in range(M):
+        p = mb_parent[m]
+        group[m] = group[p] if (p >= 0 and mb_shared[m]) else m
+    return group
+
+
+@njit(cache=True)
+def subtree_costs(mb_parent, mb_shared, rows):
+    """Rows of each microbatch's window subtree (itself and its window descendants)."""
+    M = mb_parent.shape[0]
+    sub = rows.astype(np.float64)
+    for m in range(M - 1, -1, -1):
+        p = mb_parent[m]
+        if p >= 0 and mb_shared[m]:
+            sub[p] += sub[m]
+    return sub
 
 
 @njit(cache=True)

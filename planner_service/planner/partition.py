@@ -46,6 +46,8 @@ _KERNELS = {
         first_fit_decreasing=level1.first_fit_decreasing,
         context_cost=level2.context_cost,
         export_rows=level2.export_rows,
+        window_groups=level2.window_groups,
+        subtree_costs=level2.subtree_costs,
         lpt_place=level2.lpt_place,
         live_stack=level2.live_stack,
         dfs_order=level2.dfs_order,
@@ -279,7 +281,7 @@ def _group_imbalance(k, W: int, piece_mb: np.ndarray, M: int, ppar: np.ndarray, 
     below = ppar >= 0
     mb_parent[piece_mb[below]] = piece_mb[ppar[below]]
     rows = np.bincount(piece_mb, weights=size, minlength=M)
-    _, load = _lpt(k, W, _window_groups(mb_parent, np.ones(M, np.bool_)), rows)
+    _, load = _lpt(k, W, k.window_groups(mb_parent, np.ones(M, np.bool_)), rows)
     return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
 
 
@@ -308,21 +310,6 @@ def _balanced_root_cap(k, sizes: np.ndarray, opens: np.ndarray, n_root: int, M: 
     return hi
 
 
-def _window_groups(mb_parent: np.ndarray, shared: np.ndarray) -> np.ndarray:
-    """Window group (its root microbatch) of every microbatch; parents precede children."""
-    group = np.arange(mb_parent.shape[0])
-    for m in np.flatnonzero((mb_parent >= 0) & shared).tolist():
-        group[m] = group[mb_parent[m]]
-    return group
-
-
-def _subtree_costs(mb_parent: np.ndarray, shared: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    sub = rows.astype(np.float64).copy()
-    for m in np.flatnonzero((mb_parent >= 0) & shared)[::-1].tolist():
-        sub[mb_parent[m]] += sub[m]
-    return sub
-
-
 def _lpt(k, W: int, group: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     M = group.shape[0]
     gcost = np.bincount(group, weights=rows, minlength=M)
@@ -334,9 +321,9 @@ def _lpt(k, W: int, group: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np
     return rank_of_group[group], load
 
 
-def _split_once(mb_parent, shared, can_dup, rows, group, targets) -> bool:
+def _split_once(k, mb_parent, shared, can_dup, rows, group, targets) -> bool:
     """Duplicate one edge inside the heaviest group among `targets`: the one that halves it best."""
-    sub = _subtree_costs(mb_parent, shared, rows)
+    sub = k.subtree_costs(mb_parent, shared, rows)
     gcost = np.bincount(group, weights=rows, minlength=group.shape[0])
     for g in sorted(targets, key=lambda g: (-gcost[g], g)):
         cand = np.flatnonzero((group == g) & shared & can_dup)
@@ -350,15 +337,15 @@ def _split_once(mb_parent, shared, can_dup, rows, group, targets) -> bool:
 def _place(k, W, mb_parent, shared, can_dup, rows_now):
     """LPT placement of window groups; duplicate edges of groups too heavy for an even split."""
     M = mb_parent.shape[0]
-    for _ in range(M):
+    for _ in range(4 * W if W > 1 else 0):
         rows = rows_now()
-        group = _window_groups(mb_parent, shared)
+        group = k.window_groups(mb_parent, shared)
         gcost = np.bincount(group, weights=rows, minlength=M)
         heavy = np.flatnonzero(gcost > rows.sum() / W).tolist() if W > 1 else []
-        if not heavy or not _split_once(mb_parent, shared, can_dup, rows, group, heavy):
+        if not heavy or not _split_once(k, mb_parent, shared, can_dup, rows, group, heavy):
             break
     rows = rows_now()
-    group = _window_groups(mb_parent, shared)
+    group = k.window_groups(mb_parent, shared)
     mb_rank, load = _lpt(k, W, group, rows)
     for _ in range(4 * W if W > 1 else 0):
         imbalance = load.max() / load.mean() if load.mean() > 0 else 1.0
@@ -366,14 +353,14 @@ def _place(k, W, mb_parent, shared, can_dup, rows_now):
             break
         # detach the subtree (one duplicated edge on the busiest rank) that LPT balances best,
         # among the few whose cost is closest to half the gap between the busiest and idlest ranks
-        sub = _subtree_costs(mb_parent, shared, rows)
+        sub = k.subtree_costs(mb_parent, shared, rows)
         cand = np.flatnonzero((mb_rank == int(np.argmax(load))) & shared & can_dup)
         gap = (load.max() - load.min()) / 2
         best = None
         for c in cand[np.argsort(np.abs(sub[cand] - gap), kind="stable")[:SPLIT_CANDIDATES]].tolist():
             shared[c] = False
             rows2 = rows_now()
-            group2 = _window_groups(mb_parent, shared)
+            group2 = k.window_groups(mb_parent, shared)
             rank2, load2 = _lpt(k, W, group2, rows2)
             score = load2.max() / load2.mean()
             if score < imbalance and (best is None or score < best[0]):

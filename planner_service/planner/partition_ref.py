@@ -136,6 +136,28 @@ def export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared):
     return np.array([sum(int(unit_len[u]) for u in k) for k in kept], np.int64)
 
 
+def window_groups(mb_parent, mb_shared):
+    """See `level2.window_groups`: follow window edges up to the root."""
+    out = []
+    for m in range(len(mb_parent)):
+        c = m
+        while mb_parent[c] >= 0 and mb_shared[c]:
+            c = int(mb_parent[c])
+        out.append(c)
+    return np.array(out, np.int64)
+
+
+def subtree_costs(mb_parent, mb_shared, rows):
+    """See `level2.subtree_costs`: add every microbatch's rows to all its window ancestors."""
+    sub = [float(r) for r in rows]
+    for m in range(len(mb_parent)):
+        c = m
+        while mb_parent[c] >= 0 and mb_shared[c]:
+            c = int(mb_parent[c])
+            sub[c] += float(rows[m])
+    return np.array(sub, np.float64)
+
+
 def lpt_place(costs_sorted, world_size):
     """See `level2.lpt_place`."""
     load = [0.0] * world_size
