@@ -17,7 +17,7 @@ from planner_service.planner.config import PlanConfig
 from planner_service.planner.partition import expand_forest, partition, partition_with_report
 
 
-# ---------------------------------------------------------------- forests built by hand (a plain trie)
+# Forests built by hand (a plain trie).
 def make_forest(trajs: list[list[int]], trees: list[str] | None = None, vocab: int = 1000) -> Forest:
     """Radix forest of `trajs` (merged within each tree id) in DFS preorder, children by token."""
     trees = trees or [""] * len(trajs)
@@ -103,7 +103,7 @@ def random_forest(seed: int, n_trees: int = 3, per_tree: int = 6, max_len: int =
     return make_forest(*random_trajs(rng, n_trees, per_tree, max_len))
 
 
-# ---------------------------------------------------------------- units
+# Units.
 @pytest.mark.parametrize("chunk", [1, 4, 8, 64], ids=lambda c: f"C{c}")
 def test_units_match_reference_and_split_at_chunk_depths(chunk):
     f = random_forest(1, max_len=60)
@@ -119,7 +119,7 @@ def test_units_match_reference_and_split_at_chunk_depths(chunk):
     assert (unit_parent < np.arange(unit_parent.shape[0])).all()
 
 
-# ---------------------------------------------------------------- Kundu-Misra
+# Kundu-Misra.
 def _brute_min_pieces(parent: list[int], weight: list[int], budget: int) -> int:
     """Fewest connected pieces of weight <= budget, over every subset of cut edges."""
     n = len(parent)
@@ -179,7 +179,7 @@ def test_cut_pieces_numba_matches_reference(seed, dup, replay):
     assert got[2] == want[2]
 
 
-# ---------------------------------------------------------------- bin packing and placement kernels
+# Bin packing and placement kernels.
 def test_first_fit_decreasing_matches_reference_and_first_fit_rule():
     rng = np.random.default_rng(3)
     sizes, group_off, caps = [], [0], []
@@ -266,7 +266,7 @@ def test_context_and_exports_match_reference(seed):
     np.testing.assert_array_equal(level2.export_rows(*args), partition_ref.export_rows(*args))
 
 
-# ---------------------------------------------------------------- the whole partitioner
+# The whole partitioner.
 def _check_partition(f: Forest, cfg: PlanConfig, part, report) -> None:
     mbs = part.microbatches
     M = len(mbs)

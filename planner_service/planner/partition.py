@@ -117,7 +117,7 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     if dup_only:
         _check_paths_fit(forest, B)
 
-    # ---- level 1: units, pieces, bins
+    # Level 1: units, pieces, microbatches.
     unit_seg, unit_off, unit_len, unit_depth, unit_parent = k.build_units(
         forest.seg_parent, forest.seg_length, forest.seg_depth, C
     )
@@ -172,7 +172,7 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     has_parent = mb_parent >= 0
     can_dup = has_parent & (rows_dup <= B)
 
-    # ---- level 2: edge modes
+    # Level 2: edge modes, placement, the live stack, the order.
     if dup_only:
         shared = np.zeros(M, np.bool_)
     else:
@@ -182,16 +182,13 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     def rows_now() -> np.ndarray:
         return np.where(shared | ~has_parent, rows_shared, rows_dup)
 
-    # ---- placement (split groups that no rank can hold evenly), LPT
     mb_rank, load = _place(k, W, mb_parent, shared, can_dup, rows_now)
 
-    # ---- live window stack under M: recompute, then duplicate
     recompute = np.zeros(M, np.bool_)
     live = _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len)
     rows = rows_now()
     load = np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
 
-    # ---- execution order
     step_rank, step_kind, step_mb = k.dfs_order(mb_parent, shared, mb_rank, W)
     rank_steps: list[list[tuple[str, int]]] = [[] for _ in range(W)]
     for r, kind, m in zip(step_rank.tolist(), step_kind.tolist(), step_mb.tolist()):
@@ -208,6 +205,12 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     report = PartitionReport(
         rows=rows, kept=kept, duplicated=np.where(has_parent & ~shared, ctx, 0),
         rank_load=load, live=live, pieces=int(pieces.shape[0]),
+    )
+    log.debug(
+        "partition: %d pieces, %d microbatches (%d windows, %d duplicated edges, %d recomputed), "
+        "rows %d, imbalance %.3f, peak live %d",
+        report.pieces, M, int(shared.sum()), int((has_parent & ~shared).sum()), int(recompute.sum()),
+        int(rows.sum()), report.imbalance, report.peak_live,
     )
     return Partition(microbatches=microbatches, rank_steps=rank_steps), report
 
