@@ -165,6 +165,29 @@ def test_kundu_misra_gives_the_fewest_pieces(seed):
             assert ul[roots == p].sum() <= budget
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_partition_cuts_token_trees_into_the_fewest_pieces(seed):
+    """C = 1: every depth is chunk-aligned, so any edge of the token tree may be cut for free."""
+    rng = np.random.default_rng(seed)
+    f = make_forest(*random_trajs(rng, 2, 3, 7, vocab=3))
+    if f.unique_tokens > 13:
+        f = make_forest(*random_trajs(np.random.default_rng(seed + 100), 1, 3, 6, vocab=3))
+    parent = []
+    for s in range(f.num_segments):
+        p = int(f.seg_parent[s])
+        for o in range(int(f.seg_length[s])):
+            if o > 0:
+                parent.append(len(parent) - 1)
+            elif p < 0:
+                parent.append(-1)
+            else:
+                parent.append(int(f.seg_offset[p] + f.seg_length[p] - 1))
+    budget = int(rng.integers(2, 6))
+    cfg = PlanConfig(world_size=1, microbatch_tokens=budget, chunk_size=1, memory_tokens=1000)
+    _, report = partition_with_report(f, cfg)
+    assert report.pieces == _brute_min_pieces(parent, [1] * len(parent), budget)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dup,replay", [(False, True), (True, True), (False, False)], ids=["window", "dup", "noreplay"])
 def test_cut_pieces_numba_matches_reference(seed, dup, replay):
