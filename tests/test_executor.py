@@ -98,6 +98,20 @@ def test_tree_matches_expanded(model, case):
     assert rep["grad_rel_diff_max"] <= 1e-5, {k: v for k, v in rep["grad_rel_diff"].items() if v > 1e-5}
 
 
+@pytest.mark.parametrize("case", ["unaligned-branch", "ends-inside-tree"])
+def test_deep_model_linear_layers_after_attention_stay_bitwise(case):
+    """tiny-deep has full attention at layers 3 and 7: linear layers 4-6 read attention outputs."""
+    model = build_model("tiny-deep", seed=2)
+    trajs, kw = _case(case)
+    ex = _executor(model)
+    ref, g_ref = run_and_capture(ex, make_plan(trajs, chunk_size=C, sharing=False, all_positions=True))
+    got, g_got = run_and_capture(ex, make_plan(trajs, chunk_size=C, all_positions=True, **kw))
+    rep = compare_runs(ref, g_ref, got, g_got)
+    assert rep["linear_layers_compared"] == [0, 1, 2, 4, 5, 6]
+    assert rep["linear_outputs_bitwise_equal"] and rep["logprob_max_abs_diff"] == 0.0, rep
+    assert rep["grad_rel_diff_max"] <= 1e-5
+
+
 def test_no_replay_breaks_bitwise_equality_on_unaligned_branches(model):
     trajs, _ = _case("unaligned-branch")
     ex = _executor(model)

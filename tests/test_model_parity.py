@@ -89,3 +89,17 @@ def test_ancestry_conv_matches_conv1d():
     layout = layout_from_sequences([list(range(20))], conv_kernel=4, chunk_size=8)
     got = tree_ops.ancestry_conv(x, w, layout.conv_src)
     torch.testing.assert_close(got, tree_ops.causal_conv_ref(x, w), rtol=1e-6, atol=1e-6)
+
+
+def test_tiled_attention_matches_dense_reference_and_is_extent_invariant():
+    gen = torch.Generator().manual_seed(0)
+    L = 70
+    q, k, v = torch.randn(L, 4, 16, generator=gen), torch.randn(L, 2, 16, generator=gen), torch.randn(L, 2, 16, generator=gen)
+    whole = [tree_ops.AttnSegment(q_start=0, q_len=L, kv_idx=torch.arange(L))]
+    full = tree_ops.ancestor_attention(q, k, v, whole, scale=0.25)
+    ref = tree_ops.ancestor_attention_ref(q, k, v, torch.ones(L, L, dtype=torch.bool).tril(), scale=0.25)
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-6)
+    # the same rows as a segment below ancestors 0..36, or cut short: identical bits
+    split = [tree_ops.AttnSegment(q_start=0, q_len=37, kv_idx=torch.arange(37)),
+             tree_ops.AttnSegment(q_start=37, q_len=L - 37, kv_idx=torch.arange(L))]
+    assert torch.equal(tree_ops.ancestor_attention(q, k, v, split, scale=0.25), full)

@@ -6,7 +6,8 @@ root-to-leaf paths through the plan's ancestry:
 - `ancestry_conv`: the depthwise causal short convolution, gathering the K-1 ancestor rows of each
   row and summing in the fixed order (oldest first) that a linear sequence uses;
 - `ancestor_attention`: per segment, queries attend to the segment's ancestor rows (all visible)
-  and causally to the segment's own rows; never a dense mask over the microbatch;
+  and causally to the segment's own rows; never a dense mask over the microbatch; computed in
+  fixed-shape tiles so that a query's result does not depend on the segment's extent;
 - `linear_attention`: the linear-attention call schedule: per call, gather replay + range rows
   differentiably, run the kernel from the state-table initial states, keep range outputs, discard
   replay outputs, store exported states without detaching.
@@ -83,18 +84,40 @@ def causal_conv_ref(x_LC: torch.Tensor, w_CK: torch.Tensor) -> torch.Tensor:
     return y.t()
 
 
+#: query and key tile sizes of the batch-invariant attention.
+TILE_Q = 16
+TILE_K = 16
+
+
 def _attend(q_LHd, k_AHd, v_AHd, n_anc: int, scale: float) -> torch.Tensor:
+    """Attention of one segment's queries, bitwise independent of the segment's extent.
+
+    Keys are the rows at depths 0, 1, ... in order (ancestors root first, then the segment), so key
+    tile t always holds the same depths whatever else is in the run. Scores and P@V are same-shape
+    [TILE_Q, hd] x [hd, TILE_K] products, row sums are over one TILE_K tile, and tiles are folded
+    left to right (cumsum); keys a query cannot see are exact zeros, so a query gets the same bits
+    in a tree segment and in its expanded trajectory (whose later keys are all masked).
+    """
     Lq, H, hd = q_LHd.shape
     rep = H // k_AHd.shape[1]
     k = k_AHd.repeat_interleave(rep, dim=1)
     v = v_AHd.repeat_interleave(rep, dim=1)
-    s_HLA = torch.einsum("qhd,khd->hqk", q_LHd, k) * scale
     Lk = k.shape[0]
-    qi = torch.arange(Lq)[:, None]
-    kj = torch.arange(Lk)[None, :] - n_anc
-    s_HLA = s_HLA.masked_fill(kj > qi, float("-inf"))
-    p_HLA = torch.softmax(s_HLA, dim=-1, dtype=torch.float32).to(q_LHd.dtype)
-    return torch.einsum("hqk,khd->qhd", p_HLA, v)
+    nq, nk = -(-Lq // TILE_Q), -(-Lk // TILE_K)
+    q_t = F.pad(q_LHd, (0, 0, 0, 0, 0, nq * TILE_Q - Lq)).view(nq, TILE_Q, H, hd).permute(0, 2, 1, 3)
+    k_t = F.pad(k, (0, 0, 0, 0, 0, nk * TILE_K - Lk)).view(nk, TILE_K, H, hd).permute(0, 2, 3, 1)
+    v_t = F.pad(v, (0, 0, 0, 0, 0, nk * TILE_K - Lk)).view(nk, TILE_K, H, hd).permute(0, 2, 1, 3)
+    s = torch.matmul(q_t[:, None], k_t[None]) * scale  # [nq, nk, H, TQ, TK]
+    qi = torch.arange(nq * TILE_Q).view(nq, 1, 1, TILE_Q, 1)
+    kj = torch.arange(nk * TILE_K).view(1, nk, 1, 1, TILE_K)
+    hidden = (kj >= Lk) | ((kj >= n_anc) & (kj - n_anc > qi))
+    s = s.masked_fill(hidden, float("-inf"))
+    m = s.amax(dim=(1, 4), keepdim=True).clamp_min(torch.finfo(s.dtype).min)  # padded query rows: finite
+    p = torch.exp(s - m)  # [nq, nk, H, TQ, TK]
+    l = p.sum(dim=-1).cumsum(dim=1)[:, -1]  # [nq, H, TQ]
+    o = torch.matmul(p, v_t[None]).cumsum(dim=1)[:, -1]  # [nq, H, TQ, hd]
+    o = o / l[..., None]
+    return o.permute(0, 2, 1, 3).reshape(nq * TILE_Q, H, hd)[:Lq].to(q_LHd.dtype)
 
 
 def ancestor_attention(q_RHd, k_RHd, v_RHd, segments: list[AttnSegment], *, scale: float) -> torch.Tensor:

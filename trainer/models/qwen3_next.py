@@ -14,9 +14,9 @@ Batch invariance (DESIGN §5.3 asks for bitwise equal linear-attention outputs b
 expanded runs on CPU): a row's result must not depend on the other rows of the microbatch or on
 its position. Every projection is a `RowLinear`, a matmul over fixed-size row tiles (plain CPU
 GEMMs pick different blockings for different row counts); sigmoid/silu/softplus are written with
-`exp` (torch's own kernels round their vector body and scalar tail differently, measured).
-Softmax attention over ancestor sets of different sizes is not batch-invariant: linear layers
-after a full-attention layer match the expanded run to ~1e-7, not bitwise.
+`exp` (torch's own kernels round their vector body and scalar tail differently, measured);
+attention works in fixed-shape tiles aligned to depth (`tree_ops.ancestor_attention`). The whole
+forward is therefore bitwise equal between a tree run and its expanded run in fp32 on CPU.
 
 Legend: R rows, D hidden, H heads, Hk/Hv linear key/value heads, Kd/Vd linear head dims,
 hd attention head dim, E experts, k top-k, C conv channels, K conv kernel, V vocab.
