@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from planner_service.ingest import forest_from_json
 from planner_service.planner import PlanConfig, plan_step
@@ -14,6 +15,16 @@ from tests.test_executor import CASES, C, _case, _executor
 from trainer.models import build_model
 from trainer.objectives import ObjectiveConfig
 from trainer.verify import compare_runs, run_and_capture
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add OpenMP barriers, which cost seconds per step when
+    the CPUs are shared with other jobs (measured: 139 s vs 14 s for these test files)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
