@@ -102,12 +102,6 @@ class StepResult:
         }
 
 
-@dataclass(slots=True)
-class _Pending:
-    loss: torch.Tensor | None
-    id: int
-
-
 def _normalizers(header: plan_pb2.PlanHeader) -> Normalizers:
     n = header.normalizers
     return Normalizers(
