@@ -238,6 +238,34 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
+class _Measure:
+    """ASGI middleware: request count and latency per route name and status (a plain ASGI wrapper,
+    cheaper than Starlette's BaseHTTPMiddleware on the hot fetch path)."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            op = getattr(route, "name", None) or "unmatched"
+            self.metrics.latency.labels("http", op).observe(time.perf_counter() - t0)
+            self.metrics.requests.labels("http", op, str(status)).inc()
+
+
 def create_app(core: PlannerCore) -> FastAPI:
     """The FastAPI application of one service instance (core owned by the caller)."""
     app = FastAPI(
@@ -287,19 +315,7 @@ def create_app(core: PlannerCore) -> FastAPI:
         log.exception("%s %s failed", request.method, request.url.path)
         return _error_response(INTERNAL[0], INTERNAL[1], "internal error; the service log has the details")
 
-    @app.middleware("http")
-    async def _measure(request: Request, call_next):
-        t0 = time.perf_counter()
-        status = 500
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
-        finally:
-            route = request.scope.get("route")
-            op = getattr(route, "name", None) or "unmatched"
-            core.metrics.latency.labels("http", op).observe(time.perf_counter() - t0)
-            core.metrics.requests.labels("http", op, str(status)).inc()
+    app.add_middleware(_Measure, metrics=core.metrics)
 
     # ---- health and metrics
 

@@ -58,6 +58,7 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, http_port))
     bound_http = sock.getsockname()[1]
     app = create_app(core)

@@ -101,6 +101,9 @@ class Store:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        # Bodies and slices are megabyte blobs: 64 KiB pages write them about twice as fast as
+        # the default 4 KiB (applies when the file is created; WAL mode fixes it afterwards).
+        self._db.execute("PRAGMA page_size=65536")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
         self._db.executescript(_SCHEMA)
