@@ -44,8 +44,9 @@ def _run(capsys, argv):
 
 def test_verify_meets_targets(batch, capsys):
     path, _ = batch
-    rep = _run(capsys, ["verify", str(path), "--model", "tiny", "--chunk-size", "8", "--microbatch-tokens", "64"])
+    rep = _run(capsys, ["verify", str(path), "--model", "tiny", "--chunk-size", "8", "--microbatch-tokens", "64", "--repack-baseline"])
     assert rep["targets_met"] is True
+    assert rep["baseline_repacked"]["linear_outputs_bitwise_equal"] is True and rep["baseline_repacked"]["microbatches"] >= 1
     assert rep["linear_outputs_bitwise_equal"] is True and rep["linear_layers_compared"] == [0, 1, 2]
     assert rep["logprob_max_abs_diff"] <= 1e-5 and rep["grad_rel_diff_max"] <= 1e-5 and rep["expert_load_equal"]
     assert set(rep["grad_rel_diff"]) >= {"lm_head.weight", "model.layers.0.linear_attn.A_log"}
