@@ -181,3 +181,18 @@ def test_metrics_count_plans_and_waiting_steps(core):
     assert 'harts_plans_total{outcome="planned"} 1.0' in text
     assert "harts_compression_ideal_count 1.0" in text
     assert 'harts_ingest_bytes_total{format="json"}' in text
+
+
+def test_default_topology_plans_every_submission(tmp_path):
+    cfg = ServiceConfig(db_path=str(tmp_path / "d.db"), default_topology=TOPO)
+    c = PlannerCore(cfg)
+    c.start()
+    try:
+        c.submit(_body(rollout_doc("s-default")), "json")
+        data = asyncio.run(c.fetch_async("s-default", 1, wait=20.0))
+        assert open_sealed(data).rank.rank == 1
+        assert c.status("s-default").topology.world_size == TOPO.world_size
+    finally:
+        c.close()
+    with pytest.raises(ValidationError):
+        ServiceConfig(default_topology=planner_pb2.Topology(world_size=0))
