@@ -184,6 +184,9 @@ class PlannerCore:
     def submit(self, body: bytes, fmt: str, topology: planner_pb2.Topology | None = None) -> planner_pb2.SubmitRolloutsResponse:
         """Validate and store a step's rollouts; plan them in the background if a topology applies.
 
+        Idempotency compares bodies: a JSON document byte for byte, a protobuf batch by its
+        deterministic serialisation; the same batch_id with another body is a conflict.
+
         Args:
             body: the JSON document (fmt "json") or RolloutBatch bytes (fmt "proto").
             topology: plan for this topology at once (else the configured default, if any).
@@ -193,7 +196,7 @@ class PlannerCore:
             ConflictError: the batch_id is stored with a different body.
         """
         if len(body) > self.cfg.max_request_bytes:
-            raise ingest_limit(len(body), self.cfg.max_request_bytes)
+            raise _too_large(len(body), self.cfg.max_request_bytes)
         if fmt == "json":
             forest = ingest.forest_from_json(body, self.cfg.limits)
             stored = body
@@ -214,11 +217,13 @@ class PlannerCore:
         """`submit` for an already parsed RolloutBatch (gRPC); stores its deterministic serialisation."""
         canonical = batch.SerializeToString(deterministic=True)
         if len(canonical) > self.cfg.max_request_bytes:
-            raise ingest_limit(len(canonical), self.cfg.max_request_bytes)
+            raise _too_large(len(canonical), self.cfg.max_request_bytes)
         forest = ingest.forest_from_proto(batch, self.cfg.limits)
         return self._store_forest(forest, "proto", canonical, topology, nbytes=nbytes)
 
-    def _store_forest(self, forest: Forest, fmt: str, body: bytes, topology, *, nbytes: int | None = None):
+    def _store_forest(
+        self, forest: Forest, fmt: str, body: bytes, topology: planner_pb2.Topology | None, *, nbytes: int | None = None
+    ) -> planner_pb2.SubmitRolloutsResponse:
         if topology is not None and topology.ByteSize() == 0:
             topology = None
         topology = topology if topology is not None else self.cfg.default_topology
@@ -472,7 +477,7 @@ class PlannerCore:
     async def submit_async(self, body: bytes, fmt: str, topology: planner_pb2.Topology | None = None):
         return await asyncio.to_thread(self.submit, body, fmt, topology)
 
-    async def submit_message_async(self, batch: rollouts_pb2.RolloutBatch, topology=None):
+    async def submit_message_async(self, batch: rollouts_pb2.RolloutBatch, topology: planner_pb2.Topology | None = None):
         return await asyncio.to_thread(self.submit_message, batch, topology)
 
     async def plan_async(self, step_id: str, topology: planner_pb2.Topology) -> planner_pb2.StepStatus:
@@ -485,8 +490,8 @@ class PlannerCore:
         return await asyncio.to_thread(self.list_steps, limit)
 
 
-def ingest_limit(size: int, limit: int) -> LimitError:
-    """The LimitError of a request body over the configured size."""
+def _too_large(size: int, limit: int) -> LimitError:
+    """The error of a request body over the configured size."""
     return LimitError(f"request: expected at most {limit} bytes, got {size}")
 
 
