@@ -141,6 +141,7 @@ class Executor:
         mc = model.config
         self.moe_layers = mc.moe_layers
         self.num_experts = mc.num_experts
+        self.device = next(model.parameters()).device
 
     def check_plan(self, plan) -> None:
         """Reject a plan this model cannot run exactly; raises ValueError naming the field."""
@@ -175,7 +176,7 @@ class Executor:
         if self.cfg.validate:
             _validate(plan)
         header, ranks = _rank_plans(plan)
-        norm = _normalizers(header)
+        norm = _normalizers(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
         acc = _Accumulator(self, header)
@@ -201,6 +202,7 @@ class Executor:
     def _forward(self, mb: plan_pb2.Microbatch, norm: Normalizers, acc: "_Accumulator", *, grad: bool) -> torch.Tensor:
         mc = self.model.config
         layout = layout_from_microbatch(mb, conv_kernel=mc.linear_conv_kernel_dim, chunk_size=self.cfg.chunk_size, vocab_size=mc.vocab_size)
+        layout.to(self.device)
         capture = Capture(linear_outputs=self.cfg.capture_linear)
         with torch.set_grad_enabled(grad):
             h_RD = self.model(layout, self.run_options, capture)
@@ -242,9 +244,9 @@ def load_balancing_loss(capture: Capture, occurrence_R: torch.Tensor, num_expert
     token multiset (a row with occurrence n counts as n rows; duplicated rows count 0).
     """
     w_R = occurrence_R.float()
-    counts_E = torch.zeros(num_experts)
-    probs_E = torch.zeros(num_experts)
-    total = torch.zeros(())
+    counts_E = w_R.new_zeros(num_experts)
+    probs_E = w_R.new_zeros(num_experts)
+    total = w_R.new_zeros(())
     for layer, probs_RE in capture.router_probs.items():
         topk = capture.router_topk[layer]
         counts_E = counts_E.index_add(0, topk.reshape(-1), w_R.repeat_interleave(top_k))
@@ -283,24 +285,24 @@ class _Accumulator:
         self.ent += float(t.entropy)
         self.aux += float(out["aux"])
         lp = layout.logprobs
-        self.loss_tokens += float(lp.loss_mask.sum())
+        self.loss_tokens += float(lp.loss_mask.sum())  # one host sync per microbatch, for reports
         self.computed += layout.num_rows + int(sum(len(c.gather_idx) - len(c.keep_idx) for c in layout.linear_calls))
         self.n_mb += 1
-        occ = layout.occurrence.double()
+        occ = layout.occurrence.double().cpu()
         for j, layer in enumerate(self.ex.moe_layers):
-            topk = capture.router_topk[layer]
+            topk = capture.router_topk[layer].cpu()
             self.load[j] += torch.zeros(self.load.shape[1], dtype=torch.float64).index_add(
                 0, topk.reshape(-1), occ.repeat_interleave(topk.shape[1])).numpy()
-        flat = self.offsets[lp.traj.numpy()] + lp.pos.numpy() - 1
+        flat = self.offsets[lp.traj.cpu().numpy()] + lp.pos.cpu().numpy() - 1
         if self.logprobs is not None:
-            self.logprobs[flat] = out["logprob"].double().numpy()
+            self.logprobs[flat] = out["logprob"].double().cpu().numpy()
         if self.entropies is not None:
-            self.entropies[flat] = out["entropy"].double().numpy()
+            self.entropies[flat] = out["entropy"].double().cpu().numpy()
         if self.linear is not None:
             for layer, o_RHV in capture.linear.items():
                 if layer not in self.linear:
                     self.linear[layer] = np.full((int(self.offsets[-1]), *o_RHV.shape[1:]), np.nan, np.float32)
-                self.linear[layer][flat] = o_RHV.index_select(0, lp.row).numpy()
+                self.linear[layer][flat] = o_RHV.index_select(0, lp.row).cpu().numpy()
 
     def _split(self, flat: np.ndarray | None) -> dict[str, np.ndarray] | None:
         if flat is None:

@@ -66,6 +66,24 @@ class RowLayout:
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    def to(self, device: torch.device | str) -> "RowLayout":
+        """The layout with its index tensors on `device` (in place; returns self). Call offsets and
+        export positions stay on the CPU: the kernel plans its chunks from them on the host."""
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            return self
+        mv = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
+        self.tokens, self.depth, self.occurrence = mv(self.tokens), mv(self.depth), mv(self.occurrence)
+        self.conv_src, self.row_from_kept = mv(self.conv_src), mv(self.row_from_kept)
+        for seg in self.attn_segments:
+            seg.kv_idx = mv(seg.kv_idx)
+        for call in self.linear_calls:
+            call.gather_idx, call.keep_idx = mv(call.gather_idx), mv(call.keep_idx)
+        lp = self.logprobs
+        for name in ("row", "label", "traj", "pos", "loss_mask", "advantage", "old_logprob", "ref_logprob"):
+            setattr(lp, name, mv(getattr(lp, name)))
+        return self
+
 
 def _long(a) -> torch.Tensor:
     return torch.from_numpy(np.asarray(a, dtype=np.int64).copy())

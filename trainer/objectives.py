@@ -61,6 +61,10 @@ class Normalizers:
     traj_weight: torch.Tensor
     """float32 [T]."""
 
+    def to(self, device: torch.device | str) -> "Normalizers":
+        return Normalizers(total_loss_tokens=self.total_loss_tokens, num_trajectories=self.num_trajectories,
+                           traj_loss_tokens=self.traj_loss_tokens.to(device), traj_weight=self.traj_weight.to(device))
+
 
 @dataclass(slots=True, kw_only=True)
 class LossTerms:

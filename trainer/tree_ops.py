@@ -108,8 +108,8 @@ def _attend(q_LHd, k_AHd, v_AHd, n_anc: int, scale: float) -> torch.Tensor:
     k_t = F.pad(k, (0, 0, 0, 0, 0, nk * TILE_K - Lk)).view(nk, TILE_K, H, hd).permute(0, 2, 3, 1)
     v_t = F.pad(v, (0, 0, 0, 0, 0, nk * TILE_K - Lk)).view(nk, TILE_K, H, hd).permute(0, 2, 1, 3)
     s = torch.matmul(q_t[:, None], k_t[None]) * scale  # [nq, nk, H, TQ, TK]
-    qi = torch.arange(nq * TILE_Q).view(nq, 1, 1, TILE_Q, 1)
-    kj = torch.arange(nk * TILE_K).view(1, nk, 1, 1, TILE_K)
+    qi = torch.arange(nq * TILE_Q, device=s.device).view(nq, 1, 1, TILE_Q, 1)
+    kj = torch.arange(nk * TILE_K, device=s.device).view(1, nk, 1, 1, TILE_K)
     hidden = (kj >= Lk) | ((kj >= n_anc) & (kj - n_anc > qi))
     s = s.masked_fill(hidden, float("-inf"))
     m = s.amax(dim=(1, 4), keepdim=True).clamp_min(torch.finfo(s.dtype).min)  # padded query rows: finite

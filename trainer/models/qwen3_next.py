@@ -196,7 +196,7 @@ class Attention(nn.Module):
 
 def rope_cos_sin(depth_R: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, rotary_dim] cos/sin at each row's depth (the RoPE position)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=depth_R.device).float() / rotary_dim))
     freqs = depth_R[:, None].float() * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
