@@ -12,12 +12,13 @@ import hmac
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from planner_service.core import PlannerCore
-from planner_service.errors import INTERNAL, AuthError, HartsError, status_of
+from planner_service.errors import INTERNAL, AuthError, HartsError, ValidationError, status_of
 from proto.harts.v1 import planner_pb2
 
 log = logging.getLogger(__name__)
@@ -64,24 +65,49 @@ class _Planner:
                 box["code"] = INTERNAL[1]
                 await context.abort(grpc.StatusCode.INTERNAL, "internal error; the service log has the details")
 
-    async def submit_rollouts(self, req: planner_pb2.SubmitRolloutsRequest, context):
-        topology = req.topology if req.HasField("topology") else None
-        return await self._run("SubmitRollouts", context, lambda: self.core.submit_message_async(req.batch, topology))
-
-    async def plan_step(self, req: planner_pb2.PlanStepRequest, context):
-        return await self._run("PlanStep", context, lambda: self.core.plan_async(req.step_id, req.topology))
-
-    async def fetch_plan(self, req: planner_pb2.FetchPlanRequest, context) -> bytes:
-        return await self._run("FetchPlan", context, lambda: self.core.fetch_async(req.step_id, req.rank, req.wait_seconds))
-
-    async def get_status(self, req: planner_pb2.GetStatusRequest, context):
-        return await self._run("GetStatus", context, lambda: self.core.status_async(req.step_id))
-
-    async def list_steps(self, req: planner_pb2.ListStepsRequest, context):
+    async def submit_rollouts(self, raw: bytes, context):
         async def call():
-            return planner_pb2.ListStepsResponse(steps=await self.core.list_steps_async(req.limit))
+            req = _parse(planner_pb2.SubmitRolloutsRequest, raw)
+            topology = req.topology if req.HasField("topology") else None
+            return await self.core.submit_message_async(req.batch, topology)
+
+        return await self._run("SubmitRollouts", context, call)
+
+    async def plan_step(self, raw: bytes, context):
+        async def call():
+            req = _parse(planner_pb2.PlanStepRequest, raw)
+            return await self.core.plan_async(req.step_id, req.topology)
+
+        return await self._run("PlanStep", context, call)
+
+    async def fetch_plan(self, raw: bytes, context) -> bytes:
+        async def call():
+            req = _parse(planner_pb2.FetchPlanRequest, raw)
+            return await self.core.fetch_async(req.step_id, req.rank, req.wait_seconds)
+
+        return await self._run("FetchPlan", context, call)
+
+    async def get_status(self, raw: bytes, context):
+        async def call():
+            return await self.core.status_async(_parse(planner_pb2.GetStatusRequest, raw).step_id)
+
+        return await self._run("GetStatus", context, call)
+
+    async def list_steps(self, raw: bytes, context):
+        async def call():
+            limit = _parse(planner_pb2.ListStepsRequest, raw).limit
+            return planner_pb2.ListStepsResponse(steps=await self.core.list_steps_async(limit))
 
         return await self._run("ListSteps", context, call)
+
+
+def _parse(cls, raw: bytes):
+    """Request message from its bytes; parsed in the handler (after auth) so that a malformed
+    request is INVALID_ARGUMENT rather than gRPC's own INTERNAL deserialisation error."""
+    try:
+        return cls.FromString(raw)
+    except DecodeError:
+        raise ValidationError("request", f"expected a serialised {cls.DESCRIPTOR.full_name}, got bytes that do not parse") from None
 
 
 def _verbatim(data: bytes) -> bytes:
@@ -96,16 +122,16 @@ def add_to_server(server: grpc.aio.Server, core: PlannerCore) -> health_aio.Heal
     """
     svc = _Planner(core)
 
-    def unary(fn, req_cls, serialize):
-        return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req_cls.FromString, response_serializer=serialize)
+    def unary(fn, serialize):
+        # requests arrive as bytes (no request_deserializer): the handler parses them
+        return grpc.unary_unary_rpc_method_handler(fn, response_serializer=serialize)
 
     handlers = {
-        "SubmitRollouts": unary(svc.submit_rollouts, planner_pb2.SubmitRolloutsRequest,
-                                planner_pb2.SubmitRolloutsResponse.SerializeToString),
-        "PlanStep": unary(svc.plan_step, planner_pb2.PlanStepRequest, planner_pb2.StepStatus.SerializeToString),
-        "FetchPlan": unary(svc.fetch_plan, planner_pb2.FetchPlanRequest, _verbatim),
-        "GetStatus": unary(svc.get_status, planner_pb2.GetStatusRequest, planner_pb2.StepStatus.SerializeToString),
-        "ListSteps": unary(svc.list_steps, planner_pb2.ListStepsRequest, planner_pb2.ListStepsResponse.SerializeToString),
+        "SubmitRollouts": unary(svc.submit_rollouts, planner_pb2.SubmitRolloutsResponse.SerializeToString),
+        "PlanStep": unary(svc.plan_step, planner_pb2.StepStatus.SerializeToString),
+        "FetchPlan": unary(svc.fetch_plan, _verbatim),
+        "GetStatus": unary(svc.get_status, planner_pb2.StepStatus.SerializeToString),
+        "ListSteps": unary(svc.list_steps, planner_pb2.ListStepsResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health = health_aio.HealthServicer()

@@ -115,3 +115,13 @@ def test_error_codes(stub):
     with pytest.raises(grpc.RpcError) as err:
         stub.SubmitRollouts(huge, metadata=AUTH, timeout=10)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_malformed_request_bytes_are_invalid_argument(channel):
+    raw_status = channel.unary_unary("/harts.v1.Planner/GetStatus")  # no serializers: raw bytes
+    with pytest.raises(grpc.RpcError) as err:
+        raw_status(b"\xff\xff\xff\xff", metadata=AUTH, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GetStatusRequest" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # auth is checked before the bytes are looked at
+        raw_status(b"\xff\xff\xff\xff", timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
