@@ -196,3 +196,13 @@ def test_default_topology_plans_every_submission(tmp_path):
         c.close()
     with pytest.raises(ValidationError):
         ServiceConfig(default_topology=planner_pb2.Topology(world_size=0))
+
+
+def test_concurrent_plans_of_one_step_are_serialised(core):
+    core.submit(_body(rollout_doc("s-race", trajectories=12)), "json")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: core.plan("s-race", TOPO), range(4)))
+    assert len({r.planned_at for r in results}) == 1
+    assert 'harts_plans_total{outcome="planned"} 1.0' in core.metrics.render().decode()
