@@ -302,7 +302,7 @@ class _Accumulator:
             for layer, o_RHV in capture.linear.items():
                 if layer not in self.linear:
                     self.linear[layer] = np.full((int(self.offsets[-1]), *o_RHV.shape[1:]), np.nan, np.float32)
-                self.linear[layer][flat] = o_RHV.index_select(0, lp.row).cpu().numpy()
+                self.linear[layer][flat] = o_RHV.index_select(0, lp.row).float().cpu().numpy()
 
     def _split(self, flat: np.ndarray | None) -> dict[str, np.ndarray] | None:
         if flat is None:
