@@ -140,10 +140,10 @@ def workload_specs(*, quick: bool = False, full: bool = False) -> list[WorkloadS
             WorkloadSpec(name="percall (G=1)", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.01, group_size=1, turns=(10, 12))),
         ]
     return [
-        WorkloadSpec(name="group (G=4)", gen=dict(scheme="group", tasks=1, seed=0, scale=0.02, group_size=4, turns=(10, 30))),
-        WorkloadSpec(name="tree (k=2, 3 levels)", gen=dict(scheme="tree", tasks=1, seed=0, scale=0.02, turns=(10, 25))),
-        WorkloadSpec(name="tree (k=3, 2 levels)", gen=dict(scheme="tree", tasks=1, seed=0, scale=0.02, branching=3, levels=2, turns=(10, 25))),
-        WorkloadSpec(name="percall (G=1)", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.02, group_size=1, turns=(10, 14))),
+        WorkloadSpec(name="group (G=4)", gen=dict(scheme="group", tasks=2, seed=0, scale=0.02, group_size=4, turns=(10, 30))),
+        WorkloadSpec(name="tree (k=2, 3 levels)", gen=dict(scheme="tree", tasks=2, seed=0, scale=0.02, turns=(10, 25))),
+        WorkloadSpec(name="tree (k=3, 2 levels)", gen=dict(scheme="tree", tasks=2, seed=0, scale=0.02, branching=3, levels=2, turns=(10, 25))),
+        WorkloadSpec(name="percall (G=2)", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.02, group_size=2, turns=(10, 14))),
     ]
 
 

@@ -442,7 +442,8 @@ def generate_workload(cfg: WorkloadConfig) -> Workload:
         else:
             _build_percall(cfg, s_rng, s, a, root, a * cfg.group_size)
     w = _materialise(cfg, s, len_rng, tok_rng, rew_rng, task_ids)
-    log.debug("gen: %s in %.2f s", w.stats(), time.perf_counter() - t0)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("gen: %s in %.2f s", w.stats(), time.perf_counter() - t0)
     return w
 
 
