@@ -196,17 +196,29 @@ def test_mixed_batch_layout():
     np.testing.assert_array_equal(forest.path_tokens(4), [0, 1, 2])
     np.testing.assert_array_equal(forest.path_tokens(5), [0, 1, 2, 2])
     np.testing.assert_array_equal(forest.path_tokens(6), [0, 1])
-    # siblings by (first token, id): node -4 [2, 2] before node 7 [2]; root 3 [0, 1] before root 9 [0]
+    # siblings by (first token, id): node -4 [2, 2] before node 7 [2]; root 9 [0] is on no path: dropped
     a = forest.tree_ids.index("explicit-a")
     segs = np.flatnonzero(forest.seg_tree == a)
     seg_tokens = [forest.tokens[forest.seg_offset[s]: forest.seg_offset[s] + forest.seg_length[s]].tolist() for s in segs]
-    assert seg_tokens == [[0, 1], [2, 2], [2], [0]]
+    assert seg_tokens == [[0, 1], [2, 2], [2]]
     x2 = slice(forest.traj_offset[5], forest.traj_offset[6])
     np.testing.assert_array_equal(forest.advantages[x2], [1, 2, 3, 4])
     np.testing.assert_array_equal(forest.loss_mask[x2], [0, 0, 1, 1])
     np.testing.assert_array_equal(forest.ref_logprobs[x2], [0, 0, -1, -0.25])
     assert forest.weight[5] == 2.0 and forest.reward[5] == 0.0
-    assert forest.stats()["trees"] == 4
+    assert forest.stats()["trees"] == 3  # explicit-b has no trajectory, so no segment
+
+
+def test_explicit_nodes_on_no_trajectory_path_are_not_computed():
+    doc = {"batch_id": "b", "vocab_size": 16, "trees": [{"id": "t", "nodes": [
+        {"id": 0, "parent": None, "tokens": [1, 2]}, {"id": 1, "parent": 0, "tokens": [3]},
+        {"id": 2, "parent": 0, "tokens": [4, 5, 6]}, {"id": 3, "parent": 2, "tokens": [7]}],
+        "trajectories": [{"id": "a", "node": 1}]}]}
+    for numba in (True, False):
+        forest = forest_from_json(doc, numba=numba)
+        forest.check()
+        assert forest.unique_tokens == 3 and forest.num_segments == 2
+        np.testing.assert_array_equal(forest.path_tokens(0), [1, 2, 3])
 
 
 def test_json_and_proto_build_the_same_forest_and_round_trip():

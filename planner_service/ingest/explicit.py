@@ -86,6 +86,34 @@ def first_cycle(parent_V: np.ndarray, unreached: np.ndarray) -> list[int]:
     return cycle
 
 
+def used_nodes(parent_V: np.ndarray, traj_node: np.ndarray) -> np.ndarray:
+    """bool [V]: the nodes on some trajectory's root-to-node path (linear: each node is walked once)."""
+    used = np.zeros(parent_V.shape[0], np.bool_)
+    for v in np.asarray(traj_node, np.int64).tolist():
+        while v >= 0 and not used[v]:
+            used[v] = True
+            v = int(parent_V[v])
+    return used
+
+
+def _drop_unused(node_tree_V, node_id_V, parent_V, tokens_N, offsets_V1, traj_node):
+    """The same explicit trees restricted to the nodes that some trajectory passes through."""
+    used = used_nodes(parent_V, traj_node)
+    if used.all():
+        return node_tree_V, node_id_V, parent_V, tokens_N, offsets_V1, traj_node
+    keep = np.flatnonzero(used)
+    new_index = np.full(parent_V.shape[0], -1, np.int64)
+    new_index[keep] = np.arange(keep.shape[0])
+    parents = parent_V[keep]
+    parents = np.where(parents >= 0, new_index[np.maximum(parents, 0)], -1)
+    lengths = np.diff(offsets_V1)[keep]
+    offsets = np.zeros(keep.shape[0] + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    token_index = np.repeat(offsets_V1[:-1][keep] - offsets[:-1], lengths) + np.arange(offsets[-1])
+    return (node_tree_V[keep], node_id_V[keep], parents, tokens_N[token_index], offsets,
+            new_index[np.asarray(traj_node, np.int64)])
+
+
 def explicit_forest(*, node_tree_V: np.ndarray, node_id_V: np.ndarray, parent_V: np.ndarray, tokens_N: np.ndarray,
                     offsets_V1: np.ndarray, n_trees: int, traj_node: np.ndarray) -> RadixForest:
     """Segments of validated explicit trees in depth-first preorder (trees in index order).
@@ -95,6 +123,8 @@ def explicit_forest(*, node_tree_V: np.ndarray, node_id_V: np.ndarray, parent_V:
         tokens_N: int32 [N_n] node tokens, node after node; offsets_V1: int64 [V+1] their bounds.
         traj_node: int64 [T_x] last node of each explicit trajectory.
     """
+    node_tree_V, node_id_V, parent_V, tokens_N, offsets_V1, traj_node = _drop_unused(
+        node_tree_V, node_id_V, parent_V, tokens_N, offsets_V1, traj_node)
     V = parent_V.shape[0]
     K = n_trees
     starts = offsets_V1[:-1].astype(np.int64)
