@@ -429,11 +429,13 @@ HEADLINE = (
 
 
 def headline_table(rows: list[dict]) -> str:
-    """The markdown headline table (one row per workload)."""
-    lines = ["| " + " | ".join(h for _, h in HEADLINE) + " |", "|" + "---|" * len(HEADLINE)]
+    """The markdown headline table (one row per workload); columns no row has a value for are left out."""
+    cols = [(k, h) for k, h in HEADLINE
+            if k == "workload" or any(("linear_attention_calls" if k == "calls" else k) in r for r in rows)]
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
-        for key, _ in HEADLINE:
+        for key, _ in cols:
             if key == "calls":
                 cells.append(f"{_fmt(r.get('linear_attention_calls'))} / {_fmt(r.get('linear_attention_calls_expanded'))}"
                              if "linear_attention_calls" in r else "-")

@@ -105,6 +105,10 @@ def test_headline_table_formats_every_column():
     assert header.count("|") == rule.count("|") == full.count("|") == bare.count("|") == len(suite.HEADLINE) + 1
     assert full == "| tree (k=2) | 123,456 | 6.00x | 1.040 | 5.77x | 0.012 | 1.500 | 4 / 1 | 4.80x | 80% |"
     assert bare == "| bare |" + " - |" * (len(suite.HEADLINE) - 1)
+    # Planning only (--full): the throughput columns are left out.
+    planned = {k: v for k, v in row.items() if k not in ("throughput_ratio", "fraction_of_ideal")}
+    header, _, line = suite.headline_table([planned]).splitlines()
+    assert "throughput" not in header and "fraction" not in header and line.endswith("| 4 / 1 |")
 
 
 def test_modes_and_names():
