@@ -1,0 +1,123 @@
+"""Training checkpoints with `torch.distributed.checkpoint` (DCP): model, optimizer and step.
+
+Layout under the checkpoint directory:
+
+    step-00000002/          one DCP checkpoint (.metadata + per-rank shards) + harts.json
+    latest                  name of the newest complete checkpoint (replaced atomically)
+
+`save` is collective (every rank calls it); replicated tensors are written once. `harts.json`
+records the number of completed steps and their step ids, so that `--resume` can refuse a
+checkpoint of another step sequence. `latest` is written last, by rank 0, after every shard and
+the metadata are on disk: a run killed while saving resumes from the previous checkpoint.
+
+    path = save(ckpt_dir, step=2, model=model, optimizer=opt, meta={"step_ids": [...]}, ctx=ctx)
+    meta = load(latest(ckpt_dir), model=model, optimizer=opt)      # -> {"step": 2, ...}
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from trainer.distributed import DistContext, barrier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["save", "load", "latest", "read_meta", "CheckpointError"]
+
+LATEST = "latest"
+META = "harts.json"
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that cannot be resumed from."""
+
+
+def _name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def save(ckpt_dir: str | Path, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         meta: dict, ctx: DistContext) -> Path:
+    """Write a checkpoint after `step` completed steps (collective); returns its directory.
+
+    Side effects: creates `ckpt_dir/step-XXXXXXXX/` and points `ckpt_dir/latest` at it.
+    """
+    root = Path(ckpt_dir)
+    path = root / _name(step)
+    if ctx.is_main:
+        path.mkdir(parents=True, exist_ok=True)
+    barrier(ctx)
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+        "train": {"step": torch.tensor(step, dtype=torch.int64)},
+    }
+    with warnings.catch_warnings():  # DCP warns that a single process saves alone: that is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(path), no_dist=not ctx.initialized)
+    if ctx.is_main:
+        _write_atomic(path / META, json.dumps({"step": step, **meta}, indent=1))
+        _write_atomic(root / LATEST, path.name + "\n")
+    barrier(ctx)
+    return path
+
+
+def latest(ckpt_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under `ckpt_dir`, or None when there is none."""
+    pointer = Path(ckpt_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(ckpt_dir) / pointer.read_text().strip()
+    if not (path / ".metadata").is_file() or not (path / META).is_file():
+        raise CheckpointError(f"{pointer}: expected a complete checkpoint at {path}, found none")
+    return path
+
+
+def read_meta(path: str | Path) -> dict:
+    """The harts.json of a checkpoint: {"step": completed steps, "step_ids": [...], ...}."""
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: expected a readable {META}, got {exc}") from None
+
+
+def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         no_dist: bool | None = None) -> dict:
+    """Load a checkpoint into `model` (and `optimizer`) in place; returns its meta.
+
+    Works on any number of ranks (also without a process group: `no_dist` defaults to that).
+    """
+    if no_dist is None:
+        no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    meta = read_meta(path)
+    state: dict = {"model": get_model_state_dict(model), "train": {"step": torch.tensor(0, dtype=torch.int64)}}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    step = int(state["train"]["step"])
+    if step != meta.get("step"):
+        raise CheckpointError(f"{path}: expected step {meta.get('step')} (from {META}), got {step} in the DCP state")
+    return meta
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
