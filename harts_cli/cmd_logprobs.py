@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
+
+from harts_cli.inputs import add_input_arguments, load_forest
 
 log = logging.getLogger(__name__)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments shared by `harts logprobs` and `harts verify`."""
-    parser.add_argument("input", help="rollout batch: a .json file, a .pb file (protobuf RolloutBatch) or - for stdin")
+    add_input_arguments(parser)
     parser.add_argument("--model", default="tiny", help="a named config (tiny, tiny-dense, tiny-deep; random weights) or a Hugging Face Qwen3-Next directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights of a named config")
     parser.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C of the kernel")
@@ -32,24 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, help="output JSON: trajectory id -> log-probs of positions 1..L-1")
 
 
-def load_forest(path: str):
-    """Read a rollout batch (.json, .pb or - for stdin JSON) into a Forest."""
-    from planner_service import ingest
-
-    if path == "-":
-        data = sys.stdin.buffer.read()
-    else:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    return ingest.forest_from_proto(data) if path.endswith(".pb") else ingest.forest_from_json(data)
-
-
 def run(args: argparse.Namespace) -> int:
     from planner_service.planner import PlanConfig, plan_step
     from trainer.executor import Executor, ExecutorConfig
     from trainer.models import build_model
 
-    forest = load_forest(args.input)
+    forest = load_forest(args.input, args.format)
     model = build_model(args.model, seed=args.seed)
     plan = plan_step(forest, PlanConfig(chunk_size=args.chunk_size, microbatch_tokens=args.microbatch_tokens,
                                         conv_kernel=model.config.linear_conv_kernel_dim, windows=False, all_positions=True))

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
+
+from harts_cli.inputs import add_input_arguments, load_forest
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ REPORT_FIELDS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", help="rollout batch: a .json file, a .pb file (protobuf RolloutBatch) or - for stdin")
-    parser.add_argument("--format", choices=("auto", "json", "pb"), default="auto",
-                        help="input format; auto: .pb files are protobuf, everything else JSON")
+    add_input_arguments(parser)
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel trainer ranks W")
     parser.add_argument("--microbatch-tokens", type=int, default=4096,
                         help="token budget B per microbatch (computed rows: kept + replay + duplicated)")
@@ -70,20 +69,11 @@ def run(args: argparse.Namespace) -> int:
         replay=not args.no_replay,
         all_positions=args.all_positions,
     )
-    if args.input == "-":
-        data = sys.stdin.buffer.read()
-    else:
-        with open(args.input, "rb") as fh:
-            data = fh.read()
-    fmt = args.format
-    if fmt == "auto":
-        fmt = "pb" if args.input.endswith(".pb") else "json"
     t0 = time.perf_counter()
     ingest.warmup()
     warmup()
     log.debug("numba warm-up %.3f s", time.perf_counter() - t0)
-    build = ingest.forest_from_proto if fmt == "pb" else ingest.forest_from_json
-    forest = build(data)
+    forest = load_forest(args.input, args.format)
     log.info("forest: %d trajectories, %d segments, %d distinct tokens", forest.num_trajectories,
              forest.num_segments, forest.unique_tokens)
     plan = plan_step(forest, cfg, impl="ref" if args.python else "numba")

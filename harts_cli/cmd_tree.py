@@ -13,16 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
+
+from harts_cli.inputs import add_input_arguments, read_input
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", help="rollout batch: a .json file, a .pb file (protobuf RolloutBatch) or - for stdin")
-    parser.add_argument("--format", choices=("auto", "json", "pb"), default="auto",
-                        help="input format; auto: .pb files are protobuf, everything else JSON")
+    add_input_arguments(parser)
     parser.add_argument("--python", action="store_true", help="use the plain-Python radix builder (reference)")
     parser.add_argument("--max-tokens", type=int, default=None, help="override Limits.max_tokens (expanded tokens)")
 
@@ -30,14 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from planner_service.ingest import Limits, forest_from_json, forest_from_proto, warmup
 
-    if args.input == "-":
-        data = sys.stdin.buffer.read()
-    else:
-        with open(args.input, "rb") as fh:
-            data = fh.read()
-    fmt = args.format
-    if fmt == "auto":
-        fmt = "pb" if args.input.endswith(".pb") else "json"
+    data, fmt = read_input(args.input, args.format)
     limits = Limits() if args.max_tokens is None else Limits(max_tokens=args.max_tokens)
     t0 = time.perf_counter()
     warmup()

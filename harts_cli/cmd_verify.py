@@ -19,7 +19,8 @@ import argparse
 import json
 import logging
 
-from harts_cli.cmd_logprobs import add_model_arguments, load_forest
+from harts_cli.cmd_logprobs import add_model_arguments
+from harts_cli.inputs import load_forest
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from trainer.objectives import ObjectiveConfig
     from trainer.verify import compare_runs, run_and_capture
 
-    forest = load_forest(args.input)
+    forest = load_forest(args.input, args.format)
     model = build_model(args.model, seed=args.seed)
     K = model.config.linear_conv_kernel_dim
     longest = int(forest.traj_length().max()) if forest.num_trajectories else 1
