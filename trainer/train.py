@@ -382,6 +382,7 @@ def torchrun_command(argv: list[str], nproc: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Train with parsed arguments; returns the exit status (errors are printed, not raised)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per long-poll request otherwise
     try:
         cfg = config_from_args(args)
         train(cfg)
@@ -401,7 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     return run(args)
 
 
