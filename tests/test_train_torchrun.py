@@ -203,3 +203,30 @@ def test_plan_for_another_vocabulary_is_a_clear_error(server):
     out = _run(["-m", "trainer.train", *_train_args(server, "--steps", "1", "--step-ids", "vocab64")])
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "vocab_size: expected 256 (the model's), got 64" in out.stderr
+
+
+def test_sigterm_while_waiting_for_a_plan_exits_at_once(server, tmp_path):
+    metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "train.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.train", *_train_args(
+            server, "--steps", "2", "--step-ids", "ws1-0,never-submitted", "--metrics-jsonl", str(metrics))],
+            cwd=ROOT, env=_env(), stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while not (metrics.exists() and metrics.read_text().count("\n") == 1):
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, log_path.read_text()[-4000:]
+            assert time.monotonic() - t0 < 10  # not after the 60 s plan timeout
+        finally:
+            proc.kill() if proc.poll() is None else None
+    assert "SIGTERM while waiting for the plan of step 'never-submitted'" in log_path.read_text()
+
+
+def test_missing_plan_times_out_with_a_clear_error(server):
+    out = _run(["-m", "trainer.train", "--planner-url", server.http_url, "--chunk-size", str(C), "--steps", "1",
+                "--step-ids", "never-submitted", "--plan-timeout", "1"], timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "step 'never-submitted' rank 0: no plan after 1 s" in out.stderr

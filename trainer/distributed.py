@@ -30,7 +30,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 __all__ = ["DistContext", "init_distributed", "shutdown", "broadcast_parameters", "sync_gradients",
-           "sync_gradients_ref", "all_reduce_values", "buckets"]
+           "sync_gradients_ref", "all_reduce_values", "barrier", "buckets"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 

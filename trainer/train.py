@@ -18,7 +18,8 @@ and its chunk size, conv kernel and vocabulary the model's. Checkpoints (DCP: mo
 step) go to `--checkpoint-dir` every `--checkpoint-every` steps and after the last one;
 `--resume` continues from the newest one. SIGTERM (on any rank) finishes the current step,
 checkpoints and exits 0 (a rank still waiting for a plan exits at once, keeping the previous
-checkpoint: a collective save cannot start while another rank computes). Errors (planner unreachable, wrong plan) print one line per rank and
+checkpoint: a collective save cannot start while another rank computes). Errors (planner
+unreachable, a plan for another topology, vocabulary or chunk size) print one line per rank and
 exit 1.
 
 Metrics per step: loss (the step's total, summed over ranks), computed_tokens (rows run, replay
@@ -124,7 +125,7 @@ def train(cfg: TrainConfig) -> dict:
 
     from trainer import checkpoint
     from trainer.client import ChecksumError, PlannerClient, PlannerError, RetryPolicy
-    from trainer.distributed import all_reduce_values, broadcast_parameters, init_distributed, shutdown, sync_gradients
+    from trainer.distributed import broadcast_parameters, init_distributed, shutdown
     from trainer.executor import Executor, ExecutorConfig
     from trainer.models import build_model
 
@@ -182,35 +183,17 @@ def train(cfg: TrainConfig) -> dict:
                                 "(no new checkpoint)", sid, i)
                     last["stopped"] = True
                     break
+                wait_seconds = time.perf_counter() - t_wait
                 if i + 1 < cfg.steps:
                     prefetch.start(i + 1)
-                t0 = time.perf_counter()
-                _check_slice(plan, sid, ctx)
-                try:
-                    res = executor.run_step(plan)
-                except ValueError as exc:
-                    raise TrainError(f"step {sid!r}: {exc}") from None
-                sync_gradients(params, ctx)
-                grad_norm = _clip(params, cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                loss, policy, kl, computed, loss_tokens, n_mb, stopping = all_reduce_values(
-                    [res.loss, res.policy_loss, res.kl, res.computed_tokens, res.loss_tokens, res.microbatches,
-                     float(stop.requested)], ctx)
-                seconds = time.perf_counter() - t0
+                last, stopping = _train_step(plan, i, cfg, ctx, executor, params, opt, stop)
+                last["wait_seconds"] = wait_seconds
                 done = i + 1
-                last = {
-                    "step": done, "step_id": sid, "loss": loss, "policy_loss": policy, "kl": kl,
-                    "grad_norm": grad_norm, "computed_tokens": int(computed), "expanded_tokens": res.expanded_tokens,
-                    "compression": res.expanded_tokens / max(computed, 1.0), "loss_tokens": loss_tokens,
-                    "microbatches": int(n_mb), "seconds": seconds, "wait_seconds": t0 - t_wait,
-                    "tokens_per_s": res.expanded_tokens / seconds, "computed_tokens_per_s": computed / seconds,
-                    "lr": cfg.lr, "world_size": ctx.world_size,
-                }
                 if ctx.is_main:
                     log.info("step %d/%d %s loss %.6f grad_norm %.4g tokens %d computed / %d expanded (%.2fx) "
-                             "%.3f s %.0f tok/s", done, cfg.steps, sid, loss, grad_norm, computed,
-                             res.expanded_tokens, last["compression"], seconds, last["tokens_per_s"])
+                             "%.3f s %.0f tok/s", done, cfg.steps, sid, last["loss"], last["grad_norm"],
+                             last["computed_tokens"], last["expanded_tokens"], last["compression"], last["seconds"],
+                             last["tokens_per_s"])
                     if metrics_file is not None:
                         metrics_file.write(json.dumps(last) + "\n")
                         metrics_file.flush()
@@ -235,6 +218,38 @@ def train(cfg: TrainConfig) -> dict:
         if client is not None:
             client.close()
         shutdown(ctx)
+
+
+def _train_step(plan, i: int, cfg: TrainConfig, ctx, executor, params, opt, stop: "_StopFlag") -> tuple[dict, bool]:
+    """One step on this rank: run the slice, SUM-sync gradients, clip, AdamW.
+
+    Returns:
+        (metrics reduced over ranks, whether any rank has seen SIGTERM).
+    """
+    from trainer.distributed import all_reduce_values, sync_gradients
+
+    sid = cfg.step_id(i)
+    t0 = time.perf_counter()
+    _check_slice(plan, sid, ctx)
+    try:
+        res = executor.run_step(plan)  # forward + backward of every microbatch, no communication
+    except ValueError as exc:
+        raise TrainError(f"step {sid!r}: {exc}") from None
+    sync_gradients(params, ctx)
+    grad_norm = _clip(params, cfg.max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss, policy, kl, computed, loss_tokens, n_mb, stopping = all_reduce_values(
+        [res.loss, res.policy_loss, res.kl, res.computed_tokens, res.loss_tokens, res.microbatches,
+         float(stop.requested)], ctx)
+    seconds = time.perf_counter() - t0
+    return {
+        "step": i + 1, "step_id": sid, "loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": grad_norm,
+        "computed_tokens": int(computed), "expanded_tokens": res.expanded_tokens,
+        "compression": res.expanded_tokens / max(computed, 1.0), "loss_tokens": loss_tokens,
+        "microbatches": int(n_mb), "seconds": seconds, "tokens_per_s": res.expanded_tokens / seconds,
+        "computed_tokens_per_s": computed / seconds, "lr": cfg.lr, "world_size": ctx.world_size,
+    }, stopping > 0
 
 
 def _check_slice(plan, sid: str, ctx) -> None:
