@@ -29,9 +29,10 @@ import numpy as np
 
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
+from planner_service.planner import build_kernels as bk
 from planner_service.planner import min_calls as mc
 from planner_service.planner.config import PlanConfig
-from planner_service.planner.logprob_map import group_by, loss_per_trajectory, lp_entries, lp_entries_ref
+from planner_service.planner.logprob_map import loss_per_trajectory
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import pack as pk
 from proto.harts.v1 import plan_pb2
@@ -56,7 +57,8 @@ class _Layout:
     states: dict = field(default_factory=dict)  # local row -> state id
     state_imports: list = field(default_factory=list)  # (exporter mb, state id)
     export_states: set = field(default_factory=set)
-    export_rows: set = field(default_factory=set)
+    export_parts: list = field(default_factory=list)  # int arrays of exported extended rows
+    export_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted, unique
     import_row: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
@@ -162,50 +164,25 @@ def _need_tokens(forest: Forest, need: dict[int, int]) -> np.ndarray:
     return base + np.arange(int(lens.sum()), dtype=np.int64)
 
 
-def _slices(tix: _TokenIndex, toks: np.ndarray, dup: np.ndarray):
-    """Cut sorted tokens into runs of consecutive tokens of one forest segment.
-
-    Returns (first token, length, duplicated flag) per run, int64/int64/uint8.
-    """
-    if toks.shape[0] == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint8)
-    brk = np.ones(toks.shape[0], bool)
-    brk[1:] = (toks[1:] != toks[:-1] + 1) | (tix.seg[toks[1:]] != tix.seg[toks[:-1]]) | (dup[1:] != dup[:-1])
-    starts = np.flatnonzero(brk)
-    lens = np.diff(np.append(starts, toks.shape[0]))
-    return toks[starts], lens, dup[starts]
-
-
 def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool) -> None:
     """Local forest of one microbatch (kept ranges plus duplicated context), packed."""
     dup_tok = np.zeros(0, np.int64) if L.shared else L.ctx_tok
-    toks = np.concatenate([L.kept_tok, dup_tok])
-    dup = np.concatenate([np.zeros(L.kept_tok.shape[0], np.uint8), np.ones(dup_tok.shape[0], np.uint8)])
-    order = np.argsort(toks, kind="stable")
-    toks, dup = toks[order], dup[order]
-    first, lens, sdup = _slices(tix, toks, dup)
-    S = first.shape[0]
-    last = first + lens - 1
-    last_pos = {int(t): i for i, t in enumerate(last.tolist())}
-    pred = tix.pred[first]
-    parent = np.full(S, -1, np.int32)
-    attach = np.full(S, -1, np.int32)
-    for i in range(S):
-        p = int(pred[i])
-        if p < 0:
-            continue
-        j = last_pos.get(p, -1)
-        if j >= 0:
-            parent[i] = j
-            continue
-        if L.shared:
-            k = int(np.searchsorted(L.ctx_tok, p))
-            if k < L.ctx_tok.shape[0] and L.ctx_tok[k] == p:
-                attach[i] = k
-                continue
+    if use_numba:
+        toks = np.concatenate([L.kept_tok, dup_tok])
+        dup = np.concatenate([np.zeros(L.kept_tok.shape[0], np.uint8), np.ones(dup_tok.shape[0], np.uint8)])
+        order = np.argsort(toks, kind="stable")
+        first, lens, sdup, parent, attach, bad = bk.local_segments(
+            toks[order], dup[order], tix.seg, tix.pred, L.ctx_tok, L.shared,
+        )
+    else:
+        rows = sorted([(t, 0) for t in L.kept_tok.tolist()] + [(t, 1) for t in dup_tok.tolist()])
+        first, lens, sdup, parent, attach, bad = bk.local_segments_ref(
+            [t for t, _ in rows], [d for _, d in rows], tix.seg, tix.pred, L.ctx_tok, L.shared,
+        )
+    if bad >= 0:
         raise PlanningError(
-            f"partition.microbatches[{L.mb}]: expected the predecessor of forest token {int(first[i])} "
-            f"(segment {int(tix.seg[first[i]])}) to be a row of this microbatch or of its context, got none"
+            f"partition.microbatches[{L.mb}]: expected the predecessor of forest token {int(first[bad])} "
+            f"(segment {int(tix.seg[first[bad]])}) to be a row of this microbatch or of its context, got none"
         )
     P = mc.pack(parent, tix.depth[first].astype(np.int32), lens.astype(np.int32), attach, cfg.chunk_size, use_numba=use_numba)
     po = P["order"]
@@ -245,58 +222,6 @@ def _owner(layouts: list[_Layout], m: int, tok: int) -> tuple[int, int]:
         if not L.shared:
             raise PlanningError(f"microbatch {m}: forest token {tok} is neither a local row nor imported")
         m = L.spec.parent
-
-
-def _attn_ranges(L: _Layout, ext_parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Compact ancestor ranges per packed segment: (offsets int32 [S+1], ranges int32 [n, 2])."""
-    P = L.packed
-    S = P["seg_start"].shape[0]
-    per_seg: list[list[tuple[int, int]]] = [[] for _ in range(S)]
-    imported_cache: dict[int, list[tuple[int, int]]] = {}
-    for s in range(S):
-        p = int(P["seg_parent"][s])
-        if p >= 0:
-            base = per_seg[p]
-            lo, hi = int(P["seg_start"][p]), int(P["seg_start"][p] + P["seg_length"][p])
-            out = list(base)
-            if out and out[-1][1] == lo:
-                out[-1] = (out[-1][0], hi)
-            else:
-                out.append((lo, hi))
-            per_seg[s] = out
-            continue
-        x = int(P["row_parent"][P["seg_start"][s]])
-        if x < 0:
-            continue
-        if x not in imported_cache:
-            rows = []
-            y = x
-            while y >= 0:  # imported ancestors: a path through the sorted context rows
-                rows.append(y)
-                y = int(ext_parent[y])
-            rows.reverse()
-            rr = np.asarray(rows, np.int64)
-            brk = np.flatnonzero(np.diff(rr) != 1) + 1
-            starts = np.concatenate([[0], brk])
-            ends = np.concatenate([brk, [rr.shape[0]]])
-            imported_cache[x] = [(int(rr[a]), int(rr[b - 1]) + 1) for a, b in zip(starts, ends)]
-        per_seg[s] = imported_cache[x]
-    offsets = np.zeros(S + 1, np.int64)
-    offsets[1:] = np.cumsum([len(r) for r in per_seg])
-    flat = np.array([x for r in per_seg for x in r], np.int32).reshape(-1, 2)
-    return offsets.astype(np.int32), flat
-
-
-def _conv_ancestors(ext_parent: np.ndarray, R: int, K: int) -> np.ndarray:
-    """int32 [R, K-1] the K-1 predecessors of each local row, oldest first, -1 padded."""
-    out = np.full((R, max(K - 1, 0)), -1, np.int32)
-    if K <= 1 or R == 0:
-        return out
-    cur = ext_parent[:R].astype(np.int64)
-    for j in range(K - 2, -1, -1):
-        out[:, j] = cur
-        cur = np.where(cur >= 0, ext_parent[np.maximum(cur, 0)], -1)
-    return out
 
 
 def _default_steps(specs: list[MicrobatchSpec], world: int) -> list[list[tuple[str, int]]]:
@@ -391,7 +316,13 @@ def build_plan(
         if (rows < 0).any():
             raise PlanningError(f"microbatch {m}: parent {P.mb} lacks context token {int(L.ctx_tok[np.flatnonzero(rows < 0)[0]])}")
         L.import_row = rows.astype(np.int32)
-        P.export_rows.update(rows.tolist())
+        P.export_parts.append(rows)
+    for L in layouts:
+        if L.export_parts:
+            if use_numba:
+                L.export_rows = np.unique(np.concatenate(L.export_parts).astype(np.int64))
+            else:
+                L.export_rows = np.array(sorted({int(x) for part in L.export_parts for x in part}), np.int64)
 
     # Ablation: states consumed at unaligned depths by window children split the owner's sequence.
     state_after = [np.zeros(L.num_rows, np.uint8) for L in layouts]
@@ -439,30 +370,23 @@ def build_plan(
                 src.append((plan_pb2.StateSource.IMPORTED, imp_index[key]))
         sources.append(src)
 
-    # Log-prob map.
-    if use_numba:
-        g, traj_of, pos_of, prev_tok, cur_tok = lp_entries(
-            forest.traj_offset, forest.traj_seg, forest.seg_parent, forest.seg_offset, forest.seg_depth,
-            forest.seg_length, forest.loss_mask, cfg.all_positions,
-        )
-    else:
-        g, traj_of, pos_of, prev_tok, cur_tok = lp_entries_ref(forest, cfg.all_positions)
-    lp_mb = kept_mb[prev_tok]
+    # Log-prob map, grouped by the microbatch keeping each entry's logits row.
     kept_row = np.full(forest.unique_tokens, -1, np.int64)
     for L in layouts:
         kept_row[L.kept_tok] = L.local_rows(L.kept_tok)
     if use_numba:
-        lp_order, lp_bounds = group_by(lp_mb, M)
+        lp_bounds, lp_g, lp_row, lp_label, lp_traj, lp_pos = bk.lp_grouped(
+            forest.traj_offset, forest.traj_seg, forest.seg_parent, forest.seg_offset, forest.seg_depth,
+            forest.seg_length, forest.loss_mask, cfg.all_positions, kept_mb, kept_row, forest.tokens, M,
+        )
+        occ_seg = bk.subtree_occurrence(forest.traj_seg, forest.seg_parent)
+        occ_fn, conv_fn, attn_fn = bk.row_occurrence, bk.conv_ancestors, bk.attn_ranges
     else:
-        lp_order = np.argsort(lp_mb, kind="stable")
-        lp_bounds = np.searchsorted(lp_mb[lp_order], np.arange(M + 1))
-
-    # Occurrence: trajectories ending in each forest segment's subtree.
-    occ_seg = np.bincount(forest.traj_seg, minlength=forest.num_segments).astype(np.int64)
-    for s in range(forest.num_segments - 1, -1, -1):
-        p = int(forest.seg_parent[s])
-        if p >= 0:
-            occ_seg[p] += occ_seg[s]
+        lp_bounds, lp_g, lp_row, lp_label, lp_traj, lp_pos = bk.lp_grouped_ref(forest, cfg.all_positions, kept_mb, kept_row, M)
+        # Occurrence: trajectories ending in each forest segment's subtree.
+        occ_seg = bk.subtree_occurrence_ref(forest.traj_seg, forest.seg_parent)
+        occ_fn, conv_fn, attn_fn = bk.row_occurrence_ref, bk.conv_ancestors_ref, bk.attn_ranges_ref
+    lp_bounds = lp_bounds.tolist()
 
     plan = plan_pb2.Plan()
     _fill_header(plan.header, forest, cfg)
@@ -498,8 +422,7 @@ def build_plan(
         msg = plan.ranks[r].microbatches.add(id=m, num_rows=R, recompute=bool(L.spec.recompute))
         msg.tokens = pk(forest.tokens[L.local_tok], "int32")
         msg.depth = pk(P["row_depth"], "int32")
-        row_dup = L.seg_dup[P["row_seg"]] if R else np.zeros(0, np.uint8)
-        msg.occurrence = pk(np.where(row_dup == 1, 0, occ_seg[tix.seg[L.local_tok]]), "int32")
+        msg.occurrence = pk(occ_fn(P["row_seg"], L.seg_forest, L.seg_dup, occ_seg), "int32")
         msg.seg_start = pk(P["seg_start"], "int32")
         msg.seg_length = pk(P["seg_length"], "int32")
         msg.seg_parent = pk(P["seg_parent"], "int32")
@@ -507,8 +430,8 @@ def build_plan(
         msg.seg_forest = pk(L.seg_forest, "int32")
         msg.seg_forest_offset = pk(L.seg_forest_offset, "int32")
         msg.seg_duplicated = pk(L.seg_dup, "uint8")
-        msg.conv_ancestors = pk(_conv_ancestors(ext_parent, R, K), "int32")
-        offs, ranges = _attn_ranges(L, ext_parent)
+        msg.conv_ancestors = pk(conv_fn(ext_parent, R, K), "int32")
+        offs, ranges = attn_fn(P["seg_start"], P["seg_length"], P["seg_parent"], P["row_parent"], ext_parent)
         msg.attn_offsets = pk(offs, "int32")
         msg.attn_ranges = pk(ranges, "int32")
 
@@ -519,16 +442,18 @@ def build_plan(
         n_calls = int(q_call.max()) + 1 if q_call.shape[0] else 0
         calls_max = max(calls_max, n_calls)
         calls = [plan_pb2.LinearCall() for _ in range(n_calls)]
-        for q in range(q_start.shape[0]):
+        replay_bytes = pk(r_rows, "int32")
+        roff = r_off.tolist()
+        for q, (c, a, b, d) in enumerate(zip(q_call.tolist(), q_start.tolist(), q_end.tolist(), q_depth.tolist())):
             kind, idx = sources[m][q]
-            seq = calls[int(q_call[q])].sequences.add(
-                replay_rows=pk(r_rows[r_off[q] : r_off[q + 1]], "int32"),
-                row_start=int(q_start[q]), row_end=int(q_end[q]), start_depth=int(q_depth[q]),
+            seq = calls[c].sequences.add(
+                replay_rows=replay_bytes[4 * roff[q] : 4 * roff[q + 1]], row_start=a, row_end=b, start_depth=d,
             )
             seq.init_state.kind = kind
             seq.init_state.state = idx
-            for depth, sid in sorted(exports_of.get(q, [])):
-                seq.exports.add(state=sid, depth=depth)
+            if q in exports_of:
+                for depth, sid in sorted(exports_of[q]):
+                    seq.exports.add(state=sid, depth=depth)
         msg.linear_calls.extend(calls)
         msg.num_states = len(L.states)
 
@@ -537,15 +462,15 @@ def build_plan(
             msg.import_row = pk(L.import_row, "int32")
         for o, sid in L.state_imports:
             msg.state_imports.add(microbatch=o, state=sid)
-        msg.export_rows = pk(sorted(L.export_rows), "int32")
+        msg.export_rows = pk(L.export_rows, "int32")
         msg.export_states = pk(sorted(L.export_states), "int32")
 
-        idx = lp_order[lp_bounds[m] : lp_bounds[m + 1]]
-        gm = g[idx]
-        msg.lp_row = pk(kept_row[prev_tok[idx]], "int32")
-        msg.lp_label = pk(forest.tokens[cur_tok[idx]], "int32")
-        msg.lp_traj = pk(traj_of[idx], "int32")
-        msg.lp_pos = pk(pos_of[idx], "int32")
+        a, b = lp_bounds[m], lp_bounds[m + 1]
+        gm = lp_g[a:b]
+        msg.lp_row = pk(lp_row[a:b], "int32")
+        msg.lp_label = pk(lp_label[a:b], "int32")
+        msg.lp_traj = pk(lp_traj[a:b], "int32")
+        msg.lp_pos = pk(lp_pos[a:b], "int32")
         msg.lp_loss_mask = pk(forest.loss_mask[gm], "uint8")
         if forest.old_logprobs is not None:
             msg.lp_old_logprob = pk(forest.old_logprobs[gm], "float32")
@@ -554,7 +479,7 @@ def build_plan(
         msg.lp_advantage = pk(forest.advantages[gm], "float32")
 
         replay = int(r_rows.shape[0])
-        dup = int(row_dup.sum())
+        dup = int(P["seg_length"][L.seg_dup == 1].sum())
         msg.replay_tokens = replay
         msg.duplicated_tokens = dup
         msg.cost = float(R + replay + attention_weight * float((P["row_depth"].astype(np.int64) + 1).sum()))

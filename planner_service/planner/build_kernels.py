@@ -1,0 +1,411 @@
+"""Numba kernels of the plan builder over flat arrays, each with a plain-Python twin (`*_ref`).
+
+`build.py` calls the kernels with `use_numba=True` and the twins otherwise; the twins loop over
+Python ints and lists (no numpy vector ops) and return the same arrays, so the two builder modes
+give byte-identical plans (tests/test_plan_builder.py compares them on seeded random forests).
+
+- `local_segments`: cut a microbatch's sorted rows into local segments and link each to its
+  local parent (or to the imported context row it hangs below).
+- `attn_ranges`: per packed segment, the compact extended-row ranges of its attention ancestry.
+- `conv_ancestors`: the K-1 path predecessors of every local row.
+- `subtree_occurrence`, `row_occurrence`: trajectories through every forest segment / local row.
+- `lp_grouped`: the log-prob map of the whole step, grouped by the microbatch that keeps each
+  entry's logits row (trajectory order inside a microbatch).
+
+Legend: S segments, R local rows, I imported rows, K conv kernel, T trajectories, M microbatches,
+P log-prob entries, N_u forest tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+# ---------------------------------------------------------------------------------------------
+# Local segments of one microbatch.
+
+
+@njit(cache=True)
+def local_segments(toks, dup, tok_seg, tok_pred, ctx_tok, shared):
+    """Runs of consecutive tokens of one forest segment and one duplication flag, linked to parents.
+
+    Args:
+        toks: int64 [n] the microbatch's rows as forest tokens, sorted; dup: uint8 [n] 1 for a
+            duplicated context row.
+        tok_seg, tok_pred: int64 [N_u] forest segment and path predecessor of every forest token.
+        ctx_tok: int64 [I] sorted context tokens (imported when `shared`).
+        shared: the microbatch is a sharing-window child (roots may attach to imported rows).
+
+    Returns:
+        first int64 [S], length int64 [S], seg_dup uint8 [S], parent int32 [S] (local segment,
+        -1), attach int32 [S] (context index of an imported predecessor, -1), bad int64 (-1, or
+        a segment whose predecessor is neither local nor imported).
+    """
+    n = toks.shape[0]
+    S = 0
+    for i in range(n):
+        if i == 0 or toks[i] != toks[i - 1] + 1 or tok_seg[toks[i]] != tok_seg[toks[i - 1]] or dup[i] != dup[i - 1]:
+            S += 1
+    first = np.empty(S, np.int64)
+    length = np.zeros(S, np.int64)
+    seg_dup = np.empty(S, np.uint8)
+    last = np.empty(S, np.int64)
+    k = -1
+    for i in range(n):
+        if i == 0 or toks[i] != toks[i - 1] + 1 or tok_seg[toks[i]] != tok_seg[toks[i - 1]] or dup[i] != dup[i - 1]:
+            k += 1
+            first[k] = toks[i]
+            seg_dup[k] = dup[i]
+        length[k] += 1
+        last[k] = toks[i]
+    parent = np.full(S, -1, np.int32)
+    attach = np.full(S, -1, np.int32)
+    I = ctx_tok.shape[0]
+    for i in range(S):
+        p = tok_pred[first[i]]
+        if p < 0:
+            continue
+        j = np.searchsorted(last, p)
+        if j < S and last[j] == p:
+            parent[i] = j
+            continue
+        if shared:
+            j = np.searchsorted(ctx_tok, p)
+            if j < I and ctx_tok[j] == p:
+                attach[i] = j
+                continue
+        return first, length, seg_dup, parent, attach, np.int64(i)
+    return first, length, seg_dup, parent, attach, np.int64(-1)
+
+
+def local_segments_ref(toks, dup, tok_seg, tok_pred, ctx_tok, shared):
+    """Plain-Python twin of `local_segments`."""
+    toks, dup = [int(x) for x in toks], [int(x) for x in dup]
+    first: list[int] = []
+    length: list[int] = []
+    seg_dup: list[int] = []
+    last_pos: dict[int, int] = {}
+    prev = None
+    for t, d in zip(toks, dup):
+        if prev is None or t != prev[0] + 1 or int(tok_seg[t]) != int(tok_seg[prev[0]]) or d != prev[1]:
+            first.append(t)
+            length.append(0)
+            seg_dup.append(d)
+        length[-1] += 1
+        prev = (t, d)
+    for i, (a, n) in enumerate(zip(first, length)):
+        last_pos[a + n - 1] = i
+    ctx_pos = {int(t): j for j, t in enumerate(ctx_tok)} if shared else {}
+    S = len(first)
+    parent, attach = [-1] * S, [-1] * S
+    bad = -1
+    for i in range(S):
+        p = int(tok_pred[first[i]])
+        if p < 0:
+            continue
+        if p in last_pos:
+            parent[i] = last_pos[p]
+        elif p in ctx_pos:
+            attach[i] = ctx_pos[p]
+        else:
+            bad = i
+            break
+    return (np.array(first, np.int64), np.array(length, np.int64), np.array(seg_dup, np.uint8),
+            np.array(parent, np.int32), np.array(attach, np.int32), bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention ancestry.
+
+
+@njit(cache=True)
+def _imported_runs(x, ext_parent, buf, out, k):
+    """Runs of consecutive rows on the path ending at extended row x, root first: written as
+    [start, end) pairs into out[k:] (a 1-row `out` only counts them); returns k plus the count.
+    `buf` is scratch space of at least the path's length."""
+    n = 0
+    y = x
+    while y >= 0:
+        buf[n] = y
+        n += 1
+        y = ext_parent[y]
+    i = n - 1
+    while i >= 0:  # buf[n-1] is the root-most row
+        a = buf[i]
+        j = i
+        while j > 0 and buf[j - 1] == buf[j] + 1:
+            j -= 1
+        if out.shape[0] > 1:
+            out[k, 0] = a
+            out[k, 1] = buf[j] + 1
+        k += 1
+        i = j - 1
+    return k
+
+
+@njit(cache=True)
+def attn_ranges(seg_start, seg_length, seg_parent, row_parent, ext_parent):
+    """Compact ancestor ranges of every packed segment.
+
+    A segment with a local parent attends to its parent's ranges plus the parent's rows (merged
+    into the last range when adjacent); a root attends to the runs of its imported path.
+
+    Args:
+        seg_start, seg_length, seg_parent: int32 [S] packed local segments (parents first).
+        row_parent: int32 [R + I] and ext_parent: int32 [R + I] extended-row predecessors.
+
+    Returns:
+        offsets int32 [S+1], ranges int32 [n, 2] half-open extended-row ranges.
+    """
+    S = seg_start.shape[0]
+    cnt = np.zeros(S, np.int64)
+    last_end = np.full(S, -1, np.int64)
+    buf = np.empty(ext_parent.shape[0] + 1, np.int64)
+    dummy = np.empty((1, 2), np.int32)
+    for s in range(S):
+        p = seg_parent[s]
+        if p >= 0:
+            lo = seg_start[p]
+            cnt[s] = cnt[p] if (cnt[p] > 0 and last_end[p] == lo) else cnt[p] + 1
+            last_end[s] = lo + seg_length[p]
+            continue
+        x = row_parent[seg_start[s]]
+        if x >= 0:
+            cnt[s] = _imported_runs(x, ext_parent, buf, dummy, 0)
+            last_end[s] = x + 1
+    offsets = np.zeros(S + 1, np.int32)
+    for s in range(S):
+        offsets[s + 1] = offsets[s] + cnt[s]
+    out = np.empty((max(offsets[S], 2), 2), np.int32)
+    for s in range(S):
+        k = offsets[s]
+        p = seg_parent[s]
+        if p >= 0:
+            a = offsets[p]
+            for i in range(cnt[p]):
+                out[k + i, 0] = out[a + i, 0]
+                out[k + i, 1] = out[a + i, 1]
+            lo = seg_start[p]
+            if cnt[s] == cnt[p]:
+                out[k + cnt[p] - 1, 1] = lo + seg_length[p]
+            else:
+                out[k + cnt[p], 0] = lo
+                out[k + cnt[p], 1] = lo + seg_length[p]
+            continue
+        x = row_parent[seg_start[s]]
+        if x >= 0:
+            _imported_runs(x, ext_parent, buf, out, k)
+    return offsets, out[: offsets[S]].copy()
+
+
+def attn_ranges_ref(seg_start, seg_length, seg_parent, row_parent, ext_parent):
+    """Plain-Python twin of `attn_ranges` (lists of tuples per segment, imported paths cached)."""
+    S = len(seg_start)
+    per_seg: list[list[tuple[int, int]]] = [[] for _ in range(S)]
+    imported: dict[int, list[tuple[int, int]]] = {}
+    for s in range(S):
+        p = int(seg_parent[s])
+        if p >= 0:
+            lo, hi = int(seg_start[p]), int(seg_start[p]) + int(seg_length[p])
+            out = list(per_seg[p])
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+            per_seg[s] = out
+            continue
+        x = int(row_parent[int(seg_start[s])])
+        if x < 0:
+            continue
+        if x not in imported:
+            rows = []
+            y = x
+            while y >= 0:
+                rows.append(y)
+                y = int(ext_parent[y])
+            rows.reverse()
+            runs: list[tuple[int, int]] = []
+            for y in rows:
+                if runs and runs[-1][1] == y:
+                    runs[-1] = (runs[-1][0], y + 1)
+                else:
+                    runs.append((y, y + 1))
+            imported[x] = runs
+        per_seg[s] = imported[x]
+    offsets = [0]
+    for r in per_seg:
+        offsets.append(offsets[-1] + len(r))
+    flat = [v for r in per_seg for pair in r for v in pair]
+    return np.array(offsets, np.int32), np.array(flat, np.int32).reshape(-1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv ancestry.
+
+
+@njit(cache=True)
+def conv_ancestors(ext_parent, R, K):
+    """int32 [R, K-1] the K-1 predecessors of each local row, oldest first, -1 padded."""
+    w = max(K - 1, 0)
+    out = np.full((R, w), -1, np.int32)
+    for r in range(R):
+        y = ext_parent[r]
+        j = w - 1
+        while j >= 0 and y >= 0:
+            out[r, j] = y
+            y = ext_parent[y]
+            j -= 1
+    return out
+
+
+def conv_ancestors_ref(ext_parent, R: int, K: int):
+    """Plain-Python twin of `conv_ancestors`."""
+    w = max(K - 1, 0)
+    rows = []
+    for r in range(R):
+        row = [-1] * w
+        y = int(ext_parent[r])
+        j = w - 1
+        while j >= 0 and y >= 0:
+            row[j] = y
+            y = int(ext_parent[y])
+            j -= 1
+        rows.append(row)
+    return np.array(rows, np.int32).reshape(R, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# Occurrence counts.
+
+
+@njit(cache=True)
+def subtree_occurrence(traj_seg, seg_parent):
+    """int64 [S] trajectories ending in each forest segment's subtree (parents precede children)."""
+    S = seg_parent.shape[0]
+    occ = np.zeros(S, np.int64)
+    for t in range(traj_seg.shape[0]):
+        occ[traj_seg[t]] += 1
+    for s in range(S - 1, -1, -1):
+        p = seg_parent[s]
+        if p >= 0:
+            occ[p] += occ[s]
+    return occ
+
+
+def subtree_occurrence_ref(traj_seg, seg_parent):
+    """Plain-Python twin of `subtree_occurrence`."""
+    occ = [0] * len(seg_parent)
+    for s in traj_seg:
+        occ[int(s)] += 1
+    for s in range(len(seg_parent) - 1, -1, -1):
+        p = int(seg_parent[s])
+        if p >= 0:
+            occ[p] += occ[s]
+    return np.array(occ, np.int64)
+
+
+@njit(cache=True)
+def row_occurrence(row_seg, seg_forest, seg_dup, occ_seg):
+    """int32 [R] occurrence of every local row: its forest segment's, 0 for duplicated rows."""
+    R = row_seg.shape[0]
+    out = np.empty(R, np.int32)
+    for r in range(R):
+        s = row_seg[r]
+        out[r] = 0 if seg_dup[s] == 1 else occ_seg[seg_forest[s]]
+    return out
+
+
+def row_occurrence_ref(row_seg, seg_forest, seg_dup, occ_seg):
+    """Plain-Python twin of `row_occurrence`."""
+    return np.array([0 if int(seg_dup[s]) == 1 else int(occ_seg[seg_forest[s]]) for s in row_seg], np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-prob map.
+
+
+@njit(cache=True)
+def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, loss_mask, all_positions,
+               kept_mb, kept_row, tokens, M):
+    """Log-prob entries of every trajectory, grouped by microbatch (Numba).
+
+    An entry is a trajectory position i >= 1 with loss_mask 1 (every i >= 1 when all_positions);
+    it belongs to the microbatch keeping forest token i-1 (whose logits predict token i). Inside a
+    microbatch entries are in (trajectory, position) order.
+
+    Args:
+        traj_offset, traj_seg, seg_*: the forest; loss_mask uint8 [N_e].
+        kept_mb, kept_row: int64 [N_u] microbatch keeping every forest token and its local row there.
+        tokens: int32 [N_u] token ids; M: number of microbatches.
+
+    Returns:
+        bounds int64 [M+1]; per entry g int64 [P] (trajectory-space index), row, label, traj, pos
+        int32 [P].
+    """
+    T = traj_seg.shape[0]
+    L = 0
+    for t in range(T):
+        L = max(L, traj_offset[t + 1] - traj_offset[t])
+    path_tok = np.empty(L, np.int64)
+    bounds = np.zeros(M + 1, np.int64)
+    for t in range(T):  # pass 1: count per microbatch
+        s = traj_seg[t]
+        while s >= 0:
+            for j in range(seg_length[s]):
+                path_tok[seg_depth[s] + j] = seg_offset[s] + j
+            s = seg_parent[s]
+        base = traj_offset[t]
+        for i in range(1, traj_offset[t + 1] - base):
+            if all_positions or loss_mask[base + i] != 0:
+                bounds[kept_mb[path_tok[i - 1]] + 1] += 1
+    for m in range(M):
+        bounds[m + 1] += bounds[m]
+    P = bounds[M]
+    fill = bounds[:-1].copy()
+    g = np.empty(P, np.int64)
+    row = np.empty(P, np.int32)
+    label = np.empty(P, np.int32)
+    traj = np.empty(P, np.int32)
+    pos = np.empty(P, np.int32)
+    for t in range(T):  # pass 2: fill
+        s = traj_seg[t]
+        while s >= 0:
+            for j in range(seg_length[s]):
+                path_tok[seg_depth[s] + j] = seg_offset[s] + j
+            s = seg_parent[s]
+        base = traj_offset[t]
+        for i in range(1, traj_offset[t + 1] - base):
+            if all_positions or loss_mask[base + i] != 0:
+                prev = path_tok[i - 1]
+                m = kept_mb[prev]
+                k = fill[m]
+                fill[m] = k + 1
+                g[k] = base + i
+                row[k] = kept_row[prev]
+                label[k] = tokens[path_tok[i]]
+                traj[k] = t
+                pos[k] = i
+    return bounds, g, row, label, traj, pos
+
+
+def lp_grouped_ref(forest, all_positions: bool, kept_mb, kept_row, M: int):
+    """Plain-Python twin of `lp_grouped` (per-microbatch lists)."""
+    cols: list[list[list[int]]] = [[[] for _ in range(5)] for _ in range(M)]
+    for t in range(forest.num_trajectories):
+        path: list[int] = []
+        for s in forest.path(t):
+            o = int(forest.seg_offset[s])
+            path.extend(range(o, o + int(forest.seg_length[s])))
+        base = int(forest.traj_offset[t])
+        for i in range(1, len(path)):
+            if all_positions or forest.loss_mask[base + i]:
+                prev = path[i - 1]
+                c = cols[int(kept_mb[prev])]
+                for col, v in zip(c, (base + i, int(kept_row[prev]), int(forest.tokens[path[i]]), t, i)):
+                    col.append(v)
+    bounds = [0]
+    for c in cols:
+        bounds.append(bounds[-1] + len(c[0]))
+    flat = [[v for c in cols for v in c[j]] for j in range(5)]
+    return (np.array(bounds, np.int64), np.array(flat[0], np.int64),
+            *(np.array(flat[j], np.int32) for j in range(1, 5)))

@@ -1,0 +1,142 @@
+"""The plan builder's Numba kernels (build_kernels.py) against their plain-Python twins on seeded
+random inputs, plus independent checks of what they compute."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner_service.planner import build_kernels as bk
+from planner_service.planner import min_calls as mc
+from planner_service.planner.build import _TokenIndex
+from tests.builder_helpers import forest_from_trajectories, random_trajectories
+
+
+def _eq(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _random_forest(rng, it):
+    trajs, tree_of = random_trajectories(rng, n=int(rng.integers(1, 25)), max_len=40, vocab=3, trees=3)
+    return forest_from_trajectories(trajs, tree_of=tree_of, seed=it)
+
+
+def _random_parents(rng, n, roots_p=0.2):
+    """int32 [n] parent < index or -1."""
+    par = np.array([-1 if i == 0 or rng.random() < roots_p else int(rng.integers(0, i)) for i in range(n)], np.int32)
+    return par
+
+
+def test_local_segments_match_reference():
+    rng = np.random.default_rng(0)
+    for it in range(30):
+        f = _random_forest(rng, it)
+        tix = _TokenIndex(f)
+        n = f.unique_tokens
+        pick = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)).astype(np.int64)
+        dup = (rng.random(pick.shape[0]) < 0.3).astype(np.uint8)
+        rest = np.setdiff1d(np.arange(n), pick)
+        ctx = np.sort(rng.choice(rest, size=int(rng.integers(0, rest.shape[0] + 1)), replace=False)).astype(np.int64)
+        for shared in (False, True):
+            got = bk.local_segments(pick, dup, tix.seg, tix.pred, ctx, shared)
+            ref = bk.local_segments_ref(pick.tolist(), dup.tolist(), tix.seg, tix.pred, ctx, shared)
+            assert int(got[5]) == int(ref[5])
+            k = int(got[5])
+            if k < 0:
+                _eq(got[:5], ref[:5])
+            else:  # identical up to the failing segment
+                _eq([x[: k + 1] for x in got[:3]], [x[: k + 1] for x in ref[:3]])
+            # runs cover the picked tokens exactly
+            first, length = got[0], got[1]
+            toks = np.concatenate([np.arange(a, a + b) for a, b in zip(first, length)]) if first.shape[0] else first
+            np.testing.assert_array_equal(toks, pick)
+
+
+def _random_packed(rng, C):
+    S = int(rng.integers(1, 12))
+    par = _random_parents(rng, S)
+    length = rng.integers(1, 2 * C, S).astype(np.int32)
+    depth = np.zeros(S, np.int32)
+    I = int(rng.integers(0, 10))
+    imp_parent = np.array([-1 if j == 0 or rng.random() < 0.3 else j - 1 if rng.random() < 0.7 else int(rng.integers(0, j))
+                           for j in range(I)], np.int64)
+    attach = np.full(S, -1, np.int32)
+    for s in range(S):
+        if par[s] >= 0:
+            depth[s] = depth[par[s]] + length[par[s]]
+        elif I and rng.random() < 0.7:
+            attach[s] = int(rng.integers(0, I))
+            depth[s] = 1 + int(rng.integers(0, 5))
+    P = mc.pack(par, depth, length, attach, C)
+    R = P["num_rows"]
+    ext_parent = np.concatenate([P["row_parent"], np.where(imp_parent >= 0, R + imp_parent, -1)]).astype(np.int32)
+    return P, ext_parent
+
+
+def test_attn_ranges_and_conv_ancestors_match_reference():
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        C = int(rng.choice([2, 4, 8]))
+        P, ext_parent = _random_packed(rng, C)
+        args = (P["seg_start"], P["seg_length"], P["seg_parent"], P["row_parent"], ext_parent)
+        offs, ranges = bk.attn_ranges(*args)
+        _eq((offs, ranges), bk.attn_ranges_ref(*args))
+        # independent check: the ranges list exactly the segment's strict ancestors, in path order
+        for s in range(P["seg_start"].shape[0]):
+            rows = [y for a, b in ranges[offs[s] : offs[s + 1]].tolist() for y in range(a, b)]
+            anc = []
+            y = int(P["row_parent"][P["seg_start"][s]])
+            while y >= 0:
+                anc.append(y)
+                y = int(ext_parent[y])
+            assert rows == anc[::-1]  # root first
+        R = P["num_rows"]
+        for K in (1, 2, 4):
+            _eq([bk.conv_ancestors(ext_parent, R, K)], [bk.conv_ancestors_ref(ext_parent, R, K)])
+
+
+def test_occurrence_kernels_match_reference():
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        S = int(rng.integers(1, 40))
+        par = _random_parents(rng, S)
+        traj_seg = rng.integers(0, S, int(rng.integers(0, 30))).astype(np.int32)
+        occ = bk.subtree_occurrence(traj_seg, par)
+        np.testing.assert_array_equal(occ, bk.subtree_occurrence_ref(traj_seg, par))
+        for s in range(S):  # trajectories ending at s or below
+            below = {s}
+            for u in range(s + 1, S):
+                if par[u] in below:
+                    below.add(u)
+            assert occ[s] == sum(int(t) in below for t in traj_seg)
+        row_seg = rng.integers(0, 5, 20).astype(np.int32)
+        seg_forest = rng.integers(0, S, 5).astype(np.int32)
+        seg_dup = (rng.random(5) < 0.4).astype(np.uint8)
+        np.testing.assert_array_equal(bk.row_occurrence(row_seg, seg_forest, seg_dup, occ),
+                                      bk.row_occurrence_ref(row_seg, seg_forest, seg_dup, occ))
+
+
+@pytest.mark.parametrize("all_positions", [False, True], ids=["loss", "all"])
+def test_lp_grouped_matches_reference_and_ungrouped_entries(all_positions):
+    from planner_service.planner.logprob_map import lp_entries
+
+    rng = np.random.default_rng(3)
+    for it in range(10):
+        f = _random_forest(rng, it)
+        M = int(rng.integers(1, 5))
+        kept_mb = rng.integers(0, M, f.unique_tokens).astype(np.int64)
+        kept_row = rng.integers(0, 100, f.unique_tokens).astype(np.int64)
+        args = (f.traj_offset, f.traj_seg, f.seg_parent, f.seg_offset, f.seg_depth, f.seg_length, f.loss_mask,
+                all_positions, kept_mb, kept_row, f.tokens, M)
+        got = bk.lp_grouped(*args)
+        _eq(got, bk.lp_grouped_ref(f, all_positions, kept_mb, kept_row, M))
+        bounds, g, row, label, traj, pos = got
+        g0, traj0, pos0, prev0, tok0 = lp_entries(*args[:8])
+        order = np.argsort(kept_mb[prev0], kind="stable")
+        np.testing.assert_array_equal(bounds, np.searchsorted(np.sort(kept_mb[prev0]), np.arange(M + 1)))
+        np.testing.assert_array_equal(g, g0[order])
+        np.testing.assert_array_equal(row, kept_row[prev0[order]])
+        np.testing.assert_array_equal(label, f.tokens[tok0[order]])
+        np.testing.assert_array_equal(traj, traj0[order])
+        np.testing.assert_array_equal(pos, pos0[order])
