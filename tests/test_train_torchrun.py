@@ -130,8 +130,14 @@ def test_two_ranks_equal_a_single_process_run_of_the_world_size_1_plans(server, 
         assert _max_rel(_load(ckpt / f"step-{step:08d}"), states[step]) < 1e-5, step
     lines = _jsonl(metrics)
     assert [m["step"] for m in lines] == [1, 2] and [m["step_id"] for m in lines] == ["ws2-0", "ws2-1"]
-    for m, norm, loss in zip(lines, reference["norms"], reference["losses"]):
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        stats = [c.fetch_plan(f"ws2-{i}", 0, timeout=30).header.stats for i in range(2)]
+        assert all(len(c.fetch_plan(f"ws2-{i}", r, timeout=30).rank.microbatches) > 0 for i in range(2) for r in range(2))
+    for m, st, norm, loss in zip(lines, stats, reference["norms"], reference["losses"]):
         assert m["world_size"] == 2
+        # Token counts are summed over both ranks: the planner's step totals.
+        assert (m["computed_tokens"], m["expanded_tokens"], m["microbatches"]) == (
+            st.computed_tokens, st.expanded_tokens, st.microbatches)
         assert m["grad_norm"] == pytest.approx(norm, rel=1e-5)  # SUM, not mean, of the ranks' gradients
         assert m["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-9)
         assert m["computed_tokens"] > 0 and m["compression"] == pytest.approx(m["expanded_tokens"] / m["computed_tokens"])
