@@ -9,7 +9,9 @@
 Why SUM and not DDP's mean: the plan's loss normalisers are global (DESIGN §5.6): every rank's
 loss is already its share of the whole step's loss (divided by the step's token count, not the
 rank's), so the step gradient is the SUM of the ranks' gradients. Averaging would scale it by
-1 / world_size and make it depend on the topology.
+1 / world_size and make it depend on the topology. This is also why the trainer does not wrap the
+model in DDP: its hooks average, and they fire during every microbatch's backward unless
+suppressed with `no_sync()`; here one flattened SUM per step after the last microbatch suffices.
 
 A parameter that no rank touched in a step (an expert nobody routed to) keeps `grad = None` after
 the sync, exactly as in a single process that ran every microbatch, so AdamW skips it the same
