@@ -236,3 +236,11 @@ def test_missing_plan_times_out_with_a_clear_error(server):
                 "--step-ids", "never-submitted", "--plan-timeout", "1"], timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "step 'never-submitted' rank 0: no plan after 1 s" in out.stderr
+
+
+def test_harts_train_runs_the_same_trainer(server, reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = _run(["-m", "harts_cli.main", "train", *_train_args(server, "--steps", "1", "--step-prefix", "ws1-",
+                                                              "--checkpoint-dir", str(ckpt))])
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert _max_rel(_load(ckpt / "step-00000001"), reference["states"][1]) < 1e-6
