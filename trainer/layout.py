@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from proto.arrays import unpack
-from trainer.tree_ops import IMPORTED, AttnSegment, LinearCall
+from trainer.tree_ops import IMPORTED, AttnSegment, AttnTiles, LinearCall, attention_tiles
 
 
 @dataclass(slots=True, kw_only=True)
@@ -56,6 +56,8 @@ class RowLayout:
     conv_src: torch.Tensor
     """long [R, J] conv ancestor rows oldest first; R = zero padding."""
     attn_segments: list[AttnSegment]
+    attn_tiles: AttnTiles
+    """The segments' attention tile plan (`tree_ops.attention_tiles`), built once per microbatch."""
     linear_calls: list[LinearCall]
     row_from_kept: torch.Tensor
     """long [R] row -> index into the concatenated kept outputs of all calls."""
@@ -77,6 +79,7 @@ class RowLayout:
         self.conv_src, self.row_from_kept = mv(self.conv_src), mv(self.row_from_kept)
         for seg in self.attn_segments:
             seg.kv_idx = mv(seg.kv_idx)
+        self.attn_tiles.to(dev)
         for call in self.linear_calls:
             call.gather_idx, call.keep_idx = mv(call.gather_idx), mv(call.keep_idx)
         lp = self.logprobs
@@ -146,7 +149,7 @@ def layout_from_microbatch(mb, *, conv_kernel: int, chunk_size: int, vocab_size:
     if S and (seg_start[order[0]] != 0 or (seg_start[order][1:] != (seg_start + seg_len)[order][:-1]).any()
               or seg_start[order[-1]] + seg_len[order[-1]] != R):
         raise ValueError(f"{where}: expected segments to tile rows 0..{R} contiguously")
-    segments = []
+    segments, seg_kv = [], []
     for s in order:
         a, b = int(seg_start[s]), int(seg_start[s] + seg_len[s])
         anc = [np.arange(lo, hi) for lo, hi in ranges[offsets[s] : offsets[s + 1]]]
@@ -154,6 +157,8 @@ def layout_from_microbatch(mb, *, conv_kernel: int, chunk_size: int, vocab_size:
         if idx.size and (idx.min() < 0 or idx.max() >= R):
             raise ValueError(f"{where}.attn_ranges: segment {s} expected rows in [0, {R}), got {idx.min()}..{idx.max()}")
         segments.append(AttnSegment(q_start=a, q_len=b - a, kv_idx=_long(idx)))
+        seg_kv.append(idx)
+    tiles = attention_tiles(seg_start[order], seg_len[order], seg_kv, R)
 
     calls, kept_rows = [], []
     n_states = int(mb.num_states)
@@ -227,7 +232,7 @@ def layout_from_microbatch(mb, *, conv_kernel: int, chunk_size: int, vocab_size:
             raise ValueError(f"{where}.lp_{name}: expected {P} entries (lp_row), got {getattr(lp, name).shape[0]}")
     return RowLayout(
         tokens=_long(tokens), depth=_long(depth), occurrence=torch.from_numpy(occ.astype(np.float32)),
-        conv_src=torch.from_numpy(conv), attn_segments=segments, linear_calls=calls,
+        conv_src=torch.from_numpy(conv), attn_segments=segments, attn_tiles=tiles, linear_calls=calls,
         row_from_kept=row_from_kept, num_states=n_states, logprobs=lp,
     )
 
@@ -248,6 +253,7 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
     J = conv_kernel - 1
     conv = np.stack([np.where(depth >= J - j, rows - (J - j), R) for j in range(J)], axis=1) if J else np.zeros((R, 0), np.int64)
     segments = [AttnSegment(q_start=int(a), q_len=int(n), kv_idx=_long(np.arange(a, a + n))) for a, n in zip(starts, lengths)]
+    tiles = attention_tiles(starts, lengths, [np.arange(a, a + n) for a, n in zip(starts, lengths)], R)
     call = LinearCall(
         gather_idx=_long(rows), cu_seqlens=_long(np.concatenate([[0], np.cumsum(lengths)])),
         init_kind=[0] * len(seqs), init_state=[0] * len(seqs), keep_idx=_long(rows),
@@ -264,6 +270,6 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
     )
     return RowLayout(
         tokens=_long(np.concatenate(seqs)), depth=_long(depth), occurrence=torch.ones(R),
-        conv_src=torch.from_numpy(conv.astype(np.int64)), attn_segments=segments, linear_calls=[call],
+        conv_src=torch.from_numpy(conv.astype(np.int64)), attn_segments=segments, attn_tiles=tiles, linear_calls=[call],
         row_from_kept=_long(rows), num_states=0, logprobs=lp,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -120,17 +121,164 @@ def _attend(q_LHd, k_AHd, v_AHd, n_anc: int, scale: float) -> torch.Tensor:
     return o.permute(0, 2, 1, 3).reshape(nq * TILE_Q, H, hd)[:Lq].to(q_LHd.dtype)
 
 
-def ancestor_attention(q_RHd, k_RHd, v_RHd, segments: list[AttnSegment], *, scale: float) -> torch.Tensor:
-    """Tree attention, segment by segment (segments tile the rows in order).
+@dataclass(slots=True, kw_only=True)
+class AttnTileGroup:
+    """Query tiles that all fold over the same number of key tiles (one batched computation)."""
+
+    q_rows: torch.Tensor
+    """long [nb, TILE_Q] rows of each tile's queries; R = padding (a zero row)."""
+    kv_rows: torch.Tensor
+    """long [nb, nk, TILE_K] rows of the key tiles each query tile folds over, key depth order
+    (the segment's ancestors root first, then its own rows); R = padding."""
+    visible: torch.Tensor
+    """long [nb, TILE_Q] keys visible to each query: key slot j of the tile's key list is seen iff
+    j < visible (ancestors, then the segment's rows up to the query itself)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class AttnTiles:
+    """Every segment's query tiles, grouped by key-tile count (built once per microbatch)."""
+
+    groups: list[AttnTileGroup]
+    row_slot: torch.Tensor
+    """long [R] row -> position in the concatenation of all groups' query slots."""
+
+    def to(self, device: torch.device) -> "AttnTiles":
+        for g in self.groups:
+            g.q_rows, g.kv_rows, g.visible = g.q_rows.to(device), g.kv_rows.to(device), g.visible.to(device)
+        self.row_slot = self.row_slot.to(device)
+        return self
+
+
+#: most (query tile, key tile) pairs in one batched computation (bounds the score tensor).
+MAX_TILE_PAIRS = 16384
+
+
+def _bucket(nk: np.ndarray) -> np.ndarray:
+    """Round key-tile counts up to 1, 2, 3, 4, 6, 8, 12, 16, ... (<= 1.5x padding, few groups)."""
+    e = np.floor(np.log2(np.maximum(nk, 1))).astype(np.int64)
+    lo = np.left_shift(1, e)
+    mid = lo + (lo >> 1)
+    return np.where(nk <= lo, lo, np.where(nk <= mid, np.maximum(mid, nk), lo << 1))
+
+
+def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[np.ndarray], num_rows: int) -> AttnTiles:
+    """Tile plan of `ancestor_attention` for segments given as numpy arrays (vectorised over tiles).
+
+    Segment s's queries are rows q_start_S[s] + 0..q_len_S[s]-1; its keys are kv_idx_S[s]
+    (A ancestors, then the q_len own rows). Query tile i of a segment folds over the key tiles
+    that hold a key visible to one of its queries (later key tiles are all hidden: they add exact
+    zeros at the end of the fold, so leaving them out changes no bit); tiles are grouped by that
+    count rounded up (`_bucket`), padded with hidden key tiles.
+    """
+    R = int(num_rows)
+    S = len(kv_idx_S)
+    q_start = np.asarray(q_start_S, np.int64).reshape(S)
+    q_len = np.asarray(q_len_S, np.int64).reshape(S)
+    Lk = np.array([len(x) for x in kv_idx_S], np.int64)
+    n_anc = Lk - q_len
+    kv_all = np.concatenate([np.asarray(x, np.int64) for x in kv_idx_S] + [np.full(1, R, np.int64)])
+    kv_off = np.concatenate([[0], np.cumsum(Lk)[:-1]]).astype(np.int64)
+    nq = -(-q_len // TILE_Q)
+    seg = np.repeat(np.arange(S), nq)  # [NQ] segment of each query tile
+    first = np.repeat(np.cumsum(nq) - nq, nq)
+    qi0 = (np.arange(seg.shape[0]) - first) * TILE_Q  # [NQ] first query position of the tile
+    c = np.arange(TILE_Q)
+    qpos = qi0[:, None] + c[None, :]  # [NQ, TQ]
+    q_rows = np.where(qpos < q_len[seg, None], q_start[seg, None] + qpos, R)
+    visible = np.minimum(Lk[seg, None], n_anc[seg, None] + qpos + 1)
+    need = -(-visible.max(axis=1) // TILE_K)  # [NQ] key tiles with a visible key
+    width = _bucket(need)
+    groups, slot_rows = [], []
+    for nk in np.unique(width):
+        tiles = np.nonzero(width == nk)[0]
+        step = max(1, MAX_TILE_PAIRS // int(nk))
+        for lo in range(0, tiles.shape[0], step):
+            t = tiles[lo : lo + step]
+            pos = np.arange(int(nk) * TILE_K)  # key slot in the segment's key order
+            s_ = seg[t]
+            valid = pos[None, :] < Lk[s_, None]
+            kv = np.where(valid, kv_all[np.where(valid, kv_off[s_, None] + pos[None, :], kv_all.shape[0] - 1)], R)
+            groups.append(AttnTileGroup(
+                q_rows=torch.from_numpy(q_rows[t]), kv_rows=torch.from_numpy(kv.reshape(t.shape[0], int(nk), TILE_K)),
+                visible=torch.from_numpy(visible[t]),
+            ))
+            slot_rows.append(q_rows[t].reshape(-1))
+    slot_rows = np.concatenate(slot_rows) if slot_rows else np.zeros(0, np.int64)
+    row_slot = np.full(R, -1, np.int64)
+    real = slot_rows < R
+    row_slot[slot_rows[real]] = np.nonzero(real)[0]
+    if (row_slot < 0).any():
+        raise ValueError(f"attention segments: expected the segments' queries to cover rows 0..{R}, row {int(np.argmin(row_slot))} is not a query")
+    return AttnTiles(groups=groups, row_slot=torch.from_numpy(row_slot))
+
+
+def tiles_from_segments(segments: list[AttnSegment], num_rows: int) -> AttnTiles:
+    """`attention_tiles` of AttnSegment objects (tests, and callers without a layout)."""
+    return attention_tiles(
+        np.array([s.q_start for s in segments], np.int64), np.array([s.q_len for s in segments], np.int64),
+        [s.kv_idx.cpu().numpy() for s in segments], num_rows,
+    )
+
+
+def tiled_attention(q_RHd, k_RHd, v_RHd, tiles: AttnTiles, *, scale: float) -> torch.Tensor:
+    """Tree attention of every segment at once, bitwise equal to `ancestor_attention_segments`.
+
+    Per tile group, one batched computation of the same [TILE_Q, hd] x [hd, TILE_K] score tiles,
+    [TILE_K]-wide row sums and left-to-right `cumsum` folds over key tiles that `_attend` runs per
+    segment; a query sees the same key tiles in the same order (padding tiles are hidden, so they
+    only append exact zeros to the fold).
 
     Args:
         q_RHd: [R, H, hd] queries (RoPE applied). k_RHd, v_RHd: [R, Hkv, hd].
-        segments: AttnSegment per segment, sorted by q_start, covering 0..R.
+        tiles: the microbatch's `AttnTiles` (`attention_tiles`).
     Returns:
         [R, H, hd].
     """
+    R, H, hd = q_RHd.shape
+    if not tiles.groups:
+        return q_RHd.new_zeros(R, H, hd)
+    rep = H // k_RHd.shape[1]
+    zero = q_RHd.new_zeros(1, H, hd)
+    q_ext = torch.cat([q_RHd, zero])
+    k_ext = torch.cat([k_RHd.repeat_interleave(rep, dim=1), zero])
+    v_ext = torch.cat([v_RHd.repeat_interleave(rep, dim=1), zero])
     outs = []
-    for seg in segments:
+    for g in tiles.groups:
+        nb, nk = g.kv_rows.shape[0], g.kv_rows.shape[1]
+        q_t = q_ext.index_select(0, g.q_rows.reshape(-1)).view(nb, TILE_Q, H, hd).permute(0, 2, 1, 3)
+        kv = g.kv_rows.reshape(-1)
+        k_t = k_ext.index_select(0, kv).view(nb, nk, TILE_K, H, hd).permute(0, 1, 3, 4, 2)
+        v_t = v_ext.index_select(0, kv).view(nb, nk, TILE_K, H, hd).permute(0, 1, 3, 2, 4)
+        s = torch.matmul(q_t[:, None], k_t) * scale  # [nb, nk, H, TQ, TK]
+        kj = torch.arange(nk * TILE_K, device=s.device).view(1, nk, 1, 1, TILE_K)
+        s = s.masked_fill(kj >= g.visible.view(nb, 1, 1, TILE_Q, 1), float("-inf"))
+        m = s.amax(dim=(1, 4), keepdim=True).clamp_min(torch.finfo(s.dtype).min)
+        p = torch.exp(s - m)
+        l = p.sum(dim=-1).cumsum(dim=1)[:, -1]  # [nb, H, TQ]
+        o = torch.matmul(p, v_t).cumsum(dim=1)[:, -1]  # [nb, H, TQ, hd]
+        o = o / l[..., None]
+        outs.append(o.permute(0, 2, 1, 3).reshape(nb * TILE_Q, H, hd))
+    return torch.cat(outs).index_select(0, tiles.row_slot).to(q_RHd.dtype)
+
+
+def ancestor_attention(q_RHd, k_RHd, v_RHd, segments: list[AttnSegment] | AttnTiles, *, scale: float) -> torch.Tensor:
+    """Tree attention: `tiled_attention` over `segments` (AttnSegments are tiled first).
+
+    Args:
+        q_RHd: [R, H, hd] queries (RoPE applied). k_RHd, v_RHd: [R, Hkv, hd].
+        segments: the layout's AttnTiles, or AttnSegment per segment covering rows 0..R.
+    Returns:
+        [R, H, hd].
+    """
+    tiles = segments if isinstance(segments, AttnTiles) else tiles_from_segments(segments, q_RHd.shape[0])
+    return tiled_attention(q_RHd, k_RHd, v_RHd, tiles, scale=scale)
+
+
+def ancestor_attention_segments(q_RHd, k_RHd, v_RHd, segments: list[AttnSegment], *, scale: float) -> torch.Tensor:
+    """Plain reference of `tiled_attention`: segment by segment, all key tiles of the segment."""
+    outs = []
+    for seg in sorted(segments, key=lambda s: s.q_start):
         q = q_RHd[seg.q_start : seg.q_start + seg.q_len]
         k = k_RHd.index_select(0, seg.kv_idx)
         v = v_RHd.index_select(0, seg.kv_idx)

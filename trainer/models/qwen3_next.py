@@ -15,7 +15,7 @@ expanded runs on CPU): a row's result must not depend on the other rows of the m
 its position. Every projection is a `RowLinear`, a matmul over fixed-size row tiles (plain CPU
 GEMMs pick different blockings for different row counts); sigmoid/silu/softplus are written with
 `exp` (torch's own kernels round their vector body and scalar tail differently, measured);
-attention works in fixed-shape tiles aligned to depth (`tree_ops.ancestor_attention`). The whole
+attention works in fixed-shape tiles aligned to depth (`tree_ops.tiled_attention`). The whole
 forward is therefore bitwise equal between a tree run and its expanded run in fp32 on CPU.
 
 Legend: R rows, D hidden, H heads, Hk/Hv linear key/value heads, Kd/Vd linear head dims,
@@ -189,7 +189,7 @@ class Attention(nn.Module):
         v_RHd = self.v_proj(x_RD).view(R, self.Hkv, self.hd)
         cos, sin = rope_cos_sin(layout.depth, self.rotary_dim, self.theta, x_RD.dtype)
         q_RHd, k_RHd = apply_rope(q_RHd, cos, sin), apply_rope(k_RHd, cos, sin)
-        o_RHd = tree_ops.ancestor_attention(q_RHd, k_RHd, v_RHd, layout.attn_segments, scale=self.hd**-0.5)
+        o_RHd = tree_ops.tiled_attention(q_RHd, k_RHd, v_RHd, layout.attn_tiles, scale=self.hd**-0.5)
         o_RD = o_RHd.reshape(R, -1) * sigmoid(gate)
         return self.o_proj(o_RD)
 
