@@ -325,6 +325,22 @@ def row_occurrence_ref(row_seg, seg_forest, seg_dup, occ_seg):
 
 
 @njit(cache=True)
+def _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, path_tok, cur):
+    """Make path_tok[:n] the forest tokens of trajectory t (n its length), given that path_tok[:cur]
+    holds the previous trajectory's: rewrite segments from the leaf up to the first one already
+    on the current path (its ancestors are too). Returns n."""
+    s = traj_seg[t]
+    while s >= 0:
+        d = seg_depth[s]
+        if d < cur and path_tok[d] == seg_offset[s]:
+            break
+        for j in range(seg_length[s]):
+            path_tok[d + j] = seg_offset[s] + j
+        s = seg_parent[s]
+    return traj_offset[t + 1] - traj_offset[t]
+
+
+@njit(cache=True)
 def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, loss_mask, all_positions,
                kept_mb, kept_row, tokens, M):
     """Log-prob entries of every trajectory, grouped by microbatch (Numba).
@@ -348,12 +364,9 @@ def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
         L = max(L, traj_offset[t + 1] - traj_offset[t])
     path_tok = np.empty(L, np.int64)
     bounds = np.zeros(M + 1, np.int64)
+    cur = 0
     for t in range(T):  # pass 1: count per microbatch
-        s = traj_seg[t]
-        while s >= 0:
-            for j in range(seg_length[s]):
-                path_tok[seg_depth[s] + j] = seg_offset[s] + j
-            s = seg_parent[s]
+        cur = _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, path_tok, cur)
         base = traj_offset[t]
         for i in range(1, traj_offset[t + 1] - base):
             if all_positions or loss_mask[base + i] != 0:
@@ -362,17 +375,14 @@ def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
         bounds[m + 1] += bounds[m]
     P = bounds[M]
     fill = bounds[:-1].copy()
+    cur = 0
     g = np.empty(P, np.int64)
     row = np.empty(P, np.int32)
     label = np.empty(P, np.int32)
     traj = np.empty(P, np.int32)
     pos = np.empty(P, np.int32)
     for t in range(T):  # pass 2: fill
-        s = traj_seg[t]
-        while s >= 0:
-            for j in range(seg_length[s]):
-                path_tok[seg_depth[s] + j] = seg_offset[s] + j
-            s = seg_parent[s]
+        cur = _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, path_tok, cur)
         base = traj_offset[t]
         for i in range(1, traj_offset[t + 1] - base):
             if all_positions or loss_mask[base + i] != 0:
