@@ -118,9 +118,12 @@ class TrainConfig:
 def train(cfg: TrainConfig) -> dict:
     """Run the training loop on this rank; returns the last step's metrics (rank 0's view).
 
+    Side effects: joins (and finally leaves) the torchrun process group, handles SIGTERM while it
+    runs, writes checkpoints and metrics.
     Raises:
         TrainError: planner unreachable, a plan this rank cannot run, a checkpoint of another run.
     """
+    # torch and the model are imported here, not at the top, so that `harts --help` stays fast.
     import torch
 
     from trainer import checkpoint
