@@ -178,6 +178,21 @@ class _MB:
         return x
 
 
+def _first_preds(mb: "_MB") -> np.ndarray:
+    """int64 [S] `_MB.first_pred` of every segment, vectorised (same checks, same messages)."""
+    start, length, par = mb.seg_start.astype(np.int64), mb.seg_length.astype(np.int64), mb.seg_parent.astype(np.int64)
+    out = np.full(mb.S, -1, np.int64)
+    kid = par >= 0
+    pl = np.where(kid, start[np.maximum(par, 0)] + length[np.maximum(par, 0)] - 1, -1)
+    bad = np.flatnonzero(kid & (mb.depth[start] != mb.depth[np.maximum(pl, 0)] + 1))
+    if bad.shape[0]:
+        _fail(f"{mb.where}.depth", f"expected segment {int(bad[0])} to start one below its parent's last row")
+    out[kid] = pl[kid]
+    for s in np.flatnonzero(~kid & (mb.depth[start] > 0)).tolist():  # roots below imported rows
+        out[s] = mb.first_pred(s)
+    return out
+
+
 class _Step:
     """Cross-microbatch facts: extended-row predecessors, depths, hashes, forest identities."""
 
@@ -203,44 +218,73 @@ class _Step:
         if R:
             off = np.arange(R) - mb.seg_start[mb.row_seg]
             ident[:R] = (mb.seg_forest[mb.row_seg].astype(np.int64) << 32) | (mb.seg_forest_offset[mb.row_seg] + off)
-        imports: dict[tuple[int, int], int] = {}
-        for i in range(I):
-            e, r = int(mb.import_mb[i]), int(mb.import_row[i])
-            where = f"{mb.where}.import_row[{i}]"
-            if e not in self.pred:
-                _fail(f"{mb.where}.import_microbatch[{i}]", f"exporter {e} is not an earlier microbatch of this rank")
-            if r >= self.pred[e].shape[0]:
-                _fail(where, f"expected an extended row of microbatch {e} (< {self.pred[e].shape[0]}), got {r}")
-            if r not in set(self.mbs[e].export_rows.tolist()):
-                _fail(where, f"row {r} is not listed in microbatch {e}'s export_rows")
-            imports[(e, r)] = R + i
-            depth[R + i] = self.edepth[e][r]
-            tok[R + i] = self.etok[e][r]
-            ident[R + i] = self.ident[e][r]
-            h[R + i] = self.hash[e][r]
-        for i in range(I):
-            e, r = int(mb.import_mb[i]), int(mb.import_row[i])
-            pe = int(self.pred[e][r])
-            if pe >= 0:
-                if (e, pe) not in imports:
-                    _fail(f"{mb.where}.import_row[{i}]", f"its predecessor (row {pe} of microbatch {e}) is not imported")
-                pred[R + i] = imports[(e, pe)]
-        with np.errstate(over="ignore"):
-            csum = np.cumsum(_hash_terms(tok[:R], depth[:R]), dtype=np.uint64)
-        for s in range(mb.S):
-            a = int(mb.seg_start[s])
-            pred[a] = mb.first_pred(s)
-            pred[a + 1 : a + mb.seg_length[s]] = np.arange(a, a + mb.seg_length[s] - 1)
-            x = int(pred[a])
-            if x >= 0 and depth[x] != depth[a] - 1:
-                _fail(f"{mb.where}.depth", f"segment {s} starts at depth {int(depth[a])} below a row of depth {int(depth[x])}")
-            if x >= 0:
-                fs, fo = int(mb.seg_forest[s]), int(mb.seg_forest_offset[s])
-                if fo > 0 and ident[x] != ((fs << 32) | (fo - 1)):
-                    _fail(f"{mb.where}.seg_forest_offset[{s}]", "expected the predecessor to be the previous token of the same forest segment")
-            hx = h[x] if x >= 0 else np.uint64(0)
+        if I:
+            e_all = mb.import_mb.astype(np.int64)
+            r_all = mb.import_row.astype(np.int64)
+            pe_all = np.full(I, -1, np.int64)
+            for e in np.unique(e_all).tolist():
+                sel = np.flatnonzero(e_all == e)
+                if e not in self.pred:
+                    _fail(f"{mb.where}.import_microbatch[{int(sel[0])}]", f"exporter {e} is not an earlier microbatch of this rank")
+                rows = r_all[sel]
+                n_ext = self.pred[e].shape[0]
+                bad = np.flatnonzero(rows >= n_ext)
+                if bad.shape[0]:
+                    _fail(f"{mb.where}.import_row[{int(sel[bad[0]])}]", f"expected an extended row of microbatch {e} (< {n_ext}), got {int(rows[bad[0]])}")
+                bad = np.flatnonzero(~np.isin(rows, self.mbs[e].export_rows))
+                if bad.shape[0]:
+                    _fail(f"{mb.where}.import_row[{int(sel[bad[0]])}]", f"row {int(rows[bad[0]])} is not listed in microbatch {e}'s export_rows")
+                depth[R + sel] = self.edepth[e][rows]
+                tok[R + sel] = self.etok[e][rows]
+                ident[R + sel] = self.ident[e][rows]
+                h[R + sel] = self.hash[e][rows]
+                pe_all[sel] = self.pred[e][rows]
+            # predecessors: the import of (exporter, exporter's predecessor row), last one listed wins
+            key = (e_all << 32) | r_all
+            order = np.argsort(key, kind="stable")
+            skey = key[order]
+            last = np.append(skey[1:] != skey[:-1], True)
+            ukey, upos = skey[last], order[last]
+            has = np.flatnonzero(pe_all >= 0)
+            want = (e_all[has] << 32) | pe_all[has]
+            j = np.minimum(np.searchsorted(ukey, want), ukey.shape[0] - 1)
+            found = ukey[j] == want
+            if not found.all():
+                i = int(has[np.flatnonzero(~found)[0]])
+                _fail(f"{mb.where}.import_row[{i}]", f"its predecessor (row {int(pe_all[i])} of microbatch {int(e_all[i])}) is not imported")
+            pred[R + has] = R + upos[j]
+        S = mb.S
+        if S:
             with np.errstate(over="ignore"):
-                h[a : a + mb.seg_length[s]] = hx + (csum[a : a + mb.seg_length[s]] - (csum[a - 1] if a else np.uint64(0)))
+                csum = np.cumsum(_hash_terms(tok[:R], depth[:R]), dtype=np.uint64)
+            start, length, par = mb.seg_start.astype(np.int64), mb.seg_length.astype(np.int64), mb.seg_parent.astype(np.int64)
+            first = _first_preds(mb)
+            pred[:R] = np.arange(R) - 1
+            pred[start] = first
+            x = first
+            on = x >= 0
+            bad = np.flatnonzero(on & (depth[np.maximum(x, 0)] != depth[start] - 1))
+            if bad.shape[0]:
+                s, xx = int(bad[0]), int(x[bad[0]])
+                _fail(f"{mb.where}.depth", f"segment {s} starts at depth {int(depth[start[s]])} below a row of depth {int(depth[xx])}")
+            fs, fo = mb.seg_forest.astype(np.int64), mb.seg_forest_offset.astype(np.int64)
+            bad = np.flatnonzero(on & (fo > 0) & (ident[np.maximum(x, 0)] != ((fs << 32) | (fo - 1))))
+            if bad.shape[0]:
+                _fail(f"{mb.where}.seg_forest_offset[{int(bad[0])}]", "expected the predecessor to be the previous token of the same forest segment")
+            # hash of each segment's predecessor row: imported, or its local parent's last row (parents first)
+            before = np.where(start > 0, csum[np.maximum(start - 1, 0)], np.uint64(0))
+            seg_sum = csum[start + length - 1] - before
+            base = [0] * S
+            mask = (1 << 64) - 1
+            hx, ssum = h[np.maximum(x, 0)].tolist(), seg_sum.tolist()
+            for s, p in enumerate(par.tolist()):
+                if p >= 0:
+                    base[s] = (base[p] + ssum[p]) & mask
+                elif x[s] >= 0:
+                    base[s] = hx[s]
+            base_u = np.array(base, np.uint64)
+            with np.errstate(over="ignore"):
+                h[:R] = base_u[mb.row_seg] + (csum - before[mb.row_seg])
         self.pred[m], self.edepth[m], self.etok[m], self.hash[m], self.ident[m] = pred, depth, tok, h, ident
         if (depth[:R] < 0).any():
             _fail(f"{mb.where}.depth", "expected depths >= 0")
