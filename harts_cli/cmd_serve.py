@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-tokens", type=int, default=0, help="0: 8 x microbatch tokens")
     g.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C")
     g.add_argument("--conv-kernel", type=int, default=4, help="short-convolution kernel size of the model")
+    g.add_argument("--no-windows", action="store_true",
+                   help="duplicate prefixes instead of opening sharing windows (for trainers that run independent microbatches)")
+    g.add_argument("--no-sharing", action="store_true", help="plan the trajectory-expanded baseline")
     p.add_argument("--plan-workers", type=int, default=1, help="planning threads")
     p.add_argument("--max-wait", type=float, default=60.0, help="longest long-poll wait in seconds")
     p.add_argument("--synchronous", default="FULL", choices=["NORMAL", "FULL"],
@@ -41,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         default = planner_pb2.Topology(
             world_size=args.world_size, microbatch_tokens=args.microbatch_tokens,
             memory_tokens=args.memory_tokens, chunk_size=args.chunk_size,
+            no_windows=args.no_windows, no_sharing=args.no_sharing,
         )
     cfg = ServiceConfig(
         db_path=args.db,

@@ -35,6 +35,7 @@ def compose(tmp_path_factory):
         return subprocess.run([docker, "compose", "-f", str(file), *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
 
+    run.env = env
     return run
 
 
@@ -68,3 +69,30 @@ def test_services_wire_planner_generator_and_trainer(compose):
     assert "FROM nvidia/cuda" in (ROOT / "docker" / "Dockerfile.trainer").read_text()
     for script in ("planner-entry.sh", "generator-entry.sh", "trainer-entry.sh"):
         assert os.access(ROOT / "docker" / script, os.X_OK), script
+
+
+def test_gpu_override_merges(compose):
+    out = subprocess.run([shutil.which("docker"), "compose", "-f", str(ROOT / "docker-compose.yml"),
+                          "-f", str(ROOT / "docker-compose.gpu.yml"), "config", "--format", "json"],
+                         cwd=ROOT, env=compose.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    devices = json.loads(out.stdout)["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 2
+
+
+def test_planner_entry_plans_without_windows_for_the_trainer(tmp_path):
+    # The compose trainer runs independent microbatches: the planner's default topology must not
+    # open sharing windows. Run the entry script with a stand-in `harts` that prints its arguments.
+    fake = tmp_path / "harts"
+    fake.write_text("#!/bin/sh\necho \"$@\"\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "HARTS_WORLD_SIZE": "2", "HARTS_NO_WINDOWS": "1"}
+    out = subprocess.run(["sh", str(ROOT / "docker" / "planner-entry.sh")], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.split()
+    assert args[0] == "serve" and "--no-windows" in args and "--world-size 2" in out.stdout
+    env["HARTS_NO_WINDOWS"] = "0"
+    out = subprocess.run(["sh", str(ROOT / "docker" / "planner-entry.sh")], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "--no-windows" not in out.stdout.split()
+    compose_env = (ROOT / "docker-compose.yml").read_text()
+    assert 'HARTS_NO_WINDOWS: "1"' in compose_env
