@@ -17,7 +17,8 @@ collision.
 
 Live memory (what must fit params.memory_tokens): while microbatch m runs, its computed rows
 (num_rows + replay_tokens) plus, for every open window below which it runs, that window's computed
-rows, or its number of export rows when it is marked `recompute`.
+rows, or, when it is marked `recompute`, its number of local export rows (< num_rows): imported rows
+it re-exports stay live in the open ancestor window that computed them.
 
 Legend: R local rows, I imported rows, S segments, P log-prob entries, K conv kernel, C chunk size.
 """
@@ -453,7 +454,7 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
         live = 0
         for a in stack[:-1] if step.kind == plan_pb2.ExecStep.FORWARD else stack:
             ma = mbs[a].msg
-            live += len(mbs[a].export_rows) if ma.recompute else ma.num_rows + ma.replay_tokens
+            live += int((mbs[a].export_rows < ma.num_rows).sum()) if ma.recompute else ma.num_rows + ma.replay_tokens
         cur = mbs[m].msg
         live += cur.num_rows + cur.replay_tokens
         peak = max(peak, live)

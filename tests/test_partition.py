@@ -285,7 +285,8 @@ def test_context_and_exports_match_reference(seed):
         np.testing.assert_array_equal(got, want)
     mb_parent = np.array([-1, 0, 0, 1, -1, 4], np.int64)
     mb_shared = np.array([False, True, False, True, False, True])
-    args = (roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared)
+    unit_mb = rng.integers(0, M, size=U).astype(np.int64)
+    args = (roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_shared)
     np.testing.assert_array_equal(level2.export_rows(*args), partition_ref.export_rows(*args))
 
 

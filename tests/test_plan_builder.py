@@ -116,6 +116,32 @@ def test_nested_windows_reexport_rows_and_import_states_from_owner():
     assert {(s.microbatch) for s in mbs[1].state_imports} == {0}
 
 
+def test_recomputed_window_counts_only_the_exported_rows_it_keeps():
+    # As above, with the middle window recomputed: while the grandchild runs, the middle window
+    # holds its 8 own exported rows; the 11 it imported and re-exports are live in the root window.
+    base = list(range(1, 25))
+    f = forest_from_trajectories([base, base[:11] + [90, 91, 92, 93, 94, 95, 96], base[:19] + [80, 81]])
+    segs = {(int(f.seg_depth[s]), int(f.tokens[f.seg_offset[s]])): s for s in range(f.num_segments)}
+    s0, s1, s2, s3, s4 = segs[(0, 1)], segs[(11, 12)], segs[(19, 20)], segs[(19, 80)], segs[(11, 90)]
+    part = Partition(microbatches=[
+        MicrobatchSpec(ranges=np.array([[s0, 0, 11], [s4, 0, 7]])),
+        MicrobatchSpec(ranges=np.array([[s1, 0, 8]]), parent=0, shared=True, recompute=True),
+        MicrobatchSpec(ranges=np.array([[s2, 0, 5], [s3, 0, 2]]), parent=1, shared=True),
+    ])
+    plan = build_plan(f, PlanConfig(chunk_size=8, microbatch_tokens=64), part)
+    mbs = _mbs(plan)
+    exports = unpack(mbs[1].export_rows, "int32")
+    assert len(exports) == 19 and int((exports < mbs[1].num_rows).sum()) == 8
+    computed = {m: mb.num_rows + mb.replay_tokens for m, mb in mbs.items()}
+    peak = computed[2] + computed[0] + 8
+    assert plan.header.stats.peak_live_tokens == peak
+    plan.header.params.memory_tokens = peak
+    validate_plan(plan, f)
+    plan.header.params.memory_tokens = peak - 1
+    with pytest.raises(ValueError, match=f"live window stack {peak} exceeds memory_tokens {peak - 1}"):
+        validate_plan(plan, f)
+
+
 CASES = [
     dict(chunk_size=1, conv_kernel=4), dict(chunk_size=2, conv_kernel=2), dict(chunk_size=4, conv_kernel=4),
     dict(chunk_size=8, conv_kernel=1), dict(chunk_size=8, conv_kernel=4, replay=False),

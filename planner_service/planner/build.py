@@ -490,6 +490,8 @@ def build_plan(
         plan.ranks.add(rank=len(plan.ranks))
     rank_costs = []
     peak = 0
+    # a recomputed window stays live with the exported rows it keeps (imported ones are live upstream)
+    own_exports = [int((L.export_rows < L.num_rows).sum()) for L in layouts]
     for r in range(cfg.world_size):
         rp = plan.ranks[r]
         local = {m: i for i, m in enumerate(rank_order[r])}
@@ -498,7 +500,7 @@ def build_plan(
             if kind == "F":
                 stack.append(m)
             open_windows = [a for a in stack if a != m]
-            live = live_rows[m] + sum(len(layouts[a].export_rows) if specs[a].recompute else live_rows[a] for a in open_windows)
+            live = live_rows[m] + sum(own_exports[a] if specs[a].recompute else live_rows[a] for a in open_windows)
             peak = max(peak, int(live))
             if kind == "B" and m in stack:
                 stack.remove(m)

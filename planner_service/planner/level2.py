@@ -2,9 +2,10 @@
 
 - `context_cost`: rows a microbatch would add if its edge to the parent were duplicated (the union
   of its pieces' root paths, plus the bounded replay at the branch points of that union).
-- `export_rows`: rows a window parent exports to its shared children (the union of their piece
-  roots' paths: its own rows there, and the rows it imported and re-exports): the live cost of a
-  window under activation recomputation.
+- `export_rows`: rows a window parent keeps and exports to its shared children (its own rows on
+  the union of their piece roots' paths): the live cost of a window under activation
+  recomputation. Rows it imported and re-exports are not counted: they stay live in the ancestor
+  window that keeps them (which is open too).
 - `window_groups`, `subtree_costs`: the window forest's components and subtree costs.
 - `lpt_place`: longest-processing-time-first placement of window groups on ranks.
 - `dfs_order`: per-rank execution order, depth-first over the window forest (forward on entry,
@@ -64,8 +65,9 @@ def context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, chunk, rep
 
 
 @njit(cache=True)
-def export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared):
-    """Rows each window parent exports: the union of its shared children's piece-root paths.
+def export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_shared):
+    """Own rows each window parent exports: its units on the union of its shared children's
+    piece-root paths (unit_mb int64 [U]: the microbatch keeping each unit).
 
     Returns:
         exports int64 [M].
@@ -82,7 +84,8 @@ def export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared):
             u = unit_parent[roots[i]]
             while u >= 0 and stamp[u] != a:
                 stamp[u] = a
-                out[a] += unit_len[u]
+                if unit_mb[u] == a:
+                    out[a] += unit_len[u]
                 u = unit_parent[u]
     return out
 

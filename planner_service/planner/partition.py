@@ -185,7 +185,7 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     mb_rank, load = _place(k, W, mb_parent, shared, can_dup, rows_now)
 
     recompute = np.zeros(M, np.bool_)
-    live = _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len)
+    live = _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len, unit_mb)
     rows = rows_now()
     load = np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
 
@@ -376,18 +376,19 @@ def _place(k, W, mb_parent, shared, can_dup, rows_now):
     return mb_rank, load
 
 
-def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len):
+def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len, unit_mb):
     """Keep every live window stack within M: mark recomputation where it saves rows, then
     duplicate edges (deepest first along a violating stack). Returns live [M].
 
-    A recomputed window stays live with its export rows only; those include the rows it imported
-    and re-exports, so recomputation pays off only where exports < rows.
+    A recomputed window stays live with the rows it keeps and exports only (rows it imported and
+    re-exports are live in the ancestor that keeps them), so recomputation pays off where
+    exports < rows.
     """
     M_budget = cfg.memory_tokens
 
     def costs():
         rows = rows_now()
-        exports = k.export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, shared)
+        exports = k.export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, shared)
         return rows, exports
 
     def live_now():

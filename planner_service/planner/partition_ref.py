@@ -123,7 +123,7 @@ def context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, chunk, rep
     return np.array(ctx, np.int64), np.array(ctx_replay, np.int64)
 
 
-def export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared):
+def export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_shared):
     """See `level2.export_rows`."""
     M = len(roots_off) - 1
     kept: list[set[int]] = [set() for _ in range(M)]
@@ -133,7 +133,7 @@ def export_rows(roots_off, roots, unit_parent, unit_len, mb_parent, mb_shared):
             continue
         for r in roots[roots_off[c] : roots_off[c + 1]]:
             kept[a].update(_path_up(unit_parent, int(unit_parent[r])))
-    return np.array([sum(int(unit_len[u]) for u in k) for k in kept], np.int64)
+    return np.array([sum(int(unit_len[u]) for u in k if int(unit_mb[u]) == a) for a, k in enumerate(kept)], np.int64)
 
 
 def window_groups(mb_parent, mb_shared):
