@@ -140,3 +140,49 @@ def test_lp_grouped_matches_reference_and_ungrouped_entries(all_positions):
         np.testing.assert_array_equal(label, f.tokens[tok0[order]])
         np.testing.assert_array_equal(traj, traj0[order])
         np.testing.assert_array_equal(pos, pos0[order])
+
+
+def test_pack_rows_layout_and_ext_rows_match_reference():
+    rng = np.random.default_rng(4)
+    for it in range(30):
+        C = int(rng.choice([2, 4, 8]))
+        S = int(rng.integers(1, 12))
+        par = _random_parents(rng, S)
+        length = rng.integers(1, 2 * C, S).astype(np.int32)
+        depth = np.array([0] * S, np.int32)
+        attach = np.where(par < 0, rng.integers(-1, 4, S), -1).astype(np.int32)
+        for s in range(S):
+            depth[s] = depth[par[s]] + length[par[s]] if par[s] >= 0 else (0 if attach[s] < 0 else 3)
+        got, ref = mc.pack(par, depth, length, attach, C), mc.pack(par, depth, length, attach, C, use_numba=False)
+        assert got.keys() == ref.keys()
+        _eq([got[k] for k in sorted(got)], [ref[k] for k in sorted(ref)])
+
+        f = _random_forest(rng, it)
+        tix = _TokenIndex(f)
+        n = f.unique_tokens
+        order = rng.permutation(S).astype(np.int32)
+        first = rng.integers(0, n, S).astype(np.int64)
+        seg_dup = (rng.random(S) < 0.3).astype(np.uint8)
+        R = int(rng.integers(0, 20))
+        row_seg = np.sort(rng.integers(0, S, R)).astype(np.int32)
+        seg_start = np.searchsorted(row_seg, np.arange(S)).astype(np.int32)
+        kept = [np.full(n + 20, -1, np.int64) for _ in range(2)]
+        a = bk.local_rows_layout(order, first, seg_dup, row_seg, seg_start, tix.seg, tix.off, kept[0])
+        b = bk.local_rows_layout_ref(order, first, seg_dup, row_seg, seg_start, tix.seg, tix.off, kept[1])
+        _eq(a, b)
+        _eq(kept[:1], kept[1:])
+
+        # imported context: the union of some tokens' root paths (sorted), as the builder forms it
+        ctx = set()
+        for x in rng.choice(n, size=min(n, 3), replace=False).tolist():
+            while x >= 0 and x not in ctx:
+                ctx.add(x)
+                x = int(tix.pred[x])
+        imp = np.array(sorted(ctx), np.int64)
+        row_parent = rng.integers(-1, R + imp.shape[0], R).astype(np.int32)
+        row_depth = rng.integers(0, 50, R).astype(np.int32)
+        a = bk.ext_parent_depth(row_parent, row_depth, imp, tix.pred, tix.depth)
+        _eq(a, bk.ext_parent_depth_ref(row_parent, row_depth, imp, tix.pred, tix.depth))
+        for i, t in enumerate(imp.tolist()):  # an imported row's parent is its predecessor's row
+            p = int(a[0][R + i])
+            assert (p < 0 and tix.pred[t] < 0) or imp[p - R] == tix.pred[t]

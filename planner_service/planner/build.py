@@ -164,8 +164,9 @@ def _need_tokens(forest: Forest, need: dict[int, int]) -> np.ndarray:
     return base + np.arange(int(lens.sum()), dtype=np.int64)
 
 
-def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool) -> None:
-    """Local forest of one microbatch (kept ranges plus duplicated context), packed."""
+def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool, kept_row: np.ndarray) -> None:
+    """Local forest of one microbatch (kept ranges plus duplicated context), packed; fills
+    kept_row[t] (int64 [N_u]) with the local row of every forest token t it keeps."""
     dup_tok = np.zeros(0, np.int64) if L.shared else L.ctx_tok
     if use_numba:
         toks = np.concatenate([L.kept_tok, dup_tok])
@@ -185,31 +186,22 @@ def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool) -> 
             f"(segment {int(tix.seg[first[bad]])}) to be a row of this microbatch or of its context, got none"
         )
     P = mc.pack(parent, tix.depth[first].astype(np.int32), lens.astype(np.int32), attach, cfg.chunk_size, use_numba=use_numba)
-    po = P["order"]
     L.packed = P
-    L.seg_forest = tix.seg[first[po]].astype(np.int32)
-    L.seg_forest_offset = tix.off[first[po]].astype(np.int32)
-    L.seg_dup = sdup[po].astype(np.uint8)
-    p_first = first[po]
-    row_off = np.arange(P["num_rows"], dtype=np.int64) - P["seg_start"][P["row_seg"]]
-    L.local_tok = p_first[P["row_seg"]] + row_off
-    L.local_sorted = np.argsort(L.local_tok, kind="stable")
-
-
-def _ext_parent_depth(L: _Layout, tix: _TokenIndex) -> tuple[np.ndarray, np.ndarray]:
-    """int32 [R + I] predecessor extended row and depth of every extended row."""
-    P = L.packed
-    R = L.num_rows
-    imp = L.ctx_tok if L.shared else np.zeros(0, np.int64)
-    if imp.shape[0]:
-        pred = tix.pred[imp]
-        j = np.searchsorted(imp, np.maximum(pred, 0))
-        imp_parent = np.where(pred >= 0, R + j, -1)
+    layout_fn = bk.local_rows_layout if use_numba else bk.local_rows_layout_ref
+    L.seg_forest, L.seg_forest_offset, L.seg_dup, L.local_tok = layout_fn(
+        P["order"], first, sdup, P["row_seg"], P["seg_start"], tix.seg, tix.off, kept_row,
+    )
+    if use_numba:
+        L.local_sorted = np.argsort(L.local_tok, kind="stable")
     else:
-        imp_parent = np.zeros(0, np.int64)
-    parent = np.concatenate([P["row_parent"].astype(np.int64), imp_parent]).astype(np.int32)
-    depth = np.concatenate([P["row_depth"].astype(np.int64), tix.depth[imp]]).astype(np.int32)
-    return parent, depth
+        L.local_sorted = np.array(sorted(range(L.num_rows), key=L.local_tok.__getitem__), np.int64)
+
+
+def _ext_parent_depth(L: _Layout, tix: _TokenIndex, use_numba: bool) -> tuple[np.ndarray, np.ndarray]:
+    """int32 [R + I] predecessor extended row and depth of every extended row."""
+    imp = L.ctx_tok if L.shared else np.zeros(0, np.int64)
+    fn = bk.ext_parent_depth if use_numba else bk.ext_parent_depth_ref
+    return fn(L.packed["row_parent"], L.packed["row_depth"], imp, tix.pred, tix.depth)
 
 
 def _owner(layouts: list[_Layout], m: int, tok: int) -> tuple[int, int]:
@@ -303,8 +295,9 @@ def build_plan(
                 last = np.flatnonzero(np.append(seg[1:] != seg[:-1], True))  # deepest token per segment
                 _path_need(tix, rest[last].tolist(), needs[L.spec.parent])
 
+    kept_row = np.full(forest.unique_tokens, -1, np.int64)
     for m in topo:
-        _lay_out(layouts[m], tix, cfg, use_numba)
+        _lay_out(layouts[m], tix, cfg, use_numba, kept_row)
 
     # Sharing windows: imports from the parent's extended rows.
     for m in topo:
@@ -338,7 +331,7 @@ def build_plan(
     sched_fn = mc.schedule if use_numba else mc.schedule_ref
     for m in topo:
         L = layouts[m]
-        ext_parent, ext_depth = _ext_parent_depth(L, tix)
+        ext_parent, ext_depth = _ext_parent_depth(L, tix, use_numba)
         ext[m] = (ext_parent, ext_depth)
         P = L.packed
         L.sched = sched_fn(
@@ -371,9 +364,6 @@ def build_plan(
         sources.append(src)
 
     # Log-prob map, grouped by the microbatch keeping each entry's logits row.
-    kept_row = np.full(forest.unique_tokens, -1, np.int64)
-    for L in layouts:
-        kept_row[L.kept_tok] = L.local_rows(L.kept_tok)
     if use_numba:
         lp_bounds, lp_g, lp_row, lp_label, lp_traj, lp_pos = bk.lp_grouped(
             forest.traj_offset, forest.traj_seg, forest.seg_parent, forest.seg_offset, forest.seg_depth,

@@ -114,6 +114,87 @@ def local_segments_ref(toks, dup, tok_seg, tok_pred, ctx_tok, shared):
             np.array(parent, np.int32), np.array(attach, np.int32), bad)
 
 
+@njit(cache=True)
+def local_rows_layout(order, first, seg_dup_in, row_seg, seg_start, tok_seg, tok_off, kept_row):
+    """Forest identity of every packed segment and local row; records in kept_row (int64 [N_u])
+    the local row of every kept (not duplicated) forest token.
+
+    Args:
+        order: int32 [S] packed position -> local segment; first int64 [S] and seg_dup_in uint8 [S]
+            per local segment (`local_segments`); row_seg int32 [R], seg_start int32 [S] (packed).
+        tok_seg, tok_off: int64 [N_u] forest segment and offset in it of every forest token.
+
+    Returns:
+        seg_forest int32 [S], seg_forest_offset int32 [S], seg_dup uint8 [S] (packed order),
+        local_tok int64 [R] forest token of every local row.
+    """
+    S = order.shape[0]
+    R = row_seg.shape[0]
+    seg_forest = np.empty(S, np.int32)
+    seg_off = np.empty(S, np.int32)
+    seg_dup = np.empty(S, np.uint8)
+    p_first = np.empty(S, np.int64)
+    for i in range(S):
+        f = first[order[i]]
+        p_first[i] = f
+        seg_forest[i] = tok_seg[f]
+        seg_off[i] = tok_off[f]
+        seg_dup[i] = seg_dup_in[order[i]]
+    local_tok = np.empty(R, np.int64)
+    for r in range(R):
+        i = row_seg[r]
+        local_tok[r] = p_first[i] + r - seg_start[i]
+        if seg_dup[i] == 0:
+            kept_row[local_tok[r]] = r
+    return seg_forest, seg_off, seg_dup, local_tok
+
+
+def local_rows_layout_ref(order, first, seg_dup_in, row_seg, seg_start, tok_seg, tok_off, kept_row):
+    """Plain-Python twin of `local_rows_layout`."""
+    p_first = [int(first[i]) for i in order]
+    seg_forest = [int(tok_seg[f]) for f in p_first]
+    seg_off = [int(tok_off[f]) for f in p_first]
+    seg_dup = [int(seg_dup_in[i]) for i in order]
+    starts = [int(x) for x in seg_start]
+    local_tok = [p_first[i] + r - starts[i] for r, i in enumerate(int(x) for x in row_seg)]
+    for r, i in enumerate(int(x) for x in row_seg):
+        if seg_dup[i] == 0:
+            kept_row[local_tok[r]] = r
+    return (np.array(seg_forest, np.int32), np.array(seg_off, np.int32), np.array(seg_dup, np.uint8),
+            np.array(local_tok, np.int64))
+
+
+@njit(cache=True)
+def ext_parent_depth(row_parent, row_depth, imp_tok, tok_pred, tok_depth):
+    """int32 [R + I] predecessor extended row and depth of every extended row: the R local rows,
+    then the I imported context tokens (sorted), whose predecessors are imported too."""
+    R = row_parent.shape[0]
+    I = imp_tok.shape[0]
+    parent = np.empty(R + I, np.int32)
+    depth = np.empty(R + I, np.int32)
+    for r in range(R):
+        parent[r] = row_parent[r]
+        depth[r] = row_depth[r]
+    for i in range(I):
+        p = tok_pred[imp_tok[i]]
+        parent[R + i] = R + np.searchsorted(imp_tok, p) if p >= 0 else -1
+        depth[R + i] = tok_depth[imp_tok[i]]
+    return parent, depth
+
+
+def ext_parent_depth_ref(row_parent, row_depth, imp_tok, tok_pred, tok_depth):
+    """Plain-Python twin of `ext_parent_depth`."""
+    R = len(row_parent)
+    index = {int(t): i for i, t in enumerate(imp_tok)}
+    parent = [int(x) for x in row_parent]
+    depth = [int(x) for x in row_depth]
+    for t in imp_tok:
+        p = int(tok_pred[t])
+        parent.append(R + index[p] if p >= 0 else -1)
+        depth.append(int(tok_depth[t]))
+    return np.array(parent, np.int32), np.array(depth, np.int32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention ancestry.
 
@@ -325,17 +406,23 @@ def row_occurrence_ref(row_seg, seg_forest, seg_dup, occ_seg):
 
 
 @njit(cache=True)
-def _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, path_tok, cur):
-    """Make path_tok[:n] the forest tokens of trajectory t (n its length), given that path_tok[:cur]
-    holds the previous trajectory's: rewrite segments from the leaf up to the first one already
-    on the current path (its ancestors are too). Returns n."""
+def _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, kept_mb, kept_row, tokens,
+                 path_tok, path_mb, path_row, path_label, cur):
+    """Make path_*[:n] describe trajectory t's tokens (n its length): forest token, keeping
+    microbatch, local row there, token id. path_tok[:cur] holds the previous trajectory's, so only
+    segments from the leaf up to the first one already on that path are rewritten (its ancestors
+    are too). Returns n."""
     s = traj_seg[t]
     while s >= 0:
         d = seg_depth[s]
         if d < cur and path_tok[d] == seg_offset[s]:
             break
         for j in range(seg_length[s]):
-            path_tok[d + j] = seg_offset[s] + j
+            x = seg_offset[s] + j
+            path_tok[d + j] = x
+            path_mb[d + j] = kept_mb[x]
+            path_row[d + j] = kept_row[x]
+            path_label[d + j] = tokens[x]
         s = seg_parent[s]
     return traj_offset[t + 1] - traj_offset[t]
 
@@ -363,39 +450,42 @@ def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
     for t in range(T):
         L = max(L, traj_offset[t + 1] - traj_offset[t])
     path_tok = np.empty(L, np.int64)
+    path_mb = np.empty(L, np.int64)
+    path_row = np.empty(L, np.int32)
+    path_label = np.empty(L, np.int32)
     bounds = np.zeros(M + 1, np.int64)
     cur = 0
     for t in range(T):  # pass 1: count per microbatch
-        cur = _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, path_tok, cur)
+        cur = _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, kept_mb, kept_row,
+                           tokens, path_tok, path_mb, path_row, path_label, cur)
         base = traj_offset[t]
-        for i in range(1, traj_offset[t + 1] - base):
-            if all_positions or loss_mask[base + i] != 0:
-                bounds[kept_mb[path_tok[i - 1]] + 1] += 1
+        for i in range(1, cur):  # branch-free: loss masks are close to random
+            bounds[path_mb[i - 1] + 1] += 1 if all_positions else (loss_mask[base + i] != 0)
     for m in range(M):
         bounds[m + 1] += bounds[m]
     P = bounds[M]
     fill = bounds[:-1].copy()
     cur = 0
-    g = np.empty(P, np.int64)
-    row = np.empty(P, np.int32)
-    label = np.empty(P, np.int32)
-    traj = np.empty(P, np.int32)
-    pos = np.empty(P, np.int32)
+    g = np.empty(P + 1, np.int64)  # slot P takes the writes of skipped positions
+    row = np.empty(P + 1, np.int32)
+    label = np.empty(P + 1, np.int32)
+    traj = np.empty(P + 1, np.int32)
+    pos = np.empty(P + 1, np.int32)
     for t in range(T):  # pass 2: fill
-        cur = _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, path_tok, cur)
+        cur = _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, kept_mb, kept_row,
+                           tokens, path_tok, path_mb, path_row, path_label, cur)
         base = traj_offset[t]
-        for i in range(1, traj_offset[t + 1] - base):
-            if all_positions or loss_mask[base + i] != 0:
-                prev = path_tok[i - 1]
-                m = kept_mb[prev]
-                k = fill[m]
-                fill[m] = k + 1
-                g[k] = base + i
-                row[k] = kept_row[prev]
-                label[k] = tokens[path_tok[i]]
-                traj[k] = t
-                pos[k] = i
-    return bounds, g, row, label, traj, pos
+        for i in range(1, cur):
+            keep = 1 if all_positions else np.int64(loss_mask[base + i] != 0)
+            m = path_mb[i - 1]
+            k = fill[m] if keep else P
+            fill[m] += keep
+            g[k] = base + i
+            row[k] = path_row[i - 1]
+            label[k] = path_label[i]
+            traj[k] = t
+            pos[k] = i
+    return bounds, g[:P], row[:P], label[:P], traj[:P], pos[:P]
 
 
 def lp_grouped_ref(forest, all_positions: bool, kept_mb, kept_row, M: int):

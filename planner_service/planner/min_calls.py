@@ -455,36 +455,107 @@ def pack(seg_parent, seg_depth, seg_length, seg_attach, chunk: int, *, use_numba
     top2_fn, order_fn = (segment_top2, continuing_order) if use_numba else (segment_top2_ref, continuing_order_ref)
     top1, _ = top2_fn(seg_parent, seg_depth, seg_length, chunk)
     order, continues = order_fn(seg_parent, top1)
-    S = seg_parent.shape[0]
-    pos = np.empty(S, np.int32)
-    pos[order] = np.arange(S, dtype=np.int32)
-    p_length = seg_length[order]
-    p_start = (np.cumsum(p_length) - p_length).astype(np.int32)
-    par = seg_parent[order]
-    p_parent = np.where(par >= 0, pos[np.maximum(par, 0)], -1).astype(np.int32)
-    R = int(p_length.sum())
-    row_seg = np.repeat(np.arange(S, dtype=np.int32), p_length)
-    row_off = np.arange(R, dtype=np.int32) - p_start[row_seg]
-    row_depth = (seg_depth[order][row_seg] + row_off).astype(np.int32)
-    attach = seg_attach[order]
-    first_pred = np.where(
-        p_parent >= 0, p_start[np.maximum(p_parent, 0)] + p_length[np.maximum(p_parent, 0)] - 1,
-        np.where(attach >= 0, R + attach, -1),
-    ).astype(np.int32)
-    row_parent = np.where(row_off > 0, np.arange(R, dtype=np.int32) - 1, first_pred[row_seg]).astype(np.int32)
+    rows_fn = pack_rows if use_numba else pack_rows_ref
+    p_start, p_length, p_parent, p_continues, p_depth, p_top1, row_seg, row_depth, row_parent = rows_fn(
+        order, continues, top1, seg_parent, seg_depth, seg_length, seg_attach
+    )
     return {
         "order": order,
         "seg_start": p_start,
         "seg_length": p_length,
         "seg_parent": p_parent,
-        "seg_continues": continues[order].astype(np.uint8),
-        "seg_depth": seg_depth[order],
-        "top1": top1[order],
+        "seg_continues": p_continues,
+        "seg_depth": p_depth,
+        "top1": p_top1,
         "row_seg": row_seg,
         "row_depth": row_depth,
         "row_parent": row_parent,
-        "num_rows": R,
+        "num_rows": int(row_seg.shape[0]),
     }
+
+
+@njit(cache=True)
+def pack_rows(order, continues, top1, seg_parent, seg_depth, seg_length, seg_attach):
+    """Segment and row tables of a packed local forest (Numba; the layout step of `pack`).
+
+    Args:
+        order: int32 [S] packed position -> input segment; continues uint8 [S], top1 int32 [S]
+            per input segment; seg_parent, seg_depth, seg_length, seg_attach: int32 [S] as in `pack`.
+
+    Returns:
+        in packed order, int32/uint8 [S] seg_start, seg_length, seg_parent, seg_continues (uint8),
+        seg_depth, top1; int32 [R] row_seg, row_depth, row_parent (R + attach for an imported
+        predecessor).
+    """
+    S = order.shape[0]
+    pos = np.empty(S, np.int32)
+    for i in range(S):
+        pos[order[i]] = i
+    p_start = np.empty(S, np.int32)
+    p_length = np.empty(S, np.int32)
+    p_parent = np.empty(S, np.int32)
+    p_continues = np.empty(S, np.uint8)
+    p_depth = np.empty(S, np.int32)
+    p_top1 = np.empty(S, np.int32)
+    R = 0
+    for i in range(S):
+        s = order[i]
+        p_start[i] = R
+        p_length[i] = seg_length[s]
+        p_parent[i] = pos[seg_parent[s]] if seg_parent[s] >= 0 else -1
+        p_continues[i] = continues[s]
+        p_depth[i] = seg_depth[s]
+        p_top1[i] = top1[s]
+        R += seg_length[s]
+    row_seg = np.empty(R, np.int32)
+    row_depth = np.empty(R, np.int32)
+    row_parent = np.empty(R, np.int32)
+    for i in range(S):
+        a = p_start[i]
+        p = p_parent[i]
+        if p >= 0:
+            first_pred = p_start[p] + p_length[p] - 1
+        elif seg_attach[order[i]] >= 0:
+            first_pred = R + seg_attach[order[i]]
+        else:
+            first_pred = -1
+        for j in range(p_length[i]):
+            row_seg[a + j] = i
+            row_depth[a + j] = p_depth[i] + j
+            row_parent[a + j] = first_pred if j == 0 else a + j - 1
+    return p_start, p_length, p_parent, p_continues, p_depth, p_top1, row_seg, row_depth, row_parent
+
+
+def pack_rows_ref(order, continues, top1, seg_parent, seg_depth, seg_length, seg_attach):
+    """Plain-Python twin of `pack_rows`."""
+    order = [int(x) for x in order]
+    pos = {s: i for i, s in enumerate(order)}
+    p_start, p_length, p_parent, p_cont, p_depth, p_top1 = [], [], [], [], [], []
+    R = 0
+    for s in order:
+        p_start.append(R)
+        p_length.append(int(seg_length[s]))
+        p_parent.append(pos[int(seg_parent[s])] if seg_parent[s] >= 0 else -1)
+        p_cont.append(int(continues[s]))
+        p_depth.append(int(seg_depth[s]))
+        p_top1.append(int(top1[s]))
+        R += int(seg_length[s])
+    row_seg, row_depth, row_parent = [], [], []
+    for i, s in enumerate(order):
+        p = p_parent[i]
+        if p >= 0:
+            first_pred = p_start[p] + p_length[p] - 1
+        elif seg_attach[s] >= 0:
+            first_pred = R + int(seg_attach[s])
+        else:
+            first_pred = -1
+        for j in range(p_length[i]):
+            row_seg.append(i)
+            row_depth.append(p_depth[i] + j)
+            row_parent.append(first_pred if j == 0 else p_start[i] + j - 1)
+    i32 = lambda v: np.array(v, np.int32)  # noqa: E731
+    return (i32(p_start), i32(p_length), i32(p_parent), np.array(p_cont, np.uint8), i32(p_depth), i32(p_top1),
+            i32(row_seg), i32(row_depth), i32(row_parent))
 
 
 def forest_schedule(seg_parent, seg_depth, seg_length, chunk: int, *, replay: bool = True, use_numba: bool = True) -> dict:
