@@ -65,11 +65,12 @@ def test_tile_groups_bounded_and_cover_every_row_once(monkeypatch):
     assert torch.equal(T.tiled_attention(q, k, v, tiles, scale=0.25), T.ancestor_attention_segments(q, k, v, segs, scale=0.25))
 
 
-def test_bucket_rounds_up_by_at_most_half():
-    nk = np.arange(1, 300)
+def test_bucket_widths_exact_to_16_then_within_an_eighth():
+    nk = np.arange(1, 5000)
     b = T._bucket(nk)
-    assert (b >= nk).all() and (b <= np.maximum(nk + 1, 1.5 * nk)).all()
-    assert len(np.unique(b)) < 20
+    assert (b[:16] == nk[:16]).all()
+    assert (b >= nk).all() and (b <= 1.125 * nk).all()
+    assert len(np.unique(b)) <= 16 + 8 * 9
 
 
 def test_layout_carries_the_tile_plan():

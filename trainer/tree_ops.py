@@ -155,11 +155,14 @@ MAX_TILE_PAIRS = 16384
 
 
 def _bucket(nk: np.ndarray) -> np.ndarray:
-    """Round key-tile counts up to 1, 2, 3, 4, 6, 8, 12, 16, ... (<= 1.5x padding, few groups)."""
-    e = np.floor(np.log2(np.maximum(nk, 1))).astype(np.int64)
-    lo = np.left_shift(1, e)
-    mid = lo + (lo >> 1)
-    return np.where(nk <= lo, lo, np.where(nk <= mid, np.maximum(mid, nk), lo << 1))
+    """Group width of query tiles that need nk key tiles: nk itself up to 16, beyond that rounded
+    up to a multiple of 2^(floor(log2 nk) - 3) (<= 12.5% padding, 8 widths per octave).
+
+    Padding pairs cost as much as real ones, a group costs little: exact widths measured fastest
+    at CPU scale (27 ms vs 35 ms for 1.5x rounding, percall forward + backward)."""
+    nk = np.maximum(np.asarray(nk, np.int64), 1)
+    e = np.maximum(np.floor(np.log2(nk)).astype(np.int64) - 3, 0)
+    return -(-nk >> e) << e
 
 
 def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[np.ndarray], num_rows: int) -> AttnTiles:
