@@ -1,0 +1,324 @@
+"""Triton tree attention, flash-attention-2 style: online-softmax forward saving the log-sum-exp,
+backward recomputing P from it (dq query-major, dk/dv kv-major without atomics).
+
+Same contract and math as `ref` (see the package docstring). Forward and dq: one program per
+(query block of one segment, head) walks the segment's ancestor ranges in BN-row tiles, then its
+own rows up to the block's last row with the causal mask. dk/dv: one program per (kv block of BN
+rows, kv head) walks the CSR list of query-block pieces that see the block (`layout.kv_pieces`)
+for each of its G query heads, so every dk/dv row is written once by one program.
+
+On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
+bf16 is wrong). float64 is rejected. Offsets are int64.
+
+Legend: R query rows, Rk k/v rows, NB query blocks, NKB kv blocks, P kv pieces, H query heads,
+Hkv kv heads, G = H / Hkv, D head dim; tiles: BM query rows, BN k/v rows, BD >= D.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tree_attention.layout import TreeIndex, kv_pieces, query_blocks
+
+
+@triton.jit
+def _fwd_tile(
+    b_m, b_l, b_acc, b_q, k, v, cols, m_cols, rows, o_d, m_d, i_hk, scale,
+    HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """One online-softmax step of a [BM] query block against the k/v rows `cols`."""
+    # [BN, BD]
+    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
+    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    # [BM, BN]
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+    visible = m_cols[None, :]
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None])
+    b_s = tl.where(visible, b_s, float("-inf"))
+    m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    alpha = tl.exp(b_m - m_new)
+    b_p = tl.exp(b_s - m_new[:, None])
+    b_l = b_l * alpha + tl.sum(b_p, axis=1)
+    b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)
+    return m_new, b_l, b_acc
+
+
+@triton.jit
+def _tree_attn_fwd_kernel(
+    q, k, v, o, lse, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
+    scale,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+):
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // G
+    i_s = tl.load(qb_seg + i_b).to(tl.int64)
+    row0 = tl.load(qb_row + i_b).to(tl.int64)
+    bos = tl.load(seg_start + i_s).to(tl.int64)
+    eos = bos + tl.load(seg_len + i_s).to(tl.int64)
+    r_lo = tl.load(attn_offsets + i_s).to(tl.int64)
+    r_hi = tl.load(attn_offsets + i_s + 1).to(tl.int64)
+
+    o_n = tl.arange(0, BN).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    rows = row0 + tl.arange(0, BM).to(tl.int64)
+    m_rows = rows < eos
+    # [BM, BD]
+    p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
+    b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    # A finite start keeps exp(b_m - m_new) a number while every score so far is masked.
+    b_m = tl.full([BM], -1.0e30, dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+
+    for i_r in range(r_lo, r_hi):
+        a = tl.load(attn_ranges + 2 * i_r).to(tl.int64)
+        b = tl.load(attn_ranges + 2 * i_r + 1).to(tl.int64)
+        for c0 in range(a, b, BN):
+            cols = c0 + o_n
+            b_m, b_l, b_acc = _fwd_tile(
+                b_m, b_l, b_acc, b_q, k, v, cols, cols < b, rows, o_d, m_d, i_hk, scale,
+                HKV=H // G, D=D, CAUSAL=False, PREC=PREC,
+            )
+    own_end = tl.minimum(row0 + BM, eos)
+    for c0 in range(bos, own_end, BN):
+        cols = c0 + o_n
+        b_m, b_l, b_acc = _fwd_tile(
+            b_m, b_l, b_acc, b_q, k, v, cols, cols < own_end, rows, o_d, m_d, i_hk, scale,
+            HKV=H // G, D=D, CAUSAL=True, PREC=PREC,
+        )
+
+    # Every real row sees at least its own row; padding rows are not stored.
+    b_l = tl.where(b_l > 0.0, b_l, 1.0)
+    b_o = b_acc / b_l[:, None]
+    tl.store(o + p_q, b_o.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
+    tl.store(lse + rows * H + i_h, b_m + tl.log(b_l), mask=m_rows)
+
+
+@triton.jit
+def _dq_tile(
+    b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, m_cols, rows, o_d, m_d, i_hk, scale,
+    HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """dq contribution of the k/v rows `cols` to a [BM] query block (P recomputed from the lse)."""
+    # [BN, BD]
+    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
+    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    # [BM, BN]
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+    visible = m_cols[None, :]
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None])
+    b_p = tl.where(visible, tl.exp(b_s - b_lse[:, None]), 0.0)
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
+
+
+@triton.jit
+def _tree_attn_dq_kernel(
+    q, k, v, do, lse, delta, dq, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
+    scale,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+):
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // G
+    i_s = tl.load(qb_seg + i_b).to(tl.int64)
+    row0 = tl.load(qb_row + i_b).to(tl.int64)
+    bos = tl.load(seg_start + i_s).to(tl.int64)
+    eos = bos + tl.load(seg_len + i_s).to(tl.int64)
+    r_lo = tl.load(attn_offsets + i_s).to(tl.int64)
+    r_hi = tl.load(attn_offsets + i_s + 1).to(tl.int64)
+
+    o_n = tl.arange(0, BN).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    rows = row0 + tl.arange(0, BM).to(tl.int64)
+    m_rows = rows < eos
+    # [BM, BD]
+    p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
+    b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    b_do = tl.load(do + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    # [BM]
+    b_lse = tl.load(lse + rows * H + i_h, mask=m_rows, other=0.0)
+    b_delta = tl.load(delta + rows * H + i_h, mask=m_rows, other=0.0)
+    b_dq = tl.zeros([BM, BD], dtype=tl.float32)
+
+    for i_r in range(r_lo, r_hi):
+        a = tl.load(attn_ranges + 2 * i_r).to(tl.int64)
+        b = tl.load(attn_ranges + 2 * i_r + 1).to(tl.int64)
+        for c0 in range(a, b, BN):
+            cols = c0 + o_n
+            b_dq = _dq_tile(
+                b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, cols < b, rows, o_d, m_d, i_hk, scale,
+                HKV=H // G, D=D, CAUSAL=False, PREC=PREC,
+            )
+    own_end = tl.minimum(row0 + BM, eos)
+    for c0 in range(bos, own_end, BN):
+        cols = c0 + o_n
+        b_dq = _dq_tile(
+            b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, cols < own_end, rows, o_d, m_d, i_hk, scale,
+            HKV=H // G, D=D, CAUSAL=True, PREC=PREC,
+        )
+    tl.store(dq + p_q, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _tree_attn_dkdv_kernel(
+    q, k, v, do, lse, delta, dk, dv, qb_seg, qb_row, seg_start, seg_len,
+    piece_offsets, piece_qb, piece_lo, piece_hi, piece_causal,
+    scale, Rk,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+):
+    i_j, i_hk = tl.program_id(0), tl.program_id(1)
+    HKV: tl.constexpr = H // G
+    o_m = tl.arange(0, BM).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    cols = i_j.to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
+    m_cols = cols < Rk
+    # [BN, BD]
+    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
+    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_dk = tl.zeros([BN, BD], dtype=tl.float32)
+    b_dv = tl.zeros([BN, BD], dtype=tl.float32)
+
+    p_lo = tl.load(piece_offsets + i_j).to(tl.int64)
+    p_hi = tl.load(piece_offsets + i_j + 1).to(tl.int64)
+    for i_p in range(p_lo, p_hi):
+        i_b = tl.load(piece_qb + i_p).to(tl.int64)
+        lo = tl.load(piece_lo + i_p).to(tl.int64)
+        hi = tl.load(piece_hi + i_p).to(tl.int64)
+        causal = tl.load(piece_causal + i_p)
+        i_s = tl.load(qb_seg + i_b).to(tl.int64)
+        rows = tl.load(qb_row + i_b).to(tl.int64) + o_m
+        eos = tl.load(seg_start + i_s).to(tl.int64) + tl.load(seg_len + i_s).to(tl.int64)
+        m_rows = rows < eos
+        # [BN, BM]
+        visible = ((cols >= lo) & (cols < hi))[:, None] & m_rows[None, :]
+        visible = visible & ((causal == 0) | (cols[:, None] <= rows[None, :]))
+        for g in range(G):
+            i_h = i_hk * G + g
+            # [BM, BD]
+            p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
+            b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+            b_do = tl.load(do + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+            # [BM]
+            b_lse = tl.load(lse + rows * H + i_h, mask=m_rows, other=0.0)
+            b_delta = tl.load(delta + rows * H + i_h, mask=m_rows, other=0.0)
+            # [BN, BM]
+            b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * scale
+            b_pT = tl.where(visible, tl.exp(b_sT - b_lse[None, :]), 0.0)
+            b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=PREC)
+            b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
+            b_dsT = b_pT * (b_dpT - b_delta[None, :])
+            b_dk += tl.dot(b_dsT.to(b_q.dtype), b_q, input_precision=PREC)
+    tl.store(dk + p_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_cols[:, None] & m_d[None, :])
+    tl.store(dv + p_kv, b_dv.to(dv.dtype.element_ty), mask=m_cols[:, None] & m_d[None, :])
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Output allocation; tests replace it with NaN-filled buffers to prove every element is written."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (the default tf32 would miss the reference by ~1e-3).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _idx(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x.to(device=device, dtype=torch.int64).contiguous()
+
+
+class _TreeAttentionTriton(torch.autograd.Function):
+    """Forward saves the fp32 log-sum-exp; backward recomputes P from it."""
+
+    @staticmethod
+    def forward(ctx, q_RHD, k_KHD, v_KHD, index: TreeIndex, scale: float, block_m: int, block_n: int):
+        R, H, D = q_RHD.shape
+        Rk, Hkv, _ = k_KHD.shape
+        dev = q_RHD.device
+        q_RHD, k_KHD, v_KHD = q_RHD.contiguous(), k_KHD.contiguous(), v_KHD.contiguous()
+        blocks = query_blocks(index, block_m)
+        meta = dict(
+            qb_seg=_idx(blocks.seg_NB, dev), qb_row=_idx(blocks.row_NB, dev),
+            seg_start=_idx(index.seg_start_S, dev), seg_len=_idx(index.seg_len_S, dev),
+        )
+        o_RHD = _empty((R, H, D), q_RHD.dtype, dev)
+        lse_RH = _empty((R, H), torch.float32, dev)
+        consts = dict(
+            H=H, G=H // Hkv, D=D, BM=block_m, BN=block_n, BD=max(16, triton.next_power_of_2(D)),
+            PREC=_dot_precision(q_RHD.dtype),
+        )
+        NB = blocks.seg_NB.numel()
+        if NB:
+            _tree_attn_fwd_kernel[(NB, H)](
+                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **meta,
+                attn_offsets=_idx(index.attn_offsets_S1, dev), attn_ranges=_idx(index.attn_ranges_n2, dev).view(-1),
+                scale=float(scale), **consts,
+            )
+        ctx.save_for_backward(q_RHD, k_KHD, v_KHD, o_RHD, lse_RH)
+        ctx.index, ctx.blocks, ctx.meta, ctx.consts, ctx.scale = index, blocks, meta, consts, float(scale)
+        return o_RHD
+
+    @staticmethod
+    def backward(ctx, do_RHD):
+        q_RHD, k_KHD, v_KHD, o_RHD, lse_RH = ctx.saved_tensors
+        index, blocks, meta, consts = ctx.index, ctx.blocks, ctx.meta, ctx.consts
+        dev = q_RHD.device
+        R, H, D = q_RHD.shape
+        Rk, Hkv, _ = k_KHD.shape
+        do_RHD = do_RHD.contiguous()
+        delta_RH = (o_RHD.float() * do_RHD.float()).sum(-1).contiguous()
+        dq_RHD = _empty((R, H, D), q_RHD.dtype, dev)
+        dk_KHD = _empty((Rk, Hkv, D), k_KHD.dtype, dev)
+        dv_KHD = _empty((Rk, Hkv, D), v_KHD.dtype, dev)
+        NB = blocks.seg_NB.numel()
+        if NB:
+            _tree_attn_dq_kernel[(NB, H)](
+                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dq=dq_RHD, **meta,
+                attn_offsets=_idx(index.attn_offsets_S1, dev), attn_ranges=_idx(index.attn_ranges_n2, dev).view(-1),
+                scale=ctx.scale, **consts,
+            )
+        pieces = kv_pieces(index, blocks, block_m=consts["BM"], block_n=consts["BN"], num_kv_rows=Rk)
+        NKB = pieces.offsets_NKB1.numel() - 1
+        if NKB:
+            _tree_attn_dkdv_kernel[(NKB, Hkv)](
+                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dk=dk_KHD, dv=dv_KHD, **meta,
+                piece_offsets=_idx(pieces.offsets_NKB1, dev), piece_qb=_idx(pieces.qblock_P, dev),
+                piece_lo=_idx(pieces.lo_P, dev), piece_hi=_idx(pieces.hi_P, dev),
+                piece_causal=_idx(pieces.causal_P, dev),
+                scale=ctx.scale, Rk=Rk, **consts,
+            )
+        return dq_RHD, dk_KHD, dv_KHD, None, None, None, None
+
+
+def tree_attention_triton(
+    q_RHD: torch.Tensor,
+    k_KHD: torch.Tensor,
+    v_KHD: torch.Tensor,
+    index: TreeIndex,
+    scale: float,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Triton tree attention over a validated layout; same result as `tree_attention_ref`.
+
+    Additional requirements: block_m, block_n powers of two >= 16; inputs fp32/bf16/fp16.
+    """
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        if blk < 16 or blk & (blk - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {blk}")
+    if q_RHD.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q: expected fp32/bf16/fp16 for backend='triton', got {q_RHD.dtype}; use backend='ref'")
+    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, index, scale, block_m, block_n)
