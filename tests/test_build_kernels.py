@@ -186,3 +186,31 @@ def test_pack_rows_layout_and_ext_rows_match_reference():
         for i, t in enumerate(imp.tolist()):  # an imported row's parent is its predecessor's row
             p = int(a[0][R + i])
             assert (p < 0 and tix.pred[t] < 0) or imp[p - R] == tix.pred[t]
+
+
+def test_encode_linear_calls_matches_protobuf_api():
+    from planner_service.planner.build import _fill_linear_calls_ref
+    from proto.harts.v1 import plan_pb2
+
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        Q = int(rng.integers(0, 12))
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        q_start, q_end = i32(rng.integers(0, 3, Q) * rng.integers(0, 300, Q)), i32(rng.integers(0, 5000, Q))
+        q_depth, q_call = i32(rng.integers(0, 2, Q) * rng.integers(0, 1 << 20, Q)), i32(rng.integers(0, 4, Q))
+        n_rep = rng.integers(0, 3, Q) * rng.integers(0, 70, Q)
+        r_off = np.r_[0, np.cumsum(n_rep)].astype(np.int64)
+        r_rows = i32(rng.integers(0, 1 << 30, int(r_off[-1])))
+        kind, state = i32(rng.integers(0, 3, Q)), i32(rng.integers(0, 2, Q) * rng.integers(0, 400, Q))
+        E = int(rng.integers(0, 10)) if Q else 0
+        ex = np.array(sorted(zip(rng.integers(0, max(Q, 1), E).tolist(), rng.integers(0, 200, E).tolist(),
+                                 rng.integers(0, 300, E).tolist())), np.int64).reshape(-1, 3)
+        n_calls = int(q_call.max()) + 2 if Q else int(rng.integers(0, 2))
+        got = plan_pb2.Microbatch()
+        got.MergeFromString(bk.encode_linear_calls(q_start, q_end, q_depth, q_call, r_off, r_rows, kind, state,
+                                                   ex[:, 0], ex[:, 1], ex[:, 2], n_calls).tobytes())
+        want = plan_pb2.Microbatch()
+        sched = (q_start, q_end, q_depth, None, q_call, r_off, r_rows, None)
+        _fill_linear_calls_ref(want, sched, kind, state, ex[:, 0], ex[:, 1], ex[:, 2], n_calls)
+        assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
+        assert len(got.linear_calls) == n_calls

@@ -216,6 +216,25 @@ def _owner(layouts: list[_Layout], m: int, tok: int) -> tuple[int, int]:
         m = L.spec.parent
 
 
+def _owners(layouts: list[_Layout], m: int, toks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_owner` of many tokens at once: (microbatch int64 [n], local row int64 [n])."""
+    toks = np.asarray(toks, np.int64)
+    own = np.full(toks.shape[0], -1, np.int64)
+    row = np.full(toks.shape[0], -1, np.int64)
+    todo = np.arange(toks.shape[0])
+    while todo.shape[0]:
+        L = layouts[m]
+        r = L.local_rows(toks[todo])
+        hit = r >= 0
+        own[todo[hit]] = m
+        row[todo[hit]] = r[hit]
+        todo = todo[~hit]
+        if todo.shape[0] and not L.shared:
+            raise PlanningError(f"microbatch {m}: forest token {int(toks[todo[0]])} is neither a local row nor imported")
+        m = L.spec.parent
+    return own, row
+
+
 def _default_steps(specs: list[MicrobatchSpec], world: int) -> list[list[tuple[str, int]]]:
     """Depth-first per rank over the microbatch forest: F on entry, B after every dependent."""
     kids: list[list[int]] = [[] for _ in specs]
@@ -340,19 +359,27 @@ def build_plan(
         )
 
     # State tables: every sequence's initial state, resolved to the microbatch that computes it.
-    sources: list[list[tuple[int, int]]] = []
+    sources: list[tuple[np.ndarray, np.ndarray]] = []  # (kind, state) int32 [Q] per microbatch
     for m in range(M):
         L = layouts[m]
         R = L.num_rows
-        src = []
+        inits = L.sched[3]
+        kinds, sids = [], []
         imp_index: dict[tuple[int, int], int] = {}
-        for init in L.sched[3].tolist():
+        imported = inits >= R
+        if use_numba and imported.any():
+            owner = dict(zip(inits[imported].tolist(), zip(*(x.tolist() for x in _owners(layouts, L.spec.parent, L.ctx_tok[inits[imported] - R])))))
+        else:
+            owner = {}
+        for init in inits.tolist():
             if init < 0:
-                src.append((plan_pb2.StateSource.ZERO, 0))
+                kinds.append(plan_pb2.StateSource.ZERO)
+                sids.append(0)
             elif init < R:
-                src.append((plan_pb2.StateSource.LOCAL, L.states.setdefault(init, len(L.states))))
+                kinds.append(plan_pb2.StateSource.LOCAL)
+                sids.append(L.states.setdefault(init, len(L.states)))
             else:
-                o, r = _owner(layouts, L.spec.parent, int(L.ctx_tok[init - R]))
+                o, r = owner[init] if use_numba else _owner(layouts, L.spec.parent, int(L.ctx_tok[init - R]))
                 O = layouts[o]
                 sid = O.states.setdefault(r, len(O.states))
                 O.export_states.add(sid)
@@ -360,8 +387,9 @@ def build_plan(
                 if key not in imp_index:
                     imp_index[key] = len(L.state_imports)
                     L.state_imports.append(key)
-                src.append((plan_pb2.StateSource.IMPORTED, imp_index[key]))
-        sources.append(src)
+                kinds.append(plan_pb2.StateSource.IMPORTED)
+                sids.append(imp_index[key])
+        sources.append((np.array(kinds, np.int32), np.array(sids, np.int32)))
 
     # Log-prob map, grouped by the microbatch keeping each entry's logits row.
     if use_numba:
@@ -426,25 +454,22 @@ def build_plan(
         msg.attn_ranges = pk(ranges, "int32")
 
         q_start, q_end, q_depth, q_init, q_call, r_off, r_rows, seq_of_row = L.sched
-        exports_of: dict[int, list[tuple[int, int]]] = {}
-        for r, sid in L.states.items():
-            exports_of.setdefault(int(seq_of_row[r]), []).append((int(ext_depth[r]) + 1, sid))
         n_calls = int(q_call.max()) + 1 if q_call.shape[0] else 0
         calls_max = max(calls_max, n_calls)
-        calls = [plan_pb2.LinearCall() for _ in range(n_calls)]
-        replay_bytes = pk(r_rows, "int32")
-        roff = r_off.tolist()
-        for q, (c, a, b, d) in enumerate(zip(q_call.tolist(), q_start.tolist(), q_end.tolist(), q_depth.tolist())):
-            kind, idx = sources[m][q]
-            seq = calls[c].sequences.add(
-                replay_rows=replay_bytes[4 * roff[q] : 4 * roff[q + 1]], row_start=a, row_end=b, start_depth=d,
-            )
-            seq.init_state.kind = kind
-            seq.init_state.state = idx
-            if q in exports_of:
-                for depth, sid in sorted(exports_of[q]):
-                    seq.exports.add(state=sid, depth=depth)
-        msg.linear_calls.extend(calls)
+        # state exports: (sequence, depth, state) of every state this microbatch computes
+        st_rows = np.fromiter(L.states.keys(), np.int64, len(L.states))
+        st_ids = np.fromiter(L.states.values(), np.int64, len(L.states))
+        ex_seq = seq_of_row[st_rows].astype(np.int64)
+        ex_depth = ext_depth[st_rows].astype(np.int64) + 1
+        o = np.lexsort((st_ids, ex_depth, ex_seq))
+        ex_seq, ex_depth, ex_state = ex_seq[o], ex_depth[o], st_ids[o]
+        src_kind, src_state = sources[m]
+        if use_numba:
+            msg.MergeFromString(bk.encode_linear_calls(
+                q_start, q_end, q_depth, q_call, r_off, r_rows, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls,
+            ).tobytes())
+        else:
+            _fill_linear_calls_ref(msg, L.sched, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls)
         msg.num_states = len(L.states)
 
         if L.shared:
@@ -513,6 +538,26 @@ def build_plan(
     st.peak_live_tokens = int(peak)
     st.windows = sum(1 for L in layouts if L.shared and L.ctx_tok.shape[0])
     return plan
+
+
+def _fill_linear_calls_ref(msg, sched, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls: int) -> None:
+    """Plain-Python twin of `build_kernels.encode_linear_calls`: the same calls through the
+    protobuf API."""
+    q_start, q_end, q_depth, _, q_call, r_off, r_rows, _ = sched
+    calls = [plan_pb2.LinearCall() for _ in range(n_calls)]
+    exports: dict[int, list[tuple[int, int]]] = {}
+    for q, depth, sid in zip(ex_seq.tolist(), ex_depth.tolist(), ex_state.tolist()):
+        exports.setdefault(q, []).append((sid, depth))
+    for q in range(len(q_start)):
+        seq = calls[int(q_call[q])].sequences.add(
+            replay_rows=pk(r_rows[r_off[q] : r_off[q + 1]], "int32"),
+            row_start=int(q_start[q]), row_end=int(q_end[q]), start_depth=int(q_depth[q]),
+        )
+        seq.init_state.kind = int(src_kind[q])
+        seq.init_state.state = int(src_state[q])
+        for sid, depth in exports.get(q, []):
+            seq.exports.add(state=sid, depth=depth)
+    msg.linear_calls.extend(calls)
 
 
 def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> None:
