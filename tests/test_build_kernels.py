@@ -2,6 +2,8 @@
 random inputs, plus independent checks of what they compute."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -124,23 +126,31 @@ def test_lp_grouped_matches_reference_and_ungrouped_entries(all_positions):
     rng = np.random.default_rng(3)
     for it in range(10):
         f = _random_forest(rng, it)
+        if it % 2:  # reference log-probs present, old ones absent
+            f = dataclasses.replace(f, old_logprobs=None, ref_logprobs=rng.random(f.expanded_tokens).astype(np.float32))
         M = int(rng.integers(1, 5))
         kept_mb = rng.integers(0, M, f.unique_tokens).astype(np.int64)
         kept_row = rng.integers(0, 100, f.unique_tokens).astype(np.int64)
         args = (f.traj_offset, f.traj_seg, f.seg_parent, f.seg_offset, f.seg_depth, f.seg_length, f.loss_mask,
                 all_positions, kept_mb, kept_row, f.tokens, M)
-        got = bk.lp_grouped(*args)
+        none = np.zeros(0, np.float32)
+        old = f.old_logprobs if f.old_logprobs is not None else none
+        ref = f.ref_logprobs if f.ref_logprobs is not None else none
+        got = bk.lp_grouped(*args, f.advantages, old, ref)
         _eq(got, bk.lp_grouped_ref(f, all_positions, kept_mb, kept_row, M))
-        bounds, g, row, label, traj, pos = got
+        bounds, row, label, traj, pos, mask, adv, old_g, ref_g = got
         g0, traj0, pos0, prev0, tok0 = lp_entries(*args[:8])
         order = np.argsort(kept_mb[prev0], kind="stable")
+        g = g0[order]
         np.testing.assert_array_equal(bounds, np.searchsorted(np.sort(kept_mb[prev0]), np.arange(M + 1)))
-        np.testing.assert_array_equal(g, g0[order])
         np.testing.assert_array_equal(row, kept_row[prev0[order]])
         np.testing.assert_array_equal(label, f.tokens[tok0[order]])
         np.testing.assert_array_equal(traj, traj0[order])
         np.testing.assert_array_equal(pos, pos0[order])
-
+        np.testing.assert_array_equal(mask, f.loss_mask[g])
+        np.testing.assert_array_equal(adv, f.advantages[g])
+        np.testing.assert_array_equal(old_g, old[g] if old.shape[0] else none)
+        np.testing.assert_array_equal(ref_g, ref[g] if ref.shape[0] else none)
 
 def test_pack_rows_layout_and_ext_rows_match_reference():
     rng = np.random.default_rng(4)

@@ -393,18 +393,26 @@ def build_plan(
 
     # Log-prob map, grouped by the microbatch keeping each entry's logits row.
     if use_numba:
-        lp_bounds, lp_g, lp_row, lp_label, lp_traj, lp_pos = bk.lp_grouped(
+        none = np.zeros(0, np.float32)
+        lp = bk.lp_grouped(
             forest.traj_offset, forest.traj_seg, forest.seg_parent, forest.seg_offset, forest.seg_depth,
             forest.seg_length, forest.loss_mask, cfg.all_positions, kept_mb, kept_row, forest.tokens, M,
+            forest.advantages, none if forest.old_logprobs is None else forest.old_logprobs,
+            none if forest.ref_logprobs is None else forest.ref_logprobs,
         )
         occ_seg = bk.subtree_occurrence(forest.traj_seg, forest.seg_parent)
         occ_fn, conv_fn, attn_fn = bk.row_occurrence, bk.conv_ancestors, bk.attn_ranges
     else:
-        lp_bounds, lp_g, lp_row, lp_label, lp_traj, lp_pos = bk.lp_grouped_ref(forest, cfg.all_positions, kept_mb, kept_row, M)
+        lp = bk.lp_grouped_ref(forest, cfg.all_positions, kept_mb, kept_row, M)
         # Occurrence: trajectories ending in each forest segment's subtree.
         occ_seg = bk.subtree_occurrence_ref(forest.traj_seg, forest.seg_parent)
         occ_fn, conv_fn, attn_fn = bk.row_occurrence_ref, bk.conv_ancestors_ref, bk.attn_ranges_ref
-    lp_bounds = lp_bounds.tolist()
+    lp_bounds = lp[0].tolist()
+    lp_fields = (  # (field, dtype, column of lp)
+        ("lp_row", "int32", 1), ("lp_label", "int32", 2), ("lp_traj", "int32", 3), ("lp_pos", "int32", 4),
+        ("lp_loss_mask", "uint8", 5), ("lp_advantage", "float32", 6),
+    ) + (("lp_old_logprob", "float32", 7),) * (forest.old_logprobs is not None) + (
+        ("lp_ref_logprob", "float32", 8),) * (forest.ref_logprobs is not None)
 
     plan = plan_pb2.Plan()
     _fill_header(plan.header, forest, cfg)
@@ -481,17 +489,8 @@ def build_plan(
         msg.export_states = pk(sorted(L.export_states), "int32")
 
         a, b = lp_bounds[m], lp_bounds[m + 1]
-        gm = lp_g[a:b]
-        msg.lp_row = pk(lp_row[a:b], "int32")
-        msg.lp_label = pk(lp_label[a:b], "int32")
-        msg.lp_traj = pk(lp_traj[a:b], "int32")
-        msg.lp_pos = pk(lp_pos[a:b], "int32")
-        msg.lp_loss_mask = pk(forest.loss_mask[gm], "uint8")
-        if forest.old_logprobs is not None:
-            msg.lp_old_logprob = pk(forest.old_logprobs[gm], "float32")
-        if forest.ref_logprobs is not None:
-            msg.lp_ref_logprob = pk(forest.ref_logprobs[gm], "float32")
-        msg.lp_advantage = pk(forest.advantages[gm], "float32")
+        for name, dtype, col in lp_fields:
+            setattr(msg, name, pk(lp[col][a:b], dtype))
 
         replay = int(r_rows.shape[0])
         dup = int(P["seg_length"][L.seg_dup == 1].sum())

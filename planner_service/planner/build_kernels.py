@@ -429,7 +429,7 @@ def _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, se
 
 @njit(cache=True)
 def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, loss_mask, all_positions,
-               kept_mb, kept_row, tokens, M):
+               kept_mb, kept_row, tokens, M, advantages, old_logprobs, ref_logprobs):
     """Log-prob entries of every trajectory, grouped by microbatch (Numba).
 
     An entry is a trajectory position i >= 1 with loss_mask 1 (every i >= 1 when all_positions);
@@ -440,10 +440,12 @@ def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
         traj_offset, traj_seg, seg_*: the forest; loss_mask uint8 [N_e].
         kept_mb, kept_row: int64 [N_u] microbatch keeping every forest token and its local row there.
         tokens: int32 [N_u] token ids; M: number of microbatches.
+        advantages, old_logprobs, ref_logprobs: float32 [N_e] trajectory-space fields (the
+            log-prob ones may be empty: absent).
 
     Returns:
-        bounds int64 [M+1]; per entry g int64 [P] (trajectory-space index), row, label, traj, pos
-        int32 [P].
+        bounds int64 [M+1]; per entry row, label, traj, pos int32 [P], loss_mask uint8 [P],
+        advantage float32 [P], old and ref log-prob float32 [P] (or [0] when absent).
     """
     T = traj_seg.shape[0]
     L = 0
@@ -466,7 +468,12 @@ def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
     P = bounds[M]
     fill = bounds[:-1].copy()
     cur = 0
-    g = np.empty(P + 1, np.int64)  # slot P takes the writes of skipped positions
+    has_old = old_logprobs.shape[0] > 0
+    has_ref = ref_logprobs.shape[0] > 0
+    mask = np.empty(P + 1, np.uint8)  # slot P takes the writes of skipped positions
+    adv = np.empty(P + 1, np.float32)
+    old = np.empty(P + 1 if has_old else 0, np.float32)
+    ref = np.empty(P + 1 if has_ref else 0, np.float32)
     row = np.empty(P + 1, np.int32)
     label = np.empty(P + 1, np.int32)
     traj = np.empty(P + 1, np.int32)
@@ -480,17 +487,26 @@ def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
             m = path_mb[i - 1]
             k = fill[m] if keep else P
             fill[m] += keep
-            g[k] = base + i
+            mask[k] = loss_mask[base + i]
+            adv[k] = advantages[base + i]
+            if has_old:
+                old[k] = old_logprobs[base + i]
+            if has_ref:
+                ref[k] = ref_logprobs[base + i]
             row[k] = path_row[i - 1]
             label[k] = path_label[i]
             traj[k] = t
             pos[k] = i
-    return bounds, g[:P], row[:P], label[:P], traj[:P], pos[:P]
+    return bounds, row[:P], label[:P], traj[:P], pos[:P], mask[:P], adv[:P], old[:P], ref[:P]
 
 
 def lp_grouped_ref(forest, all_positions: bool, kept_mb, kept_row, M: int):
-    """Plain-Python twin of `lp_grouped` (per-microbatch lists)."""
-    cols: list[list[list[int]]] = [[[] for _ in range(5)] for _ in range(M)]
+    """Plain-Python twin of `lp_grouped` (per-microbatch lists; takes the trajectory-space fields
+    from the forest)."""
+    fields = [forest.loss_mask, forest.advantages]
+    fields += [x for x in (forest.old_logprobs, forest.ref_logprobs) if x is not None]
+    n = 4 + len(fields)
+    cols: list[list[list]] = [[[] for _ in range(n)] for _ in range(M)]
     for t in range(forest.num_trajectories):
         path: list[int] = []
         for s in forest.path(t):
@@ -501,14 +517,23 @@ def lp_grouped_ref(forest, all_positions: bool, kept_mb, kept_row, M: int):
             if all_positions or forest.loss_mask[base + i]:
                 prev = path[i - 1]
                 c = cols[int(kept_mb[prev])]
-                for col, v in zip(c, (base + i, int(kept_row[prev]), int(forest.tokens[path[i]]), t, i)):
+                vals = [int(kept_row[prev]), int(forest.tokens[path[i]]), t, i] + [f[base + i] for f in fields]
+                for col, v in zip(c, vals):
                     col.append(v)
     bounds = [0]
     for c in cols:
         bounds.append(bounds[-1] + len(c[0]))
-    flat = [[v for c in cols for v in c[j]] for j in range(5)]
-    return (np.array(bounds, np.int64), np.array(flat[0], np.int64),
-            *(np.array(flat[j], np.int32) for j in range(1, 5)))
+    flat = [[v for c in cols for v in c[j]] for j in range(n)]
+    out = [np.array(bounds, np.int64)] + [np.array(flat[j], np.int32) for j in range(4)]
+    out += [np.array(flat[4], np.uint8), np.array(flat[5], np.float32)]
+    k = 6
+    for x in (forest.old_logprobs, forest.ref_logprobs):
+        if x is None:
+            out.append(np.zeros(0, np.float32))
+        else:
+            out.append(np.array(flat[k], np.float32))
+            k += 1
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
