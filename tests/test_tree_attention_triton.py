@@ -52,7 +52,7 @@ CASES = {
     "default_blocks_64": (dict(num_segments=4, min_len=10, max_len=80), 2, 1, 64, 64, 64),
 }
 if DEVICE == "cuda":
-    CASES["cuda_big_forest"] = (dict(num_segments=60, min_len=1, max_len=300, num_imported=4), 8, 2, 128, 64, 64)
+    CASES["cuda_forest_d128"] = (dict(num_segments=24, min_len=1, max_len=128, num_imported=3), 8, 2, 128, 64, 64)
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
@@ -92,10 +92,18 @@ def test_triton_rejects_bad_blocks_and_float64():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 is only meaningful on a GPU (the interpreter's bf16 is wrong)")
-def test_triton_bf16_matches_ref():
+def test_triton_bf16_matches_fp32_ref():
+    """bf16 Triton against the fp32 reference on the same (bf16-rounded) inputs, errors relative to the scale."""
     tree = random_tree(13, num_segments=40, min_len=1, max_len=200, num_imported=3)
-    got, want = run_both(tree, 8, 2, 128, seed=14, dtype=torch.bfloat16)
+    q, k, v = random_qkv(tree, 8, 2, 128, seed=14, dtype=torch.bfloat16, device=DEVICE)
+    do = torch.randn(tree.R, 8, 128, generator=torch.Generator().manual_seed(15)).to(DEVICE, torch.bfloat16)
+    o = tree_attention(q, k, v, **tree.layout(), scale=128**-0.5, backend="triton")
+    got = (o, *torch.autograd.grad(o, [q, k, v], do))
+    leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
+    o_r = tree_attention(*leaves, **tree.layout(), scale=128**-0.5, backend="ref")
+    want = (o_r, *torch.autograd.grad(o_r, leaves, do.float()))
     assert got[0].dtype == torch.bfloat16
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
         assert not a.isnan().any(), name
-        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+        err = (a.float() - b).abs().max() / b.abs().max()
+        assert err < 2e-2, (name, err.item())
