@@ -224,3 +224,21 @@ def test_encode_linear_calls_matches_protobuf_api():
         _fill_linear_calls_ref(want, sched, kind, state, ex[:, 0], ex[:, 1], ex[:, 2], n_calls)
         assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
         assert len(got.linear_calls) == n_calls
+
+
+def test_token_index_and_ranges_match_reference():
+    rng = np.random.default_rng(6)
+    for it in range(15):
+        f = _random_forest(rng, it)
+        args = (f.seg_parent, f.seg_offset, f.seg_length, f.seg_depth)
+        seg, off, depth, pred = bk.token_index(*args)
+        _eq((seg, off, depth, pred), bk.token_index_ref(*args))
+        np.testing.assert_array_equal(seg, np.repeat(np.arange(f.num_segments), f.seg_length))
+        for t in range(f.num_trajectories):  # predecessors chain every trajectory's tokens
+            path = np.concatenate([np.arange(f.seg_offset[s], f.seg_offset[s] + f.seg_length[s]) for s in f.path(t)])
+            np.testing.assert_array_equal(pred[path], np.r_[-1, path[:-1]])
+            np.testing.assert_array_equal(depth[path], np.arange(path.shape[0]))
+        start, length = rng.integers(0, 100, 6), rng.integers(0, 5, 6)
+        np.testing.assert_array_equal(bk.expand_ranges(start, length), bk.expand_ranges_ref(start, length))
+        np.testing.assert_array_equal(bk.expand_ranges(start, length),
+                                      np.concatenate([np.arange(a, a + n) for a, n in zip(start, length)]))

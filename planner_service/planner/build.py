@@ -90,16 +90,9 @@ class _Layout:
 class _TokenIndex:
     """Per forest token: segment, offset, depth, predecessor (flat int64 arrays [N_u])."""
 
-    def __init__(self, forest: Forest):
-        S = forest.num_segments
-        lengths = forest.seg_length.astype(np.int64)
-        self.seg = np.repeat(np.arange(S, dtype=np.int64), lengths)
-        self.off = np.arange(forest.unique_tokens, dtype=np.int64) - forest.seg_offset[self.seg]
-        self.depth = forest.seg_depth[self.seg].astype(np.int64) + self.off
-        last = forest.seg_offset + lengths - 1
-        parent = forest.seg_parent.astype(np.int64)
-        first_pred = np.where(parent >= 0, last[np.maximum(parent, 0)], -1)
-        self.pred = np.where(self.off > 0, np.arange(forest.unique_tokens) - 1, first_pred[self.seg])
+    def __init__(self, forest: Forest, use_numba: bool = True):
+        fn = bk.token_index if use_numba else bk.token_index_ref
+        self.seg, self.off, self.depth, self.pred = fn(forest.seg_parent, forest.seg_offset, forest.seg_length, forest.seg_depth)
         self.forest = forest
 
 
@@ -123,7 +116,7 @@ def _topological(specs: list[MicrobatchSpec]) -> list[int]:
     return order
 
 
-def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int) -> np.ndarray:
+def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int, use_numba: bool) -> np.ndarray:
     rng = np.asarray(spec.ranges, np.int64).reshape(-1, 3)
     if rng.shape[0] == 0:
         return np.zeros(0, np.int64)
@@ -134,10 +127,7 @@ def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int) -> np.ndarray:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise PlanningError(f"partition.microbatches[{m}].ranges[{i}]: expected a non-empty range inside its segment, got {rng[i].tolist()}")
-    start = forest.seg_offset[s] + a
-    lens = b - a
-    base = np.repeat(start - np.cumsum(lens) + lens, lens)
-    return base + np.arange(int(lens.sum()), dtype=np.int64)
+    return (bk.expand_ranges if use_numba else bk.expand_ranges_ref)(forest.seg_offset[s] + a, b - a)
 
 
 def _path_need(tix: _TokenIndex, toks, need: dict[int, int]) -> None:
@@ -154,14 +144,14 @@ def _path_need(tix: _TokenIndex, toks, need: dict[int, int]) -> None:
             n = int(f.seg_length[s]) if s >= 0 else 0
 
 
-def _need_tokens(forest: Forest, need: dict[int, int]) -> np.ndarray:
+def _need_tokens(forest: Forest, need: dict[int, int], use_numba: bool) -> np.ndarray:
+    """Sorted forest tokens of the prefixes in `need` (forest segment -> prefix length)."""
     if not need:
         return np.zeros(0, np.int64)
-    segs = np.array(sorted(need), np.int64)
-    lens = np.array([need[s] for s in segs.tolist()], np.int64)
-    start = forest.seg_offset[segs]
-    base = np.repeat(start - np.cumsum(lens) + lens, lens)
-    return base + np.arange(int(lens.sum()), dtype=np.int64)
+    segs = sorted(need)
+    if use_numba:
+        return bk.expand_ranges(forest.seg_offset[np.array(segs, np.int64)], np.array([need[s] for s in segs], np.int64))
+    return bk.expand_ranges_ref([int(forest.seg_offset[s]) for s in segs], [need[s] for s in segs])
 
 
 def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool, kept_row: np.ndarray) -> None:
@@ -272,9 +262,9 @@ def build_plan(
     """
     specs = partition.microbatches
     C, K = cfg.chunk_size, cfg.conv_kernel
-    tix = _TokenIndex(forest)
+    tix = _TokenIndex(forest, use_numba)
     M = len(specs)
-    layouts = [_Layout(mb=m, spec=sp, kept_tok=_kept_tokens(forest, sp, m)) for m, sp in enumerate(specs)]
+    layouts = [_Layout(mb=m, spec=sp, kept_tok=_kept_tokens(forest, sp, m, use_numba)) for m, sp in enumerate(specs)]
     kept_mb = np.full(forest.unique_tokens, -1, np.int64)
     for L in layouts:
         kept_mb[L.kept_tok] = L.mb
@@ -303,7 +293,7 @@ def build_plan(
         pred = tix.pred[L.kept_tok]
         attach = pred[(pred >= 0) & (kept_mb[np.maximum(pred, 0)] != m)]
         _path_need(tix, np.unique(attach).tolist(), needs[m])
-        ctx = _need_tokens(forest, needs[m])
+        ctx = _need_tokens(forest, needs[m], use_numba)
         L.ctx_tok = ctx[kept_mb[ctx] != m] if ctx.shape[0] else ctx
         if L.ctx_tok.shape[0] and L.spec.parent < 0:
             raise PlanningError(f"partition.microbatches[{m}]: has pieces below other microbatches' rows, expected a parent")

@@ -22,6 +22,76 @@ from numba import njit
 
 
 # ---------------------------------------------------------------------------------------------
+# Per-token index and token ranges.
+
+
+@njit(cache=True)
+def token_index(seg_parent, seg_offset, seg_length, seg_depth):
+    """Segment, offset in it, depth and path predecessor (-1 at depth 0) of every forest token.
+
+    Segments tile the tokens in order (seg_offset is the running sum of seg_length).
+
+    Returns:
+        seg, off, depth, pred: int64 [N_u].
+    """
+    S = seg_parent.shape[0]
+    n = 0
+    for s in range(S):
+        n += seg_length[s]
+    seg = np.empty(n, np.int64)
+    off = np.empty(n, np.int64)
+    depth = np.empty(n, np.int64)
+    pred = np.empty(n, np.int64)
+    x = 0
+    for s in range(S):
+        p = seg_parent[s]
+        first_pred = seg_offset[p] + seg_length[p] - 1 if p >= 0 else -1
+        for j in range(seg_length[s]):
+            o = x - seg_offset[s]
+            seg[x] = s
+            off[x] = o
+            depth[x] = seg_depth[s] + o
+            pred[x] = x - 1 if o > 0 else first_pred
+            x += 1
+    return seg, off, depth, pred
+
+
+def token_index_ref(seg_parent, seg_offset, seg_length, seg_depth):
+    """Plain-Python twin of `token_index`."""
+    cols: list[list[int]] = [[], [], [], []]
+    x = 0
+    for s in range(len(seg_parent)):
+        p = int(seg_parent[s])
+        first_pred = int(seg_offset[p]) + int(seg_length[p]) - 1 if p >= 0 else -1
+        for _ in range(int(seg_length[s])):
+            o = x - int(seg_offset[s])
+            for col, v in zip(cols, (s, o, int(seg_depth[s]) + o, x - 1 if o > 0 else first_pred)):
+                col.append(v)
+            x += 1
+    return tuple(np.array(c, np.int64) for c in cols)
+
+
+@njit(cache=True)
+def expand_ranges(start, length):
+    """int64 [sum(length)] the tokens start[i] .. start[i] + length[i] - 1 of every range, in order."""
+    n = 0
+    for i in range(start.shape[0]):
+        n += length[i]
+    out = np.empty(n, np.int64)
+    k = 0
+    for i in range(start.shape[0]):
+        for j in range(length[i]):
+            out[k] = start[i] + j
+            k += 1
+    return out
+
+
+def expand_ranges_ref(start, length):
+    """Plain-Python twin of `expand_ranges`."""
+    return np.array([x for a, n in zip(start, length) for x in range(int(a), int(a) + int(n))], np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
 # Local segments of one microbatch.
 
 
