@@ -1,5 +1,7 @@
-"""Planner benchmark: partitioner (and `plan_step`) speed against the plain-Python reference, and
-plan quality (compression achieved vs ideal, rank imbalance). A benchmark, not a timed test.
+"""Planner benchmark: partitioner and whole-`plan_step` speed against the plain-Python reference
+(`impl="ref"`: the partitioner's and the builder's plain-Python twins, same input, same plan), plan
+quality (compression achieved vs ideal, rank imbalance) and the plan validator's time. A
+benchmark, not a timed test.
 
 Run: `.venv/bin/python -m benchmarks.bench_planner [--quick]` (prints progress on stderr and one
 JSON object of figures on stdout).
@@ -30,6 +32,7 @@ import numpy as np
 from planner_service.forest import Forest
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.partition import expand_forest, partition_with_report
+from proto.plan_validator import validate_plan
 
 log = logging.getLogger("bench_planner")
 
@@ -186,8 +189,7 @@ def run(quick: bool = False) -> dict:
         log.info("%s: %s", name, row)
 
     cfg = configs["windows"]
-    sub = forest if not quick else forest
-    ref_trees = n_trees
+    ref_trees = n_trees  # the partitioner alone against its reference, on the whole forest
     sub = _subforest(forest, ref_trees)
     t_numba, _ = _time(lambda: partition_with_report(sub, cfg))
     t_ref, _ = _time(lambda: partition_with_report(sub, cfg, impl="ref"), repeat=1)
@@ -239,14 +241,20 @@ def run(quick: bool = False) -> dict:
                 "imbalance": round(st.imbalance, 4), "linear_attention_calls": st.linear_attention_calls,
             }
             log.info("plan_step %s: %.3fs %s", name, secs, out["configs"][name]["plan_stats"])
-        # the builder's "reference" swaps only its Numba kernels, so this ratio is modest
-        sub = _subforest(forest, max(3, n_trees // 10))
+        # whole plan_step (partition + build) against its plain-Python reference (the partitioner's
+        # and the builder's twins) on the same input: the full forest, the reference timed once
         cfg = configs["windows"]
-        t_numba, _ = _time(lambda: plan_step(sub, cfg), repeat=2)
-        t_ref, _ = _time(lambda: plan_step(sub, cfg, impl="ref"), repeat=1)
+        t_numba, plan = _time(lambda: plan_step(forest, cfg), repeat=3)
+        t_ref, plan_ref = _time(lambda: plan_step(forest, cfg, impl="ref"), repeat=1)
+        plan.header.stats.plan_seconds = plan_ref.header.stats.plan_seconds = 0.0
+        same = plan.SerializeToString(deterministic=True) == plan_ref.SerializeToString(deterministic=True)
+        t0 = time.perf_counter()
+        validate_plan(plan, forest)
+        t_validate = time.perf_counter() - t0
         out["plan_step_reference"] = {
-            "unique_tokens": sub.unique_tokens, "numba_seconds": round(t_numba, 3), "ref_seconds": round(t_ref, 3),
-            "speedup": round(t_ref / t_numba, 1),
+            "config": "windows", "unique_tokens": forest.unique_tokens, "expanded_tokens": forest.expanded_tokens,
+            "segments": forest.num_segments, "numba_seconds": round(t_numba, 3), "ref_seconds": round(t_ref, 3),
+            "speedup": round(t_ref / t_numba, 1), "identical_plans": same, "validate_seconds": round(t_validate, 3),
         }
         log.info("plan_step reference: %s", out["plan_step_reference"])
     return out
