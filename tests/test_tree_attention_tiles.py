@@ -55,9 +55,12 @@ def test_tile_groups_bounded_and_cover_every_row_once(monkeypatch):
     real = slots[slots < R]
     assert sorted(real.tolist()) == list(range(R))
     assert torch.equal(slots[tiles.row_slot], torch.arange(R))
+    pad_tile = tiles.key_rows.shape[0] - 1
+    assert (tiles.key_rows[pad_tile] == R).all()
+    assert len({tuple(r) for r in tiles.key_rows.tolist()}) == tiles.key_rows.shape[0]  # stored once each
     for g in tiles.groups:
-        nk = g.kv_rows.shape[1]
-        assert g.kv_rows.shape[0] * nk <= max(8, nk)
+        nk = g.kv_tiles.shape[1]
+        assert g.kv_tiles.shape[0] * nk <= max(8, nk)
         # every group folds over no fewer key tiles than its queries can see
         assert int(g.visible.max()) <= nk * T.TILE_K
     gen = torch.Generator().manual_seed(1)

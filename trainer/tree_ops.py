@@ -162,9 +162,9 @@ class AttnTileGroup:
 
     q_rows: torch.Tensor
     """long [nb, TILE_Q] rows of each tile's queries; R = padding (a zero row)."""
-    kv_rows: torch.Tensor
-    """long [nb, nk, TILE_K] rows of the key tiles each query tile folds over, key depth order
-    (the segment's ancestors root first, then its own rows); R = padding."""
+    kv_tiles: torch.Tensor
+    """long [nb, nk] key tiles (ids into AttnTiles.key_rows) each query tile folds over, in depth
+    order (the segment's ancestors root first, then its own rows); padding is the all-padding tile."""
     visible: torch.Tensor
     """long [nb, TILE_Q] keys visible to each query: key slot j of the tile's key list is seen iff
     j < visible (ancestors, then the segment's rows up to the query itself)."""
@@ -174,14 +174,17 @@ class AttnTileGroup:
 class AttnTiles:
     """Every segment's query tiles, grouped by key-tile count (built once per microbatch)."""
 
+    key_rows: torch.Tensor
+    """long [NKT, TILE_K] rows of each distinct key tile (a segment's depths 16t..16t+15; tiles of
+    a shared ancestry are stored once); the last tile is all padding (R)."""
     groups: list[AttnTileGroup]
     row_slot: torch.Tensor
     """long [R] row -> position in the concatenation of all groups' query slots."""
 
     def to(self, device: torch.device) -> "AttnTiles":
         for g in self.groups:
-            g.q_rows, g.kv_rows, g.visible = g.q_rows.to(device), g.kv_rows.to(device), g.visible.to(device)
-        self.row_slot = self.row_slot.to(device)
+            g.q_rows, g.kv_tiles, g.visible = g.q_rows.to(device), g.kv_tiles.to(device), g.visible.to(device)
+        self.key_rows, self.row_slot = self.key_rows.to(device), self.row_slot.to(device)
         return self
 
 
@@ -226,6 +229,18 @@ def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[n
     q_rows = np.where(qpos < q_len[seg, None], q_start[seg, None] + qpos, R)
     visible = np.minimum(Lk[seg, None], n_anc[seg, None] + qpos + 1)
     need = -(-visible.max(axis=1) // TILE_K)  # [NQ] key tiles with a visible key
+    # every segment's key tiles, then the distinct ones (ancestor tiles recur in every descendant)
+    nkt = -(-Lk // TILE_K)
+    tile_seg = np.repeat(np.arange(S), nkt)
+    tile_t = np.arange(tile_seg.shape[0]) - np.repeat(np.cumsum(nkt) - nkt, nkt)
+    kpos = tile_t[:, None] * TILE_K + np.arange(TILE_K)[None, :]
+    kvalid = kpos < Lk[tile_seg, None]
+    krows = np.where(kvalid, kv_all[np.where(kvalid, kv_off[tile_seg, None] + kpos, kv_all.shape[0] - 1)], R)
+    key_rows, tile_id = np.unique(krows.reshape(-1, TILE_K), axis=0, return_inverse=True)
+    key_rows = np.concatenate([key_rows, np.full((1, TILE_K), R, np.int64)])
+    pad_tile = key_rows.shape[0] - 1
+    tile_id = np.append(tile_id.reshape(-1), pad_tile)
+    first_tile = np.cumsum(nkt) - nkt
     width = _bucket(need)
     groups, slot_rows = [], []
     for nk in np.unique(width):
@@ -233,13 +248,11 @@ def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[n
         step = max(1, MAX_TILE_PAIRS // int(nk))
         for lo in range(0, tiles.shape[0], step):
             t = tiles[lo : lo + step]
-            pos = np.arange(int(nk) * TILE_K)  # key slot in the segment's key order
             s_ = seg[t]
-            valid = pos[None, :] < Lk[s_, None]
-            kv = np.where(valid, kv_all[np.where(valid, kv_off[s_, None] + pos[None, :], kv_all.shape[0] - 1)], R)
+            tt = np.arange(int(nk))[None, :]
+            ids = np.where(tt < nkt[s_, None], tile_id[np.where(tt < nkt[s_, None], first_tile[s_, None] + tt, -1)], pad_tile)
             groups.append(AttnTileGroup(
-                q_rows=torch.from_numpy(q_rows[t]), kv_rows=torch.from_numpy(kv.reshape(t.shape[0], int(nk), TILE_K)),
-                visible=torch.from_numpy(visible[t]),
+                q_rows=torch.from_numpy(q_rows[t]), kv_tiles=torch.from_numpy(ids), visible=torch.from_numpy(visible[t]),
             ))
             slot_rows.append(q_rows[t].reshape(-1))
     slot_rows = np.concatenate(slot_rows) if slot_rows else np.zeros(0, np.int64)
@@ -248,7 +261,7 @@ def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[n
     row_slot[slot_rows[real]] = np.nonzero(real)[0]
     if (row_slot < 0).any():
         raise ValueError(f"attention segments: expected the segments' queries to cover rows 0..{R}, row {int(np.argmin(row_slot))} is not a query")
-    return AttnTiles(groups=groups, row_slot=torch.from_numpy(row_slot))
+    return AttnTiles(key_rows=torch.from_numpy(key_rows), groups=groups, row_slot=torch.from_numpy(row_slot))
 
 
 def tiles_from_segments(segments: list[AttnSegment], num_rows: int) -> AttnTiles:
@@ -279,15 +292,20 @@ def tiled_attention(q_RHd, k_RHd, v_RHd, tiles: AttnTiles, *, scale: float) -> t
     rep = H // k_RHd.shape[1]
     zero = q_RHd.new_zeros(1, H, hd)
     q_ext = torch.cat([q_RHd, zero])
-    k_ext = torch.cat([k_RHd.repeat_interleave(rep, dim=1), zero])
-    v_ext = torch.cat([v_RHd.repeat_interleave(rep, dim=1), zero])
+    NKT = tiles.key_rows.shape[0]
+    kr = tiles.key_rows.reshape(-1)
+    # distinct key tiles, laid out as the score and P@V matmuls read them
+    k_tab = torch.cat([k_RHd, zero[:, : k_RHd.shape[1]]]).index_select(0, kr).repeat_interleave(rep, dim=1)
+    k_tab = k_tab.view(NKT, TILE_K, H, hd).permute(0, 2, 3, 1).contiguous()  # [NKT, H, hd, TK]
+    v_tab = torch.cat([v_RHd, zero[:, : v_RHd.shape[1]]]).index_select(0, kr).repeat_interleave(rep, dim=1)
+    v_tab = v_tab.view(NKT, TILE_K, H, hd).permute(0, 2, 1, 3).contiguous()  # [NKT, H, TK, hd]
     outs = []
     for g in tiles.groups:
-        nb, nk = g.kv_rows.shape[0], g.kv_rows.shape[1]
+        nb, nk = g.kv_tiles.shape
         q_t = q_ext.index_select(0, g.q_rows.reshape(-1)).view(nb, TILE_Q, H, hd).permute(0, 2, 1, 3)
-        kv = g.kv_rows.reshape(-1)
-        k_t = k_ext.index_select(0, kv).view(nb, nk, TILE_K, H, hd).permute(0, 1, 3, 4, 2)
-        v_t = v_ext.index_select(0, kv).view(nb, nk, TILE_K, H, hd).permute(0, 1, 3, 2, 4)
+        kv = g.kv_tiles.reshape(-1)
+        k_t = k_tab.index_select(0, kv).view(nb, nk, H, hd, TILE_K)
+        v_t = v_tab.index_select(0, kv).view(nb, nk, H, TILE_K, hd)
         s = torch.matmul(q_t[:, None], k_t) * scale  # [nb, nk, H, TQ, TK]
         kj = torch.arange(nk * TILE_K, device=s.device).view(1, nk, 1, 1, TILE_K)
         s = s.masked_fill(kj >= g.visible.view(nb, 1, 1, TILE_Q, 1), float("-inf"))
