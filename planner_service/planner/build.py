@@ -354,22 +354,32 @@ def build_plan(
         L = layouts[m]
         R = L.num_rows
         inits = L.sched[3]
-        kinds, sids = [], []
-        imp_index: dict[tuple[int, int], int] = {}
-        imported = inits >= R
-        if use_numba and imported.any():
-            owner = dict(zip(inits[imported].tolist(), zip(*(x.tolist() for x in _owners(layouts, L.spec.parent, L.ctx_tok[inits[imported] - R])))))
+        Q = inits.shape[0]
+        kinds = np.where(inits < 0, plan_pb2.StateSource.ZERO,
+                         np.where(inits < R, plan_pb2.StateSource.LOCAL, plan_pb2.StateSource.IMPORTED)).astype(np.int32)
+        sids = np.zeros(Q, np.int32)
+        # local states: ids in order of first use (after any already handed out to other microbatches)
+        loc = np.flatnonzero((inits >= 0) & (inits < R))
+        if use_numba and not L.states and loc.shape[0]:
+            u, first = np.unique(inits[loc], return_index=True)
+            by_first = np.argsort(first, kind="stable")
+            ids = np.empty(u.shape[0], np.int64)
+            ids[by_first] = np.arange(u.shape[0])
+            sids[loc] = ids[np.searchsorted(u, inits[loc])]
+            L.states = dict(zip(u[by_first].tolist(), range(u.shape[0])))
         else:
-            owner = {}
-        for init in inits.tolist():
-            if init < 0:
-                kinds.append(plan_pb2.StateSource.ZERO)
-                sids.append(0)
-            elif init < R:
-                kinds.append(plan_pb2.StateSource.LOCAL)
-                sids.append(L.states.setdefault(init, len(L.states)))
+            for q in loc.tolist():
+                sids[q] = L.states.setdefault(int(inits[q]), len(L.states))
+        # imported states: resolved to the window ancestor that computes them
+        imp = np.flatnonzero(inits >= R)
+        if imp.shape[0]:
+            toks = L.ctx_tok[inits[imp] - R]
+            if use_numba:
+                owners = zip(*(x.tolist() for x in _owners(layouts, L.spec.parent, toks)))
             else:
-                o, r = owner[init] if use_numba else _owner(layouts, L.spec.parent, int(L.ctx_tok[init - R]))
+                owners = (_owner(layouts, L.spec.parent, t) for t in toks.tolist())
+            imp_index: dict[tuple[int, int], int] = {}
+            for q, (o, r) in zip(imp.tolist(), owners):
                 O = layouts[o]
                 sid = O.states.setdefault(r, len(O.states))
                 O.export_states.add(sid)
@@ -377,9 +387,8 @@ def build_plan(
                 if key not in imp_index:
                     imp_index[key] = len(L.state_imports)
                     L.state_imports.append(key)
-                kinds.append(plan_pb2.StateSource.IMPORTED)
-                sids.append(imp_index[key])
-        sources.append((np.array(kinds, np.int32), np.array(sids, np.int32)))
+                sids[q] = imp_index[key]
+        sources.append((kinds, sids))
 
     # Log-prob map, grouped by the microbatch keeping each entry's logits row.
     if use_numba:
