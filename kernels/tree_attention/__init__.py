@@ -50,7 +50,10 @@ def tree_attention(
         attn_offsets: [S+1] int32/int64. attn_ranges: [n, 2] half-open k/v row ranges.
         scale: score factor (usually D ** -0.5).
         backend: "ref" (PyTorch, any device and dtype) or "triton" (fused kernels; CUDA, or CPU
-            under TRITON_INTERPRET=1 in fp32; not float64).
+            under TRITON_INTERPRET=1 in fp32; not float64). Measured on an H200 (bf16, one 2048-row
+            prompt + 8 x 1024-row branches, H=16, Hkv=2, D=128; benchmarks/bench_tree_attention.py):
+            forward ref 13.9 ms, triton 1.67 ms; forward+backward ref 34.6 ms, triton 9.5 ms;
+            flash SDPA on the 8 expanded sequences (1.64x the visible pairs) 0.87 / 2.98 ms.
         block_m, block_n: Triton query/kv tile rows (powers of two >= 16); ignored by "ref".
 
     Returns:
