@@ -150,11 +150,12 @@ def _bad(tree: Tree, **override):
         (dict(attn_offsets=torch.tensor([0, 1, 0, 1])), "attn_offsets"),
         (dict(attn_ranges=torch.tensor([[0, 99]])), "attn_ranges: expected 0 <= start <= end <= Rk"),
         (dict(attn_ranges=torch.tensor([[0.0, 1.0]])), "attn_ranges: expected an int32/int64"),
+        (dict(attn_ranges=torch.tensor([[2, 4]])), "outside their segment's own rows"),
         (dict(k=torch.zeros(6, 3, 8), v=torch.zeros(6, 3, 8)), "H a multiple of Hkv"),
         (dict(k=torch.zeros(5, 2, 8), v=torch.zeros(5, 2, 8)), "Rk >= R"),
         (dict(backend="cuda"), "backend: expected one of"),
     ],
-    ids=["seg_len_count", "empty_segment", "overlap", "offsets", "range_past_rk", "range_dtype", "gqa", "rk", "backend"],
+    ids=["seg_len_count", "empty_segment", "overlap", "offsets", "range_past_rk", "range_dtype", "range_in_own_rows", "gqa", "rk", "backend"],
 )
 def test_invalid_inputs_raise(override, match):
     tree = Tree(

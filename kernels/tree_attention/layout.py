@@ -99,6 +99,17 @@ def validate_inputs(
         raise ValueError(f"attn_ranges: expected shape ({n}, 2) (attn_offsets[-1] ranges), got {tuple(ranges_n2.shape)}")
     if n and ((ranges_n2[:, 0] < 0).any() or (ranges_n2[:, 1] < ranges_n2[:, 0]).any() or (ranges_n2[:, 1] > Rk).any()):
         raise ValueError(f"attn_ranges: expected 0 <= start <= end <= Rk={Rk}, got {ranges_n2.tolist()[:8]}...")
+    if n:
+        seg_n = torch.repeat_interleave(torch.arange(S, dtype=torch.long), off_S1[1:] - off_S1[:-1])
+        a_n, b_n = ranges_n2[:, 0], ranges_n2[:, 1]
+        own = (a_n < (start_S + len_S)[seg_n]) & (b_n > start_S[seg_n]) & (b_n > a_n)
+        if own.any():
+            i = int(own.nonzero()[0])
+            raise ValueError(
+                f"attn_ranges: expected ancestor ranges outside their segment's own rows, got range "
+                f"{ranges_n2[i].tolist()} for segment {int(seg_n[i])} (rows {int(start_S[seg_n[i]])}.."
+                f"{int(start_S[seg_n[i]] + len_S[seg_n[i]])})"
+            )
     return TreeIndex(seg_start_S=start_S, seg_len_S=len_S, attn_offsets_S1=off_S1, attn_ranges_n2=ranges_n2)
 
 
