@@ -6,6 +6,10 @@ minimum-call linear-attention schedule (min_calls.py), sharing-window imports/ex
 map with its trajectory-space fields, then the global normalisers, header, execution steps and the
 report. `PlanStats.plan_seconds` is left to `plan_step`.
 
+The passes over tokens, rows, sequences and log-prob entries are Numba kernels over flat arrays
+(`build_kernels.py`, `min_calls.py`); `use_numba=False` runs their plain-Python twins instead, and
+the two modes produce byte-identical plans. What stays here is per-microbatch glue and checks.
+
 Rows of a microbatch m:
 - kept rows: the forest tokens m keeps (MicrobatchSpec.ranges);
 - context: every forest token on the root-to-piece paths of m's pieces, plus the context its
