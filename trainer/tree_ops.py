@@ -306,12 +306,12 @@ def tiled_attention(q_RHd, k_RHd, v_RHd, tiles: AttnTiles, *, scale: float) -> t
         kv = g.kv_tiles.reshape(-1)
         k_t = k_tab.index_select(0, kv).view(nb, nk, H, hd, TILE_K)
         v_t = v_tab.index_select(0, kv).view(nb, nk, H, TILE_K, hd)
-        s = torch.matmul(q_t[:, None], k_t) * scale  # [nb, nk, H, TQ, TK]
+        s = torch.matmul(q_t[:, None], k_t).mul_(scale)  # [nb, nk, H, TQ, TK]; in place: same bits, no copy
         kj = torch.arange(nk * TILE_K, device=s.device).view(1, nk, 1, 1, TILE_K)
-        s = s.masked_fill(kj >= g.visible.view(nb, 1, 1, TILE_Q, 1), float("-inf"))
+        s = s.masked_fill_(kj >= g.visible.view(nb, 1, 1, TILE_Q, 1), float("-inf"))
         # the row max only shifts the exponent (softmax is invariant to it): no gradient through it
         m = s.detach().amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)
-        p = torch.exp(s - m)
+        p = (s - m).exp_()
         l = fold_tiles(p.sum(dim=-1))  # [nb, H, TQ]
         o = fold_tiles(torch.matmul(p, v_t))  # [nb, H, TQ, hd]
         o = o / l[..., None]
