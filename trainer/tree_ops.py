@@ -5,15 +5,20 @@ root-to-leaf paths through the plan's ancestry:
 
 - `ancestry_conv`: the depthwise causal short convolution, gathering the K-1 ancestor rows of each
   row and summing in the fixed order (oldest first) that a linear sequence uses;
-- `ancestor_attention`: per segment, queries attend to the segment's ancestor rows (all visible)
-  and causally to the segment's own rows; never a dense mask over the microbatch; computed in
-  fixed-shape tiles so that a query's result does not depend on the segment's extent;
+- `tiled_attention` (`ancestor_attention`): per segment, queries attend to the segment's ancestor
+  rows (all visible) and causally to the segment's own rows; never a dense mask over the
+  microbatch; computed in fixed-shape, depth-aligned tiles so that a query's result does not
+  depend on the segment's extent. The tile plan (`attention_tiles`, built once per microbatch by
+  the layout) batches every segment's query tiles into a few groups of equal key-tile count, so
+  the cost follows the (query tile, key tile) pairs, not the number of segments; the per-segment
+  `ancestor_attention_segments` is its bitwise reference;
 - `linear_attention`: the linear-attention call schedule: per call, gather replay + range rows
   differentiably, run the kernel from the state-table initial states, keep range outputs, discard
   replay outputs, store exported states without detaching.
 
 Legend: R rows, C channels, K conv kernel, J = K-1 ancestors, H heads, Hkv kv heads, hd head dim,
-Kd/Vd linear key/value dims, n gathered rows of one call, N sequences, E exports.
+Kd/Vd linear key/value dims, n gathered rows of one call, N sequences, E exports, S segments,
+NQ query tiles, NKT distinct key tiles, nb query tiles of a group, nk key tiles each folds over.
 """
 from __future__ import annotations
 
