@@ -242,3 +242,13 @@ def test_token_index_and_ranges_match_reference():
         np.testing.assert_array_equal(bk.expand_ranges(start, length), bk.expand_ranges_ref(start, length))
         np.testing.assert_array_equal(bk.expand_ranges(start, length),
                                       np.concatenate([np.arange(a, a + n) for a, n in zip(start, length)]))
+
+
+def test_sorted_union_matches_reference():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        n = int(rng.integers(1, 50))
+        rows = rng.integers(0, n, int(rng.integers(0, 80))).astype(np.int64)
+        got = bk.sorted_union(rows, n)
+        np.testing.assert_array_equal(got, bk.sorted_union_ref(rows, n))
+        np.testing.assert_array_equal(got, np.unique(rows))

@@ -269,7 +269,7 @@ def build_plan(
     tix = _TokenIndex(forest, use_numba)
     M = len(specs)
     layouts = [_Layout(mb=m, spec=sp, kept_tok=_kept_tokens(forest, sp, m, use_numba)) for m, sp in enumerate(specs)]
-    kept_mb = np.full(forest.unique_tokens, -1, np.int64)
+    kept_mb = np.full(forest.unique_tokens, -1, np.int32)
     for L in layouts:
         kept_mb[L.kept_tok] = L.mb
     if sum(L.kept_tok.shape[0] for L in layouts) != forest.unique_tokens or (kept_mb < 0).any():
@@ -308,7 +308,7 @@ def build_plan(
                 last = np.flatnonzero(np.append(seg[1:] != seg[:-1], True))  # deepest token per segment
                 _path_need(tix, rest[last].tolist(), needs[L.spec.parent])
 
-    kept_row = np.full(forest.unique_tokens, -1, np.int64)
+    kept_row = np.empty(forest.unique_tokens, np.int64)  # every token is kept once: all filled
     for m in topo:
         _lay_out(layouts[m], tix, cfg, use_numba, kept_row)
 
@@ -326,9 +326,9 @@ def build_plan(
     for L in layouts:
         if L.export_parts:
             if use_numba:
-                L.export_rows = np.unique(np.concatenate(L.export_parts).astype(np.int64))
+                L.export_rows = bk.sorted_union(np.concatenate(L.export_parts).astype(np.int64), L.num_rows + L.ctx_tok.shape[0])
             else:
-                L.export_rows = np.array(sorted({int(x) for part in L.export_parts for x in part}), np.int64)
+                L.export_rows = bk.sorted_union_ref([x for part in L.export_parts for x in part], L.num_rows + L.ctx_tok.shape[0])
 
     # Ablation: states consumed at unaligned depths by window children split the owner's sequence.
     state_after = [np.zeros(L.num_rows, np.uint8) for L in layouts]

@@ -247,7 +247,12 @@ def ext_parent_depth(row_parent, row_depth, imp_tok, tok_pred, tok_depth):
         depth[r] = row_depth[r]
     for i in range(I):
         p = tok_pred[imp_tok[i]]
-        parent[R + i] = R + np.searchsorted(imp_tok, p) if p >= 0 else -1
+        if p < 0:
+            parent[R + i] = -1
+        elif i > 0 and imp_tok[i - 1] == p:  # the usual case: the previous token of a segment
+            parent[R + i] = R + i - 1
+        else:
+            parent[R + i] = R + np.searchsorted(imp_tok, p)
         depth[R + i] = tok_depth[imp_tok[i]]
     return parent, depth
 
@@ -263,6 +268,29 @@ def ext_parent_depth_ref(row_parent, row_depth, imp_tok, tok_pred, tok_depth):
         parent.append(R + index[p] if p >= 0 else -1)
         depth.append(int(tok_depth[t]))
     return np.array(parent, np.int32), np.array(depth, np.int32)
+
+
+@njit(cache=True)
+def sorted_union(rows, n):
+    """int64 sorted distinct values of `rows` (all in [0, n)), in O(len(rows) + n)."""
+    seen = np.zeros(n, np.bool_)
+    k = 0
+    for r in rows:
+        if not seen[r]:
+            seen[r] = True
+            k += 1
+    out = np.empty(k, np.int64)
+    j = 0
+    for r in range(n):
+        if seen[r]:
+            out[j] = r
+            j += 1
+    return out
+
+
+def sorted_union_ref(rows, n: int):
+    """Plain-Python twin of `sorted_union`."""
+    return np.array(sorted({int(r) for r in rows}), np.int64)
 
 
 # ---------------------------------------------------------------------------------------------
