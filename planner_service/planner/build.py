@@ -92,7 +92,7 @@ class _Layout:
 
 
 class _TokenIndex:
-    """Per forest token: segment, offset, depth, predecessor (flat int64 arrays [N_u])."""
+    """Per forest token: segment, offset, depth, predecessor (flat int32 arrays [N_u])."""
 
     def __init__(self, forest: Forest, use_numba: bool = True):
         fn = bk.token_index if use_numba else bk.token_index_ref
