@@ -95,3 +95,22 @@ def test_fold_tiles_bitwise_equals_cumsum_last(seed):
     assert torch.equal(got, want)
     g = torch.randn(got.shape, generator=gen)
     assert torch.equal(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
+
+
+def test_key_tiles_that_share_a_last_row_but_not_the_ancestry_stay_distinct():
+    # not a tree: two segments whose first key tiles both end at row 15 with 16 rows, in different orders
+    segs = [T.AttnSegment(q_start=0, q_len=16, kv_idx=torch.arange(16)),
+            T.AttnSegment(q_start=16, q_len=4, kv_idx=torch.cat([torch.arange(16), torch.arange(16, 20)])),
+            T.AttnSegment(q_start=20, q_len=4, kv_idx=torch.cat([torch.arange(14, -1, -1), torch.tensor([15]), torch.arange(20, 24)]))]
+    tiles = T.tiles_from_segments(segs, 24)
+    assert tiles.key_rows.shape[0] == 5  # [0..15], [16..19], [14..0, 15], [20..23], padding
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(24, 4, 16, generator=gen), torch.randn(24, 2, 16, generator=gen), torch.randn(24, 2, 16, generator=gen)
+    assert torch.equal(T.tiled_attention(q, k, v, tiles, scale=0.25), T.ancestor_attention_segments(q, k, v, segs, scale=0.25))
+
+
+def test_layout_to_device_moves_the_tile_plan():
+    lay = layout_from_sequences([[1, 2, 3] * 7, [4] * 40], conv_kernel=4, chunk_size=16).to("meta")
+    t = lay.attn_tiles
+    assert t.key_rows.is_meta and t.row_slot.is_meta
+    assert all(g.q_rows.is_meta and g.kv_tiles.is_meta and g.visible.is_meta for g in t.groups)

@@ -56,6 +56,8 @@ class RowLayout:
     conv_src: torch.Tensor
     """long [R, J] conv ancestor rows oldest first; R = zero padding."""
     attn_segments: list[AttnSegment]
+    """Per segment, its queries and keys (host tensors, for `tree_ops.ancestor_attention_segments`,
+    the reference; the model runs `attn_tiles`)."""
     attn_tiles: AttnTiles
     """The segments' attention tile plan (`tree_ops.attention_tiles`), built once per microbatch."""
     linear_calls: list[LinearCall]
@@ -70,15 +72,15 @@ class RowLayout:
 
     def to(self, device: torch.device | str) -> "RowLayout":
         """The layout with its index tensors on `device` (in place; returns self). Call offsets and
-        export positions stay on the CPU: the kernel plans its chunks from them on the host."""
+        export positions stay on the CPU: the kernel plans its chunks from them on the host; so do
+        the per-segment `attn_segments` (the reference's; one copy per segment would cost more than
+        the tile plan's few)."""
         dev = torch.device(device)
         if dev.type == "cpu":
             return self
         mv = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         self.tokens, self.depth, self.occurrence = mv(self.tokens), mv(self.depth), mv(self.occurrence)
         self.conv_src, self.row_from_kept = mv(self.conv_src), mv(self.row_from_kept)
-        for seg in self.attn_segments:
-            seg.kv_idx = mv(seg.kv_idx)
         self.attn_tiles.to(dev)
         for call in self.linear_calls:
             call.gather_idx, call.keep_idx = mv(call.gather_idx), mv(call.keep_idx)

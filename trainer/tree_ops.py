@@ -208,6 +208,24 @@ def _bucket(nk: np.ndarray) -> np.ndarray:
     return -(-nk >> e) << e
 
 
+def _distinct_tiles(krows: np.ndarray, n_valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct rows of krows [T, TILE_K], index of each row among them).
+
+    In a tree a row's ancestry is unique, so a key tile is named by its last valid row and its
+    number of valid rows: one int64 key per tile (np.unique over rows sorts void records, 20x
+    slower at 1M tiles). The naming is checked against the rows and the exact row-wise unique is
+    used whenever it does not hold (ancestries that are not a tree)."""
+    if krows.shape[0] == 0:
+        return krows.reshape(0, TILE_K), np.zeros(0, np.int64)
+    last = krows[np.arange(krows.shape[0]), n_valid - 1]
+    _, first, inv = np.unique(last * (TILE_K + 1) + n_valid, return_index=True, return_inverse=True)
+    key_rows = krows[first]
+    if (key_rows[inv] == krows).all():
+        return key_rows, inv.reshape(-1)
+    key_rows, inv = np.unique(krows, axis=0, return_inverse=True)
+    return key_rows, inv.reshape(-1)
+
+
 def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[np.ndarray], num_rows: int) -> AttnTiles:
     """Tile plan of `ancestor_attention` for segments given as numpy arrays (vectorised over tiles).
 
@@ -241,7 +259,7 @@ def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[n
     kpos = tile_t[:, None] * TILE_K + np.arange(TILE_K)[None, :]
     kvalid = kpos < Lk[tile_seg, None]
     krows = np.where(kvalid, kv_all[np.where(kvalid, kv_off[tile_seg, None] + kpos, kv_all.shape[0] - 1)], R)
-    key_rows, tile_id = np.unique(krows.reshape(-1, TILE_K), axis=0, return_inverse=True)
+    key_rows, tile_id = _distinct_tiles(krows, np.minimum(Lk[tile_seg] - tile_t * TILE_K, TILE_K))
     key_rows = np.concatenate([key_rows, np.full((1, TILE_K), R, np.int64)])
     pad_tile = key_rows.shape[0] - 1
     tile_id = np.append(tile_id.reshape(-1), pad_tile)
