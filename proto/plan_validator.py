@@ -621,8 +621,11 @@ def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], fo
     if ((pos < 1) | (pos >= lengths[traj] if T else pos >= 0)).any():
         _fail("lp_pos", "expected positions in [1, L) of their trajectory")
     key = traj * (int(lengths.max()) + 1 if T else 1) + pos
-    order = np.argsort(key, kind="stable")
-    if (np.diff(key[order]) == 0).any():
+    order = np.argsort(key, kind="stable") if forest_like is None else None  # the chain check needs the order
+    skey = key[order] if order is not None else np.sort(key)
+    if (np.diff(skey) == 0).any():
+        if order is None:
+            order = np.argsort(key, kind="stable")
         i = int(order[np.flatnonzero(np.diff(key[order]) == 0)[0]])
         _fail("lp_pos", f"trajectory {int(traj[i])} position {int(pos[i])} has more than one log-prob entry")
     all_pos = header.params.logprob_positions == plan_pb2.LOGPROB_POSITIONS_ALL
