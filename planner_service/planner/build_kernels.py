@@ -581,21 +581,30 @@ def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
         cur = _update_path(t, traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, kept_mb, kept_row,
                            tokens, path_tok, path_mb, path_row, path_label, cur)
         base = traj_offset[t]
+        cur_m = -1
+        k = 0
         for i in range(1, cur):
-            keep = 1 if all_positions else np.int64(loss_mask[base + i] != 0)
             m = path_mb[i - 1]
-            k = fill[m] if keep else P
-            fill[m] += keep
-            mask[k] = loss_mask[base + i]
-            adv[k] = advantages[base + i]
+            if m != cur_m:  # runs of one microbatch: its fill position stays in a register
+                if cur_m >= 0:
+                    fill[cur_m] = k
+                cur_m = m
+                k = fill[m]
+            keep = 1 if all_positions else np.int64(loss_mask[base + i] != 0)
+            kk = k if keep else P
+            k += keep
+            mask[kk] = loss_mask[base + i]
+            adv[kk] = advantages[base + i]
             if has_old:
-                old[k] = old_logprobs[base + i]
+                old[kk] = old_logprobs[base + i]
             if has_ref:
-                ref[k] = ref_logprobs[base + i]
-            row[k] = path_row[i - 1]
-            label[k] = path_label[i]
-            traj[k] = t
-            pos[k] = i
+                ref[kk] = ref_logprobs[base + i]
+            row[kk] = path_row[i - 1]
+            label[kk] = path_label[i]
+            traj[kk] = t
+            pos[kk] = i
+        if cur_m >= 0:
+            fill[cur_m] = k
     return bounds, row[:P], label[:P], traj[:P], pos[:P], mask[:P], adv[:P], old[:P], ref[:P]
 
 
