@@ -13,15 +13,6 @@ from trainer.models import RunOptions, build_model
 from trainer.executor import kernel_backend
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add OpenMP barriers, which cost seconds per step when
-    the CPUs are shared with other jobs (measured: 139 s vs 14 s for these test files)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):

@@ -17,15 +17,6 @@ from trainer.objectives import ObjectiveConfig
 from trainer.verify import compare_runs, run_and_capture
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add OpenMP barriers, which cost seconds per step when
-    the CPUs are shared with other jobs (measured: 139 s vs 14 s for these test files)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def model():

@@ -19,15 +19,6 @@ from trainer.models.qwen3_next import row_linear, row_linear_ref  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add OpenMP barriers, which cost seconds per step when
-    the CPUs are shared with other jobs (measured: 139 s vs 14 s for these test files)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _save_random_hf(cfg: ModelConfig, path, seed: int = 0) -> "transformers.PreTrainedModel":
     torch.manual_seed(seed)
