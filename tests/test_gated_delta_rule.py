@@ -8,10 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from kernels.gated_delta_rule import chunk_gated_delta_rule, naive_gated_delta_rule
+from kernels.gated_delta_rule import chunk_gated_delta_rule, naive_gated_delta_rule, prepare_layout
+from tests.gated_delta_rule_v0 import chunk_gated_delta_rule_v0
 
 
 def make_inputs(lens, H, K, V, *, dtype, seed, init=True, requires_grad=False):
@@ -180,6 +182,98 @@ def test_split_at_chunk_boundary_is_bitwise_fp32(C):
     assert torch.equal(s_head[0], s_full[0])
     assert torch.equal(o_tail[C + 5 :], o_full[2 * C :])
     assert torch.equal(s_tail, s_full[1:])
+
+
+def random_call(seed: int):
+    """A random varlen fp32 call: 1-6 sequences (shrinking active sets, single-sequence steps), random
+    export requests in random order, optional initial states, l2norm or unit-norm keys."""
+    gen = torch.Generator().manual_seed(seed)
+    C = [4, 8, 16, 64][seed % 4]
+    n = int(torch.randint(1, 7, (1,), generator=gen))
+    lens = torch.randint(1, 5 * C, (n,), generator=gen).tolist()
+    H, K, V = (int(x) for x in torch.randint(1, 17, (3,), generator=gen))
+    x, cu = make_inputs(lens, H, max(K, 2), max(V, 2), dtype=torch.float32, seed=seed, init=seed % 3 != 0)
+    x["k"] = x["k"] / x["k"].norm(dim=-1, keepdim=True)  # a stable recurrence without l2norm too
+    exports = [(s, p) for s, L in enumerate(lens) for p in [*range(C, L, C), L] if torch.rand(1, generator=gen) < 0.5]
+    exports = [exports[i] for i in torch.randperm(len(exports), generator=gen).tolist()]
+    return x, cu, [e[0] for e in exports], [e[1] for e in exports], C, seed % 2 == 0
+
+
+def forward_backward(fn, x, cu, es, ep, C, l2, **kw):
+    """Outputs, states and the gradients of every input for a seeded random cotangent."""
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items() if t is not None}
+    y = {n: leaves.get(n) for n in x}
+    o, s = run(fn, y, cu, es, ep, C, use_qk_l2norm=l2, **kw)
+    gen = torch.Generator().manual_seed(99)
+    outs, cot = [o], [torch.randn(o.shape, generator=gen)]
+    if s.numel():
+        outs.append(s)
+        cot.append(torch.randn(s.shape, generator=gen))
+    grads = torch.autograd.grad(outs, list(leaves.values()), cot)
+    return {"o": o, "states": s, **{f"grad {n}": g for n, g in zip(leaves, grads)}}
+
+
+@pytest.mark.parametrize("seeds", [range(0, 12), range(12, 24)], ids=["seeds0-11", "seeds12-23"])
+def test_matches_frozen_v0_bitwise(seeds):
+    """The optimised reference (split per-step pieces, bmm on [rank*H] rows, host export ranks, a
+    prepared layout) returns exactly the bits of the straightforward v0 loop: outputs, states and
+    every gradient, on random varlen calls with exports and initial states."""
+    for seed in seeds:
+        x, cu, es, ep, C, l2 = random_call(seed)
+        want = forward_backward(chunk_gated_delta_rule_v0, x, cu, es, ep, C, l2)
+        layout = prepare_layout(cu.numpy(), np.array(es, dtype=np.int64), np.array(ep, dtype=np.int32), C)
+        for kw in ({}, {"layout": layout}):
+            got = forward_backward(chunk_gated_delta_rule, x, cu, es, ep, C, l2, **kw)
+            assert got.keys() == want.keys()
+            for name in want:
+                assert torch.equal(got[name], want[name]), f"seed {seed} {list(kw)}: {name} differs from v0"
+
+
+def count_nodes(root, name: str) -> int:
+    """Autograd nodes of type `name` reachable from `root`."""
+    seen, stack, count = set(), [root], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == name
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return count
+
+
+def test_chunk_loop_has_no_per_step_slices():
+    """The per-chunk tensors are split once per call (their backward concatenates the step gradients)
+    rather than sliced at each step (each slice's backward zero-fills a full-size gradient)."""
+    C, J = 4, 12
+    x, cu = make_inputs([J * C], 2, 4, 4, dtype=torch.float32, seed=20, requires_grad=True)
+    o, _ = run(chunk_gated_delta_rule, x, cu, [0], [J * C], C)
+    assert count_nodes(o.grad_fn, "SplitWithSizesBackward0") == 6
+    assert count_nodes(o.grad_fn, "SliceBackward0") <= 2
+    o0, _ = run(chunk_gated_delta_rule_v0, x, cu, [0], [J * C], C)
+    assert count_nodes(o0.grad_fn, "SliceBackward0") >= 6 * J  # what the check above rules out
+
+
+def test_prepared_layout_is_reused_across_layers():
+    """One layout, several "layers" (different data, same indices): each equals a call without it;
+    the indices may be omitted, and a layout for other indices is rejected naming `layout`."""
+    lens, C = [13, 30, 5], 8
+    es, ep = [1, 0, 2, 1], [16, 13, 5, 30]
+    layout = prepare_layout(torch.tensor([0, 13, 43, 48]), torch.tensor(es), torch.tensor(ep), C)
+    assert layout.active_J == [3, 2, 1, 1] and layout.num_chunks == 7 and layout.num_rows == 48
+    for seed in (21, 22):
+        x, cu = make_inputs(lens, 2, 4, 4, dtype=torch.float32, seed=seed)
+        want = run(chunk_gated_delta_rule, x, cu, es, ep, C)
+        got = chunk_gated_delta_rule(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], chunk_size=C, layout=layout
+        )
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="layout"):
+        run(chunk_gated_delta_rule, x, cu, es, [16, 13, 5, 24], C, layout=layout)
+    with pytest.raises(ValueError, match="layout"):
+        run(chunk_gated_delta_rule, x, cu, es, ep, 4, layout=layout)
+    with pytest.raises(ValueError, match="export_pos"):
+        prepare_layout(torch.tensor([0, 13, 43, 48]), torch.tensor(es), torch.tensor([16, 13, 5, 20]), C)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,12 @@ Contract (shared with the trainer's Gated DeltaNet layer):
 
     o_THV, states_EHKV = chunk_gated_delta_rule(
         q_THK, k_THK, v_THV, g_TH, beta_TH, *, cu_seqlens, initial_state=None,
-        export_seq, export_pos, chunk_size=64, scale=None, use_qk_l2norm=False, backend="ref")
+        export_seq, export_pos, chunk_size=64, scale=None, use_qk_l2norm=False, backend="ref",
+        layout=None)
+
+A call's layout (chunk gather indices, export ranks) depends only on its indices: build it once
+with `layout = prepare_layout(cu_seqlens, export_seq, export_pos, chunk_size, device=...)` and
+pass `layout=layout` to every layer's call with those indices (the indices may then be omitted).
 
 Per head, S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T and o_t = S_t^T (scale q_t),
 with q, k optionally L2-normalised before the scale (transformers' Qwen3-Next convention). Chunks
@@ -14,7 +19,7 @@ inputs stay float64); states in fp32.
 
 Modules: `naive` (token-by-token oracle), `chunk_ref` (chunkwise PyTorch reference, the default path),
 `chunk_triton` (Triton forward, backward by the reference),
-`layout` (validation and chunk indexing shared by the backends).
+`layout` (validation and chunk indexing shared by the backends, `prepare_layout`).
 
 Legend: T packed rows, N sequences, E exported states, H heads, K key dim, V value dim.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels.gated_delta_rule.chunk_ref import chunk_gated_delta_rule_ref
+from kernels.gated_delta_rule.layout import ChunkLayout, prepare_layout
 from kernels.gated_delta_rule.naive import naive_gated_delta_rule
 
 BACKENDS = ("ref", "triton")
@@ -35,20 +41,21 @@ def chunk_gated_delta_rule(
     g_TH: torch.Tensor,
     beta_TH: torch.Tensor,
     *,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
-    export_seq: torch.Tensor,
-    export_pos: torch.Tensor,
+    export_seq: torch.Tensor | None = None,
+    export_pos: torch.Tensor | None = None,
     chunk_size: int = 64,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     backend: str | None = None,
+    layout: ChunkLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen chunked gated delta rule; see the module docstring for the contract.
 
     Args:
         q_THK, k_THK: [T, H, K]; v_THV: [T, H, V]; g_TH: [T, H] log decay (<= 0); beta_TH: [T, H].
-        cu_seqlens: [N+1] packed sequence offsets (0 .. T).
+        cu_seqlens: [N+1] packed sequence offsets (0 .. T); host data (CPU tensor or numpy array).
         initial_state: [N, H, K, V] fp32, or None for zeros.
         export_seq, export_pos: [E] (sequence, rows done) of each state to return; export_pos is a
             multiple of chunk_size or the sequence length.
@@ -57,12 +64,19 @@ def chunk_gated_delta_rule(
             on every device) or "triton" (fused forward kernel, backward by the reference). Measured on
             an H200 (bf16, T=16384, H=16, K=V=128, C=64; benchmarks/bench_kernels.py): ref forward
             9.5 ms, triton forward 132 ms, so the Triton path is for correctness work only so far.
+        layout: `prepare_layout(cu_seqlens, export_seq, export_pos, chunk_size)`, shared by the
+            calls (layers) with those indices; cu_seqlens, export_seq, export_pos may then be None.
 
     Returns:
         o [T, H, V] in v's dtype, states [E, H, K, V] fp32 (float64 for float64 inputs).
     """
     if backend is None:
         backend = "ref"
+    if layout is not None and backend != "ref":
+        # The Triton backend builds its own indexing; it only needs the indices the layout keeps.
+        cu_seqlens = layout.cu_seqlens if cu_seqlens is None else cu_seqlens
+        export_seq = layout.export_seq_E if export_seq is None else export_seq
+        export_pos = layout.export_pos_E if export_pos is None else export_pos
     kwargs = dict(
         cu_seqlens=cu_seqlens,
         initial_state=initial_state,
@@ -73,7 +87,7 @@ def chunk_gated_delta_rule(
         use_qk_l2norm=use_qk_l2norm,
     )
     if backend == "ref":
-        return chunk_gated_delta_rule_ref(q_THK, k_THK, v_THV, g_TH, beta_TH, **kwargs)
+        return chunk_gated_delta_rule_ref(q_THK, k_THK, v_THV, g_TH, beta_TH, layout=layout, **kwargs)
     if backend == "triton":
         from kernels.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
 
@@ -81,4 +95,11 @@ def chunk_gated_delta_rule(
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
 
 
-__all__ = ["BACKENDS", "chunk_gated_delta_rule", "chunk_gated_delta_rule_ref", "naive_gated_delta_rule"]
+__all__ = [
+    "BACKENDS",
+    "ChunkLayout",
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_ref",
+    "naive_gated_delta_rule",
+    "prepare_layout",
+]

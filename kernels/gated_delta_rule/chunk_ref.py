@@ -20,6 +20,17 @@ same bits whatever the batch size and position; `exp`, `cumsum`, `rsqrt`, row su
 arithmetic are position independent. Not so for `sigmoid`, `softplus` and `silu` (their vectorised
 body and scalar tail round differently), which is why none of them appear here.
 
+Per-step overhead. The loop over j is the sequential part of a call (tree plans run more, shorter
+calls than trajectory-expanded ones), so it runs on [rank * H, *, *] views made once per call:
+every per-chunk tensor is split into its per-step pieces up front (one split node whose backward
+concatenates the step gradients, instead of a full-size zero-filled gradient per slice and step),
+the state is [ranks * H, K, V] so a prefix of ranks is a prefix of rows, the products are plain
+`bmm` (what `matmul` runs on these shapes, minus its reshape nodes), and the exported ranks of
+each step come from the layout (host data, no lookup per step). Every value goes through the same
+kernels on the same per-chunk shapes and strides as before, so outputs, states and gradients are
+bitwise those of the straightforward slicing loop (tests/gated_delta_rule_v0.py keeps it; the
+tests compare them).
+
 Legend: T packed rows, N sequences, M chunks, C chunk size, E exported states, H heads, K key dim,
 V value dim.
 """
@@ -27,16 +38,61 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gated_delta_rule.layout import ChunkLayout, build_chunk_layout, validate_inputs
+from kernels.gated_delta_rule.layout import (
+    ChunkLayout,
+    build_chunk_layout,
+    validate_indices,
+    validate_tensors,
+)
 from kernels.gated_delta_rule.naive import compute_dtype, prepare_qk
 
 
 def _to_chunks(x_TX: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """[T, H, *] -> [M, H, C, *], zero rows where a chunk runs past its sequence."""
     pad_TX = torch.cat([x_TX, x_TX.new_zeros((1, *x_TX.shape[1:]))])
-    gather = layout.gather_MC.to(x_TX.device).reshape(-1)
-    x_MCX = pad_TX.index_select(0, gather).reshape(layout.num_chunks, layout.chunk_size, *x_TX.shape[1:])
+    x_MCX = pad_TX.index_select(0, layout.gather_MC.reshape(-1))
+    x_MCX = x_MCX.reshape(layout.num_chunks, layout.chunk_size, *x_TX.shape[1:])
     return x_MCX.movedim(1, 2).contiguous()
+
+
+def resolve_layout(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    *,
+    cu_seqlens,
+    initial_state: torch.Tensor | None,
+    export_seq,
+    export_pos,
+    chunk_size: int,
+    layout: ChunkLayout | None,
+) -> ChunkLayout:
+    """Validate a call and return its layout on q's device: `layout` when given (built by
+    `prepare_layout` from the same indices, which are then optional), else built here."""
+    validate_tensors(q_THK, k_THK, v_THV, g_TH, beta_TH, None, None)
+    T = q_THK.shape[0]
+    if layout is None:
+        if cu_seqlens is None or export_seq is None or export_pos is None:
+            raise ValueError("cu_seqlens, export_seq, export_pos: expected tensors (or a prepared layout), got None")
+        cu, seq, pos = validate_indices(cu_seqlens, export_seq, export_pos, chunk_size, T)
+        layout = build_chunk_layout(cu, seq, pos, chunk_size)
+    else:
+        if not isinstance(layout, ChunkLayout):
+            raise ValueError(f"layout: expected a ChunkLayout from prepare_layout, got {type(layout).__name__}")
+        given = [x if x is not None else own for x, own in zip(
+            (cu_seqlens, export_seq, export_pos), (layout.cu_seqlens, layout.export_seq_E, layout.export_pos_E)
+        )]
+        if not layout.matches(*given, chunk_size):
+            raise ValueError(
+                "layout: expected one prepared from this call's cu_seqlens, export_seq, export_pos and "
+                f"chunk_size={chunk_size}, got one for other indices (chunk_size={layout.chunk_size})"
+            )
+        if layout.num_rows != T:
+            raise ValueError(f"layout: expected one for T={T} packed rows, got one for {layout.num_rows}")
+    validate_tensors(q_THK, k_THK, v_THV, g_TH, beta_TH, initial_state, layout.num_seqs)
+    return layout.to(q_THK.device)
 
 
 def chunk_gated_delta_rule_ref(
@@ -46,13 +102,14 @@ def chunk_gated_delta_rule_ref(
     g_TH: torch.Tensor,
     beta_TH: torch.Tensor,
     *,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens=None,
     initial_state: torch.Tensor | None = None,
-    export_seq: torch.Tensor,
-    export_pos: torch.Tensor,
+    export_seq=None,
+    export_pos=None,
     chunk_size: int = 64,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    layout: ChunkLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen chunkwise gated delta rule, differentiable through autograd.
 
@@ -61,29 +118,31 @@ def chunk_gated_delta_rule_ref(
         v_THV: [T, H, V] values; the output takes their dtype.
         g_TH: [T, H] log decays (<= 0).
         beta_TH: [T, H] write strengths in (0, 1).
-        cu_seqlens: [N+1] offsets of the N packed sequences.
+        cu_seqlens: [N+1] offsets of the N packed sequences (host data: a CPU tensor or numpy array).
         initial_state: [N, H, K, V] fp32 states before each sequence, or None for zeros.
         export_seq, export_pos: [E] return the state of sequence export_seq[e] after its first
             export_pos[e] rows (a multiple of chunk_size, or the sequence length).
         chunk_size: C; chunks are [jC, (j+1)C) from each sequence start.
         scale: factor on q (default K ** -0.5), applied after the optional L2 norm.
         use_qk_l2norm: L2-normalise q and k first.
+        layout: `prepare_layout(cu_seqlens, export_seq, export_pos, chunk_size)`, reused across
+            calls with the same indices (layers); cu_seqlens and the exports may then be omitted.
 
     Returns:
         o [T, H, V] in v's dtype; states [E, H, K, V] in the compute dtype (fp32, or float64 when
         the inputs are float64).
     """
-    validate_inputs(
-        q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, initial_state, export_seq, export_pos, chunk_size
+    layout = resolve_layout(
+        q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens=cu_seqlens, initial_state=initial_state,
+        export_seq=export_seq, export_pos=export_pos, chunk_size=chunk_size, layout=layout,
     )
-    layout = build_chunk_layout(cu_seqlens, export_seq, export_pos, chunk_size)
     dt = compute_dtype(q_THK, k_THK, v_THV)
     dev = q_THK.device
     T, H, K = q_THK.shape
     V = v_THV.shape[-1]
     C = chunk_size
     M = layout.num_chunks
-    N = layout.seq_len_N.numel()
+    N = layout.num_seqs
     out_dtype = v_THV.dtype
 
     q_THK, k_THK = prepare_qk(q_THK, k_THK, scale, use_qk_l2norm, dt)
@@ -110,31 +169,36 @@ def chunk_gated_delta_rule_ref(
     kdecT_MHKC = (k_MHCK * (Glast_MH1 - G_MHC).exp()[..., None]).transpose(-1, -2)
     chunk_decay_MH11 = Glast_MH1.exp()[..., None]
 
-    rank_to_seq = layout.rank_to_seq_N.to(dev)
+    # Per-step pieces, rows = (rank, head) pairs of the step's active sequences ("B" = a * H).
+    rows_J = [a * H for a in layout.active_J]
+    u_J = u_MHCV.reshape(M * H, C, V).split(rows_J)
+    w_J = w_MHCK.reshape(M * H, C, K).split(rows_J)
+    qdec_J = qdec_MHCK.reshape(M * H, C, K).split(rows_J)
+    attn_J = attn_MHCC.reshape(M * H, C, C).split(rows_J)
+    kdecT_J = kdecT_MHKC.reshape(M * H, K, C).split(rows_J)
+    chunk_decay_J = chunk_decay_MH11.reshape(M * H, 1, 1).split(rows_J)
+
     if initial_state is None:
         S_NHKV = q_THK.new_zeros(N, H, K, V)
     else:
-        S_NHKV = initial_state.to(dt).index_select(0, rank_to_seq)
-    export_j_E = layout.export_chunks_E - 1
-    o_parts, state_parts, state_ids = [], [], []
-    for j, (a, off) in enumerate(zip(layout.active_J, layout.chunk_off_J)):
-        S_NHKV = S_NHKV[:a]
-        sl = slice(off, off + a)
-        vnew_NHCV = u_MHCV[sl] - w_MHCK[sl] @ S_NHKV
-        o_parts.append(qdec_MHCK[sl] @ S_NHKV + attn_MHCC[sl] @ vnew_NHCV)
-        S_NHKV = S_NHKV * chunk_decay_MH11[sl] + kdecT_MHKC[sl] @ vnew_NHCV
-        ids = (export_j_E == j).nonzero().flatten()
-        if ids.numel():
-            ranks = (layout.export_slot_E[ids] - off).to(dev)
-            state_parts.append(S_NHKV.index_select(0, ranks))
-            state_ids.append(ids)
+        S_NHKV = initial_state.to(dt).index_select(0, layout.rank_to_seq_N)
+    S_BKV = S_NHKV.reshape(N * H, K, V)
+    o_parts, state_parts = [], []
+    for j, (a, B) in enumerate(zip(layout.active_J, rows_J)):
+        if B != S_BKV.shape[0]:
+            S_BKV = S_BKV[:B]
+        vnew_BCV = u_J[j] - torch.bmm(w_J[j], S_BKV)
+        o_BCV = torch.bmm(qdec_J[j], S_BKV) + torch.bmm(attn_J[j], vnew_BCV)
+        o_parts.append(o_BCV.view(a, H, C, V))
+        S_BKV = S_BKV * chunk_decay_J[j] + torch.bmm(kdecT_J[j], vnew_BCV)
+        ranks = layout.export_ranks_J.get(j)
+        if ranks is not None:
+            state_parts.append(S_BKV.view(a, H, K, V).index_select(0, ranks))
 
     o_MCHV = torch.cat(o_parts).movedim(2, 1)
-    o_THV = o_MCHV.reshape(M * C, H, V).index_select(0, layout.row_slot_T.to(dev)).to(out_dtype)
+    o_THV = o_MCHV.reshape(M * C, H, V).index_select(0, layout.row_slot_T).to(out_dtype)
     if state_parts:
-        order_E = torch.empty(export_seq.numel(), dtype=torch.long)
-        order_E[torch.cat(state_ids)] = torch.arange(export_seq.numel())
-        states_EHKV = torch.cat(state_parts).index_select(0, order_E.to(dev))
+        states_EHKV = torch.cat(state_parts).index_select(0, layout.export_order_E)
     else:
         states_EHKV = q_THK.new_zeros(0, H, K, V)
     return o_THV, states_EHKV

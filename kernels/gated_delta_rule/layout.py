@@ -9,45 +9,185 @@ keep their input order). Chunk `j` of the sequence of rank `r` gets slot `chunk_
 `0 .. active[j]-1`, a prefix. The inter-chunk recurrence is then a loop over `j` on prefixes of one
 state tensor, and the intra-chunk work is one batch over all slots.
 
+Reuse. A layout depends only on `cu_seqlens`, the export requests and C (host data): every layer of
+a model runs the same calls, so `prepare_layout` builds it once (validated, index tensors on the
+compute device) and `chunk_gated_delta_rule(..., layout=...)` skips the validation of the indices,
+the layout construction and every host round trip.
+
 Legend: T packed rows, N sequences, M chunks in the call, C chunk size, E exported states,
 J = the most chunks of any sequence, H heads, K key dim, V value dim.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 
 @dataclass(slots=True, kw_only=True)
 class ChunkLayout:
-    """Where every chunk, row and exported state of a call lives."""
+    """Where every chunk, row and exported state of a call lives (built by `prepare_layout`)."""
 
     chunk_size: int
     """C, the chunk size; chunks of a sequence are rows [jC, (j+1)C) from its start."""
+    cu_seqlens: torch.Tensor
+    """[N+1] the offsets it was built from (int64, CPU)."""
+    export_seq_E: torch.Tensor
+    """[E] the export requests it was built from: sequence (int64, CPU)."""
+    export_pos_E: torch.Tensor
+    """[E] the export requests it was built from: rows done (int64, CPU)."""
     seq_len_N: torch.Tensor
     """Rows per sequence (int64, CPU)."""
     seq_start_N: torch.Tensor
     """First packed row per sequence (int64, CPU)."""
     rank_to_seq_N: torch.Tensor
-    """Sequence index at each rank (int64, CPU); ranks sort sequences by chunk count, most first."""
+    """Sequence index at each rank (int64, on `device`); ranks sort sequences by chunk count, most first."""
     active_J: list[int]
     """active_J[j]: how many sequences have a j-th chunk (a prefix of the ranks)."""
     chunk_off_J: list[int]
     """chunk_off_J[j]: slot of the j-th chunk of rank 0."""
     gather_MC: torch.Tensor
-    """Packed row of every position of every chunk slot; T (one past the end) for padding."""
+    """Packed row of every position of every chunk slot; T (one past the end) for padding (on `device`)."""
     row_slot_T: torch.Tensor
-    """Flat position (slot * C + offset) of every packed row."""
+    """Flat position (slot * C + offset) of every packed row (on `device`)."""
     export_chunks_E: torch.Tensor
     """Chunks of its sequence that exported state e follows: ceil(export_pos / C) (int64, CPU)."""
     export_slot_E: torch.Tensor
     """Slot of the chunk after which state e is taken (int64, CPU)."""
+    export_ranks_J: dict[int, torch.Tensor]
+    """Chunk step j -> ranks whose state is exported right after step j, by ascending e (on `device`)."""
+    export_order_E: torch.Tensor
+    """Position of export e in the step-by-step concatenation of the `export_ranks_J` (on `device`)."""
+    device: torch.device
+    """Where the index tensors the kernel gathers with live."""
 
     @property
     def num_chunks(self) -> int:
         """M, the number of chunk slots."""
         return int(self.gather_MC.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        """T, the packed rows of the call."""
+        return int(self.row_slot_T.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        """N, the sequences of the call."""
+        return int(self.seq_len_N.shape[0])
+
+    def to(self, device: torch.device | str) -> ChunkLayout:
+        """This layout with its gather tensors on `device` (self when they already are)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return replace(
+            self,
+            rank_to_seq_N=self.rank_to_seq_N.to(device),
+            gather_MC=self.gather_MC.to(device),
+            row_slot_T=self.row_slot_T.to(device),
+            export_ranks_J={j: r.to(device) for j, r in self.export_ranks_J.items()},
+            export_order_E=self.export_order_E.to(device),
+            device=device,
+        )
+
+    def matches(self, cu_seqlens, export_seq, export_pos, chunk_size: int) -> bool:
+        """Whether this layout was built from these indices (identical objects, or equal values)."""
+        if chunk_size != self.chunk_size:
+            return False
+        for given, own in ((cu_seqlens, self.cu_seqlens), (export_seq, self.export_seq_E), (export_pos, self.export_pos_E)):
+            if given is own:
+                continue
+            given = torch.as_tensor(given)
+            if given.shape != own.shape or not torch.equal(given.cpu().long(), own):
+                return False
+        return True
+
+
+def host_indices(x, name: str) -> torch.Tensor:
+    """An integer tensor or numpy array as a CPU int64 tensor (one device-to-host copy if on a device)."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "iu":
+            raise ValueError(f"{name}: expected an integer array, got {x.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected an integer tensor or numpy array, got {type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected an int32/int64 tensor, got {x.dtype}")
+    return x.cpu().long()
+
+
+def validate_tensors(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    initial_state_NHKV: torch.Tensor | None,
+    num_seqs: int | None,
+) -> None:
+    """Raise ValueError naming the argument when the data tensors do not fit the contract
+    (num_seqs: N to check the initial state against, or None to skip that check)."""
+    if q_THK.dim() != 3:
+        raise ValueError(f"q: expected [T, H, K], got shape {tuple(q_THK.shape)}")
+    T, H, K = q_THK.shape
+    if tuple(k_THK.shape) != (T, H, K):
+        raise ValueError(f"k: expected shape {(T, H, K)} like q, got {tuple(k_THK.shape)}")
+    if v_THV.dim() != 3 or tuple(v_THV.shape[:2]) != (T, H):
+        raise ValueError(f"v: expected [T={T}, H={H}, V], got shape {tuple(v_THV.shape)}")
+    V = v_THV.shape[2]
+    for name, x in (("g", g_TH), ("beta", beta_TH)):
+        if tuple(x.shape) != (T, H):
+            raise ValueError(f"{name}: expected shape {(T, H)}, got {tuple(x.shape)}")
+    for name, x in (("q", q_THK), ("k", k_THK), ("v", v_THV), ("g", g_TH), ("beta", beta_TH)):
+        if not x.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+    if initial_state_NHKV is not None:
+        if num_seqs is not None and tuple(initial_state_NHKV.shape) != (num_seqs, H, K, V):
+            raise ValueError(
+                f"initial_state: expected shape {(num_seqs, H, K, V)}, got {tuple(initial_state_NHKV.shape)}"
+            )
+        if not initial_state_NHKV.is_floating_point():
+            raise ValueError(f"initial_state: expected fp32, got {initial_state_NHKV.dtype}")
+
+
+def validate_indices(
+    cu_seqlens, export_seq_E, export_pos_E, chunk_size: int, num_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check offsets and export requests (num_rows: T to check cu_seqlens[-1] against, or None);
+    return them as CPU int64 tensors (cu [N+1], seq [E], pos [E])."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected >= 1 (64 by default), got {chunk_size}")
+    cu = host_indices(cu_seqlens, "cu_seqlens")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected an integer tensor [N+1] with N >= 1, got shape {tuple(cu.shape)}")
+    T = int(cu[-1]) if num_rows is None else num_rows
+    if int(cu[0]) != 0 or int(cu[-1]) != T:
+        raise ValueError(f"cu_seqlens: expected to start at 0 and end at T={T}, got {int(cu[0])} .. {int(cu[-1])}")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens: expected strictly increasing offsets (every sequence >= 1 row), got {cu.tolist()}")
+    N = cu.numel() - 1
+    seq = host_indices(export_seq_E, "export_seq")
+    pos = host_indices(export_pos_E, "export_pos")
+    if seq.dim() != 1 or pos.shape != seq.shape:
+        raise ValueError(
+            f"export_seq, export_pos: expected two 1-D tensors of equal length, got "
+            f"{tuple(seq.shape)} and {tuple(pos.shape)}"
+        )
+    if seq.numel() == 0:
+        return cu, seq, pos
+    if bool(((seq < 0) | (seq >= N)).any()):
+        raise ValueError(f"export_seq: expected values in [0, {N}), got {seq.tolist()}")
+    lens = (cu[1:] - cu[:-1])[seq]
+    bad = (pos <= 0) | (pos > lens) | ((pos % chunk_size != 0) & (pos != lens))
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"export_pos[{e}]: expected a multiple of chunk_size={chunk_size} in (0, len] or the sequence "
+            f"length {int(lens[e])}, got {int(pos[e])}"
+        )
+    return cu, seq, pos
 
 
 def validate_inputs(
@@ -63,64 +203,30 @@ def validate_inputs(
     chunk_size: int,
 ) -> None:
     """Raise ValueError naming the argument when the packed inputs do not fit the contract."""
-    if q_THK.dim() != 3:
-        raise ValueError(f"q: expected [T, H, K], got shape {tuple(q_THK.shape)}")
-    T, H, K = q_THK.shape
-    if tuple(k_THK.shape) != (T, H, K):
-        raise ValueError(f"k: expected shape {(T, H, K)} like q, got {tuple(k_THK.shape)}")
-    if v_THV.dim() != 3 or tuple(v_THV.shape[:2]) != (T, H):
-        raise ValueError(f"v: expected [T={T}, H={H}, V], got shape {tuple(v_THV.shape)}")
-    V = v_THV.shape[2]
-    for name, x in (("g", g_TH), ("beta", beta_TH)):
-        if tuple(x.shape) != (T, H):
-            raise ValueError(f"{name}: expected shape {(T, H)}, got {tuple(x.shape)}")
-    for name, x in (("q", q_THK), ("k", k_THK), ("v", v_THV), ("g", g_TH), ("beta", beta_TH)):
-        if not x.is_floating_point():
-            raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected >= 1 (64 by default), got {chunk_size}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"cu_seqlens: expected an integer tensor [N+1] with N >= 1, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
-        )
-    cu = cu_seqlens.cpu()
-    if int(cu[0]) != 0 or int(cu[-1]) != T:
-        raise ValueError(f"cu_seqlens: expected to start at 0 and end at T={T}, got {int(cu[0])} .. {int(cu[-1])}")
-    if bool((cu[1:] <= cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens: expected strictly increasing offsets (every sequence >= 1 row), got {cu.tolist()}")
-    N = cu.numel() - 1
-    if initial_state_NHKV is not None:
-        if tuple(initial_state_NHKV.shape) != (N, H, K, V):
-            raise ValueError(
-                f"initial_state: expected shape {(N, H, K, V)}, got {tuple(initial_state_NHKV.shape)}"
-            )
-        if not initial_state_NHKV.is_floating_point():
-            raise ValueError(f"initial_state: expected fp32, got {initial_state_NHKV.dtype}")
-    if export_seq_E.dim() != 1 or export_pos_E.shape != export_seq_E.shape:
-        raise ValueError(
-            f"export_seq, export_pos: expected two 1-D tensors of equal length, got "
-            f"{tuple(export_seq_E.shape)} and {tuple(export_pos_E.shape)}"
-        )
-    if export_seq_E.numel() == 0:
-        return
-    seq = export_seq_E.cpu().long()
-    pos = export_pos_E.cpu().long()
-    if bool(((seq < 0) | (seq >= N)).any()):
-        raise ValueError(f"export_seq: expected values in [0, {N}), got {seq.tolist()}")
-    lens = (cu[1:] - cu[:-1]).long()[seq]
-    bad = (pos <= 0) | (pos > lens) | ((pos % chunk_size != 0) & (pos != lens))
-    if bool(bad.any()):
-        e = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"export_pos[{e}]: expected a multiple of chunk_size={chunk_size} in (0, len] or the sequence "
-            f"length {int(lens[e])}, got {int(pos[e])}"
-        )
+    validate_tensors(q_THK, k_THK, v_THV, g_TH, beta_TH, None, None)
+    cu, _, _ = validate_indices(cu_seqlens, export_seq_E, export_pos_E, chunk_size, q_THK.shape[0])
+    validate_tensors(q_THK, k_THK, v_THV, g_TH, beta_TH, initial_state_NHKV, cu.numel() - 1)
+
+
+def prepare_layout(
+    cu_seqlens, export_seq, export_pos, chunk_size: int, *, device: torch.device | str | None = None
+) -> ChunkLayout:
+    """Validate the indices of a call and build its layout, once for every layer that runs it.
+
+    Args:
+        cu_seqlens: [N+1] packed sequence offsets (int tensor or numpy array; host data).
+        export_seq, export_pos: [E] export requests (as in `chunk_gated_delta_rule`).
+        chunk_size: C.
+        device: where the kernel's inputs will live (default CPU); the gather indices go there.
+    """
+    cu, seq, pos = validate_indices(cu_seqlens, export_seq, export_pos, chunk_size)
+    return build_chunk_layout(cu, seq, pos, chunk_size).to(device or "cpu")
 
 
 def build_chunk_layout(
     cu_seqlens: torch.Tensor, export_seq_E: torch.Tensor, export_pos_E: torch.Tensor, chunk_size: int
 ) -> ChunkLayout:
-    """Index tensors of one call (on the CPU; the caller moves what it gathers with).
+    """Index tensors of one call, on the CPU (`prepare_layout` validates first; this does not).
 
     Args:
         cu_seqlens: [N+1] validated offsets.
@@ -128,7 +234,9 @@ def build_chunk_layout(
         chunk_size: C.
     """
     C = chunk_size
-    cu = cu_seqlens.cpu().long()
+    cu = host_indices(cu_seqlens, "cu_seqlens")
+    export_seq_E = host_indices(export_seq_E, "export_seq")
+    export_pos_E = host_indices(export_pos_E, "export_pos")
     T = int(cu[-1])
     seq_start_N = cu[:-1]
     seq_len_N = cu[1:] - cu[:-1]
@@ -136,14 +244,15 @@ def build_chunk_layout(
     rank_to_seq_N = torch.sort(n_chunks_N, descending=True, stable=True).indices
     n_chunks_R = n_chunks_N[rank_to_seq_N]
     J = int(n_chunks_R[0])
-    active_J = [int((n_chunks_R > j).sum()) for j in range(J)]
-    chunk_off_J = [0] * J
-    for j in range(1, J):
-        chunk_off_J[j] = chunk_off_J[j - 1] + active_J[j - 1]
-    M = chunk_off_J[-1] + active_J[-1]
+    # active[j] = #sequences with more than j chunks: a reversed cumulative count.
+    active_t = torch.bincount(n_chunks_R, minlength=J + 1).flip(0).cumsum(0).flip(0)[1:]
+    off_t = torch.cumsum(active_t, 0) - active_t
+    active_J = active_t.tolist()
+    chunk_off_J = off_t.tolist()
+    M = int(active_t.sum())
 
-    chunk_j_M = torch.cat([torch.full((a,), j, dtype=torch.long) for j, a in enumerate(active_J)])
-    chunk_rank_M = torch.cat([torch.arange(a) for a in active_J])
+    chunk_j_M = torch.repeat_interleave(torch.arange(J), active_t)
+    chunk_rank_M = torch.arange(M) - off_t[chunk_j_M]
     chunk_seq_M = rank_to_seq_N[chunk_rank_M]
     row_MC = (seq_start_N[chunk_seq_M] + chunk_j_M * C)[:, None] + torch.arange(C)[None, :]
     valid_MC = row_MC < (seq_start_N + seq_len_N)[chunk_seq_M][:, None]
@@ -153,11 +262,25 @@ def build_chunk_layout(
 
     seq_to_rank_N = torch.empty_like(rank_to_seq_N)
     seq_to_rank_N[rank_to_seq_N] = torch.arange(rank_to_seq_N.numel())
-    export_chunks_E = (export_pos_E.cpu().long() + C - 1) // C
-    offs = torch.tensor(chunk_off_J + [M], dtype=torch.long)
-    export_slot_E = offs[export_chunks_E - 1] + seq_to_rank_N[export_seq_E.cpu().long()]
+    export_chunks_E = (export_pos_E + C - 1) // C
+    offs = torch.cat([off_t, torch.tensor([M])])
+    export_slot_E = offs[export_chunks_E - 1] + seq_to_rank_N[export_seq_E]
+    # Exports grouped by the step after which they are taken (ascending e within a step); the kernel
+    # concatenates them step by step, export_order_E puts them back in request order.
+    export_j_E = export_chunks_E - 1
+    by_step_E = torch.sort(export_j_E, stable=True).indices
+    export_rank_E = export_slot_E - offs[export_j_E]
+    export_ranks_J = {}
+    steps, counts = torch.unique_consecutive(export_j_E[by_step_E], return_counts=True)
+    for j, part in zip(steps.tolist(), torch.split(export_rank_E[by_step_E], counts.tolist())):
+        export_ranks_J[j] = part
+    export_order_E = torch.empty_like(by_step_E)
+    export_order_E[by_step_E] = torch.arange(by_step_E.numel())
     return ChunkLayout(
         chunk_size=C,
+        cu_seqlens=cu,
+        export_seq_E=export_seq_E,
+        export_pos_E=export_pos_E,
         seq_len_N=seq_len_N,
         seq_start_N=seq_start_N,
         rank_to_seq_N=rank_to_seq_N,
@@ -167,4 +290,7 @@ def build_chunk_layout(
         row_slot_T=row_slot_T,
         export_chunks_E=export_chunks_E,
         export_slot_E=export_slot_E,
+        export_ranks_J=export_ranks_J,
+        export_order_E=export_order_E,
+        device=torch.device("cpu"),
     )
