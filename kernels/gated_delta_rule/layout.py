@@ -12,7 +12,8 @@ state tensor, and the intra-chunk work is one batch over all slots.
 Reuse. A layout depends only on `cu_seqlens`, the export requests and C (host data): every layer of
 a model runs the same calls, so `prepare_layout` builds it once (validated, index tensors on the
 compute device) and `chunk_gated_delta_rule(..., layout=...)` skips the validation of the indices,
-the layout construction and every host round trip.
+the layout construction and every host round trip. Host-side index work is numpy (a few
+microseconds per op where a torch op on a tiny tensor costs several).
 
 Legend: T packed rows, N sequences, M chunks in the call, C chunk size, E exported states,
 J = the most chunks of any sequence, H heads, K key dim, V value dim.
@@ -27,34 +28,36 @@ import torch
 
 @dataclass(slots=True, kw_only=True)
 class ChunkLayout:
-    """Where every chunk, row and exported state of a call lives (built by `prepare_layout`)."""
+    """Where every chunk, row and exported state of a call lives (built by `prepare_layout`).
+
+    Host fields are int64 numpy arrays; the tensors the kernel gathers with live on `device`."""
 
     chunk_size: int
     """C, the chunk size; chunks of a sequence are rows [jC, (j+1)C) from its start."""
-    cu_seqlens: torch.Tensor
-    """[N+1] the offsets it was built from (int64, CPU)."""
-    export_seq_E: torch.Tensor
-    """[E] the export requests it was built from: sequence (int64, CPU)."""
-    export_pos_E: torch.Tensor
-    """[E] the export requests it was built from: rows done (int64, CPU)."""
-    seq_len_N: torch.Tensor
-    """Rows per sequence (int64, CPU)."""
-    seq_start_N: torch.Tensor
-    """First packed row per sequence (int64, CPU)."""
-    rank_to_seq_N: torch.Tensor
-    """Sequence index at each rank (int64, on `device`); ranks sort sequences by chunk count, most first."""
+    cu_seqlens: np.ndarray
+    """[N+1] the offsets it was built from (host)."""
+    export_seq_E: np.ndarray
+    """[E] the export requests it was built from: sequence (host)."""
+    export_pos_E: np.ndarray
+    """[E] the export requests it was built from: rows done (host)."""
+    seq_len_N: np.ndarray
+    """Rows per sequence (host)."""
+    seq_start_N: np.ndarray
+    """First packed row per sequence (host)."""
     active_J: list[int]
     """active_J[j]: how many sequences have a j-th chunk (a prefix of the ranks)."""
     chunk_off_J: list[int]
     """chunk_off_J[j]: slot of the j-th chunk of rank 0."""
+    export_chunks_E: np.ndarray
+    """Chunks of its sequence that exported state e follows: ceil(export_pos / C) (host)."""
+    export_slot_E: np.ndarray
+    """Slot of the chunk after which state e is taken (host)."""
+    rank_to_seq_N: torch.Tensor
+    """Sequence index at each rank (int64, on `device`); ranks sort sequences by chunk count, most first."""
     gather_MC: torch.Tensor
     """Packed row of every position of every chunk slot; T (one past the end) for padding (on `device`)."""
     row_slot_T: torch.Tensor
     """Flat position (slot * C + offset) of every packed row (on `device`)."""
-    export_chunks_E: torch.Tensor
-    """Chunks of its sequence that exported state e follows: ceil(export_pos / C) (int64, CPU)."""
-    export_slot_E: torch.Tensor
-    """Slot of the chunk after which state e is taken (int64, CPU)."""
     export_ranks_J: dict[int, torch.Tensor]
     """Chunk step j -> ranks whose state is exported right after step j, by ascending e (on `device`)."""
     export_order_E: torch.Tensor
@@ -99,23 +102,23 @@ class ChunkLayout:
         for given, own in ((cu_seqlens, self.cu_seqlens), (export_seq, self.export_seq_E), (export_pos, self.export_pos_E)):
             if given is own:
                 continue
-            given = torch.as_tensor(given)
-            if given.shape != own.shape or not torch.equal(given.cpu().long(), own):
+            given = given.detach().cpu().numpy() if isinstance(given, torch.Tensor) else np.asarray(given)
+            if not np.array_equal(given, own):
                 return False
         return True
 
 
-def host_indices(x, name: str) -> torch.Tensor:
-    """An integer tensor or numpy array as a CPU int64 tensor (one device-to-host copy if on a device)."""
+def host_indices(x, name: str) -> np.ndarray:
+    """An integer tensor or numpy array as an int64 numpy array (one device-to-host copy if on a device)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected an int32/int64 tensor, got {x.dtype}")
+        return x.detach().cpu().numpy().astype(np.int64, copy=False)
     if isinstance(x, np.ndarray):
         if x.dtype.kind not in "iu":
             raise ValueError(f"{name}: expected an integer array, got {x.dtype}")
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: expected an integer tensor or numpy array, got {type(x).__name__}")
-    if x.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected an int32/int64 tensor, got {x.dtype}")
-    return x.cpu().long()
+        return x.astype(np.int64, copy=False)
+    raise ValueError(f"{name}: expected an integer tensor or numpy array, got {type(x).__name__}")
 
 
 def validate_tensors(
@@ -154,35 +157,35 @@ def validate_tensors(
 
 def validate_indices(
     cu_seqlens, export_seq_E, export_pos_E, chunk_size: int, num_rows: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Check offsets and export requests (num_rows: T to check cu_seqlens[-1] against, or None);
-    return them as CPU int64 tensors (cu [N+1], seq [E], pos [E])."""
+    return them as int64 numpy arrays (cu [N+1], seq [E], pos [E])."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected >= 1 (64 by default), got {chunk_size}")
     cu = host_indices(cu_seqlens, "cu_seqlens")
-    if cu.dim() != 1 or cu.numel() < 2:
+    if cu.ndim != 1 or cu.shape[0] < 2:
         raise ValueError(f"cu_seqlens: expected an integer tensor [N+1] with N >= 1, got shape {tuple(cu.shape)}")
     T = int(cu[-1]) if num_rows is None else num_rows
     if int(cu[0]) != 0 or int(cu[-1]) != T:
         raise ValueError(f"cu_seqlens: expected to start at 0 and end at T={T}, got {int(cu[0])} .. {int(cu[-1])}")
-    if bool((cu[1:] <= cu[:-1]).any()):
+    if (cu[1:] <= cu[:-1]).any():
         raise ValueError(f"cu_seqlens: expected strictly increasing offsets (every sequence >= 1 row), got {cu.tolist()}")
-    N = cu.numel() - 1
+    N = cu.shape[0] - 1
     seq = host_indices(export_seq_E, "export_seq")
     pos = host_indices(export_pos_E, "export_pos")
-    if seq.dim() != 1 or pos.shape != seq.shape:
+    if seq.ndim != 1 or pos.shape != seq.shape:
         raise ValueError(
             f"export_seq, export_pos: expected two 1-D tensors of equal length, got "
             f"{tuple(seq.shape)} and {tuple(pos.shape)}"
         )
-    if seq.numel() == 0:
+    if seq.shape[0] == 0:
         return cu, seq, pos
-    if bool(((seq < 0) | (seq >= N)).any()):
+    if ((seq < 0) | (seq >= N)).any():
         raise ValueError(f"export_seq: expected values in [0, {N}), got {seq.tolist()}")
     lens = (cu[1:] - cu[:-1])[seq]
     bad = (pos <= 0) | (pos > lens) | ((pos % chunk_size != 0) & (pos != lens))
-    if bool(bad.any()):
-        e = int(bad.nonzero()[0, 0])
+    if bad.any():
+        e = int(bad.nonzero()[0][0])
         raise ValueError(
             f"export_pos[{e}]: expected a multiple of chunk_size={chunk_size} in (0, len] or the sequence "
             f"length {int(lens[e])}, got {int(pos[e])}"
@@ -205,7 +208,7 @@ def validate_inputs(
     """Raise ValueError naming the argument when the packed inputs do not fit the contract."""
     validate_tensors(q_THK, k_THK, v_THV, g_TH, beta_TH, None, None)
     cu, _, _ = validate_indices(cu_seqlens, export_seq_E, export_pos_E, chunk_size, q_THK.shape[0])
-    validate_tensors(q_THK, k_THK, v_THV, g_TH, beta_TH, initial_state_NHKV, cu.numel() - 1)
+    validate_tensors(q_THK, k_THK, v_THV, g_TH, beta_TH, initial_state_NHKV, cu.shape[0] - 1)
 
 
 def prepare_layout(
@@ -223,13 +226,11 @@ def prepare_layout(
     return build_chunk_layout(cu, seq, pos, chunk_size).to(device or "cpu")
 
 
-def build_chunk_layout(
-    cu_seqlens: torch.Tensor, export_seq_E: torch.Tensor, export_pos_E: torch.Tensor, chunk_size: int
-) -> ChunkLayout:
+def build_chunk_layout(cu_seqlens, export_seq_E, export_pos_E, chunk_size: int) -> ChunkLayout:
     """Index tensors of one call, on the CPU (`prepare_layout` validates first; this does not).
 
     Args:
-        cu_seqlens: [N+1] validated offsets.
+        cu_seqlens: [N+1] validated offsets (int tensor or numpy array).
         export_seq_E, export_pos_E: [E] validated export requests.
         chunk_size: C.
     """
@@ -241,41 +242,35 @@ def build_chunk_layout(
     seq_start_N = cu[:-1]
     seq_len_N = cu[1:] - cu[:-1]
     n_chunks_N = (seq_len_N + C - 1) // C
-    rank_to_seq_N = torch.sort(n_chunks_N, descending=True, stable=True).indices
+    rank_to_seq_N = np.argsort(-n_chunks_N, kind="stable")  # most chunks first, ties in input order
     n_chunks_R = n_chunks_N[rank_to_seq_N]
     J = int(n_chunks_R[0])
     # active[j] = #sequences with more than j chunks: a reversed cumulative count.
-    active_t = torch.bincount(n_chunks_R, minlength=J + 1).flip(0).cumsum(0).flip(0)[1:]
-    off_t = torch.cumsum(active_t, 0) - active_t
-    active_J = active_t.tolist()
-    chunk_off_J = off_t.tolist()
-    M = int(active_t.sum())
+    active = np.bincount(n_chunks_R, minlength=J + 1)[::-1].cumsum()[::-1][1:]
+    off = np.cumsum(active) - active
+    M = int(active.sum())
 
-    chunk_j_M = torch.repeat_interleave(torch.arange(J), active_t)
-    chunk_rank_M = torch.arange(M) - off_t[chunk_j_M]
-    chunk_seq_M = rank_to_seq_N[chunk_rank_M]
-    row_MC = (seq_start_N[chunk_seq_M] + chunk_j_M * C)[:, None] + torch.arange(C)[None, :]
+    chunk_j_M = np.repeat(np.arange(J), active)
+    chunk_seq_M = rank_to_seq_N[np.arange(M) - off[chunk_j_M]]
+    row_MC = (seq_start_N[chunk_seq_M] + chunk_j_M * C)[:, None] + np.arange(C)[None, :]
     valid_MC = row_MC < (seq_start_N + seq_len_N)[chunk_seq_M][:, None]
-    gather_MC = torch.where(valid_MC, row_MC, torch.full_like(row_MC, T))
-    row_slot_T = torch.empty(T, dtype=torch.long)
-    row_slot_T[row_MC[valid_MC]] = torch.arange(M * C).reshape(M, C)[valid_MC]
+    gather_MC = np.where(valid_MC, row_MC, T)
+    row_slot_T = np.empty(T, dtype=np.int64)
+    row_slot_T[row_MC[valid_MC]] = np.arange(M * C).reshape(M, C)[valid_MC]
 
-    seq_to_rank_N = torch.empty_like(rank_to_seq_N)
-    seq_to_rank_N[rank_to_seq_N] = torch.arange(rank_to_seq_N.numel())
+    seq_to_rank_N = np.empty_like(rank_to_seq_N)
+    seq_to_rank_N[rank_to_seq_N] = np.arange(rank_to_seq_N.shape[0])
     export_chunks_E = (export_pos_E + C - 1) // C
-    offs = torch.cat([off_t, torch.tensor([M])])
-    export_slot_E = offs[export_chunks_E - 1] + seq_to_rank_N[export_seq_E]
+    export_j_E = export_chunks_E - 1
+    export_rank_E = seq_to_rank_N[export_seq_E]
+    export_slot_E = off[export_j_E] + export_rank_E
     # Exports grouped by the step after which they are taken (ascending e within a step); the kernel
     # concatenates them step by step, export_order_E puts them back in request order.
-    export_j_E = export_chunks_E - 1
-    by_step_E = torch.sort(export_j_E, stable=True).indices
-    export_rank_E = export_slot_E - offs[export_j_E]
-    export_ranks_J = {}
-    steps, counts = torch.unique_consecutive(export_j_E[by_step_E], return_counts=True)
-    for j, part in zip(steps.tolist(), torch.split(export_rank_E[by_step_E], counts.tolist())):
-        export_ranks_J[j] = part
-    export_order_E = torch.empty_like(by_step_E)
-    export_order_E[by_step_E] = torch.arange(by_step_E.numel())
+    by_step_E = np.argsort(export_j_E, kind="stable")
+    steps, starts = np.unique(export_j_E[by_step_E], return_index=True)
+    parts = np.split(export_rank_E[by_step_E], starts[1:])
+    export_order_E = np.empty_like(by_step_E)
+    export_order_E[by_step_E] = np.arange(by_step_E.shape[0])
     return ChunkLayout(
         chunk_size=C,
         cu_seqlens=cu,
@@ -283,14 +278,14 @@ def build_chunk_layout(
         export_pos_E=export_pos_E,
         seq_len_N=seq_len_N,
         seq_start_N=seq_start_N,
-        rank_to_seq_N=rank_to_seq_N,
-        active_J=active_J,
-        chunk_off_J=chunk_off_J,
-        gather_MC=gather_MC,
-        row_slot_T=row_slot_T,
+        active_J=active.tolist(),
+        chunk_off_J=off.tolist(),
         export_chunks_E=export_chunks_E,
         export_slot_E=export_slot_E,
-        export_ranks_J=export_ranks_J,
-        export_order_E=export_order_E,
+        rank_to_seq_N=torch.from_numpy(rank_to_seq_N),
+        gather_MC=torch.from_numpy(gather_MC),
+        row_slot_T=torch.from_numpy(row_slot_T),
+        export_ranks_J={int(j): torch.from_numpy(r) for j, r in zip(steps, parts)},
+        export_order_E=torch.from_numpy(export_order_E),
         device=torch.device("cpu"),
     )
