@@ -259,8 +259,10 @@ def test_prepared_layout_is_reused_across_layers():
     the indices may be omitted, and a layout for other indices is rejected naming `layout`."""
     lens, C = [13, 30, 5], 8
     es, ep = [1, 0, 2, 1], [16, 13, 5, 30]
-    layout = prepare_layout(torch.tensor([0, 13, 43, 48]), torch.tensor(es), torch.tensor(ep), C)
+    src = (torch.tensor([0, 13, 43, 48]), torch.tensor(es), torch.tensor(ep))
+    layout = prepare_layout(*src, C)
     assert layout.active_J == [3, 2, 1, 1] and layout.num_chunks == 7 and layout.num_rows == 48
+    assert layout.matches(*src, C) and not layout.matches(*src, 16)
     for seed in (21, 22):
         x, cu = make_inputs(lens, 2, 4, 4, dtype=torch.float32, seed=seed)
         want = run(chunk_gated_delta_rule, x, cu, es, ep, C)

@@ -137,7 +137,6 @@ def chunk_gated_delta_rule_ref(
         export_seq=export_seq, export_pos=export_pos, chunk_size=chunk_size, layout=layout,
     )
     dt = compute_dtype(q_THK, k_THK, v_THV)
-    dev = q_THK.device
     T, H, K = q_THK.shape
     V = v_THV.shape[-1]
     C = chunk_size
@@ -153,8 +152,7 @@ def chunk_gated_delta_rule_ref(
     beta_MHC = _to_chunks(beta_TH.to(dt), layout)
 
     G_MHC = g_MHC.cumsum(dim=-1)
-    causal_CC = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
-    decay_MHCC = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill(~causal_CC, float("-inf")).exp()
+    decay_MHCC = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill(layout.above_diag_CC, float("-inf")).exp()
     kbeta_MHCK = k_MHCK * beta_MHC[..., None]
     kt_MHKC = k_MHCK.transpose(-1, -2)
     # solve_triangular(unitriangular=True) never reads the diagonal or above: A needs no masking.

@@ -62,8 +62,13 @@ class ChunkLayout:
     """Chunk step j -> ranks whose state is exported right after step j, by ascending e (on `device`)."""
     export_order_E: torch.Tensor
     """Position of export e in the step-by-step concatenation of the `export_ranks_J` (on `device`)."""
+    above_diag_CC: torch.Tensor
+    """[C, C] bool, True strictly above the diagonal: the causal mask of the intra-chunk decays (on `device`)."""
     device: torch.device
     """Where the index tensors the kernel gathers with live."""
+    source: tuple = ()
+    """The (cu_seqlens, export_seq, export_pos) objects given to `prepare_layout`: a call passing these
+    very objects again matches without a comparison (index tensors are not modified in place)."""
 
     @property
     def num_chunks(self) -> int:
@@ -92,6 +97,7 @@ class ChunkLayout:
             row_slot_T=self.row_slot_T.to(device),
             export_ranks_J={j: r.to(device) for j, r in self.export_ranks_J.items()},
             export_order_E=self.export_order_E.to(device),
+            above_diag_CC=self.above_diag_CC.to(device),
             device=device,
         )
 
@@ -99,6 +105,8 @@ class ChunkLayout:
         """Whether this layout was built from these indices (identical objects, or equal values)."""
         if chunk_size != self.chunk_size:
             return False
+        if len(self.source) == 3 and all(a is b for a, b in zip((cu_seqlens, export_seq, export_pos), self.source)):
+            return True
         for given, own in ((cu_seqlens, self.cu_seqlens), (export_seq, self.export_seq_E), (export_pos, self.export_pos_E)):
             if given is own:
                 continue
@@ -223,7 +231,9 @@ def prepare_layout(
         device: where the kernel's inputs will live (default CPU); the gather indices go there.
     """
     cu, seq, pos = validate_indices(cu_seqlens, export_seq, export_pos, chunk_size)
-    return build_chunk_layout(cu, seq, pos, chunk_size).to(device or "cpu")
+    layout = build_chunk_layout(cu, seq, pos, chunk_size)
+    layout.source = (cu_seqlens, export_seq, export_pos)
+    return layout.to(device or "cpu")
 
 
 def build_chunk_layout(cu_seqlens, export_seq_E, export_pos_E, chunk_size: int) -> ChunkLayout:
@@ -287,5 +297,6 @@ def build_chunk_layout(cu_seqlens, export_seq_E, export_pos_E, chunk_size: int) 
         row_slot_T=torch.from_numpy(row_slot_T),
         export_ranks_J={int(j): torch.from_numpy(r) for j, r in zip(steps, parts)},
         export_order_E=torch.from_numpy(export_order_E),
+        above_diag_CC=torch.ones(C, C, dtype=torch.bool).triu(1),
         device=torch.device("cpu"),
     )
