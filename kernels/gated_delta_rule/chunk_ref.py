@@ -29,10 +29,12 @@ the state is [ranks * H, K, V] so a prefix of ranks is a prefix of rows, the pro
 each step come from the layout (host data, no lookup per step). Every value goes through the same
 kernels on the same per-chunk shapes and strides as before, so outputs, states and gradients are
 bitwise those of the straightforward slicing loop (tests/gated_delta_rule_v0.py keeps it; the
-tests compare them).
+tests compare them). Strides matter: MKL's `bmm` rounds differently for a transposed or strided
+operand, so each step's output stays an [a, H, C, V] view, which gives its gradient the layout the
+slicing loop gave it (a strided view when a = 1, a contiguous copy otherwise).
 
 Legend: T packed rows, N sequences, M chunks, C chunk size, E exported states, H heads, K key dim,
-V value dim.
+V value dim, a sequences active at a step, B = a * H rows of a step.
 """
 from __future__ import annotations
 
