@@ -13,7 +13,7 @@ Headline, per synthetic agentic workload (`benchmarks/workloads.py`, fixed seeds
 compression (expanded / unique tokens), computed / unique tokens of the plan, planner time (Numba
 vs the plain-Python reference), sequential linear-attention calls (tree vs expanded plan), and the
 update throughput (forward + backward + optimizer step, expanded tokens/s) of tree vs expanded
-execution on the tiny model, as a ratio and as a fraction of the ideal compression.
+execution on a small hybrid model, as a ratio and as a fraction of the ideal compression.
 
 Modes: default CPU scale (a few minutes on 2 cores); `--quick` (tiny inputs, for tests);
 `--full`: planning only, at full scale (tens of millions of expanded tokens per workload).
@@ -92,7 +92,9 @@ class SuiteConfig:
     only: tuple[str, ...] = ()
     """Benchmark names to run (default: all of NAMES; `--full` implies "workloads")."""
     trainer: bool = True
-    """Time tree vs expanded update throughput on the tiny model (CPU and quick modes)."""
+    """Time tree vs expanded update throughput (CPU and quick modes)."""
+    model: str = "small"
+    """Named model config the throughput is measured on (trainer.models.NAMED_CONFIGS; quick: tiny)."""
     trainer_warmup: bool = True
     """One untimed step per execution mode before the timed ones."""
     trainer_steps: int | None = None
@@ -120,8 +122,7 @@ class SuiteConfig:
 
 def workload_specs(*, quick: bool = False, full: bool = False) -> list[WorkloadSpec]:
     """The headline workloads. CPU scale (lengths x0.02, fewer turns) sizes each step at a few
-    thousand expanded tokens so that the expanded baseline of the tiny model trains in seconds on
-    2 cores; full scale keeps the published lengths (tens of millions of expanded tokens per
+    thousand expanded tokens so that the expanded baseline trains in seconds on 2 cores; full scale keeps the published lengths (tens of millions of expanded tokens per
     workload) and plans with sharing windows for 8 ranks and C = 64."""
     if full:
         return [
@@ -255,7 +256,7 @@ def _replace(pcfg, PlanConfig, **changes):
 
 def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     """Update throughput (expanded tokens per CPU second of forward + backward + AdamW step) of the
-    tree plan and the expanded plan on the same tiny model: one warm-up step each, then alternating
+    tree plan and the expanded plan on the same model (`cfg.model`): one warm-up step each, then alternating
     timed steps; the fastest step of each counts. CPU seconds (this process, all threads) rather than
     wall seconds, because other processes on a shared machine only ever add wall time; the wall
     ratio is reported beside it."""
@@ -267,7 +268,7 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     import torch
 
     torch.manual_seed(0)
-    model = build_model("tiny", seed=0)
+    model = build_model("tiny" if cfg.quick else cfg.model, seed=0)
     ex = Executor(model, ExecutorConfig(chunk_size=plan.header.params.chunk_size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     steps = cfg.trainer_steps if cfg.trainer_steps is not None else (1 if cfg.quick else 3)
@@ -466,7 +467,7 @@ def _workload_notes(rows: list[dict], mode: str) -> list[str]:
         notes.append("- CPU scale: token lengths x0.02 (quick: x0.01) and fewer turns; one rank, B = 8,192, no sharing "
                      "windows, C = 16 (a 64-token chunk would span several scaled turns and inflate replay); "
                      "update throughput in expanded tokens per CPU second of this process (fastest timed step of "
-                     "each mode; the machine is shared, so wall time is noisier), tiny model, reference kernels.")
+                     "each mode; the machine is shared, so wall time is noisier), reference kernels.")
     return notes
 
 
@@ -526,7 +527,7 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
     intro = (f"Synthetic agentic workloads from `benchmarks/workloads.py` ({doc['mode']} scale, "
              f"`{doc['command']}`, commit {doc['machine']['commit']}, {doc['machine']['cpus']} CPUs). ")
     intro += ("Planning only." if cfg.full else
-              "Update throughput: tiny Qwen3-Next-style model on the CPU, forward + backward + AdamW step, "
+              f"Update throughput: the `{'tiny' if cfg.quick else cfg.model}` Qwen3-Next-style model on the CPU, forward + backward + AdamW step, "
               "expanded tokens per CPU second; fraction of ideal = throughput ratio / ideal compression.")
     if not cfg.full and (not cfg.only or "workloads" in cfg.only):
         readme = [intro, "", table, "", _published_line(), *([""] + notes if notes else []), "",

@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--trainer-steps", type=int, default=None, help="timed optimizer steps per execution mode (default 3, --quick 1)")
     p.add_argument("--no-trainer", action="store_true", help="skip the tree vs expanded update-throughput timing")
+    p.add_argument("--model", default="small",
+                   help="named model config of the throughput timing (small: 4.7M parameters; tiny: 0.33M, overhead-bound; --quick uses tiny)")
     p.add_argument("--no-reference", action="store_true", help="do not time the plain-Python reference planner")
 
 
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = SuiteConfig(
         out_dir=args.out or RESULTS_DIR, quick=args.quick, full=args.full,
         only=tuple(n for group in args.only for n in group), trainer_steps=args.trainer_steps,
-        reference_planner=not args.no_reference, trainer=not args.no_trainer,
+        reference_planner=not args.no_reference, trainer=not args.no_trainer, model=args.model,
     )
     doc = run_suite(cfg)
     summary = {name: {"status": e["status"], "seconds": round(e["seconds"], 2), **({"reason": e["reason"]} if "reason" in e else {}),

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", default="tree", choices=["group", "tree", "percall"], help="rollout sampling scheme (see harts gen)")
     parser.add_argument("--tasks", type=int, default=2, help="tasks (rollout trees) per batch")
     parser.add_argument("--scale", type=float, default=0.02, help="length scale of the synthetic rollouts (1.0 = published agent lengths)")
-    parser.add_argument("--model", default="tiny", help="named config (tiny, tiny-dense, tiny-deep) or a Qwen3-Next checkpoint directory")
+    parser.add_argument("--model", default="tiny", help="named config (tiny, tiny-dense, tiny-deep, small) or a Qwen3-Next checkpoint directory")
     parser.add_argument("--chunk-size", type=int, default=16, help="linear-attention chunk size C")
     parser.add_argument("--microbatch-tokens", type=int, default=8192, help="token budget B per microbatch")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments shared by `harts logprobs` and `harts verify`."""
     add_input_arguments(parser)
-    parser.add_argument("--model", default="tiny", help="a named config (tiny, tiny-dense, tiny-deep; random weights) or a Hugging Face Qwen3-Next directory")
+    parser.add_argument("--model", default="tiny", help="a named config (tiny, tiny-dense, tiny-deep, small; random weights) or a Hugging Face Qwen3-Next directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights of a named config")
     parser.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C of the kernel")
     parser.add_argument("--microbatch-tokens", type=int, default=4096, help="token budget B per microbatch")

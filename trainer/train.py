@@ -63,7 +63,7 @@ class TrainConfig:
     step_ids: list[str] = field(default_factory=list)
     """Explicit planner step ids, one per step (at least `steps` of them)."""
     model: str = "tiny"
-    """A named config (tiny, tiny-dense, tiny-deep: random weights from `seed`) or a Hugging Face directory."""
+    """A named config (tiny, tiny-dense, tiny-deep, small: random weights from `seed`) or a Hugging Face directory."""
     seed: int = 0
     """Seed of the random weights (every rank then takes rank 0's)."""
     lr: float = 1e-4
@@ -366,7 +366,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ids = p.add_mutually_exclusive_group()
     ids.add_argument("--step-prefix", default="step-", help="step i is PREFIX<i> (default: step-)")
     ids.add_argument("--step-ids", default="", help="comma-separated planner step ids, one per step")
-    p.add_argument("--model", default="tiny", help="named config (tiny, tiny-dense, tiny-deep) or a Qwen3-Next HF directory")
+    p.add_argument("--model", default="tiny", help="named config (tiny, tiny-dense, tiny-deep, small) or a Qwen3-Next HF directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")

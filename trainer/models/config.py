@@ -178,5 +178,16 @@ def debugmodel_deep() -> ModelConfig:
     return ModelConfig(num_hidden_layers=8, layer_types=([LINEAR] * 3 + [FULL]) * 2)
 
 
+def smallmodel() -> ModelConfig:
+    """A 4.7M-parameter hybrid MoE (D = 256): big enough that per-token work, not per-op overhead,
+    dominates a CPU step, so update-throughput benchmarks measure what a real model would."""
+    return ModelConfig(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+        intermediate_size=512, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+    )
+
+
 #: named configs for `--model NAME`.
-NAMED_CONFIGS = {"tiny": debugmodel, "debugmodel": debugmodel, "tiny-dense": debugmodel_dense, "tiny-deep": debugmodel_deep}
+NAMED_CONFIGS = {"tiny": debugmodel, "debugmodel": debugmodel, "tiny-dense": debugmodel_dense, "tiny-deep": debugmodel_deep,
+                 "small": smallmodel}
