@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:  # one INFO line per HTTP request drowns the progress output
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return int(mods[args.command].run(args) or 0)
     except (HartsError, ValueError, FileNotFoundError) as exc:
