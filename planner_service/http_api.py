@@ -117,10 +117,9 @@ class Health(BaseModel):
 
 # The rollout document (docs/rollouts.md). Documentation only: the body is validated by
 # planner_service.ingest, which names the first offending field.
-class TrajectoryDoc(BaseModel):
-    id: str
-    tree_id: str | None = None
-    tokens: list[int] = Field(min_length=1)
+class _TrajectoryFieldsDoc(BaseModel):
+    """Per-position arrays (the trajectory's length) and per-trajectory scalars of both forms."""
+
     loss_mask: list[Literal[0, 1]] | None = None
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
@@ -128,6 +127,12 @@ class TrajectoryDoc(BaseModel):
     reward: float = 0.0
     group_id: str | None = None
     weight: float | None = Field(None, ge=0)
+
+
+class TrajectoryDoc(_TrajectoryFieldsDoc):
+    id: str
+    tree_id: str | None = None
+    tokens: list[int] = Field(min_length=1)
 
 
 class TreeNodeDoc(BaseModel):
@@ -136,16 +141,9 @@ class TreeNodeDoc(BaseModel):
     tokens: list[int] = Field(min_length=1)
 
 
-class TreeTrajectoryDoc(BaseModel):
+class TreeTrajectoryDoc(_TrajectoryFieldsDoc):
     id: str
     node: int
-    loss_mask: list[Literal[0, 1]] | None = None
-    old_logprobs: list[float] | None = None
-    ref_logprobs: list[float] | None = None
-    advantage: float | list[float] = 0.0
-    reward: float = 0.0
-    group_id: str | None = None
-    weight: float | None = Field(None, ge=0)
 
 
 class TreeDoc(BaseModel):
