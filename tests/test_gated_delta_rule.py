@@ -4,9 +4,7 @@ tree execution relies on (DESIGN §2 invariant E, §5.3)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import torch
 
 from kernels.gated_delta_rule import chunk_gated_delta_rule, naive_gated_delta_rule, prepare_layout
 from tests.gated_delta_rule_v0 import chunk_gated_delta_rule_v0
+from tests.triton_interpreter import run_under_interpreter
 
 
 def make_inputs(lens, H, K, V, *, dtype, seed, init=True, requires_grad=False):
@@ -338,12 +337,4 @@ def test_unknown_backend_is_rejected():
 
 def test_triton_backend_under_interpreter():
     """The Triton kernel's tests, in a subprocess with TRITON_INTERPRET=1 set before triton loads."""
-    pytest.importorskip("triton")
-    path = Path(__file__).with_name("test_gated_delta_rule_triton.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
+    run_under_interpreter("test_gated_delta_rule_triton.py")

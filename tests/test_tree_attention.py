@@ -4,15 +4,13 @@ on random trees (float64, outputs and gradients), the backward block map, input 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.tree_attention import tree_attention
 from kernels.tree_attention.layout import kv_pieces, query_blocks, validate_inputs
+from tests.triton_interpreter import run_under_interpreter
 from tests.tree_attention_helpers import Tree, random_qkv, random_tree
 
 
@@ -169,12 +167,4 @@ def test_invalid_inputs_raise(override, match):
 
 def test_triton_kernels_under_interpreter():
     """The Triton kernels' tests, in a subprocess with TRITON_INTERPRET=1 set before triton loads."""
-    pytest.importorskip("triton")
-    path = Path(__file__).with_name("test_tree_attention_triton.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
+    run_under_interpreter("test_tree_attention_triton.py")
