@@ -3,7 +3,6 @@ token-by-token oracle, transformers' Qwen3-Next functions, and the bitwise packi
 tree execution relies on (DESIGN §2 invariant E, §5.3)."""
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np

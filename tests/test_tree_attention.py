@@ -3,7 +3,6 @@ on random trees (float64, outputs and gradients), the backward block map, input 
 (in a subprocess under TRITON_INTERPRET=1) the Triton kernels against the reference."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
