@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from planner_service.ingest import forest_from_json
 from planner_service.planner import PlanConfig, plan_step

@@ -67,8 +67,6 @@ def init_distributed(*, timeout_s: float = 1800.0) -> DistContext:
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/MASTER_PORT as set by torchrun.
     Side effects: creates the default process group, selects the CUDA device of LOCAL_RANK.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
