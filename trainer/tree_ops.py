@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.gated_delta_rule import prepare_layout
+
 #: StateSource kinds (proto/harts/v1/plan.proto).
 ZERO, LOCAL, IMPORTED = 0, 1, 2
 
@@ -62,6 +64,9 @@ class LinearCall:
     """long [E] rows of that sequence done at the export (a chunk multiple or its length)."""
     export_state: list[int]
     """[E] state-table id each export fills."""
+    kernel_layout: object | None = None
+    """The kernel's chunk layout of this call (`prepare_layout`), built on first use and shared by
+    every linear-attention layer of the microbatch."""
 
 
 def ancestry_conv(x_RC: torch.Tensor, w_CK: torch.Tensor, conv_src_RJ: torch.Tensor) -> torch.Tensor:
@@ -423,11 +428,15 @@ def linear_attention(
                     raise ValueError(f"linear_calls[{c}]: imported state {sid} but no imports were given")
                 inits.append(imported_states[sid])
         idx = call.gather_idx
+        if call.kernel_layout is None:
+            call.kernel_layout = prepare_layout(call.cu_seqlens, call.export_seq, call.export_pos, chunk_size,
+                                                device=q_RHK.device)
         o, st = fn(
             q_RHK.index_select(0, idx), k_RHK.index_select(0, idx), v_RHV.index_select(0, idx),
             g_RH.index_select(0, idx), beta_RH.index_select(0, idx),
             cu_seqlens=call.cu_seqlens, initial_state=torch.stack(inits), export_seq=call.export_seq,
             export_pos=call.export_pos, chunk_size=chunk_size, scale=None, use_qk_l2norm=True,
+            layout=call.kernel_layout,
         )
         for e, sid in enumerate(call.export_state):
             states[sid] = st[e]
