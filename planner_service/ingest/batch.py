@@ -160,3 +160,37 @@ def describe(value) -> str:
     if isinstance(value, dict):
         return "object"
     return type(value).__name__
+
+
+class Walk:
+    """State of one parsing pass (JSON or protobuf): ids seen so far and running size totals.
+
+    Subclasses implement `run(doc)`; `parse` runs it and records the first problem in `raw.stop`.
+    """
+
+    def __init__(self, raw: RawBatch, limits):
+        self.raw = raw
+        self.limits = limits
+        self.seen_traj: dict[str, str] = {}
+        self.presence: dict[str, tuple[bool, str]] = {}
+        self.total_tokens = 0
+        self.total_nodes = 0
+        self.total_node_tokens = 0
+
+    def run(self, doc) -> None:
+        raise NotImplementedError
+
+    def parse(self, doc) -> RawBatch:
+        try:
+            self.run(doc)
+        except Stop as stop:
+            self.raw.stop = stop
+        return self.raw
+
+    def add_trajectory_id(self, tid: str, key: tuple, path: str) -> None:
+        """Record a (checked) trajectory id; a repeat or one too many stops the walk."""
+        if tid in self.seen_traj:
+            raise Stop(key, f"{path}.id", f"expected a unique trajectory id, got {tid!r} again (first at {self.seen_traj[tid]})")
+        self.seen_traj[tid] = path
+        self.limits.check("max_trajectories", len(self.seen_traj), "trajectories")
+        self.raw.traj_ids.append(tid)

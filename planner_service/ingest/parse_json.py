@@ -11,7 +11,7 @@ import json
 import math
 
 from planner_service.errors import ValidationError
-from planner_service.ingest.batch import F32_MAX, RANK, Column, RawBatch, Stop, describe
+from planner_service.ingest.batch import F32_MAX, RANK, Column, RawBatch, Stop, Walk, describe
 from planner_service.ingest.limits import Limits
 
 _TOP = ("batch_id", "vocab_size", "trajectories", "trees")
@@ -44,22 +44,10 @@ def parse_json(doc: dict, limits: Limits) -> RawBatch:
     for name in ("loss_mask", "old_logprobs", "ref_logprobs", "advantage"):
         raw.columns[name] = Column(name, "mask" if name == "loss_mask" else "float")
     raw.columns["tokens"] = Column("tokens", "token")
-    try:
-        _Walk(raw, limits).run(doc)
-    except Stop as stop:
-        raw.stop = stop
-    return raw
+    return _Walk(raw, limits).parse(doc)
 
 
-class _Walk:
-    def __init__(self, raw: RawBatch, limits: Limits):
-        self.raw = raw
-        self.limits = limits
-        self.seen_traj: dict[str, str] = {}
-        self.presence: dict[str, tuple[bool, str]] = {}
-        self.total_tokens = 0
-        self.total_nodes = 0
-        self.total_node_tokens = 0
+class _Walk(Walk):
 
     # -- scalars -------------------------------------------------------------------------------
     def string(self, obj: dict, name: str, key: tuple, path: str, *, required: bool) -> str:
@@ -175,13 +163,7 @@ class _Walk:
     def trajectory_id(self, obj, key: tuple, path: str) -> None:
         if not isinstance(obj, dict):
             raise Stop(key, path, f"expected an object, got {describe(obj)}")
-        tid = self.string(obj, "id", key + (0,), path, required=True)
-        if tid in self.seen_traj:
-            raise Stop(key + (0,), f"{path}.id", f"expected a unique trajectory id, got {tid!r} again (first at {self.seen_traj[tid]})")
-        self.seen_traj[tid] = path
-        self.limits.check("max_trajectories", len(self.seen_traj), "trajectories")
-        raw = self.raw
-        raw.traj_ids.append(tid)
+        self.add_trajectory_id(self.string(obj, "id", key + (0,), path, required=True), key + (0,), path)
 
     def flat_trajectory(self, j: int, obj) -> None:
         raw = self.raw

@@ -11,7 +11,7 @@ import math
 from google.protobuf.message import DecodeError
 
 from planner_service.errors import ValidationError
-from planner_service.ingest.batch import RANK, Column, RawBatch, Stop
+from planner_service.ingest.batch import RANK, Column, RawBatch, Stop, Walk
 from planner_service.ingest.limits import Limits
 from proto.harts.v1 import rollouts_pb2
 
@@ -40,22 +40,10 @@ def parse_proto(batch: rollouts_pb2.RolloutBatch, limits: Limits) -> RawBatch:
     for name, kind in (("tokens", "token"), ("loss_mask", "mask"), ("old_logprobs", "float"),
                        ("ref_logprobs", "float"), ("advantages", "float")):
         raw.columns["advantage" if name == "advantages" else name] = Column(name, kind)
-    try:
-        _Walk(raw, limits).run(batch)
-    except Stop as stop:
-        raw.stop = stop
-    return raw
+    return _Walk(raw, limits).parse(batch)
 
 
-class _Walk:
-    def __init__(self, raw: RawBatch, limits: Limits):
-        self.raw = raw
-        self.limits = limits
-        self.seen_traj: dict[str, str] = {}
-        self.presence: dict[str, tuple[bool, str]] = {}
-        self.total_tokens = 0
-        self.total_nodes = 0
-        self.total_node_tokens = 0
+class _Walk(Walk):
 
     def string(self, value: str, key: tuple, field: str, *, required: bool) -> str:
         if required and not value:
@@ -98,12 +86,7 @@ class _Walk:
             raise Stop((5,), "trajectories", "expected at least one trajectory (flat or in a tree), got none")
 
     def trajectory_id(self, tid: str, key: tuple, path: str) -> None:
-        tid = self.string(tid, key + (0,), f"{path}.id", required=True)
-        if tid in self.seen_traj:
-            raise Stop(key + (0,), f"{path}.id", f"expected a unique trajectory id, got {tid!r} again (first at {self.seen_traj[tid]})")
-        self.seen_traj[tid] = path
-        self.limits.check("max_trajectories", len(self.seen_traj), "trajectories")
-        self.raw.traj_ids.append(tid)
+        self.add_trajectory_id(self.string(tid, key + (0,), f"{path}.id", required=True), key + (0,), path)
 
     def per_position(self, slot: str, data: bytes, key: tuple, path: str, length: int | None) -> None:
         col = self.raw.columns[slot]
