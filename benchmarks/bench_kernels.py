@@ -28,7 +28,7 @@ SHAPES = {
 }
 
 
-def _time(fn, device: str, reps: int) -> float:
+def median_seconds(fn, device: str, reps: int) -> float:
     """Median seconds of fn() over reps runs after two warm-ups."""
     for _ in range(2):
         fn()
@@ -75,7 +75,7 @@ def measure(*, seqs: int, seq_len: int, heads: int, dim: int, chunk: int, reps: 
     out = {"device": device, "dtype": str(dtype).removeprefix("torch."), "N": N, "L": L, "T": T, "H": H, "K": D, "C": C, "rows": []}
     for backend in ["ref", "triton"] if device == "cuda" else ["ref"]:
         with torch.no_grad():
-            s = _time(lambda: call(backend, *inputs), device, reps)
+            s = median_seconds(lambda: call(backend, *inputs), device, reps)
         out["rows"].append({"backend": backend, "pass": "forward", "ms": s * 1e3, "tokens_per_s": T / s})
         leaves = [x.detach().requires_grad_(True) for x in inputs]
 
@@ -83,7 +83,7 @@ def measure(*, seqs: int, seq_len: int, heads: int, dim: int, chunk: int, reps: 
             o, st = call(backend, *leaves)
             torch.autograd.grad([o, st], leaves, [torch.ones_like(o), torch.ones_like(st)])
 
-        s = _time(fwd_bwd, device, reps)
+        s = median_seconds(fwd_bwd, device, reps)
         out["rows"].append({"backend": backend, "pass": "forward+backward", "ms": s * 1e3, "tokens_per_s": T / s})
     if device == "cuda":
         with torch.no_grad():

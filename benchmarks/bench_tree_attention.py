@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_kernels import median_seconds
 from kernels.tree_attention import tree_attention
 
 
@@ -28,22 +28,6 @@ def group_tree(P: int, B: int, L: int) -> dict[str, torch.Tensor]:
     attn_offsets = torch.tensor([0] + list(range(B + 1)), dtype=torch.int32)
     attn_ranges = torch.tensor([[0, P]] * B, dtype=torch.int32).reshape(-1, 2)
     return dict(seg_start=seg_start, seg_len=seg_len, attn_offsets=attn_offsets, attn_ranges=attn_ranges)
-
-
-def _time(fn, device: str, reps: int) -> float:
-    """Median seconds of fn() over reps runs after two warm-ups."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int) -> list[dict]:
@@ -77,14 +61,14 @@ def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int) -> l
     rows = []
     for name, fn in calls.items():
         with torch.no_grad():
-            fwd = _time(lambda: fn(q_RHD, k_RHD, v_RHD), device, reps)
+            fwd = median_seconds(lambda: fn(q_RHD, k_RHD, v_RHD), device, reps)
         leaves = [x.detach().requires_grad_(True) for x in (q_RHD, k_RHD, v_RHD)]
 
         def fwd_bwd():
             o = fn(*leaves)
             torch.autograd.grad(o, leaves, torch.ones_like(o))
 
-        both = _time(fwd_bwd, device, reps)
+        both = median_seconds(fwd_bwd, device, reps)
         rows.append({"backend": name, "forward_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
     if device == "cuda":
         with torch.no_grad():
