@@ -24,8 +24,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="a named config (tiny, tiny-dense, tiny-deep, small; random weights) or a Hugging Face Qwen3-Next directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights of a named config")
     parser.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C of the kernel")
-    parser.add_argument("--microbatch-tokens", type=int, default=4096, help="token budget B per microbatch")
+    parser.add_argument("--microbatch-tokens", type=int, default=0,
+                        help="token budget B per microbatch (0: max(4096, longest trajectory), which every batch fits "
+                             "without sharing windows)")
     parser.add_argument("--backend", default="ref", help="gated delta rule kernel backend (ref | triton)")
+
+
+def microbatch_budget(requested: int, forest) -> int:
+    """The budget B to plan with: `requested`, or with 0 the smallest default that fits every path."""
+    if requested:
+        return requested
+    return max(4096, int(forest.traj_length().max()) if forest.num_trajectories else 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     forest = load_forest(args.input, args.format)
     model = build_model(args.model, seed=args.seed)
-    plan = plan_step(forest, PlanConfig(chunk_size=args.chunk_size, microbatch_tokens=args.microbatch_tokens,
+    plan = plan_step(forest, PlanConfig(chunk_size=args.chunk_size, microbatch_tokens=microbatch_budget(args.microbatch_tokens, forest),
                                         conv_kernel=model.config.linear_conv_kernel_dim, windows=False, all_positions=True))
     ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, want_logprobs=True))
     res = ex.run_step(plan, backward=False)

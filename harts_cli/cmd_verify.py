@@ -19,7 +19,7 @@ import argparse
 import json
 import logging
 
-from harts_cli.cmd_logprobs import add_model_arguments
+from harts_cli.cmd_logprobs import add_model_arguments, microbatch_budget
 from harts_cli.inputs import load_forest
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args.model, seed=args.seed)
     K = model.config.linear_conv_kernel_dim
     longest = int(forest.traj_length().max()) if forest.num_trajectories else 1
+    args.microbatch_tokens = microbatch_budget(args.microbatch_tokens, forest)
     common = dict(chunk_size=args.chunk_size, conv_kernel=K, windows=False, all_positions=True)
     tree = plan_step(forest, PlanConfig(microbatch_tokens=args.microbatch_tokens, replay=not args.no_replay, **common))
     expanded = plan_step(forest, PlanConfig(microbatch_tokens=max(args.microbatch_tokens, longest), sharing=False, **common))

@@ -72,3 +72,16 @@ def test_bad_model_argument_is_a_clear_error(batch, capsys):
     path, _ = batch
     assert main(["logprobs", str(path), "--model", "/nonexistent", "-o", "/dev/null"]) == 2
     assert "--model: expected one of" in capsys.readouterr().err
+
+
+def test_default_budget_fits_the_longest_trajectory():
+    from harts_cli.cmd_logprobs import microbatch_budget
+    from planner_service.ingest import forest_from_json
+
+    doc = {"batch_id": "b", "vocab_size": 8, "trajectories": [
+        {"id": "long", "tokens": [1] * 5000}, {"id": "short", "tokens": [1, 2]}]}
+    forest = forest_from_json(doc)
+    assert microbatch_budget(0, forest) == 5000
+    assert microbatch_budget(512, forest) == 512
+    forest = forest_from_json({"batch_id": "b", "vocab_size": 8, "trajectories": [{"id": "a", "tokens": [1, 2]}]})
+    assert microbatch_budget(0, forest) == 4096
