@@ -12,6 +12,10 @@ global normalisers that equals a data-parallel step whose gradients are SUM-redu
 rejected when they were made for another chunk size, conv kernel or vocabulary, or when a
 microbatch imports from another (sharing windows: plan with windows=False).
 
+Dtypes: values upcast for accuracy (logits, log-probs, router probabilities, the load-balancing
+loss) use `compute_dtype` (at least fp32), so a float64 model (`model.double()`, the oracle of
+`harts verify --f64-reference`) runs in float64 end to end.
+
 Legend: R rows, P log-prob entries, E experts, k top-k, U distinct logit rows.
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 from trainer.layout import RowLayout, layout_from_microbatch
-from trainer.models.qwen3_next import Capture, Qwen3NextForRL, RunOptions
+from trainer.models.qwen3_next import Capture, Qwen3NextForRL, RunOptions, compute_dtype
 from trainer.objectives import Normalizers, ObjectiveConfig, policy_loss
 
 log = logging.getLogger(__name__)
@@ -92,7 +96,8 @@ class StepResult:
     """trajectory id -> float64 [L-1] log-probs of positions 1..L-1 (NaN without an entry)."""
     entropies: dict[str, np.ndarray] | None = None
     linear_outputs: dict[str, dict[int, np.ndarray]] | None = None
-    """trajectory id -> layer -> [L-1, Hv, Vd] outputs at positions 0..L-2 (NaN without an entry)."""
+    """trajectory id -> layer -> [L-1, Hv, Vd] outputs at positions 0..L-2 (NaN without an entry;
+    float32, float64 for a float64 model)."""
 
     def summary(self) -> dict:
         return {
@@ -216,7 +221,8 @@ class Executor:
         ocfg = self.cfg.objective
         need_entropy = self.cfg.want_entropies or ocfg.entropy_coef > 0
         rows_U, inv_P = torch.unique(lp.row, return_inverse=True)
-        logits_UV = self.model.logits(h_RD.index_select(0, rows_U)).float()
+        logits_UV = self.model.logits(h_RD.index_select(0, rows_U))
+        logits_UV = logits_UV.to(compute_dtype(logits_UV))
         lse_U = torch.logsumexp(logits_UV, dim=-1)
         logprob_P = logits_UV[inv_P, lp.label] - lse_U[inv_P]
         entropy_P = None
@@ -243,7 +249,8 @@ def load_balancing_loss(capture: Capture, occurrence_R: torch.Tensor, num_expert
     Equals transformers' `load_balancing_loss_func` evaluated on the expanded rows of the same
     token multiset (a row with occurrence n counts as n rows; duplicated rows count 0).
     """
-    w_R = occurrence_R.float()
+    dtype = next(iter(capture.router_probs.values())).dtype if capture.router_probs else torch.float32
+    w_R = occurrence_R.to(dtype)
     counts_E = w_R.new_zeros(num_experts)
     probs_E = w_R.new_zeros(num_experts)
     total = w_R.new_zeros(())
@@ -300,9 +307,10 @@ class _Accumulator:
             self.entropies[flat] = out["entropy"].double().cpu().numpy()
         if self.linear is not None:
             for layer, o_RHV in capture.linear.items():
+                o_PHV = o_RHV.index_select(0, lp.row).to(compute_dtype(o_RHV)).cpu().numpy()
                 if layer not in self.linear:
-                    self.linear[layer] = np.full((int(self.offsets[-1]), *o_RHV.shape[1:]), np.nan, np.float32)
-                self.linear[layer][flat] = o_RHV.index_select(0, lp.row).float().cpu().numpy()
+                    self.linear[layer] = np.full((int(self.offsets[-1]), *o_RHV.shape[1:]), np.nan, o_PHV.dtype)
+                self.linear[layer][flat] = o_PHV
 
     def _split(self, flat: np.ndarray | None) -> dict[str, np.ndarray] | None:
         if flat is None:

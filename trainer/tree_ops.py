@@ -378,7 +378,7 @@ def ancestor_attention_ref(q_RHd, k_RHd, v_RHd, visible_RR: torch.Tensor, *, sca
     v = v_RHd.repeat_interleave(rep, dim=1)
     s = torch.einsum("qhd,khd->hqk", q_RHd, k) * scale
     s = s.masked_fill(~visible_RR[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1, dtype=torch.float32).to(q_RHd.dtype), v)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32)).to(q_RHd.dtype), v)
 
 
 def linear_attention(
@@ -400,11 +400,11 @@ def linear_attention(
 
     Args:
         q_RHK, k_RHK: [R, H, Kd] (H = value heads; q/k already repeated per value head).
-        v_RHV: [R, H, Vd]. g_RH: [R, H] fp32 log decay. beta_RH: [R, H].
+        v_RHV: [R, H, Vd]. g_RH: [R, H] log decay (fp32, float64 in a float64 model). beta_RH: [R, H].
         calls: the schedule, in order. row_from_kept: long [R] row -> index in the concatenation of
             all calls' kept outputs. num_states: size of the microbatch's state table.
         fn: chunk_gated_delta_rule-compatible kernel. chunk_size: C.
-        imported_states: [H, Kd, Vd] fp32 states of other microbatches (sharing windows).
+        imported_states: [H, Kd, Vd] states (fp32, or float64) of other microbatches (sharing windows).
         exported: if given, filled with state id -> state (for exports to other microbatches).
     Returns:
         [R, H, Vd] outputs, every row from the sequence that keeps it. States are never detached,
@@ -412,7 +412,7 @@ def linear_attention(
     """
     H, Kd, Vd = q_RHK.shape[1], q_RHK.shape[2], v_RHV.shape[2]
     states: list[torch.Tensor | None] = [None] * num_states
-    zero = torch.zeros(H, Kd, Vd, dtype=torch.float32, device=q_RHK.device)
+    zero = torch.zeros(H, Kd, Vd, dtype=torch.promote_types(q_RHK.dtype, torch.float32), device=q_RHK.device)
     kept = []
     for c, call in enumerate(calls):
         inits = []

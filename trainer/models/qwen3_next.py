@@ -18,6 +18,11 @@ GEMMs pick different blockings for different row counts); sigmoid/silu/softplus 
 attention works in fixed-shape tiles aligned to depth (`tree_ops.tiled_attention`). The whole
 forward is therefore bitwise equal between a tree run and its expanded run in fp32 on CPU.
 
+Dtypes: where a value is upcast for accuracy (norms, the decay g, the router softmax, RoPE) it goes
+to `compute_dtype(x)` = promote(x.dtype, fp32), never to a hard-coded fp32: fp32 and bf16 models
+compute exactly as before, and a float64 model (`model.double()`) computes in float64 end to end,
+the oracle of `harts verify --f64-reference`.
+
 Legend: R rows, D hidden, H heads, Hk/Hv linear key/value heads, Kd/Vd linear head dims,
 hd attention head dim, E experts, k top-k, C conv channels, K conv kernel, V vocab.
 """
@@ -34,6 +39,12 @@ from trainer.models.config import FULL, ModelConfig
 
 #: rows per tile of RowLinear; every tile is one same-shape GEMM.
 ROW_TILE = 32
+
+
+def compute_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
+    """The dtype a value is upcast to for accuracy: at least fp32 (fp32 for bf16/fp16/fp32, float64
+    kept), so a float64 model computes in float64 end to end and fp32/bf16 runs are unchanged."""
+    return torch.promote_types(x if isinstance(x, torch.dtype) else x.dtype, torch.float32)
 
 
 def row_linear(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,7 +87,7 @@ class RowLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: `x_hat * (1 + w)`, computed in fp32."""
+    """Zero-centred RMSNorm: `x_hat * (1 + w)`, computed in at least fp32 (`compute_dtype`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -84,13 +95,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(compute_dtype(x))
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        return (out * (1.0 + self.weight.to(xf.dtype))).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm (plain weight) followed by a `silu(z)` gate, per value head."""
+    """RMSNorm (plain weight) followed by a `silu(z)` gate, per value head (norm and gate in at
+    least fp32)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -99,10 +111,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float()
+        xf = x.to(compute_dtype(x))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(dtype)
-        return (out * silu(z.float())).to(dtype)
+        return (out * silu(z.to(compute_dtype(z)))).to(dtype)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -114,7 +126,7 @@ class Capture:
     linear: dict[int, torch.Tensor] = field(default_factory=dict)
     """layer -> [R, Hv, Vd] kept kernel outputs."""
     router_probs: dict[int, torch.Tensor] = field(default_factory=dict)
-    """MoE layer -> [R, E] fp32 router softmax (with graph, for the auxiliary loss)."""
+    """MoE layer -> [R, E] router softmax in the compute dtype (with graph, for the auxiliary loss)."""
     router_topk: dict[int, torch.Tensor] = field(default_factory=dict)
     """MoE layer -> [R, k] selected experts."""
 
@@ -153,7 +165,7 @@ class GatedDeltaNet(nn.Module):
         k_RHK = k_RHK.reshape(R, self.Hk, self.Kd).repeat_interleave(r, dim=1)
         v_RHV = v_RHV.reshape(R, self.Hv, self.Vd)
         beta_RH = sigmoid(b.reshape(R, self.Hv))
-        g_RH = -self.A_log.float().exp() * softplus(a.reshape(R, self.Hv).float() + self.dt_bias)
+        g_RH = -self.A_log.to(compute_dtype(self.A_log)).exp() * softplus(a.reshape(R, self.Hv).to(compute_dtype(a)) + self.dt_bias)
         o_RHV = tree_ops.linear_attention(
             q_RHK, k_RHK, v_RHV, g_RH, beta_RH, layout.linear_calls, layout.row_from_kept,
             layout.num_states, fn=run.linear_fn, chunk_size=run.chunk_size,
@@ -195,9 +207,10 @@ class Attention(nn.Module):
 
 
 def rope_cos_sin(depth_R: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, rotary_dim] cos/sin at each row's depth (the RoPE position)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=depth_R.device).float() / rotary_dim))
-    freqs = depth_R[:, None].float() * inv_freq[None, :]
+    """[R, rotary_dim] cos/sin at each row's depth (the RoPE position), computed in `compute_dtype(dtype)`."""
+    cdt = compute_dtype(dtype)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=depth_R.device).to(cdt) / rotary_dim))
+    freqs = depth_R[:, None].to(cdt) * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -275,8 +288,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
     def forward(self, x_RD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (probs [R, E] fp32, top-k weights [R, k], top-k experts [R, k])."""
-        probs_RE = torch.softmax(row_linear(x_RD, self.weight), dim=-1, dtype=torch.float32)
+        """Returns (probs [R, E] in `compute_dtype`, top-k weights [R, k], top-k experts [R, k])."""
+        probs_RE = torch.softmax(row_linear(x_RD, self.weight), dim=-1, dtype=compute_dtype(x_RD))
         top_w, top_i = torch.topk(probs_RE, self.top_k, dim=-1)
         if self.norm_topk:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
