@@ -2,6 +2,7 @@
 
     harts verify rollouts.json --model tiny --chunk-size 8 --microbatch-tokens 512
     harts verify rollouts.json --model tiny --no-replay          # ablation: shows the difference
+    harts verify rollouts.json --model tiny --f64-reference      # both runs against a float64 oracle
 
 Plans the batch twice (sharing with windows off, and PlanConfig(sharing=False)), runs forward and
 backward of both with log-probs and linear-attention outputs captured, and prints ONE JSON object:
@@ -11,7 +12,14 @@ equal at every trajectory position and layer, and whether expert-load counts are
 `targets_met` applies DESIGN's fp32 CPU targets (bitwise linear outputs, log-prob <= 1e-5,
 gradients <= 1e-5, equal expert loads); the exit code is 0 either way. `--repack-baseline` adds
 the expanded run's own differences when its batch is packed differently (the noise floor that
-Invariant E allows).
+Invariant E allows). `--f64-reference` also runs the expanded plan on a float64 copy of the same
+weights (the model computes in float64 end to end; kernel backend "ref") and reports under
+`f64_reference` each fp32 run's error against it (trainer/verify.py `f64_reference_report`):
+grad_rel_err_tree / grad_rel_err_expanded (same per-parameter relative error and 1% floor as
+grad_rel_diff, against the float64 gradient), worst_param_*, logprob_max_abs_err_*, loss_err_*,
+and both errors on diff_param, the parameter where tree and expanded differ most. It tells whether
+a tree-vs-expanded difference is the tree's error or the expanded reference's own fp32 rounding;
+`targets_met` ignores it.
 """
 from __future__ import annotations
 
@@ -34,16 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repack-baseline", action="store_true",
                         help="also run the expanded plan packed with another budget and report its own differences "
                              "(the reassociation noise floor of DESIGN's Invariant E) under `baseline_repacked`")
+    parser.add_argument("--f64-reference", action="store_true",
+                        help="also run the expanded plan on a float64 copy of the weights and report each fp32 run's "
+                             "log-prob and relative gradient error against it under `f64_reference` (is the tree's "
+                             "difference bigger than the expanded run's own fp32 error?); targets_met is unchanged")
 
 
 def run(args: argparse.Namespace) -> int:
+    import copy
+
     import numpy as np
 
     from planner_service.planner import PlanConfig, plan_step
     from trainer.executor import Executor, ExecutorConfig
     from trainer.models import build_model
     from trainer.objectives import ObjectiveConfig
-    from trainer.verify import compare_runs, run_and_capture
+    from trainer.verify import compare_runs, f64_reference_report, run_and_capture
 
     forest = load_forest(args.input, args.format)
     model = build_model(args.model, seed=args.seed)
@@ -74,6 +88,14 @@ def run(args: argparse.Namespace) -> int:
         rep["baseline_repacked"] = {k: base[k] for k in (
             "logprob_max_abs_diff", "loss_diff", "grad_rel_diff_max", "grad_rel_diff_raw_max", "linear_outputs_bitwise_equal")}
         rep["baseline_repacked"]["microbatches"] = again.microbatches
+    if args.f64_reference:
+        model.zero_grad(set_to_none=True)  # the fp32 gradients are already captured; do not copy them
+        model64 = copy.deepcopy(model).double()
+        # the PyTorch kernel whatever --backend says: it computes in the inputs' float64
+        ex64 = Executor(model64, ExecutorConfig(chunk_size=args.chunk_size, backend="ref", objective=obj, want_logprobs=True))
+        ref64, g_ref64 = run_and_capture(ex64, expanded)
+        rep["f64_reference"] = f64_reference_report(ref64, g_ref64, {"tree": (got, g_got), "expanded": (ref, g_ref)})
+        rep["f64_reference"]["seconds"] = round(ref64.seconds, 4)
     rep = {k: (float(v) if isinstance(v, np.floating) else v) for k, v in rep.items()}
     log.info("verify: log-prob diff %.3g, grad rel diff %.3g, linear bitwise %s, loads equal %s",
              rep["logprob_max_abs_diff"], rep["grad_rel_diff_max"], rep.get("linear_outputs_bitwise_equal"), rep["expert_load_equal"])

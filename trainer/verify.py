@@ -1,13 +1,24 @@
 """Compare two executions of the same step (tree vs trajectory-expanded) for Invariant E (DESIGN §2).
 
 `run_and_capture` runs a plan with log-probs, linear-attention outputs and gradients captured;
-`compare_runs` reports log-prob, loss, gradient, linear-output and expert-load differences.
+`compare_runs` reports log-prob, loss, gradient, linear-output and expert-load differences;
+`f64_reference_report` measures fp32 runs against a float64 run of the same step.
 
 Gradient differences are relative per parameter: max|g_a - g_b| / max(max|g_a|, floor), with
 floor = GRAD_FLOOR (1%) x the largest |g_a| over all parameters. Without the floor, a parameter whose
 gradient is pure cancellation residue (e.g. A_log of a head whose decay exp(g) ~ 1e-9 makes every
 term vanish: |g| ~ 1e-8 while the model's largest gradient is ~1e-1) turns fp32 reassociation
 into a large "relative" number; `grad_rel_diff_raw_max` reports the unfloored value too.
+
+float64 oracle (`harts verify --f64-reference`): the expanded run is itself an fp32 computation, so
+a tree-vs-expanded gradient difference near the target can be the expanded reference's own
+rounding rather than an error of the tree (the tree sums fewer terms). `f64_reference_report`
+compares each fp32 run against the expanded plan run on a float64 copy of the same weights
+(`model.double()` computes in float64 end to end, `trainer.models.qwen3_next.compute_dtype`), with
+the same per-parameter relative error and floor as above: max|g - g64| / max(max|g64|, 1% of the
+largest |g64|). It shows whether the tree's difference is bigger than the expanded reference's own
+fp32 error (`grad_rel_err_tree` vs `grad_rel_err_expanded`, and both runs' errors on the parameter
+where tree and expanded differ most).
 """
 from __future__ import annotations
 
@@ -46,6 +57,56 @@ def _max_abs_rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[fl
     return mx_abs, mx_rel, n
 
 
+def grad_rel_errors(ref_grads: dict[str, torch.Tensor], got_grads: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict[str, float], float]:
+    """Per-parameter relative gradient error of `got_grads` against `ref_grads`.
+
+    Returns (floored, raw, top): floored[name] = max|g_got - g_ref| / max(max|g_ref|, floor) with
+    floor = GRAD_FLOOR x top, top the largest |g_ref| over all parameters; raw[name] divides by
+    max|g_ref| alone. Differences are taken in the wider of the two dtypes (a float64 reference
+    sees an fp32 gradient exactly).
+    """
+    top = max((float(g.abs().max()) for g in ref_grads.values()), default=0.0)
+    floor = max(GRAD_FLOOR * top, 1e-30)
+    floored, raw = {}, {}
+    for name, ga in ref_grads.items():
+        d = float((ga - got_grads[name]).abs().max())
+        scale = float(ga.abs().max())
+        floored[name] = d / max(scale, floor)
+        raw[name] = d / max(scale, 1e-30)
+    return floored, raw, top
+
+
+def f64_reference_report(ref64: StepResult, ref64_grads: dict[str, torch.Tensor],
+                         runs: dict[str, tuple[StepResult, dict[str, torch.Tensor]]]) -> dict:
+    """Errors of each fp32 run (name -> (result, gradients)) against a float64 run of the same step.
+
+    Keys per run NAME: grad_rel_err_NAME (max over parameters of `grad_rel_errors`' floored value),
+    worst_param_NAME, logprob_max_abs_err_NAME (NaN patterns must match, else inf), loss_err_NAME.
+    With runs "tree" and "expanded": diff_param (where the two fp32 runs differ most, by the same
+    measure against the expanded run) with diff_param_err_tree / diff_param_err_expanded (each
+    run's error against float64 there). JSON-serialisable.
+    """
+    out: dict = {}
+    per_run: dict[str, dict[str, float]] = {}
+    for name, (res, grads) in runs.items():
+        per, _, _ = grad_rel_errors(ref64_grads, grads)
+        per_run[name] = per
+        worst = max(per, key=per.get) if per else ""
+        out[f"grad_rel_err_{name}"] = per[worst] if per else 0.0
+        out[f"worst_param_{name}"] = worst
+        if ref64.logprobs is not None and res.logprobs is not None:
+            out[f"logprob_max_abs_err_{name}"] = _max_abs_rel(ref64.logprobs, res.logprobs)[0]
+        out[f"loss_err_{name}"] = abs(res.loss - ref64.loss)
+    if {"tree", "expanded"} <= runs.keys() and per_run["tree"]:
+        diff, _, _ = grad_rel_errors(runs["expanded"][1], runs["tree"][1])
+        name = max(diff, key=diff.get)
+        out["diff_param"] = name
+        out["diff_param_rel_diff"] = diff[name]
+        out["diff_param_err_tree"] = per_run["tree"][name]
+        out["diff_param_err_expanded"] = per_run["expanded"][name]
+    return out
+
+
 def compare_runs(ref: StepResult, ref_grads: dict, got: StepResult, got_grads: dict) -> dict:
     """Differences of `got` against `ref` (the expanded run). JSON-serialisable."""
     out: dict = {}
@@ -54,14 +115,7 @@ def compare_runs(ref: StepResult, ref_grads: dict, got: StepResult, got_grads: d
     out["loss_ref"], out["loss"] = ref.loss, got.loss
     out["loss_diff"] = abs(ref.loss - got.loss)
     if ref_grads and got_grads:
-        top = max(float(g.abs().max()) for g in ref_grads.values()) if ref_grads else 0.0
-        floor = max(GRAD_FLOOR * top, 1e-30)
-        per, raw = {}, {}
-        for name, ga in ref_grads.items():
-            d = float((ga - got_grads[name]).abs().max())
-            scale = float(ga.abs().max())
-            per[name] = d / max(scale, floor)
-            raw[name] = d / max(scale, 1e-30)
+        per, raw, top = grad_rel_errors(ref_grads, got_grads)
         out["grad_rel_diff"] = per
         out["grad_rel_diff_max"] = max(per.values()) if per else 0.0
         out["grad_rel_diff_raw_max"] = max(raw.values()) if raw else 0.0
