@@ -1,9 +1,10 @@
 """Frozen copy of the chunked gated delta rule reference as of commit 8455dbc (before the per-step
-overhead work): the bitwise oracle of `kernels.gated_delta_rule.chunk_ref`.
+overhead work): the oracle of `kernels.gated_delta_rule.chunk_ref`, differentiated by autograd.
 
 Do not optimise this file. `tests/test_gated_delta_rule.py` checks that the live reference returns
-the same bits (outputs, states and every gradient) as this one; the tree-vs-expanded invariance of
-the trainer rests on each chunk's op sequence, which this copy pins. Inputs are assumed valid.
+the same bits for outputs and states as this one (the tree-vs-expanded invariance of the trainer
+rests on each chunk's forward op sequence, which this copy pins) and the same gradients up to
+rounding (the live one writes the recurrence's backward out). Inputs are assumed valid.
 
 Legend: T packed rows, N sequences, M chunks, C chunk size, E exported states, J chunk steps,
 H heads, K key dim, V value dim.

@@ -212,19 +212,27 @@ def forward_backward(fn, x, cu, es, ep, C, l2, **kw):
 
 
 @pytest.mark.parametrize("seeds", [range(0, 12), range(12, 24)], ids=["seeds0-11", "seeds12-23"])
-def test_matches_frozen_v0_bitwise(seeds):
-    """The optimised reference (split per-step pieces, bmm on [rank*H] rows, host export ranks, a
-    prepared layout) returns exactly the bits of the straightforward v0 loop: outputs, states and
-    every gradient, on random varlen calls with exports and initial states."""
+def test_matches_frozen_v0(seeds):
+    """The optimised reference (split per-step pieces, one batch for the outputs, the state recurrence
+    with a written-out backward, a prepared layout) returns exactly the bits of the straightforward
+    v0 loop for outputs and states, and its gradients to fp32 rounding (float64: to 1e-12), on
+    random varlen calls with exports and initial states."""
     for seed in seeds:
         x, cu, es, ep, C, l2 = random_call(seed)
-        want = forward_backward(chunk_gated_delta_rule_v0, x, cu, es, ep, C, l2)
         layout = prepare_layout(cu.numpy(), np.array(es, dtype=np.int64), np.array(ep, dtype=np.int32), C)
-        for kw in ({}, {"layout": layout}):
-            got = forward_backward(chunk_gated_delta_rule, x, cu, es, ep, C, l2, **kw)
-            assert got.keys() == want.keys()
-            for name in want:
-                assert torch.equal(got[name], want[name]), f"seed {seed} {list(kw)}: {name} differs from v0"
+        for dtype, rtol in ((torch.float32, 2e-6), (torch.float64, 1e-12)):
+            xd = {n: (t.to(dtype) if t is not None else None) for n, t in x.items()}
+            want = forward_backward(chunk_gated_delta_rule_v0, xd, cu, es, ep, C, l2)
+            for kw in ({}, {"layout": layout}):
+                got = forward_backward(chunk_gated_delta_rule, xd, cu, es, ep, C, l2, **kw)
+                assert got.keys() == want.keys()
+                for name in want:
+                    if name in ("o", "states") and dtype == torch.float32:
+                        assert torch.equal(got[name], want[name]), f"seed {seed} {list(kw)}: {name} differs from v0"
+                    else:
+                        scale = want[name].abs().max() if want[name].numel() else 0.0
+                        err = (got[name] - want[name]).abs().max() if want[name].numel() else 0.0
+                        assert err <= rtol * scale, f"seed {seed} {dtype} {list(kw)}: {name} off by {err} (scale {scale})"
 
 
 def count_nodes(root, name: str) -> int:
@@ -240,16 +248,19 @@ def count_nodes(root, name: str) -> int:
     return count
 
 
-def test_chunk_loop_has_no_per_step_slices():
-    """The per-chunk tensors are split once per call (their backward concatenates the step gradients)
-    rather than sliced at each step (each slice's backward zero-fills a full-size gradient)."""
-    C, J = 4, 12
-    x, cu = make_inputs([J * C], 2, 4, 4, dtype=torch.float32, seed=20, requires_grad=True)
-    o, _ = run(chunk_gated_delta_rule, x, cu, [0], [J * C], C)
-    assert count_nodes(o.grad_fn, "SplitWithSizesBackward0") == 6
-    assert count_nodes(o.grad_fn, "SliceBackward0") <= 2
-    o0, _ = run(chunk_gated_delta_rule_v0, x, cu, [0], [J * C], C)
-    assert count_nodes(o0.grad_fn, "SliceBackward0") >= 6 * J  # what the check above rules out
+def test_chunk_loop_is_one_autograd_node():
+    """The sequential loop over chunk steps is one autograd node whatever the number of steps: the
+    graph (and the backward's per-node overhead) does not grow with the chunks of a sequence."""
+    C = 4
+    nodes = {}
+    for J in (3, 12):
+        x, cu = make_inputs([J * C], 2, 4, 4, dtype=torch.float32, seed=20, requires_grad=True)
+        o, s = run(chunk_gated_delta_rule, x, cu, [0], [J * C], C)
+        nodes[J] = {n: count_nodes(o.grad_fn, n) for n in ("BmmBackward0", "SliceBackward0", "_StateRecurrenceBackward")}
+    assert nodes[3] == nodes[12]
+    assert nodes[12]["_StateRecurrenceBackward"] == 1
+    o0, _ = run(chunk_gated_delta_rule_v0, x, cu, [0], [12 * C], C)
+    assert count_nodes(o0.grad_fn, "BmmBackward0") >= 3 * 12  # what the check above rules out
 
 
 def test_prepared_layout_is_reused_across_layers():

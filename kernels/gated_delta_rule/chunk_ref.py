@@ -21,17 +21,16 @@ arithmetic are position independent. Not so for `sigmoid`, `softplus` and `silu`
 body and scalar tail round differently), which is why none of them appear here.
 
 Per-step overhead. The loop over j is the sequential part of a call (tree plans run more, shorter
-calls than trajectory-expanded ones), so it runs on [rank * H, *, *] views made once per call:
-every per-chunk tensor is split into its per-step pieces up front (one split node whose backward
-concatenates the step gradients, instead of a full-size zero-filled gradient per slice and step),
-the state is [ranks * H, K, V] so a prefix of ranks is a prefix of rows, the products are plain
-`bmm` (what `matmul` runs on these shapes, minus its reshape nodes), and the exported ranks of
-each step come from the layout (host data, no lookup per step). Every value goes through the same
-kernels on the same per-chunk shapes and strides as before, so outputs, states and gradients are
-bitwise those of the straightforward slicing loop (tests/gated_delta_rule_v0.py keeps it; the
-tests compare them). Strides matter: MKL's `bmm` rounds differently for a transposed or strided
-operand, so each step's output stays an [a, H, C, V] view, which gives its gradient the layout the
-slicing loop gave it (a strided view when a = 1, a contiguous copy otherwise).
+calls than trajectory-expanded ones), so it holds only what needs the running state: per step,
+vnew = U - W S and the state update, on [rank * H, *, *] views of per-slot tensors (a prefix of
+ranks is a prefix of rows), with the exported ranks of each step from the layout (host data).
+The loop is one autograd Function (`_StateRecurrence`) whose backward is written out (two `bmm`
+per step, no graph node per op); it returns the state entering every chunk, from which the
+outputs O = (q exp(G)) S + ((q k^T) * D) V' are one batch over all chunks. Every forward value goes
+through the same kernels on the same per-chunk shapes and strides as the straightforward slicing
+loop (tests/gated_delta_rule_v0.py keeps it), so outputs and states are bitwise its; gradients
+equal its up to reassociation (tests compare both). Strides matter: MKL's `bmm` rounds differently
+for a transposed or strided operand, so forward operands keep v0's layouts.
 
 Legend: T packed rows, N sequences, M chunks, C chunk size, E exported states, H heads, K key dim,
 V value dim, a sequences active at a step, B = a * H rows of a step.
@@ -55,6 +54,81 @@ def _to_chunks(x_TX: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     x_MCX = pad_TX.index_select(0, layout.gather_MC.reshape(-1))
     x_MCX = x_MCX.reshape(layout.num_chunks, layout.chunk_size, *x_TX.shape[1:])
     return x_MCX.movedim(1, 2).contiguous()
+
+
+class _StateRecurrence(torch.autograd.Function):
+    """The sequential part of a call, with its backward written out.
+
+    Rows ("B" = (rank, head) pairs) follow the layout's slot order: step j owns rows
+    [chunk_off[j] * H, (chunk_off[j] + active[j]) * H) of every [M * H, ...] input, and its active
+    ranks are a prefix of the state's rows. Per step j, on those rows:
+
+        Sin_j   = S                                    the state entering chunk j (an output)
+        vnew_j  = u_j - w_j S                          (an output)
+        S      <- decay_j S + kdecT_j vnew_j           exported rows after step j (an output)
+
+    Backward, j from last to first, with G = dL/dS after step j (export cotangents added in):
+
+        dvnew_j = dvnew_j(out) + kdecT_j^T G           G <- decay_j G - w_j^T dvnew_j + dSin_j(out)
+
+    and the per-chunk parameter gradients in one batch afterwards (dw = -dvnew Sin^T,
+    dkdecT = G_after vnew^T, ddecay = sum(G_after * Sin)). Two `bmm` and three elementwise ops per
+    step each way, no autograd node per op: the loop is where tree plans (more, shorter calls)
+    pay per-step overhead. The forward runs exactly the ops of the straightforward loop
+    (tests/gated_delta_rule_v0.py), so outputs and states keep its bits; gradients agree to
+    rounding (float64: to 1e-12; fp32: reassociated sums).
+    """
+
+    @staticmethod
+    def forward(ctx, u_BCV, w_BCK, kdecT_BKC, decay_B11, S0_BKV, rows_J, export_ranks_J, H):
+        Sin_BKV = u_BCV.new_empty((u_BCV.shape[0], *S0_BKV.shape[1:]))
+        vnew_BCV = torch.empty_like(u_BCV)
+        exported = []
+        S_BKV, r0 = S0_BKV, 0
+        for j, B in enumerate(rows_J):
+            S_BKV = S_BKV[:B]
+            rows = slice(r0, r0 + B)
+            Sin_BKV[rows] = S_BKV
+            vnew = torch.sub(u_BCV[rows], torch.bmm(w_BCK[rows], S_BKV), out=vnew_BCV[rows])
+            S_BKV = S_BKV * decay_B11[rows] + torch.bmm(kdecT_BKC[rows], vnew)
+            ranks = export_ranks_J.get(j)
+            if ranks is not None:
+                exported.append(S_BKV.view(B // H, H, *S_BKV.shape[1:]).index_select(0, ranks))
+            r0 += B
+        exported_XHKV = torch.cat(exported) if exported else S0_BKV.new_zeros(0, H, *S0_BKV.shape[1:])
+        ctx.save_for_backward(w_BCK, kdecT_BKC, decay_B11, Sin_BKV, vnew_BCV)
+        ctx.plan = (rows_J, export_ranks_J, H, S0_BKV.shape[0])
+        return Sin_BKV, vnew_BCV, exported_XHKV
+
+    @staticmethod
+    def backward(ctx, dSin_BKV, dvnew_out_BCV, dexported_XHKV):
+        w_BCK, kdecT_BKC, decay_B11, Sin_BKV, vnew_BCV = ctx.saved_tensors
+        rows_J, export_ranks_J, H, N_H = ctx.plan
+        # Export cotangents per step (the forward concatenated them step by step).
+        dexp_J, x0 = {}, 0
+        for j in sorted(export_ranks_J):
+            n = export_ranks_J[j].shape[0]
+            dexp_J[j] = dexported_XHKV[x0 : x0 + n]
+            x0 += n
+        dvnew_BCV = torch.empty_like(vnew_BCV)
+        Gafter_BKV = torch.empty_like(Sin_BKV)
+        # Rows of ranks whose sequence has no chunk after step j are zero until their last step.
+        G_BKV = Sin_BKV.new_zeros(N_H, *Sin_BKV.shape[1:])
+        ends = [sum(rows_J[: j + 1]) for j in range(len(rows_J))]
+        for j in reversed(range(len(rows_J))):
+            B = rows_J[j]
+            rows = slice(ends[j] - B, ends[j])
+            G = G_BKV[:B]
+            if j in dexp_J:
+                G.view(B // H, H, *G.shape[1:]).index_add_(0, export_ranks_J[j], dexp_J[j])
+            Gafter_BKV[rows] = G
+            # bmm + add rather than baddbmm: CPU baddbmm with a transposed operand loops over the batch.
+            dvnew = torch.add(dvnew_out_BCV[rows], torch.bmm(kdecT_BKC[rows].transpose(1, 2), G), out=dvnew_BCV[rows])
+            G.mul_(decay_B11[rows]).sub_(torch.bmm(w_BCK[rows].transpose(1, 2), dvnew)).add_(dSin_BKV[rows])
+        dw_BCK = -torch.bmm(dvnew_BCV, Sin_BKV.transpose(1, 2))
+        dkdecT_BKC = torch.bmm(Gafter_BKV, vnew_BCV.transpose(1, 2))
+        ddecay_B11 = (Gafter_BKV * Sin_BKV).sum(dim=(1, 2), keepdim=True)
+        return dvnew_BCV, dw_BCK, dkdecT_BKC, ddecay_B11, G_BKV, None, None, None
 
 
 def resolve_layout(
@@ -169,36 +243,17 @@ def chunk_gated_delta_rule_ref(
     kdecT_MHKC = (k_MHCK * (Glast_MH1 - G_MHC).exp()[..., None]).transpose(-1, -2)
     chunk_decay_MH11 = Glast_MH1.exp()[..., None]
 
-    # Per-step pieces, rows = (rank, head) pairs of the step's active sequences ("B" = a * H).
-    rows_J = [a * H for a in layout.active_J]
-    u_J = u_MHCV.reshape(M * H, C, V).split(rows_J)
-    w_J = w_MHCK.reshape(M * H, C, K).split(rows_J)
-    qdec_J = qdec_MHCK.reshape(M * H, C, K).split(rows_J)
-    attn_J = attn_MHCC.reshape(M * H, C, C).split(rows_J)
-    kdecT_J = kdecT_MHKC.reshape(M * H, K, C).split(rows_J)
-    chunk_decay_J = chunk_decay_MH11.reshape(M * H, 1, 1).split(rows_J)
-
     if initial_state is None:
-        S_NHKV = q_THK.new_zeros(N, H, K, V)
+        S0_BKV = q_THK.new_zeros(N * H, K, V)
     else:
-        S_NHKV = initial_state.to(dt).index_select(0, layout.rank_to_seq_N)
-    S_BKV = S_NHKV.reshape(N * H, K, V)
-    o_parts, state_parts = [], []
-    for j, (a, B) in enumerate(zip(layout.active_J, rows_J)):
-        if B != S_BKV.shape[0]:
-            S_BKV = S_BKV[:B]
-        vnew_BCV = u_J[j] - torch.bmm(w_J[j], S_BKV)
-        o_BCV = torch.bmm(qdec_J[j], S_BKV) + torch.bmm(attn_J[j], vnew_BCV)
-        o_parts.append(o_BCV.view(a, H, C, V))
-        S_BKV = S_BKV * chunk_decay_J[j] + torch.bmm(kdecT_J[j], vnew_BCV)
-        ranks = layout.export_ranks_J.get(j)
-        if ranks is not None:
-            state_parts.append(S_BKV.view(a, H, K, V).index_select(0, ranks))
-
-    o_MCHV = torch.cat(o_parts).movedim(2, 1)
+        S0_BKV = initial_state.to(dt).index_select(0, layout.rank_to_seq_N).reshape(N * H, K, V)
+    rows_J = [a * H for a in layout.active_J]
+    Sin_BKV, vnew_BCV, exported_XHKV = _StateRecurrence.apply(
+        u_MHCV.reshape(M * H, C, V), w_MHCK.reshape(M * H, C, K), kdecT_MHKC.reshape(M * H, K, C),
+        chunk_decay_MH11.reshape(M * H, 1, 1), S0_BKV, rows_J, layout.export_ranks_J, H,
+    )
+    # The outputs need no recurrence: one batch over every chunk once the incoming states are known.
+    o_BCV = torch.bmm(qdec_MHCK.reshape(M * H, C, K), Sin_BKV) + torch.bmm(attn_MHCC.reshape(M * H, C, C), vnew_BCV)
+    o_MCHV = o_BCV.view(M, H, C, V).movedim(2, 1)
     o_THV = o_MCHV.reshape(M * C, H, V).index_select(0, layout.row_slot_T).to(out_dtype)
-    if state_parts:
-        states_EHKV = torch.cat(state_parts).index_select(0, layout.export_order_E)
-    else:
-        states_EHKV = q_THK.new_zeros(0, H, K, V)
-    return o_THV, states_EHKV
+    return o_THV, exported_XHKV.index_select(0, layout.export_order_E)
