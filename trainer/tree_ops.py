@@ -414,6 +414,11 @@ def linear_attention(
     states: list[torch.Tensor | None] = [None] * num_states
     zero = torch.zeros(H, Kd, Vd, dtype=torch.promote_types(q_RHK.dtype, torch.float32), device=q_RHK.device)
     kept = []
+    # One gather for all calls (replay rows appear in several): its backward is one index_add into
+    # one zero-filled gradient, where a gather per call zero-fills a full [R, ...] gradient each.
+    sizes = [int(call.gather_idx.shape[0]) for call in calls]
+    idx_all = calls[0].gather_idx if len(calls) == 1 else torch.cat([call.gather_idx for call in calls])
+    gathered = [x.index_select(0, idx_all).split(sizes) for x in (q_RHK, k_RHK, v_RHV, g_RH, beta_RH)]
     for c, call in enumerate(calls):
         inits = []
         for kind, sid in zip(call.init_kind, call.init_state):
@@ -427,19 +432,17 @@ def linear_attention(
                 if imported_states is None:
                     raise ValueError(f"linear_calls[{c}]: imported state {sid} but no imports were given")
                 inits.append(imported_states[sid])
-        idx = call.gather_idx
         if call.kernel_layout is None:
             call.kernel_layout = prepare_layout(call.cu_seqlens, call.export_seq, call.export_pos, chunk_size,
                                                 device=q_RHK.device)
         o, st = fn(
-            q_RHK.index_select(0, idx), k_RHK.index_select(0, idx), v_RHV.index_select(0, idx),
-            g_RH.index_select(0, idx), beta_RH.index_select(0, idx),
+            *(x[c] for x in gathered),
             cu_seqlens=call.cu_seqlens, initial_state=torch.stack(inits), export_seq=call.export_seq,
             export_pos=call.export_pos, chunk_size=chunk_size, scale=None, use_qk_l2norm=True,
             layout=call.kernel_layout,
         )
-        for e, sid in enumerate(call.export_state):
-            states[sid] = st[e]
+        for sid, state in zip(call.export_state, st.unbind(0)):  # one unbind: its backward stacks
+            states[sid] = state
         kept.append(o.index_select(0, call.keep_idx))
     if exported is not None:
         exported.update({i: s for i, s in enumerate(states) if s is not None})

@@ -259,10 +259,13 @@ class Experts(nn.Module):
         x_AD = x_RD.index_select(0, rows_A)
         w_A = weight_Rk.reshape(-1).index_select(0, order_A)
         parts, lo = [], 0
+        # unbind, not [e]: one node whose backward stacks, where each select's backward would
+        # zero-fill a gradient of the whole [E, ...] weight.
+        gate_up_E, down_E = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e, n in enumerate(counts):
             if n:
-                gate, up = row_linear(x_AD[lo : lo + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                parts.append(row_linear(silu(gate) * up, self.down_proj[e]))
+                gate, up = row_linear(x_AD[lo : lo + n], gate_up_E[e]).chunk(2, dim=-1)
+                parts.append(row_linear(silu(gate) * up, down_E[e]))
             lo += n
         h_AD = torch.cat(parts) * w_A[:, None] if parts else x_AD
         return torch.zeros_like(x_RD).index_add(0, rows_A, h_AD.to(x_RD.dtype))
