@@ -52,6 +52,7 @@ def bench_workload(name: str, scheme: str, tasks: int, scale: float, knobs: dict
     from planner_service.planner import PlanConfig, plan_step
     from trainer.executor import Executor, ExecutorConfig
     from trainer.models import build_model
+    from trainer.optim import make_optimizer
 
     forest = forest_from_json(generate(scheme, tasks, seed, scale, **knobs))
     longest = int(forest.traj_length().max())
@@ -67,7 +68,7 @@ def bench_workload(name: str, scheme: str, tasks: int, scale: float, knobs: dict
     runs = {}
     for label, plan in (("tree", tree_plan), ("expanded", flat_plan)):
         model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = make_optimizer(model.parameters(), lr=1e-4)
         runs[label] = (Executor(model, ExecutorConfig(chunk_size=chunk_size)), plan, opt)
     times = {"tree": [], "expanded": []}
     cpu = {"tree": [], "expanded": []}

@@ -263,14 +263,15 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     Executor = _optional("trainer.executor", "Executor")
     ExecutorConfig = _optional("trainer.executor", "ExecutorConfig")
     build_model = _optional("trainer.models.loading", "build_model")
-    if Executor is None or ExecutorConfig is None or build_model is None:
+    make_optimizer = _optional("trainer.optim", "make_optimizer")
+    if Executor is None or ExecutorConfig is None or build_model is None or make_optimizer is None:
         return {"trainer_note": "trainer (trainer.executor.Executor) not present yet"}
     import torch
 
     torch.manual_seed(0)
     model = build_model("tiny" if cfg.quick else cfg.model, seed=0)
     ex = Executor(model, ExecutorConfig(chunk_size=plan.header.params.chunk_size))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = make_optimizer(model.parameters(), lr=1e-5)
     steps = cfg.trainer_steps if cfg.trainer_steps is not None else (1 if cfg.quick else 3)
     wall: dict[str, list[float]] = {"tree": [], "expanded": []}
     cpu: dict[str, list[float]] = {"tree": [], "expanded": []}

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from proto.plan_io import open_sealed
     from trainer.executor import Executor, ExecutorConfig
     from trainer.models import build_model
+    from trainer.optim import make_optimizer
 
     if args.steps < 1:
         raise ValueError(f"--steps: expected >= 1, got {args.steps}")
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     core = PlannerCore(ServiceConfig(db_path=str(out / "planner.db"), conv_kernel=model.config.linear_conv_kernel_dim))
     core.start()
     executor = Executor(model, ExecutorConfig(chunk_size=args.chunk_size))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(model.parameters(), lr=args.lr)
     log.info("model %s: %.2fM parameters, %d layers (%s)", args.model, sum(p.numel() for p in model.parameters()) / 1e6,
              model.config.num_hidden_layers, ", ".join(model.config.layer_types))
 

@@ -24,6 +24,7 @@ from trainer import checkpoint
 from trainer.client import PlannerClient
 from trainer.executor import Executor, ExecutorConfig
 from trainer.models import build_model
+from trainer.optim import make_optimizer
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +81,7 @@ def reference(server):
     torch.set_num_threads(1)
     try:
         model = build_model("tiny", seed=SEED)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        opt = make_optimizer(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         ex = Executor(model, ExecutorConfig(chunk_size=C))
         states, norms, losses = [_params(model)], [], []
         with PlannerClient(server.http_url, token=TOKEN) as c:

@@ -131,6 +131,7 @@ def train(cfg: TrainConfig) -> dict:
     from trainer.distributed import broadcast_parameters, init_distributed, shutdown
     from trainer.executor import Executor, ExecutorConfig
     from trainer.models import build_model
+    from trainer.optim import make_optimizer
 
     stop = _StopFlag()
     stop.install()
@@ -142,7 +143,7 @@ def train(cfg: TrainConfig) -> dict:
         model = build_model(cfg.model, seed=cfg.seed).to(ctx.device)
         broadcast_parameters(model, ctx)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        opt = make_optimizer(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         executor = Executor(model, ExecutorConfig(chunk_size=cfg.chunk_size, backend=cfg.backend))
 
         start = 0
