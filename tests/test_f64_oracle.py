@@ -131,6 +131,8 @@ def test_f64_reference_report_values():
     # tree and expanded differ most on A_log, where the expanded run (not the tree) is off
     assert rep["diff_param"] == "A_log" and rep["diff_param_err_tree"] == 0.0
     assert rep["diff_param_err_expanded"] == rep["grad_rel_err_expanded"]
+    assert rep["at_worst_params"] == {"w": {"tree": 2**-12, "expanded": 0.0, "tree_vs_expanded": 2**-12},
+                                      "A_log": {"tree": 0.0, "expanded": 2**-7, "tree_vs_expanded": 2**-8 / (0.5 + 2**-8)}}
     json.dumps(rep)
 
 

@@ -84,7 +84,8 @@ def f64_reference_report(ref64: StepResult, ref64_grads: dict[str, torch.Tensor]
     worst_param_NAME, logprob_max_abs_err_NAME (NaN patterns must match, else inf), loss_err_NAME.
     With runs "tree" and "expanded": diff_param (where the two fp32 runs differ most, by the same
     measure against the expanded run) with diff_param_err_tree / diff_param_err_expanded (each
-    run's error against float64 there). JSON-serialisable.
+    run's error against float64 there), and at_worst_params: for each of worst_param_tree,
+    worst_param_expanded and diff_param, both runs' errors and their difference. JSON-serialisable.
     """
     out: dict = {}
     per_run: dict[str, dict[str, float]] = {}
@@ -104,6 +105,10 @@ def f64_reference_report(ref64: StepResult, ref64_grads: dict[str, torch.Tensor]
         out["diff_param_rel_diff"] = diff[name]
         out["diff_param_err_tree"] = per_run["tree"][name]
         out["diff_param_err_expanded"] = per_run["expanded"][name]
+        out["at_worst_params"] = {
+            n: {"tree": per_run["tree"][n], "expanded": per_run["expanded"][n], "tree_vs_expanded": diff[n]}
+            for n in dict.fromkeys((out["worst_param_tree"], out["worst_param_expanded"], name))
+        }
     return out
 
 
