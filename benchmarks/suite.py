@@ -9,11 +9,13 @@ that is not there yet is skipped and the results say so. Writes into `benchmarks
 - `README-table.md`: the headline table for the top-level README (the lead pastes it);
 - `<name>.md` per benchmark, `results.json` (everything), `compression.png`, `planner.png`.
 
-Headline, per synthetic agentic workload (`benchmarks/workloads.py`, fixed seeds): ideal
+Headline, per synthetic agentic workload (`benchmarks/workloads.py`, fixed seeds): token
 compression (expanded / unique tokens), computed / unique tokens of the plan, planner time (Numba
 vs the plain-Python reference), sequential linear-attention calls (tree vs expanded plan), and the
 update throughput (forward + backward + optimizer step, expanded tokens/s) of tree vs expanded
-execution on a small hybrid model, as a ratio and as a fraction of the ideal compression.
+execution on a small hybrid model, as a ratio and as a fraction of the ideal: the plan's FLOP
+compression (`trainer.flops`: FLOPs of the expanded plan / FLOPs of the tree plan, which counts
+replay rows and weighs attention by depth).
 
 Modes: default CPU scale (a few minutes on 2 cores); `--quick` (tiny inputs, for tests);
 `--full`: planning only, at full scale (tens of millions of expanded tokens per workload).
@@ -264,7 +266,8 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     ExecutorConfig = _optional("trainer.executor", "ExecutorConfig")
     build_model = _optional("trainer.models.loading", "build_model")
     make_optimizer = _optional("trainer.optim", "make_optimizer")
-    if Executor is None or ExecutorConfig is None or build_model is None or make_optimizer is None:
+    plan_flops = _optional("trainer.flops", "plan_flops")
+    if None in (Executor, ExecutorConfig, build_model, make_optimizer, plan_flops):
         return {"trainer_note": "trainer (trainer.executor.Executor) not present yet"}
     import torch
 
@@ -288,7 +291,14 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     n_e = row["expanded_tokens"]
     tree_s, exp_s = min(cpu["tree"]), min(cpu["expanded"])
     ratio = exp_s / tree_s
+    chunk_size = plan.header.params.chunk_size
+    flops_tree = plan_flops(plan, model.config, chunk_size=chunk_size)
+    flops_expanded = plan_flops(expanded, model.config, chunk_size=chunk_size)
+    flop_compression = flops_expanded.total / flops_tree.total
     return {
+        "flops_tree": flops_tree.as_dict(),
+        "flops_expanded": flops_expanded.as_dict(),
+        "flop_compression": flop_compression,
         "tree_step_cpu_seconds": tree_s,
         "expanded_step_cpu_seconds": exp_s,
         "tree_step_seconds": min(wall["tree"]),
@@ -297,7 +307,8 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
         "expanded_tokens_per_cpu_s": n_e / exp_s,
         "throughput_ratio": ratio,
         "throughput_ratio_wall": min(wall["expanded"]) / min(wall["tree"]),
-        "fraction_of_ideal": ratio / row["compression_ideal"],
+        "fraction_of_ideal": ratio / flop_compression,
+        "fraction_of_token_compression": ratio / row["compression_ideal"],
     }
 
 
@@ -419,14 +430,16 @@ def _fmt(v) -> str:
 HEADLINE = (
     ("workload", "workload"),
     ("expanded_tokens", "expanded tokens"),
-    ("compression_ideal", "ideal compression"),
+    ("compression_ideal", "token compression"),
     ("computed_per_unique", "computed / unique"),
     ("compression_achieved", "achieved compression"),
     ("planner_seconds", "planner Numba (s)"),
     ("planner_ref_seconds", "planner reference (s)"),
     ("calls", "linear-attn calls tree / expanded"),
+    ("flop_compression", "ideal: FLOP compression"),
     ("throughput_ratio", "update throughput tree / expanded"),
     ("fraction_of_ideal", "fraction of ideal"),
+    ("fraction_of_token_compression", "ratio / token compression"),
 )
 
 
@@ -441,9 +454,9 @@ def headline_table(rows: list[dict]) -> str:
             if key == "calls":
                 cells.append(f"{_fmt(r.get('linear_attention_calls'))} / {_fmt(r.get('linear_attention_calls_expanded'))}"
                              if "linear_attention_calls" in r else "-")
-            elif key in ("compression_ideal", "compression_achieved", "throughput_ratio") and key in r:
+            elif key in ("compression_ideal", "compression_achieved", "flop_compression", "throughput_ratio") and key in r:
                 cells.append(f"{r[key]:.2f}x")
-            elif key == "fraction_of_ideal" and key in r:
+            elif key in ("fraction_of_ideal", "fraction_of_token_compression") and key in r:
                 cells.append(f"{100 * r[key]:.0f}%")
             else:
                 cells.append(_fmt(r.get(key)))
@@ -529,7 +542,9 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
              f"`{doc['command']}`, commit {doc['machine']['commit']}, {doc['machine']['cpus']} CPUs). ")
     intro += ("Planning only." if cfg.full else
               f"Update throughput: the `{'tiny' if cfg.quick else cfg.model}` Qwen3-Next-style model on the CPU, forward + backward + AdamW step, "
-              "expanded tokens per CPU second; fraction of ideal = throughput ratio / ideal compression.")
+              "expanded tokens per CPU second; fraction of ideal = throughput ratio / the plan's FLOP compression "
+              "(`trainer/flops.py`: expanded plan FLOPs / tree plan FLOPs); the last column divides by the token "
+              "compression instead.")
     if not cfg.full and (not cfg.only or "workloads" in cfg.only):
         readme = [intro, "", table, "", _published_line(), *([""] + notes if notes else []), "",
                   "![compression](benchmarks/results/compression.png)", ""]
@@ -567,7 +582,7 @@ def _json_default(v):
 
 
 def write_plots(rows: list[dict], out: Path, suffix: str = "") -> list[Path]:
-    """compression.png (ideal / achieved compression and throughput ratio per workload, published
+    """compression.png (token / plan / FLOP compression and throughput ratio per workload, published
     figures as a band) and planner.png (Numba vs reference planner seconds)."""
     import matplotlib
 
@@ -577,8 +592,9 @@ def write_plots(rows: list[dict], out: Path, suffix: str = "") -> list[Path]:
     paths = []
     names = [r["workload"] for r in rows]
     x = np.arange(len(rows))
-    series = [("compression_ideal", "ideal compression (expanded / unique)"),
+    series = [("compression_ideal", "token compression (expanded / unique)"),
               ("compression_achieved", "plan compression (expanded / computed)"),
+              ("flop_compression", "ideal: FLOP compression of the plan"),
               ("throughput_ratio", "update throughput, tree / expanded")]
     series = [(k, label) for k, label in series if any(k in r for r in rows)]
     fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=110)

@@ -52,7 +52,7 @@ def test_quick_suite_writes_results(quick_run):
     table = (out / "README-table.md").read_text()
     for row in rows:
         assert f"| {row['workload']} |" in summary and f"| {row['workload']} |" in table
-    assert "ideal compression" in table and "HARTS" in table and "compression.png" in table
+    assert "token compression" in table and "HARTS" in table and "compression.png" in table
     assert (out / "compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -66,7 +66,13 @@ def test_trainer_throughput_on_a_tiny_workload():
     assert row["throughput_ratio"] == pytest.approx(row["expanded_step_cpu_seconds"] / row["tree_step_cpu_seconds"])
     assert row["throughput_ratio_wall"] == pytest.approx(row["expanded_step_seconds"] / row["tree_step_seconds"])
     assert row["tree_tokens_per_cpu_s"] == pytest.approx(row["expanded_tokens"] / row["tree_step_cpu_seconds"])
-    assert row["fraction_of_ideal"] == pytest.approx(row["throughput_ratio"] / row["compression_ideal"])
+    assert row["fraction_of_ideal"] == pytest.approx(row["throughput_ratio"] / row["flop_compression"])
+    assert row["fraction_of_token_compression"] == pytest.approx(row["throughput_ratio"] / row["compression_ideal"])
+    # Replay rows cost the tree plan kernel FLOPs and its deep rows cost attention: the FLOP ideal
+    # sits below the token compression and above the plan's achieved (row) compression here.
+    assert row["flops_tree"]["linear_kernel"] > 0 and row["flops_expanded"]["attention"] > row["flops_tree"]["attention"]
+    assert row["flop_compression"] == pytest.approx(row["flops_expanded"]["total"] / row["flops_tree"]["total"])
+    assert row["compression_achieved"] <= row["flop_compression"] <= row["compression_ideal"]
 
 
 def test_missing_and_failing_modules_are_reported(tmp_path, monkeypatch):
@@ -98,17 +104,17 @@ def test_missing_and_failing_modules_are_reported(tmp_path, monkeypatch):
 def test_headline_table_formats_every_column():
     row = {"workload": "tree (k=2)", "expanded_tokens": 123456, "compression_ideal": 6.0, "computed_per_unique": 1.04,
            "compression_achieved": 5.77, "planner_seconds": 0.0123, "planner_ref_seconds": 1.5,
-           "linear_attention_calls": 4, "linear_attention_calls_expanded": 1, "throughput_ratio": 4.8,
-           "fraction_of_ideal": 0.8}
+           "linear_attention_calls": 4, "linear_attention_calls_expanded": 1, "flop_compression": 5.9,
+           "throughput_ratio": 4.8, "fraction_of_ideal": 0.81, "fraction_of_token_compression": 0.8}
     table = suite.headline_table([row, {"workload": "bare"}])
     header, rule, full, bare = table.splitlines()
     assert header.count("|") == rule.count("|") == full.count("|") == bare.count("|") == len(suite.HEADLINE) + 1
-    assert full == "| tree (k=2) | 123,456 | 6.00x | 1.040 | 5.77x | 0.012 | 1.500 | 4 / 1 | 4.80x | 80% |"
+    assert full == "| tree (k=2) | 123,456 | 6.00x | 1.040 | 5.77x | 0.012 | 1.500 | 4 / 1 | 5.90x | 4.80x | 81% | 80% |"
     assert bare == "| bare |" + " - |" * (len(suite.HEADLINE) - 1)
     # Planning only (--full): the throughput columns are left out.
-    planned = {k: v for k, v in row.items() if k not in ("throughput_ratio", "fraction_of_ideal")}
+    planned = {k: v for k, v in row.items() if k not in ("flop_compression", "throughput_ratio", "fraction_of_ideal", "fraction_of_token_compression")}
     header, _, line = suite.headline_table([planned]).splitlines()
-    assert "throughput" not in header and "fraction" not in header and line.endswith("| 4 / 1 |")
+    assert "throughput" not in header and "FLOP" not in header and line.endswith("| 4 / 1 |")
 
 
 def test_modes_and_names():
