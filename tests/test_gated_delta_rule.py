@@ -213,10 +213,10 @@ def forward_backward(fn, x, cu, es, ep, C, l2, **kw):
 
 @pytest.mark.parametrize("seeds", [range(0, 12), range(12, 24)], ids=["seeds0-11", "seeds12-23"])
 def test_matches_frozen_v0(seeds):
-    """The optimised reference (split per-step pieces, one batch for the outputs, the state recurrence
-    with a written-out backward, a prepared layout) returns exactly the bits of the straightforward
-    v0 loop for outputs and states, and its gradients to fp32 rounding (float64: to 1e-12), on
-    random varlen calls with exports and initial states."""
+    """The optimised reference (float64 gate cumsums, one batch for the outputs, the state recurrence
+    with a written-out backward, a prepared layout) agrees with the straightforward v0 loop on
+    random varlen calls with exports and initial states: to fp32 rounding in fp32 (v0 forms the gate
+    cumsums in fp32), to 1e-12 in float64 (outputs, states and every gradient)."""
     for seed in seeds:
         x, cu, es, ep, C, l2 = random_call(seed)
         layout = prepare_layout(cu.numpy(), np.array(es, dtype=np.int64), np.array(ep, dtype=np.int32), C)
@@ -227,12 +227,25 @@ def test_matches_frozen_v0(seeds):
                 got = forward_backward(chunk_gated_delta_rule, xd, cu, es, ep, C, l2, **kw)
                 assert got.keys() == want.keys()
                 for name in want:
-                    if name in ("o", "states") and dtype == torch.float32:
-                        assert torch.equal(got[name], want[name]), f"seed {seed} {list(kw)}: {name} differs from v0"
-                    else:
-                        scale = want[name].abs().max() if want[name].numel() else 0.0
-                        err = (got[name] - want[name]).abs().max() if want[name].numel() else 0.0
-                        assert err <= rtol * scale, f"seed {seed} {dtype} {list(kw)}: {name} off by {err} (scale {scale})"
+                    scale = want[name].abs().max() if want[name].numel() else 0.0
+                    err = (got[name] - want[name]).abs().max() if want[name].numel() else 0.0
+                    assert err <= rtol * scale, f"seed {seed} {dtype} {list(kw)}: {name} off by {err} (scale {scale})"
+
+
+def test_strong_decays_stay_accurate_in_fp32():
+    """Heads that decay fast (log decay down to -10 per token, C = 64) make the in-chunk cumulative
+    decays large: formed in fp32, exp(G_i - G_j) loses ~1e-5 of its value to the cancellation and
+    outputs and gate gradients drift by several 1e-6 from the float64 oracle (3.5e-6 and 6e-6
+    measured); formed in float64 and rounded once, every fp32 result stays within 5e-7."""
+    x, cu = make_inputs([200, 77], 2, 16, 16, dtype=torch.float64, seed=3)
+    x["g"] = -10.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    es, ep = [0, 1], [200, 77]
+    want = forward_backward(naive_gated_delta_rule, x, cu, es, ep, 64, True)
+    x32 = {n: t.float() if t is not None else None for n, t in x.items()}
+    got = forward_backward(chunk_gated_delta_rule, x32, cu, es, ep, 64, True)
+    for name in want:
+        err = float((got[name].detach().double() - want[name].detach()).abs().max() / want[name].detach().abs().max())
+        assert err <= 5e-7, f"{name}: relative error {err:.2e} against the float64 oracle"
 
 
 def count_nodes(root, name: str) -> int:

@@ -9,6 +9,15 @@ i >= j, else 0), as in transformers' `torch_chunk_gated_delta_rule` and fla's WY
     O   = (q exp(G)) S + ((q k^T) * D) V'
     S  <- exp(G_last) S + (k exp(G_last - G))^T V'
 
+Gate precision. G, its differences and their exponentials are formed in float64 and rounded once
+to the compute dtype. In fp32, G reaches -C x |g| (hundreds for fast-decaying heads) and
+G_i - G_j cancels: its error, ~1e-5 of the decay, moved outputs and gate gradients by several 1e-6
+against the float64 oracle, and made the trajectory-expanded run's A_log / dt_bias gradients (each
+shared chunk differentiated once per trajectory) differ from the tree run's (once, with summed
+cotangents) by up to 1.6e-5 relative. In float64 these per-chunk [C] and [C, C] terms cost little
+beside the chunk's matmuls, and both stay below 5e-7 and 3e-6 (tests/test_gated_delta_rule.py,
+`harts verify`). The matmul operands stay fp32.
+
 Batch invariance (DESIGN §2, §5.3: the tree run and the trajectory-expanded run must give bitwise
 equal fp32 outputs on CPU). Each chunk is computed by the same op sequence on tensors of the same
 per-chunk shape, whatever else is in the call: every sequence is padded to a multiple of C (pad rows
@@ -26,11 +35,11 @@ vnew = U - W S and the state update, on [rank * H, *, *] views of per-slot tenso
 ranks is a prefix of rows), with the exported ranks of each step from the layout (host data).
 The loop is one autograd Function (`_StateRecurrence`) whose backward is written out (two `bmm`
 per step, no graph node per op); it returns the state entering every chunk, from which the
-outputs O = (q exp(G)) S + ((q k^T) * D) V' are one batch over all chunks. Every forward value goes
-through the same kernels on the same per-chunk shapes and strides as the straightforward slicing
-loop (tests/gated_delta_rule_v0.py keeps it), so outputs and states are bitwise its; gradients
-equal its up to reassociation (tests compare both). Strides matter: MKL's `bmm` rounds differently
-for a transposed or strided operand, so forward operands keep v0's layouts.
+outputs O = (q exp(G)) S + ((q k^T) * D) V' are one batch over all chunks. The straightforward
+slicing loop under autograd (tests/gated_delta_rule_v0.py keeps it) is the oracle: the tests compare
+outputs, states and gradients (1e-12 in float64). Every per-chunk product keeps fixed shapes and
+strides whatever the call (MKL's `bmm` rounds differently for a transposed or strided operand), so
+batch invariance holds; the tests pin it with packings and splits.
 
 Legend: T packed rows, N sequences, M chunks, C chunk size, E exported states, H heads, K key dim,
 V value dim, a sequences active at a step, B = a * H rows of a step.
@@ -74,9 +83,8 @@ class _StateRecurrence(torch.autograd.Function):
     and the per-chunk parameter gradients in one batch afterwards (dw = -dvnew Sin^T,
     dkdecT = G_after vnew^T, ddecay = sum(G_after * Sin)). Two `bmm` and three elementwise ops per
     step each way, no autograd node per op: the loop is where tree plans (more, shorter calls)
-    pay per-step overhead. The forward runs exactly the ops of the straightforward loop
-    (tests/gated_delta_rule_v0.py), so outputs and states keep its bits; gradients agree to
-    rounding (float64: to 1e-12; fp32: reassociated sums).
+    pay per-step overhead. Its forward runs the ops of the straightforward loop; gradients agree
+    with autograd through that loop to rounding (float64: to 1e-12).
     """
 
     @staticmethod
@@ -227,21 +235,23 @@ def chunk_gated_delta_rule_ref(
     g_MHC = _to_chunks(g_TH.to(dt), layout)
     beta_MHC = _to_chunks(beta_TH.to(dt), layout)
 
-    G_MHC = g_MHC.cumsum(dim=-1)
-    decay_MHCC = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill(layout.above_diag_CC, float("-inf")).exp()
+    G64_MHC = g_MHC.double().cumsum(dim=-1)
+    decay_MHCC = (G64_MHC[..., :, None] - G64_MHC[..., None, :]).masked_fill(layout.above_diag_CC, float("-inf")).exp().to(dt)
+    Gexp_MHC = G64_MHC.exp().to(dt)
+    Glast_MH1 = G64_MHC[..., -1:]
+    kdec_MHC = (Glast_MH1 - G64_MHC).exp().to(dt)
+    chunk_decay_MH11 = Glast_MH1.exp().to(dt)[..., None]
     kbeta_MHCK = k_MHCK * beta_MHC[..., None]
     kt_MHKC = k_MHCK.transpose(-1, -2)
     # solve_triangular(unitriangular=True) never reads the diagonal or above: A needs no masking.
     A_MHCC = (kbeta_MHCK @ kt_MHKC) * decay_MHCC
     u_MHCV = torch.linalg.solve_triangular(A_MHCC, v_MHCV * beta_MHC[..., None], upper=False, unitriangular=True)
     w_MHCK = torch.linalg.solve_triangular(
-        A_MHCC, kbeta_MHCK * G_MHC.exp()[..., None], upper=False, unitriangular=True
+        A_MHCC, kbeta_MHCK * Gexp_MHC[..., None], upper=False, unitriangular=True
     )
     attn_MHCC = (q_MHCK @ kt_MHKC) * decay_MHCC
-    qdec_MHCK = q_MHCK * G_MHC.exp()[..., None]
-    Glast_MH1 = G_MHC[..., -1:]
-    kdecT_MHKC = (k_MHCK * (Glast_MH1 - G_MHC).exp()[..., None]).transpose(-1, -2)
-    chunk_decay_MH11 = Glast_MH1.exp()[..., None]
+    qdec_MHCK = q_MHCK * Gexp_MHC[..., None]
+    kdecT_MHKC = (k_MHCK * kdec_MHC[..., None]).transpose(-1, -2)
 
     if initial_state is None:
         S0_BKV = q_THK.new_zeros(N * H, K, V)
