@@ -100,7 +100,13 @@ class SuiteConfig:
     trainer_warmup: bool = True
     """One untimed step per execution mode before the timed ones."""
     trainer_steps: int | None = None
-    """Timed optimizer steps per execution mode after one warm-up step each (None: 3, quick: 1)."""
+    """Timed optimizer steps per execution mode after one warm-up step each (None: 5, quick: 1)."""
+    trainer_threads: int = 1
+    """torch intra-op threads while the trainer is timed (restored afterwards; 0: torch's default).
+    The timing counts process CPU seconds; with several threads those include OpenMP workers
+    spinning between small operators, which weighs on the tree run (more, smaller operators) and
+    is not work: on this 2-core machine the percall ratio read 0.75-0.78 of ideal with 2 threads
+    where one thread read 0.80-0.90 on the same plans."""
     reference_planner: bool = True
     """Also time the plain-Python reference planner (skipped above `reference_max_tokens`)."""
     reference_max_tokens: int = 50_000_000
@@ -114,6 +120,8 @@ class SuiteConfig:
             raise ValueError("full: expected either quick or full, got both")
         if self.trainer_steps is not None and self.trainer_steps < 1:
             raise ValueError(f"trainer_steps: expected >= 1, got {self.trainer_steps}")
+        if self.trainer_threads < 0:
+            raise ValueError(f"trainer_threads: expected >= 0 (0: torch's default), got {self.trainer_threads}")
         self.out_dir = Path(self.out_dir)
 
     def names(self) -> list[str]:
@@ -259,9 +267,9 @@ def _replace(pcfg, PlanConfig, **changes):
 def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     """Update throughput (expanded tokens per CPU second of forward + backward + AdamW step) of the
     tree plan and the expanded plan on the same model (`cfg.model`): one warm-up step each, then alternating
-    timed steps; the fastest step of each counts. CPU seconds (this process, all threads) rather than
-    wall seconds, because other processes on a shared machine only ever add wall time; the wall
-    ratio is reported beside it."""
+    timed steps; the fastest step of each counts. CPU seconds of this process, with
+    `cfg.trainer_threads` intra-op threads, rather than wall seconds, because other processes on a
+    shared machine only ever add wall time; the wall ratio is reported beside it."""
     Executor = _optional("trainer.executor", "Executor")
     ExecutorConfig = _optional("trainer.executor", "ExecutorConfig")
     build_model = _optional("trainer.models.loading", "build_model")
@@ -275,19 +283,26 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     model = build_model("tiny" if cfg.quick else cfg.model, seed=0)
     ex = Executor(model, ExecutorConfig(chunk_size=plan.header.params.chunk_size))
     opt = make_optimizer(model.parameters(), lr=1e-5)
-    steps = cfg.trainer_steps if cfg.trainer_steps is not None else (1 if cfg.quick else 3)
+    steps = cfg.trainer_steps if cfg.trainer_steps is not None else (1 if cfg.quick else 5)
     wall: dict[str, list[float]] = {"tree": [], "expanded": []}
     cpu: dict[str, list[float]] = {"tree": [], "expanded": []}
     first = 0 if cfg.trainer_warmup else 1
-    for step in range(first, steps + 1):
-        for name, p in (("tree", plan), ("expanded", expanded)):
-            c0 = time.process_time()
-            _, dt = _timed(ex.run_step, p, optimizer=opt)
-            if step:  # step 0 warms up allocators and caches
-                wall[name].append(dt)
-                cpu[name].append(time.process_time() - c0)
-        log.info("bench workloads: %s: trainer step %d/%d%s", row["workload"], step, steps,
-                 f" (tree {wall['tree'][-1]:.2f} s, expanded {wall['expanded'][-1]:.2f} s wall)" if step else " (warm-up)")
+    threads = torch.get_num_threads()
+    if cfg.trainer_threads:
+        torch.set_num_threads(cfg.trainer_threads)
+    try:
+        for step in range(first, steps + 1):
+            for name, p in (("tree", plan), ("expanded", expanded)):
+                c0 = time.process_time()
+                _, dt = _timed(ex.run_step, p, optimizer=opt)
+                if step:  # step 0 warms up allocators and caches
+                    wall[name].append(dt)
+                    cpu[name].append(time.process_time() - c0)
+            log.info("bench workloads: %s: trainer step %d/%d%s", row["workload"], step, steps,
+                     f" (tree {wall['tree'][-1]:.2f} s, expanded {wall['expanded'][-1]:.2f} s wall)" if step else " (warm-up)")
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
     n_e = row["expanded_tokens"]
     tree_s, exp_s = min(cpu["tree"]), min(cpu["expanded"])
     ratio = exp_s / tree_s
@@ -299,6 +314,7 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
         "flops_tree": flops_tree.as_dict(),
         "flops_expanded": flops_expanded.as_dict(),
         "flop_compression": flop_compression,
+        "trainer_threads": used_threads,
         "tree_step_cpu_seconds": tree_s,
         "expanded_step_cpu_seconds": exp_s,
         "tree_step_seconds": min(wall["tree"]),
@@ -469,6 +485,13 @@ def _published_line() -> str:
     return "Published update-throughput speedups for context (GPU clusters, large models): " + "; ".join(parts) + "."
 
 
+def _threads_text(rows: list[dict]) -> str:
+    used = sorted({r["trainer_threads"] for r in rows if "trainer_threads" in r})
+    if not used:
+        return "torch's intra-op threads"
+    return f"{'/'.join(map(str, used))} intra-op thread{'s' if used != [1] else ''}"
+
+
 def _workload_notes(rows: list[dict], mode: str) -> list[str]:
     notes = []
     for r in rows:
@@ -481,7 +504,8 @@ def _workload_notes(rows: list[dict], mode: str) -> list[str]:
         notes.append("- CPU scale: token lengths x0.02 (quick: x0.01) and fewer turns; one rank, B = 8,192, no sharing "
                      "windows, C = 16 (a 64-token chunk would span several scaled turns and inflate replay); "
                      "update throughput in expanded tokens per CPU second of this process (fastest timed step of "
-                     "each mode; the machine is shared, so wall time is noisier), reference kernels.")
+                     "each mode; the machine is shared, so wall time is noisier) with "
+                     f"{_threads_text(rows)}, reference kernels, fused AdamW.")
     return notes
 
 

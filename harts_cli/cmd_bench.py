@@ -31,8 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", type=_names, action="append", default=[], metavar="NAME[,NAME]",
                    help=f"run only these benchmarks (repeatable): {', '.join(NAMES)}")
     p.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
-    p.add_argument("--trainer-steps", type=int, default=None, help="timed optimizer steps per execution mode (default 3, --quick 1)")
+    p.add_argument("--trainer-steps", type=int, default=None, help="timed optimizer steps per execution mode (default 5, --quick 1)")
     p.add_argument("--no-trainer", action="store_true", help="skip the tree vs expanded update-throughput timing")
+    p.add_argument("--trainer-threads", type=int, default=1,
+                   help="torch intra-op threads while the trainer is timed (default 1: CPU seconds then count work, "
+                        "not OpenMP workers spinning; 0: torch's default)")
     p.add_argument("--model", default="small",
                    help="named model config of the throughput timing (small: 4.7M parameters; tiny: 0.33M, overhead-bound; --quick uses tiny)")
     p.add_argument("--no-reference", action="store_true", help="do not time the plain-Python reference planner")
@@ -45,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=args.out or RESULTS_DIR, quick=args.quick, full=args.full,
         only=tuple(n for group in args.only for n in group), trainer_steps=args.trainer_steps,
         reference_planner=not args.no_reference, trainer=not args.no_trainer, model=args.model,
+        trainer_threads=args.trainer_threads,
     )
     doc = run_suite(cfg)
     summary = {name: {"status": e["status"], "seconds": round(e["seconds"], 2), **({"reason": e["reason"]} if "reason" in e else {}),

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from benchmarks import suite
 
@@ -61,7 +62,9 @@ def test_trainer_throughput_on_a_tiny_workload():
     pytest.importorskip("planner_service.planner")
     spec = suite.WorkloadSpec(name="tiny percall", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.005, group_size=1, turns=(10, 10)))
     cfg = suite.SuiteConfig(quick=True, trainer_warmup=False, trainer_steps=1, reference_planner=False)
+    threads = torch.get_num_threads()
     row = suite.measure_workload(spec, cfg)
+    assert row["trainer_threads"] == 1 and torch.get_num_threads() == threads  # timed on one, then restored
     assert row["compression_ideal"] > 3 and row["linear_attention_calls_expanded"] == 1
     assert row["throughput_ratio"] == pytest.approx(row["expanded_step_cpu_seconds"] / row["tree_step_cpu_seconds"])
     assert row["throughput_ratio_wall"] == pytest.approx(row["expanded_step_seconds"] / row["tree_step_seconds"])
