@@ -91,18 +91,18 @@ class _StateRecurrence(torch.autograd.Function):
     def forward(ctx, u_BCV, w_BCK, kdecT_BKC, decay_B11, S0_BKV, rows_J, export_ranks_J, H):
         Sin_BKV = u_BCV.new_empty((u_BCV.shape[0], *S0_BKV.shape[1:]))
         vnew_BCV = torch.empty_like(u_BCV)
+        # Per-step views, split once (a slice per tensor and step costs more than the step's math).
+        steps = zip(*(x.split(rows_J) for x in (u_BCV, w_BCK, kdecT_BKC, decay_B11, Sin_BKV, vnew_BCV)))
         exported = []
-        S_BKV, r0 = S0_BKV, 0
-        for j, B in enumerate(rows_J):
+        S_BKV = S0_BKV
+        for j, (B, (u, w, kdecT, decay, Sin, vnew)) in enumerate(zip(rows_J, steps)):
             S_BKV = S_BKV[:B]
-            rows = slice(r0, r0 + B)
-            Sin_BKV[rows] = S_BKV
-            vnew = torch.sub(u_BCV[rows], torch.bmm(w_BCK[rows], S_BKV), out=vnew_BCV[rows])
-            S_BKV = S_BKV * decay_B11[rows] + torch.bmm(kdecT_BKC[rows], vnew)
+            Sin.copy_(S_BKV)
+            torch.sub(u, torch.bmm(w, S_BKV), out=vnew)
+            S_BKV = S_BKV * decay + torch.bmm(kdecT, vnew)
             ranks = export_ranks_J.get(j)
             if ranks is not None:
                 exported.append(S_BKV.view(B // H, H, *S_BKV.shape[1:]).index_select(0, ranks))
-            r0 += B
         exported_XHKV = torch.cat(exported) if exported else S0_BKV.new_zeros(0, H, *S0_BKV.shape[1:])
         ctx.save_for_backward(w_BCK, kdecT_BKC, decay_B11, Sin_BKV, vnew_BCV)
         ctx.plan = (rows_J, export_ranks_J, H, S0_BKV.shape[0])
@@ -122,17 +122,19 @@ class _StateRecurrence(torch.autograd.Function):
         Gafter_BKV = torch.empty_like(Sin_BKV)
         # Rows of ranks whose sequence has no chunk after step j are zero until their last step.
         G_BKV = Sin_BKV.new_zeros(N_H, *Sin_BKV.shape[1:])
-        ends = [sum(rows_J[: j + 1]) for j in range(len(rows_J))]
+        # bmm on transposed views rather than baddbmm: CPU baddbmm with a transposed operand loops
+        # over the batch.
+        steps = list(zip(*(x.split(rows_J) for x in (
+            kdecT_BKC.transpose(1, 2), w_BCK.transpose(1, 2), decay_B11, dSin_BKV, dvnew_out_BCV, dvnew_BCV, Gafter_BKV))))
         for j in reversed(range(len(rows_J))):
             B = rows_J[j]
-            rows = slice(ends[j] - B, ends[j])
+            kdec_BCK, wT_BKC, decay, dSin, dvnew_out, dvnew, Gafter = steps[j]
             G = G_BKV[:B]
             if j in dexp_J:
                 G.view(B // H, H, *G.shape[1:]).index_add_(0, export_ranks_J[j], dexp_J[j])
-            Gafter_BKV[rows] = G
-            # bmm + add rather than baddbmm: CPU baddbmm with a transposed operand loops over the batch.
-            dvnew = torch.add(dvnew_out_BCV[rows], torch.bmm(kdecT_BKC[rows].transpose(1, 2), G), out=dvnew_BCV[rows])
-            G.mul_(decay_B11[rows]).sub_(torch.bmm(w_BCK[rows].transpose(1, 2), dvnew)).add_(dSin_BKV[rows])
+            Gafter.copy_(G)
+            torch.add(dvnew_out, torch.bmm(kdec_BCK, G), out=dvnew)
+            G.mul_(decay).sub_(torch.bmm(wT_BKC, dvnew)).add_(dSin)
         dw_BCK = -torch.bmm(dvnew_BCV, Sin_BKV.transpose(1, 2))
         dkdecT_BKC = torch.bmm(Gafter_BKV, vnew_BCV.transpose(1, 2))
         ddecay_B11 = (Gafter_BKV * Sin_BKV).sum(dim=(1, 2), keepdim=True)
