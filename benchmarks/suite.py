@@ -105,8 +105,7 @@ class SuiteConfig:
     """torch intra-op threads while the trainer is timed (restored afterwards; 0: torch's default).
     The timing counts process CPU seconds; with several threads those include OpenMP workers
     spinning between small operators, which weighs on the tree run (more, smaller operators) and
-    is not work: on this 2-core machine the percall ratio read 0.75-0.78 of ideal with 2 threads
-    where one thread read 0.80-0.90 on the same plans."""
+    is not work; see benchmarks/README.md for what 2 threads measure."""
     reference_planner: bool = True
     """Also time the plain-Python reference planner (skipped above `reference_max_tokens`)."""
     reference_max_tokens: int = 50_000_000
