@@ -10,9 +10,9 @@ the linear-attention kernel (bounded replay, DESIGN §4.3) and duplicated prefix
 Counted per microbatch (forward multiply-adds x 2; the backward costs about twice each term, so
 the ratio is that of forward + backward):
 
-- dense: every computed row through each layer's projections, the short conv, the MLP (MoE: the
-  router, top-k routed experts, the shared expert and its gate), plus the embedding-free norms'
-  negligible work left out;
+- dense: every computed row through each layer's projections, the short conv and the MLP (MoE:
+  the router, top-k routed experts, the shared expert and its gate); norms, activations and the
+  embedding lookup are left out (elementwise, a few FLOPs per value);
 - attention: per softmax-attention layer, scores and values over the row's keys (its depth + 1);
 - linear_kernel: per Gated DeltaNet layer, the chunked gated delta rule on every kernel row, replay
   rows included (intra-chunk products, the two triangular solves, the state products);
