@@ -113,6 +113,9 @@ def run(quick: bool = False, threads: int = 1) -> dict:
         threads: torch intra-op threads (0: torch's default). 1, as in the headline benchmark:
             CPU seconds then count work, not OpenMP workers spinning between small operators.
     """
+    from benchmarks.allocator import steady_allocator
+
+    steady_allocator()
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)

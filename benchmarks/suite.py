@@ -267,8 +267,9 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     """Update throughput (expanded tokens per CPU second of forward + backward + AdamW step) of the
     tree plan and the expanded plan on the same model (`cfg.model`): one warm-up step each, then alternating
     timed steps; the fastest step of each counts. CPU seconds of this process, with
-    `cfg.trainer_threads` intra-op threads, rather than wall seconds, because other processes on a
-    shared machine only ever add wall time; the wall ratio is reported beside it."""
+    `cfg.trainer_threads` intra-op threads and a steady allocator (`benchmarks.allocator`), rather
+    than wall seconds, because other processes on a shared machine only ever add wall time; the
+    wall ratio is reported beside it."""
     Executor = _optional("trainer.executor", "Executor")
     ExecutorConfig = _optional("trainer.executor", "ExecutorConfig")
     build_model = _optional("trainer.models.loading", "build_model")
@@ -278,6 +279,9 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
         return {"trainer_note": "trainer (trainer.executor.Executor) not present yet"}
     import torch
 
+    from benchmarks.allocator import steady_allocator
+
+    steady_allocator()  # the rest of this process keeps the fixed thresholds too
     torch.manual_seed(0)
     model = build_model("tiny" if cfg.quick else cfg.model, seed=0)
     ex = Executor(model, ExecutorConfig(chunk_size=plan.header.params.chunk_size))
@@ -504,7 +508,7 @@ def _workload_notes(rows: list[dict], mode: str) -> list[str]:
                      "windows, C = 16 (a 64-token chunk would span several scaled turns and inflate replay); "
                      "update throughput in expanded tokens per CPU second of this process (fastest timed step of "
                      "each mode; the machine is shared, so wall time is noisier) with "
-                     f"{_threads_text(rows)}, reference kernels, fused AdamW.")
+                     f"{_threads_text(rows)}, fixed malloc thresholds, reference kernels, fused AdamW.")
     return notes
 
 
