@@ -134,3 +134,13 @@ def test_modes_and_names():
     assert all(WorkloadConfig(**s.gen).scale == 1.0 and s.windows for s in full)
     r = subprocess.run([sys.executable, "-m", "harts_cli.main", "bench", "--only", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "expected names from" in r.stderr
+
+
+def test_steady_allocator_sets_the_glibc_thresholds():
+    import platform
+
+    from benchmarks.allocator import steady_allocator
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert steady_allocator() is True
