@@ -116,7 +116,7 @@ def _normalizers(header: plan_pb2.PlanHeader) -> Normalizers:
     )
 
 
-def _rank_plans(plan) -> tuple[plan_pb2.PlanHeader, list[plan_pb2.RankPlan]]:
+def rank_plans(plan) -> tuple[plan_pb2.PlanHeader, list[plan_pb2.RankPlan]]:
     if isinstance(plan, plan_pb2.PlanSlice):
         return plan.header, [plan.rank]
     if isinstance(plan, plan_pb2.Plan):
@@ -150,7 +150,7 @@ class Executor:
 
     def check_plan(self, plan) -> None:
         """Reject a plan this model cannot run exactly; raises ValueError naming the field."""
-        header, ranks = _rank_plans(plan)
+        header, ranks = rank_plans(plan)
         p, mc = header.params, self.model.config
         if p.chunk_size != self.cfg.chunk_size:
             raise ValueError(f"plan params.chunk_size: expected {self.cfg.chunk_size} (the kernel's), got {p.chunk_size}; re-plan with chunk_size={self.cfg.chunk_size}")
@@ -180,7 +180,7 @@ class Executor:
         self.check_plan(plan)
         if self.cfg.validate:
             _validate(plan)
-        header, ranks = _rank_plans(plan)
+        header, ranks = rank_plans(plan)
         norm = _normalizers(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)

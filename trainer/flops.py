@@ -85,7 +85,7 @@ def linear_kernel_flops_per_row(cfg: ModelConfig, chunk_size: int) -> float:
 
 def plan_flops(plan, cfg: ModelConfig, *, chunk_size: int) -> PlanFlops:
     """FLOPs of every microbatch of `plan` (a plan_pb2.Plan or PlanSlice) on a model of config `cfg`."""
-    from trainer.executor import _rank_plans
+    from trainer.executor import rank_plans
     from trainer.layout import layout_from_microbatch
 
     n_linear = sum(1 for kind in cfg.layer_types if kind != FULL)
@@ -94,7 +94,7 @@ def plan_flops(plan, cfg: ModelConfig, *, chunk_size: int) -> PlanFlops:
     kernel_row = linear_kernel_flops_per_row(cfg, chunk_size)
     attn_key = 2 * 2 * cfg.num_attention_heads * cfg.head_dim  # q k^T and p v per (row, key)
     out = PlanFlops()
-    _, ranks = _rank_plans(plan)
+    _, ranks = rank_plans(plan)
     for rank in ranks:
         for mb in rank.microbatches:
             lay = layout_from_microbatch(mb, conv_kernel=cfg.linear_conv_kernel_dim, chunk_size=chunk_size,
