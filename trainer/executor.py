@@ -117,6 +117,7 @@ def _normalizers(header: plan_pb2.PlanHeader) -> Normalizers:
 
 
 def rank_plans(plan) -> tuple[plan_pb2.PlanHeader, list[plan_pb2.RankPlan]]:
+    """(header, rank plans) of a Plan (every rank) or a PlanSlice (its one rank)."""
     if isinstance(plan, plan_pb2.PlanSlice):
         return plan.header, [plan.rank]
     if isinstance(plan, plan_pb2.Plan):
