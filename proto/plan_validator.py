@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from proto.arrays import unpack
+from proto.plan_decode import PlanValidationError
 from proto.harts.v1 import plan_pb2
 
 _HASH_BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
@@ -51,10 +52,6 @@ def _hash_terms(tokens: np.ndarray, depth: np.ndarray) -> np.ndarray:
     """Per-token terms of the prefix hash H(prefix) = sum_i (token_i + 1) * BASE**-i (mod 2**64)."""
     with np.errstate(over="ignore"):
         return (tokens.astype(np.uint64) + np.uint64(1)) * _inv_pow(depth)
-
-
-class PlanValidationError(ValueError):
-    """A plan that breaks the contract; the message names the offending microbatch and field."""
 
 
 def _fail(where: str, msg: str) -> None:

@@ -1,0 +1,274 @@
+"""Decode a plan microbatch once into numpy arrays, with the bounds checks that make them safe to index.
+
+    arrays = decode_microbatch(mb, params)      # MicrobatchArrays, or PlanValidationError naming the field
+
+This is the one place that unpacks a `plan_pb2.Microbatch` (proto/harts/v1/plan.proto): the
+independent validator (`proto.plan_validator`) checks the semantics on top of these arrays, and
+the trainer turns them into tensors (`trainer.layout`) without re-reading the wire fields. The
+checks here are linear in the microbatch's size and guarantee only what indexing needs: every
+array has the length its table implies, every row index lies in its range (local rows [0, R),
+extended rows [0, R + I)), every state reference names an existing table entry, every token id
+lies in the vocabulary. Whether the rows form the right trees, schedules and hashes is the
+validator's job.
+
+Legend: R local rows, I imported rows, S segments, P log-prob entries, N sequences of a call,
+E state exports of a call, Q imported states, K conv kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from proto.arrays import unpack
+from proto.harts.v1 import plan_pb2
+
+#: StateSource kinds.
+ZERO, LOCAL, IMPORTED = plan_pb2.StateSource.ZERO, plan_pb2.StateSource.LOCAL, plan_pb2.StateSource.IMPORTED
+
+
+class PlanValidationError(ValueError):
+    """A plan that breaks the contract; the message names the offending microbatch and field."""
+
+
+def _fail(where: str, msg: str):
+    raise PlanValidationError(f"{where}: {msg}")
+
+
+@dataclass(slots=True, kw_only=True)
+class LinearCallArrays:
+    """One varlen linear-attention call, its sequences as columns."""
+
+    row_start: np.ndarray
+    """int64 [N] first kept local row of each sequence."""
+    row_end: np.ndarray
+    """int64 [N] end (exclusive) of its kept rows."""
+    start_depth: np.ndarray
+    """int64 [N] depth of its first token (first replay row, else row_start)."""
+    init_kind: np.ndarray
+    """int64 [N] ZERO / LOCAL / IMPORTED."""
+    init_state: np.ndarray
+    """int64 [N] local state id (LOCAL) or index into the state imports (IMPORTED)."""
+    replay_offsets: np.ndarray
+    """int64 [N+1] sequence n's replay rows are replay_rows[replay_offsets[n]:replay_offsets[n+1]]."""
+    replay_rows: np.ndarray
+    """int64 [*] extended rows re-run at the head of each sequence (outputs discarded)."""
+    export_seq: np.ndarray
+    """int64 [E] sequence of each exported state."""
+    export_depth: np.ndarray
+    """int64 [E] depth of the boundary (the state after all tokens of depth < it)."""
+    export_state: np.ndarray
+    """int64 [E] state-table id each export fills."""
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.row_start.shape[0])
+
+
+@dataclass(slots=True, kw_only=True)
+class MicrobatchArrays:
+    """Every array of one plan microbatch, decoded and bounds-checked (see the module docstring)."""
+
+    id: int
+    num_rows: int
+    num_imports: int
+    num_states: int
+    recompute: bool
+    tokens: np.ndarray
+    """int32 [R]."""
+    depth: np.ndarray
+    """int32 [R]."""
+    occurrence: np.ndarray
+    """int32 [R]."""
+    seg_start: np.ndarray
+    """int32 [S]; seg_length, seg_parent, seg_tree, seg_forest, seg_forest_offset likewise."""
+    seg_length: np.ndarray
+    seg_parent: np.ndarray
+    seg_tree: np.ndarray
+    seg_forest: np.ndarray
+    seg_forest_offset: np.ndarray
+    seg_duplicated: np.ndarray
+    """uint8 [S]."""
+    conv_ancestors: np.ndarray
+    """int32 [R, K-1] extended rows, -1 = zero padding."""
+    attn_offsets: np.ndarray
+    """int32 [S+1]."""
+    attn_ranges: np.ndarray
+    """int32 [n, 2] half-open extended-row ranges."""
+    linear_calls: list[LinearCallArrays]
+    import_microbatch: np.ndarray
+    """int32 [I] exporter of each imported row."""
+    import_row: np.ndarray
+    """int32 [I] its extended row in the exporter."""
+    state_import_microbatch: np.ndarray
+    """int32 [Q] exporter of each imported state."""
+    state_import_state: np.ndarray
+    """int32 [Q] its id in the exporter's state table."""
+    export_rows: np.ndarray
+    """int32 [*] extended rows later microbatches import."""
+    export_states: np.ndarray
+    """int32 [*] states later microbatches import."""
+    lp_row: np.ndarray
+    """int32 [P] local row whose logits predict the entry."""
+    lp_label: np.ndarray
+    lp_traj: np.ndarray
+    lp_pos: np.ndarray
+    lp_loss_mask: np.ndarray
+    """uint8 [P]."""
+    lp_advantage: np.ndarray
+    """float32 [P]."""
+    lp_old_logprob: np.ndarray | None
+    """float32 [P], None when the batch has none."""
+    lp_ref_logprob: np.ndarray | None
+    replay_tokens: int
+    duplicated_tokens: int
+    cost: float
+
+    @property
+    def where(self) -> str:
+        return f"microbatch {self.id}"
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_start.shape[0])
+
+    @property
+    def num_logprobs(self) -> int:
+        return int(self.lp_row.shape[0])
+
+
+def _outside(a: np.ndarray, lo: int, hi: int) -> bool:
+    return bool(a.size) and (int(a.min()) < lo or int(a.max()) >= hi)
+
+
+def _decode_call(call: plan_pb2.LinearCall, where: str, R: int, I: int, Q: int, num_states: int) -> LinearCallArrays:
+    seqs = call.sequences
+    N = len(seqs)
+    cols = np.empty((5, N), np.int64)
+    replays, ex_seq, ex_depth, ex_state = [], [], [], []
+    for n, seq in enumerate(seqs):
+        cols[:, n] = (seq.row_start, seq.row_end, seq.start_depth, seq.init_state.kind, seq.init_state.state)
+        try:
+            replays.append(unpack(seq.replay_rows, "int32", name=f"{where}.sequences[{n}].replay_rows"))
+        except ValueError as exc:
+            raise PlanValidationError(str(exc)) from None
+        for ex in seq.exports:
+            ex_seq.append(n)
+            ex_depth.append(ex.depth)
+            ex_state.append(ex.state)
+    row_start, row_end, start_depth, kind, state = cols
+    lens = np.fromiter((r.shape[0] for r in replays), np.int64, N)
+    out = LinearCallArrays(
+        row_start=row_start, row_end=row_end, start_depth=start_depth, init_kind=kind, init_state=state,
+        replay_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        replay_rows=np.concatenate(replays).astype(np.int64) if N else np.zeros(0, np.int64),
+        export_seq=np.asarray(ex_seq, np.int64), export_depth=np.asarray(ex_depth, np.int64),
+        export_state=np.asarray(ex_state, np.int64),
+    )
+    bad = np.flatnonzero((row_start < 0) | (row_end <= row_start) | (row_end > R))
+    if bad.size:
+        n = int(bad[0])
+        _fail(f"{where}.sequences[{n}]", f"expected 0 <= row_start < row_end <= {R}, got [{row_start[n]}, {row_end[n]})")
+    if _outside(out.replay_rows, 0, R + I):
+        _fail(f"{where}.replay_rows", f"expected extended rows in [0, {R + I}), got {out.replay_rows.min()}..{out.replay_rows.max()}")
+    for k, limit, what in ((LOCAL, num_states, "num_states"), (IMPORTED, Q, "len(state_imports)")):
+        sel = kind == k
+        bad = np.flatnonzero(sel & ((state < 0) | (state >= limit)))
+        if bad.size:
+            _fail(f"{where}.sequences[{int(bad[0])}].init_state", f"expected a state id < {what} = {limit}, got {state[bad[0]]}")
+    bad = np.flatnonzero((kind != ZERO) & (kind != LOCAL) & (kind != IMPORTED))
+    if bad.size:
+        _fail(f"{where}.sequences[{int(bad[0])}].init_state.kind", f"expected ZERO, LOCAL or IMPORTED, got {kind[bad[0]]}")
+    if _outside(out.export_state, 0, num_states):
+        _fail(f"{where}.exports", f"expected state ids in [0, {num_states}), got {out.export_state.min()}..{out.export_state.max()}")
+    return out
+
+
+def decode_microbatch(mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams) -> MicrobatchArrays:
+    """Unpack and bounds-check one microbatch (linear time).
+
+    Raises:
+        PlanValidationError: a field of the wrong byte length or table size, or an index outside
+            its table, naming the microbatch and field.
+    """
+    w = f"microbatch {mb.id}"
+    R = int(mb.num_rows)
+    if R < 0:
+        _fail(f"{w}.num_rows", f"expected >= 0, got {R}")
+
+    def arr(name: str, dtype: str, n: int | None, width: int = 1) -> np.ndarray:
+        try:
+            a = unpack(getattr(mb, name), dtype, width=width, name=f"{w}.{name}")
+        except ValueError as exc:
+            raise PlanValidationError(str(exc)) from None
+        if width > 1 and a.ndim == 1:
+            a = a.reshape(0, width)
+        if n is not None and a.shape[0] != n:
+            _fail(f"{w}.{name}", f"expected {n} entries, got {a.shape[0]}")
+        return a
+
+    tokens = arr("tokens", "int32", R)
+    seg_start = arr("seg_start", "int32", None)
+    S = seg_start.shape[0]
+    import_mb = arr("import_microbatch", "int32", None)
+    I = import_mb.shape[0]
+    J = params.conv_kernel - 1
+    if J > 0:
+        conv = arr("conv_ancestors", "int32", R, width=J)
+    else:
+        if len(mb.conv_ancestors):
+            _fail(f"{w}.conv_ancestors", f"expected empty for conv_kernel {params.conv_kernel}, got {len(mb.conv_ancestors)} bytes")
+        conv = np.zeros((R, 0), np.int32)
+    lp_row = arr("lp_row", "int32", None)
+    P = lp_row.shape[0]
+
+    def optional(name: str) -> np.ndarray | None:
+        a = arr(name, "float32", None)
+        if a.shape[0] not in (0, P):
+            _fail(f"{w}.{name}", f"expected {P} entries or none, got {a.shape[0]}")
+        return a if a.shape[0] or not P else None
+
+    Q = len(mb.state_imports)
+    num_states = int(mb.num_states)
+    if num_states < 0:
+        _fail(f"{w}.num_states", f"expected >= 0, got {num_states}")
+    out = MicrobatchArrays(
+        id=int(mb.id), num_rows=R, num_imports=I, num_states=num_states, recompute=bool(mb.recompute),
+        tokens=tokens, depth=arr("depth", "int32", R), occurrence=arr("occurrence", "int32", R),
+        seg_start=seg_start, seg_length=arr("seg_length", "int32", S), seg_parent=arr("seg_parent", "int32", S),
+        seg_tree=arr("seg_tree", "int32", S), seg_forest=arr("seg_forest", "int32", S),
+        seg_forest_offset=arr("seg_forest_offset", "int32", S), seg_duplicated=arr("seg_duplicated", "uint8", S),
+        conv_ancestors=conv, attn_offsets=arr("attn_offsets", "int32", S + 1),
+        attn_ranges=arr("attn_ranges", "int32", None, width=2),
+        linear_calls=[_decode_call(c, f"{w}.linear_calls[{i}]", R, I, Q, num_states) for i, c in enumerate(mb.linear_calls)],
+        import_microbatch=import_mb, import_row=arr("import_row", "int32", I),
+        state_import_microbatch=np.fromiter((s.microbatch for s in mb.state_imports), np.int32, Q),
+        state_import_state=np.fromiter((s.state for s in mb.state_imports), np.int32, Q),
+        export_rows=arr("export_rows", "int32", None), export_states=arr("export_states", "int32", None),
+        lp_row=lp_row, lp_label=arr("lp_label", "int32", P), lp_traj=arr("lp_traj", "int32", P),
+        lp_pos=arr("lp_pos", "int32", P), lp_loss_mask=arr("lp_loss_mask", "uint8", P),
+        lp_advantage=arr("lp_advantage", "float32", P),
+        lp_old_logprob=optional("lp_old_logprob"), lp_ref_logprob=optional("lp_ref_logprob"),
+        replay_tokens=int(mb.replay_tokens), duplicated_tokens=int(mb.duplicated_tokens), cost=float(mb.cost),
+    )
+    V = params.vocab_size
+    if _outside(tokens, 0, V):
+        _fail(f"{w}.tokens", f"expected ids in [0, {V}), got {int(tokens.min())}..{int(tokens.max())}")
+    if _outside(out.lp_label, 0, V):
+        _fail(f"{w}.lp_label", f"expected ids in [0, {V}), got {int(out.lp_label.min())}..{int(out.lp_label.max())}")
+    if _outside(conv, -1, R + I):
+        _fail(f"{w}.conv_ancestors", f"expected extended rows in [0, {R + I}) or -1, got {int(conv.min())}..{int(conv.max())}")
+    offs, rg = out.attn_offsets, out.attn_ranges
+    if S and (offs[0] != 0 or (np.diff(offs) < 0).any() or offs[-1] != rg.shape[0]):
+        _fail(f"{w}.attn_offsets", f"expected a monotone offset table from 0 to {rg.shape[0]}")
+    if rg.shape[0] and ((rg[:, 0] < 0) | (rg[:, 1] <= rg[:, 0]) | (rg[:, 1] > R + I)).any():
+        _fail(f"{w}.attn_ranges", f"expected non-empty ranges inside [0, {R + I})")
+    if _outside(lp_row, 0, R):
+        _fail(f"{w}.lp_row", f"expected local rows in [0, {R}), got {int(lp_row.min())}..{int(lp_row.max())}")
+    if _outside(out.import_row, 0, np.iinfo(np.int32).max):
+        _fail(f"{w}.import_row", "expected extended rows >= 0")
+    if _outside(out.export_rows, 0, R + I):
+        _fail(f"{w}.export_rows", f"expected extended rows in [0, {R + I})")
+    if _outside(out.export_states, 0, num_states):
+        _fail(f"{w}.export_states", f"expected state ids in [0, {num_states})")
+    return out

@@ -1,0 +1,60 @@
+"""proto.plan_decode: every planner microbatch decodes to the arrays its wire fields hold, and
+out-of-range indices are rejected naming the field."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner_service.planner import PlanConfig, plan_step
+from proto.arrays import pack, unpack
+from proto.plan_decode import PlanValidationError, decode_microbatch
+from tests.builder_helpers import forest_from_trajectories, random_trajectories
+
+
+def _plan(windows: bool = True):
+    rng = np.random.default_rng(3)
+    trajs, tree_of = random_trajectories(rng, n=24, max_len=60, trees=3, chunk=8)
+    forest = forest_from_trajectories(trajs, tree_of=tree_of)
+    return plan_step(forest, PlanConfig(chunk_size=8, microbatch_tokens=48, memory_tokens=4096, windows=windows))
+
+
+def test_decode_matches_wire_fields():
+    plan = _plan()
+    mbs = [mb for r in plan.ranks for mb in r.microbatches]
+    assert any(len(mb.import_row) for mb in mbs), "expected sharing windows in the test plan"
+    for mb in mbs:
+        a = decode_microbatch(mb, plan.header.params)
+        assert a.num_rows == mb.num_rows and a.num_imports == len(mb.import_row) // 4
+        assert np.array_equal(a.tokens, unpack(mb.tokens, "int32"))
+        assert np.array_equal(a.conv_ancestors.reshape(-1), unpack(mb.conv_ancestors, "int32"))
+        assert len(a.linear_calls) == len(mb.linear_calls)
+        for ca, call in zip(a.linear_calls, mb.linear_calls):
+            assert ca.num_sequences == len(call.sequences)
+            for n, seq in enumerate(call.sequences):
+                assert (ca.row_start[n], ca.row_end[n], ca.init_kind[n]) == (seq.row_start, seq.row_end, seq.init_state.kind)
+                got = ca.replay_rows[ca.replay_offsets[n] : ca.replay_offsets[n + 1]]
+                assert np.array_equal(got, unpack(seq.replay_rows, "int32"))
+        assert a.state_import_microbatch.shape[0] == len(mb.state_imports)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("lp_row", lambda mb: pack(np.full(len(mb.lp_row) // 4, mb.num_rows), "int32"), "lp_row: expected local rows"),
+    ("tokens", lambda mb: pack([1] * (mb.num_rows + 1), "int32"), "tokens: expected"),
+    ("conv_ancestors", lambda mb: pack([10**6] * (3 * mb.num_rows), "int32"), "conv_ancestors"),
+    ("attn_ranges", lambda mb: pack([[0, mb.num_rows + len(mb.import_row) // 4 + 1]], "int32"), "attn_"),
+], ids=["lp_row", "tokens", "conv", "attn"])
+def test_decode_rejects_out_of_range(field, value, match):
+    plan = _plan()
+    mb = plan.ranks[0].microbatches[0]
+    setattr(mb, field, value(mb))
+    with pytest.raises(PlanValidationError, match=match):
+        decode_microbatch(mb, plan.header.params)
+
+
+def test_decode_rejects_bad_state_reference():
+    plan = _plan()
+    mb = next(mb for r in plan.ranks for mb in r.microbatches if len(mb.linear_calls))
+    mb.linear_calls[0].sequences[0].init_state.kind = 1
+    mb.linear_calls[0].sequences[0].init_state.state = mb.num_states + 5
+    with pytest.raises(PlanValidationError, match="init_state"):
+        decode_microbatch(mb, plan.header.params)
