@@ -58,3 +58,36 @@ def test_decode_rejects_bad_state_reference():
     mb.linear_calls[0].sequences[0].init_state.state = mb.num_states + 5
     with pytest.raises(PlanValidationError, match="init_state"):
         decode_microbatch(mb, plan.header.params)
+
+
+def test_export_needs_cover_every_import():
+    from proto.window_exports import ATTN, CONV, KERNEL, export_needs
+
+    plan = _plan()
+    p = plan.header.params
+    checked = 0
+    for rank in plan.ranks:
+        mbs = {mb.id: decode_microbatch(mb, p) for mb in rank.microbatches}
+        order = [rank.microbatches[s.microbatch].id for s in rank.steps if s.kind == 0]
+        needs = export_needs(mbs, order)
+        for m, a in mbs.items():
+            if m in needs:
+                n = needs[m]
+                assert np.array_equal(n.states, np.unique(a.export_states))
+                assert np.isin(n.rows[ATTN], a.export_rows).all()
+                assert np.array_equal(n.rows[ATTN], np.unique(a.export_rows))  # every import is an attention ancestor
+                assert np.isin(n.rows[CONV], n.rows[ATTN]).all() and np.isin(n.rows[KERNEL], n.rows[ATTN]).all()
+            R = a.num_rows
+            # every imported row a consumer reads is exported by its exporter under that kind
+            conv = a.conv_ancestors.reshape(-1)
+            for i in np.unique(conv[conv >= R] - R).tolist():
+                e, r = int(a.import_microbatch[i]), int(a.import_row[i])
+                assert r in set(needs[e].rows[CONV].tolist())
+                checked += 1
+            for call in a.linear_calls:
+                rep = call.replay_rows
+                for i in np.unique(rep[rep >= R] - R).tolist():
+                    e, r = int(a.import_microbatch[i]), int(a.import_row[i])
+                    assert r in set(needs[e].rows[KERNEL].tolist())
+                    checked += 1
+    assert checked > 0
