@@ -272,10 +272,11 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     wall ratio is reported beside it."""
     Executor = _optional("trainer.executor", "Executor")
     ExecutorConfig = _optional("trainer.executor", "ExecutorConfig")
+    train_step = _optional("trainer.executor", "train_step")
     build_model = _optional("trainer.models.loading", "build_model")
     make_optimizer = _optional("trainer.optim", "make_optimizer")
     plan_flops = _optional("trainer.flops", "plan_flops")
-    if None in (Executor, ExecutorConfig, build_model, make_optimizer, plan_flops):
+    if None in (Executor, ExecutorConfig, train_step, build_model, make_optimizer, plan_flops):
         return {"trainer_note": "trainer (trainer.executor.Executor) not present yet"}
     import torch
 
@@ -297,7 +298,7 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
         for step in range(first, steps + 1):
             for name, p in (("tree", plan), ("expanded", expanded)):
                 c0 = time.process_time()
-                _, dt = _timed(ex.run_step, p, optimizer=opt)
+                _, dt = _timed(train_step, ex, p, opt)
                 if step:  # step 0 warms up allocators and caches
                     wall[name].append(dt)
                     cpu[name].append(time.process_time() - c0)

@@ -7,7 +7,9 @@ Each step generates a batch of synthetic agentic rollouts (`benchmarks.workloads
 generator as `harts gen`), submits it to an in-process planner service core backed by SQLite
 (`OUT/planner.db`: the same validation, storage, planning and sealed plan slices as `harts serve`),
 fetches rank 0's slice, verifies its checksum and trains the tiny Qwen3-Next-style hybrid model on
-it (forward, backward, AdamW). Per-step metrics go to stderr and `OUT/metrics.jsonl`. At the end the
+it (forward, backward, AdamW). Trees are larger than the microbatch budget (B = 1,024 by default),
+so every step runs sharing windows: a child microbatch imports its ancestors' K/V rows, conv
+inputs and fp32 states from its parent and the parent runs one backward through the shared prefix. Per-step metrics go to stderr and `OUT/metrics.jsonl`. At the end the
 last batch is run twice on the same weights, as a tree and trajectory-expanded, to show Invariant E
 (DESIGN §2): identical log-probs and gradients for less compute. Prints one JSON summary on stdout.
 """
@@ -29,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=0.02, help="length scale of the synthetic rollouts (1.0 = published agent lengths)")
     parser.add_argument("--model", default="tiny", help="named config (tiny, tiny-dense, tiny-deep, small) or a Qwen3-Next checkpoint directory")
     parser.add_argument("--chunk-size", type=int, default=16, help="linear-attention chunk size C")
-    parser.add_argument("--microbatch-tokens", type=int, default=8192, help="token budget B per microbatch")
+    parser.add_argument("--microbatch-tokens", type=int, default=1024,
+                        help="token budget B per microbatch (below the trees' sizes: sharing windows)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the rollouts")
     parser.add_argument("--out", default="demo-out", help="folder for planner.db and metrics.jsonl (recreated)")
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from planner_service.core import PlannerCore, ServiceConfig
     from proto.harts.v1 import planner_pb2
     from proto.plan_io import open_sealed
-    from trainer.executor import Executor, ExecutorConfig
+    from trainer.executor import Executor, ExecutorConfig, train_step
     from trainer.models import build_model
     from trainer.optim import make_optimizer
 
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args.model, seed=args.seed)
     vocab = model.config.vocab_size
     topology = planner_pb2.Topology(world_size=1, microbatch_tokens=args.microbatch_tokens,
-                                    chunk_size=args.chunk_size, no_windows=True)
+                                    chunk_size=args.chunk_size)
     log.info("planner: in-process core, SQLite at %s; compiling the Numba planner", out / "planner.db")
     core = PlannerCore(ServiceConfig(db_path=str(out / "planner.db"), conv_kernel=model.config.linear_conv_kernel_dim))
     core.start()
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                 status = core.plan(step_id, topology)
                 plan_slice = open_sealed(core.fetch(step_id, 0))
                 t0 = time.perf_counter()
-                res = executor.run_step(plan_slice, optimizer=optimizer)
+                res = train_step(executor, plan_slice, optimizer)
                 seconds = time.perf_counter() - t0
                 stats = status.stats
                 row = {
@@ -86,16 +89,19 @@ def run(args: argparse.Namespace) -> int:
                     "expanded_tokens": res.expanded_tokens, "computed_tokens": res.computed_tokens,
                     "compression_ideal": round(stats.compression_ideal, 3),
                     "compression_achieved": round(stats.compression_achieved, 3),
-                    "microbatches": res.microbatches, "linear_attention_calls": stats.linear_attention_calls,
+                    "microbatches": res.microbatches, "windows": res.windows,
+                    "recomputed_microbatches": res.recomputed_microbatches,
+                    "linear_attention_calls": stats.linear_attention_calls,
                     "plan_seconds": round(stats.plan_seconds, 4), "train_seconds": round(seconds, 3),
                     "expanded_tokens_per_second": round(res.expanded_tokens / seconds, 1),
                 }
                 history.append(row)
                 metrics.write(json.dumps(row) + "\n")
                 log.info("step %d/%d: loss %+.4f | %d trajectories, %d expanded -> %d computed tokens (%.2fx, ideal %.2fx) "
-                         "| %d calls | plan %.3fs, train %.2fs, %.0f expanded tok/s",
+                         "| %d microbatches, %d windows | %d calls | plan %.3fs, train %.2fs, %.0f expanded tok/s",
                          step + 1, args.steps, row["loss"], row["trajectories"], row["expanded_tokens"], row["computed_tokens"],
-                         row["compression_achieved"], row["compression_ideal"], row["linear_attention_calls"],
+                         row["compression_achieved"], row["compression_ideal"], row["microbatches"], row["windows"],
+                         row["linear_attention_calls"],
                          row["plan_seconds"], seconds, row["expanded_tokens_per_second"])
     finally:
         core.close()
@@ -115,12 +121,13 @@ def _compare_tree_and_expanded(doc: dict, model, args: argparse.Namespace) -> di
     from trainer.verify import compare_runs, run_and_capture
 
     forest = forest_from_json(doc)
-    common = dict(chunk_size=args.chunk_size, microbatch_tokens=args.microbatch_tokens,
-                  conv_kernel=model.config.linear_conv_kernel_dim, windows=False, all_positions=True)
+    common = dict(chunk_size=args.chunk_size, conv_kernel=model.config.linear_conv_kernel_dim, all_positions=True)
+    longest = int(forest.traj_length().max())
     executor = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, want_logprobs=True, capture_linear=True))
-    log.info("Invariant E: running the last batch trajectory-expanded and as a tree on the same weights")
-    expanded, g_expanded = run_and_capture(executor, plan_step(forest, PlanConfig(sharing=False, **common)))
-    tree, g_tree = run_and_capture(executor, plan_step(forest, PlanConfig(**common)))
+    log.info("Invariant E: running the last batch trajectory-expanded and as a windowed tree on the same weights")
+    expanded, g_expanded = run_and_capture(executor, plan_step(forest, PlanConfig(
+        sharing=False, windows=False, microbatch_tokens=max(args.microbatch_tokens, longest), **common)))
+    tree, g_tree = run_and_capture(executor, plan_step(forest, PlanConfig(microbatch_tokens=args.microbatch_tokens, **common)))
     rep = compare_runs(expanded, g_expanded, tree, g_tree)
     out = {
         "logprob_max_abs_diff": rep["logprob_max_abs_diff"],
@@ -129,6 +136,7 @@ def _compare_tree_and_expanded(doc: dict, model, args: argparse.Namespace) -> di
         "expert_load_equal": rep["expert_load_equal"],
         "computed_tokens_expanded": expanded.computed_tokens,
         "computed_tokens_tree": tree.computed_tokens,
+        "windows_tree": tree.windows,
         "seconds_expanded": round(expanded.seconds, 3),
         "seconds_tree": round(tree.seconds, 3),
     }

@@ -1,11 +1,15 @@
 """Run a batch's tree plan and its trajectory-expanded plan on the same weights and compare them.
 
-    harts verify rollouts.json --model tiny --chunk-size 8 --microbatch-tokens 512
+    harts verify rollouts.json --model tiny --chunk-size 8 --microbatch-tokens 512 [--memory-tokens 2048]
     harts verify rollouts.json --model tiny --no-replay          # ablation: shows the difference
     harts verify rollouts.json --model tiny --f64-reference      # both runs against a float64 oracle
 
-Plans the batch twice (sharing with windows off, and PlanConfig(sharing=False)), runs forward and
-backward of both with log-probs and linear-attention outputs captured, and prints ONE JSON object:
+Plans the batch twice (the tree plan: sharing with sharing windows, so that trajectories longer
+than B span several microbatches, and activation recomputation where M demands it; the
+trajectory-expanded plan: PlanConfig(sharing=False) with B raised to the longest trajectory),
+runs forward and backward of both with log-probs and linear-attention outputs captured, and prints
+ONE JSON object: the tree plan's `windows` (microbatches that imported from a window) and
+`recomputed_microbatches`,
 log-prob max abs/rel difference, loss difference, relative gradient difference per parameter and
 its max (see trainer/verify.py for the definition), whether linear-attention outputs are bitwise
 equal at every trajectory position and layer, and whether expert-load counts are equal.
@@ -27,7 +31,7 @@ import argparse
 import json
 import logging
 
-from harts_cli.cmd_logprobs import add_model_arguments, microbatch_budget
+from harts_cli.cmd_logprobs import add_model_arguments, plan_config
 from harts_cli.inputs import load_forest
 
 log = logging.getLogger(__name__)
@@ -63,9 +67,8 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args.model, seed=args.seed)
     K = model.config.linear_conv_kernel_dim
     longest = int(forest.traj_length().max()) if forest.num_trajectories else 1
-    args.microbatch_tokens = microbatch_budget(args.microbatch_tokens, forest)
     common = dict(chunk_size=args.chunk_size, conv_kernel=K, windows=False, all_positions=True)
-    tree = plan_step(forest, PlanConfig(microbatch_tokens=args.microbatch_tokens, replay=not args.no_replay, **common))
+    tree = plan_step(forest, plan_config(args, forest, K, replay=not args.no_replay))
     expanded = plan_step(forest, PlanConfig(microbatch_tokens=max(args.microbatch_tokens, longest), sharing=False, **common))
     obj = ObjectiveConfig(aggregation=args.aggregation, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef)
     ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, objective=obj,
@@ -78,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         and rep["grad_rel_diff_max"] <= 1e-5 and rep["expert_load_equal"]
     )
     rep["replay"] = not args.no_replay
+    rep["windows"], rep["recomputed_microbatches"] = got.windows, got.recomputed_microbatches
+    rep["microbatches_tree"] = got.microbatches
     rep["compression_ideal"] = float(tree.header.stats.compression_ideal)
     rep["seconds_tree"], rep["seconds_expanded"] = round(got.seconds, 4), round(ref.seconds, 4)
     if args.repack_baseline:

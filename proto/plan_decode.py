@@ -136,6 +136,11 @@ class MicrobatchArrays:
     def num_logprobs(self) -> int:
         return int(self.lp_row.shape[0])
 
+    @property
+    def num_replay_rows(self) -> int:
+        """Replay rows of all linear calls (the computed rows beyond num_rows)."""
+        return sum(int(c.replay_rows.shape[0]) for c in self.linear_calls)
+
 
 def _outside(a: np.ndarray, lo: int, hi: int) -> bool:
     return bool(a.size) and (int(a.min()) < lo or int(a.max()) >= hi)

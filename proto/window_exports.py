@@ -46,7 +46,7 @@ class ExportNeeds:
         return {k: int(np.searchsorted(r, num_rows)) for k, r in self.rows.items()}
 
 
-def _used_imports(mb: MicrobatchArrays, own: ExportNeeds | None) -> dict[str, np.ndarray]:
+def used_imports(mb: MicrobatchArrays, own: ExportNeeds | None) -> dict[str, np.ndarray]:
     """kind -> bool [I]: imported rows of mb that mb's consumers or its own importers read."""
     R, I = mb.num_rows, mb.num_imports
     used = {}
@@ -88,7 +88,7 @@ def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int]) -> dict[int
         if m in parts:
             own = needs[m] = _finish(parts.pop(m), states.pop(m, []))
         if mb.num_imports:
-            used = _used_imports(mb, own)
+            used = used_imports(mb, own)
             for e in np.unique(mb.import_microbatch).tolist():
                 sel = mb.import_microbatch == e
                 d = parts.setdefault(e, {k: [] for k in KINDS})

@@ -67,15 +67,3 @@ def test_planner_no_replay_differs_on_unaligned_branch(model):
     rep = compare_runs(ref, g_ref, got, g_got)
     assert not rep["linear_outputs_bitwise_equal"] and rep["linear_outputs_max_abs_diff"] > 0
     assert rep["logprob_max_abs_diff"] <= 1e-4
-
-
-def test_rejects_plans_with_sharing_windows(model):
-    rng = np.random.default_rng(5)
-    p = rng.integers(0, 256, 40).tolist()
-    trajs = [p + rng.integers(0, 256, 30).tolist() for _ in range(3)]
-    forest = forest_from_json(_doc(trajs, {}))
-    plan = plan_step(forest, PlanConfig(chunk_size=C, microbatch_tokens=48, windows=True))
-    if not any(len(mb.import_row) or len(mb.state_imports) for r in plan.ranks for mb in r.microbatches):
-        pytest.skip("the planner chose to duplicate every edge")
-    with pytest.raises(ValueError, match="windows=False"):
-        _executor(model).run_step(plan)

@@ -59,7 +59,7 @@ def test_golden_loss_curve():
 
     from planner_service.ingest import forest_from_json
     from planner_service.planner import PlanConfig, plan_step
-    from trainer.executor import Executor, ExecutorConfig
+    from trainer.executor import Executor, ExecutorConfig, train_step
     from trainer.models import build_model
 
     torch.manual_seed(0)
@@ -67,5 +67,5 @@ def test_golden_loss_curve():
     plan = plan_step(forest_from_json(_batch()), PlanConfig(microbatch_tokens=1024, chunk_size=16, windows=False))
     ex = Executor(model, ExecutorConfig(chunk_size=16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = [ex.run_step(plan, optimizer=opt).loss for _ in range(4)]
+    losses = [train_step(ex, plan, opt).loss for _ in range(4)]
     _check("loss_curve_tiny.json", {f"step_{i}": float(v) for i, v in enumerate(losses)}, rel=1e-4)

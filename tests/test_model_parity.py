@@ -39,7 +39,7 @@ def test_logits_match_transformers(cfg, tmp_path):
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (70, 5, 33, 1)]
     layout = layout_from_sequences(seqs, conv_kernel=cfg.linear_conv_kernel_dim, chunk_size=16)
     with torch.no_grad():
-        logits = model.logits(model(layout, RunOptions(linear_fn=chunk_gated_delta_rule, chunk_size=16)))
+        logits = model.logits(model(layout, RunOptions(linear_fn=chunk_gated_delta_rule, chunk_size=16)).hidden)
         off = 0
         for s in seqs:
             ref = hf(s[None]).logits[0]

@@ -18,7 +18,7 @@ def test_named_config_runs(name):
     seqs = [rng.integers(0, cfg.vocab_size, size=n) for n in (5, 19)]
     layout = layout_from_sequences(seqs, conv_kernel=cfg.linear_conv_kernel_dim, chunk_size=8)
     with torch.no_grad():
-        h_RD = model(layout, RunOptions(linear_fn=kernel_backend("ref"), chunk_size=8), None)
+        h_RD = model(layout, RunOptions(linear_fn=kernel_backend("ref"), chunk_size=8)).hidden
     assert h_RD.shape == (24, cfg.hidden_size)
     assert torch.isfinite(model.logits(h_RD)).all()
 

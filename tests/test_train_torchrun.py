@@ -33,7 +33,7 @@ TOKEN = "train-token"
 C = 16
 LR = 1e-3
 SEED = 3
-TOPOLOGY = {"microbatch_tokens": 128, "chunk_size": C, "no_windows": True}
+TOPOLOGY = {"microbatch_tokens": 64, "chunk_size": C}  # below the trees: sharing windows
 #: Small batches with nonzero advantages: a group-sampled step and a tree-sampled one.
 DOCS = [
     dict(scheme="group", tasks=2, seed=0, group_size=3),
@@ -87,6 +87,7 @@ def reference(server):
         with PlannerClient(server.http_url, token=TOKEN) as c:
             for i in range(len(DOCS)):
                 res = ex.run_step(c.fetch_plan(f"ws1-{i}", 0, timeout=30))
+                assert res.windows > 0  # trees larger than B: the steps run sharing windows
                 norms.append(float(torch.linalg.vector_norm(torch.stack(
                     [p.grad.norm() for p in model.parameters() if p.grad is not None]))))
                 losses.append(res.loss)

@@ -1,22 +1,35 @@
-"""Run a step's plan on the model: forward + backward per microbatch, gradient accumulation (DESIGN §5).
+"""Run a step's plan on the model: the rank's execution order with sharing windows (DESIGN §5.2-§5.5).
 
     from trainer.executor import Executor, ExecutorConfig
     ex = Executor(model, ExecutorConfig(chunk_size=64))
-    result = ex.run_step(plan_or_slice, optimizer=opt)      # StepResult: loss, expert loads, tokens...
+    result = ex.run_step(plan_or_slice)      # StepResult; the step's gradients are left in .grad
+    optimizer.step(); optimizer.zero_grad()  # the caller steps (and syncs gradients) once per step
+    result = train_step(ex, plan, optimizer) # the same, single process
 
 One code path for tree plans and trajectory-expanded plans (PlanConfig(sharing=False)): the
 expanded baseline is just a plan whose trees are single trajectories. A `plan_pb2.Plan` runs
 every rank's microbatches in this process (rank after rank, gradients summed: with the plan's
 global normalisers that equals a data-parallel step whose gradients are SUM-reduced); a
-`plan_pb2.PlanSlice` runs one rank. Plans are validated first (`proto.plan_validator`) and
-rejected when they were made for another chunk size, conv kernel or vocabulary, or when a
-microbatch imports from another (sharing windows: plan with windows=False).
+`plan_pb2.PlanSlice` runs one rank. Each microbatch is decoded once (`proto.plan_decode`);
+plans made for another chunk size, conv kernel or vocabulary are rejected.
+
+Sharing windows (DESIGN §5.5). The rank's `ExecStep`s are a depth-first walk over its window
+forest. FORWARD m runs m's forward (`Qwen3NextForRL.forward`, pure: it returns logits, MoE
+routing and the window exports) on imports that are fresh leaf tensors (`requires_grad=True`)
+copied from its exporters' exports, and keeps m open: its loss, its exports and, unless m is
+recomputed, its graph. BACKWARD m (after every importer of m has run) runs one
+`torch.autograd.backward` over m's loss plus its exports with the gradients its importers
+accumulated on them, then hands the gradients of m's own import leaves to m's exporters. A
+microbatch marked `recompute` that others import from runs its first forward without a graph,
+keeping only its exports; at BACKWARD it re-runs the forward with a graph on the same imports
+(the re-run's exports are the same bits: `check_recompute` asserts it) and backpropagates that.
+Losses, log-probs, expert loads and probes are recorded from the first forward only.
 
 Dtypes: values upcast for accuracy (logits, log-probs, router probabilities, the load-balancing
 loss) use `compute_dtype` (at least fp32), so a float64 model (`model.double()`, the oracle of
 `harts verify --f64-reference`) runs in float64 end to end.
 
-Legend: R rows, P log-prob entries, E experts, k top-k, U distinct logit rows.
+Legend: R rows, P log-prob entries, E experts.
 """
 from __future__ import annotations
 
@@ -24,17 +37,25 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-from trainer.layout import RowLayout, layout_from_microbatch
-from trainer.models.qwen3_next import Capture, Qwen3NextForRL, RunOptions, compute_dtype
-from trainer.objectives import Normalizers, ObjectiveConfig, policy_loss
+from proto.plan_decode import MicrobatchArrays, decode_microbatch
+from proto.window_exports import export_needs
+from trainer.boundary import kind_of
+from trainer.layout import RowLayout, layout_from_arrays
+from trainer.loss import LossConfig, MicrobatchLoss, expert_load, microbatch_loss
+from trainer.models.qwen3_next import ModelOutput, Qwen3NextForRL, RunOptions
+from trainer.objectives import Normalizers, ObjectiveConfig
+from trainer.probes import TrajectoryProbes
 
 log = logging.getLogger(__name__)
+
+FORWARD, BACKWARD = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
 
 
 def kernel_backend(name: str):
@@ -66,6 +87,8 @@ class ExecutorConfig:
     """Return every linear-attention layer's output per trajectory position (verification)."""
     validate: bool = True
     """Run proto.plan_validator on the plan first."""
+    check_recompute: bool = False
+    """Assert that a recomputed forward reproduces its first forward's exports bitwise (tests)."""
 
     def __post_init__(self) -> None:
         c = self.chunk_size
@@ -92,6 +115,13 @@ class StepResult:
     loss_tokens: float
     microbatches: int
     seconds: float
+    windows: int = 0
+    """Microbatches that imported from a window ancestor."""
+    recomputed_microbatches: int = 0
+    """Window parents whose forward ran twice (activation recomputation)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Sums over microbatches of the objective's `LossTerms.stats` (keys ending in _max / _min:
+    max / min), for the trainer's metrics."""
     logprobs: dict[str, np.ndarray] | None = None
     """trajectory id -> float64 [L-1] log-probs of positions 1..L-1 (NaN without an entry)."""
     entropies: dict[str, np.ndarray] | None = None
@@ -103,7 +133,8 @@ class StepResult:
         return {
             "loss": self.loss, "policy_loss": self.policy_loss, "kl": self.kl, "aux_loss": self.aux_loss,
             "computed_tokens": self.computed_tokens, "expanded_tokens": self.expanded_tokens,
-            "microbatches": self.microbatches, "seconds": round(self.seconds, 4),
+            "microbatches": self.microbatches, "windows": self.windows,
+            "recomputed_microbatches": self.recomputed_microbatches, "seconds": round(self.seconds, 4),
         }
 
 
@@ -125,16 +156,37 @@ def rank_plans(plan) -> tuple[plan_pb2.PlanHeader, list[plan_pb2.RankPlan]]:
     raise TypeError(f"plan: expected plan_pb2.Plan or plan_pb2.PlanSlice, got {type(plan).__name__}")
 
 
+def rank_steps(rank: plan_pb2.RankPlan) -> list[tuple[int, int]]:
+    """(kind, microbatch index) of a rank's execution order; FORWARD m, BACKWARD m per microbatch
+    when the plan lists no steps."""
+    if len(rank.steps):
+        return [(s.kind, s.microbatch) for s in rank.steps]
+    return [(k, i) for i in range(len(rank.microbatches)) for k in (FORWARD, BACKWARD)]
+
+
 def _validate(plan) -> None:
-    try:
-        from proto import plan_validator
-    except ImportError:  # pragma: no cover - the validator ships with proto/
-        log.warning("proto.plan_validator is not available; running the plan unvalidated")
-        return
+    from proto import plan_validator
+
     if isinstance(plan, plan_pb2.PlanSlice):
         plan_validator.validate_slice(plan)
     else:
         plan_validator.validate_plan(plan)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Open:
+    """A microbatch between its FORWARD and BACKWARD steps."""
+
+    layout: RowLayout
+    imports: dict[str, torch.Tensor]
+    """Its import leaves by name (gradients accumulate on them)."""
+    exports: dict[str, torch.Tensor]
+    """Its exports by name: with graph, or detached when it will be recomputed."""
+    loss: torch.Tensor | None
+    """The loss with graph (None when recomputed: the re-run provides it)."""
+    recompute: bool
+    export_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """name -> gradient its importers accumulated on the export."""
 
 
 class Executor:
@@ -147,11 +199,15 @@ class Executor:
         mc = model.config
         self.moe_layers = mc.moe_layers
         self.num_experts = mc.num_experts
+        self.loss_cfg = LossConfig(
+            objective=self.cfg.objective, aux_loss_coef=self.cfg.aux_loss_coef, want_entropy=self.cfg.want_entropies,
+            num_experts=self.num_experts if self.moe_layers else 0, top_k=mc.num_experts_per_tok,
+        )
         self.device = next(model.parameters()).device
 
     def check_plan(self, plan) -> None:
         """Reject a plan this model cannot run exactly; raises ValueError naming the field."""
-        header, ranks = rank_plans(plan)
+        header, _ = rank_plans(plan)
         p, mc = header.params, self.model.config
         if p.chunk_size != self.cfg.chunk_size:
             raise ValueError(f"plan params.chunk_size: expected {self.cfg.chunk_size} (the kernel's), got {p.chunk_size}; re-plan with chunk_size={self.cfg.chunk_size}")
@@ -159,23 +215,18 @@ class Executor:
             raise ValueError(f"plan params.conv_kernel: expected {mc.linear_conv_kernel_dim} (the model's), got {p.conv_kernel}")
         if p.vocab_size != mc.vocab_size:
             raise ValueError(f"plan params.vocab_size: expected {mc.vocab_size} (the model's), got {p.vocab_size}")
-        for rank in ranks:
-            for mb in rank.microbatches:
-                if len(mb.import_row) or len(mb.state_imports):
-                    raise ValueError(
-                        f"microbatch {mb.id}: expected no imports, got a sharing-window dependency; this trainer runs "
-                        "independent microbatches only: plan the step with windows=False"
-                    )
 
-    def run_step(self, plan, *, optimizer: torch.optim.Optimizer | None = None, backward: bool = True, zero_grad: bool = True) -> StepResult:
+    def run_step(self, plan, *, backward: bool = True, zero_grad: bool = True,
+                 before_last_backward: Callable[[], None] | None = None) -> StepResult:
         """Run every microbatch of a Plan (all ranks) or a PlanSlice (one rank).
 
         Args:
             plan: plan_pb2.Plan or plan_pb2.PlanSlice.
-            optimizer: stepped (and its gradients zeroed) after the last backward, if given.
             backward: False runs forward only (no graph).
             zero_grad: clear parameter gradients before the first backward.
-        Side effects: parameter .grad accumulates the step's gradient (kept when optimizer is None).
+            before_last_backward: called once, right before the step's last backward (e.g. to
+                re-enable FSDP gradient reduction that was off for the earlier ones).
+        Side effects: parameter .grad accumulates the step's gradient; the caller steps the optimizer.
         """
         t0 = time.perf_counter()
         self.check_plan(plan)
@@ -185,148 +236,186 @@ class Executor:
         norm = _normalizers(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
-        acc = _Accumulator(self, header)
+        run = _StepRun(self, header, norm, backward=backward)
+        run.backwards_left = sum(k == BACKWARD for r in ranks for k, _ in rank_steps(r)) if backward else 0
+        run.before_last_backward = before_last_backward
         for rank in ranks:
-            steps = [(s.kind, s.microbatch) for s in rank.steps] or [
-                (k, i) for i in range(len(rank.microbatches)) for k in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD)
-            ]
-            pending: dict[int, torch.Tensor] = {}
-            for kind, i in steps:
-                mb = rank.microbatches[i]
-                if kind == plan_pb2.ExecStep.FORWARD:
-                    pending[i] = self._forward(mb, norm, acc, grad=backward)
-                else:
-                    loss = pending.pop(i)
-                    if backward and loss.requires_grad:
-                        loss.backward()
-            assert not pending, f"microbatches {sorted(pending)} were forwarded but never backwarded"
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return acc.result(time.perf_counter() - t0)
+            run.rank(rank)
+        return run.result(time.perf_counter() - t0)
 
-    def _forward(self, mb: plan_pb2.Microbatch, norm: Normalizers, acc: "_Accumulator", *, grad: bool) -> torch.Tensor:
-        mc = self.model.config
-        layout = layout_from_microbatch(mb, conv_kernel=mc.linear_conv_kernel_dim, chunk_size=self.cfg.chunk_size, vocab_size=mc.vocab_size)
-        layout.to(self.device)
-        capture = Capture(linear_outputs=self.cfg.capture_linear)
+    def forward(self, layout: RowLayout, imports: dict[str, torch.Tensor] | None, norm: Normalizers, *,
+                grad: bool) -> tuple[ModelOutput, MicrobatchLoss]:
+        """One microbatch forward and its loss (pure: re-running it gives the same outputs)."""
         with torch.set_grad_enabled(grad):
-            h_RD = self.model(layout, self.run_options, capture)
-            out = self.microbatch_loss(h_RD, layout, norm, capture)
-        acc.add(mb, layout, out, capture)
-        return out["loss"]
-
-    def microbatch_loss(self, h_RD: torch.Tensor, layout: RowLayout, norm: Normalizers, capture: Capture) -> dict:
-        """Log-probs through the log-prob map (logits once per distinct row) and the loss terms."""
-        lp = layout.logprobs
-        ocfg = self.cfg.objective
-        need_entropy = self.cfg.want_entropies or ocfg.entropy_coef > 0
-        rows_U, inv_P = torch.unique(lp.row, return_inverse=True)
-        logits_UV = self.model.logits(h_RD.index_select(0, rows_U))
-        logits_UV = logits_UV.to(compute_dtype(logits_UV))
-        lse_U = torch.logsumexp(logits_UV, dim=-1)
-        logprob_P = logits_UV[inv_P, lp.label] - lse_U[inv_P]
-        entropy_P = None
-        if need_entropy:
-            p_UV = torch.softmax(logits_UV, dim=-1)
-            entropy_P = (lse_U - (p_UV * logits_UV).sum(-1))[inv_P]
-        terms = policy_loss(
-            logprob_P, old_logprob_P=lp.old_logprob, ref_logprob_P=lp.ref_logprob, advantage_P=lp.advantage,
-            loss_mask_P=lp.loss_mask, traj_P=lp.traj, entropy_P=entropy_P, norm=norm, cfg=ocfg,
-        )
-        loss = terms.loss
-        aux = torch.zeros(())
-        if self.moe_layers and capture.router_probs:
-            aux = load_balancing_loss(capture, layout.occurrence, self.num_experts, self.model.config.num_experts_per_tok)
-            if self.cfg.aux_loss_coef > 0:
-                loss = loss + self.cfg.aux_loss_coef * aux
-        return {"loss": loss, "terms": terms, "aux": aux.detach(), "logprob": logprob_P.detach(),
-                "entropy": None if entropy_P is None else entropy_P.detach()}
+            out = self.model(layout, self.run_options, imports, logit_rows=layout.logprobs.rows_U,
+                             capture_linear=self.cfg.capture_linear)
+            return out, microbatch_loss(out, layout, norm, self.loss_cfg)
 
 
-def load_balancing_loss(capture: Capture, occurrence_R: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
-    """Switch-style auxiliary loss over all MoE layers with each row weighted by its occurrence.
-
-    Equals transformers' `load_balancing_loss_func` evaluated on the expanded rows of the same
-    token multiset (a row with occurrence n counts as n rows; duplicated rows count 0).
-    """
-    dtype = next(iter(capture.router_probs.values())).dtype if capture.router_probs else torch.float32
-    w_R = occurrence_R.to(dtype)
-    counts_E = w_R.new_zeros(num_experts)
-    probs_E = w_R.new_zeros(num_experts)
-    total = w_R.new_zeros(())
-    for layer, probs_RE in capture.router_probs.items():
-        topk = capture.router_topk[layer]
-        counts_E = counts_E.index_add(0, topk.reshape(-1), w_R.repeat_interleave(top_k))
-        probs_E = probs_E + (probs_RE * w_R[:, None]).sum(0)
-        total = total + w_R.sum()
-    total = total.clamp_min(1.0)
-    return num_experts * ((counts_E / total) * (probs_E / total)).sum()
+def train_step(executor: Executor, plan, optimizer: torch.optim.Optimizer) -> StepResult:
+    """One single-process training step: `run_step`, then one optimizer step (demo, benchmarks, tests;
+    the torchrun trainer syncs and clips gradients in between)."""
+    res = executor.run_step(plan)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return res
 
 
-class _Accumulator:
-    """Collects per-microbatch outputs into step totals and trajectory-space arrays."""
+class _StepRun:
+    """One step's walk over the ranks' execution orders, with the stack of open windows."""
 
-    def __init__(self, ex: Executor, header: plan_pb2.PlanHeader):
-        self.ex = ex
-        self.header = header
-        self.ids = list(header.trajectory_ids)
-        self.lengths = unpack(header.trajectory_lengths, "int32", name="header.trajectory_lengths")
-        self.loss = self.policy = self.kl = self.ent = self.aux = 0.0
-        self.loss_tokens = 0.0
-        self.computed = 0
-        self.n_mb = 0
-        self.load = np.zeros((len(ex.moe_layers), max(ex.num_experts, 1)), np.float64)
+    def __init__(self, ex: Executor, header: plan_pb2.PlanHeader, norm: Normalizers, *, backward: bool):
+        self.ex, self.header, self.norm, self.backward = ex, header, norm, backward
         cfg = ex.cfg
-        # Trajectory-space arrays, flat: positions 1..L-1 of trajectory t at offsets[t] + pos - 1.
-        self.offsets = np.concatenate([[0], np.cumsum(np.maximum(self.lengths.astype(np.int64) - 1, 0))])
-        n = int(self.offsets[-1])
-        self.logprobs = np.full(n, np.nan) if cfg.want_logprobs else None
-        self.entropies = np.full(n, np.nan) if cfg.want_entropies else None
-        self.linear: dict[int, np.ndarray] | None = {} if cfg.capture_linear else None
+        self.probes = TrajectoryProbes(header, logprobs=cfg.want_logprobs, entropies=cfg.want_entropies,
+                                       linear=cfg.capture_linear)
+        self.totals = dict(loss=0.0, policy=0.0, kl=0.0, ent=0.0, aux=0.0, loss_tokens=0.0)
+        self.stats: dict[str, float] = {}
+        self.computed = self.n_mb = self.windows = self.recomputed = 0
+        self.load = torch.zeros(len(ex.moe_layers), max(ex.num_experts, 1), dtype=torch.float64)
+        self.backwards_left = 0
+        self.before_last_backward: Callable[[], None] | None = None
 
-    def add(self, mb, layout: RowLayout, out: dict, capture: Capture) -> None:
-        t = out["terms"]
-        self.loss += float(out["loss"].detach())
-        self.policy += float(t.policy)
-        self.kl += float(t.kl)
-        self.ent += float(t.entropy)
-        self.aux += float(out["aux"])
-        lp = layout.logprobs
-        self.loss_tokens += float(lp.loss_mask.sum())  # one host sync per microbatch, for reports
-        self.computed += layout.num_rows + int(sum(len(c.gather_idx) - len(c.keep_idx) for c in layout.linear_calls))
+    def rank(self, rank: plan_pb2.RankPlan) -> None:
+        params = self.header.params
+        arrays = {mb.id: decode_microbatch(mb, params) for mb in rank.microbatches}
+        ids = [mb.id for mb in rank.microbatches]
+        steps = rank_steps(rank)
+        order = [ids[i] for k, i in steps if k == FORWARD]
+        needs = export_needs(arrays, order)
+        open_: dict[int, _Open] = {}
+        for kind, i in steps:
+            m = ids[i]
+            if kind == FORWARD:
+                open_[m] = self._forward(arrays[m], needs, open_)
+            else:
+                st = open_.pop(m, None)
+                if st is None:
+                    raise ValueError(f"rank {rank.rank}: backward of microbatch {m} without an open forward")
+                self._backward(m, st, open_)
+        if open_:
+            raise ValueError(f"rank {rank.rank}: microbatches {sorted(open_)} were forwarded but never backwarded")
+
+    def _forward(self, a: MicrobatchArrays, needs, open_: dict[int, _Open]) -> _Open:
+        ex = self.ex
+        layout = layout_from_arrays(a, needs, chunk_size=ex.cfg.chunk_size).to(ex.device)
+        imports = self._imports(layout, open_)
+        recompute = bool(a.recompute and self.backward and a.id in needs)
+        out, mb_loss = ex.forward(layout, imports, self.norm, grad=self.backward and not recompute)
+        self._record(a, layout, out, mb_loss)
+        if layout.window.imports_anything:
+            self.windows += 1
+        if recompute:
+            self.recomputed += 1
+        exports = {k: v.detach() for k, v in out.exports.items()} if not self.backward or recompute else out.exports
+        return _Open(layout=layout, imports=imports, exports=exports, loss=None if recompute else mb_loss.loss,
+                     recompute=recompute)
+
+    def _imports(self, layout: RowLayout, open_: dict[int, _Open]) -> dict[str, torch.Tensor]:
+        """Fresh leaves of the rows and states this microbatch imports, copied from its exporters."""
+        w = layout.window
+        imports: dict[str, torch.Tensor] = {}
+        for kind, src in w.import_from.items():
+            exporters = np.unique(src.exporter).tolist()
+            for e in exporters:
+                if e not in open_:
+                    raise ValueError(f"microbatch imports from microbatch {e}, which is not an open window")
+            names = [n for n in open_[exporters[0]].exports if kind_of(n) == kind]
+            for name in names:
+                if len(exporters) == 1:
+                    t = open_[exporters[0]].exports[name].detach().index_select(0, torch.from_numpy(src.position).to(self.ex.device))
+                else:
+                    parts, order = [], []
+                    for e in exporters:
+                        sel = np.flatnonzero(src.exporter == e)
+                        pos = torch.from_numpy(src.position[sel]).to(self.ex.device)
+                        parts.append(open_[e].exports[name].detach().index_select(0, pos))
+                        order.append(sel)
+                    inv = np.empty(src.exporter.shape[0], np.int64)
+                    inv[np.concatenate(order)] = np.arange(src.exporter.shape[0])
+                    t = torch.cat(parts).index_select(0, torch.from_numpy(inv).to(self.ex.device))
+                imports[name] = t.requires_grad_(self.backward)
+        return imports
+
+    def _backward(self, m: int, st: _Open, open_: dict[int, _Open]) -> None:
+        if not self.backward:
+            return
+        ex = self.ex
+        loss, exports = st.loss, st.exports
+        if st.recompute:
+            out, mb_loss = ex.forward(st.layout, st.imports, self.norm, grad=True)
+            if ex.cfg.check_recompute:
+                for name, t in st.exports.items():
+                    if not torch.equal(out.exports[name].detach(), t):
+                        raise AssertionError(f"microbatch {m}: recomputed export {name} differs from the first forward's")
+            loss, exports = mb_loss.loss, out.exports
+        tensors, grads = [], []
+        if loss is not None and loss.requires_grad:
+            tensors.append(loss)
+            grads.append(None)
+        for name, g in st.export_grads.items():
+            t = exports[name]
+            if t.requires_grad:
+                tensors.append(t)
+                grads.append(g)
+        self.backwards_left -= 1
+        if self.backwards_left == 0 and self.before_last_backward is not None:
+            self.before_last_backward()
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        self._hand_back(st, open_)
+
+    def _hand_back(self, st: _Open, open_: dict[int, _Open]) -> None:
+        """Accumulate the gradients of st's import leaves on its exporters' exports."""
+        w = st.layout.window
+        for name, leaf in st.imports.items():
+            if leaf.grad is None:
+                continue
+            src = w.import_from[kind_of(name)]
+            for e in np.unique(src.exporter).tolist():
+                sel = np.flatnonzero(src.exporter == e)
+                g = leaf.grad if sel.shape[0] == src.exporter.shape[0] else leaf.grad.index_select(0, torch.from_numpy(sel).to(leaf.device))
+                pos = torch.from_numpy(src.position[sel]).to(leaf.device)
+                acc = open_[e].export_grads.get(name)
+                if acc is None:
+                    acc = open_[e].export_grads[name] = torch.zeros_like(open_[e].exports[name])
+                acc.index_add_(0, pos, g)
+
+    def _record(self, a: MicrobatchArrays, layout: RowLayout, out: ModelOutput, mb_loss: MicrobatchLoss) -> None:
+        """Step totals, expert loads and probes of one microbatch (from its first forward only)."""
+        t, tot = mb_loss.terms, self.totals
+        tot["loss"] += float(mb_loss.loss.detach())
+        tot["policy"] += float(t.policy)
+        tot["kl"] += float(t.kl)
+        tot["ent"] += float(t.entropy)
+        tot["aux"] += float(mb_loss.aux)
+        tot["loss_tokens"] += float(layout.logprobs.loss_mask.sum())  # one host sync per microbatch, for reports
+        for k, v in (getattr(t, "stats", None) or {}).items():
+            v = float(v)
+            if k.endswith("_max"):
+                self.stats[k] = max(self.stats.get(k, v), v)
+            elif k.endswith("_min"):
+                self.stats[k] = min(self.stats.get(k, v), v)
+            else:
+                self.stats[k] = self.stats.get(k, 0.0) + v
+        self.computed += layout.num_rows + a.num_replay_rows
         self.n_mb += 1
-        occ = layout.occurrence.double().cpu()
-        for j, layer in enumerate(self.ex.moe_layers):
-            topk = capture.router_topk[layer].cpu()
-            self.load[j] += torch.zeros(self.load.shape[1], dtype=torch.float64).index_add(
-                0, topk.reshape(-1), occ.repeat_interleave(topk.shape[1])).numpy()
-        flat = self.offsets[lp.traj.cpu().numpy()] + lp.pos.cpu().numpy() - 1
-        if self.logprobs is not None:
-            self.logprobs[flat] = out["logprob"].double().cpu().numpy()
-        if self.entropies is not None:
-            self.entropies[flat] = out["entropy"].double().cpu().numpy()
-        if self.linear is not None:
-            for layer, o_RHV in capture.linear.items():
-                o_PHV = o_RHV.index_select(0, lp.row).to(compute_dtype(o_RHV)).cpu().numpy()
-                if layer not in self.linear:
-                    self.linear[layer] = np.full((int(self.offsets[-1]), *o_RHV.shape[1:]), np.nan, o_PHV.dtype)
-                self.linear[layer][flat] = o_PHV
-
-    def _split(self, flat: np.ndarray | None) -> dict[str, np.ndarray] | None:
-        if flat is None:
-            return None
-        return {tid: flat[self.offsets[t] : self.offsets[t + 1]] for t, tid in enumerate(self.ids)}
+        if self.ex.moe_layers:
+            self.load += expert_load(out.router_topk, layout.occurrence, self.ex.moe_layers, self.ex.num_experts)
+        self.probes.add(layout, mb_loss.logprob, mb_loss.entropy, out.linear)
 
     def result(self, seconds: float) -> StepResult:
-        linear = None
-        if self.linear is not None:
-            linear = {tid: {layer: arr[self.offsets[t] : self.offsets[t + 1]] for layer, arr in self.linear.items()}
-                      for t, tid in enumerate(self.ids)}
+        tot = self.totals
+        lengths = unpack(self.header.trajectory_lengths, "int32", name="header.trajectory_lengths")
+        logprobs, entropies, linear = self.probes.per_trajectory()
         return StepResult(
-            loss=self.loss, policy_loss=self.policy, kl=self.kl, entropy_bonus=self.ent, aux_loss=self.aux,
-            expert_load=np.rint(self.load).astype(np.int64), computed_tokens=self.computed,
-            expanded_tokens=int(self.header.stats.expanded_tokens) or int(self.lengths.sum()),
-            loss_tokens=self.loss_tokens, microbatches=self.n_mb, seconds=seconds,
-            logprobs=self._split(self.logprobs), entropies=self._split(self.entropies), linear_outputs=linear,
+            loss=tot["loss"], policy_loss=tot["policy"], kl=tot["kl"], entropy_bonus=tot["ent"], aux_loss=tot["aux"],
+            expert_load=np.rint(self.load.numpy()).astype(np.int64), computed_tokens=self.computed,
+            expanded_tokens=int(self.header.stats.expanded_tokens) or int(lengths.sum()),
+            loss_tokens=tot["loss_tokens"], microbatches=self.n_mb, seconds=seconds, windows=self.windows,
+            recomputed_microbatches=self.recomputed, stats=self.stats,
+            logprobs=logprobs, entropies=entropies, linear_outputs=linear,
         )
+
+
+__all__ = ["Executor", "ExecutorConfig", "StepResult", "kernel_backend", "rank_plans", "rank_steps", "train_step"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from trainer.models.config import FULL, ModelConfig
@@ -85,8 +86,8 @@ def linear_kernel_flops_per_row(cfg: ModelConfig, chunk_size: int) -> float:
 
 def plan_flops(plan, cfg: ModelConfig, *, chunk_size: int) -> PlanFlops:
     """FLOPs of every microbatch of `plan` (a plan_pb2.Plan or PlanSlice) on a model of config `cfg`."""
+    from proto.plan_decode import decode_microbatch
     from trainer.executor import rank_plans
-    from trainer.layout import layout_from_microbatch
 
     n_linear = sum(1 for kind in cfg.layer_types if kind != FULL)
     n_full = len(cfg.layer_types) - n_linear
@@ -94,14 +95,13 @@ def plan_flops(plan, cfg: ModelConfig, *, chunk_size: int) -> PlanFlops:
     kernel_row = linear_kernel_flops_per_row(cfg, chunk_size)
     attn_key = 2 * 2 * cfg.num_attention_heads * cfg.head_dim  # q k^T and p v per (row, key)
     out = PlanFlops()
-    _, ranks = rank_plans(plan)
+    header, ranks = rank_plans(plan)
     for rank in ranks:
         for mb in rank.microbatches:
-            lay = layout_from_microbatch(mb, conv_kernel=cfg.linear_conv_kernel_dim, chunk_size=chunk_size,
-                                         vocab_size=cfg.vocab_size)
-            R = lay.num_rows
+            a = decode_microbatch(mb, header.params)
+            R = a.num_rows
             out.dense += dense_row * R
-            out.attention += n_full * attn_key * float(lay.depth.double().sum() + R)
-            out.linear_kernel += n_linear * kernel_row * sum(int(c.gather_idx.shape[0]) for c in lay.linear_calls)
-            out.lm_head += 2 * cfg.hidden_size * cfg.vocab_size * int(torch.unique(lay.logprobs.row).numel())
+            out.attention += n_full * attn_key * float(a.depth.astype(np.float64).sum() + R)
+            out.linear_kernel += n_linear * kernel_row * (R + a.num_replay_rows)
+            out.lm_head += 2 * cfg.hidden_size * cfg.vocab_size * int(np.unique(a.lp_row).shape[0])
     return out

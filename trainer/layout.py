@@ -1,24 +1,31 @@
-"""Decode a plan Microbatch into the torch index tensors the model runs on (DESIGN §4.4, §5.2).
+"""Turn a decoded plan microbatch into the torch index tensors the model runs on (DESIGN §4.4, §5.2, §5.5).
 
-`layout_from_microbatch` turns the wire arrays of one `plan_pb2.Microbatch` into a `RowLayout`;
-`layout_from_sequences` builds the same structure for plain sequences (one segment each, one
-linear call from zero states), used for parity with transformers and by tests.
+`layout_from_arrays(arrays, needs)` converts a `proto.plan_decode.MicrobatchArrays` (decoded and
+bounds-checked once by proto/) into a `RowLayout`; `layout_from_sequences` builds the same
+structure for plain sequences (one segment each, one linear call from zero states), used for
+parity with transformers and by tests.
 
-Errors are `ValueError`s naming the microbatch and field. Microbatches that import rows or states
-from other microbatches (sharing windows) are rejected: this trainer runs plans made with
-windows=False.
+Sharing windows. The plan addresses a window child's imported rows as extended rows R + i,
+i < I. Each consumer reads another per-layer tensor of them (`proto.window_exports`): attention
+the K/V rows, the short conv the conv inputs, bounded replay the kernel inputs. The layout keeps,
+per kind, only the imported rows that kind reads (`WindowIO.import_rows`) and renumbers the plan's
+extended rows into that kind's compact table "local rows, then those imported rows, then one zero
+padding row": conv_src, attention keys and linear-call gathers index such tables. `WindowIO` also
+says where every imported row and state comes from (exporter, position in its exports) and which
+rows this microbatch exports per kind.
 
-Legend: R rows, S segments, J = K-1 conv ancestors, P log-prob entries.
+Legend: R rows, S segments, J = K-1 conv ancestors, P log-prob entries, I imported rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from proto.arrays import unpack
-from trainer.tree_ops import IMPORTED, AttnSegment, AttnTiles, LinearCall, attention_tiles
+from proto.plan_decode import MicrobatchArrays, PlanValidationError
+from proto.window_exports import KINDS, ExportNeeds, used_imports
+from trainer.tree_ops import AttnSegment, AttnTiles, LinearCall, attention_tiles
 
 
 @dataclass(slots=True, kw_only=True)
@@ -41,6 +48,46 @@ class LogprobMap:
     """float32 [P] rollout-policy log-probs, None when the batch has none."""
     ref_logprob: torch.Tensor | None = None
     """float32 [P] reference-policy log-probs, None when the batch has none."""
+    rows_U: torch.Tensor | None = None
+    """long [U] distinct rows of `row`, sorted: the rows whose logits the forward computes."""
+    inv_P: torch.Tensor | None = None
+    """long [P] index of each entry's row in rows_U."""
+
+    def __post_init__(self) -> None:
+        if self.rows_U is None:
+            rows_U, inv_P = np.unique(self.row.numpy(), return_inverse=True)
+            self.rows_U, self.inv_P = _long(rows_U), _long(inv_P.reshape(-1))
+
+
+@dataclass(slots=True, kw_only=True)
+class ImportSource:
+    """Where the imported rows (or states) of one kind come from, in the importer's order."""
+
+    exporter: np.ndarray
+    """int64 [n] exporting microbatch id of each."""
+    position: np.ndarray
+    """int64 [n] its index in that exporter's export table of the kind (`WindowIO.export_rows`)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class WindowIO:
+    """A microbatch's sharing-window boundary: what it imports and exports (DESIGN §5.5)."""
+
+    import_rows: dict[str, np.ndarray] = field(default_factory=lambda: {k: np.zeros(0, np.int64) for k in KINDS})
+    """kind -> int64 sorted imported rows (indices into [0, I)) that the kind's consumers read."""
+    import_from: dict[str, ImportSource] = field(default_factory=dict)
+    """kind -> source of each of those rows; "state" -> source of each state import."""
+    export_rows: dict[str, torch.Tensor] | None = None
+    """kind -> long [n] rows of the kind's compact table this microbatch exports (None: no importer)."""
+    export_states: torch.Tensor | None = None
+    """long [n] state-table ids this microbatch exports."""
+
+    def num_imports(self, kind: str) -> int:
+        return int(self.import_rows[kind].shape[0])
+
+    @property
+    def imports_anything(self) -> bool:
+        return any(self.import_rows[k].shape[0] for k in KINDS) or "state" in self.import_from
 
 
 @dataclass(slots=True, kw_only=True)
@@ -54,17 +101,19 @@ class RowLayout:
     occurrence: torch.Tensor
     """float32 [R] trajectories through each row (0 for duplicated context rows)."""
     conv_src: torch.Tensor
-    """long [R, J] conv ancestor rows oldest first; R = zero padding."""
+    """long [R, J] conv ancestor rows oldest first, in the conv table (R + conv imports = zero padding)."""
     attn_segments: list[AttnSegment]
-    """Per segment, its queries and keys (host tensors, for `tree_ops.ancestor_attention_segments`,
-    the reference; the model runs `attn_tiles`)."""
+    """Per segment, its queries and keys in the attention table (host tensors, for
+    `tree_ops.ancestor_attention_segments`, the reference; the model runs `attn_tiles`)."""
     attn_tiles: AttnTiles
     """The segments' attention tile plan (`tree_ops.attention_tiles`), built once per microbatch."""
     linear_calls: list[LinearCall]
+    """The call schedule; gather indices address the kernel-input table."""
     row_from_kept: torch.Tensor
     """long [R] row -> index into the concatenated kept outputs of all calls."""
     num_states: int
     logprobs: LogprobMap
+    window: WindowIO = field(default_factory=WindowIO)
 
     @property
     def num_rows(self) -> int:
@@ -73,8 +122,7 @@ class RowLayout:
     def to(self, device: torch.device | str) -> "RowLayout":
         """The layout with its index tensors on `device` (in place; returns self). Call offsets and
         export positions stay on the CPU: the kernel plans its chunks from them on the host; so do
-        the per-segment `attn_segments` (the reference's; one copy per segment would cost more than
-        the tile plan's few)."""
+        the per-segment `attn_segments` (the reference's)."""
         dev = torch.device(device)
         if dev.type == "cpu":
             return self
@@ -85,8 +133,12 @@ class RowLayout:
         for call in self.linear_calls:
             call.gather_idx, call.keep_idx = mv(call.gather_idx), mv(call.keep_idx)
         lp = self.logprobs
-        for name in ("row", "label", "traj", "pos", "loss_mask", "advantage", "old_logprob", "ref_logprob"):
+        for name in ("row", "label", "traj", "pos", "loss_mask", "advantage", "old_logprob", "ref_logprob", "rows_U", "inv_P"):
             setattr(lp, name, mv(getattr(lp, name)))
+        w = self.window
+        if w.export_rows is not None:
+            w.export_rows = {k: mv(v) for k, v in w.export_rows.items()}
+        w.export_states = mv(w.export_states)
         return self
 
 
@@ -94,148 +146,148 @@ def _long(a) -> torch.Tensor:
     return torch.from_numpy(np.asarray(a, dtype=np.int64).copy())
 
 
+def _compact(ext: np.ndarray, R: int, rows: np.ndarray, where: str) -> np.ndarray:
+    """Extended rows (local < R, imported R + i, -1 = padding) -> the compact table of one kind
+    (local rows, then `rows` (sorted imported indices), then the padding row)."""
+    ext = np.asarray(ext, np.int64)
+    out = ext.copy()
+    imp = ext >= R
+    if imp.any():
+        i = ext[imp] - R
+        j = np.minimum(np.searchsorted(rows, i), max(rows.shape[0] - 1, 0))
+        if rows.shape[0] == 0 or (rows[j] != i).any():
+            raise PlanValidationError(f"{where}: imported row {int(i[0]) if rows.shape[0] == 0 else int(i[rows[j] != i][0])} "
+                                      "is read but not among the microbatch's imports of that kind")
+        out[imp] = R + j
+    out[ext < 0] = R + rows.shape[0]
+    return out
+
+
 def _inverse_kept(kept_rows: np.ndarray, R: int, where: str) -> torch.Tensor:
     count = np.bincount(kept_rows, minlength=R) if kept_rows.size else np.zeros(R, np.int64)
-    if kept_rows.size and (kept_rows.min() < 0 or kept_rows.max() >= R):
-        raise ValueError(f"{where}: linear sequence ranges must lie in [0, {R}), got rows {kept_rows.min()}..{kept_rows.max()}")
     if (count != 1).any():
         bad = int(np.nonzero(count != 1)[0][0])
-        raise ValueError(f"{where}: expected every row kept by exactly one linear sequence, row {bad} is kept {int(count[bad])} times")
+        raise PlanValidationError(f"{where}: expected every row kept by exactly one linear sequence, row {bad} is kept {int(count[bad])} times")
     inv = np.empty(R, np.int64)
     inv[kept_rows] = np.arange(R)
     return torch.from_numpy(inv)
 
 
-def layout_from_microbatch(mb, *, conv_kernel: int, chunk_size: int, vocab_size: int) -> RowLayout:
-    """Decode one `plan_pb2.Microbatch` (validated by proto.plan_validator beforehand).
+def _window_io(a: MicrobatchArrays, needs: dict[int, ExportNeeds]) -> WindowIO:
+    own = needs.get(a.id)
+    io = WindowIO()
+    if a.num_imports:
+        used = used_imports(a, own)
+        for k in KINDS:
+            rows = np.flatnonzero(used[k]).astype(np.int64)
+            io.import_rows[k] = rows
+            if rows.shape[0]:
+                io.import_from[k] = _sources(a.import_microbatch[rows], a.import_row[rows], needs, k, a.where)
+    if a.state_import_microbatch.shape[0]:
+        io.import_from["state"] = _sources(a.state_import_microbatch, a.state_import_state, needs, "state", a.where)
+    if own is not None:
+        io.export_rows = {k: _long(_compact(own.rows[k], a.num_rows, io.import_rows[k], f"{a.where}.export_rows"))
+                          for k in KINDS}
+        io.export_states = _long(own.states)
+    return io
+
+
+def _sources(exporter: np.ndarray, ids: np.ndarray, needs: dict[int, ExportNeeds], kind: str, where: str) -> ImportSource:
+    exporter = exporter.astype(np.int64)
+    pos = np.empty(exporter.shape[0], np.int64)
+    for e in np.unique(exporter).tolist():
+        sel = exporter == e
+        if e not in needs:
+            raise PlanValidationError(f"{where}: imports from microbatch {e}, which is not an earlier microbatch of this rank")
+        table = needs[e].states if kind == "state" else needs[e].rows[kind]
+        want = ids[sel].astype(np.int64)
+        j = np.minimum(np.searchsorted(table, want), max(table.shape[0] - 1, 0))
+        if table.shape[0] == 0 or (table[j] != want).any():
+            raise PlanValidationError(f"{where}: microbatch {e} does not export the {kind} rows this microbatch imports")
+        pos[sel] = j
+    return ImportSource(exporter=exporter, position=pos)
+
+
+def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None = None, *, chunk_size: int) -> RowLayout:
+    """Tensors of one decoded microbatch.
+
+    Args:
+        a: the microbatch (`proto.plan_decode.decode_microbatch`).
+        needs: the rank's `proto.window_exports.export_needs` (required when a imports or exports).
+        chunk_size: C (state exports must sit at chunk boundaries of their sequence or at its end).
 
     Raises:
-        ValueError: imports (sharing windows), inconsistent array lengths, tokens outside the
-            vocabulary, a schedule that does not keep every row exactly once.
+        PlanValidationError: a schedule that does not keep every row exactly once, an export that
+            is not at a chunk boundary, imports that no exporter provides.
     """
-    where = f"microbatch {mb.id}"
-    if len(mb.import_row) or len(mb.state_imports):
-        raise ValueError(
-            f"{where}: expected no imports, got {len(mb.import_row) // 4} imported rows and "
-            f"{len(mb.state_imports)} imported states; this trainer does not run sharing windows yet, "
-            "plan the step with windows=False"
-        )
-    R = int(mb.num_rows)
-    tokens = unpack(mb.tokens, "int32", name=f"{where}.tokens")
-    depth = unpack(mb.depth, "int32", name=f"{where}.depth")
-    occ = unpack(mb.occurrence, "int32", name=f"{where}.occurrence")
-    for name, arr in (("tokens", tokens), ("depth", depth), ("occurrence", occ)):
-        if arr.shape[0] != R:
-            raise ValueError(f"{where}.{name}: expected {R} entries (num_rows), got {arr.shape[0]}")
-    if R and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise ValueError(f"{where}.tokens: expected ids in [0, {vocab_size}), got {tokens.min()}..{tokens.max()}")
-    J = conv_kernel - 1
-    if J:
-        conv = unpack(mb.conv_ancestors, "int32", width=J, name=f"{where}.conv_ancestors").reshape(-1, J)
-    else:
-        conv = np.zeros((R, 0), np.int32)
-    if conv.shape[0] != R:
-        raise ValueError(f"{where}.conv_ancestors: expected [{R}, {J}], got {list(conv.shape)}")
-    conv = np.where(conv < 0, R, conv).astype(np.int64)
-    if conv.size and conv.max() > R:
-        raise ValueError(f"{where}.conv_ancestors: expected rows < {R} (imports are not supported), got {conv.max()}")
+    where = a.where
+    R, I = a.num_rows, a.num_imports
+    needs = needs or {}
+    if (I or a.state_import_microbatch.shape[0]) and not needs:
+        raise PlanValidationError(f"{where}: imports from other microbatches but no export table was given")
+    io = _window_io(a, needs)
+    conv = _compact(a.conv_ancestors, R, io.import_rows["conv"], f"{where}.conv_ancestors")
 
-    seg_start = unpack(mb.seg_start, "int32", name=f"{where}.seg_start")
-    seg_len = unpack(mb.seg_length, "int32", name=f"{where}.seg_length")
-    offsets = unpack(mb.attn_offsets, "int32", name=f"{where}.attn_offsets")
-    ranges = unpack(mb.attn_ranges, "int32", width=2, name=f"{where}.attn_ranges").reshape(-1, 2)
-    S = seg_start.shape[0]
-    if seg_len.shape[0] != S or offsets.shape[0] != S + 1:
-        raise ValueError(f"{where}: expected seg_length [{S}] and attn_offsets [{S + 1}], got {seg_len.shape[0]} and {offsets.shape[0]}")
-    order = np.argsort(seg_start, kind="stable")
-    if S and (seg_start[order[0]] != 0 or (seg_start[order][1:] != (seg_start + seg_len)[order][:-1]).any()
-              or seg_start[order[-1]] + seg_len[order[-1]] != R):
-        raise ValueError(f"{where}: expected segments to tile rows 0..{R} contiguously")
-    segments, seg_kv = [], []
-    for s in order:
-        a, b = int(seg_start[s]), int(seg_start[s] + seg_len[s])
-        anc = [np.arange(lo, hi) for lo, hi in ranges[offsets[s] : offsets[s + 1]]]
-        idx = np.concatenate(anc + [np.arange(a, b)])
-        if idx.size and (idx.min() < 0 or idx.max() >= R):
-            raise ValueError(f"{where}.attn_ranges: segment {s} expected rows in [0, {R}), got {idx.min()}..{idx.max()}")
-        segments.append(AttnSegment(q_start=a, q_len=b - a, kv_idx=_long(idx)))
+    attn_rows = io.import_rows["attn"]
+    n_kv = R + attn_rows.shape[0]
+    starts, lens = a.seg_start.astype(np.int64), a.seg_length.astype(np.int64)
+    offs, ranges = a.attn_offsets, a.attn_ranges
+    seg_kv, segments = [], []
+    for s in range(a.num_segments):
+        lo, n = int(starts[s]), int(lens[s])
+        anc = [np.arange(x, y) for x, y in ranges[offs[s] : offs[s + 1]]]
+        idx = _compact(np.concatenate(anc + [np.arange(lo, lo + n)]), R, attn_rows, f"{where}.attn_ranges")
+        segments.append(AttnSegment(q_start=lo, q_len=n, kv_idx=_long(idx)))
         seg_kv.append(idx)
-    tiles = attention_tiles(seg_start[order], seg_len[order], seg_kv, R)
+    tiles = attention_tiles(starts, lens, seg_kv, R, num_kv_rows=n_kv)
 
+    kern_rows = io.import_rows["kernel"]
     calls, kept_rows = [], []
-    n_states = int(mb.num_states)
-    for c, call in enumerate(mb.linear_calls):
-        gather, cu, kinds, sids, keep = [], [0], [], [], []
-        ex_seq, ex_pos, ex_state = [], [], []
-        for n, seq in enumerate(call.sequences):
-            replay = unpack(seq.replay_rows, "int32", name=f"{where}.linear_calls[{c}].sequences[{n}].replay_rows")
-            if replay.size and (replay.min() < 0 or replay.max() >= R):
-                raise ValueError(f"{where}.linear_calls[{c}].sequences[{n}].replay_rows: expected local rows < {R}, got {replay.max()}")
-            if not 0 <= seq.row_start < seq.row_end <= R:
-                raise ValueError(f"{where}.linear_calls[{c}].sequences[{n}]: expected 0 <= row_start < row_end <= {R}, got {seq.row_start}, {seq.row_end}")
-            if len(replay) >= chunk_size:
-                raise ValueError(f"{where}.linear_calls[{c}].sequences[{n}].replay_rows: expected <= {chunk_size - 1} rows, got {len(replay)}")
-            base = cu[-1]
-            rng = np.arange(seq.row_start, seq.row_end)
-            gather += [replay, rng]
-            keep.append(np.arange(base + len(replay), base + len(replay) + len(rng)))
-            kept_rows.append(rng)
-            length = len(replay) + len(rng)
-            cu.append(base + length)
-            if seq.init_state.kind == IMPORTED:
-                raise ValueError(f"{where}.linear_calls[{c}].sequences[{n}].init_state: imported states need sharing windows; plan with windows=False")
-            kinds.append(int(seq.init_state.kind))
-            sids.append(int(seq.init_state.state))
-            for ex in seq.exports:
-                pos = ex.depth - seq.start_depth
-                if not (0 < pos <= length) or (pos % chunk_size and pos != length):
-                    raise ValueError(
-                        f"{where}.linear_calls[{c}].sequences[{n}].exports: expected a depth at a chunk boundary "
-                        f"(start {seq.start_depth} + j*{chunk_size}) or the sequence end ({seq.start_depth + length}), got {ex.depth}"
-                    )
-                if not 0 <= ex.state < n_states:
-                    raise ValueError(f"{where}.linear_calls[{c}].sequences[{n}].exports: expected state < num_states {n_states}, got {ex.state}")
-                ex_seq.append(n)
-                ex_pos.append(pos)
-                ex_state.append(int(ex.state))
+    for c, call in enumerate(a.linear_calls):
+        N = call.num_sequences
+        replay_n = np.diff(call.replay_offsets)
+        range_n = call.row_end - call.row_start
+        length = replay_n + range_n
+        cu = np.concatenate([[0], np.cumsum(length)]).astype(np.int64)
+        gather = np.empty(int(cu[-1]), np.int64)
+        keep = []
+        for n in range(N):
+            rep = call.replay_rows[call.replay_offsets[n] : call.replay_offsets[n + 1]]
+            if rep.shape[0] >= chunk_size:
+                raise PlanValidationError(f"{where}.linear_calls[{c}].sequences[{n}].replay_rows: expected <= {chunk_size - 1} rows, got {rep.shape[0]}")
+            b = int(cu[n])
+            gather[b : b + rep.shape[0]] = rep
+            gather[b + rep.shape[0] : cu[n + 1]] = np.arange(call.row_start[n], call.row_end[n])
+            keep.append(np.arange(b + rep.shape[0], cu[n + 1]))
+            kept_rows.append(np.arange(call.row_start[n], call.row_end[n]))
+        pos = call.export_depth - call.start_depth[call.export_seq] if call.export_seq.shape[0] else np.zeros(0, np.int64)
+        seq_len = length[call.export_seq] if call.export_seq.shape[0] else np.zeros(0, np.int64)
+        bad = np.flatnonzero((pos <= 0) | (pos > seq_len) | ((pos % chunk_size != 0) & (pos != seq_len)))
+        if bad.shape[0]:
+            e = int(bad[0])
+            raise PlanValidationError(
+                f"{where}.linear_calls[{c}].sequences[{int(call.export_seq[e])}].exports: expected a depth at a chunk "
+                f"boundary of the sequence or its end, got {int(call.export_depth[e])}")
         calls.append(LinearCall(
-            gather_idx=_long(np.concatenate(gather) if gather else []), cu_seqlens=_long(cu),
-            init_kind=kinds, init_state=sids, keep_idx=_long(np.concatenate(keep) if keep else []),
-            export_seq=_long(ex_seq), export_pos=_long(ex_pos), export_state=ex_state,
+            gather_idx=_long(_compact(gather, R, kern_rows, f"{where}.linear_calls[{c}].replay_rows")),
+            cu_seqlens=_long(cu), init_kind=call.init_kind.tolist(), init_state=call.init_state.tolist(),
+            keep_idx=_long(np.concatenate(keep) if keep else []), export_seq=_long(call.export_seq),
+            export_pos=_long(pos), export_state=call.export_state.tolist(),
         ))
-    row_from_kept = _inverse_kept(np.concatenate(kept_rows) if kept_rows else np.zeros(0, np.int64), R, where)
+    row_from_kept = _inverse_kept(np.concatenate(kept_rows) if kept_rows else np.zeros(0, np.int64), R, f"{where}.linear_calls")
 
-    lp_row = unpack(mb.lp_row, "int32", name=f"{where}.lp_row")
-    P = lp_row.shape[0]
-    if P and (lp_row.min() < 0 or lp_row.max() >= R):
-        raise ValueError(f"{where}.lp_row: expected local rows < {R}, got {lp_row.min()}..{lp_row.max()}")
-
-    def f32(data, name: str, required: bool) -> torch.Tensor | None:
-        arr = unpack(data, "float32", name=f"{where}.{name}")
-        if arr.shape[0] == 0 and P and not required:
-            return None
-        if arr.shape[0] != P:
-            raise ValueError(f"{where}.{name}: expected {P} entries (lp_row), got {arr.shape[0]}")
-        return torch.from_numpy(arr.copy())
-
-    label = unpack(mb.lp_label, "int32", name=f"{where}.lp_label")
-    if P and (label.min() < 0 or label.max() >= vocab_size):
-        raise ValueError(f"{where}.lp_label: expected ids in [0, {vocab_size}), got {label.min()}..{label.max()}")
-    mask = unpack(mb.lp_loss_mask, "uint8", name=f"{where}.lp_loss_mask")
+    P = a.num_logprobs
+    f32 = lambda x: None if x is None else torch.from_numpy(np.array(x, np.float32))  # noqa: E731
     lp = LogprobMap(
-        row=_long(lp_row), label=_long(label), traj=_long(unpack(mb.lp_traj, "int32")), pos=_long(unpack(mb.lp_pos, "int32")),
-        loss_mask=torch.from_numpy(mask.astype(np.float32)),
-        advantage=f32(mb.lp_advantage, "lp_advantage", True),
-        old_logprob=f32(mb.lp_old_logprob, "lp_old_logprob", False),
-        ref_logprob=f32(mb.lp_ref_logprob, "lp_ref_logprob", False),
+        row=_long(a.lp_row), label=_long(a.lp_label), traj=_long(a.lp_traj), pos=_long(a.lp_pos),
+        loss_mask=torch.from_numpy(a.lp_loss_mask.astype(np.float32)), advantage=f32(a.lp_advantage),
+        old_logprob=f32(a.lp_old_logprob), ref_logprob=f32(a.lp_ref_logprob),
     )
-    for name in ("label", "traj", "pos", "loss_mask"):
-        if getattr(lp, name).shape[0] != P:
-            raise ValueError(f"{where}.lp_{name}: expected {P} entries (lp_row), got {getattr(lp, name).shape[0]}")
+    assert lp.row.shape[0] == P
     return RowLayout(
-        tokens=_long(tokens), depth=_long(depth), occurrence=torch.from_numpy(occ.astype(np.float32)),
+        tokens=_long(a.tokens), depth=_long(a.depth), occurrence=torch.from_numpy(a.occurrence.astype(np.float32)),
         conv_src=torch.from_numpy(conv), attn_segments=segments, attn_tiles=tiles, linear_calls=calls,
-        row_from_kept=row_from_kept, num_states=n_states, logprobs=lp,
+        row_from_kept=row_from_kept, num_states=a.num_states, logprobs=lp, window=io,
     )
 
 
@@ -275,3 +327,6 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
         conv_src=torch.from_numpy(conv.astype(np.int64)), attn_segments=segments, attn_tiles=tiles, linear_calls=[call],
         row_from_kept=_long(rows), num_states=0, logprobs=lp,
     )
+
+
+__all__ = ["LogprobMap", "ImportSource", "WindowIO", "RowLayout", "layout_from_arrays", "layout_from_sequences"]

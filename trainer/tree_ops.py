@@ -69,21 +69,25 @@ class LinearCall:
     every linear-attention layer of the microbatch."""
 
 
-def ancestry_conv(x_RC: torch.Tensor, w_CK: torch.Tensor, conv_src_RJ: torch.Tensor) -> torch.Tensor:
+def ancestry_conv(x_NC: torch.Tensor, w_CK: torch.Tensor, conv_src_RJ: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv through the conv ancestry (no activation).
 
     Args:
-        x_RC: [R, C] inputs. w_CK: [C, K] weights, w[:, K-1] multiplies the row itself.
-        conv_src_RJ: long [R, K-1] ancestor rows oldest first; R means zero padding.
+        x_NC: [N, C] inputs: the R local rows first, then any imported rows (sharing windows).
+        w_CK: [C, K] weights, w[:, K-1] multiplies the row itself.
+        conv_src_RJ: long [R, K-1] ancestor rows (into x_NC) oldest first; N means zero padding.
+    Returns:
+        [R, C] outputs of the local rows.
     """
-    R, C = x_RC.shape
+    R = conv_src_RJ.shape[0]
+    C = x_NC.shape[1]
     K = w_CK.shape[1]
-    x_ext = torch.cat([x_RC, x_RC.new_zeros(1, C)], dim=0)
+    x_ext = torch.cat([x_NC, x_NC.new_zeros(1, C)], dim=0)
     acc = None
     for j in range(K - 1):
         term = x_ext.index_select(0, conv_src_RJ[:, j]) * w_CK[:, j]
         acc = term if acc is None else acc + term
-    term = x_RC * w_CK[:, K - 1]
+    term = x_NC[:R] * w_CK[:, K - 1]
     return term if acc is None else acc + term
 
 
@@ -186,7 +190,8 @@ class AttnTiles:
 
     key_rows: torch.Tensor
     """long [NKT, TILE_K] rows of each distinct key tile (a segment's depths 16t..16t+15; tiles of
-    a shared ancestry are stored once); the last tile is all padding (R)."""
+    a shared ancestry are stored once), into the key table; the last tile is all padding (row
+    num_kv_rows of `attention_tiles`)."""
     groups: list[AttnTileGroup]
     row_slot: torch.Tensor
     """long [R] row -> position in the concatenation of all groups' query slots."""
@@ -231,22 +236,26 @@ def _distinct_tiles(krows: np.ndarray, n_valid: np.ndarray) -> tuple[np.ndarray,
     return key_rows, inv.reshape(-1)
 
 
-def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[np.ndarray], num_rows: int) -> AttnTiles:
+def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[np.ndarray], num_rows: int,
+                    *, num_kv_rows: int | None = None) -> AttnTiles:
     """Tile plan of `ancestor_attention` for segments given as numpy arrays (vectorised over tiles).
 
-    Segment s's queries are rows q_start_S[s] + 0..q_len_S[s]-1; its keys are kv_idx_S[s]
-    (A ancestors, then the q_len own rows). Query tile i of a segment folds over the key tiles
+    Segment s's queries are rows q_start_S[s] + 0..q_len_S[s]-1 (< num_rows); its keys are
+    kv_idx_S[s] (A ancestors, then the q_len own rows), rows of a key table of num_kv_rows rows
+    (default num_rows; a window child's table appends its imported rows after its own, and key
+    padding is row num_kv_rows). Query tile i of a segment folds over the key tiles
     that hold a key visible to one of its queries (later key tiles are all hidden: they add exact
     zeros at the end of the fold, so leaving them out changes no bit); tiles are grouped by that
     count rounded up (`_bucket`), padded with hidden key tiles.
     """
     R = int(num_rows)
+    NK = R if num_kv_rows is None else int(num_kv_rows)
     S = len(kv_idx_S)
     q_start = np.asarray(q_start_S, np.int64).reshape(S)
     q_len = np.asarray(q_len_S, np.int64).reshape(S)
     Lk = np.array([len(x) for x in kv_idx_S], np.int64)
     n_anc = Lk - q_len
-    kv_all = np.concatenate([np.asarray(x, np.int64) for x in kv_idx_S] + [np.full(1, R, np.int64)])
+    kv_all = np.concatenate([np.asarray(x, np.int64) for x in kv_idx_S] + [np.full(1, NK, np.int64)])
     kv_off = np.concatenate([[0], np.cumsum(Lk)[:-1]]).astype(np.int64)
     nq = -(-q_len // TILE_Q)
     seg = np.repeat(np.arange(S), nq)  # [NQ] segment of each query tile
@@ -263,9 +272,9 @@ def attention_tiles(q_start_S: np.ndarray, q_len_S: np.ndarray, kv_idx_S: list[n
     tile_t = np.arange(tile_seg.shape[0]) - np.repeat(np.cumsum(nkt) - nkt, nkt)
     kpos = tile_t[:, None] * TILE_K + np.arange(TILE_K)[None, :]
     kvalid = kpos < Lk[tile_seg, None]
-    krows = np.where(kvalid, kv_all[np.where(kvalid, kv_off[tile_seg, None] + kpos, kv_all.shape[0] - 1)], R)
+    krows = np.where(kvalid, kv_all[np.where(kvalid, kv_off[tile_seg, None] + kpos, kv_all.shape[0] - 1)], NK)
     key_rows, tile_id = _distinct_tiles(krows, np.minimum(Lk[tile_seg] - tile_t * TILE_K, TILE_K))
-    key_rows = np.concatenate([key_rows, np.full((1, TILE_K), R, np.int64)])
+    key_rows = np.concatenate([key_rows, np.full((1, TILE_K), NK, np.int64)])
     pad_tile = key_rows.shape[0] - 1
     tile_id = np.append(tile_id.reshape(-1), pad_tile)
     first_tile = np.cumsum(nkt) - nkt
@@ -300,7 +309,7 @@ def tiles_from_segments(segments: list[AttnSegment], num_rows: int) -> AttnTiles
     )
 
 
-def tiled_attention(q_RHd, k_RHd, v_RHd, tiles: AttnTiles, *, scale: float) -> torch.Tensor:
+def tiled_attention(q_RHd, k_NHd, v_NHd, tiles: AttnTiles, *, scale: float) -> torch.Tensor:
     """Tree attention of every segment at once, bitwise equal to `ancestor_attention_segments`.
 
     Per tile group, one batched computation of the same [TILE_Q, hd] x [hd, TILE_K] score tiles,
@@ -309,23 +318,24 @@ def tiled_attention(q_RHd, k_RHd, v_RHd, tiles: AttnTiles, *, scale: float) -> t
     only append exact zeros to the fold).
 
     Args:
-        q_RHd: [R, H, hd] queries (RoPE applied). k_RHd, v_RHd: [R, Hkv, hd].
-        tiles: the microbatch's `AttnTiles` (`attention_tiles`).
+        q_RHd: [R, H, hd] queries (RoPE applied). k_NHd, v_NHd: [N, Hkv, hd] the key table: the R
+            local rows, then any imported rows (sharing windows).
+        tiles: the microbatch's `AttnTiles` (`attention_tiles` with num_kv_rows = N).
     Returns:
         [R, H, hd].
     """
     R, H, hd = q_RHd.shape
     if not tiles.groups:
         return q_RHd.new_zeros(R, H, hd)
-    rep = H // k_RHd.shape[1]
+    rep = H // k_NHd.shape[1]
     zero = q_RHd.new_zeros(1, H, hd)
     q_ext = torch.cat([q_RHd, zero])
     NKT = tiles.key_rows.shape[0]
     kr = tiles.key_rows.reshape(-1)
     # distinct key tiles, laid out as the score and P@V matmuls read them
-    k_tab = torch.cat([k_RHd, zero[:, : k_RHd.shape[1]]]).index_select(0, kr).repeat_interleave(rep, dim=1)
+    k_tab = torch.cat([k_NHd, zero[:, : k_NHd.shape[1]]]).index_select(0, kr).repeat_interleave(rep, dim=1)
     k_tab = k_tab.view(NKT, TILE_K, H, hd).permute(0, 2, 3, 1).contiguous()  # [NKT, H, hd, TK]
-    v_tab = torch.cat([v_RHd, zero[:, : v_RHd.shape[1]]]).index_select(0, kr).repeat_interleave(rep, dim=1)
+    v_tab = torch.cat([v_NHd, zero[:, : v_NHd.shape[1]]]).index_select(0, kr).repeat_interleave(rep, dim=1)
     v_tab = v_tab.view(NKT, TILE_K, H, hd).permute(0, 2, 1, 3).contiguous()  # [NKT, H, TK, hd]
     outs = []
     for g in tiles.groups:
@@ -382,43 +392,49 @@ def ancestor_attention_ref(q_RHd, k_RHd, v_RHd, visible_RR: torch.Tensor, *, sca
 
 
 def linear_attention(
-    q_RHK: torch.Tensor,
-    k_RHK: torch.Tensor,
-    v_RHV: torch.Tensor,
-    g_RH: torch.Tensor,
-    beta_RH: torch.Tensor,
+    q_NHK: torch.Tensor,
+    k_NHK: torch.Tensor,
+    v_NHV: torch.Tensor,
+    g_NH: torch.Tensor,
+    beta_NH: torch.Tensor,
     calls: list[LinearCall],
     row_from_kept: torch.Tensor,
     num_states: int,
     *,
     fn,
     chunk_size: int,
-    imported_states: list[torch.Tensor] | None = None,
-    exported: dict[int, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    imported_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Run the linear-attention call schedule of one microbatch for one layer.
 
     Args:
-        q_RHK, k_RHK: [R, H, Kd] (H = value heads; q/k already repeated per value head).
-        v_RHV: [R, H, Vd]. g_RH: [R, H] log decay (fp32, float64 in a float64 model). beta_RH: [R, H].
-        calls: the schedule, in order. row_from_kept: long [R] row -> index in the concatenation of
-            all calls' kept outputs. num_states: size of the microbatch's state table.
+        q_NHK, k_NHK: [N, Hk, Kd] kernel-input table: the local rows, then any imported rows
+            (sharing windows); q/k are repeated to the value heads after the gather.
+        v_NHV: [N, Hv, Vd]. g_NH: [N, Hv] log decay (fp32, float64 in a float64 model). beta_NH: [N, Hv].
+        calls: the schedule, in order (gather indices into the table). row_from_kept: long [R] row ->
+            index in the concatenation of all calls' kept outputs. num_states: size of the
+            microbatch's state table.
         fn: chunk_gated_delta_rule-compatible kernel. chunk_size: C.
-        imported_states: [H, Kd, Vd] states (fp32, or float64) of other microbatches (sharing windows).
-        exported: if given, filled with state id -> state (for exports to other microbatches).
+        imported_states: [Q, Hv, Kd, Vd] states (fp32, or float64) imported from other microbatches.
     Returns:
-        [R, H, Vd] outputs, every row from the sequence that keeps it. States are never detached,
-        so gradients of later calls flow into the calls and replay rows that produced them.
+        ([R, Hv, Vd] outputs, every row from the sequence that keeps it; the state table, id ->
+        [Hv, Kd, Vd] state or None). States are never detached, so gradients of later calls (and of
+        importers) flow into the calls and replay rows that produced them.
     """
-    H, Kd, Vd = q_RHK.shape[1], q_RHK.shape[2], v_RHV.shape[2]
+    rep = v_NHV.shape[1] // q_NHK.shape[1]
+    H, Kd, Vd = v_NHV.shape[1], q_NHK.shape[2], v_NHV.shape[2]
     states: list[torch.Tensor | None] = [None] * num_states
-    zero = torch.zeros(H, Kd, Vd, dtype=torch.promote_types(q_RHK.dtype, torch.float32), device=q_RHK.device)
+    zero = torch.zeros(H, Kd, Vd, dtype=torch.promote_types(q_NHK.dtype, torch.float32), device=q_NHK.device)
+    imported = imported_states.unbind(0) if imported_states is not None else None
     kept = []
     # One gather for all calls (replay rows appear in several): its backward is one index_add into
-    # one zero-filled gradient, where a gather per call zero-fills a full [R, ...] gradient each.
+    # one zero-filled gradient, where a gather per call zero-fills a full [N, ...] gradient each.
     sizes = [int(call.gather_idx.shape[0]) for call in calls]
     idx_all = calls[0].gather_idx if len(calls) == 1 else torch.cat([call.gather_idx for call in calls])
-    gathered = [x.index_select(0, idx_all).split(sizes) for x in (q_RHK, k_RHK, v_RHV, g_RH, beta_RH)]
+    gathered = [x.index_select(0, idx_all) for x in (q_NHK, k_NHK, v_NHV, g_NH, beta_NH)]
+    gathered[0] = gathered[0].repeat_interleave(rep, dim=1)
+    gathered[1] = gathered[1].repeat_interleave(rep, dim=1)
+    gathered = [x.split(sizes) for x in gathered]
     for c, call in enumerate(calls):
         inits = []
         for kind, sid in zip(call.init_kind, call.init_state):
@@ -429,12 +445,12 @@ def linear_attention(
                     raise ValueError(f"linear_calls[{c}]: state {sid} is read before any earlier call exported it")
                 inits.append(states[sid])
             else:
-                if imported_states is None:
+                if imported is None:
                     raise ValueError(f"linear_calls[{c}]: imported state {sid} but no imports were given")
-                inits.append(imported_states[sid])
+                inits.append(imported[sid])
         if call.kernel_layout is None:
             call.kernel_layout = prepare_layout(call.cu_seqlens, call.export_seq, call.export_pos, chunk_size,
-                                                device=q_RHK.device)
+                                                device=q_NHK.device)
         o, st = fn(
             *(x[c] for x in gathered),
             cu_seqlens=call.cu_seqlens, initial_state=torch.stack(inits), export_seq=call.export_seq,
@@ -444,6 +460,4 @@ def linear_attention(
         for sid, state in zip(call.export_state, st.unbind(0)):  # one unbind: its backward stacks
             states[sid] = state
         kept.append(o.index_select(0, call.keep_idx))
-    if exported is not None:
-        exported.update({i: s for i, s in enumerate(states) if s is not None})
-    return torch.cat(kept, dim=0).index_select(0, row_from_kept)
+    return torch.cat(kept, dim=0).index_select(0, row_from_kept), states

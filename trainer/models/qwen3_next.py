@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from proto.window_exports import ATTN, CONV, KERNEL
 from trainer import tree_ops
+from trainer.boundary import Boundary
 from trainer.models.config import FULL, ModelConfig
 
 #: rows per tile of RowLinear; every tile is one same-shape GEMM.
@@ -119,8 +121,13 @@ class GatedRMSNorm(nn.Module):
 
 @dataclass(slots=True, kw_only=True)
 class Capture:
-    """What a forward records besides the hidden states (filled per layer, in layer order)."""
+    """What one forward records besides the hidden states (filled per layer, in layer order).
 
+    Created by `Qwen3NextForRL.forward` for each call and returned in its `ModelOutput`: the
+    forward has no effect outside its return value, so it can be re-run (recomputation)."""
+
+    boundary: Boundary
+    """The microbatch's sharing-window imports and exports (`trainer.boundary`)."""
     linear_outputs: bool = False
     """Keep each linear-attention layer's kernel output (detached) in `linear`."""
     linear: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -129,6 +136,24 @@ class Capture:
     """MoE layer -> [R, E] router softmax in the compute dtype (with graph, for the auxiliary loss)."""
     router_topk: dict[int, torch.Tensor] = field(default_factory=dict)
     """MoE layer -> [R, k] selected experts."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ModelOutput:
+    """What a microbatch forward returns."""
+
+    hidden: torch.Tensor
+    """[R, D] final (normed) hidden states."""
+    logits: torch.Tensor | None
+    """[U, V] logits of the requested rows (`logit_rows`), None when none were requested."""
+    router_probs: dict[int, torch.Tensor]
+    """MoE layer -> [R, E] router softmax (with graph)."""
+    router_topk: dict[int, torch.Tensor]
+    """MoE layer -> [R, k] selected experts."""
+    linear: dict[int, torch.Tensor]
+    """layer -> [R, Hv, Vd] linear-attention outputs (only with capture_linear)."""
+    exports: dict[str, torch.Tensor]
+    """Sharing-window exports by name (`trainer.boundary`), with graph when grad is enabled."""
 
 
 class GatedDeltaNet(nn.Module):
@@ -151,26 +176,30 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.Vd, cfg.rms_norm_eps)
         self.out_proj = RowLinear(value_dim, D, bias=False)
 
-    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", capture: Capture | None) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", capture: Capture) -> torch.Tensor:
         R = x_RD.shape[0]
         r = self.Hv // self.Hk
+        bd, name = capture.boundary, f"{self.layer_idx}."
         qkvz = self.in_proj_qkvz(x_RD).view(R, self.Hk, 2 * self.Kd + 2 * r * self.Vd)
         q, k, v, z = torch.split(qkvz, [self.Kd, self.Kd, r * self.Vd, r * self.Vd], dim=-1)
         b, a = torch.split(self.in_proj_ba(x_RD).view(R, self.Hk, 2 * r), [r, r], dim=-1)
         mixed_RC = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], dim=-1)
-        mixed_RC = silu(tree_ops.ancestry_conv(mixed_RC, self.conv1d.weight[:, 0, :], layout.conv_src))
+        mixed_NC = bd.table(name + "conv", mixed_RC, CONV)
+        mixed_RC = silu(tree_ops.ancestry_conv(mixed_NC, self.conv1d.weight[:, 0, :], layout.conv_src))
         key_dim = self.Hk * self.Kd
         q_RHK, k_RHK, v_RHV = torch.split(mixed_RC, [key_dim, key_dim, self.Hv * self.Vd], dim=-1)
-        q_RHK = q_RHK.reshape(R, self.Hk, self.Kd).repeat_interleave(r, dim=1)
-        k_RHK = k_RHK.reshape(R, self.Hk, self.Kd).repeat_interleave(r, dim=1)
-        v_RHV = v_RHV.reshape(R, self.Hv, self.Vd)
         beta_RH = sigmoid(b.reshape(R, self.Hv))
         g_RH = -self.A_log.to(compute_dtype(self.A_log)).exp() * softplus(a.reshape(R, self.Hv).to(compute_dtype(a)) + self.dt_bias)
-        o_RHV = tree_ops.linear_attention(
-            q_RHK, k_RHK, v_RHV, g_RH, beta_RH, layout.linear_calls, layout.row_from_kept,
-            layout.num_states, fn=run.linear_fn, chunk_size=run.chunk_size,
+        o_RHV, states = tree_ops.linear_attention(
+            bd.table(name + "q", q_RHK.reshape(R, self.Hk, self.Kd), KERNEL),
+            bd.table(name + "k", k_RHK.reshape(R, self.Hk, self.Kd), KERNEL),
+            bd.table(name + "v", v_RHV.reshape(R, self.Hv, self.Vd), KERNEL),
+            bd.table(name + "g", g_RH, KERNEL), bd.table(name + "beta", beta_RH, KERNEL),
+            layout.linear_calls, layout.row_from_kept, layout.num_states, fn=run.linear_fn,
+            chunk_size=run.chunk_size, imported_states=bd.states(name + "state"),
         )
-        if capture is not None and capture.linear_outputs:
+        bd.export_states(name + "state", states)
+        if capture.linear_outputs:
             capture.linear[self.layer_idx] = o_RHV.detach()
         o_RHV = self.norm(o_RHV, z.reshape(R, self.Hv, self.Vd))
         return self.out_proj(o_RHV.reshape(R, -1))
@@ -181,6 +210,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.H, self.Hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         D, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = RowLinear(D, self.H * self.hd * 2, bias=bias)
@@ -192,8 +222,9 @@ class Attention(nn.Module):
         self.rotary_dim = cfg.rotary_dim
         self.theta = cfg.rope_theta
 
-    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", capture: Capture | None) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", capture: Capture) -> torch.Tensor:
         R = x_RD.shape[0]
+        bd, name = capture.boundary, f"{self.layer_idx}."
         q_gate = self.q_proj(x_RD).view(R, self.H, 2 * self.hd)
         q_RHd, gate = q_gate[..., : self.hd], q_gate[..., self.hd :].reshape(R, -1)
         q_RHd = self.q_norm(q_RHd)
@@ -201,7 +232,9 @@ class Attention(nn.Module):
         v_RHd = self.v_proj(x_RD).view(R, self.Hkv, self.hd)
         cos, sin = rope_cos_sin(layout.depth, self.rotary_dim, self.theta, x_RD.dtype)
         q_RHd, k_RHd = apply_rope(q_RHd, cos, sin), apply_rope(k_RHd, cos, sin)
-        o_RHd = tree_ops.tiled_attention(q_RHd, k_RHd, v_RHd, layout.attn_tiles, scale=self.hd**-0.5)
+        k_NHd = bd.table(name + "attn_k", k_RHd, ATTN)
+        v_NHd = bd.table(name + "attn_v", v_RHd, ATTN)
+        o_RHd = tree_ops.tiled_attention(q_RHd, k_NHd, v_NHd, layout.attn_tiles, scale=self.hd**-0.5)
         o_RD = o_RHd.reshape(R, -1) * sigmoid(gate)
         return self.o_proj(o_RD)
 
@@ -312,11 +345,10 @@ class SparseMoe(nn.Module):
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = RowLinear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x_RD: torch.Tensor, capture: Capture | None) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, capture: Capture) -> torch.Tensor:
         probs_RE, top_w, top_i = self.gate(x_RD)
-        if capture is not None:
-            capture.router_probs[self.layer_idx] = probs_RE
-            capture.router_topk[self.layer_idx] = top_i
+        capture.router_probs[self.layer_idx] = probs_RE
+        capture.router_topk[self.layer_idx] = top_i
         out = self.experts(x_RD, top_i, top_w)
         if self.has_shared:
             out = out + sigmoid(self.shared_expert_gate(x_RD)) * self.shared_expert(x_RD)
@@ -390,14 +422,29 @@ class Qwen3NextForRL(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, layout, run: RunOptions, capture: Capture | None = None) -> torch.Tensor:
-        """Final hidden states [R, D] of the layout's rows."""
+    def forward(self, layout, run: RunOptions, imports: dict[str, torch.Tensor] | None = None, *,
+                logit_rows: torch.Tensor | None = None, capture_linear: bool = False) -> ModelOutput:
+        """One microbatch forward over the layout's rows; no effect outside the returned value.
+
+        Args:
+            layout: the microbatch's `RowLayout`.
+            run: kernel options.
+            imports: sharing-window imports by name (`trainer.boundary`), None without windows.
+            logit_rows: long [U] rows whose logits to compute (inside the forward, so that a
+                sharded wrapper holds the head's weights while it runs).
+            capture_linear: also return every linear-attention layer's outputs (verification).
+        """
+        capture = Capture(boundary=Boundary(layout.window, imports), linear_outputs=capture_linear)
         x = self.model.embed_tokens(layout.tokens)
         for layer in self.model.layers:
             x = layer(x, layout, run, capture)
-        return self.model.norm(x)
+        h_RD = self.model.norm(x)
+        logits = None if logit_rows is None else self.lm_head(h_RD.index_select(0, logit_rows))
+        return ModelOutput(hidden=h_RD, logits=logits, router_probs=capture.router_probs, router_topk=capture.router_topk,
+                           linear=capture.linear, exports=capture.boundary.exports)
 
     def logits(self, h_RD: torch.Tensor) -> torch.Tensor:
+        """lm head of hidden states (outside a forward: tests and single-process tools)."""
         return self.lm_head(h_RD)
 
 

@@ -1,0 +1,80 @@
+"""The per-microbatch boundary channel of sharing windows (DESIGN §5.5).
+
+One `Boundary` per microbatch forward carries, for every mixer of every layer, the tensors the
+microbatch imports from its window ancestors and the tensors it exports to its importers:
+
+    name             kind     rows / shape                      mixer
+    "{l}.conv"       conv     [n, conv_dim] conv inputs          Gated DeltaNet short conv
+    "{l}.q", ".k"    kernel   [n, Hk, Kd] kernel inputs          Gated DeltaNet replay rows
+    "{l}.v"          kernel   [n, Hv, Vd]
+    "{l}.g", ".beta" kernel   [n, Hv]
+    "{l}.state"      state    [n, Hv, Kd, Vd] fp32 states        Gated DeltaNet imported states
+    "{l}.attn_k/v"   attn     [n, Hkv, hd] K (RoPE applied), V  softmax attention
+
+A mixer asks `table(name, local, kind)` for its local tensor extended with the imported rows of
+that kind (the compact table `trainer.layout` indexes) and the boundary records the rows it must
+export from that table; `states(name)` and `export_states(name, table)` do the same for states.
+The forward's outputs therefore include its exports, and nothing outside the returned values is
+changed: a recomputed forward over the same imports returns the same exports.
+
+Legend: R rows, n rows of one kind, l layer index.
+"""
+from __future__ import annotations
+
+import torch
+
+from proto.window_exports import ATTN, CONV, KERNEL
+from trainer.layout import WindowIO
+
+STATE = "state"
+_KIND = {"conv": CONV, "q": KERNEL, "k": KERNEL, "v": KERNEL, "g": KERNEL, "beta": KERNEL,
+         "attn_k": ATTN, "attn_v": ATTN, "state": STATE}
+
+
+def kind_of(name: str) -> str:
+    """The kind ("attn", "conv", "kernel" or "state") of an export name "{layer}.{tensor}"."""
+    return _KIND[name.split(".", 1)[1]]
+
+
+class Boundary:
+    """Imports in, exports out, for one microbatch forward."""
+
+    __slots__ = ("window", "imports", "exports")
+
+    def __init__(self, window: WindowIO, imports: dict[str, torch.Tensor] | None = None):
+        self.window = window
+        self.imports = imports or {}
+        """name -> imported tensor (the kind's imported rows, in the layout's order)."""
+        self.exports: dict[str, torch.Tensor] = {}
+        """name -> exported tensor (rows `window.export_rows[kind]` of the table), filled by the forward."""
+
+    def table(self, name: str, local: torch.Tensor, kind: str) -> torch.Tensor:
+        """`local` [R, ...] followed by the imported rows of `kind`; records the exported rows."""
+        t = local
+        if self.window.num_imports(kind):
+            imp = self.imports.get(name)
+            if imp is None:
+                raise ValueError(f"boundary: {name} imports {self.window.num_imports(kind)} rows but none were given")
+            t = torch.cat([local, imp])
+        rows = None if self.window.export_rows is None else self.window.export_rows[kind]
+        if rows is not None and rows.shape[0]:
+            self.exports[name] = t.index_select(0, rows)
+        return t
+
+    def states(self, name: str) -> torch.Tensor | None:
+        """[Q, Hv, Kd, Vd] imported states of a layer (None without state imports)."""
+        if STATE not in self.window.import_from:
+            return None
+        st = self.imports.get(name)
+        if st is None:
+            raise ValueError(f"boundary: {name} has state imports but none were given")
+        return st
+
+    def export_states(self, name: str, table: list[torch.Tensor | None]) -> None:
+        """Record the layer's exported states (ids `window.export_states`) from its state table."""
+        ids = self.window.export_states
+        if ids is not None and ids.shape[0]:
+            missing = [int(i) for i in ids.tolist() if table[int(i)] is None]
+            if missing:
+                raise ValueError(f"boundary: {name} exports states {missing} that no linear call computed")
+            self.exports[name] = torch.stack([table[int(i)] for i in ids.tolist()])
