@@ -12,6 +12,7 @@ sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's 
 from kernels.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
 from trainer import tree_ops  # noqa: E402
 from trainer.layout import layout_from_sequences  # noqa: E402
+from trainer.tree_attention import tree_attention  # noqa: E402
 from trainer.models import ModelConfig, RunOptions, debugmodel, debugmodel_dense, load_model  # noqa: E402
 from trainer.models.loading import build_model  # noqa: E402
 from trainer.models.qwen3_next import row_linear, row_linear_ref  # noqa: E402
@@ -92,15 +93,11 @@ def test_ancestry_conv_matches_conv1d():
     torch.testing.assert_close(got, tree_ops.causal_conv_ref(x, w), rtol=1e-6, atol=1e-6)
 
 
-def test_tiled_attention_matches_dense_reference_and_is_extent_invariant():
+def test_tree_attention_matches_dense_reference():
     gen = torch.Generator().manual_seed(0)
     L = 70
     q, k, v = torch.randn(L, 4, 16, generator=gen), torch.randn(L, 2, 16, generator=gen), torch.randn(L, 2, 16, generator=gen)
-    whole = [tree_ops.AttnSegment(q_start=0, q_len=L, kv_idx=torch.arange(L))]
-    full = tree_ops.ancestor_attention(q, k, v, whole, scale=0.25)
+    lay = layout_from_sequences([list(range(L))], conv_kernel=4, chunk_size=16)
+    full = tree_attention(q, k, v, lay.attention, scale=0.25)
     ref = tree_ops.ancestor_attention_ref(q, k, v, torch.ones(L, L, dtype=torch.bool).tril(), scale=0.25)
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-6)
-    # the same rows as a segment below ancestors 0..36, or cut short: identical bits
-    split = [tree_ops.AttnSegment(q_start=0, q_len=37, kv_idx=torch.arange(37)),
-             tree_ops.AttnSegment(q_start=37, q_len=L - 37, kv_idx=torch.arange(L))]
-    assert torch.equal(tree_ops.ancestor_attention(q, k, v, split, scale=0.25), full)

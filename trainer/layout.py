@@ -25,7 +25,8 @@ import torch
 
 from proto.plan_decode import MicrobatchArrays, PlanValidationError
 from proto.window_exports import KINDS, ExportNeeds, used_imports
-from trainer.tree_ops import AttnSegment, AttnTiles, LinearCall, attention_tiles
+from trainer.tree_attention import AttentionPlan, attention_plan
+from trainer.tree_ops import AttnSegment, LinearCall
 
 
 @dataclass(slots=True, kw_only=True)
@@ -104,9 +105,9 @@ class RowLayout:
     """long [R, J] conv ancestor rows oldest first, in the conv table (R + conv imports = zero padding)."""
     attn_segments: list[AttnSegment]
     """Per segment, its queries and keys in the attention table (host tensors, for
-    `tree_ops.ancestor_attention_segments`, the reference; the model runs `attn_tiles`)."""
-    attn_tiles: AttnTiles
-    """The segments' attention tile plan (`tree_ops.attention_tiles`), built once per microbatch."""
+    `tree_ops.ancestor_attention_segments`, the reference; the model runs `attention`)."""
+    attention: AttentionPlan
+    """The segments' query blocks and key rows (`trainer.tree_attention`), built once per microbatch."""
     linear_calls: list[LinearCall]
     """The call schedule; gather indices address the kernel-input table."""
     row_from_kept: torch.Tensor
@@ -129,7 +130,7 @@ class RowLayout:
         mv = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         self.tokens, self.depth, self.occurrence = mv(self.tokens), mv(self.depth), mv(self.occurrence)
         self.conv_src, self.row_from_kept = mv(self.conv_src), mv(self.row_from_kept)
-        self.attn_tiles.to(dev)
+        self.attention.to(dev)
         for call in self.linear_calls:
             call.gather_idx, call.keep_idx = mv(call.gather_idx), mv(call.keep_idx)
         lp = self.logprobs
@@ -239,7 +240,7 @@ def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None
         idx = _compact(np.concatenate(anc + [np.arange(lo, lo + n)]), R, attn_rows, f"{where}.attn_ranges")
         segments.append(AttnSegment(q_start=lo, q_len=n, kv_idx=_long(idx)))
         seg_kv.append(idx)
-    tiles = attention_tiles(starts, lens, seg_kv, R, num_kv_rows=n_kv)
+    attention = attention_plan(starts, lens, seg_kv, R, num_kv_rows=n_kv)
 
     kern_rows = io.import_rows["kernel"]
     calls, kept_rows = [], []
@@ -286,7 +287,7 @@ def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None
     assert lp.row.shape[0] == P
     return RowLayout(
         tokens=_long(a.tokens), depth=_long(a.depth), occurrence=torch.from_numpy(a.occurrence.astype(np.float32)),
-        conv_src=torch.from_numpy(conv), attn_segments=segments, attn_tiles=tiles, linear_calls=calls,
+        conv_src=torch.from_numpy(conv), attn_segments=segments, attention=attention, linear_calls=calls,
         row_from_kept=row_from_kept, num_states=a.num_states, logprobs=lp, window=io,
     )
 
@@ -307,7 +308,7 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
     J = conv_kernel - 1
     conv = np.stack([np.where(depth >= J - j, rows - (J - j), R) for j in range(J)], axis=1) if J else np.zeros((R, 0), np.int64)
     segments = [AttnSegment(q_start=int(a), q_len=int(n), kv_idx=_long(np.arange(a, a + n))) for a, n in zip(starts, lengths)]
-    tiles = attention_tiles(starts, lengths, [np.arange(a, a + n) for a, n in zip(starts, lengths)], R)
+    attention = attention_plan(starts, lengths, [np.arange(a, a + n) for a, n in zip(starts, lengths)], R)
     call = LinearCall(
         gather_idx=_long(rows), cu_seqlens=_long(np.concatenate([[0], np.cumsum(lengths)])),
         init_kind=[0] * len(seqs), init_state=[0] * len(seqs), keep_idx=_long(rows),
@@ -324,7 +325,7 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
     )
     return RowLayout(
         tokens=_long(np.concatenate(seqs)), depth=_long(depth), occurrence=torch.ones(R),
-        conv_src=torch.from_numpy(conv.astype(np.int64)), attn_segments=segments, attn_tiles=tiles, linear_calls=[call],
+        conv_src=torch.from_numpy(conv.astype(np.int64)), attn_segments=segments, attention=attention, linear_calls=[call],
         row_from_kept=_long(rows), num_states=0, logprobs=lp,
     )
 
