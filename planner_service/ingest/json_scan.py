@@ -586,7 +586,8 @@ class ScannedJSON:
     ref_span: np.ndarray
     """int64 [A', 2] its byte span in the text (start, end)."""
     long_int: bool
-    """The skeleton holds an integer literal of >= 19 digits (decoders differ beyond 64 bits)."""
+    """The skeleton may hold an integer literal of >= 19 digits (decoders differ beyond 64 bits):
+    one outside the lists, or a list that stayed in the skeleton."""
     depth_error: DepthError | None = None
 
     def values(self, k: int) -> np.ndarray:
@@ -653,7 +654,7 @@ def scan_json(data: bytes | bytearray | memoryview, max_depth: int) -> ScannedJS
         skeleton=_skeleton(buf, starts, ends).tobytes(),
         buffers=buffers, ref_field=field, ref_offset=off, ref_length=c_count[keep],
         ref_span=np.stack([starts, ends], 1) if keep.shape[0] else np.zeros((0, 2), np.int64),
-        long_int=bool(long_int),
+        long_int=bool(long_int) or keep.shape[0] < offset.shape[0],
     )
 
 
