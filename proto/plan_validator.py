@@ -451,11 +451,12 @@ def validate_slice(slice_: plan_pb2.PlanSlice) -> None:
     Raises:
         PlanValidationError: the first violated rule, naming the microbatch and field.
     """
-    _check_header(slice_.header)
+    check_header(slice_.header)
     _check_rank(slice_.header, slice_.rank)
 
 
-def _check_header(header: plan_pb2.PlanHeader) -> None:
+def check_header(header: plan_pb2.PlanHeader) -> None:
+    """Check the step-wide header of a plan or slice: version, parameters, trajectory table, normalisers."""
     from proto.plan_io import PLAN_VERSION
 
     if header.version != PLAN_VERSION:
@@ -498,7 +499,7 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
         PlanValidationError: the first violated rule.
     """
     header = plan.header
-    _check_header(header)
+    check_header(header)
     p = header.params
     if len(plan.ranks) != p.world_size:
         _fail("ranks", f"expected {p.world_size} rank plans, got {len(plan.ranks)}")
