@@ -275,17 +275,22 @@ BEFORE = {
     "percall16_default_limits": "refused: 50.03M expanded tokens > max_tokens 50M",
 }
 
+# peak RSS from /proc (VmHWM is per process image; getrusage's ru_maxrss survives fork + exec)
 _PEAK_CHILD = """
-import resource, sys, time
+import sys, time
 from planner_service.ingest import forest_from_json, warmup
+
+def hwm():
+    with open("/proc/self/status") as fh:
+        return next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmHWM:"))
+
 warmup()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = hwm()
 t0, c0 = time.perf_counter(), time.process_time()
 with open(sys.argv[1], "rb") as fh:
     body = fh.read()
 forest = forest_from_json(body)
-print(len(body), base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-      time.perf_counter() - t0, time.process_time() - c0, forest.expanded_tokens)
+print(len(body), base, hwm(), time.perf_counter() - t0, time.process_time() - c0, forest.expanded_tokens)
 """
 
 
