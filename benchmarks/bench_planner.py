@@ -17,6 +17,14 @@ shows the regime of agentic trees that branch at turn boundaries.
 Figures: `partition_overhead` = computed rows / (distinct tokens + the forest's intrinsic replay) - 1
 isolates what the partition adds (cuts, duplication); `achieved_over_ideal` includes replay.
 
+Ingest and validation at step scale (`--batch FILE`, or a generated percall batch: 2 tasks at
+scale 0.25, `--quick` 1 task at 0.05): JSON bytes -> Forest and protobuf bytes -> Forest in MB/s
+(CPU seconds of this process, and wall seconds), the peak resident memory of a JSON ingest (a
+subprocess: the body read, its Forest built) against the body size, then the step planned like
+the full-scale suite (8 ranks, B = 65,536, C = 64, windows) and its validation: the independent
+`validate_plan` (whole plan) against `proto.slice_check.check_slice` (every rank slice) and the
+planning seconds. The numbers of issue 16 before this work are in `BEFORE`.
+
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
 """
 from __future__ import annotations
@@ -260,12 +268,125 @@ def run(quick: bool = False) -> dict:
     return out
 
 
+#: Issue 16's measurements before this work (16-task percall batch of `harts gen`, seed 1).
+BEFORE = {
+    "json_mb_per_s": "17-24", "proto_mb_per_s": "374-440", "json_peak_rss": "1.8 GB for a 200 MB body",
+    "validate_plan_seconds": "2-36 (up to 10x planning)",
+    "percall16_default_limits": "refused: 50.03M expanded tokens > max_tokens 50M",
+}
+
+# peak RSS from /proc (VmHWM is per process image; getrusage's ru_maxrss survives fork + exec)
+_PEAK_CHILD = """
+import sys, time
+from planner_service.ingest import forest_from_json, warmup
+
+def hwm():
+    with open("/proc/self/status") as fh:
+        return next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmHWM:"))
+
+warmup()
+base = hwm()
+t0, c0 = time.perf_counter(), time.process_time()
+with open(sys.argv[1], "rb") as fh:
+    body = fh.read()
+forest = forest_from_json(body)
+print(len(body), base, hwm(), time.perf_counter() - t0, time.process_time() - c0, forest.expanded_tokens)
+"""
+
+
+def _cpu_and_wall(fn) -> tuple[float, float, object]:
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return time.process_time() - c0, time.perf_counter() - t0, out
+
+
+def ingest_and_validation(batch: str | None = None, quick: bool = False) -> dict:
+    """JSON / protobuf ingest MB/s, peak memory of a JSON ingest, plan vs validate_plan vs check_slice."""
+    import os
+    import subprocess
+    import tempfile
+
+    from planner_service import ingest
+    from planner_service.planner import plan_step, warmup as planner_warmup
+    from proto.plan_io import slice_plan
+    from proto.slice_check import check_slice
+
+    ingest.warmup()
+    planner_warmup()
+    tmp = None
+    if batch is None:
+        from benchmarks.workloads import WorkloadConfig, generate_workload
+
+        cfg = WorkloadConfig(scheme="percall", tasks=1 if quick else 2, seed=1, scale=0.05 if quick else 0.25)
+        fd, tmp = tempfile.mkstemp(suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            generate_workload(cfg).write_json(fh, progress=False)
+        batch = tmp
+    try:
+        with open(batch, "rb") as fh:
+            body = fh.read()
+        mb = len(body) / 1e6
+        cpu, wall, forest = _cpu_and_wall(lambda: ingest.forest_from_json(body))
+        out: dict = {"batch": batch if tmp is None else "generated", "json_mb": round(mb, 1)} | forest.stats()
+        out["json"] = {"cpu_seconds": round(cpu, 3), "wall_seconds": round(wall, 3),
+                       "mb_per_cpu_s": round(mb / cpu, 1), "mb_per_wall_s": round(mb / wall, 1)}
+        log.info("JSON ingest: %.1f MB, %s", mb, out["json"])
+        pb = ingest.json_to_proto(body).SerializeToString()
+        del body
+        cpu, wall, _ = _cpu_and_wall(lambda: ingest.forest_from_proto(pb))
+        pmb = len(pb) / 1e6
+        out["proto"] = {"mb": round(pmb, 1), "cpu_seconds": round(cpu, 3), "wall_seconds": round(wall, 3),
+                        "mb_per_cpu_s": round(pmb / cpu, 1), "mb_per_wall_s": round(pmb / wall, 1)}
+        log.info("protobuf ingest: %s", out["proto"])
+        del pb
+        child = subprocess.run([sys.executable, "-c", _PEAK_CHILD, batch], capture_output=True, text=True, check=True,
+                               env=os.environ | {"OMP_NUM_THREADS": "1"})
+        size, base, peak, cwall, ccpu, _ = child.stdout.split()
+        size, base, peak = int(size), int(base), int(peak)
+        out["json_peak_memory"] = {
+            "body_bytes": size, "baseline_rss_bytes": base, "peak_rss_bytes": peak,
+            "peak_over_baseline_bytes": peak - base, "peak_over_baseline_per_body_byte": round((peak - base) / size, 2),
+            "child_wall_seconds": round(float(cwall), 3), "child_cpu_seconds": round(float(ccpu), 3),
+        }
+        log.info("JSON ingest peak memory: %s", out["json_peak_memory"])
+        pcfg = PlanConfig(world_size=8, microbatch_tokens=65536, chunk_size=64)
+        cpu, wall, plan = _cpu_and_wall(lambda: plan_step(forest, pcfg))
+        out["plan"] = {"config": "W=8 B=65536 C=64 windows", "cpu_seconds": round(cpu, 3), "wall_seconds": round(wall, 3),
+                       "microbatches": plan.header.stats.microbatches, "windows": plan.header.stats.windows}
+        cpu, wall, _ = _cpu_and_wall(lambda: validate_plan(plan, forest))
+        out["validate_plan"] = {"cpu_seconds": round(cpu, 3), "wall_seconds": round(wall, 3),
+                                "over_planning_cpu": round(cpu / out["plan"]["cpu_seconds"], 3)}
+        slices = [slice_plan(plan, r) for r in range(pcfg.world_size)]
+        per_rank = [_cpu_and_wall(lambda sl=sl: check_slice(sl))[:2] for sl in slices]
+        rows = [sum(m.num_rows + m.replay_tokens for m in sl.rank.microbatches) for sl in slices]
+        total_rows = max(sum(rows), 1)
+        share = [out["plan"]["cpu_seconds"] * r / total_rows for r in rows]  # planning cost of each slice
+        out["check_slice"] = {
+            "cpu_seconds_all_ranks": round(sum(c for c, _ in per_rank), 4),
+            "wall_seconds_all_ranks": round(sum(w for _, w in per_rank), 4),
+            "cpu_seconds_max_rank": round(max(c for c, _ in per_rank), 4),
+            "over_planning_cpu": round(sum(c for c, _ in per_rank) / out["plan"]["cpu_seconds"], 4),
+            "max_over_slice_planning_share": round(max((c / s for (c, _), s, r in zip(per_rank, share, rows) if r), default=0.0), 4),
+        }
+        log.info("plan %s; validate_plan %s; check_slice %s", out["plan"], out["validate_plan"], out["check_slice"])
+        out["before"] = BEFORE
+        return out
+    finally:
+        if tmp is not None:
+            os.unlink(tmp)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small forest (CI smoke run)")
+    parser.add_argument("--batch", help="JSON rollout batch for the ingest and validation figures "
+                        "(e.g. harts gen --scheme percall --tasks 16 --seed 1 -o /tmp/percall16.json)")
+    parser.add_argument("--ingest-only", action="store_true", help="only the ingest and validation figures")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    print(json.dumps(run(quick=args.quick), indent=1))
+    out = {} if args.ingest_only else run(quick=args.quick)
+    out["ingest_and_validation"] = ingest_and_validation(args.batch, quick=args.quick)
+    print(json.dumps(out, indent=1))
     return 0
 
 

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default="harts.db", help="SQLite database file (WAL mode)")
     p.add_argument("--token", default=os.environ.get("HARTS_TOKEN") or None,
                    help="bearer token required on every non-health endpoint (default: $HARTS_TOKEN)")
-    p.add_argument("--max-request-mb", type=float, default=256.0, help="largest request body in MiB (413 above)")
+    p.add_argument("--max-request-mb", type=float, default=1024.0, help="largest request body in MiB (413 above; default 1024, ingest's body limit)")
     g = p.add_argument_group("default topology (plan every submission at once)")
     g.add_argument("--world-size", type=int, default=0, help="data-parallel ranks (0: no default topology)")
     g.add_argument("--microbatch-tokens", type=int, default=4096)

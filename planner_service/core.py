@@ -62,7 +62,7 @@ class ServiceConfig:
     """SQLite database file (WAL mode); ":memory:" keeps nothing across restarts."""
     token: str | None = None
     """Bearer token every non-health request must carry; None disables auth."""
-    max_request_bytes: int = 256 * 1024 * 1024
+    max_request_bytes: int = 1 << 30  # ingest's Limits.max_body_bytes
     """Largest request body (HTTP) or message (gRPC) accepted; larger ones get 413 / RESOURCE_EXHAUSTED."""
     limits: Any = None
     """`planner_service.ingest.Limits` for submitted batches; None uses ingest's defaults."""

@@ -23,7 +23,12 @@ class ValidationError(HartsError, ValueError):
 
 
 class LimitError(HartsError, ValueError):
-    """Input larger than a configured limit (request bytes, tokens, trajectories)."""
+    """Input larger than a configured limit (request bytes, tokens, trajectories). `field`, when not
+    empty, is the document field at which the count crossed the limit."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
 
 
 class ConflictError(HartsError):

@@ -60,7 +60,7 @@ class ErrorBody(BaseModel):
 class Topology(BaseModel):
     """Trainer topology and budgets a step is planned for."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "2" or true is not a world size
     world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="Number of data-parallel trainer ranks")
     microbatch_tokens: int = Field(4096, ge=1, le=_INT32, description="Token budget per microbatch")
     memory_tokens: int = Field(0, ge=0, le=_INT64, description="Live-activation budget per rank; 0: 8 x microbatch_tokens")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from proto.arrays import unpack
-from proto.plan_decode import PlanValidationError
+from proto.plan_decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from proto.harts.v1 import plan_pb2
 
 _HASH_BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
@@ -59,63 +59,23 @@ def _fail(where: str, msg: str) -> None:
 
 
 class _MB:
-    """Decoded arrays of one microbatch plus derived per-row facts."""
+    """Decoded arrays of one microbatch (`proto.plan_decode`, bounds-checked) plus derived per-row facts."""
 
-    def __init__(self, mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams, n_trees: int):
+    def __init__(self, mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams, n_trees: int,
+                 arrays: MicrobatchArrays | None = None):
         self.msg = mb
         self.id = mb.id
-        w = self.where = f"microbatch {mb.id}"
-        R = self.R = mb.num_rows
-        K = params.conv_kernel
-
-        def arr(name: str, dtype: str, n: int | None, width: int = 1) -> np.ndarray:
-            try:
-                a = unpack(getattr(mb, name), dtype, width=width, name=f"{w}.{name}")
-            except ValueError as exc:
-                raise PlanValidationError(str(exc)) from None
-            if width > 1 and len(getattr(mb, name)) == 0:
-                a = a.reshape(0, width)
-            if n is not None and a.shape[0] != n:
-                _fail(f"{w}.{name}", f"expected {n} entries, got {a.shape[0]}")
-            return a
-
-        if R < 0:
-            _fail(f"{w}.num_rows", f"expected >= 0, got {R}")
-        self.tokens = arr("tokens", "int32", R)
-        self.depth = arr("depth", "int32", R)
-        self.occurrence = arr("occurrence", "int32", R)
-        self.seg_start = arr("seg_start", "int32", None)
-        S = self.S = self.seg_start.shape[0]
-        self.seg_length = arr("seg_length", "int32", S)
-        self.seg_parent = arr("seg_parent", "int32", S)
-        self.seg_tree = arr("seg_tree", "int32", S)
-        self.seg_forest = arr("seg_forest", "int32", S)
-        self.seg_forest_offset = arr("seg_forest_offset", "int32", S)
-        self.seg_dup = arr("seg_duplicated", "uint8", S)
-        self.import_mb = arr("import_microbatch", "int32", None)
-        I = self.I = self.import_mb.shape[0]
-        self.import_row = arr("import_row", "int32", I)
-        if K > 1:
-            self.conv = arr("conv_ancestors", "int32", R, width=K - 1).reshape(R, K - 1)
-        else:
-            self.conv = np.zeros((R, 0), np.int32)
-            if len(mb.conv_ancestors):
-                _fail(f"{w}.conv_ancestors", f"expected empty for conv_kernel {K}, got {len(mb.conv_ancestors)} bytes")
-        self.attn_offsets = arr("attn_offsets", "int32", S + 1)
-        self.attn_ranges = arr("attn_ranges", "int32", None, width=2).reshape(-1, 2)
-        self.export_rows = arr("export_rows", "int32", None)
-        self.export_states = arr("export_states", "int32", None)
-        self.lp_row = arr("lp_row", "int32", None)
-        P = self.P = self.lp_row.shape[0]
-        self.lp_label = arr("lp_label", "int32", P)
-        self.lp_traj = arr("lp_traj", "int32", P)
-        self.lp_pos = arr("lp_pos", "int32", P)
-        self.lp_loss_mask = arr("lp_loss_mask", "uint8", P)
-        self.lp_advantage = arr("lp_advantage", "float32", P)
-        for name in ("lp_old_logprob", "lp_ref_logprob"):
-            a = arr(name, "float32", None)
-            if a.shape[0] not in (0, P):
-                _fail(f"{w}.{name}", f"expected {P} entries or none, got {a.shape[0]}")
+        self.where = f"microbatch {mb.id}"
+        a = self.arrays = arrays if arrays is not None else decode_microbatch(mb, params)
+        self.R, self.S, self.I, self.P = a.num_rows, a.num_segments, a.num_imports, a.num_logprobs
+        self.tokens, self.depth, self.occurrence = a.tokens, a.depth, a.occurrence
+        self.seg_start, self.seg_length, self.seg_parent, self.seg_tree = a.seg_start, a.seg_length, a.seg_parent, a.seg_tree
+        self.seg_forest, self.seg_forest_offset, self.seg_dup = a.seg_forest, a.seg_forest_offset, a.seg_duplicated
+        self.import_mb, self.import_row = a.import_microbatch, a.import_row
+        self.conv, self.attn_offsets, self.attn_ranges = a.conv_ancestors, a.attn_offsets, a.attn_ranges
+        self.export_rows, self.export_states = a.export_rows, a.export_states
+        self.lp_row, self.lp_label, self.lp_traj, self.lp_pos = a.lp_row, a.lp_label, a.lp_traj, a.lp_pos
+        self.lp_loss_mask, self.lp_advantage = a.lp_loss_mask, a.lp_advantage
         self._check_tables(params, n_trees)
 
     def _check_tables(self, params: plan_pb2.PlanParams, n_trees: int) -> None:
@@ -334,9 +294,10 @@ def _check_linear(mb: _MB, st: _Step, params: plan_pb2.PlanParams, states_of: di
     exported: dict[int, tuple[int, int, int]] = {}  # state -> (call, depth, extended row before it)
     replay_total = 0
     for ci, call in enumerate(mb.msg.linear_calls):
+        decoded = mb.arrays.linear_calls[ci]
         for qi, seq in enumerate(call.sequences):
             where = f"{w}.linear_calls[{ci}].sequences[{qi}]"
-            reps = unpack(seq.replay_rows, "int32", name=f"{where}.replay_rows")
+            reps = decoded.replay_rows[decoded.replay_offsets[qi] : decoded.replay_offsets[qi + 1]]
             if not 0 <= seq.row_start < seq.row_end <= R:
                 _fail(where, f"expected 0 <= row_start < row_end <= {R}, got [{seq.row_start}, {seq.row_end})")
             if params.replay and len(reps) > C - 1:
@@ -490,11 +451,12 @@ def validate_slice(slice_: plan_pb2.PlanSlice) -> None:
     Raises:
         PlanValidationError: the first violated rule, naming the microbatch and field.
     """
-    _check_header(slice_.header)
+    check_header(slice_.header)
     _check_rank(slice_.header, slice_.rank)
 
 
-def _check_header(header: plan_pb2.PlanHeader) -> None:
+def check_header(header: plan_pb2.PlanHeader) -> None:
+    """Check the step-wide header of a plan or slice: version, parameters, trajectory table, normalisers."""
     from proto.plan_io import PLAN_VERSION
 
     if header.version != PLAN_VERSION:
@@ -537,7 +499,7 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
         PlanValidationError: the first violated rule.
     """
     header = plan.header
-    _check_header(header)
+    check_header(header)
     p = header.params
     if len(plan.ranks) != p.world_size:
         _fail("ranks", f"expected {p.world_size} rank plans, got {len(plan.ranks)}")

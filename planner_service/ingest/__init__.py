@@ -15,6 +15,7 @@ The same content therefore gives the same Forest in either form. A rejected batc
 from __future__ import annotations
 
 from planner_service.forest import Forest
+from planner_service.ingest import json_scan
 from planner_service.ingest.build import build_forest
 from planner_service.ingest.check import check_batch
 from planner_service.ingest.convert import to_json, to_proto
@@ -40,7 +41,7 @@ def forest_from_json(doc: dict | bytes | str, limits: Limits | None = None, *, n
     """
     limits = limits or Limits()
     raw = check_batch(parse_json(load_document(doc, limits), limits), limits)
-    return build_forest(raw, numba=numba)
+    return build_forest(raw, numba=numba, limits=limits)
 
 
 def forest_from_proto(batch: rollouts_pb2.RolloutBatch | bytes, limits: Limits | None = None, *,
@@ -51,7 +52,7 @@ def forest_from_proto(batch: rollouts_pb2.RolloutBatch | bytes, limits: Limits |
     """
     limits = limits or Limits()
     raw = check_batch(parse_proto(load_batch(batch, limits), limits), limits)
-    return build_forest(raw, numba=numba)
+    return build_forest(raw, numba=numba, limits=limits)
 
 
 def json_to_proto(doc: dict | bytes | str, limits: Limits | None = None) -> rollouts_pb2.RolloutBatch:
@@ -68,6 +69,7 @@ def proto_to_json(batch: rollouts_pb2.RolloutBatch | bytes, limits: Limits | Non
 
 def warmup() -> None:
     """Compile (or load from the Numba cache) the ingestion kernels on a tiny batch."""
+    json_scan.warmup()
     forest_from_json({
         "batch_id": "warmup", "vocab_size": 4,
         "trajectories": [{"id": "a", "tokens": [1, 2]}, {"id": "b", "tokens": [1, 3]}],

@@ -14,6 +14,7 @@ then only look at what was parsed before it, so the winner is the first problem 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,18 @@ class FirstError:
             raise ValidationError(self.field, self.message)
 
 
+class ListRef:
+    """A number list that the JSON scan parsed already: list k of `RawBatch.lists`, of n elements."""
+
+    __slots__ = ("k", "n")
+
+    def __init__(self, k: int, n: int):
+        self.k, self.n = k, n
+
+    def __len__(self) -> int:
+        return self.n
+
+
 @dataclass(slots=True)
 class Column:
     """One per-position field: a raw value per owner (trajectory or node) that has it.
@@ -71,7 +84,7 @@ class Column:
     owners: list[int] = field(default_factory=list)
     """Global owner index of each entry, increasing."""
     raw: list = field(default_factory=list)
-    """JSON lists or little-endian bytes, one per entry."""
+    """JSON lists, `ListRef`s (JSON lists the scan parsed) or little-endian bytes, one per entry."""
     values: np.ndarray | None = None
     offsets: np.ndarray | None = None
 
@@ -91,6 +104,8 @@ class RawBatch:
 
     source: str
     """"json" or "proto" (decides how `Column.raw` is decoded)."""
+    lists: Any = None
+    """JSON text only: the `json_scan.ScannedJSON` that holds the lists `ListRef`s point to."""
     batch_id: str = ""
     vocab_size: int = 0
     # trajectories [T]
@@ -145,6 +160,22 @@ class RawBatch:
         return f"trees[{self.node_tree[n]}].nodes[{self.node_index[n]}]"
 
 
+def number_text(value: int | float) -> str:
+    """A number for a message: its repr, or its size when it has more than 40 digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**40:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)
+
+
+def printable(name: str) -> str:
+    """A document key as it can appear in a field path: escaped if it is not valid Unicode text."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        return ascii(name)[1:-1]
+
+
 def describe(value) -> str:
     """Short description of a JSON value for "got ..." messages."""
     if value is None:
@@ -152,10 +183,10 @@ def describe(value) -> str:
     if isinstance(value, bool):
         return f"boolean {str(value).lower()}"
     if isinstance(value, (int, float)):
-        return f"number {value!r}"
+        return f"number {number_text(value)}"
     if isinstance(value, str):
         return f"string {value[:40]!r}" + ("..." if len(value) > 40 else "")
-    if isinstance(value, list):
+    if isinstance(value, (list, ListRef)):
         return f"list of {len(value)}"
     if isinstance(value, dict):
         return "object"
@@ -192,5 +223,5 @@ class Walk:
         if tid in self.seen_traj:
             raise Stop(key, f"{path}.id", f"expected a unique trajectory id, got {tid!r} again (first at {self.seen_traj[tid]})")
         self.seen_traj[tid] = path
-        self.limits.check("max_trajectories", len(self.seen_traj), "trajectories")
+        self.limits.check("max_trajectories", len(self.seen_traj), "trajectories", path)
         self.raw.traj_ids.append(tid)

@@ -14,6 +14,8 @@ import numpy as np
 from planner_service.forest import Forest
 from planner_service.ingest.batch import Column, RawBatch
 from planner_service.ingest.explicit import explicit_forest
+from planner_service.ingest.json_scan import FIELDS
+from planner_service.ingest.limits import Limits
 from planner_service.ingest.radix import RadixForest, radix_forest
 
 
@@ -36,16 +38,21 @@ def _scatter(out_Ne: np.ndarray, col: Column, traj_offset: np.ndarray) -> None:
     out_Ne[shift + np.arange(values.shape[0])] = values
 
 
-def build_forest(raw: RawBatch, *, numba: bool = True) -> Forest:
+def build_forest(raw: RawBatch, *, numba: bool = True, limits: Limits | None = None) -> Forest:
     """Build the Forest of a batch that `check_batch` accepted.
+
+    Side effect: `raw` gives up its token arrays once they are merged (so that the expanded tokens
+    and the trajectory-space arrays are not in memory together); build a batch once.
 
     Args:
         numba: False builds the flat trees with the plain-Python reference (tests, benchmarks).
+        limits: checks `max_unique_tokens` on the merged forest (LimitError), when given.
     """
     n_flat = raw.n_flat
     names: dict[str, int] = {}
     flat_tree = np.fromiter((names.setdefault(n, len(names)) for n in raw.flat_tree_name), np.int32, n_flat)
     tokens_col = raw.columns["tokens"]
+    tokens = None
     if n_flat:
         tokens = tokens_col.values.astype(np.int32, copy=False)
         if numba:
@@ -67,6 +74,13 @@ def build_forest(raw: RawBatch, *, numba: bool = True) -> Forest:
         )
     else:
         expl = _empty()
+    tokens_col.values = None
+    raw.node_tokens.values = None
+    if raw.lists is not None:
+        raw.lists.buffers = tuple(None if f == "tokens" else b for f, b in zip(FIELDS, raw.lists.buffers))
+    del tokens
+    if limits is not None:
+        limits.check("max_unique_tokens", int(flat.tokens.shape[0] + expl.tokens.shape[0]), "distinct tokens")
 
     S_flat = flat.seg_parent.shape[0]
     seg_length = np.concatenate([flat.seg_length, expl.seg_length]).astype(np.int32)
@@ -78,8 +92,12 @@ def build_forest(raw: RawBatch, *, numba: bool = True) -> Forest:
     np.cumsum(traj_len, out=traj_offset[1:])
     n_e = int(traj_offset[-1])
 
-    loss_mask = np.ones(n_e, np.uint8)
-    _scatter(loss_mask, raw.columns["loss_mask"], traj_offset)
+    mask_col = raw.columns["loss_mask"]
+    if len(mask_col.owners) == T and mask_col.values.dtype == np.uint8 and mask_col.values.flags.writeable:
+        loss_mask = mask_col.values  # every trajectory has one, in order: the parsed array itself
+    else:
+        loss_mask = np.ones(n_e, np.uint8)
+        _scatter(loss_mask, mask_col, traj_offset)
     advantages = np.repeat(np.asarray(raw.adv_scalar, np.float32), traj_len)
     _scatter(advantages, raw.columns["advantage"], traj_offset)
     logprobs = {}

@@ -12,49 +12,87 @@ import itertools
 
 import numpy as np
 
-from planner_service.ingest.batch import Column, FirstError, RawBatch, describe
+from planner_service.ingest.batch import Column, FirstError, ListRef, RawBatch, describe
 from planner_service.ingest.explicit import first_cycle, path_depths, resolve_ids
+from planner_service.ingest.json_scan import ScannedJSON
 from planner_service.ingest.limits import Limits
 
-_KINDS = {"token": "iu", "mask": "iub", "float": "iuf"}
+_KINDS = {"token": "iu", "mask": "iu", "float": "iuf"}
 _PROTO_DTYPE = {"token": np.dtype("<i4"), "mask": np.dtype("u1"), "float": np.dtype("<f4")}
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _EXPECT = {"token": "integer token ids", "mask": "0/1 values", "float": "numbers"}
 
 
 def _element_ok(value, kind: str) -> bool:
+    if isinstance(value, bool):  # JSON true/false are not numbers (nor 0/1 mask values)
+        return False
     if kind == "float":
-        return (isinstance(value, float) or (isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX)) \
-            and not isinstance(value, bool)
-    if isinstance(value, bool):
-        return kind == "mask"
+        return isinstance(value, float) or (isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX)
     return isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX
 
 
-def _decode(col: Column, source: str) -> tuple[int, str] | None:
+def _decode(col: Column, raw: RawBatch) -> tuple[int, str] | None:
     """Fill col.values / col.offsets; on a type problem return (entry, message) instead."""
     n = len(col.raw)
-    if source == "proto":
+    if raw.source == "proto":
         dtype = _PROTO_DTYPE[col.kind]
         lengths = np.fromiter((len(b) for b in col.raw), np.int64, n) // dtype.itemsize
         col.values = np.frombuffer(b"".join(col.raw), dtype=dtype)
     else:
         lengths = np.fromiter((len(v) for v in col.raw), np.int64, n)
-        col.values = _json_values(col)
+        col.values = _json_values(col, raw.lists)
     col.offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=col.offsets[1:])
     if col.values is not None:
         return None
     for e, entry in enumerate(col.raw):
+        if isinstance(entry, ListRef):
+            continue  # the scan parsed it: every element fits the field's type
         for i, value in enumerate(entry):
             if not _element_ok(value, col.kind):
                 return e, f"expected {_EXPECT[col.kind]}, got {describe(value)} at position {i}"
     raise AssertionError("a column failed to convert but every element is valid")
 
 
-def _json_values(col: Column) -> np.ndarray | None:
-    """All entries as one 1-D numeric array, or None when some element has the wrong type."""
-    flat = list(itertools.chain.from_iterable(col.raw))
+def _json_values(col: Column, lists: ScannedJSON | None) -> np.ndarray | None:
+    """All entries as one 1-D numeric array, or None when some element has the wrong type.
+
+    Entries the JSON scan parsed are views of its buffers (no copy when they are consecutive in
+    one buffer, as the lists of one field in document order are); raw lists are converted together.
+    """
+    refs = [e for e, v in enumerate(col.raw) if isinstance(v, ListRef)]
+    if not refs or len(refs) < len(col.raw):
+        lists_part = _list_values(col, [v for v in col.raw if not isinstance(v, ListRef)])
+        if lists_part is None or not refs:
+            return lists_part
+    ks = np.fromiter((col.raw[e].k for e in refs), np.int64, len(refs))
+    field = lists.ref_field[ks]
+    start, length = lists.ref_offset[ks], lists.ref_length[ks]
+    buffer = lists.buffers[int(field[0])]
+    if len(refs) == len(col.raw):
+        if (field == field[0]).all() and (start[1:] == start[:-1] + length[:-1]).all():
+            return buffer[int(start[0]) : int(start[-1] + length[-1])]
+        return np.concatenate([lists.values(int(k)) for k in ks])
+    out = np.empty(int(sum(len(v) for v in col.raw)), np.result_type(lists_part.dtype, buffer.dtype))
+    pos = a = 0
+    is_ref = iter(refs)
+    nxt = next(is_ref, -1)
+    j = 0
+    for e, entry in enumerate(col.raw):
+        n = len(entry)
+        if e == nxt:
+            out[pos : pos + n] = lists.values(int(ks[j]))
+            j += 1
+            nxt = next(is_ref, -1)
+        else:
+            out[pos : pos + n] = lists_part[a : a + n]
+            a += n
+        pos += n
+    return out
+
+
+def _list_values(col: Column, entries: list) -> np.ndarray | None:
+    flat = list(itertools.chain.from_iterable(entries))
     if not flat:
         return np.zeros(0, np.int64 if col.kind != "float" else np.float64)
     try:
@@ -65,6 +103,8 @@ def _json_values(col: Column) -> np.ndarray | None:
         return None
     if col.kind == "token" and arr.dtype.kind == "u" and arr.dtype.itemsize == 8:
         return None  # ids >= 2**63: reported per element as out of the int64 range
+    if bool in set(map(type, flat)):  # numpy turns [true, 1] into [1, 1]
+        return None
     return arr
 
 
@@ -87,21 +127,32 @@ class _Checker:
         return self.raw.traj_key(owner) + (col.rank,), f"{self.raw.traj_path(owner)}.{col.name}"
 
     def column(self, col: Column, *, nodes: bool = False) -> None:
-        problem = _decode(col, self.raw.source)
+        problem = _decode(col, self.raw)
         if problem is not None:
             key, field = self.owner(col, problem[0], nodes)
             self.errors.offer(key + (1,), field, problem[1])
             return
         values = col.values
+        if not values.shape[0]:
+            return
+        # the min/max tests allocate nothing: the per-element mask is built only for a bad column
         if col.kind == "token":
+            if int(values.min()) >= 0 and int(values.max()) < self.raw.vocab_size:
+                return
             bad = (values < 0) | (values >= self.raw.vocab_size)
             expect = f"token ids in [0, {self.raw.vocab_size})"
         elif col.kind == "mask":
-            bad = (values != 0) & (values != 1) if values.dtype.kind != "b" else np.zeros(0, bool)
+            if int(values.min()) >= 0 and int(values.max()) <= 1:
+                return
+            bad = (values != 0) & (values != 1)
             expect = "loss-mask values 0 or 1"
         else:
-            with np.errstate(over="ignore"):  # overflow to inf is what we detect
-                f32 = values.astype(np.float32)
+            if values.dtype == np.float32 and all(isinstance(v, ListRef) for v in col.raw):
+                return  # the scan keeps only finite float32 lists
+            with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is what we detect
+                f32 = values.astype(np.float32, copy=False)
+                if np.isfinite(f32.min()) and np.isfinite(f32.max()):
+                    return
             bad = ~np.isfinite(f32)
             expect = "finite float32 values"
         i = _first_bad(bad)
@@ -168,8 +219,13 @@ class _Checker:
             path_len[ok] = depth[safe[ok]] + lengths[safe[ok]]
         flat_len = np.diff(raw.columns["tokens"].offsets)
         if X and (path_len >= 0).any():
-            self.limits.check("max_trajectory_length", int(path_len.max()), "tokens in one trajectory path")
-            self.limits.check("max_tokens", int(flat_len.sum() + path_len[path_len > 0].sum()), "expanded tokens")
+            longest = int(np.argmax(path_len))
+            self.limits.check("max_trajectory_length", int(path_len[longest]), "tokens in one trajectory path",
+                              f"{raw.traj_path(n_flat + longest)}.node")
+            total = int(flat_len.sum()) + np.cumsum(np.maximum(path_len, 0))
+            over = int(np.searchsorted(total, self.limits.max_tokens, side="right"))
+            if over < X:
+                self.limits.check("max_tokens", int(total[-1]), "expanded tokens", f"{raw.traj_path(n_flat + over)}.node")
         raw.traj_len = np.concatenate([flat_len, path_len]).astype(np.int64)
 
         for col in raw.columns.values():
@@ -202,4 +258,9 @@ def check_batch(raw: RawBatch, limits: Limits) -> RawBatch:
         raw.traj_len = np.diff(raw.columns["tokens"].offsets)
     checker.errors.raise_first()
     raw.n_flat = len(raw.flat_tree_name)
+    mask = raw.columns["loss_mask"]
+    without = np.ones(raw.traj_len.shape[0], np.bool_)
+    without[np.asarray(mask.owners, np.int64)] = False
+    loss = int(mask.values.sum(dtype=np.int64)) + int(raw.traj_len[without].sum()) if mask.owners else int(raw.traj_len.sum())
+    limits.check("max_loss_tokens", loss, "loss positions (loss_mask 1, or every position without a loss_mask)")
     return raw

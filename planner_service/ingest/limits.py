@@ -1,12 +1,27 @@
 """Size limits of one rollout batch (DESIGN §3: "sizes over the configured limits").
 
-Each limit is checked as early as the count it bounds is known (before any array is built where
-possible), and exceeding one raises `LimitError` naming the limit, e.g. `max_tokens: expected at
-most 50000000 expanded tokens, got 50000001`.
+The limits bound what a batch costs, not how much it shares: the body's bytes (parse time and
+the memory of the decoded arrays), the trajectories (per-trajectory objects), the distinct tokens
+(what the planner packs and the plan carries) and, as a guard against amplification, the expanded
+tokens and the loss positions (the trajectory-space arrays: 5 bytes per expanded token in the
+Forest plus 4 per log-prob array sent, and one plan log-prob entry per loss position). Expanded
+counts are int64 throughout.
+
+Each limit is checked as soon as the count it bounds is known (before any array is built where
+possible: distinct tokens only after the prefix merge), and exceeding one raises `LimitError`
+naming the limit and, where one field crosses it, that field: `max_trajectory_length: expected at
+most 1048576 tokens in one trajectory, got 1048577` with `field = "trajectories[3].tokens"`.
+
+Largest steps the defaults admit (`harts gen --scheme percall --tasks 16 --seed 1`: 2,105
+trajectories, 70.1M expanded / 4.20M distinct tokens, 1.57M loss positions, 390.6 MB of flat
+JSON, 350 MB of protobuf): the body limit binds first for flat batches, at about 2.7x that batch
+(~190M expanded tokens of flat JSON, ~215M of protobuf); explicit trees without per-position arrays
+are bounded by `max_unique_tokens` (16x its distinct tokens) and `max_tokens` (15x its expanded
+tokens), and every form by `max_trajectories` (47x its trajectories).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from planner_service.errors import LimitError
 
@@ -16,36 +31,43 @@ class Limits:
     """Upper bounds on what one batch may contain. All must be >= 1."""
 
     max_body_bytes: int = 1 << 30
-    """Serialized size of the request body (JSON text or protobuf bytes)."""
+    """Serialized size of the request body (JSON text or protobuf bytes): 1 GiB."""
     max_trajectories: int = 100_000
     """Number of trajectories, flat and explicit-tree ones together."""
-    max_tokens: int = 50_000_000
-    """Expanded tokens N_e: the sum of all trajectory lengths (explicit ones as path lengths)."""
+    max_unique_tokens: int = 1 << 26
+    """Distinct tokens N_u of the merged forest (67,108,864): what the planner packs."""
+    max_tokens: int = 1 << 30
+    """Expanded tokens N_e (1,073,741,824): the sum of all trajectory lengths (explicit ones as path
+    lengths). A memory guard: explicit trees can describe long paths in a small body."""
+    max_loss_tokens: int = 1 << 26
+    """Positions with loss_mask 1 (67,108,864): one log-prob entry each in a training plan."""
     max_trajectory_length: int = 1 << 20
     """Tokens of one trajectory (an explicit one: of its root-to-node path)."""
     max_trees: int = 100_000
     """Explicit trees in the `trees` section."""
     max_nodes: int = 5_000_000
     """Explicit-tree nodes, all trees together."""
-    max_node_tokens: int = 50_000_000
-    """Tokens stored in explicit-tree nodes, all trees together."""
+    max_node_tokens: int = 1 << 26
+    """Tokens stored in explicit-tree nodes, all trees together (67,108,864)."""
     max_id_length: int = 1024
     """Characters of any string id (batch, trajectory, tree, group)."""
 
     def __post_init__(self) -> None:
-        for name in self.__slots__:
-            value = getattr(self, name)
+        for f in fields(self):
+            value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+                raise ValueError(f"{f.name}: expected an int >= 1, got {value!r}")
 
-    def check(self, name: str, value: int, what: str) -> None:
+    def check(self, name: str, value: int, what: str, field: str = "") -> None:
         """Raise `LimitError` when `value` exceeds the limit `name`.
 
         Args:
             name: a field of this class, e.g. "max_tokens".
             value: the measured count.
             what: the unit in the message, e.g. "expanded tokens".
+            field: the document field at which the count crossed the limit, if one did.
         """
         bound = getattr(self, name)
         if value > bound:
-            raise LimitError(f"{name}: expected at most {bound} {what}, got {value}")
+            where = f" (at {field})" if field else ""
+            raise LimitError(f"{name}: expected at most {bound} {what}, got {value}{where}", field=field)

@@ -1,8 +1,13 @@
 """Parsing pass over a JSON rollout document (docs/rollouts.md): structure, scalars, ids.
 
-One walk in document order that checks object shapes, scalar fields and id uniqueness, counts
-sizes against the limits and collects per-position arrays as raw lists; element types and values
-are checked afterwards, vectorised, by `check.check_batch`. The walk stops at its first problem
+JSON text goes through `json_scan.scan_json` first: the per-position number lists are parsed
+into typed numpy buffers by a Numba pass and the remaining skeleton (ids, scalars, structure) is
+decoded with orjson (the standard library's decoder where orjson refuses what it accepts: NaN and
+Infinity literals, integers beyond 64 bits, lone surrogates, so that those reach the checks below
+and get a field-naming error). A decoded dict skips the scan. Then one walk in document order
+checks object shapes, scalar fields and id uniqueness, counts sizes against the limits and collects
+per-position arrays (placeholders of parsed lists, or raw lists); element types and values are
+checked afterwards, vectorised, by `check.check_batch`. The walk stops at its first problem
 (recorded in `RawBatch.stop`).
 """
 from __future__ import annotations
@@ -10,8 +15,11 @@ from __future__ import annotations
 import json
 import math
 
+import orjson
+
 from planner_service.errors import ValidationError
-from planner_service.ingest.batch import F32_MAX, RANK, Column, RawBatch, Stop, Walk, describe
+from planner_service.ingest.batch import F32_MAX, RANK, Column, ListRef, RawBatch, Stop, Walk, describe, number_text, printable
+from planner_service.ingest.json_scan import PLACEHOLDER, ScannedJSON, scan_json
 from planner_service.ingest.limits import Limits
 
 _TOP = ("batch_id", "vocab_size", "trajectories", "trees")
@@ -23,24 +31,66 @@ _TREE = ("id", "nodes", "trajectories")
 _NODE = ("id", "parent", "tokens")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _INT32_MAX = (1 << 31) - 1
+#: Deepest container nesting accepted in JSON text (a rollout document has 6 levels).
+MAX_JSON_DEPTH = 32
 
 
-def load_document(doc: dict | bytes | bytearray | str, limits: Limits) -> dict:
-    """Decode JSON text/bytes (size-checked) into the document object."""
+def load_document(doc: dict | bytes | bytearray | str, limits: Limits) -> tuple[dict, ScannedJSON | None]:
+    """Decode JSON text/bytes (size- and depth-checked) into the document object.
+
+    Returns the document (parsed number lists as placeholder strings) and the scan holding those
+    lists; a dict is returned as it is, with no scan.
+    """
+    scan = None
     if isinstance(doc, (bytes, bytearray, memoryview, str)):
         limits.check("max_body_bytes", len(doc), "bytes of JSON")
+        data = doc.encode("utf-8", "surrogatepass") if isinstance(doc, str) else doc
+        scan = scan_json(data, MAX_JSON_DEPTH)
+        if scan.depth_error is not None:
+            raise _too_deep(scan)
         try:
-            doc = json.loads(doc)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValidationError("", f"expected a JSON document, got invalid JSON ({exc})") from None
+            if scan.long_int:
+                raise orjson.JSONDecodeError("integer literal of >= 19 digits", "", 0)
+            doc = orjson.loads(scan.skeleton)
+        except orjson.JSONDecodeError:
+            try:
+                doc = json.loads(scan.skeleton)  # decodes bytes with "surrogatepass", as before
+            except json.JSONDecodeError as exc:
+                raise ValidationError("", f"expected a JSON document, got invalid JSON ({_where(exc, scan, data)})") from None
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                raise ValidationError("", f"expected a JSON document, got invalid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ValidationError("", f"expected a JSON object, got {describe(doc)}")
-    return doc
+    return doc, scan
 
 
-def parse_json(doc: dict, limits: Limits) -> RawBatch:
-    """One parsing pass over a decoded document; see the module docstring."""
-    raw = RawBatch(source="json")
+def _where(exc: json.JSONDecodeError, scan: ScannedJSON, data) -> str:
+    """The decoder's message with the position in the submitted text (not in the skeleton)."""
+    prefix = exc.doc[: exc.pos]
+    byte = len(prefix.encode("utf-8", "surrogatepass")) if isinstance(prefix, str) else exc.pos
+    pos = scan.body_offset(byte)
+    head = bytes(data[:pos])
+    line = head.count(b"\n") + 1
+    column = pos - (head.rfind(b"\n") + 1) + 1
+    return f"{exc.msg}: line {line} column {column} (byte {pos})"
+
+
+def _too_deep(scan: ScannedJSON) -> ValidationError:
+    """The depth error, naming the deepest member on the path (its value is what nests too deep)."""
+    path = scan.depth_error.path
+    text, field = "", ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{printable(part)}" if text else printable(part))
+        if isinstance(part, str):
+            field = text
+    return ValidationError(field, f"expected at most {MAX_JSON_DEPTH} levels of nesting, got deeper at "
+                                  f"{text or 'the top level'}[...] (byte {scan.depth_error.offset})")
+
+
+def parse_json(loaded: tuple[dict, ScannedJSON | None] | dict, limits: Limits) -> RawBatch:
+    """One parsing pass over a decoded document (`load_document`'s result); see the module docstring."""
+    doc, scan = loaded if isinstance(loaded, tuple) else (loaded, None)
+    raw = RawBatch(source="json", lists=scan)
     for name in ("loss_mask", "old_logprobs", "ref_logprobs", "advantage"):
         raw.columns[name] = Column(name, "mask" if name == "loss_mask" else "float")
     raw.columns["tokens"] = Column("tokens", "token")
@@ -50,18 +100,25 @@ def parse_json(doc: dict, limits: Limits) -> RawBatch:
 class _Walk(Walk):
 
     # -- scalars -------------------------------------------------------------------------------
+    def value(self, obj: dict, name: str):
+        """obj[name] (None when absent), a parsed number list as its `ListRef`."""
+        value = obj.get(name)
+        if isinstance(value, str) and value.startswith(PLACEHOLDER) and self.raw.lists is not None:
+            return ListRef(int(value[1:]), int(self.raw.lists.ref_length[int(value[1:])]))
+        return value
+
     def string(self, obj: dict, name: str, key: tuple, path: str, *, required: bool) -> str:
         value = obj.get(name)
+        field = f"{path}.{name}" if path else name
         if value is None:
             if required:
-                raise Stop(key, f"{path}.{name}" if path else name, "expected a non-empty string, got nothing")
+                raise Stop(key, field, "expected a non-empty string, got nothing")
             return ""
         if not isinstance(value, str) or (required and not value):
-            raise Stop(key, f"{path}.{name}" if path else name,
-                       f"expected a {'non-empty ' if required else ''}string, got {describe(value)}")
+            raise Stop(key, field, f"expected a {'non-empty ' if required else ''}string, got {describe(value)}")
         if len(value) > self.limits.max_id_length:
-            raise Stop(key, f"{path}.{name}" if path else name,
-                       f"expected at most {self.limits.max_id_length} characters (Limits.max_id_length), got {len(value)}")
+            raise Stop(key, field, f"expected at most {self.limits.max_id_length} characters (Limits.max_id_length), got {len(value)}")
+        self.unicode(value, key, field)
         return value
 
     def number(self, obj: dict, name: str, key: tuple, path: str, default: float | None,
@@ -71,7 +128,10 @@ class _Walk(Walk):
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise Stop(key, f"{path}.{name}", f"expected {expect}, got {describe(value)}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer literal beyond float64
+            raise Stop(key, f"{path}.{name}", f"expected a finite float32, got {describe(value)}") from None
         if not math.isfinite(value) or abs(value) > F32_MAX:
             raise Stop(key, f"{path}.{name}", f"expected a finite float32, got {value!r}")
         return value
@@ -80,22 +140,33 @@ class _Walk(Walk):
         if isinstance(value, bool) or not isinstance(value, int):
             raise Stop(key, field, f"expected an integer, got {describe(value)}")
         if not lo <= value <= hi:
-            raise Stop(key, field, f"expected an integer in [{lo}, {hi}], got {value}")
+            raise Stop(key, field, f"expected an integer in [{lo}, {hi}], got {number_text(value)}")
         return value
 
-    def array(self, obj: dict, name: str, key: tuple, path: str) -> list | None:
-        value = obj.get(name)
+    def array(self, obj: dict, name: str, key: tuple, path: str) -> list | ListRef | None:
+        value = self.value(obj, name)
         if value is None:
             return None
-        if not isinstance(value, list):
+        if not isinstance(value, (list, ListRef)):
             raise Stop(key + (RANK[name],), f"{path}.{name}", f"expected a list, got {describe(value)}")
         return value
 
     def unknown(self, obj: dict, allowed: tuple, key: tuple, path: str) -> None:
         for name in obj:
             if name not in allowed:
-                raise Stop(key + (99,), f"{path}.{name}" if path else name,
+                shown = printable(name)
+                raise Stop(key + (99,), f"{path}.{shown}" if path else shown,
                            f"expected one of the fields {', '.join(allowed)}, got unknown field {name!r}")
+
+    def unicode(self, value: str, key: tuple, field: str) -> None:
+        """Reject strings that are not valid Unicode text (a lone surrogate from a \\udXXX escape)."""
+        if value.isascii():
+            return
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise Stop(key, field, f"expected valid Unicode text, got a lone surrogate {value[exc.start]!r} "
+                                   f"at character {exc.start}") from None
 
     # -- document --------------------------------------------------------------------------------
     def run(self, doc: dict) -> None:
@@ -107,8 +178,8 @@ class _Walk(Walk):
         for name, value in (("trajectories", trajectories), ("trees", trees)):
             if not isinstance(value, list):
                 raise Stop((_TOP.index(name),), name, f"expected a list, got {describe(value)}")
-        self.limits.check("max_trajectories", len(trajectories), "trajectories")
-        self.limits.check("max_trees", len(trees), "trees")
+        self.limits.check("max_trajectories", len(trajectories), "trajectories", "trajectories")
+        self.limits.check("max_trees", len(trees), "trees", "trees")
         for j, traj in enumerate(trajectories):
             self.flat_trajectory(j, traj)
         flat_names = {}
@@ -138,8 +209,8 @@ class _Walk(Walk):
                            f"{'has' if first[0] else 'has none'}), got {'a list' if has else 'none'}")
             if has:
                 self.per_position(name, values, g, g_key, path, length)
-        adv = obj.get("advantage")
-        if isinstance(adv, list):
+        adv = self.value(obj, "advantage")
+        if isinstance(adv, (list, ListRef)):
             self.per_position("advantage", adv, g, g_key, path, length)
             raw.adv_scalar.append(0.0)
         else:
@@ -152,7 +223,7 @@ class _Walk(Walk):
             raise Stop(g_key + (RANK["weight"],), f"{path}.weight", f"expected a weight >= 0, got {weight!r}")
         raw.weight.append(weight)
 
-    def per_position(self, name: str, values: list, g: int, g_key: tuple, path: str, length: int | None) -> None:
+    def per_position(self, name: str, values: list | ListRef, g: int, g_key: tuple, path: str, length: int | None) -> None:
         if length is not None and len(values) != length:
             raise Stop(g_key + (RANK[name],), f"{path}.{name}",
                        f"expected {length} values (one per token), got {len(values)}")
@@ -175,9 +246,9 @@ class _Walk(Walk):
         tokens = self.array(obj, "tokens", key, path)
         if not tokens:
             raise Stop(key + (2,), f"{path}.tokens", f"expected a list of at least one token id, got {describe(tokens)}")
-        self.limits.check("max_trajectory_length", len(tokens), "tokens in one trajectory")
+        self.limits.check("max_trajectory_length", len(tokens), "tokens in one trajectory", f"{path}.tokens")
         self.total_tokens += len(tokens)
-        self.limits.check("max_tokens", self.total_tokens, "expanded tokens")
+        self.limits.check("max_tokens", self.total_tokens, "expanded tokens", f"{path}.tokens")
         col = raw.columns["tokens"]
         col.owners.append(len(raw.traj_ids) - 1)
         col.raw.append(tokens)
@@ -234,9 +305,9 @@ class _Walk(Walk):
         if not tokens:
             raise Stop(key + (2,), f"{path}.tokens", f"expected a list of at least one token id, got {describe(tokens)}")
         self.total_nodes += 1
-        self.limits.check("max_nodes", self.total_nodes, "tree nodes")
+        self.limits.check("max_nodes", self.total_nodes, "tree nodes", path)
         self.total_node_tokens += len(tokens)
-        self.limits.check("max_node_tokens", self.total_node_tokens, "tree-node tokens")
+        self.limits.check("max_node_tokens", self.total_node_tokens, "tree-node tokens", f"{path}.tokens")
         raw.node_tree.append(k)
         raw.node_index.append(j)
         raw.node_id.append(nid)

@@ -72,8 +72,8 @@ class _Walk(Walk):
         if batch.vocab_size < 1:
             raise Stop((1,), "vocab_size", f"expected an integer >= 1, got {batch.vocab_size}")
         raw.vocab_size = batch.vocab_size
-        self.limits.check("max_trajectories", len(batch.trajectories), "trajectories")
-        self.limits.check("max_trees", len(batch.trees), "trees")
+        self.limits.check("max_trajectories", len(batch.trajectories), "trajectories", "trajectories")
+        self.limits.check("max_trees", len(batch.trees), "trees", "trees")
         for j, traj in enumerate(batch.trajectories):
             self.flat_trajectory(j, traj)
         flat_names = {}
@@ -132,9 +132,9 @@ class _Walk(Walk):
         n = self.array(traj.tokens, "token", key + (2,), f"{path}.tokens", None)
         if n == 0:
             raise Stop(key + (2,), f"{path}.tokens", "expected at least one token id, got an empty array")
-        self.limits.check("max_trajectory_length", n, "tokens in one trajectory")
+        self.limits.check("max_trajectory_length", n, "tokens in one trajectory", f"{path}.tokens")
         self.total_tokens += n
-        self.limits.check("max_tokens", self.total_tokens, "expanded tokens")
+        self.limits.check("max_tokens", self.total_tokens, "expanded tokens", f"{path}.tokens")
         col = raw.columns["tokens"]
         col.owners.append(len(raw.traj_ids) - 1)
         col.raw.append(traj.tokens)
@@ -165,9 +165,9 @@ class _Walk(Walk):
             if n == 0:
                 raise Stop(nkey + (2,), f"{npath}.tokens", "expected at least one token id, got an empty array")
             self.total_nodes += 1
-            self.limits.check("max_nodes", self.total_nodes, "tree nodes")
+            self.limits.check("max_nodes", self.total_nodes, "tree nodes", npath)
             self.total_node_tokens += n
-            self.limits.check("max_node_tokens", self.total_node_tokens, "tree-node tokens")
+            self.limits.check("max_node_tokens", self.total_node_tokens, "tree-node tokens", f"{npath}.tokens")
             raw.node_tree.append(k)
             raw.node_index.append(j)
             raw.node_id.append(node.id)

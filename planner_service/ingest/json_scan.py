@@ -1,0 +1,685 @@
+"""Numba pre-pass over JSON rollout text: the per-position number arrays straight into numpy.
+
+    scan = scan_json(body_bytes)     # ScannedJSON: skeleton bytes + one typed buffer per field
+
+A rollout document is almost all numbers: `tokens`, `loss_mask`, `old_logprobs`, `ref_logprobs`
+and per-token `advantage` lists. Decoding them into Python objects costs ~30 bytes and tens of
+nanoseconds per element; instead, this pass finds every such list (a member of one of those names
+whose value is a flat list of JSON numbers) and parses it into the field's typed buffer (int32
+tokens, uint8 masks, float32 floats). The rest of the document, the *skeleton* (ids, scalars,
+structure), is copied with each parsed list replaced by the placeholder string `"\\u0000<k>"`
+(list k of `ScannedJSON.ref_*`), and is small enough for an ordinary JSON decoder.
+
+The pass never decides validity: a list it cannot represent exactly in its buffer (an element
+that is not a JSON number literal, an integer outside the buffer's type, a float that is not a
+finite float32, malformed number text) stays in the skeleton as it was, and the decoder and the
+Python checks see it exactly as before (same values, same errors). Replacing a list that follows
+`"name":` with a string cannot make invalid JSON valid or change the meaning of valid JSON. If the
+text contains the escape `\\u0000` no list is replaced (a user string could spell a placeholder).
+
+Floats are converted decimal -> float64 -> float32 with the result of Python's `float()`: the
+significand (up to 19 digits) times an exact power of ten is the correctly rounded float64 when
+the significand has <= 15 digits and the power <= 22 (Clinger's fast path); otherwise it is within
+two float64 ulps, which gives the same float32 unless it lies within a few ulps of a float32
+rounding midpoint (or outside the normal float32 range), and those rare elements are converted
+by `float()` afterwards (`fix_*`).
+
+Containers nested deeper than `max_depth` stop the pass (`depth_error_at`): a rollout document has
+at most 6 levels, and a bounded depth keeps every later recursive decoder safe.
+
+Legend: n body bytes, A lists found, E elements of one field's lists, X elements converted by float().
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros
+
+#: Member names whose number lists are parsed, in buffer order (FIELD index = position).
+FIELDS = ("tokens", "loss_mask", "old_logprobs", "ref_logprobs", "advantage")
+TOKENS, MASK = 0, 1
+_FLOAT_FIELDS = (2, 3, 4)
+#: Placeholder prefix of a parsed list in the skeleton (decoded form).
+PLACEHOLDER = "\x00"
+
+#: Byte classes inside a candidate list: bit 0 = cannot occur in a flat number list, bit 1 = number text.
+_CLS = np.ones(256, np.uint8)
+for _c in b" \t\n\r,]":
+    _CLS[_c] = 0
+for _c in b"0123456789+-.eEaINnfity":  # number literals, and the letters of NaN / Infinity
+    _CLS[_c] = 2
+
+_KEYS = np.frombuffer(b"".join(f.encode() for f in FIELDS), np.uint8).copy()
+_KEY_OFF = np.cumsum([0] + [len(f) for f in FIELDS]).astype(np.int64)
+_POW10 = np.array([float(f"1e{k}") for k in range(309)], np.float64)
+
+_OBJ, _ARR = 1, 2
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+@njit(cache=True)
+def _key_field(buf, a, b, keys, key_off):
+    """Index in FIELDS of the key buf[a:b], or -1."""
+    for f in range(key_off.shape[0] - 1):
+        ka, kb = key_off[f], key_off[f + 1]
+        if kb - ka != b - a:
+            continue
+        same = True
+        for i in range(kb - ka):
+            if buf[a + i] != keys[ka + i]:
+                same = False
+                break
+        if same:
+            return f
+    return -1
+
+
+@njit(cache=True)
+def _grow(a, n):
+    if n < a.shape[0]:
+        return a
+    out = np.empty(2 * a.shape[0] + 16, a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+@njit(cache=True)
+def _structure(buf, cls, keys, key_off, max_depth):
+    """Find the candidate lists; track nesting.
+
+    Returns (field [A] int8, start [A], end [A], count [A], has_nul_escape, long_int, error_at,
+    path_kind, path_key_a, path_key_b, path_index): a candidate spans buf[start:end] ('[' to ']'
+    inclusive) with `count` comma-separated elements. error_at >= 0 is the offset of the first
+    container deeper than max_depth; path_* describe the enclosing containers 1..max_depth then.
+    """
+    n = buf.shape[0]
+    D = max_depth + 2
+    kind = np.zeros(D, np.int8)
+    keyf = np.full(D, -1, np.int64)
+    key_a = np.zeros(D, np.int64)
+    key_b = np.zeros(D, np.int64)
+    index = np.zeros(D, np.int64)
+    expect_key = np.zeros(D, np.bool_)
+    c_field = np.empty(64, np.int8)
+    c_start = np.empty(64, np.int64)
+    c_end = np.empty(64, np.int64)
+    c_count = np.empty(64, np.int64)
+    A = 0
+    depth = 0
+    after_colon = False
+    nul = False
+    long_int = False
+    error_at = -1
+    i = 0
+    while i < n:
+        c = buf[i]
+        if c == 32 or c == 10 or c == 13 or c == 9:
+            i += 1
+            continue
+        if c == 34:  # string
+            j = i + 1
+            while j < n:
+                d = buf[j]
+                if d == 92:
+                    if (j + 5 < n and buf[j + 1] == 117 and buf[j + 2] == 48 and buf[j + 3] == 48
+                            and buf[j + 4] == 48 and buf[j + 5] == 48):
+                        nul = True
+                    j += 2
+                    continue
+                if d == 34:
+                    break
+                j += 1
+            if depth >= 1 and kind[depth] == _OBJ and expect_key[depth]:
+                expect_key[depth] = False
+                keyf[depth] = _key_field(buf, i + 1, min(j, n), keys, key_off)
+                key_a[depth] = i + 1
+                key_b[depth] = min(j, n)
+            after_colon = False
+            i = j + 1
+            continue
+        if c == 91:  # '['
+            if after_colon and depth >= 1 and kind[depth] == _OBJ and keyf[depth] >= 0:
+                # branch-free body (the bulk of the text): stop at ']' or at a byte no flat list has
+                k = i + 1
+                commas = 0
+                acc = 0
+                while k < n:
+                    d = buf[k]
+                    if d == 93:
+                        break
+                    commas += d == 44
+                    acc |= cls[d]
+                    if acc & 1:
+                        break
+                    k += 1
+                if k < n and acc == 2:
+                    c_field = _grow(c_field, A)
+                    c_start = _grow(c_start, A)
+                    c_end = _grow(c_end, A)
+                    c_count = _grow(c_count, A)
+                    c_field[A] = keyf[depth]
+                    c_start[A] = i
+                    c_end[A] = k + 1
+                    c_count[A] = commas + 1
+                    A += 1
+                    after_colon = False
+                    i = k + 1
+                    continue
+            depth += 1
+            if depth > max_depth:
+                error_at = i
+                break
+            kind[depth] = _ARR
+            index[depth] = 0
+            keyf[depth] = -1
+            after_colon = False
+            i += 1
+            continue
+        if c == 123:  # '{'
+            depth += 1
+            if depth > max_depth:
+                error_at = i
+                break
+            kind[depth] = _OBJ
+            expect_key[depth] = True
+            keyf[depth] = -1
+            after_colon = False
+            i += 1
+            continue
+        if c == 93 or c == 125:  # ']' '}'
+            if depth > 0:
+                depth -= 1
+            after_colon = False
+            i += 1
+            continue
+        if c == 44:  # ','
+            if depth >= 1:
+                if kind[depth] == _ARR:
+                    index[depth] += 1
+                else:
+                    expect_key[depth] = True
+                    keyf[depth] = -1
+            after_colon = False
+            i += 1
+            continue
+        if c == 58:  # ':'
+            after_colon = True
+            i += 1
+            continue
+        # a scalar literal (number, true, false, null, NaN, Infinity) or invalid text
+        run = 0
+        while i < n:
+            d = buf[i]
+            if d == 32 or d == 10 or d == 13 or d == 9 or d == 44 or d == 58 or d == 93 or d == 125 or d == 91 \
+                    or d == 123 or d == 34:
+                break
+            if 48 <= d <= 57:
+                run += 1
+                if run >= 19:
+                    long_int = True
+            else:
+                run = 0
+            i += 1
+        after_colon = False
+    return (c_field[:A], c_start[:A], c_end[:A], c_count[:A], nul, long_int, error_at,
+            kind[1 : max_depth + 1].copy(), key_a[1 : max_depth + 1].copy(), key_b[1 : max_depth + 1].copy(),
+            index[1 : max_depth + 1].copy())
+
+
+@njit(cache=True)
+def _skip_ws(buf, p, end):
+    while p < end:
+        c = buf[p]
+        if c == 32 or c == 10 or c == 13 or c == 9:
+            p += 1
+        else:
+            break
+    return p
+
+
+_U = np.uint64
+_ASCII0 = _U(0x3030303030303030)
+_NONDIGIT_ADD = _U(0x7676767676767676)
+_HIGH_BITS = _U(0x8080808080808080)
+_PAIR_MASK = _U(0x000000FF000000FF)
+_MUL1 = _U(100 + (1000000 << 32))
+_MUL2 = _U(1 + (10000 << 32))
+
+
+@njit(cache=True)
+def _parse_digits(buf, start, end, out, w):
+    """Fast path for a list of single digits without spaces ("[0,1,1]"): strided, no branch per
+    element. Returns the count, or -1 (`_parse_ints` then decides)."""
+    cnt = (end - start) // 2
+    bad = False
+    for i in range(cnt):
+        d = np.int64(buf[start + 1 + 2 * i]) - 48
+        bad |= np.uint64(d) > np.uint64(9)
+        out[w + i] = d
+    for i in range(cnt - 1):
+        bad |= buf[start + 2 + 2 * i] != 44
+    return -1 if bad else cnt
+
+
+@njit(cache=True)
+def _parse_uints_swar(buf, words, start, end, out, w, hi):
+    """Fast path of `_parse_ints` for lists of non-negative integers of <= 7 digits, separated by
+    ',' or ', ': one unaligned 8-byte load per element (`words[p]` = bytes p..p+7), a SWAR digit
+    mask and combine, no branch per digit. Returns the count, or -1 for any other text."""
+    n8 = words.shape[0]
+    p = start + 1
+    e = 0
+    while True:
+        while buf[p] == 32:
+            p += 1
+        if p >= n8:
+            return -1
+        v = words[p] ^ _ASCII0  # digits become 0..9, every other byte >= 10
+        m = ((v + _NONDIGIT_ADD) | v) & _HIGH_BITS
+        if m == _U(0):
+            return -1
+        nd = np.int64(trailing_zeros(m)) >> 3
+        if nd == 0 or (nd > 1 and (v & _U(0xFF)) == _U(0)):
+            return -1  # not a digit, or a leading zero
+        val = v << _U(8 * (8 - nd))
+        val = val * _U(10) + (val >> _U(8))
+        val = (((val & _PAIR_MASK) * _MUL1) + (((val >> _U(16)) & _PAIR_MASK) * _MUL2)) >> _U(32)
+        if val > _U(hi):
+            return -1
+        out[w + e] = val
+        e += 1
+        p += nd
+        c = buf[p]
+        if c == 44:
+            p += 1
+        elif c == 93 and p == end - 1:
+            return e
+        else:
+            return -1
+
+
+@njit(cache=True)
+def _parse_ints(buf, start, end, out, w, lo, hi):
+    """Parse the integer list buf[start:end] ('[' .. ']') into out[w:]; returns the count or -1."""
+    p = start + 1
+    stop = end - 1
+    e = 0
+    while True:
+        p = _skip_ws(buf, p, stop)
+        neg = False
+        if p < stop and buf[p] == 45:
+            neg = True
+            p += 1
+        if p >= stop or not (48 <= buf[p] <= 57):
+            return -1
+        v = 0
+        if buf[p] == 48:
+            p += 1
+            if p < stop and 48 <= buf[p] <= 57:
+                return -1  # leading zero: not JSON
+        else:
+            nd = 0
+            while p < stop and 48 <= buf[p] <= 57:
+                v = v * 10 + (buf[p] - 48)
+                nd += 1
+                p += 1
+                if nd > 10:
+                    return -1
+        if p < stop and (buf[p] == 46 or buf[p] == 101 or buf[p] == 69):
+            return -1  # a float: the Python checks name it
+        if neg:
+            v = -v
+        if v < lo or v > hi:
+            return -1
+        out[w + e] = v
+        e += 1
+        p = _skip_ws(buf, p, stop)
+        if p == stop:
+            return e
+        if buf[p] != 44:
+            return -1
+        p += 1
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+@njit(cache=True)
+def _parse_floats(buf, start, end, out, w, pow10, fix_pos, fix_a, fix_b, X):
+    """Parse the number list buf[start:end] into float32 out[w:].
+
+    Returns (count or -1, X, fix_pos, fix_a, fix_b): elements whose float32 needs Python's float()
+    are appended to fix_pos / fix_a / fix_b (output position, text span); X counts them.
+    """
+    p = start + 1
+    stop = end - 1
+    e = 0
+    while True:
+        p = _skip_ws(buf, p, stop)
+        a = p
+        neg = False
+        if p < stop and buf[p] == 45:
+            neg = True
+            p += 1
+        if p >= stop or not (48 <= buf[p] <= 57):
+            return -1, X, fix_pos, fix_a, fix_b  # NaN, Infinity, or not a number: the Python checks name it
+        m = np.uint64(0)
+        sig = 0
+        e10 = 0
+        truncated = False
+        is_int = True
+        iv = 0
+        if buf[p] == 48:
+            p += 1
+            if p < stop and 48 <= buf[p] <= 57:
+                return -1, X, fix_pos, fix_a, fix_b
+        else:
+            while p < stop and 48 <= buf[p] <= 57:
+                d = buf[p] - 48
+                if sig < 19:
+                    m = m * np.uint64(10) + np.uint64(d)
+                    sig += 1
+                else:
+                    e10 += 1
+                    truncated = truncated or d != 0
+                p += 1
+        if p < stop and buf[p] == 46:
+            is_int = False
+            p += 1
+            if p >= stop or not (48 <= buf[p] <= 57):
+                return -1, X, fix_pos, fix_a, fix_b
+            while p < stop and 48 <= buf[p] <= 57:
+                d = buf[p] - 48
+                if sig < 19 and (m != 0 or d != 0):
+                    m = m * np.uint64(10) + np.uint64(d)
+                    sig += 1
+                    e10 -= 1
+                elif m == 0:
+                    e10 -= 1
+                else:
+                    truncated = truncated or d != 0
+                p += 1
+        if p < stop and (buf[p] == 101 or buf[p] == 69):
+            is_int = False
+            p += 1
+            eneg = False
+            if p < stop and (buf[p] == 43 or buf[p] == 45):
+                eneg = buf[p] == 45
+                p += 1
+            if p >= stop or not (48 <= buf[p] <= 57):
+                return -1, X, fix_pos, fix_a, fix_b
+            ex = 0
+            while p < stop and 48 <= buf[p] <= 57:
+                if ex < 100000:
+                    ex = ex * 10 + (buf[p] - 48)
+                p += 1
+            e10 += -ex if eneg else ex
+        b = p
+        if is_int and sig > 18:
+            return -1, X, fix_pos, fix_a, fix_b  # may be outside int64: the Python checks name it
+        fix = False
+        if m == 0:
+            x = 0.0
+        else:
+            exact = sig <= 15 and not truncated and -22 <= e10 <= 22
+            if e10 > 308 or e10 < -308:
+                fix = True
+                x = 1.0
+            else:
+                x = float(m)
+                if e10 >= 0:
+                    x = x * pow10[e10]
+                else:
+                    x = x / pow10[-e10]
+            if not fix:
+                ax = abs(x)
+                if ax > _F32_MAX * 1.001:
+                    return -1, X, fix_pos, fix_a, fix_b  # not a finite float32: the Python checks name it
+                if ax < _F32_TINY * 1.001 or ax > _F32_MAX * 0.999:
+                    fix = True  # subnormal or near overflow: float() decides
+                elif not exact:
+                    low = np.int64(np.float64(x).view(np.uint64) & np.uint64((1 << 29) - 1))
+                    if abs(low - (1 << 28)) <= 64:
+                        fix = True  # near a float32 rounding midpoint
+        if fix:
+            fix_pos = _grow(fix_pos, X)
+            fix_a = _grow(fix_a, X)
+            fix_b = _grow(fix_b, X)
+            fix_pos[X] = w + e
+            fix_a[X] = a
+            fix_b[X] = b
+            X += 1
+            out[w + e] = 0.0
+        else:
+            if neg:
+                x = -x if not (is_int and m == 0) else 0.0
+            out[w + e] = np.float32(x)
+        e += 1
+        p = _skip_ws(buf, p, stop)
+        if p == stop:
+            return e, X, fix_pos, fix_a, fix_b
+        if buf[p] != 44:
+            return -1, X, fix_pos, fix_a, fix_b
+        p += 1
+    return -1, X, fix_pos, fix_a, fix_b
+
+
+@njit(cache=True)
+def _parse_int_list(buf, words, start, end, count, out, w, lo, hi):
+    """The integer list buf[start:end] into out[w:], fastest applicable path first; count or -1."""
+    got = -1
+    if end - start == 2 * count + 1:
+        got = _parse_digits(buf, start, end, out, w)
+    if got != count:
+        got = _parse_uints_swar(buf, words, start, end, out, w, hi)
+    if got != count:
+        got = _parse_ints(buf, start, end, out, w, lo, hi)
+    return got
+
+
+@njit(cache=True)
+def _parse_all(buf, words, c_field, c_start, c_end, c_count, tok, mask, flt, flt_base, pow10):
+    """Parse every candidate list into its field's buffer.
+
+    Returns (offset [A]: start in the field's buffer, -1 where the list stays in the skeleton;
+    used [5]: elements written per field; fix_pos, fix_a, fix_b [X]; fix_list [X]).
+    """
+    A = c_field.shape[0]
+    offset = np.full(A, -1, np.int64)
+    used = np.zeros(5, np.int64)
+    fix_pos = np.empty(16, np.int64)
+    fix_a = np.empty(16, np.int64)
+    fix_b = np.empty(16, np.int64)
+    fix_list = np.empty(16, np.int64)
+    X = 0
+    for k in range(A):
+        f = c_field[k]
+        w = used[f]
+        if f == 0:
+            got = _parse_int_list(buf, words, c_start[k], c_end[k], c_count[k], tok, w, _INT32_MIN, _INT32_MAX)
+        elif f == 1:
+            got = _parse_int_list(buf, words, c_start[k], c_end[k], c_count[k], mask, w, 0, 255)
+        else:
+            X0 = X
+            got, X, fix_pos, fix_a, fix_b = _parse_floats(buf, c_start[k], c_end[k], flt, flt_base[f] + w, pow10,
+                                                          fix_pos, fix_a, fix_b, X)
+            if got != c_count[k]:
+                X = X0
+            for x in range(X0, X):
+                fix_list = _grow(fix_list, x)
+                fix_list[x] = k
+        if got == c_count[k]:
+            offset[k] = w
+            used[f] = w + got
+    return offset, used, fix_pos[:X], fix_a[:X], fix_b[:X], fix_list[:X]
+
+
+@njit(cache=True)
+def _skeleton(buf, starts, ends):
+    """buf with list k (buf[starts[k]:ends[k]], ascending, disjoint) replaced by the JSON string "\\u0000k"."""
+    n = buf.shape[0]
+    A = starts.shape[0]
+    size = n
+    for k in range(A):
+        nd = 1
+        v = k
+        while v >= 10:
+            v //= 10
+            nd += 1
+        size += 8 + nd - (ends[k] - starts[k])
+    out = np.empty(size, np.uint8)
+    w = 0
+    prev = 0
+    for k in range(A + 1):
+        a = starts[k] if k < A else n
+        for i in range(prev, a):
+            out[w] = buf[i]
+            w += 1
+        if k == A:
+            break
+        for ch in (34, 92, 117, 48, 48, 48, 48):  # "\u0000
+            out[w] = ch
+            w += 1
+        nd = 1
+        v = k
+        while v >= 10:
+            v //= 10
+            nd += 1
+        v = k
+        for j in range(nd - 1, -1, -1):
+            out[w + j] = 48 + v % 10
+            v //= 10
+        w += nd
+        out[w] = 34
+        w += 1
+        prev = ends[k]
+    return out
+
+
+@dataclass(slots=True)
+class DepthError:
+    """Where the text first nests deeper than the limit."""
+
+    offset: int
+    """Byte offset of the first container too deep."""
+    path: list[str | int]
+    """Member names (str) and list indices (int) of the enclosing containers, outermost first."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ScannedJSON:
+    """Result of `scan_json`."""
+
+    skeleton: bytes
+    """The text with every parsed list replaced by its placeholder string."""
+    buffers: tuple[np.ndarray, ...]
+    """Per FIELDS entry: the parsed elements (int32 tokens, uint8 masks, float32 otherwise)."""
+    ref_field: np.ndarray
+    """int64 [A'] FIELDS index of placeholder k's list."""
+    ref_offset: np.ndarray
+    """int64 [A'] its first element in buffers[ref_field[k]]."""
+    ref_length: np.ndarray
+    """int64 [A'] its elements."""
+    ref_span: np.ndarray
+    """int64 [A', 2] its byte span in the text (start, end)."""
+    long_int: bool
+    """The skeleton may hold an integer literal of >= 19 digits (decoders differ beyond 64 bits):
+    one outside the lists, or a list that stayed in the skeleton."""
+    depth_error: DepthError | None = None
+
+    def values(self, k: int) -> np.ndarray:
+        """The elements of placeholder k's list (a view)."""
+        a = int(self.ref_offset[k])
+        return self.buffers[int(self.ref_field[k])][a : a + int(self.ref_length[k])]
+
+    def body_offset(self, skeleton_offset: int) -> int:
+        """Byte offset in the text of a byte offset in the skeleton (a placeholder maps to its list)."""
+        starts = self.ref_span[:, 0]
+        ph = 9 + np.floor(np.log10(np.maximum(np.arange(starts.shape[0]), 1))).astype(np.int64)
+        shift = np.cumsum(self.ref_span[:, 1] - starts - ph)  # bytes removed up to and including list k
+        sk_start = starts - np.concatenate([[0], shift[:-1]]) if starts.shape[0] else starts
+        k = int(np.searchsorted(sk_start, skeleton_offset, side="right")) - 1
+        if k < 0:
+            return skeleton_offset
+        if skeleton_offset < sk_start[k] + ph[k]:
+            return int(starts[k])
+        return int(skeleton_offset + shift[k])
+
+
+def scan_json(data: bytes | bytearray | memoryview, max_depth: int) -> ScannedJSON:
+    """Parse the number lists of JSON text into typed buffers; see the module docstring.
+
+    Args:
+        data: UTF-8 JSON text.
+        max_depth: containers nested deeper stop the scan (`depth_error`).
+    """
+    buf = np.frombuffer(data, np.uint8)
+    (c_field, c_start, c_end, c_count, nul, long_int, error_at,
+     kind, key_a, key_b, index) = _structure(buf, _CLS, _KEYS, _KEY_OFF, max_depth)
+    z = np.zeros(0, np.int64)
+    if error_at >= 0:
+        path: list[str | int] = []
+        for d in range(max_depth):
+            if kind[d] == _ARR:
+                path.append(int(index[d]))
+            elif kind[d] == _OBJ:
+                path.append(bytes(data[key_a[d] : key_b[d]]).decode("utf-8", "replace"))
+        return ScannedJSON(skeleton=b"", buffers=(), ref_field=z, ref_offset=z, ref_length=z,
+                           ref_span=np.zeros((0, 2), np.int64), long_int=long_int,
+                           depth_error=DepthError(offset=int(error_at), path=path))
+    if nul:
+        c_field, c_start, c_end, c_count = c_field[:0], c_start[:0], c_end[:0], c_count[:0]
+    per_field = np.bincount(c_field.astype(np.int64), weights=c_count, minlength=len(FIELDS)).astype(np.int64)
+    tok = np.empty(per_field[TOKENS], np.int32)
+    mask = np.empty(per_field[MASK], np.uint8)
+    flt_base = np.zeros(len(FIELDS), np.int64)
+    total = 0
+    for f in _FLOAT_FIELDS:
+        flt_base[f] = total
+        total += per_field[f]
+    flt = np.empty(total, np.float32)
+    offset, used, fix_pos, fix_a, fix_b, fix_list = _parse_all(
+        buf, _words(data), c_field, c_start, c_end, c_count, tok, mask, flt, flt_base, _POW10)
+    if fix_pos.shape[0]:
+        _fix_floats(data, flt, offset, fix_pos, fix_a, fix_b, fix_list)
+    keep = np.flatnonzero(offset >= 0)
+    field = c_field[keep].astype(np.int64)
+    off = offset[keep]  # relative to the field's region (the float fields share one allocation)
+    buffers = (tok, mask) + tuple(flt[flt_base[f] : flt_base[f] + per_field[f]] for f in _FLOAT_FIELDS)
+    starts, ends = c_start[keep], c_end[keep]
+    return ScannedJSON(
+        skeleton=_skeleton(buf, starts, ends).tobytes(),
+        buffers=buffers, ref_field=field, ref_offset=off, ref_length=c_count[keep],
+        ref_span=np.stack([starts, ends], 1) if keep.shape[0] else np.zeros((0, 2), np.int64),
+        long_int=bool(long_int) or keep.shape[0] < offset.shape[0],
+    )
+
+
+def _words(data) -> np.ndarray:
+    """uint64 [n-7] overlapping little-endian words: element p holds bytes p..p+7 (stride 1 byte)."""
+    n = len(data)
+    if n < 8:
+        return np.zeros(0, np.uint64)
+    return np.lib.stride_tricks.as_strided(np.frombuffer(data, "<u8", count=n // 8), shape=(n - 7,), strides=(1,))
+
+
+def _fix_floats(data, flt, offset, fix_pos, fix_a, fix_b, fix_list) -> None:
+    """Convert the recorded elements with float() (as the JSON decoders do); a list whose element
+    is not a finite float32 goes back to the skeleton."""
+    for pos, a, b, k in zip(fix_pos.tolist(), fix_a.tolist(), fix_b.tolist(), fix_list.tolist()):
+        if offset[k] < 0:
+            continue
+        with np.errstate(over="ignore"):
+            value = np.float32(float(bytes(data[a:b])))
+        if not np.isfinite(value):
+            offset[k] = -1
+        else:
+            flt[pos] = value
+
+
+def warmup() -> None:
+    """Compile (or load from the Numba cache) the scan on a tiny document."""
+    scan_json(b'{"tokens": [1, 2], "loss_mask": [0, 1], "advantage": [0.5, 1e-40]}', 8)

@@ -1,0 +1,86 @@
+"""Hostile rollout bodies (issue 13, item 2) get a 422 naming the field at submit, and nothing is
+stored: deep nesting, integers beyond float64, lone surrogates in ids, booleans as numbers, and a
+world size spelled as a string. In-process: PlannerCore and the FastAPI app over it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from planner_service.core import PlannerCore, ServiceConfig
+from planner_service.errors import ValidationError
+from planner_service.http_api import create_app
+
+
+def _doc() -> dict:
+    return {"batch_id": "step", "vocab_size": 16,
+            "trajectories": [{"id": "a", "tree_id": "t", "tokens": [1, 2, 3], "loss_mask": [0, 1, 1],
+                              "reward": 1.0, "advantage": 0.5, "weight": 1.0, "group_id": "g"}],
+            "trees": [{"id": "e", "nodes": [{"id": 0, "tokens": [4, 5]}], "trajectories": [{"id": "x", "node": 0}]}]}
+
+
+def _text(doc: dict, replace: dict[str, str] | None = None) -> bytes:
+    text = json.dumps(doc)
+    for old, new in (replace or {}).items():
+        assert old in text
+        text = text.replace(old, new, 1)
+    return text.encode()
+
+
+DEEP = 100_000
+HUGE = "1" + "0" * 400
+CASES = [
+    ("nested-top", lambda: b'{"batch_id": "step", "vocab_size": 16, "trajectories": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+     "trajectories", "levels of nesting"),
+    ("nested-tokens", lambda: _text(_doc(), {"[1, 2, 3]": "[" * DEEP + "]" * DEEP}), "trajectories[0].tokens", "levels of nesting"),
+    ("nested-document", lambda: b"[" * DEEP + b"]" * DEEP, "", "levels of nesting"),
+    ("huge-reward", lambda: _text(_doc(), {'"reward": 1.0': f'"reward": {HUGE}'}), "trajectories[0].reward", "finite float32"),
+    ("huge-advantage", lambda: _text(_doc(), {'"advantage": 0.5': f'"advantage": {HUGE}'}), "trajectories[0].advantage", "finite float32"),
+    ("huge-weight", lambda: _text(_doc(), {'"weight": 1.0': f'"weight": -{HUGE}'}), "trajectories[0].weight", "finite float32"),
+    ("huge-float-literal", lambda: _text(_doc(), {'"reward": 1.0': '"reward": 1e400'}), "trajectories[0].reward", "finite float32"),
+    ("surrogate-batch-id", lambda: _text(_doc(), {'"step"': '"st\\ud800ep"'}), "batch_id", "lone surrogate"),
+    ("surrogate-trajectory-id", lambda: _text(_doc(), {'"id": "a"': '"id": "\\udc00"'}), "trajectories[0].id", "lone surrogate"),
+    ("surrogate-tree-id", lambda: _text(_doc(), {'"tree_id": "t"': '"tree_id": "t\\ud83d"'}), "trajectories[0].tree_id", "lone surrogate"),
+    ("surrogate-explicit-tree-id", lambda: _text(_doc(), {'"id": "e"': '"id": "\\ud800"'}), "trees[0].id", "lone surrogate"),
+    ("surrogate-tree-trajectory-id", lambda: _text(_doc(), {'"id": "x"': '"id": "x\\udfff"'}), "trees[0].trajectories[0].id", "lone surrogate"),
+    ("surrogate-group-id", lambda: _text(_doc(), {'"group_id": "g"': '"group_id": "\\ud800"'}), "trajectories[0].group_id", "lone surrogate"),
+    ("surrogate-unknown-key", lambda: _text(_doc(), {'"group_id"': '"\\ud800"'}), "trajectories[0].\\ud800", "unknown field"),
+    ("bool-token", lambda: _text(_doc(), {"[1, 2, 3]": "[true, 1, 2]"}), "trajectories[0].tokens", "got boolean true at position 0"),
+    ("bool-mask", lambda: _text(_doc(), {"[0, 1, 1]": "[true, false, true]"}), "trajectories[0].loss_mask", "got boolean true at position 0"),
+    ("bool-node-token", lambda: _text(_doc(), {"[4, 5]": "[4, false]"}), "trees[0].nodes[0].tokens", "got boolean false at position 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    core = PlannerCore(ServiceConfig(db_path=str(tmp_path_factory.mktemp("hostile") / "h.db"), max_request_bytes=1 << 20))
+    with TestClient(create_app(core), raise_server_exceptions=False) as client:
+        yield core, client
+    core.close()
+
+
+@pytest.mark.parametrize("make,field,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_hostile_body_is_a_422_naming_the_field_and_stores_nothing(service, make, field, fragment):
+    core, client = service
+    body = make()
+    with pytest.raises(ValidationError) as info:
+        core.submit(body, "json")
+    assert info.value.field == field and fragment in info.value.message, info.value.message
+    r = client.post("/v1/steps", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"] or "") == field and fragment in err["message"], err
+    assert core.list_steps() == []
+
+
+@pytest.mark.parametrize("value", ['"2"', "true", "2.0"])
+def test_topology_world_size_must_be_an_integer(service, value):
+    core, client = service
+    r = client.post("/v1/steps/step/plan", content=f'{{"world_size": {value}}}',
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["field"] == "body.world_size"
+    # an integer passes the body check and reaches the core (which knows no such step)
+    r = client.post("/v1/steps/step/plan", content='{"world_size": 2}', headers={"Content-Type": "application/json"})
+    assert r.status_code == 404, r.text
