@@ -73,7 +73,7 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
     try:
         await server.serve(sockets=[sock])
     finally:
-        core.ready = False
+        core.stop_serving()
         await set_serving(health, False)
         await grpc_server.stop(grace=2.0)
         await asyncio.to_thread(core.close)

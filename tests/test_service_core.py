@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -40,9 +41,60 @@ def test_submit_is_idempotent_by_batch_id(core):
     with pytest.raises(ConflictError, match="batch_id"):
         core.submit(_body(other), "json")
     assert [s.step_id for s in core.list_steps()] == ["s-idem"]
-    # the protobuf form of the same id is another body too
+
+
+def _reordered(value):
+    """The same JSON value with every object's keys in reverse order."""
+    if isinstance(value, dict):
+        return {k: _reordered(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [_reordered(v) for v in value]
+    return value
+
+
+def test_idempotency_compares_content_not_bytes(core):
+    doc = rollout_doc("s-content")
+    first = core.submit(_body(doc), "json")
+    assert not first.duplicate
+    spellings = {
+        "indented, keys reversed": json.dumps(_reordered(doc), indent=3).encode(),
+        "floats respelt": re.sub(r"-?\d+\.\d+", lambda m: f"{float(m.group()):.17e}", json.dumps(doc)).encode(),
+        "explicit defaults": json.dumps({**doc, "trees": []}).encode(),
+        "protobuf": json_to_proto(doc).SerializeToString(),
+    }
+    assert len(set(spellings.values()) | {_body(doc)}) == len(spellings) + 1
+    for name, body in spellings.items():
+        fmt = "proto" if name == "protobuf" else "json"
+        resp = core.submit(body, fmt)
+        assert resp.duplicate and resp.status == first.status, name
+    assert core.submit_message(json_to_proto(doc)).duplicate
+    changed = json.loads(_body(doc))
+    changed["trajectories"][3]["tokens"][-1] = (changed["trajectories"][3]["tokens"][-1] + 1) % 64
+    with pytest.raises(ConflictError, match="other content"):
+        core.submit(_body(changed), "json")
+    changed = json_to_proto(doc)
+    changed.trajectories[0].reward = 0.5
     with pytest.raises(ConflictError):
-        core.submit(json_to_proto(doc).SerializeToString(), "proto")
+        core.submit(changed.SerializeToString(), "proto")
+    assert [s.step_id for s in core.list_steps()] == ["s-content"]
+
+
+def test_rows_of_earlier_versions_are_compared_by_content(core):
+    # an earlier version keyed steps by a SHA-256 of the body bytes
+    import hashlib
+
+    from planner_service.store import StepRecord
+
+    doc = rollout_doc("s-legacy")
+    body = _body(doc)
+    core.store.insert_step(StepRecord(
+        step_id="s-legacy", body_sha256="json:" + hashlib.sha256(body).hexdigest(), body_format="json",
+        trajectories=6, unique_tokens=1, expanded_tokens=1, submitted_at=time.time(),
+        state=planner_pb2.STEP_STATE_SUBMITTED), body)
+    assert core.submit(json.dumps(doc, indent=1).encode(), "json").duplicate
+    assert core.submit(json_to_proto(doc).SerializeToString(), "proto").duplicate
+    with pytest.raises(ConflictError):
+        core.submit(_body(rollout_doc("s-legacy", seed=2)), "json")
 
 
 def test_invalid_batch_names_the_field_and_stores_nothing(core):
