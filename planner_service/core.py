@@ -296,6 +296,7 @@ class PlannerCore:
                 self._fault_logged = now
             if self._storage_healthy:
                 self.metrics.storage_faults.inc()
+                self._wake.set()  # probe every second from now on
             self.metrics.storage_ok.set(0)
         self._storage_healthy = reason is None
         self._readiness_changed()

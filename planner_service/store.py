@@ -206,7 +206,9 @@ class Store:
             self._on_fault(reason)
 
     def _check_file(self) -> None:
-        """Fault (for good) when the file at `path` is not the one opened: later writes would be lost."""
+        """Fault when the database or its WAL cannot be written (made read-only or immutable: WAL
+        appends may still pass, the checkpoint and the next start would not), and for good when
+        the file at `path` is not the one opened (later writes would be lost)."""
         if self._gone is None and self.path != ":memory:" and self._ident is not None:
             try:
                 st = os.stat(self.path)
@@ -223,6 +225,11 @@ class Store:
         if self._gone is not None:
             self._set_fault(self._gone)
             raise StorageError(self._gone)
+        if self.path != ":memory:":
+            for name in (self.path, self.path + "-wal"):
+                if os.path.exists(name) and not os.access(name, os.W_OK):
+                    self._set_fault(f"storage: {name} is not writable (read-only or immutable)")
+                    raise StorageError(self.fault)
 
     @contextmanager
     def _op(self, doing: str, *, write: bool) -> Iterator[sqlite3.Connection]:
