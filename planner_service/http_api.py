@@ -75,7 +75,9 @@ class ErrorBody(BaseModel):
 class Topology(BaseModel):
     """Trainer topology and budgets a step is planned for."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [e["value"] for e in TOPOLOGY_EXAMPLES.values()]})
+    # strict: "2", 2.0 or true are not a world size (a typo in a generator, not a number to coerce)
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"examples": [e["value"] for e in TOPOLOGY_EXAMPLES.values()]})
     world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="Number of data-parallel trainer ranks")
     microbatch_tokens: int = Field(0, ge=0, le=_INT32, description="Token budget per microbatch; 0: the service "
                                    "default (`harts serve --microbatch-tokens`, 4096 unless set), as over gRPC")
