@@ -461,7 +461,13 @@ class Store:
         with self._op("compacting", write=True) as db:
             before = self._file_bytes()
             if db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
-                db.execute("PRAGMA incremental_vacuum").fetchall()
+                # one statement may free a single page (Python's sqlite3 steps it once): repeat
+                db.execute("BEGIN IMMEDIATE")
+                for _ in range(db.execute("PRAGMA freelist_count").fetchone()[0]):
+                    db.execute("PRAGMA incremental_vacuum").fetchall()
+                    if not db.execute("PRAGMA freelist_count").fetchone()[0]:
+                        break
+                db.execute("COMMIT")
             elif self.path != ":memory:":
                 need = 2 * before
                 free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
