@@ -18,7 +18,7 @@ timeouts, a bound on open connections); gRPC gets the same bounds as channel arg
 timeout, idle timeout, incoming connections, concurrent RPCs). The soft file-descriptor limit is
 raised to the hard one, and the connection bounds are kept below it, so that a flood of
 connections can neither starve the other transport nor make asyncio log every failed accept
-(repeated loop errors are logged once a minute).
+(repeated loop errors, and uvicorn's per-request warnings, are logged once a minute).
 
 `ServerProcess` starts the service as a subprocess on loopback (tests, benchmarks).
 """
@@ -87,6 +87,26 @@ def _fit_to_fd_limit(limits: ConnectionLimits) -> tuple[ConnectionLimits, int]:
     return limits, soft
 
 
+class _OncePerMinute(logging.Filter):
+    """Let each distinct message through once a minute (uvicorn warns once per bad request)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, list[float]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = f"{record.levelno}:{record.msg}"
+        now = time.monotonic()
+        last = self._last.setdefault(key, [-1e9, 0])
+        last[1] += 1
+        if now - last[0] < 60.0:
+            return False
+        if last[1] > 1:
+            record.msg = f"{record.msg} ({last[1]} times in the last minute)"
+        last[0], last[1] = now, 0
+        return True
+
+
 def _once_a_minute(loop: asyncio.AbstractEventLoop) -> None:
     """Loop exception handler that logs each distinct message at most once a minute, with a count."""
     seen: dict[str, list[float]] = {}
@@ -110,6 +130,7 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
     """Run the service until SIGINT/SIGTERM."""
     loop = asyncio.get_running_loop()
     _once_a_minute(loop)
+    logging.getLogger("uvicorn.error").addFilter(_OncePerMinute())
     limits, _ = _fit_to_fd_limit(limits or ConnectionLimits())
     core = PlannerCore(cfg)
     await asyncio.to_thread(core.start)
