@@ -18,10 +18,10 @@ on an event that planning sets, not on a sleep loop.
 
 Storage faults (`store.py`): the service is not ready while the database cannot be written, every
 request that needs a write answers StorageError (503) naming the reason, and a plan that could not
-be stored shows its step as failed with that error. A maintenance thread probes the database
-(every `storage_probe_seconds`, every second during a fault); when it is writable again, readiness
-comes back and interrupted or failed-to-store plans run again. The same thread applies the
-retention policy (`retain_steps`, `max_age_seconds`) and compacts the database after deletions.
+be stored shows its step as failed with that error. The maintenance thread (`maintenance.py`)
+probes the database; when it is writable again, readiness comes back and interrupted or
+failed-to-store plans run again. The same thread applies the retention policy (`retain_steps`,
+`max_age_seconds`) and compacts the database after deletions.
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from google.protobuf.message import DecodeError
@@ -51,8 +50,16 @@ from planner_service.errors import (
     ValidationError,
 )
 from planner_service.forest import Forest
+from planner_service.maintenance import Maintenance
 from planner_service.metrics import Metrics
 from planner_service.planner.config import PlanConfig
+from planner_service.service_config import (
+    DEFAULT_MICROBATCH_TOKENS,
+    MAX_WORLD_SIZE,
+    ServiceConfig,
+    normalized_topology,
+    topology_to_config,
+)
 from planner_service.store import FAILED, PLANNED, SUBMITTED, StepRecord, Store
 from proto.harts.v1 import plan_pb2, planner_pb2, rollouts_pb2
 from proto.plan_io import seal, slice_plan
@@ -60,122 +67,6 @@ from proto.plan_io import seal, slice_plan
 log = logging.getLogger(__name__)
 
 __all__ = ["ServiceConfig", "PlannerCore", "topology_to_config", "MAX_WORLD_SIZE", "DEFAULT_MICROBATCH_TOKENS"]
-
-MAX_WORLD_SIZE = 4096
-"""Largest data-parallel world a step is planned for (one sealed slice per rank)."""
-
-DEFAULT_MICROBATCH_TOKENS = 4096
-"""Microbatch token budget of a topology that names none (HTTP and gRPC alike)."""
-
-_MiB = 1024 * 1024
-
-
-@dataclass(slots=True, kw_only=True)
-class ServiceConfig:
-    """Settings of one service instance."""
-
-    db_path: str = "harts.db"
-    """SQLite database file (WAL mode); ":memory:" keeps nothing across restarts."""
-    token: str | None = None
-    """Bearer token every non-health request must carry; None disables auth."""
-    max_request_bytes: int = 256 * _MiB
-    """Largest request body (HTTP) or message (gRPC) accepted; larger ones get 413 / RESOURCE_EXHAUSTED."""
-    limits: Any = None
-    """`planner_service.ingest.Limits` for submitted batches; None uses ingest's defaults."""
-    default_topology: planner_pb2.Topology | None = None
-    """Topology a submission is planned for at once when the request names none; None: wait for PlanStep."""
-    conv_kernel: int = 4
-    """Short-convolution kernel size K of the trainers' model (goes into every plan)."""
-    default_chunk_size: int = 64
-    """Chunk size used when a topology says 0."""
-    default_microbatch_tokens: int = DEFAULT_MICROBATCH_TOKENS
-    """Microbatch token budget used when a topology says 0 (gRPC's unset field) or an HTTP request names none."""
-    list_limit: int = 100
-    """ListSteps default and maximum page size."""
-    max_wait_seconds: float = 60.0
-    """Upper bound of a long-poll wait; longer requests are clipped."""
-    plan_workers: int = 1
-    """Threads that plan steps (planning is CPU-bound Numba code)."""
-    slice_cache_bytes: int = 256 * _MiB
-    """Bytes of sealed slices kept in memory for fast fetches (least recently used go first)."""
-    forest_cache_bytes: int = 256 * _MiB
-    """Bytes of submitted forests kept in memory so planning does not re-ingest them."""
-    synchronous: str = "FULL"
-    """SQLite synchronous pragma (FULL: durable across power loss; NORMAL: across process crashes)."""
-    retain_steps: int = 0
-    """Keep only the newest this many steps (older ones are deleted with their plans); 0 keeps all."""
-    max_age_seconds: float = 0.0
-    """Delete steps submitted longer ago than this many seconds; 0 keeps them however old."""
-    storage_probe_seconds: float = 5.0
-    """How often a healthy database is checked for writability (every second during a fault)."""
-
-    def __post_init__(self) -> None:
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes: expected >= 1024, got {self.max_request_bytes}")
-        if self.token is not None and not self.token:
-            raise ValueError("token: expected a non-empty string or None, got ''")
-        if self.list_limit < 1:
-            raise ValueError(f"list_limit: expected >= 1, got {self.list_limit}")
-        if not self.max_wait_seconds >= 0:
-            raise ValueError(f"max_wait_seconds: expected >= 0, got {self.max_wait_seconds}")
-        if self.plan_workers < 1:
-            raise ValueError(f"plan_workers: expected >= 1, got {self.plan_workers}")
-        if self.default_microbatch_tokens < 1:
-            raise ValueError(f"default_microbatch_tokens: expected >= 1, got {self.default_microbatch_tokens}")
-        for name in ("slice_cache_bytes", "forest_cache_bytes", "retain_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
-        if not (self.max_age_seconds >= 0 and math.isfinite(self.max_age_seconds)):
-            raise ValueError(f"max_age_seconds: expected a finite number >= 0 (0: no age limit), got {self.max_age_seconds}")
-        if not (0 < self.storage_probe_seconds and math.isfinite(self.storage_probe_seconds)):
-            raise ValueError(f"storage_probe_seconds: expected a finite number > 0, got {self.storage_probe_seconds}")
-        if self.default_topology is not None:
-            topology_to_config(self.default_topology, conv_kernel=self.conv_kernel, chunk_size=self.default_chunk_size,
-                               microbatch_tokens=self.default_microbatch_tokens)
-
-
-def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chunk_size: int = 64,
-                       microbatch_tokens: int = DEFAULT_MICROBATCH_TOKENS) -> PlanConfig:
-    """PlanConfig of a requested topology (0 fields take the given defaults); ValidationError
-    names the offending `topology.<field>`."""
-    if topo.world_size < 1:
-        raise ValidationError("topology.world_size", f"expected >= 1, got {topo.world_size}")
-    if topo.world_size > MAX_WORLD_SIZE:
-        raise ValidationError("topology.world_size", f"expected <= {MAX_WORLD_SIZE}, got {topo.world_size}")
-    if topo.microbatch_tokens < 0:
-        raise ValidationError("topology.microbatch_tokens", f"expected >= 0 (0: default), got {topo.microbatch_tokens}")
-    if topo.memory_tokens < 0:
-        raise ValidationError("topology.memory_tokens", f"expected >= 0 (0: default), got {topo.memory_tokens}")
-    if topo.chunk_size < 0:
-        raise ValidationError("topology.chunk_size", f"expected >= 0 (0: default), got {topo.chunk_size}")
-    try:
-        return PlanConfig(
-            world_size=topo.world_size,
-            microbatch_tokens=topo.microbatch_tokens or microbatch_tokens,
-            memory_tokens=topo.memory_tokens,
-            chunk_size=topo.chunk_size or chunk_size,
-            conv_kernel=conv_kernel,
-            sharing=not topo.no_sharing,
-            windows=not topo.no_windows,
-        )
-    except ValueError as exc:
-        name, _, msg = str(exc).partition(": ")
-        if msg and name.isidentifier():
-            raise ValidationError(f"topology.{name}", msg) from None
-        raise ValidationError("topology", str(exc)) from None
-
-
-def _normalized(cfg: PlanConfig) -> planner_pb2.Topology:
-    """The topology as planned: defaults resolved, so equal requests compare equal."""
-    return planner_pb2.Topology(
-        world_size=cfg.world_size,
-        microbatch_tokens=cfg.microbatch_tokens,
-        memory_tokens=cfg.memory_tokens,
-        chunk_size=cfg.chunk_size,
-        no_sharing=not cfg.sharing,
-        no_windows=not cfg.windows,
-    )
-
 
 def _forest_bytes(forest: Forest) -> int:
     """Approximate memory of a forest: its arrays plus its id strings."""
@@ -212,16 +103,13 @@ class PlannerCore:
         self._unstored: dict[str, tuple[str, planner_pb2.Topology]] = {}
         self._started = False
         self._closing = False
-        self._resume = False
-        self._deleted_since_compact = 0
-        self._wake = threading.Event()
-        self._maintenance: threading.Thread | None = None
         self._fault_logged = 0.0
         self.store = Store(cfg.db_path, synchronous=cfg.synchronous, on_fault=self._storage_changed)
         self._storage_healthy = self.store.fault is None
         self.metrics.storage_ok.set(0 if self.store.fault else 1)
         self.metrics.steps_waiting.set_function(self._count_unplanned)
         self._plan_pool = ThreadPoolExecutor(max_workers=cfg.plan_workers, thread_name_prefix="harts-plan")
+        self._maintenance = Maintenance(self)
 
     # ---- lifecycle and readiness
 
@@ -234,14 +122,11 @@ class PlannerCore:
         log.info("numba code compiled in %.2f s", time.perf_counter() - t0)
         fault = self.store.probe()
         if fault is None:
-            self._resume_pending()
-        else:
-            if time.monotonic() - self._fault_logged > 1.0:  # not just logged by _storage_changed
-                log.warning("storage fault, not ready until it clears: %s", fault)
-            self._resume = True
+            self.resume_pending()
+        elif time.monotonic() - self._fault_logged > 1.0:  # not just logged by _storage_changed
+            log.warning("storage fault, not ready until it clears: %s", fault)
         self._started = True
-        self._maintenance = threading.Thread(target=self._maintain, name="harts-maintenance", daemon=True)
-        self._maintenance.start()
+        self._maintenance.start(resume=fault is not None)
         self._readiness_changed()
 
     @property
@@ -275,9 +160,7 @@ class PlannerCore:
 
     def close(self) -> None:
         self.stop_serving()
-        self._wake.set()
-        if self._maintenance is not None:
-            self._maintenance.join(timeout=10)
+        self._maintenance.stop()
         self._plan_pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
@@ -286,8 +169,7 @@ class PlannerCore:
         if reason is None:
             log.info("storage recovered: %s can be written again; resuming plans", self.store.path)
             self.metrics.storage_ok.set(1)
-            self._resume = True
-            self._wake.set()
+            self._maintenance.wake(resume=True)
         else:
             # one line when the fault starts; a changed reason at most once a minute after that
             now = time.monotonic()
@@ -296,7 +178,7 @@ class PlannerCore:
                 self._fault_logged = now
             if self._storage_healthy:
                 self.metrics.storage_faults.inc()
-                self._wake.set()  # probe every second from now on
+                self._maintenance.wake()  # probe every second from now on
             self.metrics.storage_ok.set(0)
         self._storage_healthy = reason is None
         self._readiness_changed()
@@ -307,30 +189,7 @@ class PlannerCore:
         except StorageError:
             return math.nan
 
-    def _maintain(self) -> None:
-        """Probe the storage, resume plans after a fault, apply retention, compact."""
-        last_probe = time.monotonic()
-        while not self._closing:
-            interval = 1.0 if self.store.fault else self.cfg.storage_probe_seconds
-            self._wake.wait(max(0.0, last_probe + interval - time.monotonic()))
-            self._wake.clear()
-            if self._closing:
-                return
-            try:
-                if self.store.fault or time.monotonic() - last_probe >= interval:
-                    last_probe = time.monotonic()
-                    if self.store.probe() is not None:
-                        continue
-                if self._resume:
-                    self._resume = False
-                    self._resume_pending()
-                self._apply_retention()
-            except StorageError:
-                pass  # the store has the fault; the next round probes again
-            except Exception:
-                log.exception("maintenance round failed")
-
-    def _resume_pending(self) -> None:
+    def resume_pending(self) -> None:
         """Plan again every step whose planning was interrupted or could not be stored."""
         todo: dict[str, planner_pb2.Topology] = {}
         for rec in self.store.pending():
@@ -414,7 +273,7 @@ class PlannerCore:
             expanded_tokens=forest.expanded_tokens,
             submitted_at=time.time(),
             state=SUBMITTED,
-            topology=_normalized(topo_cfg).SerializeToString(deterministic=True) if topo_cfg else None,
+            topology=normalized_topology(topo_cfg).SerializeToString(deterministic=True) if topo_cfg else None,
         )
         old = self.store.insert_step(rec, body)
         duplicate = old is not None
@@ -430,13 +289,13 @@ class PlannerCore:
             self.metrics.ingest_bytes.labels(fmt).inc(len(body))
             self._forests.put(rec.step_id, forest)
             if topo_cfg is not None:
-                self._plan_pool.submit(self._plan_background, rec.step_id, _normalized(topo_cfg))
+                self._plan_pool.submit(self._plan_background, rec.step_id, normalized_topology(topo_cfg))
             self._notify(rec.step_id)
             if self.cfg.retain_steps:
-                self._wake.set()
+                self._maintenance.wake()
         elif topo_cfg is not None and rec.state == SUBMITTED and rec.topology is None:
-            self.store.request_plan(rec.step_id, _normalized(topo_cfg).SerializeToString(deterministic=True))
-            self._plan_pool.submit(self._plan_background, rec.step_id, _normalized(topo_cfg))
+            self.store.request_plan(rec.step_id, normalized_topology(topo_cfg).SerializeToString(deterministic=True))
+            self._plan_pool.submit(self._plan_background, rec.step_id, normalized_topology(topo_cfg))
         return planner_pb2.SubmitRolloutsResponse(status=self._status(rec), duplicate=duplicate)
 
     def _same_content(self, old: StepRecord, digest: str) -> bool:
@@ -486,7 +345,7 @@ class PlannerCore:
                 error and is planned again when the storage recovers.
         """
         cfg = self._config(topology)
-        topo = _normalized(cfg)
+        topo = normalized_topology(cfg)
         want = topo.SerializeToString(deterministic=True)
         with self._step_lock(step_id):
             rec = self.store.get(step_id)
@@ -675,32 +534,10 @@ class PlannerCore:
             self._forests.pop(step_id)
             with self._guard:
                 self._unstored.pop(step_id, None)
-                self._deleted_since_compact += 1
         self.metrics.steps_deleted.labels(cause).inc()
+        self._maintenance.deleted()
         self._notify(step_id)
-        if cause == "request":
-            self._wake.set()  # compaction
         return st
-
-    def _apply_retention(self) -> None:
-        """Delete what the retention policy drops, then compact if anything was deleted."""
-        before = time.time() - self.cfg.max_age_seconds if self.cfg.max_age_seconds else 0.0
-        if self.cfg.retain_steps or before:
-            doomed = self.store.expired(keep=self.cfg.retain_steps, before=before)
-            deleted = 0
-            for step_id in doomed:
-                try:
-                    self.delete(step_id, cause="retention")
-                    deleted += 1
-                except NotFoundError:
-                    pass
-            if deleted:
-                log.info("retention: deleted %d step(s), the oldest %s", deleted, doomed[0])
-        with self._guard:
-            pending, self._deleted_since_compact = self._deleted_since_compact, 0
-        if pending:
-            freed = self.store.compact()
-            log.info("compacted %s after %d deletion(s): %d bytes freed", self.store.path, pending, freed)
 
     # ---- status
 

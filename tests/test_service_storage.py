@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
