@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--retain-steps", type=int, default=0, help="keep only the newest N steps (0: keep all)")
     r.add_argument("--max-age", type=float, default=0.0,
                    help="delete steps submitted more than this many seconds ago (0: no age limit)")
+    r.add_argument("--vacuum", action="store_true",
+                   help="VACUUM the database once before the service is ready (converts a database of an earlier "
+                        "version so that deletions shrink the file; needs free disk space of twice its size)")
     c = p.add_argument_group("connections (each transport)")
     c.add_argument("--max-connections", type=int, default=1000,
                    help="open connections at most; a new one closes the longest-waiting idle or half-sent "
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         forest_cache_bytes=cache,
         retain_steps=args.retain_steps,
         max_age_seconds=args.max_age,
+        vacuum=args.vacuum,
     )
     limits = ConnectionLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, idle_timeout=args.idle_timeout)

@@ -114,12 +114,18 @@ class PlannerCore:
     # ---- lifecycle and readiness
 
     def start(self) -> None:
-        """Compile the Numba code (ingest and planner), check that the database can be written and
-        resume interrupted plans; then start the maintenance thread. Ready once started and healthy."""
+        """Compile the Numba code (ingest and planner), VACUUM if configured, check that the
+        database can be written and resume interrupted plans; then start the maintenance thread.
+        Ready once started and healthy."""
         t0 = time.perf_counter()
         ingest.warmup()
         _planner().warmup()
         log.info("numba code compiled in %.2f s", time.perf_counter() - t0)
+        if self.cfg.vacuum:
+            try:
+                self.store.compact(vacuum=True)
+            except StorageError:
+                pass  # the store is faulted: the probe below reports it
         fault = self.store.probe()
         if fault is None:
             self.resume_pending()

@@ -63,6 +63,9 @@ class ServiceConfig:
     """Delete steps submitted longer ago than this many seconds; 0 keeps them however old."""
     storage_probe_seconds: float = 5.0
     """How often a healthy database is checked for writability (every second during a fault)."""
+    vacuum: bool = False
+    """VACUUM the database once at start, before the service is ready (converts a database of an
+    earlier version to incremental auto-vacuum, so that deletions shrink the file)."""
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:

@@ -18,7 +18,8 @@ told of every change (the reason, or None when healthy again).
 Retention and compaction: `delete` removes a step with its body and slices; `expired` names the
 steps a count or age policy drops; `compact` returns the freed pages to the file system
 (`PRAGMA incremental_vacuum` on databases created with incremental auto-vacuum, which new ones
-are; older ones are converted by one `VACUUM` when the disk has room for the copy it makes).
+are; an older one is converted by one `VACUUM` only on request, `harts serve --vacuum`, since it
+copies the whole file while every other call waits, and only when the disk has room for the copy).
 
 The store is thread-safe: one connection guarded by a lock (SQLite serialises writers anyway, and
 the service caches the hot reads, the sealed slices, in memory).
@@ -148,6 +149,7 @@ class Store:
         self._ident: tuple[int, int] | None = None
         self._inline_bodies = False
         self._gone: str | None = None
+        self._vacuum_hint = False
         self.fault: str | None = None
         """Why the storage is unusable now; None when healthy."""
         try:
@@ -451,16 +453,25 @@ class Store:
                         out.append(step_id)
         return out[:limit]
 
-    def compact(self) -> int:
+    def compact(self, *, vacuum: bool = False) -> int:
         """Give free pages back to the file system and truncate the WAL. Returns the bytes freed.
 
-        Databases created with incremental auto-vacuum shrink in place. An older one is converted
-        by one VACUUM, which writes a copy of the database: it runs only when the disk has room
-        for twice the file; otherwise its free pages are left for SQLite to reuse.
+        Databases created with incremental auto-vacuum (every new one) shrink in place, a few
+        pages at a time. An older database only reuses its free pages, unless `vacuum`: one VACUUM
+        then converts it, writing a copy of the whole file while every other database call waits,
+        so it is never run behind the users' back (`harts serve --vacuum` runs it before the
+        service is ready), and only when the disk has room for twice the file.
         """
         with self._op("compacting", write=True) as db:
             before = self._file_bytes()
-            if db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
+            mode = db.execute("PRAGMA auto_vacuum").fetchone()[0]
+            if mode != 2 and not vacuum:
+                if not self._vacuum_hint:
+                    self._vacuum_hint = True
+                    log.warning("%s predates incremental auto-vacuum: space of deleted steps is reused but the file "
+                                "does not shrink; restart once with `harts serve --vacuum` to convert it", self.path)
+                return 0
+            if mode == 2:
                 # one statement may free a single page (Python's sqlite3 steps it once): repeat
                 db.execute("BEGIN IMMEDIATE")
                 for _ in range(db.execute("PRAGMA freelist_count").fetchone()[0]):
@@ -475,8 +486,11 @@ class Store:
                     log.warning("not compacting %s: VACUUM needs about %d free bytes, the disk has %d",
                                 self.path, need, free)
                     return 0
+                t0 = time.perf_counter()
                 db.execute("PRAGMA auto_vacuum=INCREMENTAL")
                 db.execute("VACUUM")
+                log.info("vacuumed %s in %.1f s (incremental auto-vacuum from now on)", self.path,
+                         time.perf_counter() - t0)
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             return max(0, before - self._file_bytes())
 
