@@ -21,9 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-mb", type=float, default=1024.0, help="largest request body in MiB (413 above; default 1024, ingest's body limit)")
     g = p.add_argument_group("default topology (plan every submission at once)")
     g.add_argument("--world-size", type=int, default=0, help="data-parallel ranks (0: no default topology)")
-    g.add_argument("--microbatch-tokens", type=int, default=4096)
+    g.add_argument("--microbatch-tokens", type=int, default=4096,
+                   help="token budget per microbatch; also what a request's 0 (or none) means (default 4096)")
     g.add_argument("--memory-tokens", type=int, default=0, help="0: 8 x microbatch tokens")
-    g.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C")
+    g.add_argument("--chunk-size", type=int, default=64,
+                   help="linear-attention chunk size C; also what a request's 0 means (default 64)")
     g.add_argument("--conv-kernel", type=int, default=4, help="short-convolution kernel size of the model")
     g.add_argument("--no-windows", action="store_true",
                    help="duplicate prefixes instead of opening sharing windows (for trainers that run independent microbatches)")
@@ -32,10 +34,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait", type=float, default=60.0, help="longest long-poll wait in seconds")
     p.add_argument("--synchronous", default="FULL", choices=["NORMAL", "FULL"],
                    help="SQLite synchronous mode (FULL: durable across power loss)")
+    p.add_argument("--cache-mb", type=float, default=256.0,
+                   help="MiB of sealed plan slices kept in memory, and again of submitted forests (default 256)")
+    r = p.add_argument_group("retention (deleted steps lose their rollouts and plans; the file is compacted)")
+    r.add_argument("--retain-steps", type=int, default=0, help="keep only the newest N steps (0: keep all)")
+    r.add_argument("--max-age", type=float, default=0.0,
+                   help="delete steps submitted more than this many seconds ago (0: no age limit)")
+    r.add_argument("--vacuum", action="store_true",
+                   help="VACUUM the database once before the service is ready (converts a database of an earlier "
+                        "version so that deletions shrink the file; needs free disk space of twice its size)")
+    c = p.add_argument_group("connections (each transport)")
+    c.add_argument("--max-connections", type=int, default=1000,
+                   help="open connections at most; a new one closes the longest-waiting idle or half-sent "
+                        "HTTP connection, or gets 503 when all are busy (default 1000)")
+    c.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds to send a request's headers (gRPC: the connection handshake); 408 after (default 10)")
+    c.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds allowed between two pieces of a request body; 408 after (default 30)")
+    c.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds an idle keep-alive connection stays open (default 30)")
 
 
 def run(args: argparse.Namespace) -> int:
     from planner_service.core import ServiceConfig
+    from planner_service.http_guard import ConnectionLimits
     from planner_service.server import run as run_server
     from proto.harts.v1 import planner_pb2
 
@@ -46,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             memory_tokens=args.memory_tokens, chunk_size=args.chunk_size,
             no_windows=args.no_windows, no_sharing=args.no_sharing,
         )
+    cache = int(args.cache_mb * 1024 * 1024)
     cfg = ServiceConfig(
         db_path=args.db,
         token=args.token,
@@ -53,8 +76,16 @@ def run(args: argparse.Namespace) -> int:
         default_topology=default,
         conv_kernel=args.conv_kernel,
         default_chunk_size=args.chunk_size,
+        default_microbatch_tokens=args.microbatch_tokens,
         plan_workers=args.plan_workers,
         max_wait_seconds=args.max_wait,
         synchronous=args.synchronous,
+        slice_cache_bytes=cache,
+        forest_cache_bytes=cache,
+        retain_steps=args.retain_steps,
+        max_age_seconds=args.max_age,
+        vacuum=args.vacuum,
     )
-    return run_server(cfg, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
+    limits = ConnectionLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
+                              body_timeout=args.body_timeout, idle_timeout=args.idle_timeout)
+    return run_server(cfg, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, limits=limits)

@@ -5,31 +5,40 @@ errors it raises are `planner_service.errors` types that both map through one ta
 
 Flow of a step:
     submit(body)  -> ingest (validates, builds the Forest) -> Store.insert_step (idempotent by
-                     batch_id and body hash) -> if a topology is given or configured, plan in the
-                     background planning pool
+                     batch_id and the batch's content digest) -> if a topology is given or
+                     configured, plan in the background planning pool
     plan(step)    -> PlanConfig from the topology -> planner.plan_step -> seal one slice per rank
                      -> Store.save_plan (one transaction) -> wake long-polling fetches
     fetch(step,r) -> the stored sealed bytes, verbatim (cached in memory once read)
+    delete(step)  -> the step, its body and its slices leave the database and the caches
 
 Blocking work (ingest, SQLite, planning) never runs on the event loop: the async methods hand it to
 worker threads, and concurrent plans of one step are serialised by a per-step lock. Long-polls wait
 on an event that planning sets, not on a sleep loop.
+
+Storage faults (`store.py`): the service is not ready while the database cannot be written, every
+request that needs a write answers StorageError (503) naming the reason, and a plan that could not
+be stored shows its step as failed with that error. The maintenance thread (`maintenance.py`)
+probes the database; when it is writable again, readiness comes back and interrupted or
+failed-to-store plans run again. The same thread applies the retention policy (`retain_steps`,
+`max_age_seconds`) and compacts the database after deletions.
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
+import math
 import threading
 import time
-from collections import OrderedDict
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from google.protobuf.message import DecodeError
 
 from planner_service import ingest
+from planner_service.cache import ByteLRU
+from planner_service.digest import forest_digest
 from planner_service.errors import (
     ConflictError,
     HartsError,
@@ -37,106 +46,38 @@ from planner_service.errors import (
     NotFoundError,
     NotReadyError,
     PlanningError,
+    StorageError,
     ValidationError,
 )
 from planner_service.forest import Forest
+from planner_service.maintenance import Maintenance
 from planner_service.metrics import Metrics
 from planner_service.planner.config import PlanConfig
+from planner_service.service_config import (
+    DEFAULT_MICROBATCH_TOKENS,
+    MAX_WORLD_SIZE,
+    ServiceConfig,
+    normalized_topology,
+    topology_to_config,
+)
 from planner_service.store import FAILED, PLANNED, SUBMITTED, StepRecord, Store
 from proto.harts.v1 import plan_pb2, planner_pb2, rollouts_pb2
 from proto.plan_io import seal, slice_plan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServiceConfig", "PlannerCore", "topology_to_config", "MAX_WORLD_SIZE"]
+__all__ = ["ServiceConfig", "PlannerCore", "topology_to_config", "MAX_WORLD_SIZE", "DEFAULT_MICROBATCH_TOKENS"]
 
-MAX_WORLD_SIZE = 4096
-"""Largest data-parallel world a step is planned for (one sealed slice per rank)."""
-
-
-@dataclass(slots=True, kw_only=True)
-class ServiceConfig:
-    """Settings of one service instance."""
-
-    db_path: str = "harts.db"
-    """SQLite database file (WAL mode); ":memory:" keeps nothing across restarts."""
-    token: str | None = None
-    """Bearer token every non-health request must carry; None disables auth."""
-    max_request_bytes: int = 1 << 30  # ingest's Limits.max_body_bytes
-    """Largest request body (HTTP) or message (gRPC) accepted; larger ones get 413 / RESOURCE_EXHAUSTED."""
-    limits: Any = None
-    """`planner_service.ingest.Limits` for submitted batches; None uses ingest's defaults."""
-    default_topology: planner_pb2.Topology | None = None
-    """Topology a submission is planned for at once when the request names none; None: wait for PlanStep."""
-    conv_kernel: int = 4
-    """Short-convolution kernel size K of the trainers' model (goes into every plan)."""
-    default_chunk_size: int = 64
-    """Chunk size used when a topology says 0."""
-    list_limit: int = 100
-    """ListSteps default and maximum page size."""
-    max_wait_seconds: float = 60.0
-    """Upper bound of a long-poll wait; longer requests are clipped."""
-    plan_workers: int = 1
-    """Threads that plan steps (planning is CPU-bound Numba code)."""
-    cached_steps: int = 64
-    """Planned steps whose sealed slices stay in memory for fast fetches."""
-    cached_forests: int = 4
-    """Submitted forests kept in memory so planning does not re-ingest them."""
-    synchronous: str = "FULL"
-    """SQLite synchronous pragma (FULL: durable across power loss; NORMAL: across process crashes)."""
-
-    def __post_init__(self) -> None:
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes: expected >= 1024, got {self.max_request_bytes}")
-        if self.token is not None and not self.token:
-            raise ValueError("token: expected a non-empty string or None, got ''")
-        if self.list_limit < 1:
-            raise ValueError(f"list_limit: expected >= 1, got {self.list_limit}")
-        if self.max_wait_seconds < 0:
-            raise ValueError(f"max_wait_seconds: expected >= 0, got {self.max_wait_seconds}")
-        if self.plan_workers < 1:
-            raise ValueError(f"plan_workers: expected >= 1, got {self.plan_workers}")
-        if self.default_topology is not None:
-            topology_to_config(self.default_topology, conv_kernel=self.conv_kernel, chunk_size=self.default_chunk_size)
-
-
-def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chunk_size: int = 64) -> PlanConfig:
-    """PlanConfig of a requested topology; ValidationError names the offending `topology.<field>`."""
-    if topo.world_size < 1:
-        raise ValidationError("topology.world_size", f"expected >= 1, got {topo.world_size}")
-    if topo.world_size > MAX_WORLD_SIZE:
-        raise ValidationError("topology.world_size", f"expected <= {MAX_WORLD_SIZE}, got {topo.world_size}")
-    if topo.memory_tokens < 0:
-        raise ValidationError("topology.memory_tokens", f"expected >= 0 (0: default), got {topo.memory_tokens}")
-    if topo.chunk_size < 0:
-        raise ValidationError("topology.chunk_size", f"expected >= 0 (0: default), got {topo.chunk_size}")
-    try:
-        return PlanConfig(
-            world_size=topo.world_size,
-            microbatch_tokens=topo.microbatch_tokens,
-            memory_tokens=topo.memory_tokens,
-            chunk_size=topo.chunk_size or chunk_size,
-            conv_kernel=conv_kernel,
-            sharing=not topo.no_sharing,
-            windows=not topo.no_windows,
-        )
-    except ValueError as exc:
-        name, _, msg = str(exc).partition(": ")
-        if msg and name.isidentifier():
-            raise ValidationError(f"topology.{name}", msg) from None
-        raise ValidationError("topology", str(exc)) from None
-
-
-def _normalized(cfg: PlanConfig) -> planner_pb2.Topology:
-    """The topology as planned: defaults resolved, so equal requests compare equal."""
-    return planner_pb2.Topology(
-        world_size=cfg.world_size,
-        microbatch_tokens=cfg.microbatch_tokens,
-        memory_tokens=cfg.memory_tokens,
-        chunk_size=cfg.chunk_size,
-        no_sharing=not cfg.sharing,
-        no_windows=not cfg.windows,
-    )
+def _forest_bytes(forest: Forest) -> int:
+    """Approximate memory of a forest: its arrays plus its id strings."""
+    total = 0
+    for name in Forest.__slots__:
+        value = getattr(forest, name)
+        if hasattr(value, "nbytes"):
+            total += int(value.nbytes)
+        elif isinstance(value, list):
+            total += sum(56 + len(s) for s in value)
+    return total
 
 
 class PlannerCore:
@@ -150,42 +91,137 @@ class PlannerCore:
     def __init__(self, cfg: ServiceConfig, metrics: Metrics | None = None):
         self.cfg = cfg
         self.metrics = metrics or Metrics()
-        self.store = Store(cfg.db_path, synchronous=cfg.synchronous)
-        self.metrics.steps_waiting.set_function(self.store.count_unplanned)
-        self._plan_pool = ThreadPoolExecutor(max_workers=cfg.plan_workers, thread_name_prefix="harts-plan")
         self._guard = threading.Lock()
-        self._step_locks: dict[str, threading.Lock] = {}
-        self._slices: OrderedDict[str, list[bytes]] = OrderedDict()
-        self._forests: OrderedDict[str, Forest] = OrderedDict()
+        self._step_locks: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        self._slices: ByteLRU[str, list[bytes]] = ByteLRU(
+            cfg.slice_cache_bytes, lambda s: sum(map(len, s)), self.metrics.cache_bytes.labels("slices").set)
+        self._forests: ByteLRU[str, Forest] = ByteLRU(
+            cfg.forest_cache_bytes, _forest_bytes, self.metrics.cache_bytes.labels("forests").set)
         self._listeners: dict[str, set[Callable[[], None]]] = {}
-        self.ready = False
+        self._readiness_listeners: list[Callable[[bool, str], None]] = []
+        # plans whose outcome could not be stored (storage fault): step -> (error, topology)
+        self._unstored: dict[str, tuple[str, planner_pb2.Topology]] = {}
+        self._started = False
+        self._closing = False
+        self._fault_logged = 0.0
+        self.store = Store(cfg.db_path, synchronous=cfg.synchronous, on_fault=self._storage_changed)
+        self._storage_healthy = self.store.fault is None
+        self.metrics.storage_ok.set(0 if self.store.fault else 1)
+        self.metrics.steps_waiting.set_function(self._count_unplanned)
+        self._plan_pool = ThreadPoolExecutor(max_workers=cfg.plan_workers, thread_name_prefix="harts-plan")
+        self._maintenance = Maintenance(self)
 
-    # ---- lifecycle
+    # ---- lifecycle and readiness
 
     def start(self) -> None:
-        """Compile the Numba code (ingest and planner) and resume interrupted plans; sets `ready`."""
+        """Compile the Numba code (ingest and planner), VACUUM if configured, check that the
+        database can be written and resume interrupted plans; then start the maintenance thread.
+        Ready once started and healthy."""
         t0 = time.perf_counter()
         ingest.warmup()
         _planner().warmup()
         log.info("numba code compiled in %.2f s", time.perf_counter() - t0)
-        for rec in self.store.pending():
-            topo = planner_pb2.Topology.FromString(rec.topology)
-            log.info("resuming the interrupted plan of step %s", rec.step_id)
-            self._plan_pool.submit(self._plan_background, rec.step_id, topo)
-        self.ready = True
+        if self.cfg.vacuum:
+            try:
+                self.store.compact(vacuum=True)
+            except StorageError:
+                pass  # the store is faulted: the probe below reports it
+        fault = self.store.probe()
+        if fault is None:
+            self.resume_pending()
+        elif time.monotonic() - self._fault_logged > 1.0:  # not just logged by _storage_changed
+            log.warning("storage fault, not ready until it clears: %s", fault)
+        self._started = True
+        self._maintenance.start(resume=fault is not None)
+        self._readiness_changed()
+
+    @property
+    def ready(self) -> bool:
+        """Started, not stopping, and the database writable."""
+        return self.readiness()[0]
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason): the reason names what keeps the service from being ready ("" when ready)."""
+        if self._closing:
+            return False, "stopping"
+        if not self._started:
+            return False, "starting: compiling the Numba code and resuming interrupted plans"
+        fault = self.store.fault
+        return (False, fault) if fault else (True, "")
+
+    def on_readiness(self, fn: Callable[[bool, str], None]) -> None:
+        """Call `fn(ready, reason)` now and on every change (from any thread; it must not block)."""
+        self._readiness_listeners.append(fn)
+        fn(*self.readiness())
+
+    def _readiness_changed(self) -> None:
+        state = self.readiness()
+        for fn in list(self._readiness_listeners):
+            fn(*state)
+
+    def stop_serving(self) -> None:
+        """Report not ready from now on (the transports drain); `close` releases everything."""
+        self._closing = True
+        self._readiness_changed()
 
     def close(self) -> None:
-        self.ready = False
+        self.stop_serving()
+        self._maintenance.stop()
         self._plan_pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
+    def _storage_changed(self, reason: str | None) -> None:
+        # called by the store with its lock held: only record, log and wake
+        if reason is None:
+            log.info("storage recovered: %s can be written again; resuming plans", self.store.path)
+            self.metrics.storage_ok.set(1)
+            self._maintenance.wake(resume=True)
+        else:
+            # one line when the fault starts; a changed reason at most once a minute after that
+            now = time.monotonic()
+            if self._storage_healthy or now - self._fault_logged > 60:
+                log.warning("storage fault, not ready until it clears: %s", reason)
+                self._fault_logged = now
+            if self._storage_healthy:
+                self.metrics.storage_faults.inc()
+                self._maintenance.wake()  # probe every second from now on
+            self.metrics.storage_ok.set(0)
+        self._storage_healthy = reason is None
+        self._readiness_changed()
+
+    def _count_unplanned(self) -> float:
+        try:
+            return float(self.store.count_unplanned())
+        except StorageError:
+            return math.nan
+
+    def resume_pending(self) -> None:
+        """Plan again every step whose planning was interrupted or could not be stored."""
+        todo: dict[str, planner_pb2.Topology] = {}
+        for rec in self.store.pending():
+            todo[rec.step_id] = planner_pb2.Topology.FromString(rec.topology)
+        with self._guard:
+            for step_id, (_, topo) in self._unstored.items():
+                todo.setdefault(step_id, topo)
+        for step_id, topo in todo.items():
+            log.info("resuming the plan of step %s", step_id)
+            self._plan_pool.submit(self._plan_background, step_id, topo)
+
     # ---- submit
 
-    def submit(self, body: bytes, fmt: str, topology: planner_pb2.Topology | None = None) -> planner_pb2.SubmitRolloutsResponse:
+    def _body_limit(self) -> int:
+        limit = self.cfg.max_request_bytes
+        if self.cfg.limits is not None:
+            limit = min(limit, self.cfg.limits.max_body_bytes)
+        return limit
+
+    def submit(self, body: bytes | bytearray, fmt: str,
+               topology: planner_pb2.Topology | None = None) -> planner_pb2.SubmitRolloutsResponse:
         """Validate and store a step's rollouts; plan them in the background if a topology applies.
 
-        Idempotency compares bodies: a JSON document byte for byte, a protobuf batch by its
-        deterministic serialisation; the same batch_id with another body is a conflict.
+        Idempotency compares content: the same batch_id with the same content (however it was
+        serialised: JSON spelling, key order, or protobuf) is a duplicate; with other content it
+        is a conflict.
 
         Args:
             body: the JSON document (fmt "json") or RolloutBatch bytes (fmt "proto").
@@ -193,91 +229,112 @@ class PlannerCore:
 
         Raises:
             ValidationError / LimitError: the batch is invalid or too large (nothing is stored).
-            ConflictError: the batch_id is stored with a different body.
+            ConflictError: the batch_id is stored with other content.
+            StorageError: the database cannot be written (nothing is stored).
         """
-        if len(body) > self.cfg.max_request_bytes:
-            raise _too_large(len(body), self.cfg.max_request_bytes)
+        limit = self._body_limit()
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
         if fmt == "json":
             forest = ingest.forest_from_json(body, self.cfg.limits)
-            stored = body
         elif fmt == "proto":
             batch = rollouts_pb2.RolloutBatch()
             try:
-                batch.ParseFromString(body)
+                batch.ParseFromString(body)  # bytes or bytearray, without a copy
             except DecodeError:
                 raise ValidationError("body", "expected a serialised harts.v1.RolloutBatch, got bytes that do not parse") from None
-            return self.submit_message(batch, topology, nbytes=len(body))
+            forest = ingest.forest_from_proto(batch, self.cfg.limits)
+            del batch
         else:
             raise ValueError(f"fmt: expected 'json' or 'proto', got {fmt!r}")
-        return self._store_forest(forest, fmt, stored, topology)
+        return self._store_forest(forest, fmt, body, topology)
 
-    def submit_message(
-        self, batch: rollouts_pb2.RolloutBatch, topology: planner_pb2.Topology | None = None, *, nbytes: int | None = None
-    ) -> planner_pb2.SubmitRolloutsResponse:
-        """`submit` for an already parsed RolloutBatch (gRPC); stores its deterministic serialisation."""
-        canonical = batch.SerializeToString(deterministic=True)
-        if len(canonical) > self.cfg.max_request_bytes:
-            raise _too_large(len(canonical), self.cfg.max_request_bytes)
+    def submit_message(self, batch: rollouts_pb2.RolloutBatch,
+                       topology: planner_pb2.Topology | None = None) -> planner_pb2.SubmitRolloutsResponse:
+        """`submit` for an already parsed RolloutBatch (gRPC); stores its serialisation."""
+        size = batch.ByteSize()
+        limit = self._body_limit()
+        if size > limit:
+            raise _too_large(size, limit)
         forest = ingest.forest_from_proto(batch, self.cfg.limits)
-        return self._store_forest(forest, "proto", canonical, topology, nbytes=nbytes)
+        return self._store_forest(forest, "proto", batch.SerializeToString(), topology)
 
-    def _store_forest(
-        self, forest: Forest, fmt: str, body: bytes, topology: planner_pb2.Topology | None, *, nbytes: int | None = None
-    ) -> planner_pb2.SubmitRolloutsResponse:
+    def _store_forest(self, forest: Forest, fmt: str, body: bytes | bytearray,
+                      topology: planner_pb2.Topology | None) -> planner_pb2.SubmitRolloutsResponse:
+        if "/" in forest.batch_id:
+            raise ValidationError("batch_id", f"expected no '/' (a step id is one URL path segment), got {forest.batch_id!r}")
         if topology is not None and topology.ByteSize() == 0:
             topology = None
         topology = topology if topology is not None else self.cfg.default_topology
         topo_cfg = None
         if topology is not None:
             topo_cfg = self._config(topology)
-        digest = hashlib.sha256(body).hexdigest()
+        digest = forest_digest(forest)
         rec = StepRecord(
             step_id=forest.batch_id,
-            body_sha256=f"{fmt}:{digest}",
+            body_sha256=digest,
             body_format=fmt,
             trajectories=forest.num_trajectories,
             unique_tokens=forest.unique_tokens,
             expanded_tokens=forest.expanded_tokens,
             submitted_at=time.time(),
             state=SUBMITTED,
-            topology=_normalized(topo_cfg).SerializeToString(deterministic=True) if topo_cfg else None,
+            topology=normalized_topology(topo_cfg).SerializeToString(deterministic=True) if topo_cfg else None,
         )
-        rec, duplicate = self.store.insert_step(rec, body)
+        old = self.store.insert_step(rec, body)
+        duplicate = old is not None
+        if duplicate:
+            if not self._same_content(old, digest):
+                raise ConflictError(
+                    f"batch_id: {rec.step_id!r} is already stored with other content; "
+                    "use a new batch_id for new rollouts"
+                )
+            rec = old
         self.metrics.submissions.labels("duplicate" if duplicate else "new").inc()
         if not duplicate:
-            self.metrics.ingest_bytes.labels(fmt).inc(nbytes if nbytes is not None else len(body))
-            with self._guard:
-                self._forests[rec.step_id] = forest
-                while len(self._forests) > self.cfg.cached_forests:
-                    self._forests.popitem(last=False)
+            self.metrics.ingest_bytes.labels(fmt).inc(len(body))
+            self._forests.put(rec.step_id, forest)
             if topo_cfg is not None:
-                self._plan_pool.submit(self._plan_background, rec.step_id, _normalized(topo_cfg))
+                self._plan_pool.submit(self._plan_background, rec.step_id, normalized_topology(topo_cfg))
             self._notify(rec.step_id)
+            if self.cfg.retain_steps:
+                self._maintenance.wake()
         elif topo_cfg is not None and rec.state == SUBMITTED and rec.topology is None:
-            self.store.request_plan(rec.step_id, _normalized(topo_cfg).SerializeToString(deterministic=True))
-            self._plan_pool.submit(self._plan_background, rec.step_id, _normalized(topo_cfg))
+            self.store.request_plan(rec.step_id, normalized_topology(topo_cfg).SerializeToString(deterministic=True))
+            self._plan_pool.submit(self._plan_background, rec.step_id, normalized_topology(topo_cfg))
         return planner_pb2.SubmitRolloutsResponse(status=self._status(rec), duplicate=duplicate)
+
+    def _same_content(self, old: StepRecord, digest: str) -> bool:
+        if old.body_sha256 == digest:
+            return True
+        if old.body_sha256.startswith(("json:", "proto:")):
+            # a row of an earlier version keyed by its body bytes: digest what it stored
+            return forest_digest(self._forest(old.step_id)) == digest
+        return False
 
     # ---- plan
 
     def _config(self, topology: planner_pb2.Topology) -> PlanConfig:
-        return topology_to_config(topology, conv_kernel=self.cfg.conv_kernel, chunk_size=self.cfg.default_chunk_size)
+        return topology_to_config(topology, conv_kernel=self.cfg.conv_kernel, chunk_size=self.cfg.default_chunk_size,
+                                  microbatch_tokens=self.cfg.default_microbatch_tokens)
 
     def _step_lock(self, step_id: str) -> threading.Lock:
         with self._guard:
-            return self._step_locks.setdefault(step_id, threading.Lock())
+            lock = self._step_locks.get(step_id)
+            if lock is None:
+                lock = self._step_locks[step_id] = threading.Lock()
+            return lock
 
     def _forest(self, step_id: str) -> Forest:
-        with self._guard:
-            forest = self._forests.get(step_id)
+        forest = self._forests.get(step_id)
         if forest is not None:
             return forest
         fmt, body = self.store.body(step_id)
-        forest = ingest.forest_from_json(body) if fmt == "json" else ingest.forest_from_proto(body)
-        with self._guard:
-            self._forests[step_id] = forest
-            while len(self._forests) > self.cfg.cached_forests:
-                self._forests.popitem(last=False)
+        if fmt == "json":
+            forest = ingest.forest_from_json(body, self.cfg.limits)
+        else:
+            forest = ingest.forest_from_proto(body, self.cfg.limits)
+        self._forests.put(step_id, forest)
         return forest
 
     def plan(self, step_id: str, topology: planner_pb2.Topology) -> planner_pb2.StepStatus:
@@ -290,9 +347,12 @@ class PlannerCore:
         Raises:
             NotFoundError: unknown step. ValidationError: bad topology.
             ConflictError: planned for another topology. PlanningError: the planner cannot satisfy it.
+            StorageError: the outcome could not be stored; the step shows as failed with this
+                error and is planned again when the storage recovers.
         """
         cfg = self._config(topology)
-        want = _normalized(cfg).SerializeToString(deterministic=True)
+        topo = normalized_topology(cfg)
+        want = topo.SerializeToString(deterministic=True)
         with self._step_lock(step_id):
             rec = self.store.get(step_id)
             if rec.state == PLANNED:
@@ -302,37 +362,54 @@ class PlannerCore:
                     f"topology: step {step_id!r} is already planned for another topology; submit the "
                     "rollouts under a new batch_id to plan them differently"
                 )
-            self.store.request_plan(step_id, want)
-            forest = self._forest(step_id)
-            t0 = time.perf_counter()
             try:
-                plan = _planner().plan_step(forest, cfg)
-            except (PlanningError, ValueError) as exc:
-                msg = exc.message if isinstance(exc, HartsError) else str(exc)
-                self.store.save_failure(step_id, topology=want, error=msg)
-                self.metrics.plans.labels("failed").inc()
+                rec = self._plan_locked(step_id, cfg, want)
+            except StorageError as exc:
+                msg = f"{exc.message}; the step is planned again when the storage recovers"
+                with self._guard:
+                    self._unstored[step_id] = (msg, topo)
                 self._notify(step_id)
-                raise PlanningError(msg) from None
-            except Exception:
-                log.exception("planning step %s failed", step_id)
-                self.store.save_failure(step_id, topology=want, error="internal error while planning")
-                self.metrics.plans.labels("failed").inc()
-                self._notify(step_id)
-                raise
-            seconds = time.perf_counter() - t0
-            slices = self._seal_all(plan, cfg.world_size)
-            self.store.save_plan(step_id, topology=want, stats=plan.header.stats.SerializeToString(deterministic=True), slices=slices)
-            self._cache_slices(step_id, slices)
-            st = plan.header.stats
-            self.metrics.plans.labels("planned").inc()
-            self.metrics.plan_seconds.observe(seconds)
-            self.metrics.compression_ideal.observe(st.compression_ideal)
-            self.metrics.compression_achieved.observe(st.compression_achieved)
-            log.info("planned step %s: %d microbatches, compression %.2fx achieved / %.2fx ideal, %.3f s",
-                     step_id, st.microbatches, st.compression_achieved, st.compression_ideal, seconds)
-            rec = self.store.get(step_id)
+                raise StorageError(msg) from None
+            with self._guard:
+                self._unstored.pop(step_id, None)
         self._notify(step_id)
         return self._status(rec)
+
+    def _plan_locked(self, step_id: str, cfg: PlanConfig, want: bytes) -> StepRecord:
+        self.store.request_plan(step_id, want)
+        forest = self._forest(step_id)
+        t0 = time.perf_counter()
+        try:
+            plan = _planner().plan_step(forest, cfg)
+        except (PlanningError, ValueError) as exc:
+            msg = exc.message if isinstance(exc, HartsError) else str(exc)
+            self.metrics.plans.labels("failed").inc()
+            self.store.save_failure(step_id, topology=want, error=msg)
+            with self._guard:
+                self._unstored.pop(step_id, None)
+            self._notify(step_id)
+            raise PlanningError(msg) from None
+        except Exception:
+            log.exception("planning step %s failed", step_id)
+            self.metrics.plans.labels("failed").inc()
+            self.store.save_failure(step_id, topology=want, error="internal error while planning")
+            with self._guard:
+                self._unstored.pop(step_id, None)
+            self._notify(step_id)
+            raise
+        seconds = time.perf_counter() - t0
+        slices = self._seal_all(plan, cfg.world_size)
+        self.store.save_plan(step_id, topology=want, stats=plan.header.stats.SerializeToString(deterministic=True),
+                             slices=slices)
+        self._slices.put(step_id, slices)
+        st = plan.header.stats
+        self.metrics.plans.labels("planned").inc()
+        self.metrics.plan_seconds.observe(seconds)
+        self.metrics.compression_ideal.observe(st.compression_ideal)
+        self.metrics.compression_achieved.observe(st.compression_achieved)
+        log.info("planned step %s: %d microbatches, compression %.2fx achieved / %.2fx ideal, %.3f s",
+                 step_id, st.microbatches, st.compression_achieved, st.compression_ideal, seconds)
+        return self.store.get(step_id)
 
     @staticmethod
     def _seal_all(plan: plan_pb2.Plan, world_size: int) -> list[bytes]:
@@ -343,40 +420,34 @@ class PlannerCore:
     def _plan_background(self, step_id: str, topology: planner_pb2.Topology) -> None:
         try:
             self.plan(step_id, topology)
+        except NotFoundError:
+            log.info("step %s was deleted before it was planned", step_id)
         except HartsError as exc:
             log.warning("step %s not planned: %s", step_id, exc.message)
-        except Exception:  # already logged with its traceback by plan()
+        except Exception:  # logged with its traceback by plan()
             pass
 
     # ---- fetch
-
-    def _cache_slices(self, step_id: str, slices: list[bytes]) -> None:
-        with self._guard:
-            self._slices[step_id] = slices
-            self._slices.move_to_end(step_id)
-            while len(self._slices) > self.cfg.cached_steps:
-                self._slices.popitem(last=False)
-
-    def _cached(self, step_id: str, rank: int) -> bytes | None:
-        with self._guard:
-            slices = self._slices.get(step_id)
-        if slices is not None and 0 <= rank < len(slices):
-            return slices[rank]
-        return None
 
     def fetch(self, step_id: str, rank: int) -> bytes:
         """Sealed slice bytes of one rank (identical on every call).
 
         Raises:
             NotFoundError: unknown step or rank outside the topology. NotReadyError: not planned yet.
-            PlanningError: planning failed (the status says why).
+            PlanningError: planning failed (the status says why). StorageError: the plan could
+            not be stored or read (retry; it is planned again when the storage recovers).
         """
         if rank < 0:
             raise ValidationError("rank", f"expected >= 0, got {rank}")
-        hit = self._cached(step_id, rank)
-        if hit is not None:
-            return hit
+        slices = self._slices.get(step_id)
+        if slices is not None and rank < len(slices):
+            return slices[rank]
         rec = self.store.get(step_id)
+        if rec.state != PLANNED:
+            with self._guard:
+                unstored = self._unstored.get(step_id)
+            if unstored is not None:
+                raise StorageError(unstored[0])
         if rec.state == FAILED:
             raise PlanningError(f"step {step_id!r} could not be planned: {rec.error}")
         if rec.state != PLANNED:
@@ -385,17 +456,21 @@ class PlannerCore:
             raise NotFoundError(f"rank: expected 0 <= rank < {rec.world_size} (the step's world_size), got {rank}")
         slices = [self.store.slice(step_id, r) for r in range(rec.world_size)]
         if any(s is None for s in slices):
-            raise AssertionError(f"step {step_id} is PLANNED but misses slices")
-        self._cache_slices(step_id, slices)
+            raise NotFoundError(f"step_id: no step {step_id!r} (deleted while it was read)")
+        self._slices.put(step_id, slices)
         return slices[rank]
 
     async def fetch_async(self, step_id: str, rank: int, wait: float = 0.0) -> bytes:
         """`fetch` with long-poll: wait up to `wait` seconds (clipped to max_wait_seconds) for the
-        step to be submitted and planned. Raises fetch's errors when the wait runs out."""
-        hit = self._cached(step_id, rank)
-        if hit is not None:
-            return hit
-        wait = min(max(float(wait), 0.0), self.cfg.max_wait_seconds)
+        step to be submitted and planned (or the storage to recover). Raises fetch's errors when
+        the wait runs out, ValidationError for a wait that is negative or not a number."""
+        wait = float(wait)
+        if not (wait >= 0 and math.isfinite(wait)):
+            raise ValidationError("wait_seconds", f"expected a finite number of seconds >= 0, got {wait!r}")
+        slices = self._slices.get(step_id)
+        if slices is not None and 0 <= rank < len(slices):
+            return slices[rank]
+        wait = min(wait, self.cfg.max_wait_seconds)
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
 
@@ -409,7 +484,7 @@ class PlannerCore:
                 event.clear()
                 try:
                     return await asyncio.to_thread(self.fetch, step_id, rank)
-                except (NotReadyError, NotFoundError) as exc:
+                except (NotReadyError, NotFoundError, StorageError) as exc:
                     if isinstance(exc, NotFoundError) and exc.message.startswith("rank:"):
                         raise
                     remaining = deadline - loop.time()
@@ -417,7 +492,9 @@ class PlannerCore:
                         raise
                 self.metrics.fetch_waiters.inc()
                 try:
-                    await asyncio.wait_for(event.wait(), remaining)
+                    # a storage fault is not announced when it clears: look again every second
+                    timeout = min(remaining, 1.0) if self.store.fault else remaining
+                    await asyncio.wait_for(event.wait(), timeout)
                 except TimeoutError:
                     pass
                 finally:
@@ -443,6 +520,31 @@ class PlannerCore:
         for fn in fns:
             fn()
 
+    # ---- delete and retention
+
+    def delete(self, step_id: str, *, cause: str = "request") -> planner_pb2.StepStatus:
+        """Delete a step, its body and its plan (a plan in progress finishes first).
+
+        Its batch_id can be submitted again afterwards (as a new step).
+
+        Returns:
+            the step's status as it was before the deletion.
+        Raises:
+            NotFoundError: unknown step. StorageError: the database cannot be written.
+        """
+        with self._step_lock(step_id):
+            st = self._status(self.store.get(step_id))
+            if not self.store.delete(step_id):
+                raise NotFoundError(f"step_id: no step {step_id!r}")
+            self._slices.pop(step_id)
+            self._forests.pop(step_id)
+            with self._guard:
+                self._unstored.pop(step_id, None)
+        self.metrics.steps_deleted.labels(cause).inc()
+        self._maintenance.deleted()
+        self._notify(step_id)
+        return st
+
     # ---- status
 
     def _status(self, rec: StepRecord) -> planner_pb2.StepStatus:
@@ -460,6 +562,13 @@ class PlannerCore:
             st.stats.ParseFromString(rec.stats)
         if rec.topology:
             st.topology.ParseFromString(rec.topology)
+        if rec.state != PLANNED:
+            with self._guard:
+                unstored = self._unstored.get(rec.step_id)
+            if unstored is not None:
+                st.state = FAILED
+                st.error = unstored[0]
+                st.topology.CopyFrom(unstored[1])
         return st
 
     def status(self, step_id: str) -> planner_pb2.StepStatus:
@@ -488,6 +597,9 @@ class PlannerCore:
 
     async def list_steps_async(self, limit: int = 0) -> list[planner_pb2.StepStatus]:
         return await asyncio.to_thread(self.list_steps, limit)
+
+    async def delete_async(self, step_id: str) -> planner_pb2.StepStatus:
+        return await asyncio.to_thread(self.delete, step_id)
 
 
 def _too_large(size: int, limit: int) -> LimitError:

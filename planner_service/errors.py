@@ -51,6 +51,14 @@ class AuthError(HartsError):
     """Missing or wrong bearer token."""
 
 
+class StorageError(HartsError):
+    """The database cannot be read or written (disk full, read-only or deleted file, I/O error).
+
+    Transient from the client's point of view: nothing was stored, readiness is off, and the
+    service retries by itself; the message names the database and SQLite's reason.
+    """
+
+
 #: error type -> (HTTP status, gRPC status code name). Most specific first.
 STATUS: list[tuple[type[HartsError], int, str]] = [
     (ValidationError, 422, "INVALID_ARGUMENT"),
@@ -60,12 +68,16 @@ STATUS: list[tuple[type[HartsError], int, str]] = [
     (NotFoundError, 404, "NOT_FOUND"),
     (NotReadyError, 404, "DEADLINE_EXCEEDED"),
     (AuthError, 401, "UNAUTHENTICATED"),
+    (StorageError, 503, "UNAVAILABLE"),
     (HartsError, 500, "INTERNAL"),
 ]
 
 
 #: HTTP status and gRPC code of any other exception: its text never reaches the client.
 INTERNAL = (500, "INTERNAL")
+
+#: Seconds a client should wait before retrying a 503 (sent as `Retry-After`).
+RETRY_AFTER_SECONDS = 1
 
 
 def status_of(err: HartsError) -> tuple[int, str]:

@@ -4,10 +4,17 @@ The standard grpc.health.v1 service and server reflection are registered beside 
 a token; every harts.v1.Planner RPC needs metadata `authorization: Bearer <token>` when a token is
 configured. Errors map through `planner_service.errors.STATUS`; the first offending field of an
 INVALID_ARGUMENT is also sent as trailing metadata `harts-field`. FetchPlan sends the stored sealed
-slice bytes verbatim (a pass-through serializer), so both transports serve identical bytes.
+slice bytes verbatim (a pass-through serializer), so both transports serve identical bytes. A call
+the client cancels (or whose deadline passes) is counted with code CANCELLED, not OK.
+
+DeleteStep (`/harts.v1.Planner/DeleteStep`) is served beside the RPCs of `proto/harts/v1/planner.proto`
+until the contract declares it: its request is wire-compatible with a `DeleteStepRequest
+{string step_id = 1;}` (a GetStatusRequest serialises the same), its response the deleted step's
+StepStatus, as HTTP `DELETE /v1/steps/{step_id}` answers.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 
@@ -60,6 +67,9 @@ class _Planner:
                 await context.abort(getattr(grpc.StatusCode, code), exc.message)
             except grpc.aio.AbortError:
                 raise
+            except asyncio.CancelledError:
+                box["code"] = "CANCELLED"
+                raise
             except Exception:
                 log.exception("gRPC %s failed", operation)
                 box["code"] = INTERNAL[1]
@@ -92,6 +102,12 @@ class _Planner:
             return await self.core.status_async(_parse(planner_pb2.GetStatusRequest, raw).step_id)
 
         return await self._run("GetStatus", context, call)
+
+    async def delete_step(self, raw: bytes, context):
+        async def call():
+            return await self.core.delete_async(_parse(planner_pb2.GetStatusRequest, raw).step_id)
+
+        return await self._run("DeleteStep", context, call)
 
     async def list_steps(self, raw: bytes, context):
         async def call():
@@ -132,6 +148,7 @@ def add_to_server(server: grpc.aio.Server, core: PlannerCore) -> health_aio.Heal
         "FetchPlan": unary(svc.fetch_plan, _verbatim),
         "GetStatus": unary(svc.get_status, planner_pb2.StepStatus.SerializeToString),
         "ListSteps": unary(svc.list_steps, planner_pb2.ListStepsResponse.SerializeToString),
+        "DeleteStep": unary(svc.delete_step, planner_pb2.StepStatus.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health = health_aio.HealthServicer()

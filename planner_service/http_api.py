@@ -10,14 +10,18 @@ Routes (all under /v1 need `Authorization: Bearer <token>` when a token is confi
     GET  /v1/steps/{step_id}/ranks/{rank}/plan   one rank's sealed PlanSlice (protobuf bytes,
                                                  `X-Harts-Checksum` header), long-poll with ?wait=S
     GET  /v1/steps/{step_id}                     step status
+    DELETE /v1/steps/{step_id}                   delete a step with its rollouts and plan
     GET  /v1/steps                               steps, newest first
     GET  /healthz, /readyz, /metrics
+    GET  /docs, /redoc                           Swagger UI / ReDoc from local assets (`api_docs.py`)
 
 Every error body is `{"error": {"code", "message", "field"}}`; the status code comes from
-`planner_service.errors.STATUS`. No exception text other than a HartsError's message reaches a client.
+`planner_service.errors.STATUS` (503s carry `Retry-After`). No exception text other than a
+HartsError's message reaches a client, and a client that disconnects is not an error.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -29,9 +33,20 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from planner_service.api_docs import ROLLOUT_EXAMPLES, TOPOLOGY_EXAMPLES, add_docs
 from planner_service.core import MAX_WORLD_SIZE, PlannerCore
-from planner_service.errors import INTERNAL, AuthError, HartsError, LimitError, ValidationError, status_of
+from planner_service.errors import (
+    INTERNAL,
+    RETRY_AFTER_SECONDS,
+    AuthError,
+    HartsError,
+    LimitError,
+    StorageError,
+    ValidationError,
+    status_of,
+)
 from planner_service.metrics import CONTENT_TYPE_LATEST
 from proto.harts.v1 import plan_pb2, planner_pb2
 
@@ -60,9 +75,12 @@ class ErrorBody(BaseModel):
 class Topology(BaseModel):
     """Trainer topology and budgets a step is planned for."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)  # "2" or true is not a world size
+    # strict: "2", 2.0 or true are not a world size (a typo in a generator, not a number to coerce)
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"examples": [e["value"] for e in TOPOLOGY_EXAMPLES.values()]})
     world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="Number of data-parallel trainer ranks")
-    microbatch_tokens: int = Field(4096, ge=1, le=_INT32, description="Token budget per microbatch")
+    microbatch_tokens: int = Field(0, ge=0, le=_INT32, description="Token budget per microbatch; 0: the service "
+                                   "default (`harts serve --microbatch-tokens`, 4096 unless set), as over gRPC")
     memory_tokens: int = Field(0, ge=0, le=_INT64, description="Live-activation budget per rank; 0: 8 x microbatch_tokens")
     chunk_size: int = Field(0, ge=0, le=_INT32, description="Linear-attention chunk size (power of two); 0: service default")
     no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
@@ -104,7 +122,8 @@ class StepStatus(BaseModel):
 
 class SubmitResponse(BaseModel):
     status: StepStatus
-    duplicate: bool = Field(description="True when the batch_id was already stored with the same body")
+    duplicate: bool = Field(description="True when the batch_id was already stored with the same content "
+                            "(however it was serialised)")
 
 
 class StepList(BaseModel):
@@ -112,7 +131,8 @@ class StepList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "starting"]
+    status: Literal["ok", "starting", "unavailable", "stopping"]
+    reason: str | None = Field(None, description="Why the service is not ready (e.g. the storage fault)")
 
 
 # The rollout document (docs/rollouts.md). Documentation only: the body is validated by
@@ -155,7 +175,8 @@ class TreeDoc(BaseModel):
 class RolloutBatchDoc(BaseModel):
     """One training step's rollouts (docs/rollouts.md); flat and explicit-tree forms may be mixed."""
 
-    batch_id: str = Field(min_length=1, description="Idempotency key of the step")
+    batch_id: str = Field(min_length=1, pattern="^[^/]+$", description="Idempotency key of the step (no '/': "
+                          "it is a URL path segment); the same content under the same id is a duplicate")
     vocab_size: int = Field(ge=1, le=_INT32)
     trajectories: list[TrajectoryDoc] = []
     trees: list[TreeDoc] = []
@@ -212,9 +233,14 @@ _ERRORS = {
     400: {"model": ErrorBody, "description": "Planning impossible for these settings (FAILED_PRECONDITION)"},
     401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
     404: {"model": ErrorBody, "description": "Unknown step or rank, or plan not ready after the wait"},
-    409: {"model": ErrorBody, "description": "batch_id stored with another body, or step planned for another topology"},
+    409: {"model": ErrorBody, "description": "batch_id stored with other content, or step planned for another topology"},
+    408: {"model": ErrorBody, "description": "Request headers or body not received in time (`harts serve "
+          "--header-timeout / --body-timeout`); the connection is closed"},
     413: {"model": ErrorBody, "description": "Request or batch over a configured limit"},
     422: {"model": ErrorBody, "description": "Invalid input; `field` names the first offending field"},
+    503: {"model": ErrorBody, "description": "The database cannot be written (the message says why; nothing was "
+          "stored) or the server is at its connection limit; retry after `Retry-After` seconds",
+          "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}},
 }
 
 
@@ -222,18 +248,46 @@ def _responses(*codes: int) -> dict:
     return {c: _ERRORS[c] for c in codes}
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) as soon as it exceeds `limit` bytes."""
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The request body in one buffer, refusing (413) a declared Content-Length over `limit` before
+    reading anything, and a streamed body as soon as it passes `limit`."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise LimitError(f"request: expected at most {limit} bytes, got {int(declared)} (Content-Length)")
-    parts, size = [], 0
+    size = int(declared) if declared is not None and declared.isdigit() else None
+    if size is not None and size > limit:
+        raise LimitError(f"request: expected at most {limit} bytes, got {size} (Content-Length)")
+    body = bytearray(size or 0)  # one allocation of the declared size: no list of chunks, no join
+    n = 0
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        end = n + len(chunk)
+        if end > limit:
             raise LimitError(f"request: expected at most {limit} bytes, got more")
-        parts.append(chunk)
-    return b"".join(parts)
+        if end <= len(body):
+            body[n:end] = chunk
+        else:
+            del body[n:]
+            body += chunk
+        n = end
+    del body[n:]
+    return body
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it (ClientDisconnect) when the client goes away first (long-polls)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientDisconnect()
 
 
 class _Measure:
@@ -273,7 +327,10 @@ def create_app(core: PlannerCore) -> FastAPI:
             "Ingests rollout trees, plans prefix-sharing microbatches and serves each trainer rank its "
             "sealed plan slice. The gRPC service harts.v1.Planner offers the same operations."
         ),
+        docs_url=None,
+        redoc_url=None,
     )
+    add_docs(app)
     app.state.core = core
     bearer = HTTPBearer(auto_error=False, description="Bearer token configured with `harts serve --token`")
     token = core.cfg.token
@@ -291,10 +348,20 @@ def create_app(core: PlannerCore) -> FastAPI:
     @app.exception_handler(HartsError)
     async def _harts_error(request: Request, exc: HartsError):
         status, code = status_of(exc)
-        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthError) else None
-        if status >= 500:
+        headers = None
+        if isinstance(exc, AuthError):
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif status == 503:
+            headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        if status >= 500 and not isinstance(exc, StorageError):  # the core logs a storage fault once
             log.error("%s %s: %s", request.method, request.url.path, exc.message)
         return _error_response(status, code, exc.message, getattr(exc, "field", None) or None, headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):
+        # nobody is left to answer: the response is dropped; 499 (client closed) is what metrics see
+        log.debug("%s %s: the client disconnected", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _request_invalid(request: Request, exc: RequestValidationError):
@@ -317,18 +384,22 @@ def create_app(core: PlannerCore) -> FastAPI:
 
     # ---- health and metrics
 
-    @app.get("/healthz", response_model=Health, tags=["health"], name="healthz")
+    @app.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["health"], name="healthz")
     async def healthz() -> Health:
         """Liveness: the process answers."""
         return Health(status="ok")
 
-    @app.get("/readyz", response_model=Health, tags=["health"], name="readyz",
-             responses={503: {"model": Health, "description": "Still compiling or recovering"}})
+    @app.get("/readyz", response_model=Health, response_model_exclude_none=True, tags=["health"], name="readyz",
+             responses={503: {"model": Health, "description": "Starting, stopping, or the database cannot be "
+                              "written (`reason` says why)"}})
     async def readyz():
-        """Readiness: Numba code compiled and interrupted plans resumed."""
-        if core.ready:
+        """Readiness: Numba code compiled, interrupted plans resumed, and the database writable."""
+        ready, reason = core.readiness()
+        if ready:
             return Health(status="ok")
-        return JSONResponse({"status": "starting"}, status_code=503)
+        status = "starting" if reason.startswith("starting") else "stopping" if reason == "stopping" else "unavailable"
+        return JSONResponse(Health(status=status, reason=reason).model_dump(exclude_none=True), status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
     @app.get("/metrics", tags=["health"], name="metrics", dependencies=auth, response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
@@ -348,14 +419,15 @@ def create_app(core: PlannerCore) -> FastAPI:
         tags=["steps"],
         name="submit_rollouts",
         dependencies=auth,
-        responses=_responses(400, 401, 409, 413, 422),
+        responses=_responses(400, 401, 408, 409, 413, 422, 503),
         openapi_extra={
             "requestBody": {
                 "required": True,
                 "description": "The rollout document (docs/rollouts.md) as JSON, or a serialised "
                 "harts.v1.RolloutBatch with Content-Type: application/x-protobuf.",
                 "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/RolloutBatchDoc"}},
+                    "application/json": {"schema": {"$ref": "#/components/schemas/RolloutBatchDoc"},
+                                         "examples": ROLLOUT_EXAMPLES},
                     PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
                 },
             }
@@ -364,16 +436,17 @@ def create_app(core: PlannerCore) -> FastAPI:
     async def submit_rollouts(
         request: Request,
         world_size: int | None = Query(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks"),
-        microbatch_tokens: int = Query(4096, ge=1, le=_INT32),
+        microbatch_tokens: int = Query(0, ge=0, le=_INT32, description="0: the service default"),
         memory_tokens: int = Query(0, ge=0, le=_INT64),
         chunk_size: int = Query(0, ge=0, le=_INT32),
         no_sharing: bool = Query(False),
         no_windows: bool = Query(False),
     ) -> SubmitResponse:
-        """Store a step's rollouts: validated whole, idempotent by batch_id.
+        """Store a step's rollouts: validated whole, idempotent by batch_id and content.
 
-        With `world_size` (or a service default topology) the step is planned at once, in the
-        background; trainers long-poll their slice.
+        The same batch_id with the same content (in any JSON spelling, or as protobuf) is a
+        duplicate; with other content, a conflict (409). With `world_size` (or a service default
+        topology) the step is planned at once, in the background; trainers long-poll their slice.
         """
         ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if ctype in _PROTO_TYPES:
@@ -407,7 +480,8 @@ def create_app(core: PlannerCore) -> FastAPI:
     app.openapi = openapi
 
     @app.post("/v1/steps/{step_id}/plan", response_model=StepStatus, tags=["steps"], name="plan_step",
-              dependencies=auth, responses=_responses(400, 401, 404, 409, 422))
+              dependencies=auth, responses=_responses(400, 401, 404, 409, 422, 503),
+              openapi_extra={"requestBody": {"content": {"application/json": {"examples": TOPOLOGY_EXAMPLES}}}})
     async def plan_step(topology: Topology, step_id: str = Path(min_length=1)) -> StepStatus:
         """Plan (or, after a failure, re-plan) a stored step; idempotent for the same topology."""
         return status_model(await core.plan_async(step_id, topology.to_proto()))
@@ -425,26 +499,38 @@ def create_app(core: PlannerCore) -> FastAPI:
                 "X-Harts-Checksum header repeats its checksum",
                 "headers": {"X-Harts-Checksum": {"schema": {"type": "string"}, "description": "hex SHA-256"}},
             },
-            **_responses(400, 401, 404, 422),
+            **_responses(400, 401, 404, 422, 503),
         },
     )
     async def fetch_plan(
+        request: Request,
         step_id: str = Path(min_length=1),
         rank: int = Path(ge=0, le=65535),
         wait: float = Query(0.0, ge=0.0, le=3600.0, description="Long-poll: seconds to wait for the plan"),
     ):
         """One rank's plan slice; with `wait` the request returns as soon as the step is planned."""
-        data = await core.fetch_async(step_id, rank, wait)
+        if wait > 0:
+            data = await _unless_disconnected(request, core.fetch_async(step_id, rank, wait))
+        else:
+            data = await core.fetch_async(step_id, rank, wait)
         return Response(data, media_type=PROTOBUF, headers={"X-Harts-Checksum": slice_checksum(data)})
 
     @app.get("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="get_status",
-             dependencies=auth, responses=_responses(401, 404))
+             dependencies=auth, responses=_responses(401, 404, 503))
     async def get_status(step_id: str = Path(min_length=1)) -> StepStatus:
         """State, token counts, topology and (once planned) the plan report of a step."""
         return status_model(await core.status_async(step_id))
 
+    @app.delete("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="delete_step",
+                dependencies=auth, responses=_responses(401, 404, 503))
+    async def delete_step(step_id: str = Path(min_length=1)) -> StepStatus:
+        """Delete a step with its rollouts and plan (a plan in progress finishes first); returns the
+        step as it was. Its batch_id may then be submitted again, as a new step. `harts serve
+        --retain-steps / --max-age` delete old steps automatically."""
+        return status_model(await core.delete_async(step_id))
+
     @app.get("/v1/steps", response_model=StepList, tags=["steps"], name="list_steps",
-             dependencies=auth, responses=_responses(401, 422))
+             dependencies=auth, responses=_responses(401, 422, 503))
     async def list_steps(limit: int = Query(0, ge=0, le=_INT32, description="At most this many (0: default)")) -> StepList:
         """Steps, newest submission first."""
         return StepList(steps=[status_model(s) for s in await core.list_steps_async(limit)])

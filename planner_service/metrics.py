@@ -19,7 +19,8 @@ _COMPRESSION_BUCKETS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.
 
 
 class Metrics:
-    """Request counts and latency, ingest volume, plan time, compression, waiting steps."""
+    """Request counts and latency, ingest volume, plan time, compression, waiting steps, storage,
+    caches, retention and HTTP connections."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -54,6 +55,22 @@ class Metrics:
             "harts_steps_waiting", "Steps submitted and not planned (nor failed) yet.", registry=r,
         )
         self.fetch_waiters = Gauge("harts_fetch_waiters", "Long-poll plan fetches currently waiting.", registry=r)
+        self.storage_ok = Gauge(
+            "harts_storage_ok", "1 while the database can be written, 0 during a storage fault.", registry=r,
+        )
+        self.storage_faults = Counter(
+            "harts_storage_faults_total", "Changes from a writable database to a storage fault.", registry=r,
+        )
+        self.cache_bytes = Gauge("harts_cache_bytes", "Bytes held by an in-memory cache.", ["cache"], registry=r)
+        self.steps_deleted = Counter(
+            "harts_steps_deleted_total", "Deleted steps by cause (request, retention).", ["cause"], registry=r,
+        )
+        self.http_connections = Gauge("harts_http_connections", "Open HTTP connections.", registry=r)
+        self.http_closed = Counter(
+            "harts_http_connections_closed_total",
+            "HTTP connections the server closed by reason (header_timeout, body_timeout, evicted, refused).",
+            ["reason"], registry=r,
+        )
 
     @contextmanager
     def request(self, transport: str, operation: str):

@@ -1,12 +1,24 @@
 """One process, one core, two transports: uvicorn (HTTP) and grpc.aio on one event loop.
 
 Run it with `harts serve --host 127.0.0.1 --http-port 8000 --grpc-port 50051 --db harts.db`.
-Start-up compiles the Numba code and resumes interrupted plans before either port opens, then
-prints one line on stderr that tests and scripts wait for:
+Start-up compiles the Numba code, checks that the database can be written and resumes interrupted
+plans, then opens both ports. Once both accept connections it prints on stderr
+
+    harts serve: listening http=http://HOST:PORT grpc=HOST:PORT
+
+and, as soon as the service is also ready (at once, unless the database cannot be written), the
+line that tests and scripts wait for:
 
     harts serve: ready http=http://HOST:PORT grpc=HOST:PORT
 
-Ports may be 0 (the line then names the ports the OS chose). SIGINT/SIGTERM stop both servers.
+Ports may be 0 (the lines then name the ports the OS chose). SIGINT/SIGTERM stop both servers.
+
+Connection hardening: the HTTP side runs `http_guard.GuardedH11Protocol` (header, body and idle
+timeouts, a bound on open connections); gRPC gets the same bounds as channel arguments (handshake
+timeout, idle timeout, incoming connections, concurrent RPCs). The soft file-descriptor limit is
+raised to the hard one, and the connection bounds are kept below it, so that a flood of
+connections can neither starve the other transport nor make asyncio log every failed accept
+(repeated loop errors, and uvicorn's per-request warnings, are logged once a minute).
 
 `ServerProcess` starts the service as a subprocess on loopback (tests, benchmarks).
 """
@@ -30,27 +42,109 @@ import uvicorn
 from planner_service.core import PlannerCore, ServiceConfig
 from planner_service.grpc_api import add_to_server, set_serving
 from planner_service.http_api import create_app
+from planner_service.http_guard import ConnectionGuard, ConnectionLimits
 
 log = logging.getLogger(__name__)
 
-__all__ = ["serve", "run", "ServerProcess", "READY_RE"]
+__all__ = ["serve", "run", "ServerProcess", "READY_RE", "LISTENING_RE"]
 
 READY_RE = re.compile(r"harts serve: ready http=(\S+) grpc=(\S+)")
+LISTENING_RE = re.compile(r"harts serve: listening http=(\S+) grpc=(\S+)")
+
+_RESERVED_FDS = 128
+"""File descriptors kept for the database, logs, threads and the event loop."""
+
+_BACKLOG = 128
+"""Listen backlog of the HTTP socket: also how many connections asyncio accepts in one burst,
+before the guard's evictions have closed theirs (so it is kept free under the fd limit too)."""
 
 
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 50051) -> None:
+def _fit_to_fd_limit(limits: ConnectionLimits) -> tuple[ConnectionLimits, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; lower max_connections (per transport) so
+    that both transports' connections fit under it. Returns (limits, the soft limit)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return limits, 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    fit = max(1, (soft - _RESERVED_FDS - _BACKLOG) // 2)
+    if limits.max_connections > fit:
+        log.warning("max_connections lowered from %d to %d: the file-descriptor limit is %d (raise `ulimit -n`)",
+                    limits.max_connections, fit, soft)
+        limits = ConnectionLimits(max_connections=fit, header_timeout=limits.header_timeout,
+                                  body_timeout=limits.body_timeout, idle_timeout=limits.idle_timeout)
+    return limits, soft
+
+
+class _OncePerMinute(logging.Filter):
+    """Let each distinct message through once a minute (uvicorn warns once per bad request)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, list[float]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = f"{record.levelno}:{record.msg}"
+        now = time.monotonic()
+        last = self._last.setdefault(key, [-1e9, 0])
+        last[1] += 1
+        if now - last[0] < 60.0:
+            return False
+        if last[1] > 1:
+            record.msg = f"{record.msg} ({last[1]} times in the last minute)"
+        last[0], last[1] = now, 0
+        return True
+
+
+def _once_a_minute(loop: asyncio.AbstractEventLoop) -> None:
+    """Loop exception handler that logs each distinct message at most once a minute, with a count."""
+    seen: dict[str, list[float]] = {}
+
+    def handler(loop, context) -> None:
+        msg = str(context.get("message", "unhandled exception in the event loop"))
+        now = time.monotonic()
+        last = seen.setdefault(msg, [-1e9, 0])
+        last[1] += 1
+        if now - last[0] >= 60.0:
+            exc = context.get("exception")
+            log.error("%s%s%s", msg, f": {exc!r}" if exc is not None else "",
+                      f" ({last[1]} times in the last minute)" if last[1] > 1 else "")
+            last[0], last[1] = now, 0
+
+    loop.set_exception_handler(handler)
+
+
+async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 50051,
+                limits: ConnectionLimits | None = None) -> None:
     """Run the service until SIGINT/SIGTERM."""
+    loop = asyncio.get_running_loop()
+    _once_a_minute(loop)
+    logging.getLogger("uvicorn.error").addFilter(_OncePerMinute())
+    limits, _ = _fit_to_fd_limit(limits or ConnectionLimits())
     core = PlannerCore(cfg)
     await asyncio.to_thread(core.start)
-    grpc_server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", cfg.max_request_bytes),
-        ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", 0),
-    ])
+    grpc_server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", cfg.max_request_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),
+            ("grpc.server_handshake_timeout_ms", int(limits.header_timeout * 1000)),
+            ("grpc.max_connection_idle_ms", int(limits.idle_timeout * 1000)),
+            ("grpc.max_allowed_incoming_connections", limits.max_connections),
+        ],
+        maximum_concurrent_rpcs=limits.max_connections,
+    )
     health = add_to_server(grpc_server, core)
     bound_grpc = grpc_server.add_insecure_port(_hostport(host, grpc_port))
     if bound_grpc == 0:
@@ -61,27 +155,50 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, http_port))
     bound_http = sock.getsockname()[1]
-    app = create_app(core)
+    guard = ConnectionGuard(limits, core.metrics)
     server = uvicorn.Server(uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
-        timeout_graceful_shutdown=5,
+        create_app(core), http=guard.protocol(), log_level="warning", access_log=False, lifespan="off",
+        timeout_keep_alive=limits.idle_timeout, timeout_graceful_shutdown=5, backlog=_BACKLOG,
     ))
+    urls = f"http=http://{_hostport(host, bound_http)} grpc={_hostport(host, bound_grpc)}"
+    announced = asyncio.Event()
+
+    def readiness(ready: bool, reason: str) -> None:  # from any thread
+        def apply() -> None:
+            asyncio.ensure_future(set_serving(health, ready))
+            if ready and not announced.is_set() and server.started:
+                announced.set()
+                print(f"harts serve: ready {urls}", file=sys.stderr, flush=True)
+        loop.call_soon_threadsafe(apply)
+
     await grpc_server.start()
-    await set_serving(health, True)
-    print(f"harts serve: ready http=http://{_hostport(host, bound_http)} grpc={_hostport(host, bound_grpc)}",
-          file=sys.stderr, flush=True)
+    http_task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        await server.serve(sockets=[sock])
+        while not server.started:  # the ready line only once the HTTP port accepts
+            if http_task.done():
+                await http_task
+                raise OSError(f"http_port: the HTTP server did not start on {_hostport(host, bound_http)}")
+            await asyncio.sleep(0.01)
+        print(f"harts serve: listening {urls}", file=sys.stderr, flush=True)
+        ready, reason = core.readiness()
+        if not ready:
+            print(f"harts serve: not ready: {reason}", file=sys.stderr, flush=True)
+        core.on_readiness(readiness)
+        await http_task
     finally:
-        core.ready = False
+        core.stop_serving()
         await set_serving(health, False)
         await grpc_server.stop(grace=2.0)
+        if not http_task.done():
+            server.should_exit = True
+            await http_task
         await asyncio.to_thread(core.close)
         log.info("stopped")
 
 
-def run(cfg: ServiceConfig, *, host: str, http_port: int, grpc_port: int) -> int:
-    asyncio.run(serve(cfg, host=host, http_port=http_port, grpc_port=grpc_port))
+def run(cfg: ServiceConfig, *, host: str, http_port: int, grpc_port: int,
+        limits: ConnectionLimits | None = None) -> int:
+    asyncio.run(serve(cfg, host=host, http_port=http_port, grpc_port=grpc_port, limits=limits))
     return 0
 
 
@@ -93,6 +210,7 @@ class ServerProcess:
         token: bearer token, or None.
         extra: further `harts serve` arguments.
         log_path: where stdout/stderr go (a temp file by default).
+        timeout: seconds `start` waits.
     """
 
     def __init__(self, db: str | Path, *, token: str | None = None, extra: list[str] | None = None,
@@ -106,7 +224,8 @@ class ServerProcess:
         self.http_url = ""
         self.grpc_target = ""
 
-    def start(self) -> "ServerProcess":
+    def start(self, *, ready: bool = True) -> "ServerProcess":
+        """Start and wait for the ready line (ready=False: only for the ports to accept)."""
         cmd = [sys.executable, "-m", "harts_cli.main", "serve", "--host", "127.0.0.1", "--http-port", "0",
                "--grpc-port", "0", "--db", self.db, *self.extra]
         env = dict(os.environ)
@@ -117,10 +236,11 @@ class ServerProcess:
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          cwd=Path(__file__).resolve().parent.parent)
+        pattern = READY_RE if ready else LISTENING_RE
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             text = self.log_path.read_text(errors="replace")
-            m = READY_RE.search(text)
+            m = pattern.search(text)
             if m:
                 self.http_url, self.grpc_target = m.group(1), m.group(2)
                 return self
@@ -128,7 +248,8 @@ class ServerProcess:
                 raise RuntimeError(f"harts serve exited with {self.proc.returncode}:\n{text[-4000:]}")
             time.sleep(0.05)
         self.kill()
-        raise TimeoutError(f"harts serve not ready after {self.timeout} s:\n{self.log_path.read_text()[-4000:]}")
+        raise TimeoutError(f"harts serve not {'ready' if ready else 'listening'} after {self.timeout} s:\n"
+                           f"{self.log_path.read_text()[-4000:]}")
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

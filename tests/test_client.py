@@ -14,7 +14,7 @@ from planner_service.ingest import json_to_proto
 from planner_service.server import ServerProcess
 from proto.plan_io import ChecksumError
 from tests.service_helpers import TOPOLOGY, rollout_doc
-from trainer.client import PlannerClient, PlannerError, RetryPolicy
+from trainer.client import PlannerClient, PlannerError, RetryPolicy, WrongSliceError
 
 pytestmark = pytest.mark.integration
 
@@ -44,8 +44,14 @@ class Flaky(httpx.BaseTransport):
         if self.calls <= self.fail:
             if self.kind == "connect":
                 raise httpx.ConnectError("refused", request=request)
-            if self.kind == "503":
-                return httpx.Response(503, json={"error": {"code": "UNAVAILABLE", "message": "busy"}}, request=request)
+            if self.kind in ("503", "retry-after"):
+                headers = {"Retry-After": "1"} if self.kind == "retry-after" else {}
+                return httpx.Response(503, json={"error": {"code": "UNAVAILABLE", "message": "busy"}}, headers=headers,
+                                      request=request)
+            if self.kind == "other-rank":  # a proxy that mixes up answers
+                request.url = request.url.copy_with(path=request.url.path.replace("/ranks/0/", "/ranks/1/"))
+            if self.kind == "other-step":
+                request.url = request.url.copy_with(path=request.url.path.replace("/c-json/", "/c-pb/"))
         resp = self.inner.handle_request(request)
         if self.kind == "corrupt" and self.calls <= self.fail:
             data = bytearray(resp.read())
@@ -142,3 +148,59 @@ def test_client_does_not_import_the_service(server, tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert got.returncode == 0, got.stderr
     assert '"rank": 1' in got.stdout and (tmp_path / "r1.pb").stat().st_size > 0
+
+
+def test_retries_stop_at_the_callers_deadline(server):
+    slow = RetryPolicy()  # 8 attempts with backoff up to 5 s: about 12 s of sleeping in all
+    for kind in ("503", "connect"):
+        flaky = Flaky(kind, fail=10_000, only="/v1/steps")
+        with PlannerClient(server.http_url, token=TOKEN, retry=slow, transport=flaky, timeout=1.0) as c:
+            t0 = time.perf_counter()
+            with pytest.raises(PlannerError):
+                c.status("c-deadline")
+            assert time.perf_counter() - t0 < 2.0, kind
+            t0 = time.perf_counter()
+            with pytest.raises((PlannerError, TimeoutError)):
+                c.fetch_plan("c-deadline", 0, timeout=1.5)
+            assert time.perf_counter() - t0 < 2.5, kind
+
+
+def test_retry_after_of_a_503_is_honoured(server):
+    flaky = Flaky("retry-after", fail=1, only="/v1/steps")
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+        t0 = time.perf_counter()
+        c.list_steps()
+        assert time.perf_counter() - t0 >= 0.9 and flaky.calls == 2
+
+
+def test_a_slice_of_another_step_rank_or_world_size_is_refused(server):
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        c.submit(rollout_doc("c-json"), **TOPOLOGY)
+        c.submit(rollout_doc("c-pb", seed=2), **TOPOLOGY)
+        good = c.fetch_plan_bytes("c-json", 0, timeout=30, world_size=2)
+    for kind, what in (("other-rank", "rank 1"), ("other-step", "step 'c-pb'")):
+        flaky = Flaky(kind, fail=1, only="/ranks/")  # once: fetched again, then right
+        with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+            assert c.fetch_plan_bytes("c-json", 0, timeout=30) == good and flaky.calls == 2
+        flaky = Flaky(kind, fail=100, only="/ranks/")  # always: refused
+        with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+            with pytest.raises(WrongSliceError, match=what):
+                c.fetch_plan_bytes("c-json", 0, timeout=30)
+        assert flaky.calls == FAST.attempts
+    flaky = Flaky("none", fail=0, only="/ranks/")
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+        with pytest.raises(WrongSliceError, match="world_size 2"):
+            c.fetch_plan("c-json", 0, timeout=30, world_size=3)
+    assert flaky.calls == 1  # another topology does not get better: refused at once
+
+
+def test_step_ids_are_url_encoded_and_steps_can_be_deleted(server):
+    step = "c odd?id#1%2"
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        c.submit(rollout_doc(step), **TOPOLOGY)
+        assert c.fetch_plan(step, 1, timeout=30).header.step_id == step
+        assert c.status(step)["step_id"] == step
+        assert c.delete(step)["step_id"] == step
+        with pytest.raises(PlannerError) as err:
+            c.status(step)
+        assert err.value.status == 404

@@ -11,7 +11,8 @@ import json
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -47,10 +48,10 @@ def test_no_input_causes_a_server_error(api_schema, mode, known_step):
     operations = [r.ok() for r in api_schema.get_all_operations()]
     labels = {op.label for op in operations}
     assert {"POST /v1/steps", "POST /v1/steps/{step_id}/plan", "GET /v1/steps/{step_id}/ranks/{rank}/plan",
-            "GET /v1/steps/{step_id}", "GET /v1/steps", "GET /metrics"} <= labels
+            "GET /v1/steps/{step_id}", "DELETE /v1/steps/{step_id}", "GET /v1/steps", "GET /metrics"} <= labels
     seen: dict[str, set[int]] = {}
-    if known_step:
-        operations = [op for op in operations if "{step_id}" in op.path]
+    if known_step:  # not DELETE: the other operations need the step
+        operations = [op for op in operations if "{step_id}" in op.path and op.method.upper() != "DELETE"]
     for op in operations:
         fixed = {}
         if known_step:
@@ -72,3 +73,154 @@ def test_no_input_causes_a_server_error(api_schema, mode, known_step):
     if known_step:
         assert 200 in seen["GET /v1/steps/{step_id}"] and 200 in seen["GET /v1/steps/{step_id}/ranks/{rank}/plan"], seen
     assert all(code < 500 for codes in seen.values() for code in codes), seen
+
+
+# ---- hostile values: deep nesting, huge numbers, surrogates, wrong types (issue 13)
+#
+# The schema-driven cases above never send a document nested 100,000 deep or a number with 400
+# digits. These do, through the same in-process app; every one must be a 4xx with a JSON error
+# body. Cases that still fail on the current ingestion code are marked xfail (not strict) with
+# the item of issue 13 that fixes them, so they show up as XPASS once it lands.
+
+ITEM2 = "issue 13 item 2 (ingestion must answer 422 naming the field): "
+
+
+def _doc(batch_id: str, **fields) -> dict:
+    traj = {"id": "a", "tokens": [1, 2, 3]}
+    traj.update({k: v for k, v in fields.items() if k not in ("vocab_size",)})
+    return {"batch_id": batch_id, "vocab_size": fields.get("vocab_size", 64), "trajectories": [traj]}
+
+
+def _with(batch_id: str, field: str, raw_value: bytes) -> bytes:
+    """A valid document whose trajectory gets `field` set to the raw JSON text `raw_value`."""
+    base = json.dumps(_doc(batch_id)).encode()
+    if field == "tokens":
+        return base.replace(b"[1, 2, 3]", raw_value, 1)
+    if field == "vocab_size":
+        return base.replace(b'"vocab_size": 64', b'"vocab_size": ' + raw_value, 1)
+    return base.replace(b'"tokens"', b'"' + field.encode() + b'": ' + raw_value + b', "tokens"', 1)
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+_HUGE = b"1" + b"0" * 400
+BAD_INPUTS = [
+    # (id, method, path, body, content type, xfail reason or None)
+    ("body-nested-100k", "POST", "/v1/steps", _nested(100_000), "json", ITEM2 + "RecursionError"),
+    ("tokens-nested-100k", "POST", "/v1/steps", json.dumps(_doc("n1")).encode().replace(b"[1, 2, 3]", _nested(100_000)),
+     "json", ITEM2 + "RecursionError"),
+    ("tokens-nested-3", "POST", "/v1/steps", json.dumps(_doc("n2")).encode().replace(b"[1, 2, 3]", _nested(3)), "json", None),
+    ("reward-400-digits", "POST", "/v1/steps", _with("h1", "reward", _HUGE), "json", ITEM2 + "OverflowError"),
+    ("advantage-400-digits", "POST", "/v1/steps", _with("h2", "advantage", _HUGE), "json", ITEM2 + "OverflowError"),
+    ("weight-400-digits", "POST", "/v1/steps", _with("h3", "weight", _HUGE), "json", ITEM2 + "OverflowError"),
+    ("advantage-1e400", "POST", "/v1/steps", _with("h4", "advantage", b"1e400"), "json", None),
+    ("advantages-list-400-digits", "POST", "/v1/steps", _with("h5", "advantage", b"[1, " + _HUGE + b", 1]"), "json", None),
+    ("old_logprobs-400-digits", "POST", "/v1/steps", _with("h6", "old_logprobs", b"[0, -" + _HUGE + b", 0]"), "json", None),
+    ("token-id-10^30", "POST", "/v1/steps", json.dumps(_doc("h7", tokens=[10**30])).encode(), "json", None),
+    ("vocab_size-400-digits", "POST", "/v1/steps",
+     json.dumps(_doc("h8")).encode().replace(b'"vocab_size": 64', b'"vocab_size": ' + _HUGE), "json", None),
+    ("advantage-NaN", "POST", "/v1/steps", _with("f1", "advantage", b"NaN"), "json", None),
+    ("reward--Infinity", "POST", "/v1/steps", _with("f2", "reward", b"-Infinity"), "json", None),
+    ("surrogate-batch_id", "POST", "/v1/steps", json.dumps(_doc("\ud800")).encode(), "json",
+     ITEM2 + "SQLite cannot encode a lone surrogate"),
+    ("surrogate-trajectory-id", "POST", "/v1/steps", json.dumps(_doc("u2", id="\udfff")).encode(), "json",
+     ITEM2 + "stored, fails at plan time"),
+    ("surrogate-tree_id", "POST", "/v1/steps", json.dumps(_doc("u3", tree_id="x\ud800")).encode(), "json",
+     ITEM2 + "stored, fails at plan time"),
+    ("bool-tokens", "POST", "/v1/steps", json.dumps(_doc("b1", tokens=[True, 1, 2])).encode(), "json",
+     ITEM2 + "booleans accepted as token ids"),
+    ("bool-loss_mask", "POST", "/v1/steps", json.dumps(_doc("b2", loss_mask=[True, 0, 1])).encode(), "json",
+     ITEM2 + "booleans accepted in loss_mask"),
+    ("string-vocab_size", "POST", "/v1/steps", json.dumps(_doc("b3", vocab_size="64")).encode(), "json", None),
+    ("batch_id-with-slash", "POST", "/v1/steps", json.dumps(_doc("a/b")).encode(), "json", None),
+    ("invalid-utf8", "POST", "/v1/steps", b'{"batch_id": "\xff\xfe", "vocab_size": 4}', "json", None),
+    ("protobuf-nested-groups", "POST", "/v1/steps", b"\x0b" * 100_000, "proto", None),
+    ("plan-world_size-string", "POST", f"/v1/steps/{STEP}/plan", b'{"world_size": "2"}', "json", None),
+    ("plan-world_size-true", "POST", f"/v1/steps/{STEP}/plan", b'{"world_size": true}', "json", None),
+    ("plan-world_size-2.0", "POST", f"/v1/steps/{STEP}/plan", b'{"world_size": 2.0}', "json", None),
+    ("plan-world_size-400-digits", "POST", f"/v1/steps/{STEP}/plan", b'{"world_size": ' + _HUGE + b"}", "json", None),
+    ("plan-body-nested-100k", "POST", f"/v1/steps/{STEP}/plan", b'{"world_size": ' + _nested(100_000) + b"}", "json", None),
+    ("submit-world_size-400-digits", "POST", "/v1/steps?world_size=" + "9" * 400, json.dumps(_doc("q1")).encode(),
+     "json", None),
+    ("fetch-wait-nan", "GET", f"/v1/steps/{STEP}/ranks/0/plan?wait=nan", None, "json", None),
+    ("fetch-wait-inf", "GET", f"/v1/steps/{STEP}/ranks/0/plan?wait=inf", None, "json", None),
+    ("fetch-rank-30-digits", "GET", f"/v1/steps/{STEP}/ranks/{'1' * 30}/plan", None, "json", None),
+]
+
+
+@pytest.fixture(scope="module")
+def asgi_client(tmp_path_factory):
+    import httpx
+
+    core = PlannerCore(ServiceConfig(db_path=str(tmp_path_factory.mktemp("bad") / "bad.db"),
+                                     max_request_bytes=4 << 20, max_wait_seconds=0.1))
+    core.start()
+    core.submit(json.dumps(rollout_doc(STEP)).encode(), "json")
+    core.plan(STEP, planner_pb2.Topology(**TOPOLOGY))
+    transport = httpx.ASGITransport(app=create_app(core), raise_app_exceptions=False)
+    client = httpx.AsyncClient(transport=transport, base_url="http://fuzz")
+    yield client, core
+    core.close()
+
+
+def _call(client, method: str, path: str, body: bytes | None, ctype: str):
+    import asyncio
+
+    headers = {"Content-Type": "application/x-protobuf" if ctype == "proto" else "application/json"}
+    return asyncio.run(client.request(method, path, content=body, headers=headers))
+
+
+def _check_4xx(response) -> None:
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    err = response.json()["error"]
+    assert err["code"] and err["message"] and "Traceback" not in response.text
+
+
+@pytest.mark.parametrize(
+    "method, path, body, ctype",
+    [pytest.param(m, p, b, c, id=i, marks=[pytest.mark.xfail(reason=x, strict=False)] if x else [])
+     for i, m, p, b, c, x in BAD_INPUTS],
+)
+def test_bad_input_is_a_4xx(asgi_client, method, path, body, ctype):
+    client, core = asgi_client
+    before = {s.step_id for s in core.list_steps()}
+    _check_4xx(_call(client, method, path, body, ctype))
+    assert {s.step_id for s in core.list_steps()} == before  # nothing stored
+
+
+_NESTED = st.integers(1, 150_000).map(_nested)
+_HUGE_NUMBERS = st.one_of(
+    st.integers(19, 500).map(lambda k: b"-" * (k % 2) + b"9" * k),
+    st.integers(309, 1000).map(lambda k: f"1e{k}".encode()),
+    st.integers(19, 400).map(lambda k: b"[1, " + b"7" * k + b", 2]"),
+)
+_ARRAYS = ["tokens", "loss_mask", "old_logprobs", "advantage"]
+_SCALARS = ["reward", "advantage", "weight", "vocab_size"]
+
+
+@pytest.mark.parametrize("where, fields, values", [
+    pytest.param("rollout", _ARRAYS, _HUGE_NUMBERS.map(lambda v: b"[1, " + v + b", 2]"),
+                 id="huge-numbers-in-rollout-arrays"),
+    pytest.param("rollout", _SCALARS, _HUGE_NUMBERS, id="huge-numbers-in-rollout-scalars", marks=pytest.mark.xfail(
+        reason=ITEM2 + "a 400-digit integer in reward / advantage / weight raises OverflowError", strict=False)),
+    pytest.param("rollout", _ARRAYS + _SCALARS, _NESTED, id="deep-nesting-in-rollouts", marks=pytest.mark.xfail(
+        reason=ITEM2 + "JSON nested about 1,000 deep or more raises RecursionError", strict=False)),
+    pytest.param("plan", ["world_size", "microbatch_tokens", "memory_tokens", "chunk_size"],
+                 st.one_of(_NESTED, _HUGE_NUMBERS), id="deep-nesting-and-huge-numbers-in-topologies"),
+])
+def test_deep_nesting_and_huge_numbers_never_cause_a_server_error(asgi_client, where, fields, values):
+    client, _ = asgi_client
+
+    @given(field=st.sampled_from(fields), value=values, n=st.integers(0, 10**9))
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])  # no shrinking: bounded
+    def fuzz(field, value, n):
+        if where == "plan":
+            body = b'{"world_size": 2, "' + field.encode() + b'": ' + value + b"}"
+            _check_4xx(_call(client, "POST", f"/v1/steps/{STEP}/plan", body, "json"))
+        else:
+            _check_4xx(_call(client, "POST", "/v1/steps", _with(f"fz-{n}", field, value), "json"))
+
+    fuzz()

@@ -125,3 +125,65 @@ def test_malformed_request_bytes_are_invalid_argument(channel):
     with pytest.raises(grpc.RpcError) as err:  # auth is checked before the bytes are looked at
         raw_status(b"\xff\xff\xff\xff", timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_wait_seconds_nan_is_invalid_argument(stub):
+    t0 = time.perf_counter()
+    for wait in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.FetchPlan(planner_pb2.FetchPlanRequest(step_id="g-nan", wait_seconds=wait), metadata=AUTH, timeout=3)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "wait_seconds" in err.value.details()
+    assert time.perf_counter() - t0 < 2
+
+
+def test_default_microbatch_tokens_is_the_same_over_grpc_and_http(server, stub):
+    for step in ("g-mb", "h-mb"):
+        stub.SubmitRollouts(planner_pb2.SubmitRolloutsRequest(batch=json_to_proto(rollout_doc(step))), metadata=AUTH,
+                            timeout=5)
+    # neither names microbatch_tokens: gRPC sends 0, HTTP omits the field
+    st = stub.PlanStep(planner_pb2.PlanStepRequest(step_id="g-mb", topology=planner_pb2.Topology(
+        world_size=2, chunk_size=16)), metadata=AUTH, timeout=10)
+    http = httpx.post(f"{server.http_url}/v1/steps/h-mb/plan", json={"world_size": 2, "chunk_size": 16},
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert http.status_code == 200, http.text
+    assert st.state == planner_pb2.STEP_STATE_PLANNED
+    assert st.topology.microbatch_tokens == http.json()["topology"]["microbatch_tokens"] == 4096
+
+
+def _requests(server, operation: str) -> dict[str, float]:
+    import re
+
+    text = httpx.get(f"{server.http_url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    pattern = rf'harts_requests_total{{code="(\w+)",operation="{operation}",transport="grpc"}} (\S+)'
+    return {code: float(n) for code, n in re.findall(pattern, text)}
+
+
+def test_cancelled_calls_are_not_counted_ok(server, stub):
+    before = _requests(server, "FetchPlan")
+    with pytest.raises(grpc.RpcError) as err:  # the client gives up long before the server's wait
+        stub.FetchPlan(planner_pb2.FetchPlanRequest(step_id="g-cancel", wait_seconds=10), metadata=AUTH, timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5
+    while _requests(server, "FetchPlan").get("CANCELLED", 0) <= before.get("CANCELLED", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = _requests(server, "FetchPlan")
+    assert after.get("CANCELLED", 0) == before.get("CANCELLED", 0) + 1
+    assert after.get("OK", 0) == before.get("OK", 0)
+
+
+def test_delete_step(stub, channel):
+    stub.SubmitRollouts(planner_pb2.SubmitRolloutsRequest(batch=json_to_proto(rollout_doc("g-del")), topology=TOPO),
+                        metadata=AUTH, timeout=5)
+    delete = channel.unary_unary("/harts.v1.Planner/DeleteStep",
+                                 request_serializer=planner_pb2.GetStatusRequest.SerializeToString,
+                                 response_deserializer=planner_pb2.StepStatus.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        delete(planner_pb2.GetStatusRequest(step_id="g-del"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    st = delete(planner_pb2.GetStatusRequest(step_id="g-del"), metadata=AUTH, timeout=5)
+    assert st.step_id == "g-del" and st.trajectories == 6
+    for call in (lambda: stub.GetStatus(planner_pb2.GetStatusRequest(step_id="g-del"), metadata=AUTH, timeout=5),
+                 lambda: delete(planner_pb2.GetStatusRequest(step_id="g-del"), metadata=AUTH, timeout=5)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -152,3 +152,67 @@ def test_openapi_is_complete_and_docs_render(server):
     assert "HTTPBearer" in spec["components"]["securitySchemes"]
     docs = httpx.get(server.http_url + "/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert "delete" in spec["paths"]["/v1/steps/{step_id}"]
+
+
+def _references(html: str) -> list[str]:
+    """Every URL a page loads: src/href attributes and the URLs its inline script names."""
+    import re
+
+    found = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", html)
+    found += re.findall(r"""(?:url|spec-url)\s*[:=]\s*["']([^"']+)["']""", html)
+    found += re.findall(r"""https?://[^\s"'<>)]+""", html)
+    return found
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_load_only_local_assets(server, page):
+    r = httpx.get(server.http_url + page)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    refs = _references(r.text)
+    assert refs, r.text
+    scripts = 0
+    for ref in refs:
+        assert ref.startswith("/") and not ref.startswith("//"), f"{page} loads {ref} from elsewhere"
+        got = httpx.get(server.http_url + ref)
+        assert got.status_code == 200 and len(got.content) > 100, ref
+        scripts += got.headers["content-type"].startswith(("text/javascript", "application/javascript"))
+    assert scripts >= 1  # the UI itself, served by this server
+    assert "cdn" not in r.text.lower() and "googleapis" not in r.text
+
+
+def test_openapi_request_examples_are_accepted(http):
+    spec = http.get("/openapi.json").json()
+    submit = spec["paths"]["/v1/steps"]["post"]["requestBody"]["content"]["application/json"]["examples"]
+    plan = spec["paths"]["/v1/steps/{step_id}/plan"]["post"]["requestBody"]["content"]["application/json"]["examples"]
+    assert set(submit) == {"flat", "tree"} and "trees" in submit["tree"]["value"]
+    assert "trajectories" in submit["flat"]["value"] and plan
+    for name, example in submit.items():
+        r = http.post("/v1/steps", json=example["value"])
+        assert r.status_code == 200, (name, r.text)
+        step = example["value"]["batch_id"]
+        for topo in plan.values():
+            r = http.post(f"/v1/steps/{step}/plan", json=topo["value"])
+            assert r.status_code in (200, 409), (name, topo, r.text)  # 409: planned for the other example
+            assert r.status_code == 200 or "another topology" in r.json()["error"]["message"]
+        assert http.get(f"/v1/steps/{step}").json()["state"] == "planned"
+
+
+def test_delete_a_step(http, server):
+    r = http.post("/v1/steps", json=rollout_doc("s-del"), params=TOPOLOGY)
+    assert r.status_code == 200
+    assert http.get("/v1/steps/s-del/ranks/0/plan", params={"wait": 10}).status_code == 200
+    assert httpx.delete(server.http_url + "/v1/steps/s-del").status_code == 401
+    r = http.delete("/v1/steps/s-del")
+    assert r.status_code == 200 and r.json()["step_id"] == "s-del" and r.json()["state"] == "planned"
+    assert http.get("/v1/steps/s-del").status_code == 404
+    assert http.get("/v1/steps/s-del/ranks/0/plan").status_code == 404  # the cached slice is gone too
+    assert http.delete("/v1/steps/s-del").status_code == 404
+    assert "s-del" not in [s["step_id"] for s in http.get("/v1/steps").json()["steps"]]
+    r = http.post("/v1/steps", json=rollout_doc("s-del"))  # the id is free again: a new step
+    assert r.status_code == 200 and r.json()["duplicate"] is False
+
+
+def test_batch_id_with_a_slash_is_rejected(http):
+    r = http.post("/v1/steps", json=rollout_doc("team/step-1"))
+    assert r.status_code == 422 and r.json()["error"]["field"] == "batch_id"

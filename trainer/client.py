@@ -1,10 +1,13 @@
 """HTTP client of the planner service, for rollout generators and trainer ranks.
 
 It depends on the wire contract (`proto/`) only, never on `planner_service`. Connection errors
-and 5xx answers are retried with exponential backoff and jitter; 4xx answers raise
-`PlannerError` at once (they will not get better). Fetched plan slices are verified with
-`proto.plan_io.open_sealed` and against the `X-Harts-Checksum` header; a corrupted slice is fetched
-again, then refused.
+and 5xx answers are retried with exponential backoff and jitter (at least the `Retry-After` of a
+503); 4xx answers raise `PlannerError` at once (they will not get better). Retries never outlast
+the caller's deadline: the client's `timeout` bounds every call, retries included, and
+`fetch_plan(timeout=...)` bounds the whole long-poll. Fetched plan slices are verified with
+`proto.plan_io.open_sealed`, against the `X-Harts-Checksum` header, and against what was asked
+for (step id, rank, and the trainer's world size when given); a corrupted or misdirected slice is
+fetched again, then refused.
 
     from trainer.client import PlannerClient
     client = PlannerClient("http://planner:8000", token=os.environ.get("HARTS_TOKEN"))
@@ -21,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
@@ -35,9 +40,12 @@ from proto.plan_io import ChecksumError, open_sealed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlannerClient", "PlannerError", "RetryPolicy", "ChecksumError"]
+__all__ = ["PlannerClient", "PlannerError", "RetryPolicy", "ChecksumError", "WrongSliceError"]
 
 PROTOBUF = "application/x-protobuf"
+_MAX_RETRY_AFTER_S = 30.0
+_ANSWER_MARGIN_S = 0.5
+"""A long-poll asks the server to answer this long before the caller's deadline."""
 
 
 class PlannerError(Exception):
@@ -54,12 +62,19 @@ class PlannerError(Exception):
         self.status, self.code, self.message, self.field = status, code, message, field
 
 
+class WrongSliceError(ChecksumError):
+    """A sealed slice that is intact but not the one asked for (another step, rank or world size)."""
+
+    final = False
+    """True when fetching again cannot help (a plan for another world size)."""
+
+
 @dataclass(slots=True, kw_only=True)
 class RetryPolicy:
     """Retries of transient failures (connection errors, 5xx, corrupted plan slices)."""
 
     attempts: int = 8
-    """Tries per call, the first included (>= 1)."""
+    """Tries per call at most, the first included (>= 1); a call also stops at its deadline."""
     backoff_s: float = 0.1
     """Sleep before the first retry; doubles each time."""
     max_backoff_s: float = 5.0
@@ -87,7 +102,8 @@ class PlannerClient:
     Args:
         url: base URL, e.g. http://127.0.0.1:8000.
         token: bearer token (None: no Authorization header).
-        timeout: seconds per request (a long-poll adds its wait on top).
+        timeout: seconds a call may take in all, retries and their sleeps included (each operation
+            can override it; `fetch_plan` has its own).
         retry: retry policy for transient failures.
         transport: httpx transport override (tests inject failures with it).
     """
@@ -110,20 +126,34 @@ class PlannerClient:
 
     # ---- plumbing
 
-    def _request(self, method: str, path: str, *, timeout: float | None = None, **kw) -> httpx.Response:
-        """One call with retries on connection errors and 5xx; raises PlannerError on 4xx."""
+    def _request(self, method: str, path: str, *, deadline: float | None = None, wait: float = 0.0,
+                 **kw) -> httpx.Response:
+        """One call with retries on connection errors and 5xx, until `deadline` (time.monotonic();
+        default: `timeout` from now); raises PlannerError on 4xx, and on 5xx or no answer when the
+        attempts or the time run out. `wait` is a long-poll's server-side wait (not retried on top)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
         last: Exception | None = None
-        for attempt in range(1, self.retry.attempts + 1):
-            if attempt > 1:
-                time.sleep(self.retry.delay(attempt - 1))
+        pause = 0.0
+        attempt = 0
+        while attempt < self.retry.attempts:
+            if attempt:
+                pause = max(pause, self.retry.delay(attempt))
+                if time.monotonic() + pause >= deadline:
+                    break
+                time.sleep(pause)
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
             try:
-                resp = self._http.request(method, path, timeout=timeout or self.timeout, **kw)
+                resp = self._http.request(method, path, timeout=min(self.timeout + wait, remaining), **kw)
             except httpx.TransportError as exc:
-                last = exc
+                last, pause = exc, 0.0
                 log.warning("%s %s: %s (attempt %d/%d)", method, path, type(exc).__name__, attempt, self.retry.attempts)
                 continue
             if resp.status_code >= 500:
-                last = _error_of(resp)
+                last, pause = _error_of(resp), _retry_after(resp)
                 log.warning("%s %s: %s (attempt %d/%d)", method, path, last, attempt, self.retry.attempts)
                 continue
             if resp.status_code >= 400:
@@ -131,7 +161,8 @@ class PlannerClient:
             return resp
         if isinstance(last, PlannerError):
             raise last
-        raise PlannerError(0, "UNAVAILABLE", f"{method} {path}: no answer after {self.retry.attempts} attempts ({last!r})")
+        why = f"after {attempt} attempt(s)" if attempt >= self.retry.attempts else "before the deadline"
+        raise PlannerError(0, "UNAVAILABLE", f"{method} {path}: no answer {why} ({last!r})")
 
     # ---- operations
 
@@ -150,13 +181,17 @@ class PlannerClient:
                 raise TimeoutError(f"planner at {self._http.base_url} not ready after {timeout} s")
             time.sleep(interval)
 
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
     def submit(self, batch: dict | rollouts_pb2.RolloutBatch | bytes, *, content_type: str = "application/json",
-               **topology) -> dict:
-        """Submit a step's rollouts (idempotent by batch_id: retrying is always safe).
+               timeout: float | None = None, **topology) -> dict:
+        """Submit a step's rollouts (idempotent by batch_id and content: retrying is always safe).
 
         Args:
             batch: the JSON document (dict), a RolloutBatch message (sent as protobuf), or body bytes
                 of `content_type`.
+            timeout: seconds for the call, retries included (default: the client's).
             topology: world_size, microbatch_tokens, memory_tokens, chunk_size, no_sharing,
                 no_windows: plan at once for this topology.
 
@@ -170,41 +205,60 @@ class PlannerClient:
         else:
             body = bytes(batch)
         params = {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in topology.items() if v is not None}
-        resp = self._request("POST", "/v1/steps", content=body, params=params, headers={"Content-Type": content_type})
+        resp = self._request("POST", "/v1/steps", content=body, params=params, headers={"Content-Type": content_type},
+                             deadline=self._deadline(timeout))
         return resp.json()
 
-    def plan(self, step_id: str, *, world_size: int, **topology) -> dict:
+    def plan(self, step_id: str, *, world_size: int, timeout: float | None = None, **topology) -> dict:
         """Plan a stored step for a topology; returns its status."""
-        return self._request("POST", f"/v1/steps/{step_id}/plan", json={"world_size": world_size, **topology}).json()
+        return self._request("POST", f"/v1/steps/{_seg(step_id)}/plan", json={"world_size": world_size, **topology},
+                             deadline=self._deadline(timeout)).json()
 
-    def status(self, step_id: str) -> dict:
-        return self._request("GET", f"/v1/steps/{step_id}").json()
+    def status(self, step_id: str, *, timeout: float | None = None) -> dict:
+        return self._request("GET", f"/v1/steps/{_seg(step_id)}", deadline=self._deadline(timeout)).json()
 
-    def list_steps(self, limit: int = 0) -> list[dict]:
-        return self._request("GET", "/v1/steps", params={"limit": limit}).json()["steps"]
+    def delete(self, step_id: str, *, timeout: float | None = None) -> dict:
+        """Delete a step with its rollouts and plan; returns its status as it was."""
+        return self._request("DELETE", f"/v1/steps/{_seg(step_id)}", deadline=self._deadline(timeout)).json()
 
-    def fetch_plan_bytes(self, step_id: str, rank: int, *, timeout: float = 600.0, poll: float = 30.0) -> bytes:
+    def list_steps(self, limit: int = 0, *, timeout: float | None = None) -> list[dict]:
+        return self._request("GET", "/v1/steps", params={"limit": limit}, deadline=self._deadline(timeout)).json()["steps"]
+
+    def fetch_plan_bytes(self, step_id: str, rank: int, *, timeout: float = 600.0, poll: float = 30.0,
+                         world_size: int | None = None) -> bytes:
         """Sealed slice bytes of `rank`, long-polling until planned; verified before returning.
 
+        Args:
+            timeout: seconds for the whole fetch, long-polls and retries included.
+            poll: longest single long-poll.
+            world_size: the trainer's world size; a plan made for another one is refused.
+
         Raises:
-            TimeoutError: not planned within `timeout` seconds.
+            TimeoutError: not planned (or the service not reachable) within `timeout` seconds.
             PlannerError: planning failed, unknown rank, auth... (not retried).
-            ChecksumError: every attempt returned a corrupted slice.
+            ChecksumError: every attempt returned a corrupted slice. WrongSliceError (a
+                ChecksumError): every attempt returned another step's or rank's slice, or the
+                plan is for another world size (at once: that will not change).
         """
         deadline = time.monotonic() + timeout
-        corrupt = 0
+        bad = 0
+        path = f"/v1/steps/{_seg(step_id)}/ranks/{int(rank)}/plan"
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"plan of step {step_id!r} rank {rank} not ready after {timeout} s")
-            wait = max(0.0, min(poll, remaining))
+            wait = max(0.0, min(poll, remaining - _ANSWER_MARGIN_S))
             try:
-                resp = self._request("GET", f"/v1/steps/{step_id}/ranks/{rank}/plan", params={"wait": wait},
-                                     timeout=self.timeout + wait)
+                resp = self._request("GET", path, params={"wait": wait}, deadline=deadline, wait=wait)
             except PlannerError as exc:
                 not_ready = exc.code == "DEADLINE_EXCEEDED" or (exc.code == "NOT_FOUND" and not exc.message.startswith("rank:"))
                 if exc.status == 404 and not_ready:
                     continue
+                if exc.status in (0, 503) and time.monotonic() >= deadline:
+                    raise TimeoutError(f"plan of step {step_id!r} rank {rank}: no answer within {timeout} s "
+                                       f"(last: {exc})") from None
+                if exc.status == 503:
+                    continue  # storage fault or connection limit: keep polling until the deadline
                 raise
             data = resp.content
             try:
@@ -212,18 +266,50 @@ class PlannerClient:
                 header = resp.headers.get("X-Harts-Checksum")
                 if header is not None and header != slice_.checksum:
                     raise ChecksumError(f"X-Harts-Checksum: expected {slice_.checksum}, got {header}")
+                _check_slice(slice_, step_id, rank, world_size)
             except ChecksumError as exc:
-                corrupt += 1
-                log.warning("step %s rank %d: %s (attempt %d/%d)", step_id, rank, exc, corrupt, self.retry.attempts)
-                if corrupt >= self.retry.attempts:
+                if isinstance(exc, WrongSliceError) and exc.final:
                     raise
-                time.sleep(self.retry.delay(corrupt))
+                bad += 1
+                log.warning("step %s rank %d: %s (attempt %d/%d)", step_id, rank, exc, bad, self.retry.attempts)
+                pause = self.retry.delay(bad)
+                if bad >= self.retry.attempts or time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
                 continue
             return data
 
-    def fetch_plan(self, step_id: str, rank: int, *, timeout: float = 600.0, poll: float = 30.0) -> plan_pb2.PlanSlice:
+    def fetch_plan(self, step_id: str, rank: int, *, timeout: float = 600.0, poll: float = 30.0,
+                   world_size: int | None = None) -> plan_pb2.PlanSlice:
         """`fetch_plan_bytes`, parsed (already verified)."""
-        return open_sealed(self.fetch_plan_bytes(step_id, rank, timeout=timeout, poll=poll))
+        return open_sealed(self.fetch_plan_bytes(step_id, rank, timeout=timeout, poll=poll, world_size=world_size))
+
+
+def _seg(step_id: str) -> str:
+    """A step id as one URL path segment (ids may hold any character but '/')."""
+    return quote(step_id, safe="")
+
+
+def _check_slice(slice_: plan_pb2.PlanSlice, step_id: str, rank: int, world_size: int | None) -> None:
+    got_step, got_rank = slice_.header.step_id, slice_.rank.rank
+    if got_step != step_id or got_rank != rank:
+        raise WrongSliceError(f"expected the plan slice of step {step_id!r} rank {rank}, got step {got_step!r} "
+                              f"rank {got_rank}")
+    planned = slice_.header.params.world_size
+    if world_size is not None and planned != world_size:
+        err = WrongSliceError(f"step {step_id!r} is planned for world_size {planned}, this trainer runs {world_size} "
+                              "ranks; plan the step for this topology")
+        err.final = True
+        raise err
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    """Seconds a 503's Retry-After asks for (0 when absent or not a number of seconds)."""
+    try:
+        seconds = float(resp.headers.get("retry-after", "0"))
+    except ValueError:  # an HTTP date: not sent by the planner
+        return 0.0
+    return min(seconds, _MAX_RETRY_AFTER_S) if seconds > 0 and math.isfinite(seconds) else 0.0
 
 
 def _error_of(resp: httpx.Response) -> PlannerError:

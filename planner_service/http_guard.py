@@ -1,0 +1,283 @@
+"""Connection guard of the HTTP server: header, body and idle timeouts and a bound on connections.
+
+uvicorn's h11 protocol keeps a connection as long as the client does: a request whose headers
+never finish, or whose declared body never arrives, holds its socket forever. About 1,500 of them
+used up the process's file descriptors, so that /healthz and gRPC health stopped answering for
+everyone while asyncio logged every failed accept. `GuardedH11Protocol` (uvicorn's protocol plus
+timers) bounds what one connection can hold:
+
+- header timeout: the request line and headers must be complete `header_timeout` seconds after
+  the connection opened (or after the first byte following a keep-alive pause), else 408 and close;
+- body timeout: while a request body is arriving, at most `body_timeout` seconds may pass between
+  two pieces of it, else 408 (when no response has started) and close;
+- idle timeout: a keep-alive connection without a new request for `idle_timeout` seconds is
+  closed (uvicorn's `timeout_keep_alive`);
+- at most `max_connections` open connections: one more closes the connection that has waited
+  longest for its headers or sat idle the longest, else the upload that has received nothing for
+  the longest time (at least `_STALLED_S`); when every connection is busy with a request, the new
+  one is answered 503 (Retry-After) and closed.
+
+The guard logs the first closing at once and then at most one summary line a minute;
+`harts_http_connections_closed_total{reason}` counts every one (header_timeout, body_timeout,
+evicted, refused), `harts_http_connections` the open ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import math
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from planner_service.errors import RETRY_AFTER_SECONDS
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ConnectionLimits", "ConnectionGuard", "GuardedH11Protocol"]
+
+_LOG_EVERY_S = 60.0
+_STALLED_S = 1.0
+"""An upload without data for this long may be closed to admit a new connection."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ConnectionLimits:
+    """What one HTTP connection may hold, and how many may be open."""
+
+    max_connections: int = 1000
+    """Open HTTP connections at most (the server also keeps this below its file-descriptor limit)."""
+    header_timeout: float = 10.0
+    """Seconds to send the request line and headers."""
+    body_timeout: float = 30.0
+    """Seconds allowed between two pieces of a request body."""
+    idle_timeout: float = 30.0
+    """Seconds a keep-alive connection may wait for its next request."""
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections: expected >= 1, got {self.max_connections}")
+        for name in ("header_timeout", "body_timeout", "idle_timeout"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value}")
+
+
+def _raw_response(status: int, phrase: str, code: str, message: str, *, retry_after: bool = False) -> bytes:
+    """A complete `Connection: close` response with the service's JSON error body."""
+    body = json.dumps({"error": {"code": code, "message": message, "field": None}}).encode()
+    head = (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n" + (f"retry-after: {RETRY_AFTER_SECONDS}\r\n" if retry_after else "") + "\r\n")
+    return head.encode("ascii") + body
+
+
+class ConnectionGuard:
+    """State shared by the connections of one server: who waits, counts, the rate-limited log.
+
+    Args:
+        limits: the bounds.
+        metrics: `planner_service.metrics.Metrics` to count into (None: not counted).
+    """
+
+    def __init__(self, limits: ConnectionLimits, metrics=None):
+        self.limits = limits
+        self.metrics = metrics
+        self.open = 0
+        # evictable connections, least recently active first: waiting for headers or idle, and uploads
+        self._waiting: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
+        self._uploading: OrderedDict[GuardedH11Protocol, float] = OrderedDict()
+        self._pending: Counter[str] = Counter()
+        self._last_log = -math.inf
+
+    def protocol(self):
+        """The protocol factory for `uvicorn.Config(http=...)`."""
+        return functools.partial(GuardedH11Protocol, guard=self)
+
+    def opened(self, proto: GuardedH11Protocol) -> bool:
+        """Count a new connection; False when it must be refused (all others busy)."""
+        self.open += 1
+        self._gauge()
+        if self.open <= self.limits.max_connections:
+            return True
+        while self._waiting:
+            victim, _ = self._waiting.popitem(last=False)
+            if victim is not proto and victim.evict():
+                self.note("evicted")
+                return True
+        now = time.monotonic()
+        while self._uploading:
+            victim, last_data = next(iter(self._uploading.items()))
+            if now - last_data < _STALLED_S:
+                break
+            del self._uploading[victim]
+            if victim is not proto and victim.evict():
+                self.note("evicted")
+                return True
+        return False
+
+    def closed(self, proto: GuardedH11Protocol) -> None:
+        self.open -= 1
+        self._waiting.pop(proto, None)
+        self._uploading.pop(proto, None)
+        self._gauge()
+
+    def waiting(self, proto: GuardedH11Protocol, kind: str | None) -> None:
+        """Mark a connection as evictable, most recently active last: kind "waiting" (for headers,
+        or idle), "uploading" (receiving a body), or None (busy: not evictable)."""
+        self._waiting.pop(proto, None)
+        self._uploading.pop(proto, None)
+        if kind == "waiting":
+            self._waiting[proto] = None
+        elif kind == "uploading":
+            self._uploading[proto] = time.monotonic()
+
+    def note(self, reason: str) -> None:
+        """Count one connection the guard closed; log at once, then at most once a minute."""
+        if self.metrics is not None:
+            self.metrics.http_closed.labels(reason).inc()
+        self._pending[reason] += 1
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:
+            lim = self.limits
+            log.warning(
+                "HTTP connections closed by the guard%s: %s (open now %d of at most %d; header timeout %gs, "
+                "body timeout %gs, idle timeout %gs; harts_http_connections_closed_total counts them all)",
+                "" if self._last_log == -math.inf else f" in the last {now - self._last_log:.0f} s",
+                ", ".join(f"{k} {v}" for k, v in sorted(self._pending.items())), self.open, lim.max_connections,
+                lim.header_timeout, lim.body_timeout, lim.idle_timeout,
+            )
+            self._pending.clear()
+            self._last_log = now
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.http_connections.set(self.open)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the guard's timers and connection bound (module docstring)."""
+
+    def __init__(self, config, server_state, app_state, _loop=None, *, guard: ConnectionGuard):
+        super().__init__(config, server_state, app_state, _loop)
+        self._guard = guard
+        self._timer: asyncio.TimerHandle | None = None
+        self._phase = ""
+        self._partial = False  # bytes of a request whose headers are not complete yet
+
+    # ---- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self._guard.opened(self):
+            self._guard.note("refused")
+            self._phase = "closed"
+            lim = self._guard.limits
+            self._close_with(_raw_response(
+                503, "Service Unavailable", "UNAVAILABLE",
+                f"the server holds {lim.max_connections} connections, all busy with requests; retry shortly",
+                retry_after=True))
+            return
+        self._update()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        self._guard.closed(self)
+        self._phase = "closed"
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase == "closed":
+            return
+        if self._phase in ("header", "idle", ""):
+            self._partial = True
+        super().data_received(data)
+        self._update(data_arrived=True)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._update()
+
+    # ---- the guard
+
+    def _update(self, data_arrived: bool = False) -> None:
+        if self._phase == "closed" or self.transport is None or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        active = cycle is not None and not cycle.response_complete
+        their = self.conn.their_state
+        if their is h11.SEND_BODY:
+            phase = "body"
+        elif active or their is not h11.IDLE:
+            phase = "busy"
+        else:
+            phase = "header" if (self._partial or self._phase in ("", "header")) else "idle"
+        if phase in ("body", "busy"):
+            self._partial = False
+        if phase == self._phase and not (phase == "body" and data_arrived):
+            return
+        self._phase = phase
+        self._cancel_timer()
+        lim = self._guard.limits
+        if phase == "header":
+            self._timer = self.loop.call_later(lim.header_timeout, self._expired)
+        elif phase == "body":
+            self._timer = self.loop.call_later(lim.body_timeout, self._expired)
+        self._guard.waiting(self, "waiting" if phase in ("header", "idle") else "uploading" if phase == "body" else None)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        lim = self._guard.limits
+        if self._phase == "header":
+            self._guard.note("header_timeout")
+            if self._partial:
+                self._close_with(_raw_response(408, "Request Timeout", "DEADLINE_EXCEEDED",
+                                               f"request headers not complete within {lim.header_timeout:g} s"))
+            else:
+                self.transport.close()
+        elif self._phase == "body":
+            self._guard.note("body_timeout")
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_started:
+                # the application still waits for the body: it gets a disconnect, the client a 408
+                cycle.disconnected = True
+                cycle.message_event.set()
+                self._close_with(_raw_response(408, "Request Timeout", "DEADLINE_EXCEEDED",
+                                               f"no request body data for {lim.body_timeout:g} s"))
+            else:
+                self.transport.close()
+
+    def evict(self) -> bool:
+        """Close this waiting connection to admit a new one; False if it is already closing."""
+        if self.transport is None or self.transport.is_closing():
+            return False
+        self._cancel_timer()
+        why = f"closed to admit another connection (at most {self._guard.limits.max_connections} are open)"
+        cycle = self.cycle
+        if self._phase == "header" and self._partial:
+            self._close_with(_raw_response(408, "Request Timeout", "DEADLINE_EXCEEDED",
+                                           f"request headers not complete; {why}"))
+        elif self._phase == "body" and cycle is not None and not cycle.response_started:
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self._close_with(_raw_response(408, "Request Timeout", "DEADLINE_EXCEEDED",
+                                           f"request body stalled; {why}"))
+        else:
+            self.transport.close()
+        return True
+
+    def _close_with(self, response: bytes) -> None:
+        self._cancel_timer()
+        self.transport.write(response)
+        self.transport.close()

@@ -1,0 +1,135 @@
+"""Settings of one planner-service instance, and how a requested topology becomes a PlanConfig.
+
+`ServiceConfig` is what `harts serve` builds from its flags; `topology_to_config` turns a client's
+`harts.v1.Topology` (0 fields: the service defaults, the same over HTTP and gRPC) into the planner's
+`PlanConfig`, naming the offending `topology.<field>` when it cannot.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from planner_service.errors import ValidationError
+from planner_service.planner.config import PlanConfig
+from proto.harts.v1 import planner_pb2
+
+__all__ = ["ServiceConfig", "topology_to_config", "normalized_topology", "MAX_WORLD_SIZE", "DEFAULT_MICROBATCH_TOKENS"]
+
+MAX_WORLD_SIZE = 4096
+"""Largest data-parallel world a step is planned for (one sealed slice per rank)."""
+
+DEFAULT_MICROBATCH_TOKENS = 4096
+"""Microbatch token budget of a topology that names none (HTTP and gRPC alike)."""
+
+_MiB = 1024 * 1024
+
+
+@dataclass(slots=True, kw_only=True)
+class ServiceConfig:
+    """Settings of one service instance."""
+
+    db_path: str = "harts.db"
+    """SQLite database file (WAL mode); ":memory:" keeps nothing across restarts."""
+    token: str | None = None
+    """Bearer token every non-health request must carry; None disables auth."""
+    max_request_bytes: int = 1024 * _MiB  # ingest's Limits.max_body_bytes
+    """Largest request body (HTTP) or message (gRPC) accepted; larger ones get 413 / RESOURCE_EXHAUSTED."""
+    limits: Any = None
+    """`planner_service.ingest.Limits` for submitted batches; None uses ingest's defaults."""
+    default_topology: planner_pb2.Topology | None = None
+    """Topology a submission is planned for at once when the request names none; None: wait for PlanStep."""
+    conv_kernel: int = 4
+    """Short-convolution kernel size K of the trainers' model (goes into every plan)."""
+    default_chunk_size: int = 64
+    """Chunk size used when a topology says 0."""
+    default_microbatch_tokens: int = DEFAULT_MICROBATCH_TOKENS
+    """Microbatch token budget used when a topology says 0 (gRPC's unset field) or an HTTP request names none."""
+    list_limit: int = 100
+    """ListSteps default and maximum page size."""
+    max_wait_seconds: float = 60.0
+    """Upper bound of a long-poll wait; longer requests are clipped."""
+    plan_workers: int = 1
+    """Threads that plan steps (planning is CPU-bound Numba code)."""
+    slice_cache_bytes: int = 256 * _MiB
+    """Bytes of sealed slices kept in memory for fast fetches (least recently used go first)."""
+    forest_cache_bytes: int = 256 * _MiB
+    """Bytes of submitted forests kept in memory so planning does not re-ingest them."""
+    synchronous: str = "FULL"
+    """SQLite synchronous pragma (FULL: durable across power loss; NORMAL: across process crashes)."""
+    retain_steps: int = 0
+    """Keep only the newest this many steps (older ones are deleted with their plans); 0 keeps all."""
+    max_age_seconds: float = 0.0
+    """Delete steps submitted longer ago than this many seconds; 0 keeps them however old."""
+    storage_probe_seconds: float = 5.0
+    """How often a healthy database is checked for writability (every second during a fault)."""
+    vacuum: bool = False
+    """VACUUM the database once at start, before the service is ready (converts a database of an
+    earlier version to incremental auto-vacuum, so that deletions shrink the file)."""
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes: expected >= 1024, got {self.max_request_bytes}")
+        if self.token is not None and not self.token:
+            raise ValueError("token: expected a non-empty string or None, got ''")
+        if self.list_limit < 1:
+            raise ValueError(f"list_limit: expected >= 1, got {self.list_limit}")
+        if not self.max_wait_seconds >= 0:
+            raise ValueError(f"max_wait_seconds: expected >= 0, got {self.max_wait_seconds}")
+        if self.plan_workers < 1:
+            raise ValueError(f"plan_workers: expected >= 1, got {self.plan_workers}")
+        if self.default_microbatch_tokens < 1:
+            raise ValueError(f"default_microbatch_tokens: expected >= 1, got {self.default_microbatch_tokens}")
+        for name in ("slice_cache_bytes", "forest_cache_bytes", "retain_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if not (self.max_age_seconds >= 0 and math.isfinite(self.max_age_seconds)):
+            raise ValueError(f"max_age_seconds: expected a finite number >= 0 (0: no age limit), got {self.max_age_seconds}")
+        if not (0 < self.storage_probe_seconds and math.isfinite(self.storage_probe_seconds)):
+            raise ValueError(f"storage_probe_seconds: expected a finite number > 0, got {self.storage_probe_seconds}")
+        if self.default_topology is not None:
+            topology_to_config(self.default_topology, conv_kernel=self.conv_kernel, chunk_size=self.default_chunk_size,
+                               microbatch_tokens=self.default_microbatch_tokens)
+
+
+def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chunk_size: int = 64,
+                       microbatch_tokens: int = DEFAULT_MICROBATCH_TOKENS) -> PlanConfig:
+    """PlanConfig of a requested topology (0 fields take the given defaults); ValidationError
+    names the offending `topology.<field>`."""
+    if topo.world_size < 1:
+        raise ValidationError("topology.world_size", f"expected >= 1, got {topo.world_size}")
+    if topo.world_size > MAX_WORLD_SIZE:
+        raise ValidationError("topology.world_size", f"expected <= {MAX_WORLD_SIZE}, got {topo.world_size}")
+    if topo.microbatch_tokens < 0:
+        raise ValidationError("topology.microbatch_tokens", f"expected >= 0 (0: default), got {topo.microbatch_tokens}")
+    if topo.memory_tokens < 0:
+        raise ValidationError("topology.memory_tokens", f"expected >= 0 (0: default), got {topo.memory_tokens}")
+    if topo.chunk_size < 0:
+        raise ValidationError("topology.chunk_size", f"expected >= 0 (0: default), got {topo.chunk_size}")
+    try:
+        return PlanConfig(
+            world_size=topo.world_size,
+            microbatch_tokens=topo.microbatch_tokens or microbatch_tokens,
+            memory_tokens=topo.memory_tokens,
+            chunk_size=topo.chunk_size or chunk_size,
+            conv_kernel=conv_kernel,
+            sharing=not topo.no_sharing,
+            windows=not topo.no_windows,
+        )
+    except ValueError as exc:
+        name, _, msg = str(exc).partition(": ")
+        if msg and name.isidentifier():
+            raise ValidationError(f"topology.{name}", msg) from None
+        raise ValidationError("topology", str(exc)) from None
+
+
+def normalized_topology(cfg: PlanConfig) -> planner_pb2.Topology:
+    """The topology as planned: defaults resolved, so equal requests compare equal."""
+    return planner_pb2.Topology(
+        world_size=cfg.world_size,
+        microbatch_tokens=cfg.microbatch_tokens,
+        memory_tokens=cfg.memory_tokens,
+        chunk_size=cfg.chunk_size,
+        no_sharing=not cfg.sharing,
+        no_windows=not cfg.windows,
+    )
