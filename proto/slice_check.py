@@ -41,7 +41,7 @@ from proto.harts.v1 import plan_pb2
 from proto.plan_decode import LOCAL, ZERO, MicrobatchArrays, PlanValidationError, decode_microbatch
 from proto.plan_validator import check_header
 
-__all__ = ["DecodedSlice", "check_slice"]
+__all__ = ["DecodedSlice", "check_rank", "check_slice"]
 
 
 def _fail(where: str, msg: str):
@@ -69,10 +69,16 @@ def check_slice(slice_: plan_pb2.PlanSlice) -> DecodedSlice:
     Raises:
         PlanValidationError: the first violated rule, naming the microbatch and field.
     """
-    header = slice_.header
-    check_header(header)
+    check_header(slice_.header)
+    return check_rank(slice_.header, slice_.rank)
+
+
+def check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> DecodedSlice:
+    """`check_slice` of one RankPlan under an already checked header (a whole Plan's ranks).
+
+    A rank plan without steps runs FORWARD m, BACKWARD m per microbatch in order.
+    """
     params = header.params
-    rank = slice_.rank
     arrays: list[MicrobatchArrays] = []
     index: dict[int, int] = {}
     for mb in rank.microbatches:
@@ -82,7 +88,8 @@ def check_slice(slice_: plan_pb2.PlanSlice) -> DecodedSlice:
         _check_microbatch(a, params, len(header.tree_ids))
         index[mb.id] = len(arrays)
         arrays.append(a)
-    steps = [(int(s.kind), int(s.microbatch)) for s in rank.steps]
+    steps = [(int(s.kind), int(s.microbatch)) for s in rank.steps] or [
+        (k, i) for i in range(len(arrays)) for k in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD)]
     _check_order(arrays, index, steps, f"rank {rank.rank}")
     return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps)
 

@@ -80,7 +80,7 @@ CASES = ["aligned-branch", "unaligned-branch", "nested", "short-segments-in-one-
 
 def _executor(model, **kw):
     obj = kw.pop("objective", ObjectiveConfig())
-    return Executor(model, ExecutorConfig(chunk_size=C, want_logprobs=True, capture_linear=True, objective=obj, validate=False, **kw))
+    return Executor(model, ExecutorConfig(chunk_size=C, want_logprobs=True, capture_linear=True, objective=obj, validate="none", **kw))
 
 
 @pytest.mark.parametrize("case", CASES)

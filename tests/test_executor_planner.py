@@ -45,7 +45,7 @@ def test_planner_tree_plan_matches_expanded(model, case):
     if "groups" in kw:
         assert len(tree.ranks[0].microbatches) > 1 and tree.header.stats.duplicated_tokens > 0
     ex = _executor(model, objective=ObjectiveConfig(kl_coef=0.05, entropy_coef=0.01, aggregation="seq-mean-token-sum"))
-    ex.cfg.validate = True
+    ex.cfg.validate = "full"
     ref, g_ref = run_and_capture(ex, expanded)
     got, g_got = run_and_capture(ex, tree)
     rep = compare_runs(ref, g_ref, got, g_got)

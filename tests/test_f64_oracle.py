@@ -45,7 +45,7 @@ def test_f64_tree_matches_expanded_to_1e12(spec):
     model = build_model(spec, seed=1).double()
     obj = ObjectiveConfig(kl_coef=0.1, entropy_coef=0.01)
     ex = Executor(model, ExecutorConfig(chunk_size=C, objective=obj, aux_loss_coef=0.01, want_logprobs=True,
-                                        capture_linear=True, validate=False))
+                                        capture_linear=True, validate="none"))
     kw = dict(chunk_size=C, advantages=adv, old_logprobs=old, ref_logprobs=old, all_positions=True)
     ref, g_ref = run_and_capture(ex, make_plan(trajs, sharing=False, **kw))
     got, g_got = run_and_capture(ex, make_plan(trajs, **kw))
@@ -72,7 +72,7 @@ def test_f64_gradient_matches_central_differences(dtype):
     old = [(-5.5 + 0.3 * rng.normal(size=len(t))).tolist() for t in trajs]
     model = build_model("tiny", seed=5).to(dtype)
     obj = ObjectiveConfig(entropy_coef=0.01, kl_coef=0.1, clip_low=0.9, clip_high=10.0)
-    ex = Executor(model, ExecutorConfig(chunk_size=C, objective=obj, aux_loss_coef=0.01, validate=False))
+    ex = Executor(model, ExecutorConfig(chunk_size=C, objective=obj, aux_loss_coef=0.01, validate="none"))
     plan = make_plan(trajs, chunk_size=C, advantages=adv, old_logprobs=old, ref_logprobs=old)
     res, grads = run_and_capture(ex, plan)
     gen = torch.Generator().manual_seed(6)

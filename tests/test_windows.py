@@ -33,7 +33,7 @@ def models():
 
 def _executor(model, **kw):
     return Executor(model, ExecutorConfig(chunk_size=C, want_logprobs=True, capture_linear=True, objective=OBJECTIVE,
-                                          validate=False, check_recompute=True, **kw))
+                                          check_recompute=True, **kw))
 
 
 def _check(model, forest, plan, *, windows_at_least=1, recomputed_at_least=0, **kw):

@@ -10,7 +10,8 @@ One code path for tree plans and trajectory-expanded plans (PlanConfig(sharing=F
 expanded baseline is just a plan whose trees are single trajectories. A `plan_pb2.Plan` runs
 every rank's microbatches in this process (rank after rank, gradients summed: with the plan's
 global normalisers that equals a data-parallel step whose gradients are SUM-reduced); a
-`plan_pb2.PlanSlice` runs one rank. Each microbatch is decoded once (`proto.plan_decode`);
+`plan_pb2.PlanSlice` runs one rank. Each rank is checked in linear time and decoded once
+(`proto.slice_check`; `validate="full"` runs the complete oracle `proto.plan_validator` as well);
 plans made for another chunk size, conv kernel or vocabulary are rejected.
 
 Sharing windows (DESIGN §5.5). The rank's `ExecStep`s are a depth-first walk over its window
@@ -45,6 +46,8 @@ import torch
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 from proto.plan_decode import MicrobatchArrays, decode_microbatch
+from proto.plan_validator import check_header
+from proto.slice_check import check_rank
 from proto.window_exports import export_needs
 from trainer.boundary import kind_of
 from trainer.layout import RowLayout, layout_from_arrays
@@ -56,6 +59,7 @@ from trainer.probes import TrajectoryProbes
 log = logging.getLogger(__name__)
 
 FORWARD, BACKWARD = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
+VALIDATE_MODES = ("check", "full", "none")
 
 
 def kernel_backend(name: str):
@@ -85,8 +89,10 @@ class ExecutorConfig:
     """Return per-trajectory entropies in StepResult.entropies."""
     capture_linear: bool = False
     """Return every linear-attention layer's output per trajectory position (verification)."""
-    validate: bool = True
-    """Run proto.plan_validator on the plan first."""
+    validate: str = "check"
+    """"check": the linear-time slice check (`proto.slice_check`) of every rank; "full": also the
+    complete validator (`proto.plan_validator`, up to 10x the planning time: tests and tools);
+    "none": decode only (bounds checks)."""
     check_recompute: bool = False
     """Assert that a recomputed forward reproduces its first forward's exports bitwise (tests)."""
 
@@ -96,6 +102,8 @@ class ExecutorConfig:
             raise ValueError(f"chunk_size: expected a power of two, got {c}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
+        if self.validate not in VALIDATE_MODES:
+            raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {self.validate!r}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -164,13 +172,12 @@ def rank_steps(rank: plan_pb2.RankPlan) -> list[tuple[int, int]]:
     return [(k, i) for i in range(len(rank.microbatches)) for k in (FORWARD, BACKWARD)]
 
 
-def _validate(plan) -> None:
-    from proto import plan_validator
-
-    if isinstance(plan, plan_pb2.PlanSlice):
-        plan_validator.validate_slice(plan)
-    else:
-        plan_validator.validate_plan(plan)
+def _decode_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan, mode: str) -> tuple[dict[int, MicrobatchArrays], list[tuple[int, int]]]:
+    """Decoded microbatches by id and the execution steps (kind, index) of one rank."""
+    if mode == "none":
+        return {mb.id: decode_microbatch(mb, header.params) for mb in rank.microbatches}, rank_steps(rank)
+    d = check_rank(header, rank)
+    return d.by_id(), d.steps
 
 
 @dataclass(slots=True, kw_only=True)
@@ -230,9 +237,13 @@ class Executor:
         """
         t0 = time.perf_counter()
         self.check_plan(plan)
-        if self.cfg.validate:
-            _validate(plan)
         header, ranks = rank_plans(plan)
+        if self.cfg.validate == "full":
+            from proto import plan_validator
+
+            plan_validator.validate_plan(plan) if isinstance(plan, plan_pb2.Plan) else plan_validator.validate_slice(plan)
+        elif self.cfg.validate == "check":
+            check_header(header)
         norm = _normalizers(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
@@ -277,10 +288,8 @@ class _StepRun:
         self.before_last_backward: Callable[[], None] | None = None
 
     def rank(self, rank: plan_pb2.RankPlan) -> None:
-        params = self.header.params
-        arrays = {mb.id: decode_microbatch(mb, params) for mb in rank.microbatches}
+        arrays, steps = _decode_rank(self.header, rank, self.ex.cfg.validate)
         ids = [mb.id for mb in rank.microbatches]
-        steps = rank_steps(rank)
         order = [ids[i] for k, i in steps if k == FORWARD]
         needs = export_needs(arrays, order)
         open_: dict[int, _Open] = {}
