@@ -50,6 +50,10 @@ class StandInEngine:
             outputs.append(SimpleNamespace(token_ids=ids, logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)]))
         return SimpleNamespace(prompt_token_ids=list(prompt_ids), outputs=outputs)
 
+    def score(self, answer_ids: list[int]) -> float:
+        """A stand-in verifier: a reward in [0, 1] for the final answer."""
+        return float(np.mean(np.asarray(answer_ids) % 3 == 0))
+
     def tool(self, call_ids: list[int]) -> list[int]:
         """A tool observation (e.g. a test run's output) for the call the policy made."""
         return self.rng.integers(0, VOCAB, int(self.rng.integers(4, 12))).tolist()
@@ -68,7 +72,7 @@ def episode_batch(step: int, *, tasks: int, group: int, engine: StandInEngine, p
             traj.add_observation(engine.tool(sample.token_ids))        # the tool's output: context, no loss
             (answer,) = samples_from_vllm(engine.generate(traj.tokens, 1, 10))
             traj.add_completion(answer.token_ids, answer.logprobs)     # turn 2: the final answer
-            traj.reward = float(engine.rng.random() < 0.5)             # e.g. tests passed
+            traj.reward = engine.score(answer.token_ids)               # e.g. the fraction of tests passed
             batch.add(traj)
     grpo_advantages(batch.trajectories)
     return batch
