@@ -3,6 +3,8 @@
 Every step is submitted twice under different batch ids: planned for world size 2 (`ws2-<i>`) and
 world size 1 (`ws1-<i>`). The 2-rank run must end with the parameters of a plain single-process
 loop (executor + AdamW) over the world-size-1 plans: that is the exactness of the SUM gradient sync.
+The last test runs the whole loop: the example generator feeds the planner and torchrun trains with
+FSDP2 from examples/train_tiny_fsdp.toml.
 """
 from __future__ import annotations
 
@@ -117,11 +119,13 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_two_ranks_equal_a_single_process_run_of_the_world_size_1_plans(server, reference, tmp_path):
+def test_two_replicated_ranks_equal_a_single_process_run_of_the_world_size_1_plans(server, reference, tmp_path):
+    """`--data-parallel replicate` (the earlier path: full replicas, one bucketed SUM all-reduce);
+    the FSDP2 default is checked by the full-loop test below."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     out = _run(["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
-                "-m", "trainer.train", *_train_args(server, "--steps", "2", "--step-prefix", "ws2-",
-                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--metrics-jsonl", str(metrics))])
+                "-m", "trainer.train", *_train_args(server, "--steps", "2", "--step-prefix", "ws2-", "--data-parallel",
+                "replicate", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--metrics-jsonl", str(metrics))])
     assert out.returncode == 0, out.stderr[-4000:]
     assert checkpoint.latest(ckpt) == ckpt / "step-00000002"
     assert checkpoint.read_meta(ckpt / "step-00000002")["step_ids"] == ["ws2-0", "ws2-1"]
