@@ -94,3 +94,33 @@ def test_writer_creates_the_folder_rank0_only_and_drops_lines_after_the_resumed_
 )
 def test_staleness_rule(trainer, batch, cfg, expect):
     assert staleness_scale(trainer, batch, cfg) == expect
+
+
+class _Header:
+    """A stand-in PlanHeader of a contract that carries policy_version and trajectory_rewards."""
+
+    class DESCRIPTOR:
+        fields_by_name = {"policy_version": None, "trajectory_rewards": None}
+
+    def __init__(self, version, rewards):
+        self.policy_version, self._has = version, version is not None
+        from proto.arrays import pack
+
+        self.trajectory_rewards = pack(rewards, "float32")
+
+    def HasField(self, name):
+        return self._has
+
+
+def test_batch_version_and_rewards_are_read_when_the_plan_carries_them():
+    from proto.harts.v1 import plan_pb2
+    from trainer.metrics import reward_metrics
+    from trainer.train import batch_policy_version
+
+    assert batch_policy_version(_Header(4, [1.0])) == 4 and batch_policy_version(_Header(None, [1.0])) is None
+    r = reward_metrics(_Header(None, [0.0, 1.0, 0.5]))
+    assert r == pytest.approx({"reward_mean": 0.5, "reward_std": float(np.std([0, 1, 0.5])), "reward_min": 0.0,
+                               "reward_max": 1.0})
+    # today's contract has neither field: nothing is reported, nothing breaks
+    if "policy_version" not in plan_pb2.PlanHeader.DESCRIPTOR.fields_by_name:
+        assert batch_policy_version(plan_pb2.PlanHeader()) is None and reward_metrics(plan_pb2.PlanHeader()) == {}

@@ -129,6 +129,7 @@ def test_two_rank_step_equals_the_one_process_step(runs, mode):
     for rank in (0, 1):
         got = out[rank][mode]["grads"]
         worst = max(float(np.abs(got[k] - one[k]).max() / max(np.abs(one[k]).max(), 1e-12)) for k in one)
+        print(f"{mode} rank {rank}: relative gradient difference {_rel(got, one):.3g}, worst tensor {worst:.3g}")
         assert _rel(got, one) <= 1e-6 and worst <= 1e-5, (mode, rank, _rel(got, one), worst)
     # the gradients do not depend on the data-parallel path: FSDP2 and replicate agree bit for bit here
     if mode == "fsdp":
