@@ -45,6 +45,7 @@ from proto.arrays import pack
 from proto.harts.v1 import rollouts_pb2
 
 log = logging.getLogger(__name__)
+_warned: list[bool] = []  # the missing-contract warning is logged once per process
 
 __all__ = ["Sample", "Trajectory", "RolloutTree", "RolloutBatchBuilder", "grpo_advantages", "samples_from_vllm",
            "samples_from_sglang", "latest_export", "supports_policy_version"]
@@ -280,7 +281,8 @@ class RolloutBatchBuilder:
         if self.policy_version is not None:
             if supports_policy_version():
                 doc["policy_version"] = int(self.policy_version)
-            else:
+            elif not _warned:
+                _warned.append(True)
                 log.warning("policy_version %s not sent: this planner contract has no RolloutBatch.policy_version "
                             "(staleness is then not bounded)", self.policy_version)
         return doc
