@@ -144,3 +144,36 @@ def test_fsdp_reduces_once_per_unit_and_step_and_the_empty_rank_takes_part(runs)
         assert out[rank]["replicate"]["reduce_scatters"] == 0
     assert out[0]["fsdp-empty"]["microbatches"] == sum(len(r.microbatches) for r in plan.ranks) > UNITS
     assert out[1]["fsdp-empty"]["loss"] == 0.0 and out[1]["fsdp-empty"]["reduce_scatters"] == UNITS
+
+
+def test_run_slice_hands_the_hook_to_an_executor_that_takes_it_and_counts_forwards_otherwise():
+    from trainer.distributed import DistContext
+    from trainer.parallelize import GradSync, run_slice
+
+    calls = []
+
+    class WithHook:
+        def run_step(self, plan, *, before_last_backward):
+            calls.append("forward")
+            before_last_backward()
+            calls.append("last backward")
+            return "result"
+
+    sync = GradSync(torch.nn.Linear(2, 2), DistContext())
+    assert run_slice(WithHook(), plan_pb2.PlanSlice(), sync) == "result"
+    assert calls == ["forward", "last backward"] and sync.enabled_at_last_backward
+
+    class Counting:  # today's executor: FORWARD m, BACKWARD m in turn; the hook fires at the last forward
+        model = torch.nn.Linear(2, 2)
+
+        def run_step(self, plan):
+            seen = []
+            for _ in range(3):
+                seen.append(sync.enabled_at_last_backward)
+                self.model(torch.zeros(1, 2))
+            return seen + [sync.enabled_at_last_backward]
+
+    sl = plan_pb2.PlanSlice()
+    for i in range(3):
+        sl.rank.microbatches.add(id=i)
+    assert run_slice(Counting(), sl, sync) == [False, False, False, True]
