@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "logprobs": "forward-only tree execution: per-trajectory log-probabilities",
     "verify": "run tree and expanded plans on the same weights and compare them",
     "train": "trainer client: fetch plans from the service and train (run under torchrun)",
+    "export": "export a training checkpoint as a Hugging Face directory for the generators",
     "gen": "generate synthetic agentic rollouts (group, tree or per-call sampling)",
     "bench": "run the benchmark suite and write benchmarks/results",
     "demo": "end-to-end demo: rollouts -> planner -> tree training on the CPU",

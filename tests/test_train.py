@@ -2,9 +2,13 @@
 ranks, parameter broadcast, DCP checkpoint round trips, config validation and the `harts train` CLI."""
 from __future__ import annotations
 
+import math
 import os
+import re
 import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +24,12 @@ from trainer.distributed import (
     sync_gradients,
     sync_gradients_ref,
 )
+from trainer.config import ConfigError, TrainerConfig, config_from_namespace, load_config, to_dict
 from trainer.models import build_model
-from trainer.train import TrainConfig, torchrun_command
+from trainer.optim import lr_at
+from trainer.train import torchrun_command
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -154,25 +162,71 @@ def test_checkpoint_latest_and_broken_pointer(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kw,field",
+    "flags,message",
     [
-        (dict(steps=0), "steps"),
-        (dict(steps=3, step_ids=["a", "b"]), "step_ids"),
-        (dict(steps=1, lr=0.0), "lr"),
-        (dict(steps=1, max_grad_norm=-1.0), "max_grad_norm"),
-        (dict(steps=1, resume=True), "resume"),
-        (dict(steps=1, checkpoint_every=-1), "checkpoint_every"),
+        (["--job.steps", "0"], "job.steps: expected >= 1"),
+        (["--steps", "3", "--step-ids", "a,b"], "job.step_ids: expected at least steps=3"),
+        (["--optimizer.lr", "0"], "optimizer.lr: expected > 0"),
+        (["--max-grad-norm", "-1"], "optimizer.max_grad_norm: expected >= 0"),
+        (["--resume"], "checkpoint.resume: expected a checkpoint dir"),
+        (["--checkpoint.every", "-1"], "checkpoint.every: expected >= 0"),
+        (["--objective.aggregation", "mean"], "objective.aggregation: expected one of"),
+        (["--data-parallel", "ddp"], "parallelism.data_parallel: expected one of"),
+        (["--lr_schedule.decay", "step"], "lr_schedule.decay: expected one of"),
+        (["--objective.clip_high", "wide"], "config: objective.clip_high: expected a number, got 'wide'"),
     ],
-    ids=["steps", "too-few-ids", "lr", "clip", "resume-without-dir", "every"],
+    ids=["steps", "too-few-ids", "lr", "clip", "resume-without-dir", "every", "aggregation", "dp", "decay", "type"],
 )
-def test_config_rejects_bad_values_naming_the_field(kw, field):
-    with pytest.raises(ValueError, match=f"^{field}: expected"):
-        TrainConfig(planner_url="http://x", **kw)
+def test_config_rejects_bad_values_naming_the_dotted_field(flags, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        load_config(None, flags)
 
 
 def test_step_ids_from_prefix_or_list():
-    assert TrainConfig(planner_url="u", steps=2).step_id(1) == "step-1"
-    assert TrainConfig(planner_url="u", steps=2, step_ids=["a", "b", "c"]).step_id(1) == "b"
+    assert load_config(None, ["--steps", "2"]).step_id(1) == "step-1"
+    assert load_config(None, ["--job.steps", "2", "--job.step_ids", "a,b,c"]).step_id(1) == "b"
+
+
+def test_config_file_then_dotted_overrides(tmp_path):
+    cfg = load_config(ROOT / "examples" / "train_tiny_fsdp.toml", ["--objective.clip_high", "0.28", "--steps", "7"])
+    assert cfg.objective.clip_high == 0.28 and cfg.objective.clip_low == 0.2 and cfg.job.steps == 7
+    assert cfg.lr_schedule.decay == "cosine" and cfg.parallelism.data_parallel == "fsdp"
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("job:\n  steps: 3\nobjective:\n  kl_coef: 0.05\n  aggregation: seq-mean-token-mean\n")
+    y = load_config(yaml_file, ["--objective.kl_coef", "0.1"])
+    assert (y.job.steps, y.objective.kl_coef, y.objective.aggregation) == (3, 0.1, "seq-mean-token-mean")
+    (tmp_path / "typo.toml").write_text("[objective]\nclip_hihg = 0.3\n")
+    with pytest.raises(ConfigError, match="unknown field objective.clip_hihg; expected one of clip_low, clip_high"):
+        load_config(tmp_path / "typo.toml")
+    with pytest.raises(ConfigError, match="expected a .toml, .yaml or .yml file"):
+        (tmp_path / "x.ini").write_text("")
+        load_config(tmp_path / "x.ini")
+
+
+def test_example_config_documents_every_field_and_help_lists_them():
+    """examples/train_tiny_fsdp.toml names every field of TrainerConfig; --help shows each with its docstring."""
+    import tomllib
+
+    doc = tomllib.loads((ROOT / "examples" / "train_tiny_fsdp.toml").read_text())
+    text = (ROOT / "examples" / "train_tiny_fsdp.toml").read_text()
+    help_text = subprocess.run([sys.executable, "-m", "trainer.train", "--help"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=60).stdout
+    for section, values in to_dict(TrainerConfig()).items():
+        for name in values:
+            in_file = name in doc.get(section, {}) or (section, name) == ("planner", "token") and "# token =" in text
+            assert in_file, f"{section}.{name} missing from the example config"
+            assert f"--{section}.{name}" in help_text, f"--{section}.{name} missing from --help"
+    assert "Lower clip range epsilon" in help_text  # field docstrings reach --help
+
+
+def test_lr_schedule_warmup_then_cosine_or_linear():
+    kw = dict(lr=1.0, total_steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    assert [lr_at(i, **kw, decay="constant") for i in (0, 1, 2, 9)] == [1 / 3, 2 / 3, 1.0, 1.0]
+    cos = [lr_at(i, **kw, decay="cosine") for i in range(10)]
+    assert cos[2] == 1.0 and all(a > b for a, b in zip(cos[2:], cos[3:])) and cos[-1] > 0.1
+    assert lr_at(6, **kw, decay="cosine") == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(6, **kw, decay="linear") == pytest.approx(1.0 - 0.9 * 0.5)
+    assert lr_at(50, **kw, decay="linear") == pytest.approx(0.1)
 
 
 def test_harts_train_cli_maps_to_trainer_train_flags(tmp_path):
@@ -182,13 +236,14 @@ def test_harts_train_cli_maps_to_trainer_train_flags(tmp_path):
 
     parser, _ = build_parser()
     args = parser.parse_args(["train", "--steps", "4", "--step-ids", "a,b,c,d", "--lr", "0.003", "--resume",
-                              "--checkpoint-dir", str(tmp_path), "--nproc-per-node", "2", "--chunk-size", "16"])
+                              "--checkpoint-dir", str(tmp_path), "--nproc-per-node", "2", "--chunk-size", "16",
+                              "--objective.clip_high", "0.28", "--config", "examples/train_tiny_fsdp.toml"])
     argv = train_argv(args)
     direct = argparse.ArgumentParser()
     add_arguments(direct)
     again = direct.parse_args(argv)
-    for name in vars(again):
-        assert getattr(again, name) == getattr(args, name), name
+    assert config_from_namespace(again) == config_from_namespace(args)
+    assert config_from_namespace(again).objective.clip_high == 0.28
     cmd = torchrun_command(argv, 2)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=2" in cmd
     assert cmd[cmd.index("-m", 3) + 1] == "trainer.train"

@@ -3,6 +3,8 @@
 Every step is submitted twice under different batch ids: planned for world size 2 (`ws2-<i>`) and
 world size 1 (`ws1-<i>`). The 2-rank run must end with the parameters of a plain single-process
 loop (executor + AdamW) over the world-size-1 plans: that is the exactness of the SUM gradient sync.
+The last test runs the whole loop: the example generator feeds the planner and torchrun trains with
+FSDP2 from examples/train_tiny_fsdp.toml.
 """
 from __future__ import annotations
 
@@ -118,11 +120,13 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_two_ranks_equal_a_single_process_run_of_the_world_size_1_plans(server, reference, tmp_path):
+def test_two_replicated_ranks_equal_a_single_process_run_of_the_world_size_1_plans(server, reference, tmp_path):
+    """`--data-parallel replicate` (the earlier path: full replicas, one bucketed SUM all-reduce);
+    the FSDP2 default is checked by the full-loop test below."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     out = _run(["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
-                "-m", "trainer.train", *_train_args(server, "--steps", "2", "--step-prefix", "ws2-",
-                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--metrics-jsonl", str(metrics))])
+                "-m", "trainer.train", *_train_args(server, "--steps", "2", "--step-prefix", "ws2-", "--data-parallel",
+                "replicate", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--metrics-jsonl", str(metrics))])
     assert out.returncode == 0, out.stderr[-4000:]
     assert checkpoint.latest(ckpt) == ckpt / "step-00000002"
     assert checkpoint.read_meta(ckpt / "step-00000002")["step_ids"] == ["ws2-0", "ws2-1"]
@@ -246,3 +250,121 @@ def test_harts_train_runs_the_same_trainer(server, reference, tmp_path):
                                                               "--checkpoint-dir", str(ckpt))])
     assert out.returncode == 0, out.stderr[-4000:]
     assert _max_rel(_load(ckpt / "step-00000001"), reference["states"][1]) < 1e-6
+
+
+# ---- the full loop: example generator -> planner -> torchrun FSDP2 trainer from the example config
+
+EXAMPLE = ROOT / "examples" / "train_tiny_fsdp.toml"
+
+
+@pytest.fixture(scope="module")
+def loop_server(tmp_path_factory):
+    """A planner fed by examples/generator_submit.py: the same 3 steps planned for 2 ranks (g2-<i>) and 1 (g1-<i>)."""
+    srv = ServerProcess(tmp_path_factory.mktemp("loop") / "planner.db", token=TOKEN).start()
+    for ws in (1, 2):
+        out = _run(["examples/generator_submit.py", "--url", srv.http_url, "--steps", "3", "--world-size", str(ws),
+                    "--batch-prefix", f"g{ws}-", "--chunk-size", str(C), "--microbatch-tokens", "128"])
+        assert out.returncode == 0, out.stderr[-3000:]
+    yield srv
+    srv.stop()
+
+
+def _example_reference(server) -> dict:
+    """One process over the world-size-1 plans with the example config's objective, schedule and clipping."""
+    from trainer.config import load_config
+    from trainer.distributed import DistContext
+    from trainer.optim import lr_at, set_lr
+    from trainer.parallelize import grad_norm_and_clip
+
+    cfg = load_config(EXAMPLE)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(cfg.model.name, seed=cfg.job.seed)
+        params = list(model.parameters())
+        o, ls = cfg.optimizer, cfg.lr_schedule
+        opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        ex = Executor(model, ExecutorConfig(chunk_size=C, objective=cfg.objective, want_entropies=True))
+        out = {"states": [_params(model)], "norms": [], "losses": [], "exp_avg": []}
+        with PlannerClient(server.http_url, token=TOKEN) as c:
+            for i in range(3):
+                set_lr(opt, lr_at(i, lr=o.lr, total_steps=2 if i < 2 else 3, warmup_steps=ls.warmup_steps,
+                                  decay=ls.decay, decay_steps=ls.decay_steps, min_lr_ratio=ls.min_lr_ratio))
+                res = ex.run_step(c.fetch_plan(f"g1-{i}", 0, timeout=30))
+                out["norms"].append(grad_norm_and_clip(params, o.max_grad_norm, DistContext(), sharded=False))
+                out["losses"].append(res.loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                out["states"].append(_params(model))
+                out["exp_avg"].append({n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()})
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _exp_avg(path: Path) -> dict[str, torch.Tensor]:
+    """AdamW's first moment after the checkpoint's steps: after one step it is (1 - beta1) x the clipped gradient."""
+    model = build_model("tiny", seed=12345)
+    opt = make_optimizer(list(model.parameters()), lr=1.0)
+    checkpoint.load(path, model=model, optimizer=opt)
+    return {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+
+
+def test_full_loop_example_config_torchrun_fsdp_equals_one_process_then_resumes_on_one_rank(loop_server, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.executor import StepResult
+    from trainer.models import load_model
+    from trainer.rollouts import latest_export
+
+    ref = _example_reference(loop_server)
+    ckpt, hf, metrics, tb = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "m" / "metrics.jsonl", tmp_path / "tb"
+    paths = ["--planner.url", loop_server.http_url, "--checkpoint.dir", str(ckpt), "--checkpoint.export_dir", str(hf),
+             "--metrics.jsonl", str(metrics), "--metrics.tensorboard_dir", str(tb), "--planner.plan_timeout", "60"]
+    out = _run(["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}", "-m", "trainer.train",
+                "--config", str(EXAMPLE), *paths, "--job.steps", "2", "--job.step_prefix", "g2-"])
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "(fsdp, 2 rank(s))" in out.stderr
+    # The 2-rank FSDP2 step is the one-process step: AdamW's first moment after step 1 is (1 - beta1) x gradient.
+    got, want = _exp_avg(ckpt / "step-00000001"), ref["exp_avg"][0]
+    num = sum(float((got[k].double() - want[k].double()).pow(2).sum()) for k in want)
+    den = sum(float(want[k].double().pow(2).sum()) for k in want)
+    print(f"FSDP2 2-rank vs one process: relative gradient difference {(num / den) ** 0.5:.3g}")
+    assert (num / den) ** 0.5 <= 1e-6, f"relative gradient difference {(num / den) ** 0.5:.3g}"
+    assert _max_rel(_load(ckpt / "step-00000002"), ref["states"][2]) < 1e-5
+    lines = _jsonl(metrics)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m, norm, loss in zip(lines, ref["norms"], ref["losses"]):
+        assert m["grad_norm"] == pytest.approx(norm, rel=1e-6) and m["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-9)
+        for key in ("policy_loss", "lr", "advantage_mean", "advantage_std", "advantage_min", "advantage_max",
+                    "computed_tokens", "expanded_tokens", "compression", "microbatches", "windows", "peak_memory_mib",
+                    "tokens_per_s", "computed_tokens_per_s", "loss_tokens", "policy_version"):
+            assert key in m, key
+        assert m["advantage_max"] > 0 > m["advantage_min"] and m["peak_memory_mib"] > 0 and m["skipped"] == 0
+        if "stats" in StepResult.__dataclass_fields__:  # an executor that sums LossTerms.stats
+            assert 0 <= m["clip_fraction"] <= 1 and m["entropy"] > 0 and m["approx_kl_old"] >= 0
+            assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
+    assert lines[0]["lr"] < lines[1]["lr"]  # one warmup step of the example config
+    # An export for the generators after step 2, carrying its policy version.
+    assert latest_export(hf) == (hf / "step-00000002", 2)
+    exported = load_model(hf / "step-00000002")
+    for k, v in ref["states"][2].items():
+        assert torch.allclose(exported.state_dict()[k], v.to(torch.bfloat16).float(), rtol=0, atol=0.02 * float(v.abs().max()) + 1e-6), k
+
+    # Resume on 1 rank from the 2-rank sharded checkpoint; step 3 is planned for 1 rank. A line
+    # logged after the checkpoint by a run that died must not survive; keep_last prunes.
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"step": 3, "from": "a crashed run"}) + "\n")
+    out = _run(["-m", "trainer.train", "--config", str(EXAMPLE), *paths, "--job.steps", "3",
+                "--job.step_ids", "g2-0,g2-1,g1-2", "--checkpoint.keep_last", "2"])
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "resumed from" in out.stderr
+    lines = _jsonl(metrics)
+    assert [m["step"] for m in lines] == [1, 2, 3] and "from" not in lines[-1]
+    assert lines[-1]["grad_norm"] == pytest.approx(ref["norms"][2], rel=1e-6)
+    assert _max_rel(_load(ckpt / "step-00000003"), ref["states"][3]) < 1e-5
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000002", "step-00000003"]
+    assert latest_export(hf)[1] == 3  # the last step of a run is exported too
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]

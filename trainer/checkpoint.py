@@ -5,7 +5,9 @@ Layout under the checkpoint directory:
     step-00000002/          one DCP checkpoint (.metadata + per-rank shards) + harts.json
     latest                  name of the newest complete checkpoint (replaced atomically)
 
-`save` is collective (every rank calls it); replicated tensors are written once. `harts.json`
+`save` is collective (every rank calls it); FSDP2 shards are written by their owners and replicated
+tensors once, and `load` reshards to whatever world size and data parallelism loads it (a
+checkpoint saved by 2 FSDP2 ranks loads on 1 or 4 ranks, sharded or replicated). `harts.json`
 records the number of completed steps and their step ids, so that `--resume` can refuse a
 checkpoint of another step sequence. `latest` is written last, by rank 0, after every shard and
 the metadata are on disk: a run killed while saving resumes from the previous checkpoint.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -34,7 +37,7 @@ from trainer.distributed import DistContext, barrier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "load", "latest", "read_meta", "CheckpointError"]
+__all__ = ["save", "load", "latest", "read_meta", "prune", "CheckpointError"]
 
 LATEST = "latest"
 META = "harts.json"
@@ -115,6 +118,20 @@ def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Opt
     if step != meta.get("step"):
         raise CheckpointError(f"{path}: expected step {meta.get('step')} (from {META}), got {step} in the DCP state")
     return meta
+
+
+def prune(ckpt_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints under `ckpt_dir` (0: keep all); never the one
+    `latest` names. Returns the removed directories. Call on one rank, after `save`."""
+    if keep <= 0:
+        return []
+    root = Path(ckpt_dir)
+    current = latest(root)
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
+    doomed = [p for p in steps[:-keep] if p != current]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -1,4 +1,7 @@
-"""Data parallelism for the trainer: process group, parameter broadcast, one SUM gradient sync per step.
+"""Process group and the replicated data-parallel path: parameter broadcast, one SUM gradient sync per step.
+
+FSDP2 (the default of `trainer.train`) is set up by `trainer.parallelize`; this module is the
+`--data-parallel replicate` path and the shared process-group plumbing.
 
     ctx = init_distributed()                      # torchrun env or a single process (world size 1)
     broadcast_parameters(model, ctx)              # every replica starts from rank 0's weights
@@ -61,10 +64,12 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(*, timeout_s: float = 1800.0) -> DistContext:
+def init_distributed(*, timeout_s: float = 1800.0, single_process_group: bool = False) -> DistContext:
     """Join the torchrun process group (gloo on CPU, NCCL on CUDA); world size 1 without torchrun.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/MASTER_PORT as set by torchrun.
+    `single_process_group`: without torchrun, create a one-rank group in memory anyway (FSDP2 and
+    sharded checkpoints need one), else run without a process group.
     Side effects: creates the default process group, selects the CUDA device of LOCAL_RANK.
     """
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -73,7 +78,12 @@ def init_distributed(*, timeout_s: float = 1800.0) -> DistContext:
     if cuda:
         torch.cuda.set_device(device)
     if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
-        return DistContext(rank=0, world_size=1, local_rank=0, device=device, initialized=False)
+        if not single_process_group:
+            return DistContext(rank=0, world_size=1, local_rank=0, device=device, initialized=False)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
+        return DistContext(rank=0, world_size=1, local_rank=0, device=device, initialized=True)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                 device_id=device if cuda else None)
@@ -153,11 +163,11 @@ def sync_gradients_ref(params: list[torch.Tensor], ctx: DistContext) -> None:
 
 
 def all_reduce_values(values: list[float], ctx: DistContext, op: str = "sum") -> list[float]:
-    """Reduce a few float64 scalars across ranks ("sum" or "max"); identity on one rank."""
+    """Reduce a few float64 scalars across ranks ("sum", "max" or "min"); identity on one rank."""
     if ctx.world_size == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return t.tolist()
 
 

@@ -15,11 +15,22 @@ and the step loss is sum_p weight_t * mask_p * term_p / denominator:
 Advantages arrive per position (a per-trajectory scalar is broadcast by ingestion). Without old
 log-probs the ratio is taken against the detached current log-probs (on-policy, ratio 1).
 
+`LossTerms.stats` carries unnormalised, detached numerators and counts over the loss entries
+(mask = 1) for the trainer's metrics. They add over microbatches and ranks like the loss does
+(keys ending in `_max` / `_min` reduce with max / min), and the trainer divides at the end:
+
+  loss_tokens        entries with a loss term
+  clipped            entries whose ratio the clip range changed
+  ratio_sum, ratio_sq_sum, ratio_max, ratio_min       importance ratio exp(logprob - old)
+  kl_old_sum         k3 estimate of KL(old || current) per entry: (ratio - 1) - log(ratio)
+  kl_ref_sum         k3 estimate of KL(current || ref) per entry (only with ref log-probs)
+  entropy_sum        per-entry entropy (only when entropies were computed)
+
 Legend: P log-prob entries, T trajectories.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,6 +87,8 @@ class LossTerms:
     entropy: torch.Tensor
     clip_fraction_num: torch.Tensor
     """Number of loss entries whose ratio was clipped (unnormalised)."""
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Detached 0-dim sums / counts / extremes over the loss entries (module docstring)."""
 
 
 def entry_denominator(traj_P: torch.Tensor, norm: Normalizers, aggregation: str) -> torch.Tensor:
@@ -127,7 +140,37 @@ def policy_loss(
         ent = (entropy_P * scale_P).sum()
     loss = policy + cfg.kl_coef * kl - cfg.entropy_coef * ent
     clip_num = (((ratio - clipped).abs() > 0) & (loss_mask_P > 0)).sum()
-    return LossTerms(loss=loss, policy=policy.detach(), kl=kl.detach(), entropy=ent.detach(), clip_fraction_num=clip_num)
+    stats = loss_stats(logprob_P.detach(), old.detach(), ref_logprob_P, entropy_P, loss_mask_P)
+    stats["clipped"] = clip_num.to(stats["loss_tokens"].dtype)
+    return LossTerms(loss=loss, policy=policy.detach(), kl=kl.detach(), entropy=ent.detach(), clip_fraction_num=clip_num,
+                     stats=stats)
+
+
+def loss_stats(logprob_P: torch.Tensor, old_P: torch.Tensor, ref_P: torch.Tensor | None, entropy_P: torch.Tensor | None,
+               loss_mask_P: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metric numerators of `LossTerms.stats` over the entries with mask = 1 (float64, detached).
+
+    An empty selection gives zero sums and counts, ratio_max = -inf and ratio_min = +inf (the
+    identities of max and min), so microbatches and ranks reduce without special cases.
+    """
+    with torch.no_grad():
+        m_P = loss_mask_P > 0
+        log_ratio = (logprob_P.double() - old_P.double())[m_P]
+        ratio = torch.exp(log_ratio)
+        out = {
+            "loss_tokens": m_P.sum().double(),
+            "ratio_sum": ratio.sum(),
+            "ratio_sq_sum": (ratio * ratio).sum(),
+            "ratio_max": ratio.max() if ratio.numel() else ratio.new_tensor(float("-inf")),
+            "ratio_min": ratio.min() if ratio.numel() else ratio.new_tensor(float("inf")),
+            "kl_old_sum": ((ratio - 1.0) - log_ratio).sum(),
+        }
+        if ref_P is not None:
+            d = ref_P.double()[m_P] - logprob_P.double()[m_P]
+            out["kl_ref_sum"] = (torch.exp(d) - d - 1.0).sum()
+        if entropy_P is not None:
+            out["entropy_sum"] = entropy_P.detach().double()[m_P].sum()
+    return out
 
 
 def policy_loss_ref(entries: list[dict], norm: Normalizers, cfg: ObjectiveConfig) -> float:

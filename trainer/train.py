@@ -1,125 +1,88 @@
 """Trainer entry point: each torchrun rank long-polls its plan slices from the planner and trains (DESIGN §5.7).
 
-    torchrun --nproc_per_node=2 -m trainer.train --planner-url http://planner:8000 --token "$HARTS_TOKEN" \\
-        --steps 3 --step-prefix step- --model tiny --chunk-size 64 \\
-        --checkpoint-dir /ckpt --checkpoint-every 1 --resume --metrics-jsonl /ckpt/metrics.jsonl
+    torchrun --nproc_per_node=2 -m trainer.train --config examples/train_tiny_fsdp.toml
+    torchrun --nproc_per_node=2 -m trainer.train --config examples/train_tiny_fsdp.toml \\
+        --objective.clip_high 0.28 --job.steps 10 --checkpoint.export_every 2
+    python -m trainer.train --config ...   # one process (world size 1, no torchrun needed)
+    harts train --nproc-per-node 2 ...     # the same CLI; launches torchrun itself
+    python -m trainer.train --help         # every field of the config, with its default
 
-    python -m trainer.train ...          # one process: world size 1 (no torchrun needed)
-    harts train ...                      # the same CLI; --nproc-per-node N launches torchrun itself
+The run is one `trainer.config.TrainerConfig`: a TOML or YAML file (`--config`, see
+examples/train_tiny_fsdp.toml) overridden by dotted flags (`--section.field value`); the flags
+of earlier releases (`--steps`, `--lr`, `--planner-url`, `--checkpoint-dir`, ...) still work.
 
-Step i (0-based) trains the planner step `--step-ids`[i], or `<step-prefix><i>` (`harts gen`
-names batches `step-0`, `step-1`, ...). Every rank builds the model from `--seed` and then takes
-rank 0's weights (a broadcast), long-polls its own slice of the step's plan (the next step's
-slice is fetched in the background while the current one trains), runs it with the executor
-(forward + backward per microbatch, no communication), SUM-reduces the gradients once (see
-`trainer.distributed` for why SUM), optionally clips them, steps AdamW and logs one metrics line
-from rank 0 (also appended to `--metrics-jsonl`). The plan's world size must equal torchrun's,
-and its chunk size, conv kernel and vocabulary the model's. Checkpoints (DCP: model, optimizer,
-step) go to `--checkpoint-dir` every `--checkpoint-every` steps and after the last one;
-`--resume` continues from the newest one. SIGTERM (on any rank) finishes the current step,
-checkpoints and exits 0 (a rank still waiting for a plan exits at once, keeping the previous
-checkpoint: a collective save cannot start while another rank computes). Errors (planner
-unreachable, a plan for another topology, vocabulary or chunk size) print one line per rank and
-exit 1.
+Step i (0-based) trains the planner step `job.step_ids[i]`, or `<job.step_prefix><i>`. Every rank
+builds the model from `job.seed`, applies `trainer.parallelize` (FSDP2 by default, or
+`--data-parallel replicate`), long-polls its own slice of the step's plan (the next one is
+fetched in the background while the current one trains), runs it with the executor (no
+gradient communication until the rank's last backward; a rank without microbatches runs a
+zero-loss stand-in so that it takes part in the collectives), SUM-reduces gradients once, clips
+them, sets the scheduled learning rate, steps AdamW and logs one metrics line from rank 0
+(`trainer.metrics` lists the keys; JSONL and TensorBoard). The plan's world size must equal
+torchrun's, and its chunk size, conv kernel and vocabulary the model's.
 
-Metrics per step: loss (the step's total, summed over ranks), computed_tokens (rows run, replay
-included, all ranks), expanded_tokens (the trajectory-expanded batch), compression
-(expanded / computed), seconds (execute + sync + optimizer, without waiting for the plan),
-wait_seconds (waiting for the plan), tokens_per_s (expanded tokens per second: update throughput).
+Checkpoints (sharded DCP: model, optimizer, step; loadable at any world size) go to
+`checkpoint.dir` every `checkpoint.every` steps and after the last one, keeping the newest
+`checkpoint.keep_last`; `checkpoint.resume` continues from the newest one. Every
+`checkpoint.export_every` steps rank 0 writes a Hugging Face directory for the generators
+(`trainer.export`) carrying the policy version (= completed steps). A batch submitted with a
+`policy_version` older than `staleness.max_staleness` versions is rejected (skipped) or
+down-weighted (`staleness.mode`). SIGTERM (on any rank) finishes the current step, checkpoints
+and exits 0 (a rank still waiting for a plan exits at once, keeping the previous checkpoint).
+Errors (bad config, planner unreachable, a plan for another topology, vocabulary or chunk size)
+print one line per rank and exit 1.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+
+from trainer.config import ConfigError, TrainerConfig, add_config_arguments, config_from_namespace, to_dict
 
 log = logging.getLogger("trainer.train")
 
-__all__ = ["TrainConfig", "TrainError", "train", "add_arguments", "config_from_args", "main"]
+__all__ = ["TrainerConfig", "TrainError", "train", "add_arguments", "config_from_args", "main", "staleness_scale"]
 
 
 class TrainError(Exception):
     """A failure the user can act on (shown as one line, no traceback)."""
 
 
-@dataclass(slots=True, kw_only=True)
-class TrainConfig:
-    """One training run of the trainer client."""
+def staleness_scale(trainer_version: int, batch_version: int | None, cfg) -> tuple[int | None, float]:
+    """(staleness, gradient factor) of a batch; factor 0.0 means reject (skip the step).
 
-    planner_url: str
-    """Base URL of the planner service's HTTP API."""
-    steps: int
-    """Total number of steps of the run (a resumed run continues up to this count)."""
-    token: str | None = None
-    """Bearer token of the planner (None: no Authorization header)."""
-    step_prefix: str = "step-"
-    """Step i is `<step_prefix><i>` unless step_ids is given."""
-    step_ids: list[str] = field(default_factory=list)
-    """Explicit planner step ids, one per step (at least `steps` of them)."""
-    model: str = "tiny"
-    """A named config (tiny, tiny-dense, tiny-deep, small: random weights from `seed`) or a Hugging Face directory."""
-    seed: int = 0
-    """Seed of the random weights (every rank then takes rank 0's)."""
-    lr: float = 1e-4
-    """AdamW learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    max_grad_norm: float = 0.0
-    """Clip the global gradient norm to this (0: no clipping; the norm is logged either way)."""
-    backend: str = "ref"
-    """Gated delta rule kernel backend: "ref" (PyTorch) or "triton"."""
-    chunk_size: int = 64
-    """Linear-attention kernel chunk size C; the plans must be made for it."""
-    checkpoint_dir: str | None = None
-    """Where DCP checkpoints go (None: no checkpoints)."""
-    checkpoint_every: int = 0
-    """Checkpoint every K completed steps (0: only after the last step)."""
-    resume: bool = False
-    """Continue from the newest checkpoint in checkpoint_dir (a fresh start when there is none)."""
-    metrics_jsonl: str | None = None
-    """Rank 0 appends one JSON line of metrics per step here."""
-    plan_timeout: float = 600.0
-    """Seconds to wait for one step's plan slice (long-poll)."""
-    ready_timeout: float = 120.0
-    """Seconds to wait for the planner to answer /readyz at start-up."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps: expected >= 1, got {self.steps}")
-        if self.step_ids and len(self.step_ids) < self.steps:
-            raise ValueError(f"step_ids: expected at least steps={self.steps} ids, got {len(self.step_ids)}")
-        if any(not s for s in self.step_ids):
-            raise ValueError(f"step_ids: expected non-empty ids, got {self.step_ids}")
-        if self.lr <= 0:
-            raise ValueError(f"lr: expected > 0, got {self.lr}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm: expected >= 0 (0: no clipping), got {self.max_grad_norm}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every: expected >= 0, got {self.checkpoint_every}")
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("resume: expected a checkpoint_dir to resume from, got none; pass --checkpoint-dir")
-        if self.plan_timeout <= 0 or self.ready_timeout <= 0:
-            raise ValueError(f"plan_timeout/ready_timeout: expected > 0, got {self.plan_timeout}, {self.ready_timeout}")
-
-    def step_id(self, i: int) -> str:
-        return self.step_ids[i] if self.step_ids else f"{self.step_prefix}{i}"
+    staleness = trainer_version - batch_version (None when the batch carries no version: no bound).
+    Within `cfg.max_staleness` (or unbounded, -1) the factor is 1; beyond it "reject" gives 0 and
+    "downweight" gives decay ** (staleness - max_staleness).
+    """
+    if batch_version is None:
+        return None, 1.0
+    s = trainer_version - batch_version
+    if cfg.max_staleness < 0 or s <= cfg.max_staleness:
+        return s, 1.0
+    if cfg.mode == "reject":
+        return s, 0.0
+    return s, cfg.decay ** (s - cfg.max_staleness)
 
 
-def train(cfg: TrainConfig) -> dict:
+def batch_policy_version(header) -> int | None:
+    """The policy_version a step's batch was sampled with, when the plan carries one."""
+    if "policy_version" not in header.DESCRIPTOR.fields_by_name or not header.HasField("policy_version"):
+        return None
+    return int(header.policy_version)
+
+
+def train(cfg: TrainerConfig) -> dict:
     """Run the training loop on this rank; returns the last step's metrics (rank 0's view).
 
-    Side effects: joins (and finally leaves) the torchrun process group, handles SIGTERM while it
-    runs, writes checkpoints and metrics.
+    Side effects: joins (and finally leaves) the torchrun process group (FSDP2 without torchrun:
+    a one-rank group in memory), handles SIGTERM while it runs, writes checkpoints, exports and
+    metrics.
     Raises:
         TrainError: planner unreachable, a plan this rank cannot run, a checkpoint of another run.
     """
@@ -128,57 +91,71 @@ def train(cfg: TrainConfig) -> dict:
 
     from trainer import checkpoint
     from trainer.client import ChecksumError, PlannerClient, PlannerError, RetryPolicy
-    from trainer.distributed import broadcast_parameters, init_distributed, shutdown
+    from trainer.distributed import init_distributed, shutdown
     from trainer.executor import Executor, ExecutorConfig
+    from trainer.metrics import MetricsWriter
     from trainer.models import build_model
     from trainer.optim import make_optimizer
+    from trainer.parallelize import GradSync, make_mesh, parallelize
 
     stop = _StopFlag()
     stop.install()
-    ctx = init_distributed()
+    fsdp = cfg.parallelism.data_parallel == "fsdp"
+    ctx = init_distributed(single_process_group=fsdp)
     prefix = f"[rank {ctx.rank}/{ctx.world_size}] "
     client = None
     try:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, seed=cfg.seed).to(ctx.device)
-        broadcast_parameters(model, ctx)
+        torch.manual_seed(cfg.job.seed)
+        try:
+            model = build_model(cfg.model.name, seed=cfg.job.seed).to(ctx.device)
+            model = parallelize(model, make_mesh(cfg.parallelism, ctx), cfg.parallelism, ctx)
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-        executor = Executor(model, ExecutorConfig(chunk_size=cfg.chunk_size, backend=cfg.backend))
+        o = cfg.optimizer
+        opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        ex_cfg = dict(chunk_size=cfg.executor.chunk_size, backend=cfg.executor.backend, objective=cfg.objective,
+                      aux_loss_coef=cfg.executor.aux_loss_coef, want_entropies=cfg.metrics.entropy)
+        executor = Executor(model, ExecutorConfig(**ex_cfg))
+        stand_in = Executor(model, ExecutorConfig(**ex_cfg, validate=False))
+        sync = GradSync(model, ctx)
 
-        start = 0
-        if cfg.resume:
-            start = _resume(cfg, model, opt, checkpoint)
-        if start >= cfg.steps:
-            log.info("checkpoint already has %d of %d steps; nothing to do", start, cfg.steps)
+        start = _resume(cfg, model, opt, checkpoint) if cfg.checkpoint.resume else 0
+        if start >= cfg.job.steps:
+            log.info("checkpoint already has %d of %d steps; nothing to do", start, cfg.job.steps)
             return {"step": start}
 
-        client = PlannerClient(cfg.planner_url, token=cfg.token, retry=RetryPolicy(attempts=4, backoff_s=0.2))
+        client = PlannerClient(cfg.planner.url, token=cfg.planner.token, retry=RetryPolicy(attempts=4, backoff_s=0.2))
         try:
-            client.wait_ready(cfg.ready_timeout)
+            client.wait_ready(cfg.planner.ready_timeout)
         except TimeoutError:
-            raise TrainError(f"planner at {cfg.planner_url}: not reachable or not ready after {cfg.ready_timeout:g} s "
-                             "(check --planner-url and that `harts serve` is running)") from None
+            raise TrainError(f"planner at {cfg.planner.url}: not reachable or not ready after {cfg.planner.ready_timeout:g} s "
+                             "(check --planner.url and that `harts serve` is running)") from None
         if ctx.is_main:
-            log.info("planner %s ready; training steps %d..%d of %d", cfg.planner_url, start + 1, cfg.steps, cfg.steps)
+            log.info("planner %s ready; training steps %d..%d of %d (%s, %d rank(s))", cfg.planner.url, start + 1,
+                     cfg.job.steps, cfg.job.steps, cfg.parallelism.data_parallel, ctx.world_size)
 
         def fetch(i: int):
             sid = cfg.step_id(i)
+            timeout = cfg.planner.plan_timeout
             try:
-                return client.fetch_plan(sid, ctx.rank, timeout=cfg.plan_timeout, poll=min(30.0, cfg.plan_timeout))
+                return client.fetch_plan(sid, ctx.rank, timeout=timeout, poll=min(30.0, timeout))
             except PlannerError as exc:
                 raise TrainError(f"step {sid!r} rank {ctx.rank}: the planner answered {exc}") from None
             except TimeoutError:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: no plan after {cfg.plan_timeout:g} s "
+                raise TrainError(f"step {sid!r} rank {ctx.rank}: no plan after {timeout:g} s "
                                  "(was the step submitted and planned?)") from None
             except ChecksumError as exc:
                 raise TrainError(f"step {sid!r} rank {ctx.rank}: corrupted plan slice: {exc}") from None
 
-        metrics_file = open(cfg.metrics_jsonl, "a") if cfg.metrics_jsonl and ctx.is_main else None
+        try:
+            writer = MetricsWriter(cfg.metrics, is_main=ctx.is_main, resume_step=start if cfg.checkpoint.resume else -1)
+        except (OSError, ValueError) as exc:
+            raise TrainError(f"metrics: {exc}") from None
         prefetch = _Prefetch(fetch, start)
         last: dict = {}
         try:
-            for i in range(start, cfg.steps):
+            for i in range(start, cfg.job.steps):
                 sid = cfg.step_id(i)
                 t_wait = time.perf_counter()
                 plan = prefetch.get(i, stop)
@@ -188,32 +165,24 @@ def train(cfg: TrainConfig) -> dict:
                     last["stopped"] = True
                     break
                 wait_seconds = time.perf_counter() - t_wait
-                if i + 1 < cfg.steps:
+                if i + 1 < cfg.job.steps:
                     prefetch.start(i + 1)
-                last, stopping = _train_step(plan, i, cfg, ctx, executor, params, opt, stop)
+                last, stopping = _train_step(plan, i, cfg, ctx, executor, stand_in, sync, model, params, opt, stop)
                 last["wait_seconds"] = wait_seconds
                 done = i + 1
                 if ctx.is_main:
-                    log.info("step %d/%d %s loss %.6f grad_norm %.4g tokens %d computed / %d expanded (%.2fx) "
-                             "%.3f s %.0f tok/s", done, cfg.steps, sid, last["loss"], last["grad_norm"],
+                    log.info("step %d/%d %s loss %.6f grad_norm %.4g lr %.3g tokens %d computed / %d expanded (%.2fx) "
+                             "%.3f s %.0f tok/s%s", done, cfg.job.steps, sid, last["loss"], last["grad_norm"], last["lr"],
                              last["computed_tokens"], last["expanded_tokens"], last["compression"], last["seconds"],
-                             last["tokens_per_s"])
-                    if metrics_file is not None:
-                        metrics_file.write(json.dumps(last) + "\n")
-                        metrics_file.flush()
-                every = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-                if cfg.checkpoint_dir and (every or done == cfg.steps or stopping):
-                    path = checkpoint.save(cfg.checkpoint_dir, step=done, model=model, optimizer=opt,
-                                           meta=_meta(cfg, done), ctx=ctx)
-                    if ctx.is_main:
-                        log.info("checkpoint %s", path)
+                             last["tokens_per_s"], " (stale batch rejected)" if last.get("skipped") else "")
+                writer.write(last)
+                _save_and_export(cfg, ctx, model, opt, checkpoint, done, final=done == cfg.job.steps or stopping)
                 if stopping:
                     if ctx.is_main:
-                        log.warning("SIGTERM: stopped after step %d of %d", done, cfg.steps)
+                        log.warning("SIGTERM: stopped after step %d of %d", done, cfg.job.steps)
                     break
         finally:
-            if metrics_file is not None:
-                metrics_file.close()
+            writer.close()
         return last
     except TrainError as exc:
         raise TrainError(prefix + str(exc)) from None
@@ -224,36 +193,125 @@ def train(cfg: TrainConfig) -> dict:
         shutdown(ctx)
 
 
-def _train_step(plan, i: int, cfg: TrainConfig, ctx, executor, params, opt, stop: "_StopFlag") -> tuple[dict, bool]:
-    """One step on this rank: run the slice, SUM-sync gradients, clip, AdamW.
+def _train_step(plan, i: int, cfg: TrainerConfig, ctx, executor, stand_in, sync, model, params, opt,
+                stop: "_StopFlag") -> tuple[dict, bool]:
+    """One step on this rank: run the slice, SUM-reduce gradients, clip, schedule the lr, AdamW.
 
     Returns:
         (metrics reduced over ranks, whether any rank has seen SIGTERM).
     """
-    from trainer.distributed import all_reduce_values, sync_gradients
+    from proto.arrays import unpack
+    from trainer.distributed import all_reduce_values
+    from trainer.metrics import STAT_MAX, STAT_MIN, STAT_SUMS, advantage_partials, moments, peak_memory_mib, \
+        reward_metrics, stat_metrics
+    from trainer.optim import lr_at, set_lr
+    from trainer.parallelize import grad_norm_and_clip, participation_slice, run_slice, scale_grads
 
     sid = cfg.step_id(i)
     t0 = time.perf_counter()
     _check_slice(plan, sid, ctx)
-    try:
-        res = executor.run_step(plan)  # forward + backward of every microbatch, no communication
-    except ValueError as exc:
-        raise TrainError(f"step {sid!r}: {exc}") from None
-    sync_gradients(params, ctx)
-    grad_norm = _clip(params, cfg.max_grad_norm)
-    opt.step()
+    version = batch_policy_version(plan.header)
+    staleness, factor = staleness_scale(i, version, cfg.staleness)
+    ls = cfg.lr_schedule
+    lr = lr_at(i, lr=cfg.optimizer.lr, total_steps=cfg.job.steps, warmup_steps=ls.warmup_steps, decay=ls.decay,
+               decay_steps=ls.decay_steps, min_lr_ratio=ls.min_lr_ratio)
+    set_lr(opt, lr)
+    if ctx.device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    res, grad_norm, n_mb = None, 0.0, len(plan.rank.microbatches)
+    if factor > 0:
+        runner, work = executor, plan
+        if not n_mb:  # no microbatches here: a zero-loss stand-in keeps this rank in the collectives
+            runner, work = stand_in, participation_slice(plan, conv_kernel=model.config.linear_conv_kernel_dim)
+        try:
+            res = run_slice(runner, work, sync)  # forward + backward of every microbatch
+        except ValueError as exc:
+            raise TrainError(f"step {sid!r}: {exc}") from None
+        sync.finish_step(params)
+        scale_grads(params, factor)
+        grad_norm = grad_norm_and_clip(params, cfg.optimizer.max_grad_norm, ctx, sharded=sync.fsdp)
+        opt.step()
     opt.zero_grad(set_to_none=True)
-    loss, policy, kl, computed, loss_tokens, n_mb, stopping = all_reduce_values(
-        [res.loss, res.policy_loss, res.kl, res.computed_tokens, res.loss_tokens, res.microbatches,
-         float(stop.requested)], ctx)
+
+    real = res is not None and n_mb > 0
+    stats = (getattr(res, "stats", None) or {}) if real else {}
+    adv = advantage_partials(plan)
+    sums = [res.loss if real else 0.0, res.policy_loss if real else 0.0, res.kl if real else 0.0,
+            res.aux_loss if real else 0.0, res.computed_tokens if real else 0, res.loss_tokens if real else 0.0, n_mb,
+            getattr(res, "windows", 0) if real else 0, getattr(res, "recomputed_microbatches", 0) if real else 0,
+            float(stop.requested), *adv[:3]]
+    sums += [float(stats.get(k, 0.0)) for k in STAT_SUMS] + [float(k in stats) for k in STAT_SUMS]
+    maxes = [adv[3], peak_memory_mib(ctx.device)] + [float(stats.get(k, float("-inf"))) for k in STAT_MAX]
+    mins = [adv[4]] + [float(stats.get(k, float("inf"))) for k in STAT_MIN]
+    sums = all_reduce_values(sums, ctx, "sum")
+    maxes = all_reduce_values(maxes, ctx, "max")
+    mins = all_reduce_values(mins, ctx, "min")
+    loss, policy, kl, aux, computed, loss_tokens, mbs, windows, recomputed, stopping, an, asum, asq = sums[:13]
+    k = len(STAT_SUMS)
+    stat_sums = {key: v for key, v, have in zip(STAT_SUMS, sums[13:13 + k], sums[13 + k:]) if have > 0}
+    stat_max = {key: v for key, v in zip(STAT_MAX, maxes[2:]) if v != float("-inf")}
+    stat_min = {key: v for key, v in zip(STAT_MIN, mins[1:]) if v != float("inf")}
     seconds = time.perf_counter() - t0
-    return {
-        "step": i + 1, "step_id": sid, "loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": grad_norm,
-        "computed_tokens": int(computed), "expanded_tokens": res.expanded_tokens,
-        "compression": res.expanded_tokens / max(computed, 1.0), "loss_tokens": loss_tokens,
-        "microbatches": int(n_mb), "seconds": seconds, "tokens_per_s": res.expanded_tokens / seconds,
-        "computed_tokens_per_s": computed / seconds, "lr": cfg.lr, "world_size": ctx.world_size,
-    }, stopping > 0
+    expanded = int(plan.header.stats.expanded_tokens) or int(
+        unpack(plan.header.trajectory_lengths, "int32", name="trajectory_lengths").sum())
+    out = {
+        "step": i + 1, "step_id": sid, "policy_version": i + 1, "loss": loss, "policy_loss": policy, "kl": kl,
+        "aux_loss": aux, "grad_norm": grad_norm, "lr": lr, "loss_tokens": loss_tokens,
+        "computed_tokens": int(computed), "expanded_tokens": expanded,
+        "compression": expanded / max(computed, 1.0), "microbatches": int(mbs), "windows": int(windows),
+        "recomputed_microbatches": int(recomputed), "seconds": seconds,
+        "tokens_per_s": expanded / seconds if factor > 0 else 0.0,
+        "computed_tokens_per_s": computed / seconds, "peak_memory_mib": maxes[1], "world_size": ctx.world_size,
+        "skipped": int(factor == 0),
+    }
+    if an > 0:
+        out["advantage_mean"], out["advantage_std"] = moments(an, asum, asq)
+        out["advantage_min"], out["advantage_max"] = mins[0], maxes[0]
+    out.update(stat_metrics(stat_sums, stat_max, stat_min))
+    out.update(reward_metrics(plan.header))
+    if version is not None:
+        out.update(batch_policy_version=version, staleness=staleness, staleness_scale=factor)
+    return out, stopping > 0
+
+
+def _save_and_export(cfg: TrainerConfig, ctx, model, opt, checkpoint, done: int, *, final: bool) -> None:
+    """Checkpoint (with retention) and export at their intervals; collective."""
+    c = cfg.checkpoint
+    if c.dir and ((c.every and done % c.every == 0) or final):
+        path = checkpoint.save(c.dir, step=done, model=model, optimizer=opt, meta=_meta(cfg, model, done), ctx=ctx)
+        if ctx.is_main:
+            log.info("checkpoint %s", path)
+            for old in checkpoint.prune(c.dir, c.keep_last):
+                log.info("checkpoint retention (keep_last=%d): removed %s", c.keep_last, old)
+    if c.export_every and (done % c.export_every == 0 or final):
+        _export(cfg, ctx, model, done)
+
+
+def _export(cfg: TrainerConfig, ctx, model, done: int) -> None:
+    """Write `<exports>/step-XXXXXXXX` (HF directory, policy_version = done) from rank 0; collective."""
+    from pathlib import Path
+
+    from trainer.distributed import barrier
+    from trainer.export import DTYPES, point_latest, prune, write_hf_dir
+    from trainer.parallelize import is_fsdp
+
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = model.state_dict()
+    if ctx.is_main:
+        root = Path(cfg.checkpoint.exports)
+        name = f"step-{done:08d}"
+        out = write_hf_dir(root / name, state, model.config, dtype=DTYPES[cfg.checkpoint.export_dtype],
+                           meta={"policy_version": done, "step_ids": [cfg.step_id(j) for j in range(done)]})
+        point_latest(root, name)
+        prune(root, cfg.checkpoint.keep_last_exports)
+        log.info("export %s (policy_version %d)", out, done)
+    barrier(ctx)
 
 
 def _check_slice(plan, sid: str, ctx) -> None:
@@ -266,32 +324,23 @@ def _check_slice(plan, sid: str, ctx) -> None:
         raise TrainError(f"step {sid!r}: expected the slice of rank {ctx.rank}, got rank {plan.rank.rank}")
 
 
-def _clip(params, max_norm: float) -> float:
-    """Global gradient norm (before clipping); clips in place when max_norm > 0."""
-    import torch
-
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+def _meta(cfg: TrainerConfig, model, done: int) -> dict:
+    config = to_dict(cfg)
+    config["planner"].pop("token", None)  # never write the bearer token to disk
+    return {"step_ids": [cfg.step_id(i) for i in range(done)], "model": cfg.model.name, "seed": cfg.job.seed,
+            "lr": cfg.optimizer.lr, "model_config": model.config.to_hf_dict(), "config": config}
 
 
-def _meta(cfg: TrainConfig, done: int) -> dict:
-    return {"step_ids": [cfg.step_id(i) for i in range(done)], "model": cfg.model, "seed": cfg.seed, "lr": cfg.lr}
-
-
-def _resume(cfg: TrainConfig, model, opt, checkpoint) -> int:
+def _resume(cfg: TrainerConfig, model, opt, checkpoint) -> int:
     """Load the newest checkpoint; returns the number of completed steps (0 without one)."""
     try:
-        path = checkpoint.latest(cfg.checkpoint_dir)
+        path = checkpoint.latest(cfg.checkpoint.dir)
         if path is None:
-            log.info("--resume: no checkpoint in %s; starting at step 0", cfg.checkpoint_dir)
+            log.info("--resume: no checkpoint in %s; starting at step 0", cfg.checkpoint.dir)
             return 0
         meta = checkpoint.read_meta(path)
         done = int(meta["step"])
-        want = [cfg.step_id(i) for i in range(min(done, cfg.steps))]
+        want = [cfg.step_id(i) for i in range(min(done, cfg.job.steps))]
         if meta.get("step_ids", [])[: len(want)] != want:
             raise TrainError(f"--resume: {path} trained steps {meta.get('step_ids')}, expected this run's "
                              f"first {len(want)} steps {want}")
@@ -358,39 +407,13 @@ class _StopFlag:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The trainer's flags (shared by `python -m trainer.train` and `harts train`)."""
-    env = os.environ.get
-    p.add_argument("--planner-url", default=env("HARTS_PLANNER_URL", "http://127.0.0.1:8000"),
-                   help="planner HTTP base URL (env HARTS_PLANNER_URL)")
-    p.add_argument("--token", default=env("HARTS_TOKEN") or None, help="bearer token (env HARTS_TOKEN)")
-    p.add_argument("--steps", type=int, required=True, help="total number of steps of the run")
-    ids = p.add_mutually_exclusive_group()
-    ids.add_argument("--step-prefix", default="step-", help="step i is PREFIX<i> (default: step-)")
-    ids.add_argument("--step-ids", default="", help="comma-separated planner step ids, one per step")
-    p.add_argument("--model", default="tiny", help="named config (tiny, tiny-dense, tiny-deep, small) or a Qwen3-Next HF directory")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--max-grad-norm", type=float, default=0.0, help="clip the gradient norm (0: off)")
-    p.add_argument("--backend", default="ref", choices=["ref", "triton"], help="gated delta rule kernel backend")
-    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C (plans must match)")
-    p.add_argument("--checkpoint-dir", default=None, help="DCP checkpoint directory")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: at the end only)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    p.add_argument("--metrics-jsonl", default=None, help="rank 0 appends one JSON line per step here")
-    p.add_argument("--plan-timeout", type=float, default=600.0, help="seconds to wait for a step's plan")
-    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for the planner at start-up")
+    """The trainer's flags (shared by `python -m trainer.train` and `harts train`): `--config` and
+    one `--section.field` per config field (`trainer.config`)."""
+    add_config_arguments(p)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        planner_url=args.planner_url, token=args.token, steps=args.steps, step_prefix=args.step_prefix,
-        step_ids=[s.strip() for s in args.step_ids.split(",") if s.strip()], model=args.model, seed=args.seed,
-        lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, backend=args.backend,
-        chunk_size=args.chunk_size, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, metrics_jsonl=args.metrics_jsonl, plan_timeout=args.plan_timeout,
-        ready_timeout=args.ready_timeout,
-    )
+def config_from_args(args: argparse.Namespace) -> TrainerConfig:
+    return config_from_namespace(args)
 
 
 def torchrun_command(argv: list[str], nproc: int) -> list[str]:
@@ -405,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         train(cfg)
-    except (TrainError, ValueError) as exc:
+    except (TrainError, ConfigError, ValueError) as exc:
         print(f"trainer.train: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -415,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog="Example config: examples/train_tiny_fsdp.toml (every field, documented).")
     add_arguments(p)
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
