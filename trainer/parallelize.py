@@ -47,7 +47,6 @@ Assumption about the model (trainer/models/qwen3_next.py): the decoder blocks ar
 """
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
@@ -146,36 +145,10 @@ class GradSync:
             sync_gradients(params, self.ctx)
 
 
-def _accepts_before_last_backward(executor) -> bool:
-    try:
-        return "before_last_backward" in inspect.signature(executor.run_step).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def run_slice(executor, plan: plan_pb2.PlanSlice, sync: GradSync):
-    """`executor.run_step(plan)` with `sync.before_last_backward` called right before the last backward.
-
-    An executor without the `before_last_backward` argument runs each microbatch's forward and
-    backward in turn (FORWARD m, BACKWARD m): there the hook fires at the root forward of the
-    rank's last microbatch, whose backward is the step's last.
-    """
+    """`executor.run_step(plan)` with `sync.before_last_backward` called right before the last backward."""
     sync.begin_step()
-    if _accepts_before_last_backward(executor):
-        return executor.run_step(plan, before_last_backward=sync.before_last_backward)
-    forwards = sum(1 for s in plan.rank.steps if s.kind == plan_pb2.ExecStep.FORWARD) or len(plan.rank.microbatches)
-    seen = [0]
-
-    def count(module, args):
-        seen[0] += 1
-        if seen[0] == forwards:
-            sync.before_last_backward()
-
-    handle = executor.model.register_forward_pre_hook(count)
-    try:
-        return executor.run_step(plan)
-    finally:
-        handle.remove()
+    return executor.run_step(plan, before_last_backward=sync.before_last_backward)
 
 
 def participation_slice(plan: plan_pb2.PlanSlice, *, conv_kernel: int) -> plan_pb2.PlanSlice:

@@ -117,7 +117,7 @@ def train(cfg: TrainerConfig) -> dict:
         ex_cfg = dict(chunk_size=cfg.executor.chunk_size, backend=cfg.executor.backend, objective=cfg.objective,
                       aux_loss_coef=cfg.executor.aux_loss_coef, want_entropies=cfg.metrics.entropy)
         executor = Executor(model, ExecutorConfig(**ex_cfg))
-        stand_in = Executor(model, ExecutorConfig(**ex_cfg, validate=False))
+        stand_in = Executor(model, ExecutorConfig(**ex_cfg, validate="none"))
         sync = GradSync(model, ctx)
 
         start = _resume(cfg, model, opt, checkpoint) if cfg.checkpoint.resume else 0
