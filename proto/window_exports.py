@@ -102,6 +102,17 @@ def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int]) -> dict[int
     return needs
 
 
+def _union(xs: list[np.ndarray]) -> np.ndarray:
+    """int64 sorted distinct values of the non-negative arrays `xs` (np.unique of their
+    concatenation), in time linear in their sizes and largest value: every importer of a window
+    chain lists the whole root path above it, so these lists are long and heavily repeated."""
+    cat = np.concatenate(xs) if xs else np.zeros(0, np.int64)
+    if cat.shape[0] == 0:
+        return np.zeros(0, np.int64)
+    seen = np.zeros(int(cat.max()) + 1, np.bool_)
+    seen[cat] = True
+    return np.flatnonzero(seen).astype(np.int64)
+
+
 def _finish(parts: dict[str, list[np.ndarray]], states: list[np.ndarray]) -> ExportNeeds:
-    cat = lambda xs: np.unique(np.concatenate(xs)) if xs else np.zeros(0, np.int64)  # noqa: E731
-    return ExportNeeds(rows={k: cat(parts[k]) for k in KINDS}, states=cat(states))
+    return ExportNeeds(rows={k: _union(parts[k]) for k in KINDS}, states=_union(states))

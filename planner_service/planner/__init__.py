@@ -50,6 +50,12 @@ def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_p
     plan = build_plan(source, cfg, part, use_numba=impl == "numba")
     plan.header.stats.plan_seconds = time.perf_counter() - t0
     st = plan.header.stats
+    if st.peak_live_bytes > cfg.memory_bytes:  # the partitioner's estimate bounds the exact stack
+        raise PlanningError(
+            f"memory_tokens: the plan's live window stack holds {st.peak_live_bytes} bytes ({st.peak_live_tokens} "
+            f"row-equivalents), expected <= {cfg.memory_bytes} ({cfg.memory_tokens}); the partitioner's memory "
+            f"estimate was below the exact stack, a planner bug"
+        )
     log.debug(
         "planned %s: %d microbatches, compression %.3f of %.3f, imbalance %.3f, %.3f s",
         forest.batch_id, st.microbatches, st.compression_achieved, st.compression_ideal, st.imbalance, st.plan_seconds,
