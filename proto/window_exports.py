@@ -89,17 +89,26 @@ def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int]) -> dict[int
             own = needs[m] = _finish(parts.pop(m), states.pop(m, []))
         if mb.num_imports:
             used = _used_imports(mb, own)
-            for e in np.unique(mb.import_microbatch).tolist():
+            for e in _distinct(mb.import_microbatch):
                 sel = mb.import_microbatch == e
                 d = parts.setdefault(e, {k: [] for k in KINDS})
                 for k in KINDS:
                     d[k].append(mb.import_row[sel & used[k]].astype(np.int64))
-        for e in np.unique(mb.state_import_microbatch).tolist():
+        for e in _distinct(mb.state_import_microbatch):
             parts.setdefault(e, {k: [] for k in KINDS})
             states.setdefault(e, []).append(mb.state_import_state[mb.state_import_microbatch == e].astype(np.int64))
     if parts:
         raise ValueError(f"order: microbatches {sorted(parts)} are imported from but not in the forward order")
     return needs
+
+
+def _distinct(a: np.ndarray) -> list[int]:
+    """Sorted distinct values of `a` (np.unique), at one comparison per entry when they are all
+    equal: a window child imports from its one parent."""
+    if a.shape[0] == 0:
+        return []
+    first = int(a[0])
+    return [first] if bool((a == first).all()) else np.unique(a).tolist()
 
 
 def _union(xs: list[np.ndarray]) -> np.ndarray:

@@ -355,6 +355,7 @@ def _check_partition(f: Forest, cfg: PlanConfig, part, report) -> None:
 
 CASES = [
     dict(world_size=1, microbatch_tokens=64, chunk_size=8),
+    dict(world_size=6, microbatch_tokens=24, chunk_size=4, memory_tokens=30),
     dict(world_size=3, microbatch_tokens=32, chunk_size=8),
     dict(world_size=2, microbatch_tokens=48, chunk_size=16, windows=False),
     dict(world_size=4, microbatch_tokens=16, chunk_size=4, replay=False),
@@ -379,6 +380,10 @@ def test_partition_numba_matches_reference_and_invariants(seed, kw):
         np.testing.assert_array_equal(a.ranges, b.ranges)
         assert (a.parent, a.shared, a.rank, a.recompute) == (b.parent, b.shared, b.rank, b.recompute)
     np.testing.assert_array_equal(report.rows, ref_report.rows)
+    np.testing.assert_array_equal(report.exports, ref_report.exports)
+    np.testing.assert_array_equal(report.live, ref_report.live)
+    for a, b in zip(part.microbatches, ref.microbatches):
+        np.testing.assert_array_equal(a.dup_ranges, b.dup_ranges)
     _check_partition(f, cfg, part, report)
 
 

@@ -61,7 +61,10 @@ class _Layout:
     dup_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted explicit duplicated tokens
     ctx_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted context tokens
     local_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [R] packed order
-    local_sorted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # argsort of local_tok
+    dup_sorted_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # duplicated rows' tokens, sorted
+    dup_sorted_row: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # and their local rows
+    kept_mb: np.ndarray | None = None  # int32 [N_u] microbatch keeping each token (shared by all layouts)
+    kept_row: np.ndarray | None = None  # int64 [N_u] its local row there (filled once laid out)
     packed: dict = field(default_factory=dict)
     seg_forest: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     seg_forest_offset: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
@@ -93,13 +96,17 @@ class _Layout:
         return out
 
     def local_rows(self, toks: np.ndarray) -> np.ndarray:
-        """int64 local row of each token, -1 where the token is not a local row."""
+        """int64 local row of each token, -1 where the token is not a local row (kept rows through
+        the step-wide kept_mb/kept_row tables, duplicated ones by search)."""
         toks = np.asarray(toks, np.int64)
         if self.num_rows == 0:
             return np.full(toks.shape, -1, np.int64)
-        sorted_tok = self.local_tok[self.local_sorted]
-        i = np.minimum(np.searchsorted(sorted_tok, toks), self.num_rows - 1)
-        return np.where(sorted_tok[i] == toks, self.local_sorted[i], -1)
+        rows = np.where(self.kept_mb[toks] == self.mb, self.kept_row[toks], -1)
+        n = self.dup_sorted_tok.shape[0]
+        if n:
+            i = np.minimum(np.searchsorted(self.dup_sorted_tok, toks), n - 1)
+            rows = np.where((rows < 0) & (self.dup_sorted_tok[i] == toks), self.dup_sorted_row[i], rows)
+        return rows
 
     def ext_rows(self, toks: np.ndarray) -> np.ndarray:
         """int64 extended row of each token (local, else imported), -1 when absent."""
@@ -204,10 +211,13 @@ def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool, kep
     L.seg_forest, L.seg_forest_offset, L.seg_dup, L.local_tok = layout_fn(
         P["order"], first, sdup, P["row_seg"], P["seg_start"], tix.seg, tix.off, kept_row,
     )
+    dup_rows = np.flatnonzero(L.seg_dup[P["row_seg"]] == 1) if L.num_rows else np.zeros(0, np.int64)
     if use_numba:
-        L.local_sorted = np.argsort(L.local_tok, kind="stable")
+        L.dup_sorted_row = dup_rows[np.argsort(L.local_tok[dup_rows], kind="stable")]
     else:
-        L.local_sorted = np.array(sorted(range(L.num_rows), key=L.local_tok.__getitem__), np.int64)
+        L.dup_sorted_row = np.array(sorted(dup_rows.tolist(), key=L.local_tok.__getitem__), np.int64)
+    L.dup_sorted_tok = L.local_tok[L.dup_sorted_row]
+    L.kept_row = kept_row
 
 
 def _ext_parent_depth(L: _Layout, tix: _TokenIndex, use_numba: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -296,6 +306,7 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
     kept_mb = np.full(forest.unique_tokens, -1, np.int32)
     for L in layouts:
         kept_mb[L.kept_tok] = L.mb
+        L.kept_mb = kept_mb
     if sum(L.kept_tok.shape[0] for L in layouts) != forest.unique_tokens or (kept_mb < 0).any():
         for L in layouts:  # slow path, only to name the culprit
             if (kept_mb[L.kept_tok] != L.mb).any() or np.unique(L.kept_tok).shape[0] != L.kept_tok.shape[0]:

@@ -32,7 +32,7 @@ groups, W ranks, T trajectories, P placement parts.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -68,6 +68,7 @@ _KERNELS = {
         lp_row_flags=placement.lp_row_flags,
         subtree_sums=placement.subtree_sums,
         subtree_sizes=placement.subtree_sizes,
+        lpt_parts=placement.lpt_parts,
     ),
     "ref": SimpleNamespace(
         **{name: getattr(partition_ref, name) for name in (
@@ -75,7 +76,7 @@ _KERNELS = {
             "window_export_counts", "window_groups", "subtree_costs", "lpt_place", "live_stack", "dfs_order")},
         **{name: getattr(placement_ref, name) for name in (
             "context_costs", "cut_parts", "part_of_units", "rank_closure", "closure_costs", "refine", "lp_row_flags",
-            "subtree_sums", "subtree_sizes")},
+            "subtree_sums", "subtree_sizes", "lpt_parts")},
     ),
 }
 
@@ -86,6 +87,9 @@ SHORT_PREFIX_FRACTION = 0.05
 #: the largest tree (at most PLACEMENT_CAPACITIES of them).
 CAPACITY_STEP = 1.03
 PLACEMENT_CAPACITIES = 64
+#: Largest ranks x units for which LPT tracks every rank's held prefixes (bytes of a bool matrix);
+#: above it parts are placed by their standalone costs.
+HELD_MATRIX_LIMIT = 64 * 1024 * 1024
 #: Placements of the grid that are refined (the best ones by makespan, plus the uncut one).
 REFINED_PLACEMENTS = 3
 #: Subtree moves of the refinement, per rank, and candidates scored exactly per move.
@@ -110,6 +114,9 @@ class PartitionReport:
     windows' live bytes, proto.memory_model)."""
     pieces: int
     """Number of connected pieces level 1 cut the rank forests into."""
+    exports: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """int64 [M] upper bound of the bytes each microbatch keeps as a recomputed open window (its
+    own exported rows and states; 0 for one nobody imports from)."""
     lower_bound: float = 0.0
     """Placement's makespan lower bound estimate: max(total cost / W, the costliest root path)."""
 
@@ -156,7 +163,7 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     if forest.num_segments == 0:
         empty = PartitionReport(
             rows=np.zeros(0, np.int64), kept=np.zeros(0, np.int64), duplicated=np.zeros(0, np.int64),
-            rank_load=np.zeros(W), live=np.zeros(0, np.int64), pieces=0,
+            rank_load=np.zeros(W), live=np.zeros(0, np.int64), pieces=0, exports=np.zeros(0, np.int64),
         )
         return Partition(microbatches=[], rank_steps=[[] for _ in range(W)]), empty
     dup_only = not cfg.windows
@@ -247,6 +254,7 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     est = _Exports(k, cfg, roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent)
     live = _fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now)
     rows = rows_now()
+    exports = est.bytes(shared, rows)[1]
     load = np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
     if not dup_only and W > 1:
         load = np.asarray(k.closure_costs(ru_unit, ru_rank, ru_dup, ru_parent, uc.w, uc.w_dup, uc.rc, W)[0])
@@ -267,7 +275,7 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     ]
     report = PartitionReport(
         rows=rows, kept=kept, duplicated=own_dup + np.where(has_parent & ~shared, ctx, 0),
-        rank_load=load, live=live, pieces=int(pieces.shape[0]), lower_bound=lower_bound,
+        rank_load=load, live=live, pieces=int(pieces.shape[0]), exports=exports, lower_bound=lower_bound,
     )
     log.debug(
         "partition: %d pieces, %d microbatches (%d windows, %d duplicated edges, %d recomputed), "
@@ -338,7 +346,10 @@ def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> t
         pcost = resid[roots] + uc.ctx[roots]
         seq = np.lexsort((roots, -pcost))
         prank = np.empty(roots.shape[0], np.int64)
-        prank[seq] = k.lpt_place(pcost[seq].astype(np.float64), W)[0]
+        if W * U <= HELD_MATRIX_LIMIT:  # parts of a tree share prefixes on a rank
+            prank[seq] = k.lpt_parts(unit_parent, part, roots[seq], resid[roots[seq]], uc.w_dup, W)[0]
+        else:
+            prank[seq] = k.lpt_place(pcost[seq].astype(np.float64), W)[0]
         unit_rank = prank[np.searchsorted(roots, part)]
         results.append((*evaluate(unit_rank), cap, False, unit_rank))
     if not results:  # cannot happen: the smallest capacity fits every root path

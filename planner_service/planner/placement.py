@@ -378,3 +378,71 @@ def subtree_sums(unit_parent, w):
         if p >= 0:
             out[p] += out[u]
     return out
+
+
+@njit(cache=True)
+def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, world_size):
+    """Longest processing time first over parts, each to the rank where it ends soonest counting
+    only the prefix that rank does not hold yet (parts of one tree share their root paths).
+
+    Args:
+        unit_parent: int [U] (preorder); part: int64 [U] root unit of every unit's part.
+        part_root: int64 [P] the part roots, in placement order (costliest first);
+        part_resid: float64 [P] their costs without the prefix; w_dup: float64 [U].
+
+    Returns:
+        rank int64 [P] per part (in the given order), load float64 [W] estimated rank costs.
+    """
+    U = unit_parent.shape[0]
+    P = part_root.shape[0]
+    W = world_size
+    top = np.empty(U, np.int64)  # tree root of every unit
+    for u in range(U):
+        p = unit_parent[u]
+        top[u] = u if p < 0 else top[p]
+    # units of each part, contiguous
+    index = np.full(U, -1, np.int64)
+    for i in range(P):
+        index[part_root[i]] = i
+    off = np.zeros(P + 1, np.int64)
+    for u in range(U):
+        off[index[part[u]] + 1] += 1
+    for i in range(P):
+        off[i + 1] += off[i]
+    fill = off[:-1].copy()
+    members = np.empty(U, np.int64)
+    for u in range(U):
+        i = index[part[u]]
+        members[fill[i]] = u
+        fill[i] += 1
+    held = np.zeros((W, U), np.bool_)
+    load = np.zeros(W, np.float64)
+    rank = np.empty(P, np.int64)
+    for i in range(P):
+        root = part_root[i]
+        best = 0
+        best_val = np.inf
+        for r in range(W):
+            miss = 0.0
+            a = unit_parent[root]
+            if a >= 0 and held[r, top[root]]:
+                while a >= 0 and not held[r, a]:
+                    miss += w_dup[a]
+                    a = unit_parent[a]
+            else:
+                while a >= 0:
+                    miss += w_dup[a]
+                    a = unit_parent[a]
+            val = load[r] + part_resid[i] + miss
+            if val < best_val:
+                best_val = val
+                best = r
+        rank[i] = best
+        load[best] = best_val
+        a = unit_parent[root]
+        while a >= 0 and not held[best, a]:
+            held[best, a] = True
+            a = unit_parent[a]
+        for t in range(off[i], off[i + 1]):
+            held[best, members[t]] = True
+    return rank, load

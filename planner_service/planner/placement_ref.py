@@ -243,3 +243,34 @@ def subtree_sums(unit_parent, w):
             total += out[c]
         out[u] = total
     return np.array(out, np.float64)
+
+
+def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, world_size):
+    """See `placement.lpt_parts`: per rank the set of units its forest holds."""
+    held: list[set[int]] = [set() for _ in range(world_size)]
+    load = [0.0] * world_size
+    ranks = []
+    members: dict[int, list[int]] = {}
+    for u, root in enumerate(part):
+        members.setdefault(int(root), []).append(u)
+    for i, root in enumerate(part_root):
+        root = int(root)
+        path = []  # strict ancestors, nearest first
+        a = int(unit_parent[root])
+        while a >= 0:
+            path.append(a)
+            a = int(unit_parent[a])
+        vals = []
+        for r in range(world_size):
+            miss = 0.0
+            for a in path:  # the kernel's order: nearest ancestor first, stop at a held one
+                if a in held[r]:
+                    break
+                miss += float(w_dup[a])
+            vals.append(load[r] + float(part_resid[i]) + miss)
+        best = min(range(world_size), key=lambda r: (vals[r], r))
+        ranks.append(best)
+        load[best] = vals[best]
+        held[best].update(path)
+        held[best].update(members[root])
+    return np.array(ranks, np.int64), np.array(load, np.float64)
