@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ from planner_service.errors import (
 from planner_service.forest import Forest
 from planner_service.metrics import Metrics
 from planner_service.planner.config import PlanConfig
+from planner_service.planner.cost_model import CostModel
 from planner_service.store import FAILED, PLANNED, SUBMITTED, StepRecord, Store
 from proto.harts.v1 import plan_pb2, planner_pb2, rollouts_pb2
 from proto.plan_io import seal, slice_plan
@@ -84,6 +86,11 @@ class ServiceConfig:
     """Submitted forests kept in memory so planning does not re-ingest them."""
     synchronous: str = "FULL"
     """SQLite synchronous pragma (FULL: durable across power loss; NORMAL: across process crashes)."""
+    cost_model: str = ""
+    """Cost model JSON (`harts calibrate`) for topologies that name none; empty: computed rows."""
+    model: str = ""
+    """Model config.json (JSON text) sizing the memory model for topologies that name none; empty:
+    the planner's default (Qwen3-Next-80B-A3B)."""
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
@@ -97,11 +104,16 @@ class ServiceConfig:
         if self.plan_workers < 1:
             raise ValueError(f"plan_workers: expected >= 1, got {self.plan_workers}")
         if self.default_topology is not None:
-            topology_to_config(self.default_topology, conv_kernel=self.conv_kernel, chunk_size=self.default_chunk_size)
+            topology_to_config(self.default_topology, conv_kernel=self.conv_kernel, chunk_size=self.default_chunk_size,
+                               cost_model=self.cost_model, model=self.model)
 
 
-def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chunk_size: int = 64) -> PlanConfig:
-    """PlanConfig of a requested topology; ValidationError names the offending `topology.<field>`."""
+def topology_to_config(
+    topo: planner_pb2.Topology, *, conv_kernel: int = 4, chunk_size: int = 64, cost_model: str = "", model: str = ""
+) -> PlanConfig:
+    """PlanConfig of a requested topology; ValidationError names the offending `topology.<field>`.
+
+    `cost_model` and `model` (JSON texts) apply when the topology names none."""
     if topo.world_size < 1:
         raise ValidationError("topology.world_size", f"expected >= 1, got {topo.world_size}")
     if topo.world_size > MAX_WORLD_SIZE:
@@ -110,6 +122,14 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
         raise ValidationError("topology.memory_tokens", f"expected >= 0 (0: default), got {topo.memory_tokens}")
     if topo.chunk_size < 0:
         raise ValidationError("topology.chunk_size", f"expected >= 0 (0: default), got {topo.chunk_size}")
+    extra = {}
+    for name, text in (("model", topo.model or model), ("cost_model", topo.cost_model or cost_model)):
+        if not text:
+            continue
+        try:
+            extra[name] = CostModel.from_json(text) if name == "cost_model" else json.loads(text)
+        except (ValueError, TypeError) as exc:
+            raise ValidationError(f"topology.{name}", f"expected a {'cost model' if name == 'cost_model' else 'config.json'} JSON document, got one that does not parse: {exc}") from None
     try:
         return PlanConfig(
             world_size=topo.world_size,
@@ -119,6 +139,9 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
             conv_kernel=conv_kernel,
             sharing=not topo.no_sharing,
             windows=not topo.no_windows,
+            model_config=extra.get("model"),
+            dtype=topo.dtype or "float32",
+            **({"cost_model": extra["cost_model"]} if "cost_model" in extra else {}),
         )
     except ValueError as exc:
         name, _, msg = str(exc).partition(": ")
@@ -136,6 +159,9 @@ def _normalized(cfg: PlanConfig) -> planner_pb2.Topology:
         chunk_size=cfg.chunk_size,
         no_sharing=not cfg.sharing,
         no_windows=not cfg.windows,
+        model=json.dumps(cfg.model_config, sort_keys=True) if cfg.model_config is not None else "",
+        dtype=cfg.dtype,
+        cost_model=cfg.cost_model.to_json() if cfg.cost_model != CostModel() else "",
     )
 
 
@@ -261,7 +287,8 @@ class PlannerCore:
     # ---- plan
 
     def _config(self, topology: planner_pb2.Topology) -> PlanConfig:
-        return topology_to_config(topology, conv_kernel=self.cfg.conv_kernel, chunk_size=self.cfg.default_chunk_size)
+        return topology_to_config(topology, conv_kernel=self.cfg.conv_kernel, chunk_size=self.cfg.default_chunk_size,
+                                  cost_model=self.cfg.cost_model, model=self.cfg.model)
 
     def _step_lock(self, step_id: str) -> threading.Lock:
         with self._guard:
