@@ -492,6 +492,8 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
             if not np.array_equal(mb.depth[r].astype(np.int64), mb.lp_pos.astype(np.int64) - 1):
                 i = int(np.flatnonzero(mb.depth[r] != mb.lp_pos - 1)[0])
                 _fail(f"{mb.where}.lp_row[{i}]", f"expected a row at depth {int(mb.lp_pos[i]) - 1} (position - 1), got depth {int(mb.depth[r[i]])}")
+            if ((mb.lp_traj < 0) | (mb.lp_traj >= len(header.trajectory_ids))).any():
+                _fail(f"{mb.where}.lp_traj", f"expected indices into header.trajectory_ids (< {len(header.trajectory_ids)})")
             if header.params.logprob_positions == plan_pb2.LOGPROB_POSITIONS_LOSS and (mb.lp_loss_mask != 1).any():
                 _fail(f"{mb.where}.lp_loss_mask", "expected only loss positions (mask 1) in a loss-positions plan")
         rows = mb.export_rows
@@ -529,15 +531,25 @@ def _check_header(header: plan_pb2.PlanHeader) -> None:
     if lengths.shape[0] != T:
         _fail("header.trajectory_lengths", f"expected {T} entries, got {lengths.shape[0]}")
     n = header.normalizers
-    if n.num_trajectories != T:
+    local = header.local_tables
+    if not local and n.num_trajectories != T:
         _fail("header.normalizers.num_trajectories", f"expected {T}, got {n.num_trajectories}")
     for name in ("traj_loss_tokens", "traj_weight"):
         a = unpack(getattr(n, name), "float32", name=f"header.normalizers.{name}")
         if a.shape[0] != T:
             _fail(f"header.normalizers.{name}", f"expected {T} entries, got {a.shape[0]}")
     tl = unpack(n.traj_loss_tokens, "float32")
-    if abs(float(tl.astype(np.float64).sum()) - n.total_loss_tokens) > 1e-6 * max(1.0, n.total_loss_tokens):
-        _fail("header.normalizers.total_loss_tokens", f"expected the sum of traj_loss_tokens {float(tl.sum())}, got {n.total_loss_tokens}")
+    total = float(tl.astype(np.float64).sum())
+    if (abs(total - n.total_loss_tokens) if not local else total - n.total_loss_tokens) > 1e-6 * max(1.0, n.total_loss_tokens):
+        _fail("header.normalizers.total_loss_tokens", f"expected {'the sum' if not local else 'at least the sum'} of traj_loss_tokens {total}, got {n.total_loss_tokens}")
+    for name, size, limit in (("trajectory_index", T, n.num_trajectories), ("tree_index", len(header.tree_ids), None)):
+        index = unpack(getattr(header, name), "int32", name=f"header.{name}")
+        if not local:
+            if index.shape[0]:
+                _fail(f"header.{name}", "expected none in a whole plan (its tables are the step's)")
+            continue
+        if index.shape[0] != size or (index.shape[0] and ((np.diff(index) <= 0).any() or index[0] < 0 or (limit is not None and index[-1] >= limit))):
+            _fail(f"header.{name}", f"expected {size} increasing step-wide indices{f' below {limit}' if limit is not None else ''}")
 
 
 def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
@@ -553,6 +565,8 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
         PlanValidationError: the first violated rule.
     """
     header = plan.header
+    if header.local_tables:
+        _fail("header.local_tables", "expected the step's tables in a whole plan (local tables are for slices)")
     _check_header(header)
     p = header.params
     if len(plan.ranks) != p.world_size:
