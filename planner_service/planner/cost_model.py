@@ -53,8 +53,8 @@ class CostModel:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"cost model {name}: expected a finite coefficient >= 0, got {v!r}")
-        if self.row + self.attention <= 0:
-            raise ValueError("cost model: expected row or attention > 0 (a cost that grows with the work), got both 0")
+        if self.row + self.attention + self.linear_call + self.logprob_row <= 0:
+            raise ValueError("cost model: expected a coefficient > 0 (a cost that grows with the work), got all 0")
 
     @property
     def coefficients(self) -> np.ndarray:
