@@ -232,3 +232,14 @@ def test_full_length_style_chain_with_small_microbatches_plans_within_memory():
     st = plan.header.stats
     assert st.peak_live_tokens <= cfg.memory_tokens < 6000
     assert any(mb.recompute for r in plan.ranks for mb in r.microbatches)
+
+
+def test_bench_placement_table_on_tiny_workloads():
+    from benchmarks import suite
+
+    result = suite.run_placement(suite.SuiteConfig(quick=True, trainer=False))
+    rows = result["rows"]
+    assert len(rows) == 3 * 2 * 2 and {r["world_size"] for r in rows} == {2, 4}
+    assert all(r["makespan_ratio"] >= 1.0 - 1e-9 and 0 < r["compression_vs_ideal"] <= 1.0 for r in rows)
+    table = suite.placement_table(rows)
+    assert table.count("\n") == len(rows) + 1 and "| makespan ratio |" in table
