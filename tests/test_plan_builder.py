@@ -279,3 +279,43 @@ def test_logprob_map_kernels_match_references(all_positions):
         order, bounds = group_by(keys, 7)
         np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
         np.testing.assert_array_equal(bounds, np.searchsorted(np.sort(keys), np.arange(8)))
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_builder_arrays_equal_the_decoded_plan(case, monkeypatch):
+    # The memory model runs on the builder's own MicrobatchArrays (no decoding pass): they must
+    # be what decode_microbatch reads back from the serialised microbatch.
+    import dataclasses
+
+    from planner_service.planner import build as build_mod
+    from proto.plan_decode import decode_microbatch
+
+    seen = {}
+    real = build_mod._arrays
+
+    def spy(msg, *args, **kw):
+        out = real(msg, *args, **kw)
+        seen[out.id] = (msg, out)
+        return out
+
+    monkeypatch.setattr(build_mod, "_arrays", spy)
+    rng = np.random.default_rng(100 + case)
+    C = [2, 4, 8, 8][case]
+    trajs, tree_of = random_trajectories(rng, n=12, max_len=5 * C + 7, vocab=4, trees=2, chunk=C)
+    f = forest_from_trajectories(trajs, tree_of=tree_of, seed=case)
+    cfg = PlanConfig(chunk_size=C, microbatch_tokens=1024, replay=case != 3, world_size=2)
+    plan = build_plan(f, cfg, random_partition(f, rng, chunk=C, world_size=2))
+    assert seen
+    for m, (msg, got) in seen.items():
+        want = decode_microbatch(msg, plan.header.params)
+        for fld in dataclasses.fields(want):
+            a, b = getattr(got, fld.name), getattr(want, fld.name)
+            if fld.name == "linear_calls":
+                assert len(a) == len(b)
+                for ca, cb in zip(a, b):
+                    for cf in dataclasses.fields(cb):
+                        np.testing.assert_array_equal(getattr(ca, cf.name), getattr(cb, cf.name), err_msg=f"{m}.{cf.name}")
+            elif isinstance(b, np.ndarray):
+                np.testing.assert_array_equal(np.asarray(a).reshape(b.shape), b, err_msg=f"{m}.{fld.name}")
+            else:
+                assert a == b, (m, fld.name, a, b)

@@ -47,7 +47,7 @@ from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import pack as pk
 from proto.harts.v1 import plan_pb2
 from proto.memory_model import rank_live_bytes
-from proto.plan_decode import decode_microbatch
+from proto.plan_decode import LinearCallArrays, MicrobatchArrays
 from proto.plan_io import PLAN_VERSION
 
 
@@ -477,6 +477,7 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         raise PlanningError(f"partition.rank_steps: microbatch {int(np.flatnonzero(placed != 2)[0])} must have one F and one B step")
 
     mbs: dict[int, plan_pb2.Microbatch] = {}
+    arrays: dict[int, MicrobatchArrays] = {}  # what proto.plan_decode would decode, for the memory model
     calls_max = 0
     for r, m in ((r, m) for r in range(cfg.world_size) for m in rank_order[r]):
         L = layouts[m]
@@ -486,9 +487,12 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         while len(plan.ranks) <= r:
             plan.ranks.add(rank=len(plan.ranks))
         msg = plan.ranks[r].microbatches.add(id=m, num_rows=R, recompute=bool(L.spec.recompute))
-        msg.tokens = pk(forest.tokens[L.local_tok], "int32")
+        tokens_R = forest.tokens[L.local_tok]
+        occ_R = occ_fn(P["row_seg"], L.seg_forest, L.seg_dup, occ_seg)
+        conv_RJ = conv_fn(ext_parent, R, K)
+        msg.tokens = pk(tokens_R, "int32")
         msg.depth = pk(P["row_depth"], "int32")
-        msg.occurrence = pk(occ_fn(P["row_seg"], L.seg_forest, L.seg_dup, occ_seg), "int32")
+        msg.occurrence = pk(occ_R, "int32")
         msg.seg_start = pk(P["seg_start"], "int32")
         msg.seg_length = pk(P["seg_length"], "int32")
         msg.seg_parent = pk(P["seg_parent"], "int32")
@@ -496,7 +500,7 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         msg.seg_forest = pk(L.seg_forest, "int32")
         msg.seg_forest_offset = pk(L.seg_forest_offset, "int32")
         msg.seg_duplicated = pk(L.seg_dup, "uint8")
-        msg.conv_ancestors = pk(conv_fn(ext_parent, R, K), "int32")
+        msg.conv_ancestors = pk(conv_RJ, "int32")
         offs, ranges = attn_fn(P["seg_start"], P["seg_length"], P["seg_parent"], P["row_parent"], ext_parent)
         msg.attn_offsets = pk(offs, "int32")
         msg.attn_ranges = pk(ranges, "int32")
@@ -539,6 +543,8 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         feats = microbatch_features(R, replay, P["row_depth"], ext_depth[r_rows], n_calls, lp[1][a:b])
         msg.cost = float(cfg.cost_model.cost(*feats))
         mbs[m] = msg
+        arrays[m] = _arrays(msg, L, P, tokens_R, occ_R, conv_RJ, offs, ranges, src_kind, src_state, ex_seq, ex_depth,
+                            ex_state, n_calls, forest.seg_tree[L.seg_forest], {name: lp[col][a:b] for name, _, col in lp_fields})
 
     while len(plan.ranks) < cfg.world_size:
         plan.ranks.add(rank=len(plan.ranks))
@@ -551,8 +557,7 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         for kind, m in steps[r]:
             rp.steps.add(kind=plan_pb2.ExecStep.FORWARD if kind == "F" else plan_pb2.ExecStep.BACKWARD, microbatch=local[m])
         rank_costs.append(float(sum(mbs[m].cost for m in rank_order[r])))
-        arrays = {m: decode_microbatch(mbs[m], plan.header.params) for m in rank_order[r]}
-        _, rank_peak = rank_live_bytes(sizes, arrays, [(kind == "F", m) for kind, m in steps[r]])
+        _, rank_peak = rank_live_bytes(sizes, {m: arrays[m] for m in rank_order[r]}, [(kind == "F", m) for kind, m in steps[r]])
         peak = max(peak, rank_peak)
 
     st = plan.header.stats
@@ -577,6 +582,51 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
     st.peak_live_tokens = sizes.tokens(peak)
     st.windows = sum(1 for L in layouts if L.shared and L.ctx_tok.shape[0])
     return plan
+
+
+def _arrays(msg, L: _Layout, P: dict, tokens_R, occ_R, conv_RJ, offs, ranges, src_kind, src_state, ex_seq, ex_depth,
+            ex_state, n_calls: int, seg_tree, lp_cols: dict) -> MicrobatchArrays:
+    """The MicrobatchArrays that `proto.plan_decode.decode_microbatch(msg)` returns, from the
+    builder's own arrays (no decoding pass; tests/test_plan_builder.py compares the two)."""
+    q_start, q_end, q_depth, _, q_call, r_off, r_rows, _ = L.sched
+    calls = []
+    ex_seq = np.asarray(ex_seq, np.int64)
+    for c in range(n_calls):
+        seqs = np.flatnonzero(q_call == c)
+        lens = r_off[seqs + 1] - r_off[seqs]
+        pos = np.full(q_call.shape[0], -1, np.int64)
+        pos[seqs] = np.arange(seqs.shape[0])
+        sel = np.flatnonzero(pos[ex_seq] >= 0) if ex_seq.shape[0] else np.zeros(0, np.int64)
+        calls.append(LinearCallArrays(
+            row_start=q_start[seqs].astype(np.int64), row_end=q_end[seqs].astype(np.int64),
+            start_depth=q_depth[seqs].astype(np.int64), init_kind=np.asarray(src_kind, np.int64)[seqs],
+            init_state=np.asarray(src_state, np.int64)[seqs],
+            replay_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+            replay_rows=np.concatenate([r_rows[r_off[q]:r_off[q + 1]] for q in seqs]).astype(np.int64) if seqs.shape[0] else np.zeros(0, np.int64),
+            export_seq=pos[ex_seq[sel]], export_depth=np.asarray(ex_depth, np.int64)[sel],
+            export_state=np.asarray(ex_state, np.int64)[sel],
+        ))
+    I = L.ctx_tok.shape[0] if L.shared else 0
+    return MicrobatchArrays(
+        id=int(msg.id), num_rows=L.num_rows, num_imports=I, num_states=len(L.states), recompute=bool(L.spec.recompute),
+        tokens=tokens_R, depth=P["row_depth"], occurrence=occ_R, seg_start=P["seg_start"], seg_length=P["seg_length"],
+        seg_parent=P["seg_parent"], seg_tree=seg_tree, seg_forest=L.seg_forest, seg_forest_offset=L.seg_forest_offset,
+        seg_duplicated=L.seg_dup, conv_ancestors=conv_RJ, attn_offsets=offs, attn_ranges=ranges, linear_calls=calls,
+        import_microbatch=np.full(I, L.spec.parent, np.int32), import_row=L.import_row if I else np.zeros(0, np.int32),
+        state_import_microbatch=np.array([o for o, _ in L.state_imports], np.int32),
+        state_import_state=np.array([sid for _, sid in L.state_imports], np.int32),
+        export_rows=L.export_rows, export_states=np.array(sorted(L.export_states), np.int32),
+        lp_row=lp_cols["lp_row"], lp_label=lp_cols["lp_label"], lp_traj=lp_cols["lp_traj"], lp_pos=lp_cols["lp_pos"],
+        lp_loss_mask=lp_cols["lp_loss_mask"], lp_advantage=lp_cols["lp_advantage"],
+        lp_old_logprob=_optional(lp_cols, "lp_old_logprob"), lp_ref_logprob=_optional(lp_cols, "lp_ref_logprob"),
+        replay_tokens=int(msg.replay_tokens), duplicated_tokens=int(msg.duplicated_tokens), cost=float(msg.cost),
+    )
+
+
+def _optional(lp_cols: dict, name: str) -> np.ndarray | None:
+    """An optional log-prob column as decode_microbatch reads it: None when absent from entries."""
+    a = lp_cols.get(name, np.zeros(0, np.float32))
+    return a if a.shape[0] or not lp_cols["lp_row"].shape[0] else None
 
 
 def _fill_linear_calls_ref(msg, sched, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls: int) -> None:
