@@ -56,6 +56,13 @@ def test_placement_kernels_match_reference(seed):
         np.testing.assert_array_equal(a, b)
     cost, dup = placement.closure_costs(*ru, uc.w, uc.w_dup, uc.rc, W)
     np.testing.assert_array_equal(cost, placement_ref.closure_costs(*ru, uc.w, uc.w_dup, uc.rc, W)[0])
+    for a, b in zip(placement.placement_costs(parent, unit_rank, uc.w, uc.w_dup, uc.rc, W), (cost, dup)):
+        np.testing.assert_array_equal(a, b)
+    part = placement.part_of_units(parent, placement.cut_parts(parent, uc.w, uc.ctx, uc.rc, total / 3)[0])
+    roots = np.flatnonzero(part == np.arange(parent.shape[0]))
+    for a, b in zip(placement.lpt_parts(parent, part, roots[::-1], uc.w[roots[::-1]], uc.w_dup, uc.ctx, W),
+                    placement_ref.lpt_parts(parent, part, roots[::-1], uc.w[roots[::-1]], uc.w_dup, uc.ctx, W)):
+        np.testing.assert_array_equal(a, b)
     U = parent.shape[0]
     scratch = (np.full(U, -1, np.int64), np.zeros(U, np.int64), np.empty(U, np.int64))
     for r in range(W):

@@ -69,6 +69,7 @@ _KERNELS = {
         subtree_sums=placement.subtree_sums,
         subtree_sizes=placement.subtree_sizes,
         lpt_parts=placement.lpt_parts,
+        placement_costs=placement.placement_costs,
     ),
     "ref": SimpleNamespace(
         **{name: getattr(partition_ref, name) for name in (
@@ -76,7 +77,7 @@ _KERNELS = {
             "window_export_counts", "window_groups", "subtree_costs", "lpt_place", "live_stack", "dfs_order")},
         **{name: getattr(placement_ref, name) for name in (
             "context_costs", "cut_parts", "part_of_units", "rank_closure", "closure_costs", "refine", "lp_row_flags",
-            "subtree_sums", "subtree_sizes", "lpt_parts")},
+            "subtree_sums", "subtree_sizes", "lpt_parts", "placement_costs")},
     ),
 }
 
@@ -85,7 +86,7 @@ _KERNELS = {
 SHORT_PREFIX_FRACTION = 0.05
 #: Part capacities `place_units` tries: a geometric grid of this ratio from the lower bound up to
 #: the largest tree (at most PLACEMENT_CAPACITIES of them).
-CAPACITY_STEP = 1.03
+CAPACITY_STEP = 1.06
 PLACEMENT_CAPACITIES = 64
 #: Largest ranks x units for which LPT tracks every rank's held prefixes (bytes of a bool matrix);
 #: above it parts are placed by their standalone costs.
@@ -333,7 +334,7 @@ def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> t
     caps[-1] = max(caps[-1], biggest)
 
     def evaluate(unit_rank) -> tuple[float, float]:
-        cost, dup = k.closure_costs(*k.rank_closure(unit_parent, unit_rank, W), uc.w, uc.w_dup, uc.rc, W)
+        cost, dup = k.placement_costs(unit_parent, unit_rank, uc.w, uc.w_dup, uc.rc, W)
         return float(np.max(cost)), float(np.sum(dup))
 
     results = []  # (makespan, duplicated cost, capacity, refined, unit_rank)
@@ -347,7 +348,7 @@ def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> t
         seq = np.lexsort((roots, -pcost))
         prank = np.empty(roots.shape[0], np.int64)
         if W * U <= HELD_MATRIX_LIMIT:  # parts of a tree share prefixes on a rank
-            prank[seq] = k.lpt_parts(unit_parent, part, roots[seq], resid[roots[seq]], uc.w_dup, W)[0]
+            prank[seq] = k.lpt_parts(unit_parent, part, roots[seq], resid[roots[seq]], uc.w_dup, uc.ctx, W)[0]
         else:
             prank[seq] = k.lpt_place(pcost[seq].astype(np.float64), W)[0]
         unit_rank = prank[np.searchsorted(roots, part)]

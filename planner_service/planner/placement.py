@@ -190,6 +190,56 @@ def closure_costs(ru_unit, ru_rank, ru_dup, ru_parent, w, w_dup, rc, world_size)
 
 
 @njit(cache=True)
+def placement_costs(unit_parent, unit_rank, w, w_dup, rc, world_size):
+    """`closure_costs` of every rank straight from unit_rank, without building the rank forests.
+
+    Returns:
+        cost float64 [W], dup float64 [W] (the duplicated units' share).
+    """
+    U = unit_parent.shape[0]
+    cnt = np.zeros(world_size + 1, np.int64)
+    for u in range(U):
+        cnt[unit_rank[u] + 1] += 1
+    for r in range(world_size):
+        cnt[r + 1] += cnt[r]
+    fill = cnt[:-1].copy()
+    by_rank = np.empty(U, np.int64)
+    for u in range(U):
+        by_rank[fill[unit_rank[u]]] = u
+        fill[unit_rank[u]] += 1
+    stamp = np.full(U, -1, np.int64)
+    nkids = np.zeros(U, np.int64)
+    buf = np.empty(U, np.int64)
+    cost = np.zeros(world_size, np.float64)
+    dup = np.zeros(world_size, np.float64)
+    for r in range(world_size):
+        m = 0
+        for i in range(cnt[r], cnt[r + 1]):
+            a = by_rank[i]
+            while a >= 0 and stamp[a] != r:
+                stamp[a] = r
+                nkids[a] = 0
+                buf[m] = a
+                m += 1
+                a = unit_parent[a]
+        for j in range(m):
+            p = unit_parent[buf[j]]
+            if p >= 0:
+                nkids[p] += 1
+        units = np.sort(buf[:m])  # preorder: the summation order of closure_costs
+        for j in range(m):
+            a = units[j]
+            if unit_rank[a] == r:
+                cost[r] += w[a]
+            else:
+                cost[r] += w_dup[a]
+                dup[r] += w_dup[a]
+            if nkids[a] > 1:
+                cost[r] += (nkids[a] - 1) * rc[a]
+    return cost, dup
+
+
+@njit(cache=True)
 def rank_cost(unit_parent, unit_rank, r, w, w_dup, rc, stamp, nkids, buf):
     """Cost of rank r's forest (`closure_costs` of one rank). stamp, nkids, buf: int64 [U] scratch;
     stamp must be all -1 and is left so."""
@@ -241,16 +291,16 @@ def refine(unit_parent, unit_rank, w, w_dup, rc, world_size, rounds, candidates,
     Each round looks at every unit x the busiest rank keeps: moving the units of x's subtree that
     it keeps to the idlest rank takes their cost S(x) off the busiest rank and adds S(x) plus the
     part of x's root path the idlest rank does not hold yet (its duplicated prefix) to the idlest.
-    The `candidates` moves with the smallest estimated max(busiest, idlest) are scored exactly
-    (`rank_cost` of both ranks after the move) and the best one is made if it lowers the larger
-    of the two below the busiest rank's cost. Splitting a tree this way duplicates the prefix of
-    the cut edge on the other rank; moving a whole part moves a boundary segment.
+    Of the `candidates` moves with the smallest estimated max(busiest, idlest), the first (in
+    estimate order) whose exact costs (`rank_cost` of both ranks after the move) lower the larger
+    of the two below the busiest rank's cost is made. Splitting a tree this way duplicates the
+    prefix of the cut edge on the other rank; moving a whole part moves a boundary segment.
 
     Args:
         unit_parent: int [U] the unit forest (preorder); unit_rank: int64 [U] (updated in place).
         w, w_dup, rc: unit costs kept, duplicated and per extra child's replay.
-        rounds: most moves; candidates: exact scores per round; target: stop once the busiest
-            rank's cost is at most this.
+        rounds: most moves; candidates: moves scored exactly per round at most; target: stop
+            once the busiest rank's cost is at most this.
 
     Returns:
         rank costs float64 [W], number of moves made.
@@ -310,34 +360,28 @@ def refine(unit_parent, unit_rank, w, w_dup, rc, world_size, rounds, candidates,
                 j -= 1
             cand_score[j] = est
             cand[j] = x
-        best = -1
-        best_max = cost[hi] * (1.0 - 1e-9)
-        best_hi = 0.0
-        best_lo = 0.0
-        for i in range(n):
+        done = False
+        for i in range(n):  # the first candidate, in estimate order, that really lowers the makespan
             x = cand[i]
+            if cand_score[i] >= cost[hi]:
+                break
             for u in range(x, x + size[x]):
                 moved[u] = unit_rank[u] == hi
                 if moved[u]:
                     unit_rank[u] = lo
             c_hi = rank_cost(unit_parent, unit_rank, hi, w, w_dup, rc, stamp, nkids, buf)
             c_lo = rank_cost(unit_parent, unit_rank, lo, w, w_dup, rc, stamp, nkids, buf)
+            if max(c_hi, c_lo) < cost[hi] * (1.0 - 1e-9):
+                cost[hi] = c_hi
+                cost[lo] = c_lo
+                moves += 1
+                done = True
+                break
             for u in range(x, x + size[x]):
                 if moved[u]:
                     unit_rank[u] = hi
-            if max(c_hi, c_lo) < best_max:
-                best_max = max(c_hi, c_lo)
-                best = x
-                best_hi = c_hi
-                best_lo = c_lo
-        if best < 0:
+        if not done:
             break
-        for u in range(best, best + size[best]):
-            if unit_rank[u] == hi:
-                unit_rank[u] = lo
-        cost[hi] = best_hi
-        cost[lo] = best_lo
-        moves += 1
     return cost, moves
 
 
@@ -381,14 +425,15 @@ def subtree_sums(unit_parent, w):
 
 
 @njit(cache=True)
-def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, world_size):
+def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size):
     """Longest processing time first over parts, each to the rank where it ends soonest counting
     only the prefix that rank does not hold yet (parts of one tree share their root paths).
 
     Args:
         unit_parent: int [U] (preorder); part: int64 [U] root unit of every unit's part.
         part_root: int64 [P] the part roots, in placement order (costliest first);
-        part_resid: float64 [P] their costs without the prefix; w_dup: float64 [U].
+        part_resid: float64 [P] their costs without the prefix; w_dup: float64 [U]; ctx: float64
+            [U] the whole prefix's cost (`context_costs`: what a rank holding none of the tree adds).
 
     Returns:
         rank int64 [P] per part (in the given order), load float64 [W] estimated rank costs.
@@ -423,14 +468,11 @@ def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, world_size):
         best = 0
         best_val = np.inf
         for r in range(W):
-            miss = 0.0
+            miss = ctx[root]
             a = unit_parent[root]
             if a >= 0 and held[r, top[root]]:
+                miss = 0.0
                 while a >= 0 and not held[r, a]:
-                    miss += w_dup[a]
-                    a = unit_parent[a]
-            else:
-                while a >= 0:
                     miss += w_dup[a]
                     a = unit_parent[a]
             val = load[r] + part_resid[i] + miss

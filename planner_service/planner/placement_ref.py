@@ -179,20 +179,22 @@ def refine(unit_parent, unit_rank, w, w_dup, rc, world_size, rounds, candidates,
                 ctx += 0.0 if a in held else float(w_dup[a])
             ests.append((max(cost[hi] - S, cost[lo] + S + ctx), x))
         ests.sort(key=lambda e: e[0])  # stable: equal estimates keep unit order
-        best, best_max = None, cost[hi] * (1.0 - 1e-9)
-        for _, x in ests[:candidates]:
+        done = False
+        for est, x in ests[:candidates]:
+            if est >= cost[hi]:
+                break
             moved = [u for u in subtree(x) if int(unit_rank[u]) == hi]
             unit_rank[moved] = lo
             c_hi = rank_cost(unit_parent, unit_rank, hi, w, w_dup, rc)
             c_lo = rank_cost(unit_parent, unit_rank, lo, w, w_dup, rc)
+            if max(c_hi, c_lo) < cost[hi] * (1.0 - 1e-9):
+                cost[hi], cost[lo] = c_hi, c_lo
+                moves += 1
+                done = True
+                break
             unit_rank[moved] = hi
-            if max(c_hi, c_lo) < best_max:
-                best_max, best = max(c_hi, c_lo), (moved, c_hi, c_lo)
-        if best is None:
+        if not done:
             break
-        moved, cost[hi], cost[lo] = best
-        unit_rank[moved] = lo
-        moves += 1
     return np.array(cost, np.float64), moves
 
 
@@ -245,7 +247,12 @@ def subtree_sums(unit_parent, w):
     return np.array(out, np.float64)
 
 
-def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, world_size):
+def placement_costs(unit_parent, unit_rank, w, w_dup, rc, world_size):
+    """See `placement.placement_costs`: `closure_costs` of `rank_closure`."""
+    return closure_costs(*rank_closure(unit_parent, unit_rank, world_size), w, w_dup, rc, world_size)
+
+
+def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size):
     """See `placement.lpt_parts`: per rank the set of units its forest holds."""
     held: list[set[int]] = [set() for _ in range(world_size)]
     load = [0.0] * world_size
@@ -260,13 +267,16 @@ def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, world_size):
         while a >= 0:
             path.append(a)
             a = int(unit_parent[a])
+        top = path[-1] if path else root
         vals = []
         for r in range(world_size):
-            miss = 0.0
-            for a in path:  # the kernel's order: nearest ancestor first, stop at a held one
-                if a in held[r]:
-                    break
-                miss += float(w_dup[a])
+            miss = float(ctx[root])
+            if path and top in held[r]:
+                miss = 0.0
+                for a in path:  # the kernel's order: nearest ancestor first, stop at a held one
+                    if a in held[r]:
+                        break
+                    miss += float(w_dup[a])
             vals.append(load[r] + float(part_resid[i]) + miss)
         best = min(range(world_size), key=lambda r: (vals[r], r))
         ranks.append(best)
