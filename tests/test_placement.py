@@ -9,7 +9,8 @@ import pytest
 from planner_service.errors import PlanningError
 from planner_service.planner import PlanConfig, level1, placement, placement_ref, plan_step
 from planner_service.planner.cost_model import CostModel
-from planner_service.planner.partition import partition_with_report, place_units, unit_costs, _KERNELS
+from planner_service.planner.partition import _KERNELS, partition_with_report
+from planner_service.planner.placement_search import unit_costs
 from proto.memory_model import RowSizes
 from proto.plan_decode import decode_microbatch
 from proto.plan_validator import PlanValidationError, validate_plan
