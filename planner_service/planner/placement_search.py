@@ -32,6 +32,8 @@ HELD_MATRIX_LIMIT = 64 * 1024 * 1024
 REFINED_PLACEMENTS = 3
 #: Subtree moves of the refinement, per rank, and candidates scored exactly per move.
 REFINE_ROUNDS_PER_RANK = 4
+#: ... and at most this many moves in all (large worlds)
+REFINE_MAX_ROUNDS = 512
 REFINE_CANDIDATES = 8
 
 
@@ -124,7 +126,7 @@ def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> t
         if makespan <= target:
             continue
         unit_rank = unit_rank.copy()
-        k.refine(unit_parent, unit_rank, uc.w, uc.w_dup, uc.rc, W, REFINE_ROUNDS_PER_RANK * W, REFINE_CANDIDATES, target)
+        k.refine(unit_parent, unit_rank, uc.w, uc.w_dup, uc.rc, W, min(REFINE_ROUNDS_PER_RANK * W, REFINE_MAX_ROUNDS), REFINE_CANDIDATES, target)
         results.append((*evaluate(unit_rank), cap, True, unit_rank))
     best = min(r[0] for r in results)
     ok = max(best * 1.01, target)
