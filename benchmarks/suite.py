@@ -18,7 +18,9 @@ compression (`trainer.flops`: FLOPs of the expanded plan / FLOPs of the tree pla
 replay rows and weighs attention by depth).
 
 Modes: default CPU scale (a few minutes on 2 cores); `--quick` (tiny inputs, for tests);
-`--full`: planning only, at full scale (tens of millions of expanded tokens per workload).
+`--full`: planning only, at full scale (tens of millions of expanded tokens per workload), plus
+the placement table (issue 12: makespan ratio and compression over W in {8, 32, 64} and
+B in {16k, 32k, 64k} for the three schemes, `run_placement`).
 """
 from __future__ import annotations
 
@@ -346,7 +348,103 @@ def run_workloads(cfg: SuiteConfig) -> dict:
     failed = [r["workload"] for r in rows if "error" in r]
     if failed:
         raise WorkloadFailures(f"{len(failed)} of {len(rows)} workloads failed: {', '.join(failed)}", rows)
-    return {"mode": _mode(cfg), "rows": rows}
+    out = {"mode": _mode(cfg), "rows": rows}
+    if cfg.full:
+        out["placement"] = run_placement(cfg)
+    return out
+
+
+#: the placement table: ranks, microbatch budgets and chunk size (full scale / quick)
+PLACEMENT_GRID = {"full": ((8, 32, 64), (16384, 32768, 65536), 64), "quick": ((2, 4), (256, 512), 16)}
+
+
+def placement_specs(*, quick: bool = False) -> list[tuple[str, dict]]:
+    """The placement table's workloads: few large trees (issue 12's measurements)."""
+    if quick:
+        return [(f"{scheme} (2 tasks)", dict(scheme=scheme, tasks=2, seed=1, scale=0.01, turns=(10, 14)))
+                for scheme in ("percall", "group", "tree")]
+    return [("percall (8 tasks)", dict(scheme="percall", tasks=8, seed=1)),
+            ("group (16 tasks)", dict(scheme="group", tasks=16, seed=0)),
+            ("tree (8 tasks)", dict(scheme="tree", tasks=8, seed=0))]
+
+
+#: a second placement per cell that accepts a makespan up to this factor above the lower bound
+#: (PlanConfig.makespan_slack) to duplicate less: the trade-off between the two targets
+PLACEMENT_LOOSE_SLACK = 1.25
+
+
+def run_placement(cfg: SuiteConfig) -> dict:
+    """Makespan ratio (max rank cost / max(total / W, longest trajectory)) and compression of
+    the default planner (sharing windows, computed-rows cost model) over the grid of ranks and
+    microbatch budgets; one plan per cell, timed in wall and CPU seconds, plus the same cell
+    planned with makespan_slack = PLACEMENT_LOOSE_SLACK (its ratio and compression only)."""
+    plan_step = _optional("planner_service.planner", "plan_step")
+    PlanConfig = _optional("planner_service.planner", "PlanConfig")
+    forest_from_json = _optional("planner_service.ingest", "forest_from_json")
+    worlds, budgets, chunk = PLACEMENT_GRID["quick" if cfg.quick else "full"]
+    _optional("planner_service.planner", "warmup")()
+    rows = []
+    for name, gen in placement_specs(quick=cfg.quick):
+        w = generate_workload(WorkloadConfig(**gen))
+        forest = forest_from_json(w.dumps("tree"))
+        trees = len(forest.tree_ids)
+        for W in worlds:
+            for B in budgets:
+                c0, t0 = time.process_time(), time.perf_counter()
+                plan = plan_step(forest, PlanConfig(world_size=W, microbatch_tokens=B, chunk_size=chunk))
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                loose = plan_step(forest, PlanConfig(world_size=W, microbatch_tokens=B, chunk_size=chunk,
+                                                     makespan_slack=PLACEMENT_LOOSE_SLACK)).header.stats
+                st = plan.header.stats
+                target = 1.05 if trees >= 2 * W else 1.25
+                vs_ideal = st.compression_achieved / st.compression_ideal
+                rows.append({
+                    "workload": name, "world_size": W, "microbatch_tokens": B, "trees_per_rank": trees / W,
+                    "expanded_tokens": int(st.expanded_tokens), "makespan_ratio": float(st.makespan_ratio),
+                    "target": target, "ratio_met": st.makespan_ratio <= target,
+                    "compression_vs_ideal": vs_ideal, "compression_met": vs_ideal >= 0.95,
+                    "duplicated_tokens": int(st.duplicated_tokens), "microbatches": int(st.microbatches),
+                    "recomputed": sum(mb.recompute for r in plan.ranks for mb in r.microbatches),
+                    "peak_live_tokens": int(st.peak_live_tokens), "plan_seconds": wall, "plan_cpu_seconds": cpu,
+                    "loose_makespan_ratio": float(loose.makespan_ratio),
+                    "loose_compression_vs_ideal": loose.compression_achieved / loose.compression_ideal,
+                })
+                log.info("bench placement: %s W=%d B=%d: makespan ratio %.3f, compression %.3f of ideal, %.2f s",
+                         name, W, B, st.makespan_ratio, vs_ideal, wall)
+        del forest, w
+    return {"mode": _mode(cfg), "chunk_size": chunk, "rows": rows}
+
+
+PLACEMENT_COLUMNS = (
+    ("workload", "workload"), ("world_size", "W"), ("microbatch_tokens", "B"), ("trees_per_rank", "trees / rank"),
+    ("makespan_ratio", "makespan ratio"), ("target", "target"), ("compression_vs_ideal", "compression / ideal"),
+    ("duplicated_tokens", "duplicated tokens"), ("recomputed", "recomputed windows"), ("plan_seconds", "plan s (wall)"),
+    ("plan_cpu_seconds", "plan s (CPU)"), ("loose_makespan_ratio", f"ratio, slack {PLACEMENT_LOOSE_SLACK}"),
+    ("loose_compression_vs_ideal", f"compression / ideal, slack {PLACEMENT_LOOSE_SLACK}"),
+)
+
+
+def placement_table(rows: list[dict]) -> str:
+    """The markdown placement table; a ratio or compression that misses its target is marked."""
+    lines = ["| " + " | ".join(h for _, h in PLACEMENT_COLUMNS) + " |", "|" + "---|" * len(PLACEMENT_COLUMNS)]
+    for r in rows:
+        cells = []
+        for key, _ in PLACEMENT_COLUMNS:
+            v = r.get(key)
+            if key == "makespan_ratio":
+                cells.append(f"{v:.3f}" + ("" if r["ratio_met"] else " (missed)"))
+            elif key == "compression_vs_ideal":
+                cells.append(f"{v:.3f}" + ("" if r["compression_met"] else " (< 0.95)"))
+            elif key == "target":
+                cells.append(f"<= {v}")
+            elif key == "trees_per_rank":
+                cells.append(f"{v:.2f}")
+            elif key.startswith("loose_"):
+                cells.append(f"{v:.3f}")
+            else:
+                cells.append(_fmt(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 class WorkloadFailures(RuntimeError):
@@ -584,6 +682,14 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
                f"commit {doc['machine']['commit']}.", "", "## Headline", "", intro, "", table, "", _published_line()]
     if notes:
         summary += ["", *notes]
+    placement = wl.get("result", {}).get("placement", {}).get("rows", [])
+    if placement:
+        summary += ["", "## Placement", "",
+                    "Makespan ratio = max rank cost / max(total cost / W, longest trajectory's cost) with the default "
+                    "planner (sharing windows, C = 64, cost = computed rows, makespan_slack 1.02); targets: <= 1.05 with "
+                    "at least 2 trees per rank, <= 1.25 otherwise; compression achieved >= 0.95 of ideal. The last two "
+                    f"columns plan the same cell with makespan_slack {PLACEMENT_LOOSE_SLACK} (a longer step for less "
+                    "duplication).", "", placement_table(placement)]
     summary += ["", "## Benchmarks", "", "| benchmark | status | seconds | details |", "|---|---|---|---|"]
     for name, entry in doc["benchmarks"].items():
         detail = entry.get("reason") or entry.get("error") or f"[{name}{suffix}.md]({name}{suffix}.md)"

@@ -1,13 +1,20 @@
 """Plan a rollout batch for a trainer topology and print the plan report.
 
     harts plan rollouts.json --world-size 8 --microbatch-tokens 16384 --chunk-size 64 -o plan.bin
+    harts plan rollouts.json --world-size 64 --microbatch-tokens 16384 --model config.json --cost-model cost.json
     harts plan batch.pb --world-size 2 --microbatch-tokens 4096 --no-sharing     # expanded baseline
     cat rollouts.json | harts plan - --world-size 1
 
+Sharing windows are on (`--no-windows` is the ablation that duplicates every cut edge's prefix).
+`--model` names the trainer's model (a config.json path or a named config such as `tiny`) so that
+the live window stack is checked in its bytes (proto/memory_model.py; default: Qwen3-Next-80B-A3B
+in fp32); `--cost-model` is a file written by `harts calibrate` that placement balances with.
+
 Prints one JSON object on stdout: the plan's PlanStats (unique_tokens, expanded_tokens,
 computed_tokens, replay_tokens, duplicated_tokens, compression_ideal, compression_achieved,
-microbatches, linear_attention_calls, rank_costs, imbalance, peak_live_tokens, plan_seconds,
-windows) plus `validated` and, with -o, `output`. The plan is checked with the independent
+microbatches, linear_attention_calls, rank_costs, imbalance, peak_live_tokens, peak_live_bytes,
+makespan, makespan_lower_bound, makespan_ratio, plan_seconds, windows) plus `validated` and, with
+-o, `output`. With more than 16 ranks `rank_costs` is summarised (min, max) unless --all-ranks. The plan is checked with the independent
 validator before it is written. `-o` writes the `harts.v1.Plan` serialised deterministically with
 `plan_seconds` zeroed, so that the same batch and settings always give the same bytes (the timing
 is in the printed report). Settings that cannot be satisfied exit with code 2 and a message that
@@ -28,7 +35,8 @@ log = logging.getLogger(__name__)
 REPORT_FIELDS = (
     "unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens",
     "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls",
-    "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows",
+    "rank_costs", "imbalance", "peak_live_tokens", "peak_live_bytes", "makespan", "makespan_lower_bound",
+    "makespan_ratio", "plan_seconds", "windows",
 )
 
 
@@ -39,8 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget B per microbatch (computed rows: kept + replay + duplicated)")
     parser.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C (the kernel's)")
     parser.add_argument("--memory-tokens", type=int, default=0,
-                        help="live window-stack budget M per rank in tokens (default 8 x B)")
-    parser.add_argument("--conv-kernel", type=int, default=4, help="short-convolution kernel size K")
+                        help="live window-stack budget M per rank in rows of full activations of --model (default 8 x B)")
+    parser.add_argument("--conv-kernel", type=int, default=0, help="short-convolution kernel size K (default: --model's, else 4)")
+    parser.add_argument("--model", default=None,
+                        help="trainer model for the memory model: a config.json path or a named config (default: Qwen3-Next-80B-A3B)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="trainer dtype for the memory model")
+    parser.add_argument("--cost-model", default=None, help="cost model JSON from `harts calibrate` (default: computed rows)")
+    parser.add_argument("--makespan-slack", type=float, default=None,
+                        help="placement accepts a makespan this factor above its lower bound to duplicate less (default 1.02)")
     parser.add_argument("--no-windows", action="store_true",
                         help="duplicate the prefix of every cross-microbatch edge instead of sharing it")
     parser.add_argument("--no-sharing", action="store_true",
@@ -50,14 +64,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-positions", action="store_true",
                         help="a log-prob entry for every position, not only loss positions")
     parser.add_argument("--python", action="store_true", help="plain-Python partitioner and builder kernels (reference)")
+    parser.add_argument("--all-ranks", action="store_true", help="print every rank's cost, not only min and max")
     parser.add_argument("-o", "--output", help="write the serialised harts.v1.Plan here")
 
 
 def run(args: argparse.Namespace) -> int:
     from planner_service import ingest
     from planner_service.planner import PlanConfig, expand_forest, plan_step, warmup
+    from planner_service.planner.cost_model import CostModel
     from proto.plan_validator import validate_plan
 
+    extra = {}
+    if args.model:
+        from harts_cli.model_arg import resolve_model
+
+        extra["model_name"], extra["model_config"] = resolve_model(args.model)
+    if args.cost_model:
+        extra["cost_model"] = CostModel.load(args.cost_model)
+    if args.makespan_slack is not None:
+        extra["makespan_slack"] = args.makespan_slack
     cfg = PlanConfig(
         world_size=args.world_size,
         microbatch_tokens=args.microbatch_tokens,
@@ -68,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         windows=not args.no_windows,
         replay=not args.no_replay,
         all_positions=args.all_positions,
+        dtype=args.dtype,
+        **extra,
     )
     t0 = time.perf_counter()
     ingest.warmup()
@@ -81,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     st = plan.header.stats
     report = {name: getattr(st, name) for name in REPORT_FIELDS}
     report["rank_costs"] = list(st.rank_costs)
+    if len(st.rank_costs) > 16 and not args.all_ranks:
+        report["rank_costs"] = {"min": min(st.rank_costs), "max": max(st.rank_costs), "ranks": len(st.rank_costs)}
     report["validated"] = True
     log.info("plan: %d microbatches on %d ranks, compression %.3f of %.3f, imbalance %.3f, %.3f s",
              st.microbatches, cfg.world_size, st.compression_achieved, st.compression_ideal, st.imbalance,

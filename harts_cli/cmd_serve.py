@@ -4,6 +4,9 @@
 
 With --world-size (and optionally the other budget flags) every submission is planned at once for
 that default topology. The token may also come from the HARTS_TOKEN environment variable.
+`--cost-model F` (from `harts calibrate`) and `--model CFG` (a config.json path or a named config)
+apply to every topology that names none: placement balances with that cost model and the memory
+model sizes open windows from that model.
 """
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-windows", action="store_true",
                    help="duplicate prefixes instead of opening sharing windows (for trainers that run independent microbatches)")
     g.add_argument("--no-sharing", action="store_true", help="plan the trajectory-expanded baseline")
+    g.add_argument("--dtype", default="", choices=("", "float32", "bfloat16"), help="trainer dtype for the memory model")
+    p.add_argument("--cost-model", default=None, help="cost model JSON from `harts calibrate` for topologies that name none")
+    p.add_argument("--model", default=None,
+                   help="trainer model (config.json path or named config) for topologies that name none")
     p.add_argument("--plan-workers", type=int, default=1, help="planning threads")
     p.add_argument("--max-wait", type=float, default=60.0, help="longest long-poll wait in seconds")
     p.add_argument("--synchronous", default="FULL", choices=["NORMAL", "FULL"],
@@ -61,12 +68,22 @@ def run(args: argparse.Namespace) -> int:
     from planner_service.server import run as run_server
     from proto.harts.v1 import planner_pb2
 
+    import json
+
+    from planner_service.planner.cost_model import CostModel
+
+    cost_model = CostModel.load(args.cost_model).to_json() if args.cost_model else ""
+    model = ""
+    if args.model:
+        from harts_cli.model_arg import resolve_model
+
+        model = json.dumps(resolve_model(args.model)[1], sort_keys=True)
     default = None
     if args.world_size:
         default = planner_pb2.Topology(
             world_size=args.world_size, microbatch_tokens=args.microbatch_tokens,
             memory_tokens=args.memory_tokens, chunk_size=args.chunk_size,
-            no_windows=args.no_windows, no_sharing=args.no_sharing,
+            no_windows=args.no_windows, no_sharing=args.no_sharing, dtype=args.dtype,
         )
     cache = int(args.cache_mb * 1024 * 1024)
     cfg = ServiceConfig(
@@ -85,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         retain_steps=args.retain_steps,
         max_age_seconds=args.max_age,
         vacuum=args.vacuum,
+        cost_model=cost_model,
+        model=model,
     )
     limits = ConnectionLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout, idle_timeout=args.idle_timeout)

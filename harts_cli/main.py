@@ -17,6 +17,7 @@ from planner_service.errors import HartsError
 COMMANDS: dict[str, str] = {
     "tree": "build the prefix forest of a rollout batch and print its statistics",
     "plan": "plan a rollout batch for a trainer topology and print the plan report",
+    "calibrate": "time the executor on synthetic microbatches and fit the planner's cost model",
     "serve": "run the planner service (HTTP + gRPC)",
     "logprobs": "forward-only tree execution: per-trajectory log-probabilities",
     "verify": "run tree and expanded plans on the same weights and compare them",

@@ -316,7 +316,8 @@ class PlannerCore:
 
     def _config(self, topology: planner_pb2.Topology) -> PlanConfig:
         return topology_to_config(topology, conv_kernel=self.cfg.conv_kernel, chunk_size=self.cfg.default_chunk_size,
-                                  microbatch_tokens=self.cfg.default_microbatch_tokens)
+                                  microbatch_tokens=self.cfg.default_microbatch_tokens, cost_model=self.cfg.cost_model,
+                                  model=self.cfg.model)
 
     def _step_lock(self, step_id: str) -> threading.Lock:
         with self._guard:

@@ -85,6 +85,9 @@ class Topology(BaseModel):
     chunk_size: int = Field(0, ge=0, le=_INT32, description="Linear-attention chunk size (power of two); 0: service default")
     no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
     no_windows: bool = Field(False, description="Duplicate prefixes instead of opening sharing windows")
+    model: str = Field("", max_length=1 << 20, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
+    dtype: str = Field("", description="Trainer dtype for the memory model (float32, bfloat16); empty: float32")
+    cost_model: str = Field("", max_length=1 << 20, description="Cost model JSON written by `harts calibrate`; empty: service default")
 
     def to_proto(self) -> planner_pb2.Topology:
         return planner_pb2.Topology(**self.model_dump())
@@ -105,6 +108,10 @@ class PlanStats(BaseModel):
     peak_live_tokens: int
     plan_seconds: float
     windows: int
+    peak_live_bytes: int = 0
+    makespan: float = 0.0
+    makespan_lower_bound: float = 0.0
+    makespan_ratio: float = 0.0
 
 
 class StepStatus(BaseModel):

@@ -6,12 +6,14 @@
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from planner_service.errors import ValidationError
 from planner_service.planner.config import PlanConfig
+from planner_service.planner.cost_model import CostModel
 from proto.harts.v1 import planner_pb2
 
 __all__ = ["ServiceConfig", "topology_to_config", "normalized_topology", "MAX_WORLD_SIZE", "DEFAULT_MICROBATCH_TOKENS"]
@@ -66,6 +68,11 @@ class ServiceConfig:
     vacuum: bool = False
     """VACUUM the database once at start, before the service is ready (converts a database of an
     earlier version to incremental auto-vacuum, so that deletions shrink the file)."""
+    cost_model: str = ""
+    """Cost model JSON (`harts calibrate`) for topologies that name none; empty: computed rows."""
+    model: str = ""
+    """Model config.json (JSON text) sizing the memory model for topologies that name none; empty:
+    the planner's default (Qwen3-Next-80B-A3B)."""
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
@@ -89,13 +96,15 @@ class ServiceConfig:
             raise ValueError(f"storage_probe_seconds: expected a finite number > 0, got {self.storage_probe_seconds}")
         if self.default_topology is not None:
             topology_to_config(self.default_topology, conv_kernel=self.conv_kernel, chunk_size=self.default_chunk_size,
-                               microbatch_tokens=self.default_microbatch_tokens)
+                               microbatch_tokens=self.default_microbatch_tokens, cost_model=self.cost_model,
+                               model=self.model)
 
 
 def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chunk_size: int = 64,
-                       microbatch_tokens: int = DEFAULT_MICROBATCH_TOKENS) -> PlanConfig:
-    """PlanConfig of a requested topology (0 fields take the given defaults); ValidationError
-    names the offending `topology.<field>`."""
+                       microbatch_tokens: int = DEFAULT_MICROBATCH_TOKENS, cost_model: str = "",
+                       model: str = "") -> PlanConfig:
+    """PlanConfig of a requested topology (0 or empty fields take the given defaults; `cost_model`
+    and `model` are JSON texts); ValidationError names the offending `topology.<field>`."""
     if topo.world_size < 1:
         raise ValidationError("topology.world_size", f"expected >= 1, got {topo.world_size}")
     if topo.world_size > MAX_WORLD_SIZE:
@@ -106,6 +115,15 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
         raise ValidationError("topology.memory_tokens", f"expected >= 0 (0: default), got {topo.memory_tokens}")
     if topo.chunk_size < 0:
         raise ValidationError("topology.chunk_size", f"expected >= 0 (0: default), got {topo.chunk_size}")
+    extra = {}
+    for name, text in (("model", topo.model or model), ("cost_model", topo.cost_model or cost_model)):
+        if not text:
+            continue
+        try:
+            extra[name] = CostModel.from_json(text) if name == "cost_model" else json.loads(text)
+        except (ValueError, TypeError) as exc:
+            what = "cost model" if name == "cost_model" else "config.json"
+            raise ValidationError(f"topology.{name}", f"expected a {what} JSON document, got one that does not parse: {exc}") from None
     try:
         return PlanConfig(
             world_size=topo.world_size,
@@ -115,6 +133,9 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
             conv_kernel=conv_kernel,
             sharing=not topo.no_sharing,
             windows=not topo.no_windows,
+            model_config=extra.get("model"),
+            dtype=topo.dtype or "float32",
+            **({"cost_model": extra["cost_model"]} if "cost_model" in extra else {}),
         )
     except ValueError as exc:
         name, _, msg = str(exc).partition(": ")
@@ -132,4 +153,7 @@ def normalized_topology(cfg: PlanConfig) -> planner_pb2.Topology:
         chunk_size=cfg.chunk_size,
         no_sharing=not cfg.sharing,
         no_windows=not cfg.windows,
+        model=json.dumps(cfg.model_config, sort_keys=True) if cfg.model_config is not None else "",
+        dtype=cfg.dtype,
+        cost_model=cfg.cost_model.to_json() if cfg.cost_model != CostModel() else "",
     )

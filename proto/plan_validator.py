@@ -15,10 +15,10 @@ the plan keeps every distinct token of the batch. Token chains are compared thro
 polynomial prefix hashes (wrap-around arithmetic), so a mismatch can only slip through by a hash
 collision.
 
-Live memory (what must fit params.memory_tokens): while microbatch m runs, its computed rows
-(num_rows + replay_tokens) plus, for every open window below which it runs, that window's computed
-rows, or, when it is marked `recompute`, its number of local export rows (< num_rows): imported rows
-it re-exports stay live in the open ancestor window that computed them.
+Live memory (what must fit params.memory.memory_bytes): `proto.memory_model.rank_live_bytes`, the
+function the planner uses: while microbatch m runs, its full activations plus, for every open window
+below which it runs, that window's full activations, or, when it is marked `recompute`, only the
+export tensors of its own rows that `proto.window_exports.export_needs` lists.
 
 Legend: R local rows, I imported rows, S segments, P log-prob entries, K conv kernel, C chunk size.
 """
@@ -27,8 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from proto.arrays import unpack
-from proto.plan_decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from proto.harts.v1 import plan_pb2
+from proto.memory_model import RowSizes, rank_live_bytes
+from proto.plan_decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 
 _HASH_BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
 _HASH_INV = pow(_HASH_BASE, -1, 1 << 64)
@@ -367,6 +368,31 @@ def _check_linear(mb: _MB, st: _Step, params: plan_pb2.PlanParams, states_of: di
                 _fail(f"{w}.linear_calls[{ci}]", f"reads local state {seq.init_state.state} produced in call {exported[seq.init_state.state][0]}")
 
 
+def _memory_sizes(params: plan_pb2.PlanParams) -> RowSizes:
+    try:
+        sizes = RowSizes.from_proto(params.memory)
+    except ValueError as exc:
+        raise PlanValidationError(f"header.params.memory: expected the memory model's byte sizes ({exc})") from None
+    want = params.memory_tokens * sizes.activation_row_bytes
+    if params.memory.memory_bytes != want:
+        _fail("header.params.memory.memory_bytes", f"expected memory_tokens x activation_row_bytes = {want}, got {params.memory.memory_bytes}")
+    return sizes
+
+
+def _check_live_memory(where: str, params: plan_pb2.PlanParams, rank: plan_pb2.RankPlan, ids: list[int],
+                       mbs: dict[int, "_MB"]) -> int:
+    """Live window stack at every step under the memory model (proto.memory_model); returns the peak bytes."""
+    sizes = _memory_sizes(params)
+    arrays = {m: mb.arrays for m, mb in mbs.items()}
+    steps = [(s.kind == plan_pb2.ExecStep.FORWARD, ids[s.microbatch]) for s in rank.steps]
+    live, peak = rank_live_bytes(sizes, arrays, steps)
+    budget = params.memory.memory_bytes
+    for i, x in enumerate(live):
+        if x > budget:
+            _fail(f"{where}.steps[{i}]", f"live window stack {x} bytes ({sizes.tokens(x)} row-equivalents) exceeds memory_bytes {budget} (memory_tokens {params.memory_tokens})")
+    return peak
+
+
 def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[dict[int, _MB], _Step, int]:
     params = header.params
     where = f"rank {rank.rank}"
@@ -388,7 +414,6 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
     seen_b: dict[int, int] = {}
     stack: list[int] = []
     order: list[int] = []
-    peak = 0
     for i, step in enumerate(rank.steps):
         if not 0 <= step.microbatch < len(ids):
             _fail(f"{where}.steps[{i}]", f"expected an index < {len(ids)}, got {step.microbatch}")
@@ -409,18 +434,10 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
                 _fail(f"{where}.steps[{i}]", f"backward of {m} is not depth-first (open: {stack})")
             seen_b[m] = i
             stack.pop()
-        live = 0
-        for a in stack[:-1] if step.kind == plan_pb2.ExecStep.FORWARD else stack:
-            ma = mbs[a].msg
-            live += int((mbs[a].export_rows < ma.num_rows).sum()) if ma.recompute else ma.num_rows + ma.replay_tokens
-        cur = mbs[m].msg
-        live += cur.num_rows + cur.replay_tokens
-        peak = max(peak, live)
-        if live > params.memory_tokens:
-            _fail(f"{where}.steps[{i}]", f"live window stack {live} exceeds memory_tokens {params.memory_tokens}")
     for m in ids:
         if m not in seen_f or m not in seen_b:
             _fail(f"{where}.steps", f"microbatch {m} is not forwarded and backwarded exactly once")
+    peak = _check_live_memory(where, params, rank, ids, mbs)
     st = _Step(mbs)
     states_of: dict[int, dict[int, tuple[int, int]]] = {}
     for m in order:
@@ -437,6 +454,8 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
             if not np.array_equal(mb.depth[r].astype(np.int64), mb.lp_pos.astype(np.int64) - 1):
                 i = int(np.flatnonzero(mb.depth[r] != mb.lp_pos - 1)[0])
                 _fail(f"{mb.where}.lp_row[{i}]", f"expected a row at depth {int(mb.lp_pos[i]) - 1} (position - 1), got depth {int(mb.depth[r[i]])}")
+            if ((mb.lp_traj < 0) | (mb.lp_traj >= len(header.trajectory_ids))).any():
+                _fail(f"{mb.where}.lp_traj", f"expected indices into header.trajectory_ids (< {len(header.trajectory_ids)})")
             if header.params.logprob_positions == plan_pb2.LOGPROB_POSITIONS_LOSS and (mb.lp_loss_mask != 1).any():
                 _fail(f"{mb.where}.lp_loss_mask", "expected only loss positions (mask 1) in a loss-positions plan")
         rows = mb.export_rows
@@ -475,15 +494,25 @@ def check_header(header: plan_pb2.PlanHeader) -> None:
     if lengths.shape[0] != T:
         _fail("header.trajectory_lengths", f"expected {T} entries, got {lengths.shape[0]}")
     n = header.normalizers
-    if n.num_trajectories != T:
+    local = header.local_tables
+    if not local and n.num_trajectories != T:
         _fail("header.normalizers.num_trajectories", f"expected {T}, got {n.num_trajectories}")
     for name in ("traj_loss_tokens", "traj_weight"):
         a = unpack(getattr(n, name), "float32", name=f"header.normalizers.{name}")
         if a.shape[0] != T:
             _fail(f"header.normalizers.{name}", f"expected {T} entries, got {a.shape[0]}")
     tl = unpack(n.traj_loss_tokens, "float32")
-    if abs(float(tl.astype(np.float64).sum()) - n.total_loss_tokens) > 1e-6 * max(1.0, n.total_loss_tokens):
-        _fail("header.normalizers.total_loss_tokens", f"expected the sum of traj_loss_tokens {float(tl.sum())}, got {n.total_loss_tokens}")
+    total = float(tl.astype(np.float64).sum())
+    if (abs(total - n.total_loss_tokens) if not local else total - n.total_loss_tokens) > 1e-6 * max(1.0, n.total_loss_tokens):
+        _fail("header.normalizers.total_loss_tokens", f"expected {'the sum' if not local else 'at least the sum'} of traj_loss_tokens {total}, got {n.total_loss_tokens}")
+    for name, size, limit in (("trajectory_index", T, n.num_trajectories), ("tree_index", len(header.tree_ids), None)):
+        index = unpack(getattr(header, name), "int32", name=f"header.{name}")
+        if not local:
+            if index.shape[0]:
+                _fail(f"header.{name}", "expected none in a whole plan (its tables are the step's)")
+            continue
+        if index.shape[0] != size or (index.shape[0] and ((np.diff(index) <= 0).any() or index[0] < 0 or (limit is not None and index[-1] >= limit))):
+            _fail(f"header.{name}", f"expected {size} increasing step-wide indices{f' below {limit}' if limit is not None else ''}")
 
 
 def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
@@ -499,6 +528,8 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
         PlanValidationError: the first violated rule.
     """
     header = plan.header
+    if header.local_tables:
+        _fail("header.local_tables", "expected the step's tables in a whole plan (local tables are for slices)")
     check_header(header)
     p = header.params
     if len(plan.ranks) != p.world_size:
@@ -533,8 +564,11 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
     dup = sum(mb.msg.duplicated_tokens for mb in all_mbs.values())
     if (st.replay_tokens, st.duplicated_tokens, st.computed_tokens, st.microbatches) != (replay, dup, kept_all.shape[0] + replay + dup, M):
         _fail("header.stats", "expected replay/duplicated/computed tokens and microbatches to match the microbatches")
-    if st.peak_live_tokens != peak:
-        _fail("header.stats.peak_live_tokens", f"expected {peak} (live stack along the execution order), got {st.peak_live_tokens}")
+    if st.peak_live_bytes != peak:
+        _fail("header.stats.peak_live_bytes", f"expected {peak} (live stack along the execution order), got {st.peak_live_bytes}")
+    if st.peak_live_tokens != _memory_sizes(p).tokens(peak):
+        _fail("header.stats.peak_live_tokens", f"expected {_memory_sizes(p).tokens(peak)} (peak_live_bytes in row-equivalents), got {st.peak_live_tokens}")
+    _check_costs(plan, all_mbs)
     windows = sum(1 for mb in all_mbs.values() if mb.I)
     if st.windows != windows:
         _fail("header.stats.windows", f"expected {windows} (microbatches with imports), got {st.windows}")
@@ -555,6 +589,24 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
         expect = getattr(forest_like, "unique_tokens", None)
         if expect is not None and int(expect) != kept_all.shape[0]:
             _fail("ranks", f"expected {int(expect)} distinct forest tokens kept, got {kept_all.shape[0]}")
+
+
+def _check_costs(plan: plan_pb2.Plan, all_mbs: dict[int, "_MB"]) -> None:
+    """rank_costs sum their microbatches' costs; the makespan statistics follow from them."""
+    st, W = plan.header.stats, len(plan.ranks)
+    costs = [sum(mb.cost for mb in rank.microbatches) for rank in plan.ranks]
+    if len(st.rank_costs) != W or any(abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(st.rank_costs, costs)):
+        _fail("header.stats.rank_costs", f"expected the sums of each rank's microbatch costs {costs[:4]}..., got {list(st.rank_costs)[:4]}...")
+    if any(mb.msg.cost < 0 for mb in all_mbs.values()):
+        _fail("microbatch cost", "expected costs >= 0")
+    top = max(costs, default=0.0)
+    if abs(st.makespan - top) > 1e-9 * max(1.0, top):
+        _fail("header.stats.makespan", f"expected the largest rank cost {top}, got {st.makespan}")
+    if st.makespan_lower_bound < sum(costs) / W * (1 - 1e-9) or st.makespan_lower_bound > top * (1 + 1e-9) + 1e-9:
+        _fail("header.stats.makespan_lower_bound", f"expected between total / world_size = {sum(costs) / W} and the makespan {top}, got {st.makespan_lower_bound}")
+    want = top / st.makespan_lower_bound if st.makespan_lower_bound > 0 else 1.0
+    if abs(st.makespan_ratio - want) > 1e-9 * max(1.0, want):
+        _fail("header.stats.makespan_ratio", f"expected makespan / makespan_lower_bound = {want}, got {st.makespan_ratio}")
 
 
 def _prefix_hashes(tokens: np.ndarray) -> np.ndarray:

@@ -89,12 +89,12 @@ def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int]) -> dict[int
             own = needs[m] = _finish(parts.pop(m), states.pop(m, []))
         if mb.num_imports:
             used = used_imports(mb, own)
-            for e in np.unique(mb.import_microbatch).tolist():
+            for e in _distinct(mb.import_microbatch):
                 sel = mb.import_microbatch == e
                 d = parts.setdefault(e, {k: [] for k in KINDS})
                 for k in KINDS:
                     d[k].append(mb.import_row[sel & used[k]].astype(np.int64))
-        for e in np.unique(mb.state_import_microbatch).tolist():
+        for e in _distinct(mb.state_import_microbatch):
             parts.setdefault(e, {k: [] for k in KINDS})
             states.setdefault(e, []).append(mb.state_import_state[mb.state_import_microbatch == e].astype(np.int64))
     if parts:
@@ -102,6 +102,26 @@ def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int]) -> dict[int
     return needs
 
 
+def _distinct(a: np.ndarray) -> list[int]:
+    """Sorted distinct values of `a` (np.unique), at one comparison per entry when they are all
+    equal: a window child imports from its one parent."""
+    if a.shape[0] == 0:
+        return []
+    first = int(a[0])
+    return [first] if bool((a == first).all()) else np.unique(a).tolist()
+
+
+def _union(xs: list[np.ndarray]) -> np.ndarray:
+    """int64 sorted distinct values of the non-negative arrays `xs` (np.unique of their
+    concatenation), in time linear in their sizes and largest value: every importer of a window
+    chain lists the whole root path above it, so these lists are long and heavily repeated."""
+    cat = np.concatenate(xs) if xs else np.zeros(0, np.int64)
+    if cat.shape[0] == 0:
+        return np.zeros(0, np.int64)
+    seen = np.zeros(int(cat.max()) + 1, np.bool_)
+    seen[cat] = True
+    return np.flatnonzero(seen).astype(np.int64)
+
+
 def _finish(parts: dict[str, list[np.ndarray]], states: list[np.ndarray]) -> ExportNeeds:
-    cat = lambda xs: np.unique(np.concatenate(xs)) if xs else np.zeros(0, np.int64)  # noqa: E731
-    return ExportNeeds(rows={k: cat(parts[k]) for k in KINDS}, states=cat(states))
+    return ExportNeeds(rows={k: _union(parts[k]) for k in KINDS}, states=_union(states))

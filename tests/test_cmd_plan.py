@@ -15,7 +15,8 @@ HARTS = [sys.executable, "-m", "harts_cli.main"]
 FIELDS = {
     "unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens",
     "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs",
-    "imbalance", "peak_live_tokens", "plan_seconds",
+    "imbalance", "peak_live_tokens", "peak_live_bytes", "makespan", "makespan_lower_bound", "makespan_ratio",
+    "plan_seconds",
 }
 
 
@@ -105,3 +106,30 @@ def test_plan_reads_protobuf_from_stdin(tmp_path):
 def test_plan_rejects_bad_config(capsys, batch):
     assert main(["plan", str(batch), "--chunk-size", "48"]) == 2
     assert "chunk_size: expected a power of two" in capsys.readouterr().err
+
+
+def test_plan_sizes_windows_with_the_named_model_and_balances_with_a_cost_model(capsys, tmp_path, batch):
+    from planner_service.planner.cost_model import CostModel
+    from proto.memory_model import ModelDims, RowSizes
+    from trainer.models.config import debugmodel
+
+    cost = tmp_path / "cost.json"
+    cost.write_text(CostModel(row=2.0, attention=0.001, linear_call=5.0, logprob_row=1.0, source="test").to_json())
+    out = tmp_path / "plan.bin"
+    args = ["plan", str(batch), "--world-size", "4", "--microbatch-tokens", "64", "--chunk-size", "8", "--model", "tiny",
+            "--dtype", "bfloat16", "--cost-model", str(cost), "--memory-tokens", "64", "-o", str(out)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    mm = plan.header.params.memory
+    want = RowSizes.of(ModelDims.from_hf_config(debugmodel().to_hf_dict()), "bfloat16", 8)
+    assert (mm.activation_row_bytes, mm.state_bytes, mm.model, mm.dtype) == (want.activation_row_bytes, want.state_bytes, "tiny", "bfloat16")
+    assert plan.header.params.cost_model.linear_call == 5.0 and plan.header.params.cost_model.source == "test"
+    assert report["peak_live_bytes"] <= 64 * mm.activation_row_bytes
+    assert report["makespan_ratio"] >= 1.0 and report["makespan"] == max(report["rank_costs"])
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(debugmodel().to_hf_dict()))
+    assert main([*args[:-2], "--model", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_live_bytes"] == report["peak_live_bytes"]
+    assert main([*args[:-2], "--model", "no-such-model"]) == 2
+    assert "--model: expected a config.json path or one of" in capsys.readouterr().err

@@ -48,7 +48,9 @@ def test_golden_plan():
     stats = plan.header.stats
     got = {name: getattr(stats, name) for name in (
         "unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens",
-        "microbatches", "linear_attention_calls", "peak_live_tokens", "windows")}
+        "microbatches", "linear_attention_calls", "peak_live_tokens", "peak_live_bytes", "windows",
+        "makespan", "makespan_lower_bound")}
+    got["makespan_ratio"] = round(stats.makespan_ratio, 9)
     got["rank_costs"] = [round(c, 6) for c in stats.rank_costs]
     got["sha256"] = hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest()
     _check("plan_tree_w2.json", got)

@@ -15,6 +15,7 @@ from planner_service.forest import Forest
 from planner_service.planner import level1, level2, partition_ref
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.partition import expand_forest, partition, partition_with_report
+from proto.memory_model import RowSizes
 
 
 # Forests built by hand (a plain trie).
@@ -156,7 +157,7 @@ def test_kundu_misra_gives_the_fewest_pieces(seed):
     ud = np.zeros(n, np.int64)  # additive weights: no replay (replay=False), no context (dup=False)
     want = _brute_min_pieces(parent, weight, budget)
     for impl in (level1, partition_ref):
-        cut, resid, bad = impl.cut_pieces(up, ul, ud, 1 << 20, budget, False, False)
+        cut, resid, bad = impl.cut_pieces(up, ul, ud, 1 << 20, budget, False, False, np.zeros(n, np.bool_))
         assert bad == -1
         roots = np.asarray(impl.piece_roots(up, cut))
         pieces = np.unique(roots)
@@ -195,11 +196,15 @@ def test_cut_pieces_numba_matches_reference(seed, dup, replay):
     units = level1.build_units(f.seg_parent, f.seg_length, f.seg_depth, 8)
     _, _, unit_len, unit_depth, unit_parent = units
     budget = 64 if dup else 24
-    got = level1.cut_pieces(unit_parent, unit_len, unit_depth, 8, budget, dup, replay)
-    want = partition_ref.cut_pieces(unit_parent, unit_len, unit_depth, 8, budget, dup, replay)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-    assert got[2] == want[2]
+    rng = np.random.default_rng(seed)
+    U = unit_parent.shape[0]
+    for force in (np.zeros(U, np.bool_), (unit_parent >= 0) & (rng.random(U) < 0.2)):
+        got = level1.cut_pieces(unit_parent, unit_len, unit_depth, 8, budget, dup, replay, force)
+        want = partition_ref.cut_pieces(unit_parent, unit_len, unit_depth, 8, budget, dup, replay, force)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert got[2] == want[2]
+        assert got[0][force].all(), "a forced unit that does not root a piece"
 
 
 # Bin packing and placement kernels.
@@ -269,7 +274,7 @@ def test_order_and_live_stack_match_reference(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_context_and_exports_match_reference(seed):
+def test_context_costs_match_reference(seed):
     f = random_forest(seed, max_len=50)
     _, _, unit_len, unit_depth, unit_parent = level1.build_units(f.seg_parent, f.seg_length, f.seg_depth, 4)
     rng = np.random.default_rng(seed)
@@ -283,11 +288,6 @@ def test_context_and_exports_match_reference(seed):
     args = (roots_off, roots, unit_parent, unit_len, unit_depth, 4, True)
     for got, want in zip(level2.context_cost(*args), partition_ref.context_cost(*args)):
         np.testing.assert_array_equal(got, want)
-    mb_parent = np.array([-1, 0, 0, 1, -1, 4], np.int64)
-    mb_shared = np.array([False, True, False, True, False, True])
-    unit_mb = rng.integers(0, M, size=U).astype(np.int64)
-    args = (roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_shared)
-    np.testing.assert_array_equal(level2.export_rows(*args), partition_ref.export_rows(*args))
 
 
 # The whole partitioner.
@@ -314,14 +314,14 @@ def _check_partition(f: Forest, cfg: PlanConfig, part, report) -> None:
         if not cfg.windows:
             assert not spec.shared
     assert (covered == 1).all()
-    # piece roots of a microbatch hang below its parent microbatch (or start at forest roots)
-    owner = {}
+    # piece roots of a microbatch hang below its own rows or its parent microbatch's (kept or
+    # duplicated by placement), or start at forest roots
+    local = [set() for _ in mbs]
     for m, spec in enumerate(mbs):
-        for s, a, b in spec.ranges.tolist():
-            for o in range(a, b):
-                owner[(s, o)] = m
+        for s, a, b in spec.ranges.tolist() + spec.dup_ranges.tolist():
+            local[m].update((s, o) for o in range(a, b))
     for m, spec in enumerate(mbs):
-        for s, a, _ in spec.ranges.tolist():
+        for s, a, _ in spec.ranges.tolist() + spec.dup_ranges.tolist():
             if a > 0:
                 prev = (s, a - 1)
             elif f.seg_parent[s] >= 0:
@@ -329,7 +329,11 @@ def _check_partition(f: Forest, cfg: PlanConfig, part, report) -> None:
                 prev = (p, int(f.seg_length[p]) - 1)
             else:
                 continue
-            assert owner[prev] in (m, spec.parent), f"microbatch {m}: a piece hangs below {owner[prev]}"
+            assert prev in local[m] or (spec.parent >= 0 and prev in local[spec.parent]), f"microbatch {m}: a piece hangs below another microbatch"
+        for s, a, b in spec.dup_ranges.tolist():  # duplicated rows are kept on another rank
+            for o in range(a, b):
+                keeper = next(q for q, sp in enumerate(mbs) if any(x == s and y <= o < z for x, y, z in sp.ranges.tolist()))
+                assert mbs[keeper].rank != spec.rank, "a rank duplicates a token it keeps"
     # execution order: each microbatch forwarded and backwarded once on its rank, depth-first
     assert len(part.rank_steps) == cfg.world_size
     for r, steps in enumerate(part.rank_steps):
@@ -346,11 +350,12 @@ def _check_partition(f: Forest, cfg: PlanConfig, part, report) -> None:
         assert not stack
     seen = sorted(m for steps in part.rank_steps for kind, m in steps if kind == "F")
     assert seen == list(range(M))
-    assert report.peak_live <= cfg.memory_tokens
+    assert report.peak_live <= cfg.memory_bytes
 
 
 CASES = [
     dict(world_size=1, microbatch_tokens=64, chunk_size=8),
+    dict(world_size=6, microbatch_tokens=24, chunk_size=4, memory_tokens=30),
     dict(world_size=3, microbatch_tokens=32, chunk_size=8),
     dict(world_size=2, microbatch_tokens=48, chunk_size=16, windows=False),
     dict(world_size=4, microbatch_tokens=16, chunk_size=4, replay=False),
@@ -375,6 +380,10 @@ def test_partition_numba_matches_reference_and_invariants(seed, kw):
         np.testing.assert_array_equal(a.ranges, b.ranges)
         assert (a.parent, a.shared, a.rank, a.recompute) == (b.parent, b.shared, b.rank, b.recompute)
     np.testing.assert_array_equal(report.rows, ref_report.rows)
+    np.testing.assert_array_equal(report.exports, ref_report.exports)
+    np.testing.assert_array_equal(report.live, ref_report.live)
+    for a, b in zip(part.microbatches, ref.microbatches):
+        np.testing.assert_array_equal(a.dup_ranges, b.dup_ranges)
     _check_partition(f, cfg, part, report)
 
 
@@ -446,7 +455,7 @@ def test_short_prefix_is_duplicated_instead_of_shared():
     # a 3-token prefix below 4 large branches: cut edges carry a prefix < C -> duplicated
     trajs = [[1, 2, 3] + [10 + b] * 60 for b in range(4)]
     f = make_forest(trajs)
-    part, report = partition_with_report(f, PlanConfig(world_size=2, microbatch_tokens=128, chunk_size=8))
+    part, report = partition_with_report(f, PlanConfig(world_size=1, microbatch_tokens=128, chunk_size=8))
     children = [spec for spec in part.microbatches if spec.parent >= 0]
     assert children and not any(spec.shared for spec in children)
     # a long prefix is shared through a window
@@ -462,8 +471,8 @@ def test_memory_budget_marks_recompute_then_duplicates():
     trajs = [list(range(30)) + [1000 + b] * 30 for b in range(4)]
     f = make_forest(trajs)
 
-    def run(memory):
-        cfg = PlanConfig(world_size=1, microbatch_tokens=64, chunk_size=8, memory_tokens=memory)
+    def run(memory):  # row-counting sizes: a computed row and an exported ATTN row are one unit each
+        cfg = PlanConfig(world_size=1, microbatch_tokens=64, chunk_size=8, memory_tokens=memory, row_sizes=RowSizes.rows())
         part, report = partition_with_report(f, cfg)
         _check_partition(f, cfg, part, report)
         kids = [spec for spec in part.microbatches if spec.parent >= 0]
@@ -481,8 +490,8 @@ def test_memory_budget_marks_recompute_then_duplicates():
     assert report.peak_live == 60
     # a chain of windows over one 300-token trajectory cannot fit M = 128, nor be duplicated
     deep = make_forest([list(range(300))])
-    with pytest.raises(PlanningError, match=r"memory_tokens: the live window stack .* raise memory_tokens to >= "):
-        partition(deep, PlanConfig(microbatch_tokens=64, chunk_size=8, memory_tokens=128))
+    with pytest.raises(PlanningError, match=r"memory_tokens: microbatch \d+ holds \d+ bytes .* raise memory_tokens to >= "):
+        partition(deep, PlanConfig(microbatch_tokens=64, chunk_size=8, memory_tokens=128, row_sizes=RowSizes.rows()))
 
 
 def test_heavy_window_group_is_split_for_balance():
@@ -514,11 +523,15 @@ def test_empty_forest():
 
 
 def test_more_ranks_than_microbatches_leaves_ranks_idle():
+    # Two trajectories share 3 tokens: kept together one rank computes 8 rows plus 3 replay rows;
+    # the longest trajectory alone is 6 rows, so placement duplicates the prefix on a second rank
+    # (6 and 5 rows: the makespan's lower bound) and leaves the other 6 ranks idle.
     f = make_forest([[1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9]])
     cfg = PlanConfig(world_size=8, microbatch_tokens=64, chunk_size=4)
     part, report = partition_with_report(f, cfg)
-    assert len(part.microbatches) == 1
-    assert sum(1 for steps in part.rank_steps if steps) == 1
+    assert len(part.microbatches) == 2
+    assert sum(1 for steps in part.rank_steps if steps) == 2
+    assert sorted(report.rows.tolist()) == [5, 6] and report.lower_bound == 6
     _check_partition(f, cfg, part, report)
 
 

@@ -11,6 +11,7 @@ from planner_service.planner.min_calls import min_calls, min_calls_chunk_tree_re
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
+from proto.memory_model import ModelDims, RowSizes
 from proto.plan_validator import validate_plan
 from tests.builder_helpers import forest_from_trajectories, random_partition, random_trajectories
 
@@ -116,9 +117,7 @@ def test_nested_windows_reexport_rows_and_import_states_from_owner():
     assert {(s.microbatch) for s in mbs[1].state_imports} == {0}
 
 
-def test_recomputed_window_counts_only_the_exported_rows_it_keeps():
-    # As above, with the middle window recomputed: while the grandchild runs, the middle window
-    # holds its 8 own exported rows; the 11 it imported and re-exports are live in the root window.
+def _recomputed_middle_window(sizes):
     base = list(range(1, 25))
     f = forest_from_trajectories([base, base[:11] + [90, 91, 92, 93, 94, 95, 96], base[:19] + [80, 81]])
     segs = {(int(f.seg_depth[s]), int(f.tokens[f.seg_offset[s]])): s for s in range(f.num_segments)}
@@ -128,18 +127,53 @@ def test_recomputed_window_counts_only_the_exported_rows_it_keeps():
         MicrobatchSpec(ranges=np.array([[s1, 0, 8]]), parent=0, shared=True, recompute=True),
         MicrobatchSpec(ranges=np.array([[s2, 0, 5], [s3, 0, 2]]), parent=1, shared=True),
     ])
-    plan = build_plan(f, PlanConfig(chunk_size=8, microbatch_tokens=64), part)
-    mbs = _mbs(plan)
+    plan = build_plan(f, PlanConfig(chunk_size=8, microbatch_tokens=64, row_sizes=sizes), part)
+    return f, plan, _mbs(plan)
+
+
+def test_recomputed_window_counts_only_the_exported_rows_it_keeps():
+    # As above, with the middle window recomputed: while the grandchild runs, the middle window
+    # holds its 8 own exported rows; the 11 it imported and re-exports are live in the root window.
+    # Row-counting sizes: a computed row and an exported ATTN row are one unit each.
+    f, plan, mbs = _recomputed_middle_window(RowSizes.rows())
     exports = unpack(mbs[1].export_rows, "int32")
     assert len(exports) == 19 and int((exports < mbs[1].num_rows).sum()) == 8
     computed = {m: mb.num_rows + mb.replay_tokens for m, mb in mbs.items()}
     peak = computed[2] + computed[0] + 8
-    assert plan.header.stats.peak_live_tokens == peak
-    plan.header.params.memory_tokens = peak
+    assert plan.header.stats.peak_live_bytes == plan.header.stats.peak_live_tokens == peak
     validate_plan(plan, f)
     plan.header.params.memory_tokens = peak - 1
-    with pytest.raises(ValueError, match=f"live window stack {peak} exceeds memory_tokens {peak - 1}"):
+    plan.header.params.memory.memory_bytes = peak - 1
+    with pytest.raises(ValueError, match=f"live window stack {peak} bytes .* exceeds memory_bytes {peak - 1}"):
         validate_plan(plan, f)
+
+
+def test_recomputed_window_keeps_each_kind_of_export_at_its_own_size():
+    # The grandchild's pieces start at depth 19 below the middle window's rows at depths 11..18
+    # (C = 8, K = 4): it attends to all 8 (ATTN), its conv reads depths 16..18 (CONV), its
+    # sequences replay depths 16..18 (KERNEL) from the state at depth 16 (one state): all owned by
+    # the middle window, which therefore keeps 8 a + 3 c + 3 k + 1 s bytes while recomputed.
+    sizes = RowSizes(activation_row_bytes=1_000_000, attn_row_bytes=1, conv_row_bytes=10, kernel_row_bytes=100,
+                     state_bytes=10_000)
+    f, plan, mbs = _recomputed_middle_window(sizes)
+    computed = {m: mb.num_rows + mb.replay_tokens for m, mb in mbs.items()}
+    middle = 8 * 1 + 3 * 10 + 3 * 100 + 1 * 10_000
+    assert plan.header.stats.peak_live_bytes == (computed[2] + computed[0]) * 1_000_000 + middle
+    assert plan.header.stats.peak_live_tokens == computed[2] + computed[0] + 1
+    assert plan.header.params.memory.activation_row_bytes == 1_000_000
+    validate_plan(plan, f)
+
+
+def test_default_memory_model_sizes_windows_from_the_model_config():
+    # Without a model config: Qwen3-Next-80B-A3B in fp32; a named config changes every size.
+    f, plan, mbs = _recomputed_middle_window(None)
+    mm = plan.header.params.memory
+    assert mm.model.startswith("default") and mm.dtype == "float32"
+    dims = ModelDims.default()
+    assert mm.attn_row_bytes == 12 * 2 * 2 * 256 * 4 and mm.state_bytes == 36 * 32 * 128 * 128 * 4
+    assert mm.activation_row_bytes == RowSizes.of(dims, "float32", 8).activation_row_bytes
+    assert mm.memory_bytes == plan.header.params.memory_tokens * mm.activation_row_bytes
+    validate_plan(plan, f)
 
 
 CASES = [
@@ -245,3 +279,43 @@ def test_logprob_map_kernels_match_references(all_positions):
         order, bounds = group_by(keys, 7)
         np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
         np.testing.assert_array_equal(bounds, np.searchsorted(np.sort(keys), np.arange(8)))
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_builder_arrays_equal_the_decoded_plan(case, monkeypatch):
+    # The memory model runs on the builder's own MicrobatchArrays (no decoding pass): they must
+    # be what decode_microbatch reads back from the serialised microbatch.
+    import dataclasses
+
+    from planner_service.planner import build as build_mod
+    from proto.plan_decode import decode_microbatch
+
+    seen = {}
+    real = build_mod._arrays
+
+    def spy(msg, *args, **kw):
+        out = real(msg, *args, **kw)
+        seen[out.id] = (msg, out)
+        return out
+
+    monkeypatch.setattr(build_mod, "_arrays", spy)
+    rng = np.random.default_rng(100 + case)
+    C = [2, 4, 8, 8][case]
+    trajs, tree_of = random_trajectories(rng, n=12, max_len=5 * C + 7, vocab=4, trees=2, chunk=C)
+    f = forest_from_trajectories(trajs, tree_of=tree_of, seed=case)
+    cfg = PlanConfig(chunk_size=C, microbatch_tokens=1024, replay=case != 3, world_size=2)
+    plan = build_plan(f, cfg, random_partition(f, rng, chunk=C, world_size=2))
+    assert seen
+    for m, (msg, got) in seen.items():
+        want = decode_microbatch(msg, plan.header.params)
+        for fld in dataclasses.fields(want):
+            a, b = getattr(got, fld.name), getattr(want, fld.name)
+            if fld.name == "linear_calls":
+                assert len(a) == len(b)
+                for ca, cb in zip(a, b):
+                    for cf in dataclasses.fields(cb):
+                        np.testing.assert_array_equal(getattr(ca, cf.name), getattr(cb, cf.name), err_msg=f"{m}.{cf.name}")
+            elif isinstance(b, np.ndarray):
+                np.testing.assert_array_equal(np.asarray(a).reshape(b.shape), b, err_msg=f"{m}.{fld.name}")
+            else:
+                assert a == b, (m, fld.name, a, b)

@@ -227,8 +227,13 @@ def test_rejects_microbatch_over_budget():
 
 def test_rejects_live_stack_over_memory():
     f, plan = _window_plan()
-    plan.header.params.memory_tokens = 20
-    _rejects(plan, "live window stack 21 exceeds memory_tokens 20", f)
+    mm, st = plan.header.params.memory, plan.header.stats
+    plan.header.params.memory_tokens = st.peak_live_tokens - 1
+    mm.memory_bytes = plan.header.params.memory_tokens * mm.activation_row_bytes
+    _rejects(plan, f"live window stack {st.peak_live_bytes} bytes \\({st.peak_live_tokens} row-equivalents\\) "
+             f"exceeds memory_bytes {mm.memory_bytes}", f)
+    mm.memory_bytes += 1
+    _rejects(plan, "header.params.memory.memory_bytes: expected memory_tokens x activation_row_bytes", f)
 
 
 def test_rejects_microbatch_placed_twice():

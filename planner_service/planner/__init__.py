@@ -18,7 +18,9 @@ import numpy as np
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
 from planner_service.planner.build import build_plan
+from planner_service.planner import placement
 from planner_service.planner.config import PlanConfig
+from planner_service.planner.cost_model import CostModel
 from planner_service.planner.partition import expand_forest, partition, partition_with_report
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.harts.v1 import plan_pb2
@@ -50,6 +52,12 @@ def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_p
     plan = build_plan(source, cfg, part, use_numba=impl == "numba")
     plan.header.stats.plan_seconds = time.perf_counter() - t0
     st = plan.header.stats
+    if st.peak_live_bytes > cfg.memory_bytes:  # the partitioner's estimate bounds the exact stack
+        raise PlanningError(
+            f"memory_tokens: the plan's live window stack holds {st.peak_live_bytes} bytes ({st.peak_live_tokens} "
+            f"row-equivalents), expected <= {cfg.memory_bytes} ({cfg.memory_tokens}); the partitioner's memory "
+            f"estimate was below the exact stack, a planner bug"
+        )
     log.debug(
         "planned %s: %d microbatches, compression %.3f of %.3f, imbalance %.3f, %.3f s",
         forest.batch_id, st.microbatches, st.compression_achieved, st.compression_ideal, st.imbalance, st.plan_seconds,
@@ -87,7 +95,8 @@ def _tiny_forest() -> Forest:
 
 def warmup() -> float:
     """Compile (or load from the on-disk cache) every Numba kernel of the planner on a tiny input:
-    windows, duplication, recomputation, the expanded baseline and the replay ablation.
+    windows, duplication, recomputation, placement across ranks with a full cost model, the
+    expanded baseline and the replay ablation.
 
     Returns the seconds it took.
     """
@@ -95,6 +104,8 @@ def warmup() -> float:
     forest = _tiny_forest()
     for cfg in (
         PlanConfig(world_size=2, microbatch_tokens=16, chunk_size=8, memory_tokens=24),
+        PlanConfig(world_size=3, microbatch_tokens=16, chunk_size=4, makespan_slack=1.0,
+                   cost_model=CostModel(row=1.0, attention=0.01, linear_call=1.0, logprob_row=1.0)),
         PlanConfig(world_size=2, microbatch_tokens=32, chunk_size=8, windows=False),
         PlanConfig(world_size=1, microbatch_tokens=16, chunk_size=4, replay=False),
         PlanConfig(world_size=2, microbatch_tokens=64, chunk_size=8, sharing=False),
@@ -103,6 +114,9 @@ def warmup() -> float:
             plan_step(forest, cfg)
         except PlanningError:
             partition(forest, PlanConfig(world_size=cfg.world_size, microbatch_tokens=64, chunk_size=cfg.chunk_size))
+    parent = np.array([-1, 0, 0, 1, -1], np.int64)
+    w = np.ones(5)
+    placement.refine(parent, np.zeros(5, np.int64), w, w, w * 0, 2, 4, 4, 0.0)  # placement may not need it above
     seconds = time.perf_counter() - t0
     log.debug("planner warm-up %.3f s", seconds)
     return seconds

@@ -19,8 +19,13 @@ Rows of a microbatch m:
 A linear-attention state consumed across microbatches comes straight from the microbatch whose
 sequence computed it (an ancestor in the same window), which lists it in export_states.
 
-Cost model (Microbatch.cost, PlanStats.rank_costs): computed rows (local + replay) plus
-`attention_weight` x attended (query, key) pairs, where a row at depth d attends to d + 1 keys.
+Cost model (Microbatch.cost, PlanStats.rank_costs): `cfg.cost_model` (cost_model.py) over the
+microbatch's computed rows, attended (query, key) pairs (a row at depth d attends to d + 1 keys),
+linear-attention calls and distinct log-prob rows. The makespan statistics compare the largest
+rank cost with max(total / W, the longest trajectory computed alone).
+
+Live memory (PlanStats.peak_live_bytes): proto.memory_model.rank_live_bytes over the decoded
+microbatches, the same function the validator checks with.
 
 Legend: N_u forest tokens, N_e expanded positions, T trajectories, R local rows, I imported rows,
 S local segments, K conv kernel, C chunk size.
@@ -36,10 +41,13 @@ from planner_service.forest import Forest
 from planner_service.planner import build_kernels as bk
 from planner_service.planner import min_calls as mc
 from planner_service.planner.config import PlanConfig
+from planner_service.planner.cost_model import microbatch_features
 from planner_service.planner.logprob_map import loss_per_trajectory
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import pack as pk
 from proto.harts.v1 import plan_pb2
+from proto.memory_model import rank_live_bytes
+from proto.plan_decode import LinearCallArrays, MicrobatchArrays
 from proto.plan_io import PLAN_VERSION
 
 
@@ -50,9 +58,13 @@ class _Layout:
     mb: int
     spec: MicrobatchSpec
     kept_tok: np.ndarray  # int64 [n] forest tokens kept here
+    dup_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted explicit duplicated tokens
     ctx_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sorted context tokens
     local_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [R] packed order
-    local_sorted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # argsort of local_tok
+    dup_sorted_tok: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # duplicated rows' tokens, sorted
+    dup_sorted_row: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # and their local rows
+    kept_mb: np.ndarray | None = None  # int32 [N_u] microbatch keeping each token (shared by all layouts)
+    kept_row: np.ndarray | None = None  # int64 [N_u] its local row there (filled once laid out)
     packed: dict = field(default_factory=dict)
     seg_forest: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     seg_forest_offset: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
@@ -73,14 +85,28 @@ class _Layout:
     def num_rows(self) -> int:
         return int(self.local_tok.shape[0])
 
+    def owns(self, toks: np.ndarray, kept_mb: np.ndarray) -> np.ndarray:
+        """bool: the token is one of this microbatch's own rows, kept (kept_mb int32 [N_u]: the
+        microbatch keeping each token) or explicitly duplicated."""
+        toks = np.asarray(toks, np.int64)
+        out = kept_mb[toks] == self.mb
+        if self.dup_tok.shape[0]:
+            i = np.minimum(np.searchsorted(self.dup_tok, toks), self.dup_tok.shape[0] - 1)
+            out |= self.dup_tok[i] == toks
+        return out
+
     def local_rows(self, toks: np.ndarray) -> np.ndarray:
-        """int64 local row of each token, -1 where the token is not a local row."""
+        """int64 local row of each token, -1 where the token is not a local row (kept rows through
+        the step-wide kept_mb/kept_row tables, duplicated ones by search)."""
         toks = np.asarray(toks, np.int64)
         if self.num_rows == 0:
             return np.full(toks.shape, -1, np.int64)
-        sorted_tok = self.local_tok[self.local_sorted]
-        i = np.minimum(np.searchsorted(sorted_tok, toks), self.num_rows - 1)
-        return np.where(sorted_tok[i] == toks, self.local_sorted[i], -1)
+        rows = np.where(self.kept_mb[toks] == self.mb, self.kept_row[toks], -1)
+        n = self.dup_sorted_tok.shape[0]
+        if n:
+            i = np.minimum(np.searchsorted(self.dup_sorted_tok, toks), n - 1)
+            rows = np.where((rows < 0) & (self.dup_sorted_tok[i] == toks), self.dup_sorted_row[i], rows)
+        return rows
 
     def ext_rows(self, toks: np.ndarray) -> np.ndarray:
         """int64 extended row of each token (local, else imported), -1 when absent."""
@@ -120,8 +146,8 @@ def _topological(specs: list[MicrobatchSpec]) -> list[int]:
     return order
 
 
-def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int, use_numba: bool) -> np.ndarray:
-    rng = np.asarray(spec.ranges, np.int64).reshape(-1, 3)
+def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int, use_numba: bool, what: str = "ranges") -> np.ndarray:
+    rng = np.asarray(getattr(spec, what), np.int64).reshape(-1, 3)
     if rng.shape[0] == 0:
         return np.zeros(0, np.int64)
     s, a, b = rng[:, 0], rng[:, 1], rng[:, 2]
@@ -130,7 +156,7 @@ def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int, use_numba: bool) 
         bad = (a < 0) | (b <= a) | (b > forest.seg_length[s])
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise PlanningError(f"partition.microbatches[{m}].ranges[{i}]: expected a non-empty range inside its segment, got {rng[i].tolist()}")
+        raise PlanningError(f"partition.microbatches[{m}].{what}[{i}]: expected a non-empty range inside its segment, got {rng[i].tolist()}")
     return (bk.expand_ranges if use_numba else bk.expand_ranges_ref)(forest.seg_offset[s] + a, b - a)
 
 
@@ -161,7 +187,7 @@ def _need_tokens(forest: Forest, need: dict[int, int], use_numba: bool) -> np.nd
 def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool, kept_row: np.ndarray) -> None:
     """Local forest of one microbatch (kept ranges plus duplicated context), packed; fills
     kept_row[t] (int64 [N_u]) with the local row of every forest token t it keeps."""
-    dup_tok = np.zeros(0, np.int64) if L.shared else L.ctx_tok
+    dup_tok = L.dup_tok if L.shared else np.union1d(L.dup_tok, L.ctx_tok)
     if use_numba:
         toks = np.concatenate([L.kept_tok, dup_tok])
         dup = np.concatenate([np.zeros(L.kept_tok.shape[0], np.uint8), np.ones(dup_tok.shape[0], np.uint8)])
@@ -185,10 +211,13 @@ def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool, kep
     L.seg_forest, L.seg_forest_offset, L.seg_dup, L.local_tok = layout_fn(
         P["order"], first, sdup, P["row_seg"], P["seg_start"], tix.seg, tix.off, kept_row,
     )
+    dup_rows = np.flatnonzero(L.seg_dup[P["row_seg"]] == 1) if L.num_rows else np.zeros(0, np.int64)
     if use_numba:
-        L.local_sorted = np.argsort(L.local_tok, kind="stable")
+        L.dup_sorted_row = dup_rows[np.argsort(L.local_tok[dup_rows], kind="stable")]
     else:
-        L.local_sorted = np.array(sorted(range(L.num_rows), key=L.local_tok.__getitem__), np.int64)
+        L.dup_sorted_row = np.array(sorted(dup_rows.tolist(), key=L.local_tok.__getitem__), np.int64)
+    L.dup_sorted_tok = L.local_tok[L.dup_sorted_row]
+    L.kept_row = kept_row
 
 
 def _ext_parent_depth(L: _Layout, tix: _TokenIndex, use_numba: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -249,29 +278,35 @@ def _default_steps(specs: list[MicrobatchSpec], world: int) -> list[list[tuple[s
     return steps
 
 
-def build_plan(
-    forest: Forest, cfg: PlanConfig, partition: Partition, *, attention_weight: float = 0.0, use_numba: bool = True
-) -> plan_pb2.Plan:
+def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_numba: bool = True) -> plan_pb2.Plan:
     """Lay out and serialise the plan of one step.
 
     Args:
         forest: the step's prefix forest.
-        cfg: planner settings (chunk size, conv kernel, replay, log-prob positions, budgets).
+        cfg: planner settings (chunk size, conv kernel, replay, log-prob positions, budgets, the
+            memory model's sizes and the cost model).
         partition: microbatch membership, edge modes, placement and per-rank order.
-        attention_weight: weight of attended (query, key) pairs in the cost model (0 = rows only).
         use_numba: False runs the plain-Python twins of the Numba kernels (tests).
 
     Raises:
         PlanningError: the partition does not describe a valid microbatch forest for `forest`.
+            (Live stacks over the budget are reported in PlanStats.peak_live_bytes, not raised:
+            `plan_step` and the validator enforce the budget.)
     """
     specs = partition.microbatches
     C, K = cfg.chunk_size, cfg.conv_kernel
     tix = _TokenIndex(forest, use_numba)
     M = len(specs)
     layouts = [_Layout(mb=m, spec=sp, kept_tok=_kept_tokens(forest, sp, m, use_numba)) for m, sp in enumerate(specs)]
+    for L in layouts:
+        dup = _kept_tokens(forest, L.spec, L.mb, use_numba, "dup_ranges")
+        L.dup_tok = np.unique(dup)
+        if L.dup_tok.shape[0] != dup.shape[0]:
+            raise PlanningError(f"partition.microbatches[{L.mb}].dup_ranges: expected distinct tokens, got a repeat")
     kept_mb = np.full(forest.unique_tokens, -1, np.int32)
     for L in layouts:
         kept_mb[L.kept_tok] = L.mb
+        L.kept_mb = kept_mb
     if sum(L.kept_tok.shape[0] for L in layouts) != forest.unique_tokens or (kept_mb < 0).any():
         for L in layouts:  # slow path, only to name the culprit
             if (kept_mb[L.kept_tok] != L.mb).any() or np.unique(L.kept_tok).shape[0] != L.kept_tok.shape[0]:
@@ -294,15 +329,18 @@ def build_plan(
     needs: list[dict[int, int]] = [dict() for _ in range(M)]
     for m in reversed(topo):
         L = layouts[m]
-        pred = tix.pred[L.kept_tok]
-        attach = pred[(pred >= 0) & (kept_mb[np.maximum(pred, 0)] != m)]
+        if L.dup_tok.shape[0] and (kept_mb[L.dup_tok] == m).any():
+            raise PlanningError(f"partition.microbatches[{m}].dup_ranges: expected tokens the microbatch does not keep, got a kept one")
+        pred = tix.pred[np.concatenate([L.kept_tok, L.dup_tok])]
+        pred = pred[pred >= 0]
+        attach = pred[~L.owns(pred, kept_mb)]
         _path_need(tix, np.unique(attach).tolist(), needs[m])
         ctx = _need_tokens(forest, needs[m], use_numba)
-        L.ctx_tok = ctx[kept_mb[ctx] != m] if ctx.shape[0] else ctx
+        L.ctx_tok = ctx[~L.owns(ctx, kept_mb)] if ctx.shape[0] else ctx
         if L.ctx_tok.shape[0] and L.spec.parent < 0:
             raise PlanningError(f"partition.microbatches[{m}]: has pieces below other microbatches' rows, expected a parent")
         if L.shared:  # the parent provides this context: its own rows, else context it imports too
-            rest = L.ctx_tok[kept_mb[L.ctx_tok] != L.spec.parent]
+            rest = L.ctx_tok[~layouts[L.spec.parent].owns(L.ctx_tok, kept_mb)]
             if rest.shape[0]:
                 seg = tix.seg[rest]
                 last = np.flatnonzero(np.append(seg[1:] != seg[:-1], True))  # deepest token per segment
@@ -439,8 +477,8 @@ def build_plan(
         raise PlanningError(f"partition.rank_steps: microbatch {int(np.flatnonzero(placed != 2)[0])} must have one F and one B step")
 
     mbs: dict[int, plan_pb2.Microbatch] = {}
+    arrays: dict[int, MicrobatchArrays] = {}  # what proto.plan_decode would decode, for the memory model
     calls_max = 0
-    live_rows = np.zeros(M, np.int64)
     for r, m in ((r, m) for r in range(cfg.world_size) for m in rank_order[r]):
         L = layouts[m]
         P = L.packed
@@ -449,9 +487,12 @@ def build_plan(
         while len(plan.ranks) <= r:
             plan.ranks.add(rank=len(plan.ranks))
         msg = plan.ranks[r].microbatches.add(id=m, num_rows=R, recompute=bool(L.spec.recompute))
-        msg.tokens = pk(forest.tokens[L.local_tok], "int32")
+        tokens_R = forest.tokens[L.local_tok]
+        occ_R = occ_fn(P["row_seg"], L.seg_forest, L.seg_dup, occ_seg)
+        conv_RJ = conv_fn(ext_parent, R, K)
+        msg.tokens = pk(tokens_R, "int32")
         msg.depth = pk(P["row_depth"], "int32")
-        msg.occurrence = pk(occ_fn(P["row_seg"], L.seg_forest, L.seg_dup, occ_seg), "int32")
+        msg.occurrence = pk(occ_R, "int32")
         msg.seg_start = pk(P["seg_start"], "int32")
         msg.seg_length = pk(P["seg_length"], "int32")
         msg.seg_parent = pk(P["seg_parent"], "int32")
@@ -459,7 +500,7 @@ def build_plan(
         msg.seg_forest = pk(L.seg_forest, "int32")
         msg.seg_forest_offset = pk(L.seg_forest_offset, "int32")
         msg.seg_duplicated = pk(L.seg_dup, "uint8")
-        msg.conv_ancestors = pk(conv_fn(ext_parent, R, K), "int32")
+        msg.conv_ancestors = pk(conv_RJ, "int32")
         offs, ranges = attn_fn(P["seg_start"], P["seg_length"], P["seg_parent"], P["row_parent"], ext_parent)
         msg.attn_offsets = pk(offs, "int32")
         msg.attn_ranges = pk(ranges, "int32")
@@ -499,30 +540,25 @@ def build_plan(
         dup = int(P["seg_length"][L.seg_dup == 1].sum())
         msg.replay_tokens = replay
         msg.duplicated_tokens = dup
-        msg.cost = float(R + replay + attention_weight * float((P["row_depth"].astype(np.int64) + 1).sum()))
-        live_rows[m] = R + replay
+        feats = microbatch_features(R, replay, P["row_depth"], ext_depth[r_rows], n_calls, lp[1][a:b])
+        msg.cost = float(cfg.cost_model.cost(*feats))
         mbs[m] = msg
+        arrays[m] = _arrays(msg, L, P, tokens_R, occ_R, conv_RJ, offs, ranges, src_kind, src_state, ex_seq, ex_depth,
+                            ex_state, n_calls, forest.seg_tree[L.seg_forest], {name: lp[col][a:b] for name, _, col in lp_fields})
 
     while len(plan.ranks) < cfg.world_size:
         plan.ranks.add(rank=len(plan.ranks))
     rank_costs = []
     peak = 0
-    # a recomputed window stays live with the exported rows it keeps (imported ones are live upstream)
-    own_exports = [int((L.export_rows < L.num_rows).sum()) for L in layouts]
+    sizes = cfg.sizes
     for r in range(cfg.world_size):
         rp = plan.ranks[r]
         local = {m: i for i, m in enumerate(rank_order[r])}
-        stack: list[int] = []
         for kind, m in steps[r]:
-            if kind == "F":
-                stack.append(m)
-            open_windows = [a for a in stack if a != m]
-            live = live_rows[m] + sum(own_exports[a] if specs[a].recompute else live_rows[a] for a in open_windows)
-            peak = max(peak, int(live))
-            if kind == "B" and m in stack:
-                stack.remove(m)
             rp.steps.add(kind=plan_pb2.ExecStep.FORWARD if kind == "F" else plan_pb2.ExecStep.BACKWARD, microbatch=local[m])
         rank_costs.append(float(sum(mbs[m].cost for m in rank_order[r])))
+        _, rank_peak = rank_live_bytes(sizes, {m: arrays[m] for m in rank_order[r]}, [(kind == "F", m) for kind, m in steps[r]])
+        peak = max(peak, rank_peak)
 
     st = plan.header.stats
     st.unique_tokens = forest.unique_tokens
@@ -537,9 +573,60 @@ def build_plan(
     st.rank_costs.extend(rank_costs)
     mean = float(np.mean(rank_costs)) if rank_costs else 0.0
     st.imbalance = max(rank_costs) / mean if mean > 0 else 1.0
-    st.peak_live_tokens = int(peak)
+    st.makespan = max(rank_costs, default=0.0)
+    lengths = forest.traj_length()
+    longest = float(cfg.cost_model.path_cost(int(lengths.max()))) if lengths.shape[0] else 0.0
+    st.makespan_lower_bound = max(sum(rank_costs) / cfg.world_size, longest)
+    st.makespan_ratio = st.makespan / st.makespan_lower_bound if st.makespan_lower_bound > 0 else 1.0
+    st.peak_live_bytes = int(peak)
+    st.peak_live_tokens = sizes.tokens(peak)
     st.windows = sum(1 for L in layouts if L.shared and L.ctx_tok.shape[0])
     return plan
+
+
+def _arrays(msg, L: _Layout, P: dict, tokens_R, occ_R, conv_RJ, offs, ranges, src_kind, src_state, ex_seq, ex_depth,
+            ex_state, n_calls: int, seg_tree, lp_cols: dict) -> MicrobatchArrays:
+    """The MicrobatchArrays that `proto.plan_decode.decode_microbatch(msg)` returns, from the
+    builder's own arrays (no decoding pass; tests/test_plan_builder.py compares the two)."""
+    q_start, q_end, q_depth, _, q_call, r_off, r_rows, _ = L.sched
+    calls = []
+    ex_seq = np.asarray(ex_seq, np.int64)
+    for c in range(n_calls):
+        seqs = np.flatnonzero(q_call == c)
+        lens = r_off[seqs + 1] - r_off[seqs]
+        pos = np.full(q_call.shape[0], -1, np.int64)
+        pos[seqs] = np.arange(seqs.shape[0])
+        sel = np.flatnonzero(pos[ex_seq] >= 0) if ex_seq.shape[0] else np.zeros(0, np.int64)
+        calls.append(LinearCallArrays(
+            row_start=q_start[seqs].astype(np.int64), row_end=q_end[seqs].astype(np.int64),
+            start_depth=q_depth[seqs].astype(np.int64), init_kind=np.asarray(src_kind, np.int64)[seqs],
+            init_state=np.asarray(src_state, np.int64)[seqs],
+            replay_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+            replay_rows=np.concatenate([r_rows[r_off[q]:r_off[q + 1]] for q in seqs]).astype(np.int64) if seqs.shape[0] else np.zeros(0, np.int64),
+            export_seq=pos[ex_seq[sel]], export_depth=np.asarray(ex_depth, np.int64)[sel],
+            export_state=np.asarray(ex_state, np.int64)[sel],
+        ))
+    I = L.ctx_tok.shape[0] if L.shared else 0
+    return MicrobatchArrays(
+        id=int(msg.id), num_rows=L.num_rows, num_imports=I, num_states=len(L.states), recompute=bool(L.spec.recompute),
+        tokens=tokens_R, depth=P["row_depth"], occurrence=occ_R, seg_start=P["seg_start"], seg_length=P["seg_length"],
+        seg_parent=P["seg_parent"], seg_tree=seg_tree, seg_forest=L.seg_forest, seg_forest_offset=L.seg_forest_offset,
+        seg_duplicated=L.seg_dup, conv_ancestors=conv_RJ, attn_offsets=offs, attn_ranges=ranges, linear_calls=calls,
+        import_microbatch=np.full(I, L.spec.parent, np.int32), import_row=L.import_row if I else np.zeros(0, np.int32),
+        state_import_microbatch=np.array([o for o, _ in L.state_imports], np.int32),
+        state_import_state=np.array([sid for _, sid in L.state_imports], np.int32),
+        export_rows=L.export_rows, export_states=np.array(sorted(L.export_states), np.int32),
+        lp_row=lp_cols["lp_row"], lp_label=lp_cols["lp_label"], lp_traj=lp_cols["lp_traj"], lp_pos=lp_cols["lp_pos"],
+        lp_loss_mask=lp_cols["lp_loss_mask"], lp_advantage=lp_cols["lp_advantage"],
+        lp_old_logprob=_optional(lp_cols, "lp_old_logprob"), lp_ref_logprob=_optional(lp_cols, "lp_ref_logprob"),
+        replay_tokens=int(msg.replay_tokens), duplicated_tokens=int(msg.duplicated_tokens), cost=float(msg.cost),
+    )
+
+
+def _optional(lp_cols: dict, name: str) -> np.ndarray | None:
+    """An optional log-prob column as decode_microbatch reads it: None when absent from entries."""
+    a = lp_cols.get(name, np.zeros(0, np.float32))
+    return a if a.shape[0] or not lp_cols["lp_row"].shape[0] else None
 
 
 def _fill_linear_calls_ref(msg, sched, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls: int) -> None:
@@ -576,6 +663,10 @@ def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> Non
     p.windows = cfg.windows
     p.replay = cfg.replay
     p.logprob_positions = plan_pb2.LOGPROB_POSITIONS_ALL if cfg.all_positions else plan_pb2.LOGPROB_POSITIONS_LOSS
+    cfg.sizes.fill(p.memory, cfg.memory_tokens)
+    p.memory.model = cfg.model_name
+    p.memory.dtype = cfg.dtype
+    cfg.cost_model.fill(p.cost_model)
     n = h.normalizers
     T = forest.num_trajectories
     per_traj = loss_per_trajectory(forest.traj_offset, forest.loss_mask).astype(np.float64)

@@ -1,7 +1,13 @@
 """Planner settings (DESIGN §4)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from planner_service.planner.cost_model import CostModel
+from proto.memory_model import DTYPE_BYTES, ModelDims, RowSizes
+
+#: MemoryModel.model of plans made without a model config.
+DEFAULT_MODEL_NAME = "default: Qwen3-Next-80B-A3B"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -13,11 +19,13 @@ class PlanConfig:
     microbatch_tokens: int = 4096
     """Token budget B per microbatch: computed rows (kept + replay + duplicated) must fit."""
     memory_tokens: int = 0
-    """Live-activation budget M per rank, in tokens; 0 means 8 * microbatch_tokens."""
+    """Live-activation budget M per rank in row-equivalents of full activations (M x the model's
+    activation bytes per row, proto/memory_model.py); 0 means 8 * microbatch_tokens."""
     chunk_size: int = 64
     """Linear-attention chunk size C; a power of two, equal to the kernel's."""
-    conv_kernel: int = 4
-    """Short-convolution kernel size K of the linear-attention layers."""
+    conv_kernel: int = 0
+    """Short-convolution kernel size K of the linear-attention layers; 0: the model config's (4
+    without one)."""
     sharing: bool = True
     """False: the trajectory-expanded baseline (each trajectory its own tree)."""
     windows: bool = True
@@ -26,6 +34,23 @@ class PlanConfig:
     """False: ablation, hand over states at unaligned branch depths instead of replaying."""
     all_positions: bool = False
     """True: a log-prob entry for every position 1..L-1 (not only loss positions)."""
+    model_config: dict | None = None
+    """The trainer's model as a Qwen3-Next config.json dict: the memory model's per-row sizes.
+    None: ModelDims.default() (Qwen3-Next-80B-A3B)."""
+    model_name: str = ""
+    """Name of that model for the plan's MemoryModel.model (default: derived)."""
+    dtype: str = "float32"
+    """Trainer dtype for the memory model ("float32", "bfloat16")."""
+    row_sizes: RowSizes | None = None
+    """Explicit memory-model sizes, overriding model_config (tests, measured profiles)."""
+    cost_model: CostModel = field(default_factory=CostModel)
+    """Microbatch cost for placement and the report (default: computed rows)."""
+    makespan_slack: float = 1.02
+    """Placement accepts a makespan up to this factor above its lower bound (max(total cost / W,
+    the costliest trajectory)) and, among such placements, duplicates the least; 1.0 minimises
+    the makespan whatever it duplicates."""
+    sizes: RowSizes = field(init=False, repr=False)
+    """The resolved memory-model sizes (from row_sizes, else model_config)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -43,5 +68,28 @@ class PlanConfig:
             raise ValueError(
                 f"memory_tokens: expected >= microbatch_tokens ({self.microbatch_tokens}), got {self.memory_tokens}"
             )
+        if not self.makespan_slack >= 1.0:
+            raise ValueError(f"makespan_slack: expected >= 1.0, got {self.makespan_slack}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if not isinstance(self.cost_model, CostModel):
+            raise ValueError(f"cost_model: expected a CostModel, got {type(self.cost_model).__name__}")
+        dims = ModelDims.from_hf_config(self.model_config) if self.model_config is not None else ModelDims.default()
+        if self.conv_kernel == 0:
+            self.conv_kernel = dims.linear_conv_kernel_dim if self.model_config is not None else 4
         if self.conv_kernel < 1:
             raise ValueError(f"conv_kernel: expected >= 1, got {self.conv_kernel}")
+        if self.model_config is not None and self.conv_kernel != dims.linear_conv_kernel_dim:
+            raise ValueError(
+                f"conv_kernel: expected {dims.linear_conv_kernel_dim} (the model config's linear_conv_kernel_dim), "
+                f"got {self.conv_kernel}"
+            )
+        self.sizes = self.row_sizes if self.row_sizes is not None else RowSizes.of(dims, self.dtype, self.chunk_size)
+        if not self.model_name:
+            self.model_name = ("explicit sizes" if self.row_sizes is not None
+                               else "model config" if self.model_config is not None else DEFAULT_MODEL_NAME)
+
+    @property
+    def memory_bytes(self) -> int:
+        """The live budget M in bytes."""
+        return self.memory_tokens * self.sizes.activation_row_bytes

@@ -108,7 +108,7 @@ def root_cost(depth, parent, chunk, dup, replay):
 
 
 @njit(cache=True)
-def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay):
+def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay, force):
     """Kundu-Misra bottom-up greedy over the unit forest.
 
     Args:
@@ -116,6 +116,7 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay):
         chunk: chunk size C; budget: B.
         dup: piece roots carry their whole root path as context rows (no sharing windows).
         replay: bounded replay at unaligned branches (PlanConfig.replay).
+        force: bool [U] units that must root a piece (cut from their parent whatever the sizes).
 
     Returns:
         cut bool [U] (True: the unit roots a piece below another piece), resid int64 [U] (rows of
@@ -129,22 +130,30 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay):
     for u in range(n - 1, -1, -1):
         lo = off[u]
         hi = off[u + 1]
-        k = hi - lo
+        k = 0
         total = np.int64(unit_len[u])
         for i in range(lo, hi):
-            total += resid[kids[i]]
+            c = kids[i]
+            if force[c]:
+                cut[c] = True
+            else:
+                total += resid[c]
+                k += 1
         br = (unit_depth[u] + unit_len[u]) % chunk if replay else 0
         rr = root_cost(unit_depth[u], unit_parent[u], chunk, dup, replay)
         extra = (k - 1) * br if k > 1 else 0
         if total + extra + rr > budget:
             keys = np.empty(k, np.int64)
-            for i in range(k):
-                c = kids[lo + i]
-                keys[i] = (budget - resid[c]) * n + c
+            j = 0
+            for i in range(lo, hi):
+                c = kids[i]
+                if not force[c]:
+                    keys[j] = (budget - resid[c]) * n + c
+                    j += 1
             order = np.argsort(keys)
             j = 0
             while total + extra + rr > budget and k > 0:
-                c = kids[lo + order[j]]
+                c = keys[order[j]] % n
                 cut[c] = True
                 total -= resid[c]
                 k -= 1

@@ -2,10 +2,10 @@
 
 - `context_cost`: rows a microbatch would add if its edge to the parent were duplicated (the union
   of its pieces' root paths, plus the bounded replay at the branch points of that union).
-- `export_rows`: rows a window parent keeps and exports to its shared children (its own rows on
-  the union of their piece roots' paths): the live cost of a window under activation
-  recomputation. Rows it imported and re-exports are not counted: they stay live in the ancestor
-  window that keeps them (which is open too).
+- `window_export_counts`: upper bounds of what a window parent exports of its own rows, per kind
+  (attention K/V rows, conv inputs, replay kernel inputs, states): its live cost under activation
+  recomputation (proto/memory_model.py). Rows it imported and re-exports are counted in the
+  ancestor that computes them (which is open too).
 - `window_groups`, `subtree_costs`: the window forest's components and subtree costs.
 - `lpt_place`: longest-processing-time-first placement of window groups on ranks.
 - `dfs_order`: per-rank execution order, depth-first over the window forest (forward on entry,
@@ -62,32 +62,6 @@ def context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, chunk, rep
                 if nchild[a] > 1:
                     ctx_replay[m] += (nchild[a] - 1) * ((unit_depth[a] + unit_len[a]) % chunk)
     return ctx, ctx_replay
-
-
-@njit(cache=True)
-def export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_shared):
-    """Own rows each window parent exports: its units on the union of its shared children's
-    piece-root paths (unit_mb int64 [U]: the microbatch keeping each unit).
-
-    Returns:
-        exports int64 [M].
-    """
-    M = roots_off.shape[0] - 1
-    n = unit_parent.shape[0]
-    stamp = np.full(n, -1, np.int64)
-    out = np.zeros(M, np.int64)
-    for c in range(M):
-        a = mb_parent[c]
-        if a < 0 or not mb_shared[c]:
-            continue
-        for i in range(roots_off[c], roots_off[c + 1]):
-            u = unit_parent[roots[i]]
-            while u >= 0 and stamp[u] != a:
-                stamp[u] = a
-                if unit_mb[u] == a:
-                    out[a] += unit_len[u]
-                u = unit_parent[u]
-    return out
 
 
 @njit(cache=True)
@@ -217,3 +191,98 @@ def dfs_order(mb_parent, mb_shared, mb_rank, world_size):
                     k += 1
                     top -= 1
     return step_rank[:k], step_kind[:k], step_mb[:k]
+
+
+@njit(cache=True)
+def _owner_step(mb, cur, frozen, mb_parent, mb_shared):
+    """Advance the owner walk to a unit kept (or duplicated) by microbatch `mb`: the owner is mb
+    while the walk is still inside the window chain, else the chain member whose duplicated edge
+    holds the rest of the path as local rows. Returns (owner, frozen)."""
+    if frozen:
+        return cur, True
+    while cur != mb:
+        if not mb_shared[cur]:
+            return cur, True
+        cur = mb_parent[cur]
+    return cur, False
+
+
+@njit(cache=True)
+def window_export_counts(roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent, mb_shared, group,
+                         chunk, conv_kernel, replay):
+    """Upper bounds of what each window parent exports of its own rows, per kind (memory model).
+
+    For every shared microbatch c and every piece root below an anchor unit a (the predecessor's
+    unit), the rows c's consumers read above the piece root, attributed to the microbatch that
+    computes them (the window ancestor where they are local rows, or the ancestor whose
+    duplicated edge holds them): ATTN every row of the root path; CONV the K-1 rows above; KERNEL
+    the replay rows [floor(d/C) C, d) of a piece root at depth d; one state at the chunk boundary
+    it starts from (d itself with replay off). Each window group is handled on its own, with the
+    rows of a root path, and the conv/replay rows and states of an anchor, counted once per group
+    (overlaps between anchors are counted twice: an upper bound of proto.window_exports).
+
+    Args:
+        roots_off: int64 [M+1], roots: int64 [*] piece-root units of each microbatch.
+        unit_parent, unit_len, unit_depth: the unit forest; unit_mb int64 [U] its microbatch.
+        mb_parent, mb_shared: the microbatch forest; group: int64 [M] window group ids.
+
+    Returns:
+        attn, conv, kernel, states: int64 [M] counts per exporter.
+    """
+    M = roots_off.shape[0] - 1
+    n = unit_parent.shape[0]
+    attn = np.zeros(M, np.int64)
+    conv = np.zeros(M, np.int64)
+    kern = np.zeros(M, np.int64)
+    states = np.zeros(M, np.int64)
+    s_attn = np.full(n, -1, np.int64)
+    s_anchor = np.full(n, -1, np.int64)
+    s_state = np.full(n, -1, np.int64)
+    order = np.argsort(group, kind="mergesort")
+    for j in range(M):
+        c = order[j]
+        if mb_parent[c] < 0 or not mb_shared[c]:
+            continue
+        g = group[c]
+        for i in range(roots_off[c], roots_off[c + 1]):
+            a = unit_parent[roots[i]]
+            if a < 0:
+                continue
+            d = unit_depth[roots[i]]
+            # ATTN: the whole root path (stop where this group already walked)
+            cur, frozen, u = c, False, a
+            while u >= 0 and s_attn[u] != g:
+                s_attn[u] = g
+                cur, frozen = _owner_step(unit_mb[u], cur, frozen, mb_parent, mb_shared)
+                attn[cur] += unit_len[u]
+                u = unit_parent[u]
+            if s_anchor[a] == g:
+                continue
+            s_anchor[a] = g
+            # CONV: the K-1 rows above the piece root
+            need = conv_kernel - 1
+            cur, frozen, u = c, False, a
+            while need > 0 and u >= 0:
+                cur, frozen = _owner_step(unit_mb[u], cur, frozen, mb_parent, mb_shared)
+                take = min(need, unit_len[u])
+                conv[cur] += take
+                need -= take
+                u = unit_parent[u]
+            # KERNEL rows [b, d) and the state at b (replay), or the state at d (no replay)
+            b = (d // chunk) * chunk if replay else d
+            cur, frozen, u = c, False, a
+            while u >= 0:
+                cur, frozen = _owner_step(unit_mb[u], cur, frozen, mb_parent, mb_shared)
+                lo = unit_depth[u]
+                hi = lo + unit_len[u]
+                if hi > b:
+                    kern[cur] += hi - max(lo, b)
+                if b > 0 and lo <= b - 1 < hi:
+                    if s_state[u] != g:
+                        s_state[u] = g
+                        states[cur] += 1
+                    break
+                if lo < b or b == 0 and lo == 0:
+                    break
+                u = unit_parent[u]
+    return attn, conv, kern, states

@@ -1,30 +1,40 @@
-"""The two-level partitioner: forest -> microbatches, edge modes, placement, order (DESIGN §4.1-4.2).
+"""The two-level partitioner: forest -> placement, microbatches, edge modes, order (DESIGN §4.1-4.2).
 
 `partition(forest, cfg) -> Partition` is what `build_plan` consumes (see `spec.py`):
 
-1. Level 1 (`level1.py`): cut the forest into units at chunk-aligned depths, cut it into the fewest
-   connected pieces that fit B (Kundu-Misra), and pack pieces into microbatches, first fit
-   decreasing, level by level down the piece forest: forest-root pieces together, then the pieces
-   hanging below one microbatch together (so microbatches form a forest). A piece's size counts
-   every row the builder will compute for it: kept tokens, bounded replay at its unaligned branches,
-   and the replay rows (window) or the duplicated root path (no windows) its root needs. With
-   W > 1 the root bins are re-packed to a multiple of W bins of about equal size.
-2. Level 2 (`level2.py`): choose each cross-microbatch edge's mode (share through a window, or
-   duplicate a short prefix), split window groups that are too heavy for one rank by duplicating an
-   edge, place window groups on ranks (LPT over computed rows), keep every rank's live window stack
-   under M (activation recomputation first, then duplication), and order each rank depth-first.
+1. Units (`level1.build_units`): segments cut at the chunk-aligned depths inside them.
+2. Placement (`placement_search.place_units` over the kernels of `placement.py`, with sharing
+   windows and W > 1): the unit forest is cut into parts whose duplicated root paths make them
+   independent, the parts are placed on ranks longest-processing-time first and refined by
+   moving subtrees from the busiest rank to the idlest, keeping the placement with the smallest
+   makespan under `cfg.cost_model` (within `cfg.makespan_slack`, the one that duplicates least).
+   Every rank's forest is the units it keeps plus their ancestors, duplicated there, so windows
+   never cross ranks.
+3. Level 1 (`level1.py`) per rank forest: cut into the fewest connected pieces that fit B
+   (Kundu-Misra; a duplicated unit below a kept one always starts a piece) and pack pieces into
+   microbatches, first fit decreasing, level by level down the piece forest: each rank's root
+   pieces together, then the pieces hanging below one microbatch together (so microbatches form
+   a forest on each rank). A piece's size counts every row the builder will compute for it: kept
+   and duplicated tokens, bounded replay at its unaligned branches, and the replay rows (window)
+   or the duplicated root path (no windows) its root needs.
+4. Level 2 (`level2.py`): choose each cross-microbatch edge's mode (share through a window, or
+   duplicate a short prefix), keep every rank's live window stack under M in bytes of the memory
+   model (`proto.memory_model`: activation recomputation first, then duplication), and order each
+   rank depth-first. Without windows every microbatch carries its whole root path and microbatches
+   are placed longest-processing-time first over computed rows.
 
-Every kernel has a plain-Python twin in `partition_ref.py`; `impl="ref"` runs the whole partitioner
-on them (tests compare both; the benchmark times both).
+Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`); `impl="ref"` runs
+the whole partitioner on them (tests compare both; the benchmark times both).
 
 `expand_forest` builds the trajectory-expanded baseline's forest (cfg.sharing False).
 
-Legend: S segments, U units, K pieces, M microbatches, G window groups, W ranks, T trajectories.
+Legend: S segments, U units, n units of all rank forests, K pieces, M microbatches, G window
+groups, W ranks, T trajectories, P placement parts.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,8 +42,9 @@ from numba import njit
 
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
-from planner_service.planner import level1, level2, partition_ref
+from planner_service.planner import level1, level2, partition_ref, placement, placement_ref
 from planner_service.planner.config import PlanConfig
+from planner_service.planner.placement_search import place_units, unit_costs
 from planner_service.planner.spec import MicrobatchSpec, Partition
 
 log = logging.getLogger(__name__)
@@ -45,25 +56,37 @@ _KERNELS = {
         piece_roots=level1.piece_roots,
         first_fit_decreasing=level1.first_fit_decreasing,
         context_cost=level2.context_cost,
-        export_rows=level2.export_rows,
+        window_export_counts=level2.window_export_counts,
         window_groups=level2.window_groups,
         subtree_costs=level2.subtree_costs,
         lpt_place=level2.lpt_place,
         live_stack=level2.live_stack,
         dfs_order=level2.dfs_order,
+        context_costs=placement.context_costs,
+        cut_parts=placement.cut_parts,
+        part_of_units=placement.part_of_units,
+        rank_closure=placement.rank_closure,
+        closure_costs=placement.closure_costs,
+        refine=placement.refine,
+        lp_row_flags=placement.lp_row_flags,
+        subtree_sums=placement.subtree_sums,
+        subtree_sizes=placement.subtree_sizes,
+        lpt_parts=placement.lpt_parts,
+        placement_costs=placement.placement_costs,
     ),
-    "ref": partition_ref,
+    "ref": SimpleNamespace(
+        **{name: getattr(partition_ref, name) for name in (
+            "build_units", "cut_pieces", "piece_roots", "first_fit_decreasing", "context_cost",
+            "window_export_counts", "window_groups", "subtree_costs", "lpt_place", "live_stack", "dfs_order")},
+        **{name: getattr(placement_ref, name) for name in (
+            "context_costs", "cut_parts", "part_of_units", "rank_closure", "closure_costs", "refine", "lp_row_flags",
+            "subtree_sums", "subtree_sizes", "lpt_parts", "placement_costs")},
+    ),
 }
 
 #: A shared edge whose duplicated context is shorter than this fraction of the child's kept rows
 #: (or shorter than one chunk) is duplicated instead: a window costs exports and a stack slot.
 SHORT_PREFIX_FRACTION = 0.05
-#: Imbalance (max / mean rank cost) below which placement stops splitting window groups.
-IMBALANCE_TARGET = 1.05
-#: Duplicated-edge candidates placement tries per balancing round.
-SPLIT_CANDIDATES = 8
-
-
 @dataclass(slots=True, kw_only=True)
 class PartitionReport:
     """The partitioner's own estimates (the builder's PlanStats are authoritative)."""
@@ -73,13 +96,19 @@ class PartitionReport:
     kept: np.ndarray
     """int64 [M] kept tokens per microbatch."""
     duplicated: np.ndarray
-    """int64 [M] duplicated context rows (0 for shared or root microbatches)."""
+    """int64 [M] duplicated rows (placement prefixes and duplicated-edge context)."""
     rank_load: np.ndarray
-    """float64 [W] computed rows per rank."""
+    """float64 [W] estimated cost per rank (placement's cost model; computed rows without windows)."""
     live: np.ndarray
-    """int64 [M] live stack while each microbatch runs (its rows plus open windows' live costs)."""
+    """int64 [M] live bytes while each microbatch runs (its full activations plus its open
+    windows' live bytes, proto.memory_model)."""
     pieces: int
-    """Number of connected pieces level 1 cut the forest into."""
+    """Number of connected pieces level 1 cut the rank forests into."""
+    exports: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """int64 [M] upper bound of the bytes each microbatch keeps as a recomputed open window (its
+    own exported rows and states; 0 for one nobody imports from)."""
+    lower_bound: float = 0.0
+    """Placement's makespan lower bound estimate: max(total cost / W, the costliest root path)."""
 
     @property
     def imbalance(self) -> float:
@@ -92,11 +121,11 @@ class PartitionReport:
 
 
 def partition(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> Partition:
-    """Microbatches, edge modes, placement and execution order of one step (see module docstring).
+    """Placement, microbatches, edge modes and execution order of one step (see module docstring).
 
     Raises:
         PlanningError: settings that cannot be satisfied (a trajectory longer than B without
-            windows, a window stack that cannot fit M).
+            windows, a root-to-leaf path whose window exports alone exceed M).
     """
     return partition_with_report(forest, cfg, impl=impl)[0]
 
@@ -110,18 +139,33 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     if forest.num_segments == 0:
         empty = PartitionReport(
             rows=np.zeros(0, np.int64), kept=np.zeros(0, np.int64), duplicated=np.zeros(0, np.int64),
-            rank_load=np.zeros(W), live=np.zeros(0, np.int64), pieces=0,
+            rank_load=np.zeros(W), live=np.zeros(0, np.int64), pieces=0, exports=np.zeros(0, np.int64),
         )
         return Partition(microbatches=[], rank_steps=[[] for _ in range(W)]), empty
     dup_only = not cfg.windows
     if dup_only:
         _check_paths_fit(forest, B)
 
-    # Level 1: units, pieces, microbatches.
-    unit_seg, unit_off, unit_len, unit_depth, unit_parent = k.build_units(
-        forest.seg_parent, forest.seg_length, forest.seg_depth, C
-    )
-    cut, resid, bad = k.cut_pieces(unit_parent, unit_len, unit_depth, C, B, dup_only, cfg.replay)
+    g_seg, g_off, g_len, g_depth, g_parent = k.build_units(forest.seg_parent, forest.seg_length, forest.seg_depth, C)
+    lower_bound = 0.0
+    if dup_only or W == 1:
+        # one forest: every unit kept where it is, nothing duplicated by placement
+        ru_unit = np.arange(g_parent.shape[0], dtype=np.int64)
+        ru_rank = np.zeros(g_parent.shape[0], np.int64)
+        ru_dup = np.zeros(g_parent.shape[0], np.bool_)
+        ru_parent = g_parent.astype(np.int64)
+        if W == 1 and not dup_only:
+            lower_bound = float(unit_costs(k, forest, cfg, g_seg, g_off, g_len, g_depth, g_parent).w.sum())
+    else:
+        uc = unit_costs(k, forest, cfg, g_seg, g_off, g_len, g_depth, g_parent)
+        unit_rank, lower_bound = place_units(k, cfg, g_parent, uc)
+        ru_unit, ru_rank, ru_dup, ru_parent = k.rank_closure(g_parent, unit_rank, W)
+    unit_seg, unit_off = g_seg[ru_unit], g_off[ru_unit]
+    unit_len, unit_depth, unit_parent = g_len[ru_unit], g_depth[ru_unit], ru_parent
+
+    # Level 1: pieces and microbatches of every rank forest.
+    force = ru_dup & (ru_parent >= 0) & ~ru_dup[np.maximum(ru_parent, 0)]
+    cut, resid, bad = k.cut_pieces(unit_parent, unit_len, unit_depth, C, B, dup_only, cfg.replay, force)
     if bad >= 0:  # only reachable without windows, and _check_paths_fit rules it out
         raise PlanningError(f"microbatch_tokens: unit {bad} cannot fit {B} rows; raise microbatch_tokens")
     root = k.piece_roots(unit_parent, cut)
@@ -139,25 +183,19 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
         cap_of = np.full(pieces.shape[0], B, np.int64)
     assert (size <= cap_of).all(), "a piece larger than its bin: cut_pieces broke its contract"
     ppar = np.where(has_anchor, np.searchsorted(pieces, root[np.maximum(anchor, 0)]), -1)
-    separate = False
-    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, B, separate)
-    if W > 1 and not dup_only:
-        # few large trees: keep their window groups apart if that is what balances the ranks
-        before = _group_imbalance(k, W, piece_mb, M, ppar, size)
-        if before > IMBALANCE_TARGET:
-            alt = _pack(k, size, cap_of, ppar, anchor, dup_only, B, True)
-            if _group_imbalance(k, W, alt[0], alt[1], ppar, size) < before:
-                separate = True
-                piece_mb, M, n_root, root_items = alt
-    if W > 1 and M % W:
+    root_key = ru_rank[pieces]
+    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, B, root_key)
+    if dup_only and W > 1 and M % W:
         root_cap = _balanced_root_cap(k, *root_items, n_root, M, W, B)
-        piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, root_cap, separate)
+        piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, root_cap, root_key)
     unit_piece = np.searchsorted(pieces, root)
     unit_mb = piece_mb[unit_piece]
     mb_parent = np.full(M, -1, np.int64)
     anchored = np.flatnonzero(has_anchor)
     mb_parent[piece_mb[anchored]] = unit_mb[anchor[anchored]]
     assert (mb_parent < np.arange(M)).all()
+    mb_home = np.zeros(M, np.int64)
+    mb_home[unit_mb] = ru_rank  # the rank forest of every microbatch
 
     # per-microbatch sizes under both edge modes
     by_mb = np.argsort(piece_mb, kind="stable")
@@ -165,14 +203,15 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     roots_off = np.r_[0, np.cumsum(np.bincount(piece_mb, minlength=M))].astype(np.int64)
     internal = np.bincount(piece_mb, weights=resid[pieces], minlength=M).astype(np.int64)
     tails = np.bincount(piece_mb, weights=tail, minlength=M).astype(np.int64)
-    kept = np.bincount(unit_mb, weights=unit_len, minlength=M).astype(np.int64)
+    kept = np.bincount(unit_mb, weights=np.where(ru_dup, 0, unit_len), minlength=M).astype(np.int64)
+    own_dup = np.bincount(unit_mb, weights=np.where(ru_dup, unit_len, 0), minlength=M).astype(np.int64)
     ctx, ctx_replay = k.context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, C, cfg.replay)
     rows_shared = internal + tails
     rows_dup = internal + ctx + ctx_replay
     has_parent = mb_parent >= 0
     can_dup = has_parent & (rows_dup <= B)
 
-    # Level 2: edge modes, placement, the live stack, the order.
+    # Level 2: edge modes, placement without windows, the live stack, the order.
     if dup_only:
         shared = np.zeros(M, np.bool_)
     else:
@@ -182,35 +221,43 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     def rows_now() -> np.ndarray:
         return np.where(shared | ~has_parent, rows_shared, rows_dup)
 
-    mb_rank, load = _place(k, W, mb_parent, shared, can_dup, rows_now)
+    if dup_only:  # every microbatch independent: longest processing time first over computed rows
+        mb_rank = _lpt(k, W, np.arange(M, dtype=np.int64), rows_now())[0]
+    else:
+        mb_rank = mb_home
 
     recompute = np.zeros(M, np.bool_)
-    live = _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len, unit_mb)
+    est = _Exports(k, cfg, roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent)
+    live = _fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now)
     rows = rows_now()
+    exports = est.bytes(shared, rows)[1]
     load = np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
+    if not dup_only and W > 1:
+        load = np.asarray(k.closure_costs(ru_unit, ru_rank, ru_dup, ru_parent, uc.w, uc.w_dup, uc.rc, W)[0])
 
     step_rank, step_kind, step_mb = k.dfs_order(mb_parent, shared, mb_rank, W)
     rank_steps: list[list[tuple[str, int]]] = [[] for _ in range(W)]
     for r, kind, m in zip(step_rank.tolist(), step_kind.tolist(), step_mb.tolist()):
         rank_steps[r].append(("B" if kind else "F", m))
 
-    specs = _specs(unit_seg, unit_off, unit_len, unit_mb, M)
+    kept_specs = _specs(unit_seg, unit_off, unit_len, unit_mb, M, ~ru_dup)
+    dup_specs = _specs(unit_seg, unit_off, unit_len, unit_mb, M, ru_dup)
     microbatches = [
         MicrobatchSpec(
-            ranges=specs[m], parent=int(mb_parent[m]), shared=bool(shared[m]),
+            ranges=kept_specs[m], dup_ranges=dup_specs[m], parent=int(mb_parent[m]), shared=bool(shared[m]),
             rank=int(mb_rank[m]), recompute=bool(recompute[m]),
         )
         for m in range(M)
     ]
     report = PartitionReport(
-        rows=rows, kept=kept, duplicated=np.where(has_parent & ~shared, ctx, 0),
-        rank_load=load, live=live, pieces=int(pieces.shape[0]),
+        rows=rows, kept=kept, duplicated=own_dup + np.where(has_parent & ~shared, ctx, 0),
+        rank_load=load, live=live, pieces=int(pieces.shape[0]), exports=exports, lower_bound=lower_bound,
     )
     log.debug(
         "partition: %d pieces, %d microbatches (%d windows, %d duplicated edges, %d recomputed), "
-        "rows %d, imbalance %.3f, peak live %d",
+        "rows %d (%d duplicated by placement), imbalance %.3f, peak live %d bytes",
         report.pieces, M, int(shared.sum()), int((has_parent & ~shared).sum()), int(recompute.sum()),
-        int(rows.sum()), report.imbalance, report.peak_live,
+        int(rows.sum()), int(own_dup.sum()), report.imbalance, report.peak_live,
     )
     return Partition(microbatches=microbatches, rank_steps=rank_steps), report
 
@@ -226,13 +273,13 @@ def _check_paths_fit(forest: Forest, budget: int) -> None:
         )
 
 
-def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, separate: bool = False):
+def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, root_key: np.ndarray):
     """Microbatch of every piece: first fit decreasing, level by level down the piece forest.
 
-    Forest-root pieces are packed together (bins of `root_cap`); with `separate`, two that have
-    pieces below them never share a bin, so that their window groups stay apart for placement.
-    The pieces hanging below one microbatch's pieces are packed together (without windows: below
-    one anchor unit, so that they share one duplicated context). Parents get smaller ids.
+    Root pieces with the same `root_key` (the rank forest they belong to) are packed together
+    (bins of `root_cap`). The pieces hanging below one microbatch's pieces are packed together
+    (without windows: below one anchor unit, so that they share one duplicated context). Parents
+    get smaller ids.
 
     Returns:
         piece_mb int64 [K], number of microbatches, number of root microbatches, and the root
@@ -246,22 +293,18 @@ def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, separate
         if (deeper == level[child]).all():
             break
         level[child] = deeper
-    has_below = np.zeros(K, np.bool_)
-    has_below[ppar[ppar >= 0]] = True
     piece_mb = np.full(K, -1, np.int64)
     M = n_root = 0
     root_items = (np.zeros(0, np.int64), np.zeros(0, np.bool_))
     for L in range(int(level.max()) + 1 if K else 0):
         idx = np.flatnonzero(level == L)
+        opens = np.zeros(idx.shape[0], np.bool_)
         if L == 0:
-            key = np.zeros(idx.shape[0], np.int64)
-            opens = has_below[idx] & separate
+            key = np.asarray(root_key, np.int64)[idx]
         elif dup_only:
             key = anchor[idx]
-            opens = np.zeros(idx.shape[0], np.bool_)
         else:
             key = piece_mb[ppar[idx]]
-            opens = np.zeros(idx.shape[0], np.bool_)
         sort = np.lexsort((idx, -size[idx], ~opens, key))
         order = idx[sort]
         skey = key[sort]
@@ -276,16 +319,6 @@ def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, separate
             n_root = int(nb)
             root_items = (sizes, opens[sort])
     return piece_mb, M, n_root, root_items
-
-
-def _group_imbalance(k, W: int, piece_mb: np.ndarray, M: int, ppar: np.ndarray, size: np.ndarray) -> float:
-    """LPT imbalance of a packing if every cross-microbatch edge were a window."""
-    mb_parent = np.full(M, -1, np.int64)
-    below = ppar >= 0
-    mb_parent[piece_mb[below]] = piece_mb[ppar[below]]
-    rows = np.bincount(piece_mb, weights=size, minlength=M)
-    _, load = _lpt(k, W, k.window_groups(mb_parent, np.ones(M, np.bool_)), rows)
-    return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
 
 
 def _balanced_root_cap(k, sizes: np.ndarray, opens: np.ndarray, n_root: int, M: int, W: int, budget: int) -> int:
@@ -324,93 +357,61 @@ def _lpt(k, W: int, group: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np
     return rank_of_group[group], load
 
 
-def _split_once(k, mb_parent, shared, can_dup, rows, group, targets) -> bool:
-    """Duplicate one edge inside the heaviest group among `targets`: the one that halves it best."""
-    sub = k.subtree_costs(mb_parent, shared, rows)
-    gcost = np.bincount(group, weights=rows, minlength=group.shape[0])
-    for g in sorted(targets, key=lambda g: (-gcost[g], g)):
-        cand = np.flatnonzero((group == g) & shared & can_dup)
-        if cand.size:
-            best = cand[np.argmin(np.abs(sub[cand] - gcost[g] / 2))]
-            shared[best] = False
-            return True
-    return False
+class _Exports:
+    """The partitioner's estimate of what each window keeps (proto.memory_model's rules).
 
-
-def _place(k, W, mb_parent, shared, can_dup, rows_now):
-    """LPT placement of window groups; duplicate edges of groups too heavy for an even split."""
-    M = mb_parent.shape[0]
-    for _ in range(4 * W if W > 1 else 0):
-        rows = rows_now()
-        group = k.window_groups(mb_parent, shared)
-        gcost = np.bincount(group, weights=rows, minlength=M)
-        heavy = np.flatnonzero(gcost > rows.sum() / W).tolist() if W > 1 else []
-        if not heavy or not _split_once(k, mb_parent, shared, can_dup, rows, group, heavy):
-            break
-    rows = rows_now()
-    group = k.window_groups(mb_parent, shared)
-    mb_rank, load = _lpt(k, W, group, rows)
-    for _ in range(4 * W if W > 1 else 0):
-        imbalance = load.max() / load.mean() if load.mean() > 0 else 1.0
-        if imbalance <= IMBALANCE_TARGET:
-            break
-        # detach the subtree (one duplicated edge on the busiest rank) that LPT balances best,
-        # among the few whose cost is closest to half the gap between the busiest and idlest ranks
-        sub = k.subtree_costs(mb_parent, shared, rows)
-        cand = np.flatnonzero((mb_rank == int(np.argmax(load))) & shared & can_dup)
-        gap = (load.max() - load.min()) / 2
-        best = None
-        for c in cand[np.argsort(np.abs(sub[cand] - gap), kind="stable")[:SPLIT_CANDIDATES]].tolist():
-            shared[c] = False
-            rows2 = rows_now()
-            group2 = k.window_groups(mb_parent, shared)
-            rank2, load2 = _lpt(k, W, group2, rows2)
-            score = load2.max() / load2.mean()
-            if score < imbalance and (best is None or score < best[0]):
-                best = (score, c, rows2, group2, rank2, load2)
-            shared[c] = True
-        if best is None:
-            break
-        _, c, rows, group, mb_rank, load = best
-        shared[c] = False
-    return mb_rank, load
-
-
-def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_off, roots, unit_parent, unit_len, unit_mb):
-    """Keep every live window stack within M: mark recomputation where it saves rows, then
-    duplicate edges (deepest first along a violating stack). Returns live [M].
-
-    A recomputed window stays live with the rows it keeps and exports only (rows it imported and
-    re-exports are live in the ancestor that keeps them), so recomputation pays off where
-    exports < rows.
+    `full` are a microbatch's full activations; `window` what it keeps while its dependents run:
+    `full`, or, recomputed, the exports of its own rows that `level2.window_export_counts` bounds
+    from above. The builder's exact stack is therefore never larger than this estimate.
     """
-    M_budget = cfg.memory_tokens
 
-    def costs():
-        rows = rows_now()
-        exports = k.export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, shared)
-        return rows, exports
+    def __init__(self, k, cfg: PlanConfig, roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent):
+        self.k, self.cfg = k, cfg
+        self.args = (roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent)
+
+    def bytes(self, shared: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(full int64 [M], recomputed-window exports int64 [M]) in bytes."""
+        roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent = self.args
+        group = self.k.window_groups(mb_parent, shared)
+        attn, conv, kern, states = self.k.window_export_counts(
+            roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent, shared, group,
+            self.cfg.chunk_size, self.cfg.conv_kernel, self.cfg.replay,
+        )
+        sizes = self.cfg.sizes
+        return sizes.full_bytes(rows), sizes.export_bytes(attn, conv, kern, states)
+
+
+def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, rows_now):
+    """Keep every live window stack within M (bytes): mark recomputation where it saves memory,
+    then duplicate edges (deepest first along a violating stack). Returns live int64 [M] bytes.
+
+    Raises:
+        PlanningError: a microbatch whose own activations plus the exports of its open windows,
+            every one of them recomputed and no edge left to duplicate, exceed M; the message
+            gives the numbers and a sufficient budget.
+    """
+    budget = cfg.memory_bytes
+    sizes = cfg.sizes
 
     def live_now():
-        rows, exports = costs()
-        return k.live_stack(mb_parent, shared, rows, np.where(recompute, exports, rows))[0]
+        full, exports = est.bytes(shared, rows_now())
+        return k.live_stack(mb_parent, shared, full, np.where(recompute, exports, full))[0], full, exports
 
-    live = live_now()
-    if (live <= M_budget).all():
+    live, full, exports = live_now()
+    if (live <= budget).all():
         return live
-    rows, exports = costs()
-    for m in np.flatnonzero(live > M_budget).tolist():
+    for m in np.flatnonzero(live > budget).tolist():
         c = m
         while mb_parent[c] >= 0 and shared[c]:
             c = int(mb_parent[c])
-            recompute[c] = exports[c] < rows[c]
-    live = live_now()
+            recompute[c] = exports[c] < full[c]
+    live, full, exports = live_now()
     # Enough M without any duplication: under a larger M the violators are a subset of these and
     # their ancestors get the same marks.
     need = int(live.max())
-    while (live > M_budget).any():
+    while (live > budget).any():
         changed = False
-        for m in np.flatnonzero(live > M_budget).tolist():
+        for m in np.flatnonzero(live > budget).tolist():
             c = m
             while mb_parent[c] >= 0 and shared[c]:
                 if can_dup[c]:
@@ -422,23 +423,35 @@ def _fit_memory(k, cfg, mb_parent, shared, recompute, can_dup, rows_now, roots_o
                 break
         if not changed:
             worst = int(np.argmax(live))
+            chain = []
+            c = worst
+            while mb_parent[c] >= 0 and shared[c]:
+                c = int(mb_parent[c])
+                chain.append(c)
+            held = int(live[worst] - full[worst])
             raise PlanningError(
-                f"memory_tokens: the live window stack of microbatch {worst} needs {int(live[worst])} tokens, "
-                f"expected <= {M_budget} (a trajectory's ancestors must stay live for its attention); "
-                f"raise memory_tokens to >= {need}, or raise microbatch_tokens so that deep edges can duplicate "
+                f"memory_tokens: microbatch {worst} holds {int(live[worst])} bytes ({sizes.tokens(int(live[worst]))} "
+                f"row-equivalents) while it runs, expected <= {budget} ({cfg.memory_tokens} x "
+                f"{sizes.activation_row_bytes} bytes per row): its own activations ({int(full[worst])} bytes) plus "
+                f"the exports of its {len(chain)} open windows ({held} bytes, every one recomputed) along one "
+                f"root-to-leaf path, and no edge on it can duplicate its prefix within microbatch_tokens; raise "
+                f"memory_tokens to >= {sizes.tokens(need)}, or raise microbatch_tokens so that deep edges can duplicate "
                 f"their prefix"
             )
-        live = live_now()
-    rows, exports = costs()
+        live, full, exports = live_now()
     has_kids = np.zeros(mb_parent.shape[0], np.bool_)
     has_kids[mb_parent[(mb_parent >= 0) & shared]] = True
-    recompute &= has_kids & (exports < rows)  # only lowers live costs
-    return live_now()
+    recompute &= has_kids & (exports < full)  # only lowers live costs
+    return live_now()[0]
 
 
-def _specs(unit_seg, unit_off, unit_len, unit_mb, M: int) -> list[np.ndarray]:
-    """Kept ranges (segment, start, end) of every microbatch, merging adjacent units of a segment."""
-    order = np.argsort(unit_mb, kind="stable")
+def _specs(unit_seg, unit_off, unit_len, unit_mb, M: int, select: np.ndarray) -> list[np.ndarray]:
+    """Token ranges (segment, start, end) of every microbatch over the units `select` (bool [n]),
+    merging units of one segment that follow each other in the rank forest."""
+    idx = np.flatnonzero(select)
+    if idx.shape[0] == 0:
+        return [np.zeros((0, 3), np.int64) for _ in range(M)]
+    order = idx[np.argsort(unit_mb[idx], kind="stable")]
     mb = unit_mb[order]
     seg = unit_seg[order]
     new = np.ones(order.shape[0], np.bool_)

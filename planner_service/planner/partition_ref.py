@@ -48,7 +48,7 @@ def root_cost(depth, parent, chunk, dup, replay):
     return int(depth) % chunk if replay else 0
 
 
-def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay):
+def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay, force):
     """See `level1.cut_pieces`: keep children while the piece fits, cut the largest first."""
     n = len(unit_parent)
     kids = _children(unit_parent)
@@ -57,7 +57,10 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay):
     for u in reversed(range(n)):
         branch = (int(unit_depth[u]) + int(unit_len[u])) % chunk if replay else 0
         rr = root_cost(unit_depth[u], unit_parent[u], chunk, dup, replay)
-        kept = sorted(kids[u], key=lambda c: (-resid[c], c))
+        for c in kids[u]:
+            if force[c]:
+                cut[c] = True
+        kept = sorted((c for c in kids[u] if not force[c]), key=lambda c: (-resid[c], c))
 
         def size(ks):
             return int(unit_len[u]) + sum(resid[c] for c in ks) + max(len(ks) - 1, 0) * branch
@@ -121,19 +124,6 @@ def context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, chunk, rep
         if replay:
             ctx_replay[m] = sum((k - 1) * ((int(unit_depth[a]) + int(unit_len[a])) % chunk) for a, k in nchild.items())
     return np.array(ctx, np.int64), np.array(ctx_replay, np.int64)
-
-
-def export_rows(roots_off, roots, unit_parent, unit_len, unit_mb, mb_parent, mb_shared):
-    """See `level2.export_rows`."""
-    M = len(roots_off) - 1
-    kept: list[set[int]] = [set() for _ in range(M)]
-    for c in range(M):
-        a = int(mb_parent[c])
-        if a < 0 or not mb_shared[c]:
-            continue
-        for r in roots[roots_off[c] : roots_off[c + 1]]:
-            kept[a].update(_path_up(unit_parent, int(unit_parent[r])))
-    return np.array([sum(int(unit_len[u]) for u in k if int(unit_mb[u]) == a) for a, k in enumerate(kept)], np.int64)
 
 
 def window_groups(mb_parent, mb_shared):
@@ -202,3 +192,73 @@ def dfs_order(mb_parent, mb_shared, mb_rank, world_size):
                 visit(m, r)
     cols = list(zip(*steps)) if steps else [[]] * 3
     return np.array(cols[0], np.int64), np.array(cols[1], np.int8), np.array(cols[2], np.int64)
+
+
+def window_export_counts(roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent, mb_shared, group,
+                         chunk, conv_kernel, replay):
+    """See `level2.window_export_counts`: walk every piece root's path, owner by owner, with
+    explicit per-group sets of walked units and anchors."""
+    M = len(roots_off) - 1
+    out = {k: [0] * M for k in ("attn", "conv", "kern", "states")}
+    walked: dict[int, set] = {}
+    anchors: dict[int, set] = {}
+    state_units: dict[int, set] = {}
+
+    def path_with_owners(c: int, a: int):
+        """(unit, owner) from the anchor up to the root."""
+        chain = []
+        x = c
+        while x >= 0:
+            chain.append(x)
+            if not mb_shared[x]:
+                break
+            x = int(mb_parent[x])
+        dup_holder = chain[-1] if not mb_shared[chain[-1]] else None
+        u = a
+        while u >= 0:
+            mb = int(unit_mb[u])
+            owner = mb if mb in chain and (dup_holder is None or chain.index(mb) <= chain.index(dup_holder)) else dup_holder
+            yield u, owner
+            if owner == dup_holder and mb != dup_holder:
+                for v in _path_up(unit_parent, int(unit_parent[u])):
+                    yield v, dup_holder
+                return
+            u = int(unit_parent[u])
+
+    for c in sorted(range(M), key=lambda m: (int(group[m]), m)):
+        if mb_parent[c] < 0 or not mb_shared[c]:
+            continue
+        g = int(group[c])
+        for r in roots[roots_off[c] : roots_off[c + 1]]:
+            a = int(unit_parent[r])
+            if a < 0:
+                continue
+            d = int(unit_depth[r])
+            seen = walked.setdefault(g, set())
+            for u, o in path_with_owners(c, a):
+                if u in seen:
+                    break
+                seen.add(u)
+                out["attn"][o] += int(unit_len[u])
+            if a in anchors.setdefault(g, set()):
+                continue
+            anchors[g].add(a)
+            need = conv_kernel - 1
+            for u, o in path_with_owners(c, a):
+                if need <= 0:
+                    break
+                take = min(need, int(unit_len[u]))
+                out["conv"][o] += take
+                need -= take
+            b = (d // chunk) * chunk if replay else d
+            for u, o in path_with_owners(c, a):
+                lo, hi = int(unit_depth[u]), int(unit_depth[u]) + int(unit_len[u])
+                out["kern"][o] += max(0, hi - max(lo, b))
+                if b > 0 and lo <= b - 1 < hi:
+                    if u not in state_units.setdefault(g, set()):
+                        state_units[g].add(u)
+                        out["states"][o] += 1
+                    break
+                if lo < b or lo == 0:
+                    break
+    return tuple(np.array(out[k], np.int64) for k in ("attn", "conv", "kern", "states"))

@@ -30,6 +30,12 @@ class MicrobatchSpec:
     """Data-parallel rank that runs it."""
     recompute: bool = False
     """Activation recomputation for this window parent (forward without graph first)."""
+    dup_ranges: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    """int64 [n, 3] token ranges (forest segment, start, end) this microbatch computes as
+    duplicated rows (occurrence 0, no log-prob entries) although another microbatch keeps them:
+    the root path of a placement part whose ancestors run on other ranks (placement.py). Like
+    kept rows they are local rows that window children may import. Besides these, a microbatch
+    with a duplicated (not shared) edge duplicates its whole root path (`shared`)."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -15,7 +15,7 @@ LOGPROB_POSITIONS_LOSS: LogprobPositions
 LOGPROB_POSITIONS_ALL: LogprobPositions
 
 class PlanParams(_message.Message):
-    __slots__ = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "vocab_size", "sharing", "windows", "replay", "logprob_positions")
+    __slots__ = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "vocab_size", "sharing", "windows", "replay", "logprob_positions", "memory", "cost_model")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class PlanParams(_message.Message):
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    COST_MODEL_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     microbatch_tokens: int
     memory_tokens: int
@@ -36,7 +38,43 @@ class PlanParams(_message.Message):
     windows: bool
     replay: bool
     logprob_positions: LogprobPositions
-    def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., conv_kernel: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sharing: _Optional[bool] = ..., windows: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ...) -> None: ...
+    memory: MemoryModel
+    cost_model: CostModel
+    def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., conv_kernel: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sharing: _Optional[bool] = ..., windows: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ..., memory: _Optional[_Union[MemoryModel, _Mapping]] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ...) -> None: ...
+
+class MemoryModel(_message.Message):
+    __slots__ = ("activation_row_bytes", "attn_row_bytes", "conv_row_bytes", "kernel_row_bytes", "state_bytes", "memory_bytes", "model", "dtype")
+    ACTIVATION_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ATTN_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONV_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    activation_row_bytes: int
+    attn_row_bytes: int
+    conv_row_bytes: int
+    kernel_row_bytes: int
+    state_bytes: int
+    memory_bytes: int
+    model: str
+    dtype: str
+    def __init__(self, activation_row_bytes: _Optional[int] = ..., attn_row_bytes: _Optional[int] = ..., conv_row_bytes: _Optional[int] = ..., kernel_row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class CostModel(_message.Message):
+    __slots__ = ("row", "attention", "linear_call", "logprob_row", "source")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_CALL_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ROW_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    row: float
+    attention: float
+    linear_call: float
+    logprob_row: float
+    source: str
+    def __init__(self, row: _Optional[float] = ..., attention: _Optional[float] = ..., linear_call: _Optional[float] = ..., logprob_row: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class StateSource(_message.Message):
     __slots__ = ("kind", "state")
@@ -201,7 +239,7 @@ class Normalizers(_message.Message):
     def __init__(self, total_loss_tokens: _Optional[float] = ..., num_trajectories: _Optional[int] = ..., traj_loss_tokens: _Optional[bytes] = ..., traj_weight: _Optional[bytes] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows")
+    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan")
     UNIQUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPANDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +254,10 @@ class PlanStats(_message.Message):
     PEAK_LIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAKESPAN_LOWER_BOUND_FIELD_NUMBER: _ClassVar[int]
+    MAKESPAN_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MAKESPAN_FIELD_NUMBER: _ClassVar[int]
     unique_tokens: int
     expanded_tokens: int
     computed_tokens: int
@@ -230,10 +272,14 @@ class PlanStats(_message.Message):
     peak_live_tokens: int
     plan_seconds: float
     windows: int
-    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ...) -> None: ...
+    peak_live_bytes: int
+    makespan_lower_bound: float
+    makespan_ratio: float
+    makespan: float
+    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ...) -> None: ...
 
 class PlanHeader(_message.Message):
-    __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids")
+    __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids", "trajectory_index", "tree_index", "local_tables")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +288,9 @@ class PlanHeader(_message.Message):
     TRAJECTORY_IDS_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     TREE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TREE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TABLES_FIELD_NUMBER: _ClassVar[int]
     version: str
     step_id: str
     params: PlanParams
@@ -250,7 +299,10 @@ class PlanHeader(_message.Message):
     trajectory_ids: _containers.RepeatedScalarFieldContainer[str]
     trajectory_lengths: bytes
     tree_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., step_id: _Optional[str] = ..., params: _Optional[_Union[PlanParams, _Mapping]] = ..., normalizers: _Optional[_Union[Normalizers, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., trajectory_ids: _Optional[_Iterable[str]] = ..., trajectory_lengths: _Optional[bytes] = ..., tree_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    trajectory_index: bytes
+    tree_index: bytes
+    local_tables: bool
+    def __init__(self, version: _Optional[str] = ..., step_id: _Optional[str] = ..., params: _Optional[_Union[PlanParams, _Mapping]] = ..., normalizers: _Optional[_Union[Normalizers, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., trajectory_ids: _Optional[_Iterable[str]] = ..., trajectory_lengths: _Optional[bytes] = ..., tree_ids: _Optional[_Iterable[str]] = ..., trajectory_index: _Optional[bytes] = ..., tree_index: _Optional[bytes] = ..., local_tables: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("header", "ranks")

@@ -1,0 +1,222 @@
+"""Measure the planner's cost model on the trainer: time the executor, fit the coefficients.
+
+    harts calibrate --model tiny --chunk-size 16 -o cost.json
+    harts plan rollouts.json --world-size 8 --cost-model cost.json       # placement balances seconds
+
+Generates synthetic rollout batches whose microbatches span the four features of
+`planner_service.planner.cost_model` (computed rows, attended pairs, linear-attention calls,
+log-prob rows): long chains (deep attention), prompts with many branches at unaligned depths (many
+calls, bounded replay), many short trajectories (shallow), with loss masks of varying density.
+Each batch is planned (one rank, sharing windows off: the executor on this branch runs
+independent microbatches) and timed on `trainer.executor.Executor.run_step` (forward + backward,
+the fastest of --repeats runs after a warm-up; CPU seconds of this process on the CPU, wall seconds
+on an accelerator), and the step time is modelled as a fixed step overhead plus the sum of its
+microbatches' costs. Non-negative least squares fits the coefficients on all but the held-out
+batches; on those the report gives R^2 and the largest relative error of the predicted step time.
+The step overhead is reported but not part of the cost model (it is the same on every rank).
+
+Prints one JSON object (the fit report); with -o writes the cost model file (format
+`harts.cost_model.v1`, the report under "fit") that `harts plan --cost-model`, `harts serve
+--cost-model` and a topology's `cost_model` accept.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+#: batch shapes the synthetic samples cycle through
+SHAPES = ("chain", "branches", "nested", "flat")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="named model config or checkpoint directory (trainer.models.build_model)")
+    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C of the plans (the kernel's)")
+    p.add_argument("--samples", type=int, default=36, help="synthetic batches timed (default 36)")
+    p.add_argument("--held-out", type=float, default=0.25, help="fraction of the batches kept out of the fit (default 0.25)")
+    p.add_argument("--max-rows", type=int, default=4096, help="largest batch in tokens (default 4096)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per batch after one warm-up; the fastest counts")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads while timing (0: torch's default)")
+    p.add_argument("--backend", default="ref", help="kernel backend of the chunked gated delta rule (ref on CPU)")
+    p.add_argument("--device", default="cpu", help="torch device of the model")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches and the weights")
+    p.add_argument("-o", "--output", help="write the cost model JSON here")
+
+
+def synthetic_batch(rng: np.random.Generator, shape: str, tokens: int, vocab: int, loss_density: float, name: str,
+                    chunk: int = 64) -> dict:
+    """A rollout batch (the JSON input format) of about `tokens` distinct tokens in one tree shape
+    (SHAPES); `chunk` is the plans' chunk size, which nested branches must cross to need calls."""
+    trajs = []
+
+    def traj(toks: list[int], tree: str) -> None:
+        mask = (rng.random(len(toks)) < loss_density).astype(int).tolist()
+        trajs.append({"id": f"{tree}-{len(trajs)}", "tree_id": tree, "tokens": toks, "loss_mask": mask,
+                      "advantage": float(rng.standard_normal())})
+
+    def draw(n: int) -> list[int]:
+        return rng.integers(0, vocab, size=max(1, n)).tolist()
+
+    if shape == "chain":  # a few long trajectories: attention grows with depth
+        for i in range(int(rng.integers(1, 3))):
+            traj(draw(tokens // 2), f"c{i}")
+    elif shape == "branches":  # a prompt and many branches at unaligned depths: replay
+        prompt = draw(int(tokens * rng.uniform(0.1, 0.5)))
+        rest = tokens - len(prompt)
+        k = int(rng.integers(4, 24))
+        for b in range(k):
+            cut = int(rng.integers(len(prompt) // 2, len(prompt) + 1))
+            traj(prompt[:cut] + [b % vocab] + draw(rest // k), "b")
+    elif shape == "nested":  # branches inside branches about a chunk apart: sequential calls
+        levels = int(rng.integers(2, 6))
+        leaves = 2 ** levels
+        heads = [draw(int(rng.integers(chunk // 2 + 1, 2 * chunk))) for _ in range(2 * leaves)]
+        step = max(1, tokens // (2 * leaves))
+        for leaf in range(leaves):
+            path: list[int] = []
+            for lv in range(levels):
+                node = (1 << lv) + (leaf >> (levels - lv))  # one shared run per tree node
+                path += [((leaf >> (levels - 1 - lv)) & 1) + 2 * lv] + heads[node % len(heads)]
+            traj(path + draw(step), "n")
+    else:  # many short independent trajectories: shallow attention
+        n = int(rng.integers(8, 40))
+        for i in range(n):
+            traj(draw(tokens // n), f"f{i}")
+    return {"batch_id": name, "vocab_size": vocab, "trajectories": trajs}
+
+
+def plan_features(plan) -> np.ndarray:
+    """float64 [4] summed cost features of a plan's microbatches (cost_model.FEATURES order)."""
+    from planner_service.planner.cost_model import microbatch_features
+    from proto.arrays import unpack
+
+    total = np.zeros(4)
+    for rank in plan.ranks:
+        for mb in rank.microbatches:
+            depth = unpack(mb.depth, "int32")
+            replay = [unpack(s.replay_rows, "int32") for c in mb.linear_calls for s in c.sequences]
+            replay = np.concatenate(replay) if replay else np.zeros(0, np.int32)
+            total += microbatch_features(mb.num_rows, mb.replay_tokens, depth, depth[replay], len(mb.linear_calls),
+                                         unpack(mb.lp_row, "int32"))
+    return total
+
+
+def fit_report(X: np.ndarray, t: np.ndarray, train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, float, dict]:
+    """NNLS fit of step seconds t [n] = step overhead + X [n, 4] @ coefficients on the `train`
+    rows, and its metrics on the held-out `test` rows.
+
+    The step overhead (the executor's fixed cost per run_step, equal on every rank) is fitted
+    too, so that it does not leak into the per-microbatch coefficients, but it is not part of the
+    cost model: it cannot change which placement is faster.
+
+    Returns:
+        coefficients float64 [4], step overhead seconds, report dict.
+    """
+    from planner_service.planner.cost_model import nnls
+
+    A = np.column_stack([X, np.ones(X.shape[0])])
+    scale = A[train].max(axis=0)
+    scale[scale == 0] = 1.0
+    sol = nnls(A[train] / scale, t[train]) / scale
+    coef, overhead = sol[:4], float(sol[4])
+
+    def metrics(rows: np.ndarray) -> dict:
+        pred = X[rows] @ coef + overhead
+        resid = t[rows] - pred
+        tot = float(((t[rows] - t[rows].mean()) ** 2).sum())
+        return {"r2": 1.0 - float((resid ** 2).sum()) / tot if tot > 0 else 0.0,
+                "max_rel_error": float(np.max(np.abs(resid) / t[rows])) if rows.size else 0.0,
+                "mean_rel_error": float(np.mean(np.abs(resid) / t[rows])) if rows.size else 0.0}
+
+    held, fitted = metrics(test), metrics(train)
+    return coef, overhead, {**held, "r2_train": fitted["r2"], "max_rel_error_train": fitted["max_rel_error"],
+                            "step_overhead_seconds": overhead}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from planner_service import ingest
+    from planner_service.planner import PlanConfig, plan_step, warmup
+    from planner_service.planner.cost_model import FEATURES, CostModel
+    from trainer.executor import Executor, ExecutorConfig
+    from trainer.models import build_model
+
+    if args.samples < 4:
+        raise ValueError(f"--samples: expected >= 4 (a fit and a held-out set), got {args.samples}")
+    if not 0 < args.held_out < 1:
+        raise ValueError(f"--held-out: expected a fraction in (0, 1), got {args.held_out}")
+    t_start = time.perf_counter()
+    ingest.warmup()
+    warmup()
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, seed=args.seed).to(args.device)
+    ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, validate=False))
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(args.seed)
+    # CPU: this process's CPU seconds (on a shared machine other processes only add wall time);
+    # an accelerator: wall seconds after a synchronize
+    clock = time.process_time if args.device == "cpu" else time.perf_counter
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    X, t, shapes = [], [], []
+    try:
+        for i in range(args.samples):
+            shape = SHAPES[i % len(SHAPES)]
+            tokens = int(np.exp(rng.uniform(np.log(max(args.chunk_size, 64)), np.log(args.max_rows))))
+            doc = synthetic_batch(rng, shape, tokens, vocab, float(rng.uniform(0.1, 0.9)), f"calibrate-{i}", args.chunk_size)
+            forest = ingest.forest_from_json(json.dumps(doc))
+            # one microbatch, or a few (per-microbatch work shows in the call term)
+            longest = int(forest.traj_length().max())
+            budget = max(longest + args.chunk_size, forest.unique_tokens // int(rng.integers(1, 4)) + args.chunk_size)
+            plan = plan_step(forest, PlanConfig(world_size=1, microbatch_tokens=budget, chunk_size=args.chunk_size,
+                                                conv_kernel=model.config.linear_conv_kernel_dim, windows=False))
+            best = np.inf
+            for rep in range(args.repeats + 1):
+                t0 = clock()
+                ex.run_step(plan)
+                if args.device != "cpu":
+                    torch.cuda.synchronize()
+                if rep:  # the first run warms caches and allocators
+                    best = min(best, clock() - t0)
+            model.zero_grad(set_to_none=True)
+            X.append(plan_features(plan))
+            t.append(best)
+            shapes.append(shape)
+            log.info("calibrate: batch %d/%d (%s): %d rows, %.0f pairs, %d calls, %d log-prob rows: %.4f s",
+                     i + 1, args.samples, shape, *X[-1].astype(int).tolist(), best)
+    finally:
+        torch.set_num_threads(threads)
+    X = np.array(X)
+    t = np.array(t)
+    n_test = max(1, int(round(args.held_out * len(t))))
+    order = rng.permutation(len(t))
+    test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
+    coef, _, report = fit_report(X, t, train, test)
+    if coef[0] + coef[1] <= 0:
+        log.warning("calibrate: the fit gives rows and attention no cost: these batches are too small to show "
+                    "per-token work next to the fixed costs; raise --max-rows")
+    report.update({
+        "model": args.model, "device": args.device, "backend": args.backend, "threads": args.threads,
+        "chunk_size": args.chunk_size, "samples": len(t), "held_out": int(n_test),
+        "timed_plans": "one rank, sharing windows off (the executor on this branch runs independent microbatches)",
+        "feature_ranges": {name: [float(X[:, j].min()), float(X[:, j].max())] for j, name in enumerate(FEATURES)},
+        "seconds_range": [float(t.min()), float(t.max())], "calibration_seconds": time.perf_counter() - t_start,
+    })
+    cm = CostModel(**dict(zip(FEATURES, (float(c) for c in coef))),
+                   source=f"harts calibrate --model {args.model} ({args.device}, {args.backend}, C={args.chunk_size})",
+                   fit=report)
+    out = {"coefficients": dict(zip(FEATURES, coef.tolist())), **report}
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(cm.to_json() + "\n")
+        out["output"] = args.output
+        log.info("wrote %s", args.output)
+    print(json.dumps(out))
+    return 0

@@ -1,0 +1,75 @@
+"""`harts calibrate`: the NNLS fit recovers known coefficients, synthetic batches span the
+features, and a short real calibration writes a cost model that `harts plan` balances with."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from harts_cli.cmd_calibrate import SHAPES, fit_report, plan_features, synthetic_batch
+from harts_cli.main import main
+from planner_service.planner.cost_model import FEATURES, CostModel, nnls
+
+
+def test_nnls_matches_the_best_nonnegative_subset_fit():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        A = rng.random((30, 4))
+        b = A @ np.array([1.0, -2.0, 0.5, 0.0]) + 0.01 * rng.standard_normal(30)
+        x = nnls(A, b)
+        assert (x >= 0).all()
+        best = np.inf
+        for k in range(5):  # brute force: least squares on every support, kept if non-negative
+            for cols in itertools.combinations(range(4), k):
+                z = np.zeros(4)
+                if cols:
+                    z[list(cols)] = np.linalg.lstsq(A[:, list(cols)], b, rcond=None)[0]
+                if (z >= 0).all():
+                    best = min(best, float(np.linalg.norm(A @ z - b)))
+        assert np.linalg.norm(A @ x - b) <= best + 1e-9
+
+
+def test_fit_recovers_coefficients_and_the_step_overhead():
+    rng = np.random.default_rng(1)
+    X = np.column_stack([rng.integers(100, 4000, 40), rng.integers(1e3, 1e6, 40), rng.integers(1, 9, 40), rng.integers(10, 900, 40)])
+    truth = np.array([2e-4, 3e-7, 5e-3, 1e-5])
+    t = X @ truth + 0.02
+    coef, overhead, report = fit_report(X.astype(float), t, np.arange(30), np.arange(30, 40))
+    np.testing.assert_allclose(coef, truth, rtol=1e-6)
+    assert overhead == pytest.approx(0.02) and report["r2"] == pytest.approx(1.0) and report["max_rel_error"] < 1e-6
+
+
+def test_synthetic_batches_span_the_features():
+    from planner_service import ingest
+    from planner_service.planner import PlanConfig, plan_step
+
+    rng = np.random.default_rng(0)
+    feats = []
+    for i, shape in enumerate(SHAPES * 2):
+        doc = synthetic_batch(rng, shape, 600, 64, 0.5, f"s{i}", chunk=16)
+        f = ingest.forest_from_json(json.dumps(doc))
+        plan = plan_step(f, PlanConfig(microbatch_tokens=4096, chunk_size=16, windows=False))
+        feats.append(plan_features(plan))
+    F = np.array(feats)
+    assert (F[:, 1] / F[:, 0]).max() > 5 * (F[:, 1] / F[:, 0]).min(), "attention per row must vary"
+    assert F[:, 2].max() >= 4 and F[:, 2].min() == 1, "calls must vary"
+
+
+def test_calibrate_writes_a_cost_model_that_plan_accepts(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert main(["calibrate", "--model", "tiny", "--chunk-size", "16", "--samples", "6", "--max-rows", "256",
+                 "--repeats", "1", "-o", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cm = CostModel.load(out)
+    assert all(getattr(cm, n) >= 0 for n in FEATURES) and sum(getattr(cm, n) for n in FEATURES) > 0
+    assert cm.fit["samples"] == 6 and cm.fit["held_out"] == 2 and "r2" in report and "max_rel_error" in report
+    assert cm.source.startswith("harts calibrate --model tiny")
+    batch = tmp_path / "b.json"
+    rng = np.random.default_rng(0)
+    batch.write_text(json.dumps(synthetic_batch(rng, "branches", 400, 256, 0.5, "b")))
+    assert main(["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "128", "--chunk-size", "16",
+                 "--cost-model", str(out)]) == 0
+    plan_report = json.loads(capsys.readouterr().out)
+    assert plan_report["makespan"] < 60, "costs are seconds of the calibrated trainer"
