@@ -7,8 +7,7 @@ Generates synthetic rollout batches whose microbatches span the four features of
 `planner_service.planner.cost_model` (computed rows, attended pairs, linear-attention calls,
 log-prob rows): long chains (deep attention), prompts with many branches at unaligned depths (many
 calls, bounded replay), many short trajectories (shallow), with loss masks of varying density.
-Each batch is planned (one rank, sharing windows off: the executor on this branch runs
-independent microbatches) and timed on `trainer.executor.Executor.run_step` (forward + backward,
+Each batch is planned (one rank, sharing windows on, as a trainer runs it) and timed on `trainer.executor.Executor.run_step` (forward + backward,
 the fastest of --repeats runs after a warm-up; CPU seconds of this process on the CPU, wall seconds
 on an accelerator), and the step time is modelled as a fixed step overhead plus the sum of its
 microbatches' costs. Non-negative least squares fits the coefficients on all but the held-out
@@ -99,9 +98,10 @@ def plan_features(plan) -> np.ndarray:
     for rank in plan.ranks:
         for mb in rank.microbatches:
             depth = unpack(mb.depth, "int32")
-            replay = [unpack(s.replay_rows, "int32") for c in mb.linear_calls for s in c.sequences]
-            replay = np.concatenate(replay) if replay else np.zeros(0, np.int32)
-            total += microbatch_features(mb.num_rows, mb.replay_tokens, depth, depth[replay], len(mb.linear_calls),
+            # replay rows (local or imported from a window parent) sit at the depths before their range
+            replay = [s.start_depth + np.arange(len(s.replay_rows) // 4) for c in mb.linear_calls for s in c.sequences]
+            replay_depth = np.concatenate(replay).astype(np.int32) if replay else np.zeros(0, np.int32)
+            total += microbatch_features(mb.num_rows, mb.replay_tokens, depth, replay_depth, len(mb.linear_calls),
                                          unpack(mb.lp_row, "int32"))
     return total
 
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     warmup()
     torch.manual_seed(args.seed)
     model = build_model(args.model, seed=args.seed).to(args.device)
-    ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, validate=False))
+    ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, validate="none"))
     vocab = model.config.vocab_size
     rng = np.random.default_rng(args.seed)
     # CPU: this process's CPU seconds (on a shared machine other processes only add wall time);
@@ -172,11 +172,10 @@ def run(args: argparse.Namespace) -> int:
             tokens = int(np.exp(rng.uniform(np.log(max(args.chunk_size, 64)), np.log(args.max_rows))))
             doc = synthetic_batch(rng, shape, tokens, vocab, float(rng.uniform(0.1, 0.9)), f"calibrate-{i}", args.chunk_size)
             forest = ingest.forest_from_json(json.dumps(doc))
-            # one microbatch, or a few (per-microbatch work shows in the call term)
-            longest = int(forest.traj_length().max())
-            budget = max(longest + args.chunk_size, forest.unique_tokens // int(rng.integers(1, 4)) + args.chunk_size)
+            # one microbatch, or a few joined by sharing windows (per-microbatch work shows in the call term)
+            budget = forest.unique_tokens // int(rng.integers(1, 4)) + args.chunk_size
             plan = plan_step(forest, PlanConfig(world_size=1, microbatch_tokens=budget, chunk_size=args.chunk_size,
-                                                conv_kernel=model.config.linear_conv_kernel_dim, windows=False))
+                                                conv_kernel=model.config.linear_conv_kernel_dim))
             best = np.inf
             for rep in range(args.repeats + 1):
                 t0 = clock()
@@ -205,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     report.update({
         "model": args.model, "device": args.device, "backend": args.backend, "threads": args.threads,
         "chunk_size": args.chunk_size, "samples": len(t), "held_out": int(n_test),
-        "timed_plans": "one rank, sharing windows off (the executor on this branch runs independent microbatches)",
+        "timed_plans": "one rank, sharing windows on",
         "feature_ranges": {name: [float(X[:, j].min()), float(X[:, j].max())] for j, name in enumerate(FEATURES)},
         "seconds_range": [float(t.min()), float(t.max())], "calibration_seconds": time.perf_counter() - t_start,
     })
