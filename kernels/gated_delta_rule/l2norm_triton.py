@@ -17,7 +17,7 @@ from kernels.gated_delta_rule.naive import L2NORM_EPS
 from kernels.triton_tuning import autotune, warps_stages
 
 
-@autotune(warps_stages((4, 8, 2), (2,)), key=["D"])
+@autotune(warps_stages((4, 8), (2,)), key=["D"])
 @triton.jit
 def _l2norm_fwd_kernel(x, y, rstd, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -32,7 +32,7 @@ def _l2norm_fwd_kernel(x, y, rstd, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.
     tl.store(rstd + rows, b_r, mask=rows < R)
 
 
-@autotune(warps_stages((4, 8, 2), (2,)), key=["D"])
+@autotune(warps_stages((4, 8), (2,)), key=["D"])
 @triton.jit
 def _l2norm_bwd_kernel(y, rstd, dy, dx, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)

@@ -29,7 +29,7 @@ import triton.language as tl
 from kernels.triton_tuning import autotune, warps_stages
 
 
-@autotune(warps_stages((4, 2, 8), (2, 3)), key=["H", "K", "V", "BT", "BK", "BV"])
+@autotune(warps_stages((4, 2, 8), (2,)), key=["H", "K", "V", "BT", "BK", "BV"])
 @triton.jit
 def _out_fwd_kernel(
     q, k, vnew, h, G, o, chunk_row, chunk_end, scale,
@@ -70,7 +70,7 @@ def _out_fwd_kernel(
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
-@autotune(warps_stages((4, 2, 8), (2, 3)), key=["H", "K", "V", "BT", "BK", "BV"])
+@autotune(warps_stages((4, 2, 8), (2,)), key=["H", "K", "V", "BT", "BK", "BV"])
 @triton.jit
 def _dv_local_kernel(
     q, k, G, do, dv, chunk_row, chunk_end, scale,
@@ -107,7 +107,7 @@ def _dv_local_kernel(
         tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
-@autotune(warps_stages((4, 2, 8), (2, 3)), key=["H", "K", "V", "BT", "BK", "BV"])
+@autotune(warps_stages((4, 2, 8), (2,)), key=["H", "K", "V", "BT", "BK", "BV"])
 @triton.jit
 def _dqkwg_kernel(
     q, k, vnew, h, do, dh, dv2, G, dq, dk, dw, dg, chunk_row, chunk_end, scale, T,

@@ -34,7 +34,7 @@ import triton.language as tl
 from kernels.triton_tuning import autotune, warps_stages
 
 
-@autotune(warps_stages((4, 2, 8), (2, 3)), key=["H", "K", "BT", "BK"])
+@autotune(warps_stages((4, 2, 8), (2,)), key=["H", "K", "BT", "BK"])
 @triton.jit
 def _kkt_fwd_kernel(
     k, g, beta, G, A, chunk_row, chunk_end,
@@ -102,7 +102,7 @@ def _inv_diag_block16(A, i_h, r0, c0, end, H: tl.constexpr, BT: tl.constexpr):
     return b_X + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
 
 
-@autotune(warps_stages((2, 4, 1), (2, 3)), key=["H", "BT"])
+@autotune(warps_stages((2, 4), (2,)), key=["H", "BT"])
 @triton.jit
 def _solve_kernel(A, Ai, chunk_row, chunk_end, H: tl.constexpr, BT: tl.constexpr):
     i_m, i_h = tl.program_id(0), tl.program_id(1)
@@ -157,7 +157,7 @@ def _solve_kernel(A, Ai, chunk_row, chunk_end, H: tl.constexpr, BT: tl.constexpr
         _store_block16(Ai, X44, i_h, r0 + 48, 48, end, H, BT)
 
 
-@autotune(warps_stages((4, 2, 8), (2, 3)), key=["H", "K", "V", "BT", "BK", "BV"])
+@autotune(warps_stages((4, 2, 8), (2,)), key=["H", "K", "V", "BT", "BK", "BV"])
 @triton.jit
 def _wu_fwd_kernel(
     k, v, beta, G, Ai, w, u, chunk_row, chunk_end,
@@ -193,7 +193,7 @@ def _wu_fwd_kernel(
         tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_tk)
 
 
-@autotune(warps_stages((4, 2, 8), (2, 3)), key=["H", "K", "V", "BT", "BK", "BV", "NK"])
+@autotune(warps_stages((4, 2, 8), (2,)), key=["H", "K", "V", "BT", "BK", "BV", "NK"])
 @triton.jit
 def _wy_bwd_kernel(
     k, v, beta, G, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, chunk_row, chunk_end, T,
