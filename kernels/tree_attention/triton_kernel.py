@@ -1,11 +1,13 @@
 """Triton tree attention, flash-attention-2 style: online-softmax forward saving the log-sum-exp,
 backward recomputing P from it (dq query-major, dk/dv kv-major without atomics).
 
-Same contract and math as `ref` (see the package docstring). Forward and dq: one program per
-(query block of one segment, head) walks the segment's ancestor ranges in BN-row tiles, then its
-own rows up to the block's last row with the causal mask. dk/dv: one program per (kv block of BN
-rows, kv head) walks the CSR list of query-block pieces that see the block (`layout.kv_pieces`)
-for each of its G query heads, so every dk/dv row is written once by one program.
+Same contract and math as `ref` (see the package docstring), over the block maps of a prepared
+`TreeLayout`. Forward and dq: one program per (query block of one segment, head) walks the
+segment's ancestor ranges (local or imported extended rows) in BN-row tiles, then its own rows up
+to the block's last row with the causal mask. dk/dv: one program per (kv block of BN extended
+rows, kv head) walks the CSR list of query-block pieces that see the block (`layout.pieces`) for
+each of its G query heads, so every dk/dv row is written once by one program (rows nobody sees
+get zeros).
 
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
 bf16 is wrong). float64 is rejected. Offsets are int64.
@@ -19,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_attention.layout import TreeIndex, kv_pieces, query_blocks
+from kernels.tree_attention.layout import TreeLayout
 
 
 @triton.jit
@@ -235,45 +237,42 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _idx(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return x.to(device=device, dtype=torch.int64).contiguous()
+def _segments(layout: TreeLayout) -> dict:
+    return dict(
+        qb_seg=layout.blocks.seg_NB, qb_row=layout.blocks.row_NB, seg_start=layout.seg_start_S,
+        seg_len=layout.seg_len_S,
+    )
 
 
 class _TreeAttentionTriton(torch.autograd.Function):
     """Forward saves the fp32 log-sum-exp; backward recomputes P from it."""
 
     @staticmethod
-    def forward(ctx, q_RHD, k_KHD, v_KHD, index: TreeIndex, scale: float, block_m: int, block_n: int):
+    def forward(ctx, q_RHD, k_KHD, v_KHD, layout: TreeLayout, scale: float):
         R, H, D = q_RHD.shape
-        Rk, Hkv, _ = k_KHD.shape
+        Hkv = k_KHD.shape[1]
         dev = q_RHD.device
         q_RHD, k_KHD, v_KHD = q_RHD.contiguous(), k_KHD.contiguous(), v_KHD.contiguous()
-        blocks = query_blocks(index, block_m)
-        meta = dict(
-            qb_seg=_idx(blocks.seg_NB, dev), qb_row=_idx(blocks.row_NB, dev),
-            seg_start=_idx(index.seg_start_S, dev), seg_len=_idx(index.seg_len_S, dev),
-        )
         o_RHD = _empty((R, H, D), q_RHD.dtype, dev)
         lse_RH = _empty((R, H), torch.float32, dev)
         consts = dict(
-            H=H, G=H // Hkv, D=D, BM=block_m, BN=block_n, BD=max(16, triton.next_power_of_2(D)),
+            H=H, G=H // Hkv, D=D, BM=layout.block_m, BN=layout.block_n, BD=max(16, triton.next_power_of_2(D)),
             PREC=_dot_precision(q_RHD.dtype),
         )
-        NB = blocks.seg_NB.numel()
+        NB = layout.blocks.seg_NB.numel()
         if NB:
             _tree_attn_fwd_kernel[(NB, H)](
-                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **meta,
-                attn_offsets=_idx(index.attn_offsets_S1, dev), attn_ranges=_idx(index.attn_ranges_n2, dev).view(-1),
-                scale=float(scale), **consts,
+                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **_segments(layout),
+                attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, scale=float(scale), **consts,
             )
         ctx.save_for_backward(q_RHD, k_KHD, v_KHD, o_RHD, lse_RH)
-        ctx.index, ctx.blocks, ctx.meta, ctx.consts, ctx.scale = index, blocks, meta, consts, float(scale)
+        ctx.layout, ctx.consts, ctx.scale = layout, consts, float(scale)
         return o_RHD
 
     @staticmethod
     def backward(ctx, do_RHD):
         q_RHD, k_KHD, v_KHD, o_RHD, lse_RH = ctx.saved_tensors
-        index, blocks, meta, consts = ctx.index, ctx.blocks, ctx.meta, ctx.consts
+        layout, consts = ctx.layout, ctx.consts
         dev = q_RHD.device
         R, H, D = q_RHD.shape
         Rk, Hkv, _ = k_KHD.shape
@@ -282,43 +281,34 @@ class _TreeAttentionTriton(torch.autograd.Function):
         dq_RHD = _empty((R, H, D), q_RHD.dtype, dev)
         dk_KHD = _empty((Rk, Hkv, D), k_KHD.dtype, dev)
         dv_KHD = _empty((Rk, Hkv, D), v_KHD.dtype, dev)
-        NB = blocks.seg_NB.numel()
+        NB = layout.blocks.seg_NB.numel()
         if NB:
             _tree_attn_dq_kernel[(NB, H)](
-                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dq=dq_RHD, **meta,
-                attn_offsets=_idx(index.attn_offsets_S1, dev), attn_ranges=_idx(index.attn_ranges_n2, dev).view(-1),
-                scale=ctx.scale, **consts,
+                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dq=dq_RHD, **_segments(layout),
+                attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, scale=ctx.scale, **consts,
             )
-        pieces = kv_pieces(index, blocks, block_m=consts["BM"], block_n=consts["BN"], num_kv_rows=Rk)
+        pieces = layout.pieces
         NKB = pieces.offsets_NKB1.numel() - 1
         if NKB:
             _tree_attn_dkdv_kernel[(NKB, Hkv)](
-                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dk=dk_KHD, dv=dv_KHD, **meta,
-                piece_offsets=_idx(pieces.offsets_NKB1, dev), piece_qb=_idx(pieces.qblock_P, dev),
-                piece_lo=_idx(pieces.lo_P, dev), piece_hi=_idx(pieces.hi_P, dev),
-                piece_causal=_idx(pieces.causal_P, dev),
+                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dk=dk_KHD, dv=dv_KHD,
+                **_segments(layout), piece_offsets=pieces.offsets_NKB1, piece_qb=pieces.qblock_P,
+                piece_lo=pieces.lo_P, piece_hi=pieces.hi_P, piece_causal=pieces.causal_P,
                 scale=ctx.scale, Rk=Rk, **consts,
             )
-        return dq_RHD, dk_KHD, dv_KHD, None, None, None, None
+        return dq_RHD, dk_KHD, dv_KHD, None, None
 
 
 def tree_attention_triton(
-    q_RHD: torch.Tensor,
-    k_KHD: torch.Tensor,
-    v_KHD: torch.Tensor,
-    index: TreeIndex,
-    scale: float,
-    *,
-    block_m: int = 64,
-    block_n: int = 64,
+    q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: TreeLayout, scale: float
 ) -> torch.Tensor:
-    """Triton tree attention over a validated layout; same result as `tree_attention_ref`.
+    """Triton tree attention over a prepared layout; same result as `tree_attention_ref`.
 
-    Additional requirements: block_m, block_n powers of two >= 16; inputs fp32/bf16/fp16.
+    Additional requirements: inputs fp32/bf16/fp16 on the layout's device (CUDA, or CPU under
+    TRITON_INTERPRET=1).
     """
-    for name, blk in (("block_m", block_m), ("block_n", block_n)):
-        if blk < 16 or blk & (blk - 1):
-            raise ValueError(f"{name}: expected a power of two >= 16, got {blk}")
     if q_RHD.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q: expected fp32/bf16/fp16 for backend='triton', got {q_RHD.dtype}; use backend='ref'")
-    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, index, scale, block_m, block_n)
+    if q_RHD.device != layout.device:
+        raise ValueError(f"layout: expected one prepared on q's device {q_RHD.device}, got {layout.device} (use layout.to)")
+    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale)
