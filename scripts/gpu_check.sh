@@ -7,7 +7,7 @@
 # Needs a Python with CUDA torch and triton (PYTHON=..., else .venv/bin/python, else python3);
 # fla and flash_attn are optional (their rows say "not importable"). Installs nothing and needs
 # no network. Writes: summary.txt (one line per step and its exit code), env.txt, nvidia-smi.txt,
-# tests-kernels.txt, tests-gpu-marked.txt, bench.log, kernels-gpu.md, kernels-gpu.json.
+# tests-*.txt (pytest -v logs), bench.log, kernels-gpu.md, kernels-gpu.json.
 # Exit code: 0 when every step passed, 1 otherwise.
 set -u
 cd "$(dirname "$0")/.."
@@ -49,15 +49,24 @@ if ! grep -q "^env rc=0" "$OUT/summary.txt"; then
   echo "no usable CUDA Python ($PYTHON); see env.txt" | tee -a "$OUT/summary.txt"
   exit 1
 fi
-# Correctness on many shapes: one launch config per kernel (each autotune candidate is a compilation).
-step tests-kernels 200 tests-kernels.txt env HARTS_AUTOTUNE=0 "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
-  tests/test_gated_delta_rule_triton.py tests/test_tree_attention_triton.py
+# Correctness on many shapes, one launch config per kernel (each autotune candidate is a
+# compilation, and compiling dominates these runs): five pytest processes in parallel, each under
+# its own timeout, the bf16 production-shape tests in the first and third.
+PYTEST=("$PYTHON" -m pytest -v -p no:cacheprovider -rs)
+GDN=tests/test_gated_delta_rule_triton.py
+TREE=tests/test_tree_attention_triton.py
+step tests-gdn-bf16-misc 210 tests-gdn-bf16-misc.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" $GDN -k "not test_triton_matches_ref_fp32" &
+step tests-gdn-fp32 210 tests-gdn-fp32.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" $GDN -k test_triton_matches_ref_fp32 &
+step tests-tree-bf16-misc 210 tests-tree-bf16-misc.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" $TREE -k "not test_every_backend" &
+step tests-tree-fp32 210 tests-tree-fp32.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" $TREE -k test_every_backend &
 # The other gpu-marked tests (only their files are collected: the GPU Python may lack service deps).
-marked=$(grep -l "mark.gpu" tests/test_*.py | grep -v -e test_gated_delta_rule_triton -e test_tree_attention_triton)
+marked=$(grep -l "mark.gpu" tests/test_*.py | grep -v -e test_gated_delta_rule_triton -e test_tree_attention_triton | tr '\n' ' ')
 if [ -n "$marked" ]; then
   # shellcheck disable=SC2086
-  step tests-gpu-marked 60 tests-gpu-marked.txt env HARTS_AUTOTUNE=0 "$PYTHON" -m pytest -q -p no:cacheprovider -rs -m gpu $marked
+  step tests-gpu-marked 210 tests-gpu-marked.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" -m gpu $marked &
 fi
+wait
+grep -q " rc=[^0]" "$OUT/summary.txt" && status=1
 # The report: autotuned kernels; shapes still pending after --budget-s are listed as skipped.
-step bench 210 bench.log "$PYTHON" -m benchmarks.bench_kernels --gpu --out "$OUT" --budget-s 150
+step bench 210 bench.log "$PYTHON" -m benchmarks.bench_kernels --gpu --out "$OUT" --budget-s 140
 exit $status

@@ -96,8 +96,8 @@ CASES = {
     "n3_C64_K80_noinit_strong": ([100, 64, 1], 1, 80, 16, 64, False, True, 8.0, [(0, 64), (2, 1), (0, 100)]),
     "n2_C16_no_exports": ([9, 20], 1, 16, 16, 16, True, True, 1.0, []),
 }
-if DEVICE == "cuda":
-    CASES["cuda_n4_C64_K128"] = ([300, 64, 1, 129], 4, 128, 128, 64, True, True, 0.3, [(0, 256), (3, 129), (1, 64), (0, 300)])
+# (Production tiles, K = V = 128 and C = 64, run in bf16 on CUDA below: fp32 products at full
+# precision there compile slowly and are not a production path.)
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
@@ -183,12 +183,16 @@ def test_triton_rejects_unsupported_inputs(change, match):
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 is only meaningful on a GPU (the interpreter's bf16 is wrong)")
 def test_triton_bf16_matches_fp32_ref():
-    """bf16 Triton against the fp32 reference on the same (bf16-rounded) inputs: outputs, states and
-    every gradient within 2e-2 of each tensor's scale."""
+    """bf16 Triton at production tiles (K = V = 128, C = 64) against the fp32 reference on the same
+    (bf16-rounded) inputs: outputs, states and every gradient within 1.5e-2 relative RMS error
+    (bf16 products and the bf16 Ai, w, u, h, vnew, dh that fla's algorithm keeps)."""
     x, cu = make_inputs([300, 64, 129, 1000], 4, 128, 128, seed=6, dtype=torch.bfloat16)
-    exports = [(0, 256), (2, 129), (3, 512), (3, 1000)]
+    exports = [(0, 256), (2, 129), (3, 512), (3, 1000), (1, 64)]
     got = outputs_and_grads("triton", x, cu, exports, 64, seed=7, use_qk_l2norm=True)
     ref_x = {n: None if t is None else t.float() for n, t in x.items()}
     want = outputs_and_grads("ref", ref_x, cu, exports, 64, seed=7, use_qk_l2norm=True)
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
-    assert_close_rel(got, want, 2e-2)
+    for name, a, b in zip(NAMES, got, want):
+        assert not a.isnan().any(), name
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err <= 1.5e-2, f"{name}: relative RMS error {err:.3g}"

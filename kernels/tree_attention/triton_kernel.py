@@ -10,7 +10,8 @@ each of its G query heads, so every dk/dv row is written once by one program (ro
 get zeros).
 
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
-bf16 is wrong). float64 is rejected. Offsets are int64.
+bf16 is wrong). float64 is rejected. Row bases are int64 scalars added to the pointers; offsets
+inside a tile, and a tile's masks, are int32 and relative to its first row.
 
 Legend: R query rows, Rk k/v rows, NB query blocks, NKB kv blocks, P kv pieces, H query heads,
 Hkv kv heads, G = H / Hkv, D head dim; tiles: BM query rows, BN k/v rows, BD >= D.
@@ -22,23 +23,28 @@ import triton
 import triton.language as tl
 
 from kernels.tree_attention.layout import TreeLayout
+from kernels.triton_tuning import autotune, warps_stages
 
 
 @triton.jit
 def _fwd_tile(
-    b_m, b_l, b_acc, b_q, k, v, cols, m_cols, rows, o_d, m_d, i_hk, scale,
-    HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    b_m, b_l, b_acc, b_q, p_k, p_v, p_nd, n_cols, diag, o_m, o_n, m_d, scale,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One online-softmax step of a [BM] query block against the k/v rows `cols`."""
+    """One online-softmax step of a [BM] query block against a [BN]-row k/v tile.
+
+    p_k, p_v: the tile's first row; p_nd: int32 [BN, BD] offsets in it; n_cols: its valid rows;
+    diag: first query row - first tile row (causal: column n is seen by row m iff n <= m + diag).
+    """
+    m_n = o_n < n_cols
     # [BN, BD]
-    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
-    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
-    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_k = tl.load(p_k + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(p_v + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
     # [BM, BN]
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-    visible = m_cols[None, :]
+    visible = m_n[None, :]
     if CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None])
+        visible = visible & (o_n[None, :] <= o_m[:, None] + diag)
     b_s = tl.where(visible, b_s, float("-inf"))
     m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
     alpha = tl.exp(b_m - m_new)
@@ -48,6 +54,7 @@ def _fwd_tile(
     return m_new, b_l, b_acc
 
 
+@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_fwd_kernel(
     q, k, v, o, lse, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
@@ -55,73 +62,78 @@ def _tree_attn_fwd_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
+    HKV: tl.constexpr = H // G
     i_b, i_h = tl.program_id(0), tl.program_id(1)
-    i_hk = i_h // G
-    i_s = tl.load(qb_seg + i_b).to(tl.int64)
-    row0 = tl.load(qb_row + i_b).to(tl.int64)
-    bos = tl.load(seg_start + i_s).to(tl.int64)
-    eos = bos + tl.load(seg_len + i_s).to(tl.int64)
-    r_lo = tl.load(attn_offsets + i_s).to(tl.int64)
-    r_hi = tl.load(attn_offsets + i_s + 1).to(tl.int64)
+    i_s = tl.load(qb_seg + i_b)
+    row0 = tl.load(qb_row + i_b)
+    bos = tl.load(seg_start + i_s)
+    row_end = tl.minimum(row0 + BM, bos + tl.load(seg_len + i_s))
+    r_lo = tl.load(attn_offsets + i_s)
+    r_hi = tl.load(attn_offsets + i_s + 1)
+    q += row0 * (H * D) + i_h * D
+    o += row0 * (H * D) + i_h * D
+    lse += row0 * H + i_h
+    k += (i_h // G) * D
+    v += (i_h // G) * D
 
-    o_n = tl.arange(0, BN).to(tl.int64)
+    o_m = tl.arange(0, BM)
+    o_n = tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    rows = row0 + tl.arange(0, BM).to(tl.int64)
-    m_rows = rows < eos
+    m_rows = o_m < (row_end - row0).to(tl.int32)
+    p_md = o_m[:, None] * (H * D) + o_d[None, :]
+    p_nd = o_n[:, None] * (HKV * D) + o_d[None, :]
     # [BM, BD]
-    p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
-    b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    b_q = tl.load(q + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
     # A finite start keeps exp(b_m - m_new) a number while every score so far is masked.
     b_m = tl.full([BM], -1.0e30, dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
 
     for i_r in range(r_lo, r_hi):
-        a = tl.load(attn_ranges + 2 * i_r).to(tl.int64)
-        b = tl.load(attn_ranges + 2 * i_r + 1).to(tl.int64)
+        a = tl.load(attn_ranges + 2 * i_r)
+        b = tl.load(attn_ranges + 2 * i_r + 1)
         for c0 in range(a, b, BN):
-            cols = c0 + o_n
             b_m, b_l, b_acc = _fwd_tile(
-                b_m, b_l, b_acc, b_q, k, v, cols, cols < b, rows, o_d, m_d, i_hk, scale,
-                HKV=H // G, D=D, CAUSAL=False, PREC=PREC,
+                b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
+                o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
             )
-    own_end = tl.minimum(row0 + BM, eos)
-    for c0 in range(bos, own_end, BN):
-        cols = c0 + o_n
+    for c0 in range(bos, row_end, BN):
         b_m, b_l, b_acc = _fwd_tile(
-            b_m, b_l, b_acc, b_q, k, v, cols, cols < own_end, rows, o_d, m_d, i_hk, scale,
-            HKV=H // G, D=D, CAUSAL=True, PREC=PREC,
+            b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
+            (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
         )
 
     # Every real row sees at least its own row; padding rows are not stored.
     b_l = tl.where(b_l > 0.0, b_l, 1.0)
     b_o = b_acc / b_l[:, None]
-    tl.store(o + p_q, b_o.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
-    tl.store(lse + rows * H + i_h, b_m + tl.log(b_l), mask=m_rows)
+    tl.store(o + p_md, b_o.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
+    tl.store(lse + o_m * H, b_m + tl.log(b_l), mask=m_rows)
 
 
 @triton.jit
 def _dq_tile(
-    b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, m_cols, rows, o_d, m_d, i_hk, scale,
-    HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, p_nd, n_cols, diag, o_m, o_n, m_d, scale,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dq contribution of the k/v rows `cols` to a [BM] query block (P recomputed from the lse)."""
+    """dq contribution of a [BN]-row k/v tile to a [BM] query block (P recomputed from the lse);
+    arguments as in `_fwd_tile`."""
+    m_n = o_n < n_cols
     # [BN, BD]
-    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
-    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
-    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_k = tl.load(p_k + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(p_v + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
     # [BM, BN]
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-    visible = m_cols[None, :]
+    visible = m_n[None, :]
     if CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None])
+        visible = visible & (o_n[None, :] <= o_m[:, None] + diag)
     b_p = tl.where(visible, tl.exp(b_s - b_lse[:, None]), 0.0)
     b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
     b_ds = b_p * (b_dp - b_delta[:, None])
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
 
 
+@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dq_kernel(
     q, k, v, do, lse, delta, dq, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
@@ -129,48 +141,54 @@ def _tree_attn_dq_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
+    HKV: tl.constexpr = H // G
     i_b, i_h = tl.program_id(0), tl.program_id(1)
-    i_hk = i_h // G
-    i_s = tl.load(qb_seg + i_b).to(tl.int64)
-    row0 = tl.load(qb_row + i_b).to(tl.int64)
-    bos = tl.load(seg_start + i_s).to(tl.int64)
-    eos = bos + tl.load(seg_len + i_s).to(tl.int64)
-    r_lo = tl.load(attn_offsets + i_s).to(tl.int64)
-    r_hi = tl.load(attn_offsets + i_s + 1).to(tl.int64)
+    i_s = tl.load(qb_seg + i_b)
+    row0 = tl.load(qb_row + i_b)
+    bos = tl.load(seg_start + i_s)
+    row_end = tl.minimum(row0 + BM, bos + tl.load(seg_len + i_s))
+    r_lo = tl.load(attn_offsets + i_s)
+    r_hi = tl.load(attn_offsets + i_s + 1)
+    q += row0 * (H * D) + i_h * D
+    do += row0 * (H * D) + i_h * D
+    dq += row0 * (H * D) + i_h * D
+    lse += row0 * H + i_h
+    delta += row0 * H + i_h
+    k += (i_h // G) * D
+    v += (i_h // G) * D
 
-    o_n = tl.arange(0, BN).to(tl.int64)
+    o_m = tl.arange(0, BM)
+    o_n = tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    rows = row0 + tl.arange(0, BM).to(tl.int64)
-    m_rows = rows < eos
+    m_rows = o_m < (row_end - row0).to(tl.int32)
+    p_md = o_m[:, None] * (H * D) + o_d[None, :]
+    p_nd = o_n[:, None] * (HKV * D) + o_d[None, :]
     # [BM, BD]
-    p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
-    b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
-    b_do = tl.load(do + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    b_q = tl.load(q + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    b_do = tl.load(do + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
     # [BM]
-    b_lse = tl.load(lse + rows * H + i_h, mask=m_rows, other=0.0)
-    b_delta = tl.load(delta + rows * H + i_h, mask=m_rows, other=0.0)
+    b_lse = tl.load(lse + o_m * H, mask=m_rows, other=0.0)
+    b_delta = tl.load(delta + o_m * H, mask=m_rows, other=0.0)
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
 
     for i_r in range(r_lo, r_hi):
-        a = tl.load(attn_ranges + 2 * i_r).to(tl.int64)
-        b = tl.load(attn_ranges + 2 * i_r + 1).to(tl.int64)
+        a = tl.load(attn_ranges + 2 * i_r)
+        b = tl.load(attn_ranges + 2 * i_r + 1)
         for c0 in range(a, b, BN):
-            cols = c0 + o_n
             b_dq = _dq_tile(
-                b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, cols < b, rows, o_d, m_d, i_hk, scale,
-                HKV=H // G, D=D, CAUSAL=False, PREC=PREC,
+                b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
+                o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
             )
-    own_end = tl.minimum(row0 + BM, eos)
-    for c0 in range(bos, own_end, BN):
-        cols = c0 + o_n
+    for c0 in range(bos, row_end, BN):
         b_dq = _dq_tile(
-            b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, cols < own_end, rows, o_d, m_d, i_hk, scale,
-            HKV=H // G, D=D, CAUSAL=True, PREC=PREC,
+            b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
+            (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
         )
-    tl.store(dq + p_q, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
+    tl.store(dq + p_md, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
+@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, qb_seg, qb_row, seg_start, seg_len,
@@ -179,43 +197,50 @@ def _tree_attn_dkdv_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_j, i_hk = tl.program_id(0), tl.program_id(1)
     HKV: tl.constexpr = H // G
-    o_m = tl.arange(0, BM).to(tl.int64)
+    i_j, i_hk = tl.program_id(0), tl.program_id(1)
+    c0 = i_j.to(tl.int64) * BN
+    k += c0 * (HKV * D) + i_hk * D
+    v += c0 * (HKV * D) + i_hk * D
+    dk += c0 * (HKV * D) + i_hk * D
+    dv += c0 * (HKV * D) + i_hk * D
+    o_m = tl.arange(0, BM)
+    o_n = tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    cols = i_j.to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
-    m_cols = cols < Rk
+    m_n = o_n < (Rk - c0).to(tl.int32)
+    p_nd = o_n[:, None] * (HKV * D) + o_d[None, :]
+    p_md = o_m[:, None] * (H * D) + o_d[None, :]
     # [BN, BD]
-    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
-    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
-    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_k = tl.load(k + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(v + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
     b_dk = tl.zeros([BN, BD], dtype=tl.float32)
     b_dv = tl.zeros([BN, BD], dtype=tl.float32)
 
-    p_lo = tl.load(piece_offsets + i_j).to(tl.int64)
-    p_hi = tl.load(piece_offsets + i_j + 1).to(tl.int64)
+    p_lo = tl.load(piece_offsets + i_j)
+    p_hi = tl.load(piece_offsets + i_j + 1)
     for i_p in range(p_lo, p_hi):
-        i_b = tl.load(piece_qb + i_p).to(tl.int64)
-        lo = tl.load(piece_lo + i_p).to(tl.int64)
-        hi = tl.load(piece_hi + i_p).to(tl.int64)
+        i_b = tl.load(piece_qb + i_p)
+        lo = (tl.load(piece_lo + i_p) - c0).to(tl.int32)
+        hi = (tl.load(piece_hi + i_p) - c0).to(tl.int32)
         causal = tl.load(piece_causal + i_p)
-        i_s = tl.load(qb_seg + i_b).to(tl.int64)
-        rows = tl.load(qb_row + i_b).to(tl.int64) + o_m
-        eos = tl.load(seg_start + i_s).to(tl.int64) + tl.load(seg_len + i_s).to(tl.int64)
-        m_rows = rows < eos
+        i_s = tl.load(qb_seg + i_b)
+        row0 = tl.load(qb_row + i_b)
+        row_end = tl.minimum(row0 + BM, tl.load(seg_start + i_s) + tl.load(seg_len + i_s))
+        m_rows = o_m < (row_end - row0).to(tl.int32)
+        diag = (row0 - c0).to(tl.int32)
         # [BN, BM]
-        visible = ((cols >= lo) & (cols < hi))[:, None] & m_rows[None, :]
-        visible = visible & ((causal == 0) | (cols[:, None] <= rows[None, :]))
+        visible = ((o_n >= lo) & (o_n < hi))[:, None] & m_rows[None, :]
+        visible = visible & ((causal == 0) | (o_n[:, None] <= o_m[None, :] + diag))
         for g in range(G):
             i_h = i_hk * G + g
+            p_q = row0 * (H * D) + i_h * D
             # [BM, BD]
-            p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
-            b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
-            b_do = tl.load(do + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+            b_q = tl.load(q + p_q + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+            b_do = tl.load(do + p_q + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
             # [BM]
-            b_lse = tl.load(lse + rows * H + i_h, mask=m_rows, other=0.0)
-            b_delta = tl.load(delta + rows * H + i_h, mask=m_rows, other=0.0)
+            b_lse = tl.load(lse + row0 * H + i_h + o_m * H, mask=m_rows, other=0.0)
+            b_delta = tl.load(delta + row0 * H + i_h + o_m * H, mask=m_rows, other=0.0)
             # [BN, BM]
             b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * scale
             b_pT = tl.where(visible, tl.exp(b_sT - b_lse[None, :]), 0.0)
@@ -223,8 +248,8 @@ def _tree_attn_dkdv_kernel(
             b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
             b_dsT = b_pT * (b_dpT - b_delta[None, :])
             b_dk += tl.dot(b_dsT.to(b_q.dtype), b_q, input_precision=PREC)
-    tl.store(dk + p_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_cols[:, None] & m_d[None, :])
-    tl.store(dv + p_kv, b_dv.to(dv.dtype.element_ty), mask=m_cols[:, None] & m_d[None, :])
+    tl.store(dk + p_nd, (b_dk * scale).to(dk.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
+    tl.store(dv + p_nd, b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
