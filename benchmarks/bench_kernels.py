@@ -23,6 +23,7 @@ Legend: T packed rows, N sequences, H heads, K key dim, V value dim, C chunk siz
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -270,7 +271,9 @@ def report(*, out_dir: Path, quick: bool, budget_s: float, reps: int) -> dict:
         gdn_shapes, tree_shapes = gdn_shapes[:1], tree_shapes[:1]
     t0 = time.perf_counter()
     rows, skipped = [], []
-    jobs = [("gdn", s) for s in gdn_shapes] + [("tree", s) for s in tree_shapes]
+    # Interleaved, so that a spent budget still leaves the first shape of each kernel measured.
+    jobs = [job for pair in itertools.zip_longest(
+        [("gdn", s) for s in gdn_shapes], [("tree", s) for s in tree_shapes]) for job in pair if job is not None]
     for kind, shape in jobs:
         if time.perf_counter() - t0 > budget_s:
             skipped.append(f"{kind} {shape[0]}")
