@@ -135,7 +135,7 @@ def _forward(qn, kn, v, g, beta, h0, layout: ChunkLayout, t: _Tiles, scale: floa
     w, u = _wu(kn, v, beta, G, Ai, layout, t)
     h, vnew, states = _recurrence(kn, w, u, G, h0, layout, t, export=True)
     o = _empty(tuple(v.shape), v.dtype, v.device)
-    _out_fwd_kernel[(triton.cdiv(t.V, t.BV), layout.num_chunks, t.H)](
+    _out_fwd_kernel[(layout.num_chunks, triton.cdiv(t.V, t.BV), t.H)](
         q=qn, k=kn, vnew=vnew, h=h, G=G, o=o, **_chunks(layout), scale=scale, **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,
     )
     return o, states, G, Ai
@@ -163,7 +163,7 @@ def _backward(qn, kn, v, g_dtype, beta, G, Ai, h0, do, dstates, layout: ChunkLay
     dk_part = _empty(tuple(kn.shape), torch.float32, dev)
     dw = _empty(tuple(kn.shape), kn.dtype, dev)
     dg_part = _empty((t.NK, T, t.H), torch.float32, dev)
-    _dqkwg_kernel[(t.NK, M, t.H)](
+    _dqkwg_kernel[(M, t.NK, t.H)](
         q=qn, k=kn, vnew=vnew, h=h, do=do, dh=dh, dv2=dv2, G=G, dq=dq, dk=dk_part, dw=dw, dg=dg_part,
         **_chunks(layout), scale=scale, T=T, **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,
     )

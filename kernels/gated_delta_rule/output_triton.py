@@ -38,7 +38,8 @@ def _out_fwd_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_v, i_m, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    # chunk slots on grid axis 0 (axes 1 and 2 stop at 65535)
+    i_m, i_v, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     row0 = tl.load(chunk_row + i_m)
     n_t = (tl.load(chunk_end + i_m) - row0).to(tl.int32)
     bh = row0 * H + i_h
@@ -127,7 +128,7 @@ def _dqkwg_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_k, i_m, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    i_m, i_k, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     row0 = tl.load(chunk_row + i_m)
     n_t = (tl.load(chunk_end + i_m) - row0).to(tl.int32)
     bh = row0 * H + i_h
