@@ -95,7 +95,7 @@ def _walk(layout: ChunkLayout) -> dict:
     )
 
 
-def _wy_forward(kn, v, g, beta, layout: ChunkLayout, t: _Tiles):
+def _wy_forward(kn, g, beta, layout: ChunkLayout, t: _Tiles):
     """G [T, H] fp32 and Ai = (I + A)^-1 [T, H, BT] (k's dtype) of every chunk."""
     T, dev = kn.shape[0], kn.device
     G = _empty((T, t.H), torch.float32, dev)
@@ -131,7 +131,9 @@ def _recurrence(kn, w, u, G, h0, layout: ChunkLayout, t: _Tiles, *, export: bool
 
 
 def _forward(qn, kn, v, g, beta, h0, layout: ChunkLayout, t: _Tiles, scale: float):
-    G, Ai = _wy_forward(kn, v, g, beta, layout, t)
+    """o [T, H, V] (v's dtype), the distinct exported states [U, H, K, V] fp32 (None when U = 0),
+    and G, Ai for the backward; qn, kn are the (normalised) q, k."""
+    G, Ai = _wy_forward(kn, g, beta, layout, t)
     w, u = _wu(kn, v, beta, G, Ai, layout, t)
     h, vnew, states = _recurrence(kn, w, u, G, h0, layout, t, export=True)
     o = _empty(tuple(v.shape), v.dtype, v.device)
