@@ -35,7 +35,7 @@ from kernels.gated_delta_rule import chunk_gated_delta_rule, chunk_triton, l2nor
 from kernels.tree_attention import prepare_tree_layout, tree_attention, triton_kernel  # noqa: E402
 
 LAUNCHES: list[tuple[str, object, dict]] = []
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
+TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
 
 
 class _Recorder:

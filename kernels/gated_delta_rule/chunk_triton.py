@@ -21,9 +21,11 @@ chunk boundary and injected gradients on them):
 Precision. fp32 inputs run every product in fp32 (`input_precision="ieee"`): the interpreter tests
 match the reference to ~1e-5. bf16/fp16 inputs feed the tensor cores in their own dtype with fp32
 accumulation and keep Ai, w, u, h, vnew, dh, dvnew and dw in it, as fla does; the recurrence
-state, the exported states, the initial-state gradient, G and the gradient partials that are
-summed stay fp32. G is an fp32 cumulative sum per chunk (fla's choice), where the reference forms
-it in float64 (CPU exactness, see `chunk_ref`); the CPU path stays the reference.
+state, the exported states, the initial-state gradient and the gradient partials that are summed
+stay fp32. Gates (`wy_triton`): with bf16/fp16 inputs G is an fp32 cumulative sum per chunk and
+its exponentials are fp32 (fla's choice, the GPU production path); with fp32 inputs G, its
+differences and exponentials are float64, rounded once, as in the reference, so that fp32 GPU runs
+keep the reference's tree-vs-expanded gradient agreement. The CPU path stays the reference.
 
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
 bf16 is wrong). float64 is rejected.
@@ -69,6 +71,8 @@ class _Tiles:
     BKS: int
     NK: int
     PREC: str
+    gate_dtype: torch.dtype
+    """dtype of G: float64 for fp32 inputs (the reference's gate precision), fp32 otherwise (fla's)."""
 
     def dims(self) -> dict:
         return dict(H=self.H, K=self.K, V=self.V, BT=self.BT)
@@ -81,6 +85,7 @@ def _tiles(H: int, K: int, V: int, C: int, dtype: torch.dtype) -> _Tiles:
         BKS=max(16, triton.next_power_of_2(K)), NK=triton.cdiv(K, BK),
         # fp32: exact fp32 products (tf32 would miss the reference by ~1e-3).
         PREC="ieee" if dtype == torch.float32 else "tf32",
+        gate_dtype=torch.float64 if dtype == torch.float32 else torch.float32,
     )
 
 
@@ -96,9 +101,9 @@ def _walk(layout: ChunkLayout) -> dict:
 
 
 def _wy_forward(kn, g, beta, layout: ChunkLayout, t: _Tiles):
-    """G [T, H] fp32 and Ai = (I + A)^-1 [T, H, BT] (k's dtype) of every chunk."""
+    """G [T, H] (`t.gate_dtype`) and Ai = (I + A)^-1 [T, H, BT] (k's dtype) of every chunk."""
     T, dev = kn.shape[0], kn.device
-    G = _empty((T, t.H), torch.float32, dev)
+    G = _empty((T, t.H), t.gate_dtype, dev)
     A = _empty((T, t.H, t.BT), torch.float32, dev)
     Ai = _empty((T, t.H, t.BT), kn.dtype, dev)
     grid = (layout.num_chunks, t.H)
@@ -164,7 +169,7 @@ def _backward(qn, kn, v, g_dtype, beta, G, Ai, h0, do, dstates, layout: ChunkLay
     dq = _empty(tuple(qn.shape), torch.float32, dev)
     dk_part = _empty(tuple(kn.shape), torch.float32, dev)
     dw = _empty(tuple(kn.shape), kn.dtype, dev)
-    dg_part = _empty((t.NK, T, t.H), torch.float32, dev)
+    dg_part = _empty((t.NK, T, t.H), t.gate_dtype, dev)
     _dqkwg_kernel[(M, t.NK, t.H)](
         q=qn, k=kn, vnew=vnew, h=h, do=do, dh=dh, dv2=dv2, G=G, dq=dq, dk=dk_part, dw=dw, dg=dg_part,
         **_chunks(layout), scale=scale, T=T, **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,

@@ -15,6 +15,7 @@ dh the gradient on the state after the chunk and dvnew the full gradient on vnew
     dw = -dvnew h^T
     dG = sum(q dq) - sum(k dk) over each row, plus, on the chunk's last row,
          exp(G_last) sum(h * dh) + sum(k * the state part of dk)
+         (with float64 gates, the intra-chunk part as float64 row minus column sums of dP * P)
 
 per block of BK key columns (dG as NK partial sums; `wy_triton._wy_bwd_kernel` adds them up).
 
@@ -71,11 +72,11 @@ def _out_fwd_kernel(
     # [BT]
     b_G = tl.load(G + o_t * H, mask=m_t, other=0.0)
     causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_P = b_qk * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+    b_P = b_qk * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf"))).to(tl.float32)
     p_tv = o_t[:, None] * (H * V) + o_v[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     b_vn = tl.load(vnew + p_tv, mask=m_tv, other=0.0)
-    b_o = b_o * tl.exp(b_G)[:, None] + tl.dot(b_P.to(b_vn.dtype), b_vn, input_precision=PREC)
+    b_o = b_o * tl.exp(b_G).to(tl.float32)[:, None] + tl.dot(b_P.to(b_vn.dtype), b_vn, input_precision=PREC)
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -110,7 +111,7 @@ def _dv_local_kernel(
     b_G = tl.load(G + o_t * H, mask=m_t, other=0.0)
     upper = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
     # P^T: P[j, i] = q_j . k_i D_ji for j >= i
-    b_PT = b_kq * scale * tl.exp(tl.where(upper, b_G[None, :] - b_G[:, None], float("-inf")))
+    b_PT = b_kq * scale * tl.exp(tl.where(upper, b_G[None, :] - b_G[:, None], float("-inf"))).to(tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         p_tv = o_t[:, None] * (H * V) + o_v[None, :]
@@ -186,15 +187,24 @@ def _dqkwg_kernel(
     # [BT]
     b_G = tl.load(G + o_t * H, mask=m_t, other=0.0)
     g_last = tl.load(G + (n_t - 1) * H)
-    b_dq = b_dq * (scale * tl.exp(b_G))[:, None]
-    b_dk = b_dk * tl.where(m_t, tl.exp(g_last - b_G), 0.0)[:, None]
-    dg_last = tl.sum(b_hdh, axis=0) * tl.exp(g_last) + tl.sum(b_dk * b_k.to(tl.float32))
+    b_dq = b_dq * (scale * tl.exp(b_G).to(tl.float32))[:, None]
+    b_dk = b_dk * tl.where(m_t, tl.exp(g_last - b_G).to(tl.float32), 0.0)[:, None]
+    dg_last = tl.sum(b_hdh, axis=0) * tl.exp(g_last).to(tl.float32) + tl.sum(b_dk * b_k.to(tl.float32))
     causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_ds = b_ds * scale * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+    b_ds = b_ds * scale * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf"))).to(tl.float32)
+    if G.dtype.element_ty == tl.float64:
+        # Reference precision: the intra-chunk term of dG as row sums minus column sums of
+        # M = dP * P (P = scale (q k^T) * D), summed in float64 like the reference's decay backward,
+        # instead of q.dq - k.dk, whose two large fp32 terms cancel.
+        b_M = (b_ds * tl.dot(b_q, tl.trans(b_k), input_precision=PREC)).to(tl.float64)
+        b_dG = tl.sum((b_dq * b_q.to(tl.float32)).to(tl.float64), axis=1)
+        b_dG -= tl.sum((b_dk * b_k.to(tl.float32)).to(tl.float64), axis=1)
+        b_dG += tl.sum(b_M, axis=1) - tl.sum(b_M, axis=0)
     b_dq += tl.dot(b_ds.to(DT), b_k, input_precision=PREC)
     b_dk += tl.dot(tl.trans(b_ds.to(DT)), b_q, input_precision=PREC)
-    b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) - tl.sum(b_dk * b_k.to(tl.float32), axis=1)
+    if G.dtype.element_ty != tl.float64:
+        b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) - tl.sum(b_dk * b_k.to(tl.float32), axis=1)
     b_dG = tl.where(o_t == n_t - 1, b_dG + dg_last, b_dG)
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    tl.store(dg + o_t * H, b_dG, mask=m_t)
+    tl.store(dg + o_t * H, b_dG.to(dg.dtype.element_ty), mask=m_t)

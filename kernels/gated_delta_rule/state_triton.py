@@ -91,8 +91,8 @@ def _state_fwd_kernel(
         # [BT]
         g_last = tl.load(G + bh + (n_t - 1) * H)
         b_G = tl.load(G + bh + o_t * H, mask=m_t, other=0.0)
-        b_kd = b_k * tl.where(m_t, tl.exp(g_last - b_G), 0.0)[:, None]
-        b_S = b_S * tl.exp(g_last)
+        b_kd = b_k * tl.where(m_t, tl.exp(g_last - b_G).to(tl.float32), 0.0)[:, None]
+        b_S = b_S * tl.exp(g_last).to(tl.float32)
         b_S += tl.dot(tl.trans(b_kd.to(b_k.dtype)), b_vn.to(b_k.dtype), input_precision=PREC)
         if EXPORT:
             e = tl.load(export_row + m)
@@ -144,14 +144,14 @@ def _state_bwd_kernel(
         # [BT, BK]
         b_k = tl.load(k + bh * K + p_tk, mask=m_tk, other=0.0)
         b_w = tl.load(w + bh * K + p_tk, mask=m_tk, other=0.0)
-        b_q = tl.load(q + bh * K + p_tk, mask=m_tk, other=0.0).to(tl.float32) * (scale * tl.exp(b_G))[:, None]
-        b_kd = b_k * tl.where(m_t, tl.exp(g_last - b_G), 0.0)[:, None]
+        b_q = tl.load(q + bh * K + p_tk, mask=m_tk, other=0.0).to(tl.float32) * (scale * tl.exp(b_G).to(tl.float32))[:, None]
+        b_kd = b_k * tl.where(m_t, tl.exp(g_last - b_G).to(tl.float32), 0.0)[:, None]
         # [BT, BV]
         b_do = tl.load(do + bh * V + p_tv, mask=m_tv, other=0.0)
         b_dv = tl.load(dv_local + bh * V + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_dv += tl.dot(b_kd.to(b_k.dtype), b_dS.to(b_k.dtype), input_precision=PREC)
         tl.store(dv2 + bh * V + p_tv, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
-        b_dS = b_dS * tl.exp(g_last)
+        b_dS = b_dS * tl.exp(g_last).to(tl.float32)
         b_dS += tl.dot(tl.trans(b_q.to(b_do.dtype)), b_do, input_precision=PREC)
         b_dS -= tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC)
     if HAS_DH0:

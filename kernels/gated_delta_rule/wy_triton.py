@@ -18,10 +18,14 @@ gradients on k and G (from the output stage) to those of k, v, beta and g: with 
 Ai, dA = -Ai^T dAi Ai^T on the strictly lower part, then through A, beta k exp(G) and beta v, and
 finally the reverse cumulative sum over the chunk that turns dG into dg.
 
-Gate precision. G is an fp32 cumulative sum within the chunk and the decays are fp32 exponentials
-of its differences, the standard GPU choice (fla's `chunk_local_cumsum`). The CPU reference forms
-them in float64 instead (bitwise tree-vs-expanded exactness on CPU needs it; see `chunk_ref`); the
-two agree to fp32 rounding of G (|G| <= C max|g|), which the tests bound.
+Gate precision follows G's dtype (the host picks it). fp32 G, for bf16/fp16 inputs: an fp32
+cumulative sum within the chunk and fp32 exponentials of G and of its differences, the standard GPU
+choice (fla's `chunk_local_cumsum`). float64 G, for fp32 inputs: G, its differences and their
+exponentials in float64, rounded once to fp32, and dG summed in float64 before its reverse
+cumulative sum, as the reference does (`chunk_ref`: in fp32, G_i - G_j cancels, |G| reaching
+C max|g|, and moved the tree-vs-expanded A_log / dt_bias gradients by ~1e-5 relative; measured
+here under the interpreter through the trainer: 1.02e-5 with fp32 G). The float64 work is
+[BT] vectors and [BT, BT] elementwise tiles, next to fp32 products.
 
 Pointers: each program adds its chunk's (row, head) base to the tensor pointers in int64 scalars;
 tile offsets inside a chunk are int32 (a chunk spans far fewer than 2^31 elements), which keeps the
@@ -57,7 +61,7 @@ def _kkt_fwd_kernel(
     m_t = o_t < n_t
     # [BT]
     b_g = tl.load(g + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-    b_G = tl.cumsum(b_g, axis=0)
+    b_G = tl.cumsum(b_g.to(G.dtype.element_ty), axis=0)
     tl.store(G + o_t * H, b_G, mask=m_t)
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
     # [BT, BT]
@@ -69,7 +73,7 @@ def _kkt_fwd_kernel(
         b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     lower = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
     # Masked exponents are -inf (not the upper part's differences, which may overflow): exact zeros.
-    b_A = b_kk * b_beta[:, None] * tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], float("-inf")))
+    b_A = b_kk * b_beta[:, None] * tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], float("-inf"))).to(tl.float32)
     tl.store(A + o_t[:, None] * (H * BT) + o_t[None, :], b_A, mask=m_t[:, None])
 
 
@@ -188,7 +192,7 @@ def _wu_fwd_kernel(
     b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
     # [BT]
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-    b_eG = tl.exp(tl.load(G + o_t * H, mask=m_t, other=0.0))
+    b_eG = tl.exp(tl.load(G + o_t * H, mask=m_t, other=0.0)).to(tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         p_v = o_t[:, None] * (H * V) + o_v[None, :]
@@ -239,9 +243,9 @@ def _wy_bwd_kernel(
     # [BT]
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.load(G + o_t * H, mask=m_t, other=0.0)
-    b_eG = tl.exp(b_G)
+    b_eG = tl.exp(b_G).to(tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    b_dG = tl.zeros([BT], dtype=tl.float32)
+    b_dG = tl.zeros([BT], dtype=G.dtype.element_ty)
     # [BT, BT]
     b_dAi = tl.zeros([BT, BT], dtype=tl.float32)
 
@@ -257,7 +261,7 @@ def _wy_bwd_kernel(
         b_dAi += tl.dot(b_dw, tl.trans(b_kbg.to(DT)), input_precision=PREC)
         b_dkbg = tl.dot(b_AiT, b_dw.to(DT), input_precision=PREC)
         b_dbeta += tl.sum(b_dkbg * b_k * b_eG[:, None], axis=1)
-        b_dG += tl.sum(b_dkbg * b_kbg, axis=1)
+        b_dG += tl.sum((b_dkbg * b_kbg).to(b_dG.dtype), axis=1)
         b_dk = tl.load(dk_in + p_k, mask=m_tk, other=0.0) + b_dkbg * (b_beta * b_eG)[:, None]
         tl.store(dk + p_k, b_dk, mask=m_tk)
     # u = Ai (beta v)
@@ -279,7 +283,7 @@ def _wy_bwd_kernel(
     b_dA = tl.dot(b_dAi.to(DT), b_AiT, input_precision=PREC)
     b_dA = tl.dot(b_AiT, b_dA.to(DT), input_precision=PREC)
     # [BT, BT] gradient on beta_i k_i.k_j (A is that times the decay)
-    b_dM = -b_dA * tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf")))
+    b_dM = -b_dA * tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf"))).to(tl.float32)
     # The second pass re-reads this program's dk stores: make them visible to every thread.
     tl.debug_barrier()
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -297,6 +301,7 @@ def _wy_bwd_kernel(
         b_dk += tl.dot(tl.trans(b_dM.to(DT)), b_kb, input_precision=PREC)
         tl.store(dk + p_k, b_dk, mask=m_tk)
     b_dMA = b_dM * b_kk
+    b_dMA = b_dMA.to(b_dG.dtype)
     b_dG += tl.sum(b_dMA, axis=1) - tl.sum(b_dMA, axis=0)
     for i_k in range(0, NK):
         b_dG += tl.load(dg_in + i_k * T * H + o_t * H, mask=m_t, other=0.0)
