@@ -5,9 +5,10 @@ Same contract and math as `ref` (see the package docstring), over the block maps
 `TreeLayout`. Forward and dq: one program per (query block of one segment, head) walks the
 segment's ancestor ranges (local or imported extended rows) in BN-row tiles, then its own rows up
 to the block's last row with the causal mask. dk/dv: one program per (kv block of BN extended
-rows, kv head) walks the CSR list of query-block pieces that see the block (`layout.pieces`) for
-each of its G query heads, so every dk/dv row is written once by one program (rows nobody sees
-get zeros).
+rows, query head) walks the CSR list of query-block pieces that see the block (`layout.pieces`),
+so every row of the per-query-head dk/dv is written once by one program (rows nobody sees get
+zeros); with GQA the host sums each kv head's G shares (FlashAttention-2's GQA backward does the
+same), which keeps the work of a block that many branches see spread over H programs.
 
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
 bf16 is wrong). float64 is rejected. Row bases are int64 scalars added to the pointers; offsets
@@ -188,7 +189,7 @@ def _tree_attn_dq_kernel(
     tl.store(dq + p_md, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
-@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
+@autotune(warps_stages((8, 4), (1, 2)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, qb_seg, qb_row, seg_start, seg_len,
@@ -197,13 +198,20 @@ def _tree_attn_dkdv_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
+    # One program per (kv block, query head): dk, dv of that head's share ([Rk, H, D]; the host
+    # sums each group of G heads), so the heavy blocks (a prompt every branch sees) spread over H
+    # programs rather than walking G heads in one.
     HKV: tl.constexpr = H // G
-    i_j, i_hk = tl.program_id(0), tl.program_id(1)
+    i_j, i_h = tl.program_id(0), tl.program_id(1)
     c0 = i_j.to(tl.int64) * BN
-    k += c0 * (HKV * D) + i_hk * D
-    v += c0 * (HKV * D) + i_hk * D
-    dk += c0 * (HKV * D) + i_hk * D
-    dv += c0 * (HKV * D) + i_hk * D
+    k += c0 * (HKV * D) + (i_h // G) * D
+    v += c0 * (HKV * D) + (i_h // G) * D
+    dk += c0 * (H * D) + i_h * D
+    dv += c0 * (H * D) + i_h * D
+    q += i_h * D
+    do += i_h * D
+    lse += i_h
+    delta += i_h
     o_m = tl.arange(0, BM)
     o_n = tl.arange(0, BN)
     o_d = tl.arange(0, BD)
@@ -232,24 +240,22 @@ def _tree_attn_dkdv_kernel(
         # [BN, BM]
         visible = ((o_n >= lo) & (o_n < hi))[:, None] & m_rows[None, :]
         visible = visible & ((causal == 0) | (o_n[:, None] <= o_m[None, :] + diag))
-        for g in range(G):
-            i_h = i_hk * G + g
-            p_q = row0 * (H * D) + i_h * D
-            # [BM, BD]
-            b_q = tl.load(q + p_q + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
-            b_do = tl.load(do + p_q + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
-            # [BM]
-            b_lse = tl.load(lse + row0 * H + i_h + o_m * H, mask=m_rows, other=0.0)
-            b_delta = tl.load(delta + row0 * H + i_h + o_m * H, mask=m_rows, other=0.0)
-            # [BN, BM]
-            b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * scale
-            b_pT = tl.where(visible, tl.exp(b_sT - b_lse[None, :]), 0.0)
-            b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=PREC)
-            b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
-            b_dsT = b_pT * (b_dpT - b_delta[None, :])
-            b_dk += tl.dot(b_dsT.to(b_q.dtype), b_q, input_precision=PREC)
-    tl.store(dk + p_nd, (b_dk * scale).to(dk.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
-    tl.store(dv + p_nd, b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
+        # [BM, BD]
+        b_q = tl.load(q + row0 * (H * D) + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+        b_do = tl.load(do + row0 * (H * D) + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+        # [BM]
+        b_lse = tl.load(lse + row0 * H + o_m * H, mask=m_rows, other=0.0)
+        b_delta = tl.load(delta + row0 * H + o_m * H, mask=m_rows, other=0.0)
+        # [BN, BM]
+        b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * scale
+        b_pT = tl.where(visible, tl.exp(b_sT - b_lse[None, :]), 0.0)
+        b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=PREC)
+        b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
+        b_dsT = b_pT * (b_dpT - b_delta[None, :])
+        b_dk += tl.dot(b_dsT.to(b_q.dtype), b_q, input_precision=PREC)
+    p_out = o_n[:, None] * (H * D) + o_d[None, :]
+    tl.store(dk + p_out, (b_dk * scale).to(dk.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
+    tl.store(dv + p_out, b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -304,8 +310,10 @@ class _TreeAttentionTriton(torch.autograd.Function):
         do_RHD = do_RHD.contiguous()
         delta_RH = (o_RHD.float() * do_RHD.float()).sum(-1).contiguous()
         dq_RHD = _empty((R, H, D), q_RHD.dtype, dev)
-        dk_KHD = _empty((Rk, Hkv, D), k_KHD.dtype, dev)
-        dv_KHD = _empty((Rk, Hkv, D), v_KHD.dtype, dev)
+        # Per query head; summed over each kv head's G query heads below (in fp32 when G > 1).
+        G = H // Hkv
+        dk_KHD = _empty((Rk, H, D), k_KHD.dtype if G == 1 else torch.float32, dev)
+        dv_KHD = _empty((Rk, H, D), v_KHD.dtype if G == 1 else torch.float32, dev)
         NB = layout.blocks.seg_NB.numel()
         if NB:
             _tree_attn_dq_kernel[(NB, H)](
@@ -315,12 +323,15 @@ class _TreeAttentionTriton(torch.autograd.Function):
         pieces = layout.pieces
         NKB = pieces.offsets_NKB1.numel() - 1
         if NKB:
-            _tree_attn_dkdv_kernel[(NKB, Hkv)](
+            _tree_attn_dkdv_kernel[(NKB, H)](
                 q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dk=dk_KHD, dv=dv_KHD,
                 **_segments(layout), piece_offsets=pieces.offsets_NKB1, piece_qb=pieces.qblock_P,
                 piece_lo=pieces.lo_P, piece_hi=pieces.hi_P, piece_causal=pieces.causal_P,
                 scale=ctx.scale, Rk=Rk, **consts,
             )
+        if G > 1:
+            dk_KHD = dk_KHD.view(Rk, Hkv, G, D).sum(2).to(k_KHD.dtype)
+            dv_KHD = dv_KHD.view(Rk, Hkv, G, D).sum(2).to(v_KHD.dtype)
         return dq_RHD, dk_KHD, dv_KHD, None, None
 
 
