@@ -1,13 +1,16 @@
-"""Tree-attention micro-benchmark: a group-sampling tree (one prompt, B continuations) through the
-reference and the Triton kernels, against plain causal attention on the B expanded sequences.
+"""Tree-attention micro-benchmark: a group-sampling tree (one prompt, B continuations) through our
+backends, against plain causal attention on the B expanded sequences (the same work unshared).
 
 Run: `python -m benchmarks.bench_tree_attention [--prompt 2048 --branches 8 --cont 1024 --heads 16
---kv-heads 2 --dim 128]` (one markdown table row per measurement). On CUDA: bf16, backends "ref",
-"triton" and the expanded baseline (`scaled_dot_product_attention`, causal, flash); on CPU: fp32,
-"ref" and the expanded baseline only, at the sizes given (keep them small). The "ideal" column is
-the expanded/tree ratio of visible (query, key) pairs: the most a tree layout can save.
+--kv-heads 2 --dim 128]` (one markdown table row per measurement). On CUDA: bf16; our "triton"
+backend on the tree and on the expanded sequences (each its own segment: equal work), PyTorch SDPA
+(flash) and FlashAttention varlen (`flash_attn`, when importable) on the expanded sequences. On
+CPU: fp32, the "ref" backend and SDPA only, at the sizes given (keep them small). The "ideal" row
+is the expanded/tree ratio of visible (query, key) pairs: the most a tree layout can save.
+`benchmarks.bench_kernels --gpu` runs this at its report's shapes.
 
-Legend: P prompt rows, B branches, L continuation rows, R = P + B L tree rows, H heads, Hkv kv heads, D head dim.
+Legend: P prompt rows, B branches, L continuation rows, R = P + B L tree rows, E = B (P + L)
+expanded rows, H heads, Hkv kv heads, D head dim.
 """
 from __future__ import annotations
 
@@ -18,62 +21,107 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_kernels import median_seconds
-from kernels.tree_attention import tree_attention
+from kernels.tree_attention import TreeLayout, prepare_tree_layout, tree_attention
 
 
-def group_tree(P: int, B: int, L: int) -> dict[str, torch.Tensor]:
+def group_tree(P: int, B: int, L: int, device: str) -> TreeLayout:
     """Layout of one prompt segment (rows 0..P-1) and B continuation segments that see all of it."""
     seg_start = torch.tensor([0] + [P + b * L for b in range(B)], dtype=torch.int32)
     seg_len = torch.tensor([P] + [L] * B, dtype=torch.int32)
     attn_offsets = torch.tensor([0] + list(range(B + 1)), dtype=torch.int32)
     attn_ranges = torch.tensor([[0, P]] * B, dtype=torch.int32).reshape(-1, 2)
-    return dict(seg_start=seg_start, seg_len=seg_len, attn_offsets=attn_offsets, attn_ranges=attn_ranges)
+    return prepare_tree_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows=P + B * L, device=device)
 
 
-def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int) -> list[dict]:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def expanded_layout(B: int, S: int, device: str) -> TreeLayout:
+    """B independent causal sequences of S rows each (one segment each, no ancestors)."""
+    return prepare_tree_layout(
+        torch.arange(B, dtype=torch.int32) * S, torch.full((B,), S, dtype=torch.int32),
+        torch.zeros(B + 1, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32), num_rows=B * S, device=device,
+    )
+
+
+def _flash_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built for another torch/CUDA
+        return None
+    return flash_attn_varlen_func
+
+
+def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, device: str | None = None) -> list[dict]:
+    """Forward and forward+backward milliseconds per backend at one group-tree shape.
+
+    Returns rows {"backend", "rows" (query rows computed), "forward_ms", "fwd_bwd_ms"} (or "error"),
+    then {"backend": "ideal expanded/tree pairs", "value"}; on CUDA also "max|triton-sdpa|" (the
+    tree output against SDPA's on each branch's rows)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    R = P + B * L
+    R, S = P + B * L, P + L
     gen = torch.Generator().manual_seed(0)
     q_RHD = torch.randn(R, H, D, generator=gen).to(device, dtype)
     k_RHD = torch.randn(R, Hkv, D, generator=gen).to(device, dtype)
     v_RHD = torch.randn(R, Hkv, D, generator=gen).to(device, dtype)
-    layout = group_tree(P, B, L)
+    tree = group_tree(P, B, L, device)
     scale = D**-0.5
     tree_pairs = P * (P + 1) // 2 + B * (L * P + L * (L + 1) // 2)
-    expanded_pairs = B * ((P + L) * (P + L + 1) // 2)
-    # Expanded rows: per branch, the prompt then its continuation.
-    idx_BT = torch.stack([torch.cat([torch.arange(P), P + b * L + torch.arange(L)]) for b in range(B)]).to(device)
+    expanded_pairs = B * (S * (S + 1) // 2)
+    # Expanded rows: per branch, the prompt then its continuation (gathered once, not timed).
+    idx_E = torch.cat([torch.cat([torch.arange(P), P + b * L + torch.arange(L)]) for b in range(B)]).to(device)
+    qe, ke, ve = (x.index_select(0, idx_E).contiguous() for x in (q_RHD, k_RHD, v_RHD))
 
-    def tree_call(backend, q, k, v):
-        return tree_attention(q, k, v, **layout, scale=scale, backend=backend)
+    def sdpa(q, k, v):
+        shape = lambda x: x.view(B, S, x.shape[1], D).transpose(1, 2)  # noqa: E731
+        try:
+            o = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), is_causal=True, scale=scale, enable_gqa=True)
+        except TypeError:  # torch without enable_gqa
+            G = H // Hkv
+            o = F.scaled_dot_product_attention(shape(q), shape(k).repeat_interleave(G, 1), shape(v).repeat_interleave(G, 1),
+                                               is_causal=True, scale=scale)
+        return o.transpose(1, 2).reshape(B * S, H, D)
 
-    def expanded_call(q, k, v):
-        G = H // Hkv
-        qe = q[idx_BT].transpose(1, 2)  # [B, H, P+L, D]
-        ke = k[idx_BT].repeat_interleave(G, dim=2).transpose(1, 2)
-        ve = v[idx_BT].repeat_interleave(G, dim=2).transpose(1, 2)
-        return F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, scale=scale)
-
-    calls = {"ref": lambda *x: tree_call("ref", *x), "expanded_sdpa": expanded_call}
+    calls = {}
     if device == "cuda":
-        calls["triton"] = lambda *x: tree_call("triton", *x)
+        expanded = expanded_layout(B, S, device)
+        calls["triton tree"] = (R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="triton"), "tree")
+        calls["triton expanded"] = (B * S, lambda q, k, v: tree_attention(q, k, v, expanded, scale=scale, backend="triton"), "expanded")
+        fa = _flash_varlen()
+        if fa is not None:
+            cu = (torch.arange(B + 1, dtype=torch.int32) * S).to(device)
+            calls["flash_attn varlen expanded"] = (
+                B * S, lambda q, k, v: fa(q, k, v, cu, cu, S, S, softmax_scale=scale, causal=True), "expanded")
+    else:
+        calls["ref tree"] = (R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="ref"), "tree")
+    calls["sdpa expanded"] = (B * S, sdpa, "expanded")
+
     rows = []
-    for name, fn in calls.items():
-        with torch.no_grad():
-            fwd = median_seconds(lambda: fn(q_RHD, k_RHD, v_RHD), device, reps)
-        leaves = [x.detach().requires_grad_(True) for x in (q_RHD, k_RHD, v_RHD)]
+    for name, (n_rows, fn, kind) in calls.items():
+        inputs = (q_RHD, k_RHD, v_RHD) if kind == "tree" else (qe, ke, ve)
+        try:
+            with torch.no_grad():
+                fwd = median_seconds(lambda: fn(*inputs), device, reps)
+            leaves = [x.detach().requires_grad_(True) for x in inputs]
 
-        def fwd_bwd():
-            o = fn(*leaves)
-            torch.autograd.grad(o, leaves, torch.ones_like(o))
+            def fwd_bwd():
+                o = fn(*leaves)
+                torch.autograd.grad(o, leaves, torch.ones_like(o))
 
-        both = median_seconds(fwd_bwd, device, reps)
-        rows.append({"backend": name, "forward_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
+            both = median_seconds(fwd_bwd, device, reps)
+            rows.append({"backend": name, "rows": n_rows, "forward_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
+        except Exception as exc:  # one failing backend must not hide the others' numbers
+            rows.append({"backend": name, "rows": n_rows, "error": f"{type(exc).__name__}: {exc}"[:300]})
     if device == "cuda":
-        with torch.no_grad():
-            diff = (tree_call("triton", q_RHD, k_RHD, v_RHD).float() - tree_call("ref", q_RHD, k_RHD, v_RHD).float())
-        rows.append({"backend": "max|triton-ref|", "value": diff.abs().max().item()})
+        try:
+            with torch.no_grad():
+                o_tree = tree_attention(q_RHD, k_RHD, v_RHD, tree, scale=scale, backend="triton").float()
+                o_exp = sdpa(qe, ke, ve).float()
+            # Each branch's continuation rows, in the tree and in its expanded sequence.
+            tree_rows = torch.cat([P + b * L + torch.arange(L) for b in range(B)]).to(device)
+            exp_rows = torch.cat([b * S + P + torch.arange(L) for b in range(B)]).to(device)
+            diff = (o_tree[tree_rows] - o_exp[exp_rows]).abs().max() / o_exp.abs().max()
+            rows.append({"backend": "max|triton-sdpa| / max|sdpa|", "value": diff.item()})
+        except Exception as exc:
+            rows.append({"backend": "max|triton-sdpa| / max|sdpa|", "error": f"{type(exc).__name__}: {exc}"[:300]})
     rows.append({"backend": "ideal expanded/tree pairs", "value": expanded_pairs / tree_pairs})
     for r in rows:
         r.update(device=device, dtype=str(dtype).removeprefix("torch."))
@@ -93,13 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(P=a.prompt, B=a.branches, L=a.cont, H=a.heads, Hkv=a.kv_heads, D=a.dim, reps=a.reps)
     print(f"device={rows[0]['device']} dtype={rows[0]['dtype']} P={a.prompt} B={a.branches} L={a.cont} "
           f"H={a.heads} Hkv={a.kv_heads} D={a.dim}")
-    print("| backend | forward ms | forward+backward ms |")
-    print("|---|---|---|")
+    print("| backend | rows | forward ms | forward+backward ms |")
+    print("|---|---|---|---|")
     for r in rows:
-        if "value" in r:
-            print(f"| {r['backend']} | {r['value']:.3g} | |")
+        if "error" in r:
+            print(f"| {r['backend']} | {r.get('rows', '')} | failed: {r['error']} | |")
+        elif "value" in r:
+            print(f"| {r['backend']} | | {r['value']:.3g} | |")
         else:
-            print(f"| {r['backend']} | {r['forward_ms']:.2f} | {r['fwd_bwd_ms']:.2f} |")
+            print(f"| {r['backend']} | {r['rows']} | {r['forward_ms']:.2f} | {r['fwd_bwd_ms']:.2f} |")
     return 0
 
 

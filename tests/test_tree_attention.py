@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.tree_attention import tree_attention
-from kernels.tree_attention.layout import kv_pieces, query_blocks, validate_inputs
+from kernels.tree_attention import BACKENDS, attention_backend, prepare_tree_layout, tree_attention
 from tests.triton_interpreter import run_under_interpreter
 from tests.tree_attention_helpers import Tree, random_qkv, random_tree
 
@@ -51,7 +50,7 @@ def test_ref_matches_dense_oracle_float64(case):
     tree = random_tree(11, **kwargs)
     q, k, v = random_qkv(tree, H, Hkv, D, seed=12, dtype=torch.float64)
     scale = D**-0.5
-    o = tree_attention(q, k, v, **tree.layout(), scale=scale)
+    o = tree_attention(q, k, v, tree.prepare(), scale=scale)
     o_dense = dense_attention(q, k, v, dense_visibility(tree), scale)
     assert o.shape == (tree.R, H, D) and o.dtype == torch.float64
     torch.testing.assert_close(o, o_dense, rtol=1e-10, atol=1e-10)
@@ -67,7 +66,7 @@ def test_tree_rows_equal_causal_attention_on_their_path():
     """A row's output is plain causal attention over its root-to-row path, as in the expanded sequence."""
     tree = random_tree(21, num_segments=9, max_len=8, num_imported=2)
     q, k, v = random_qkv(tree, 2, 1, 8, seed=22, dtype=torch.float64)
-    o = tree_attention(q, k, v, **tree.layout(), scale=0.3)
+    o = tree_attention(q, k, v, tree.prepare(), scale=0.3)
     vis = dense_visibility(tree)
     for r in range(tree.R):
         path = vis[r].nonzero().flatten()
@@ -82,15 +81,15 @@ def test_tree_rows_equal_causal_attention_on_their_path():
 def test_gradcheck_tiny_float64():
     tree = random_tree(31, num_segments=4, max_len=3, num_imported=1)
     q, k, v = random_qkv(tree, 2, 1, 3, seed=32, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda q, k, v: tree_attention(q, k, v, **tree.layout(), scale=0.7), (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: tree_attention(q, k, v, tree.prepare(), scale=0.7), (q, k, v))
 
 
 def test_ref_fp32_and_bf16_output_dtype():
     tree = random_tree(41, num_segments=5, max_len=6)
     q, k, v = random_qkv(tree, 2, 2, 8, seed=42, dtype=torch.float64)
-    o64 = tree_attention(q, k, v, **tree.layout(), scale=0.35)
-    o32 = tree_attention(q.float(), k.float(), v.float(), **tree.layout(), scale=0.35)
-    o16 = tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **tree.layout(), scale=0.35)
+    o64 = tree_attention(q, k, v, tree.prepare(), scale=0.35)
+    o32 = tree_attention(q.float(), k.float(), v.float(), tree.prepare(), scale=0.35)
+    o16 = tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tree.prepare(), scale=0.35)
     assert o32.dtype == torch.float32 and o16.dtype == torch.bfloat16
     torch.testing.assert_close(o32.double(), o64, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o16.double(), o64, rtol=3e-2, atol=3e-2)
@@ -101,10 +100,8 @@ def test_kv_pieces_cover_exactly_the_visible_pairs(blocks):
     """The backward's (kv block -> query block pieces) map, expanded to pairs, is the visibility matrix."""
     BM, BN = blocks
     tree = random_tree(51, num_segments=12, min_len=1, max_len=40, num_imported=2)
-    q, k, v = random_qkv(tree, 1, 1, 4, seed=1, dtype=torch.float32)
-    index = validate_inputs(q, k, v, **tree.layout())
-    qb = query_blocks(index, BM)
-    pieces = kv_pieces(index, qb, block_m=BM, block_n=BN, num_kv_rows=tree.Rk)
+    layout = tree.prepare(block_m=BM, block_n=BN)
+    index, qb, pieces = layout.index, layout.blocks, layout.pieces
     covered = torch.zeros(tree.R, tree.Rk, dtype=torch.int64)
     seg_end = (index.seg_start_S + index.seg_len_S).tolist()
     off = pieces.offsets_NKB1.tolist()
@@ -123,19 +120,22 @@ def test_kv_pieces_cover_exactly_the_visible_pairs(blocks):
 
 def test_query_blocks_never_span_segments():
     tree = random_tree(61, num_segments=7, max_len=40)
-    q, k, v = random_qkv(tree, 1, 1, 4, seed=1, dtype=torch.float32)
-    index = validate_inputs(q, k, v, **tree.layout())
-    qb = query_blocks(index, 16)
+    layout = tree.prepare(block_m=16, block_n=16)
+    index, qb = layout.index, layout.blocks
     rows = torch.cat([torch.arange(r, min(r + 16, int(index.seg_start_S[s] + index.seg_len_S[s])))
                       for r, s in zip(qb.row_NB.tolist(), qb.seg_NB.tolist())])
     assert torch.equal(rows.sort().values, torch.arange(tree.R))
 
 
 def _bad(tree: Tree, **override):
+    """Prepare the layout and run the reference, with some layout fields, tensors or options replaced."""
     q, k, v = random_qkv(tree, 4, 2, 8, seed=1, dtype=torch.float32)
-    args = dict(q=q, k=k, v=v, **tree.layout(), scale=1.0)
+    arrays = {**tree.layout(), **{n: override.pop(n) for n in list(override) if n in tree.layout()}}
+    sizes = dict(num_rows=override.pop("num_rows", tree.R), num_kv_rows=override.pop("num_kv_rows", tree.Rk))
+    layout = prepare_tree_layout(**arrays, **sizes)
+    args = dict(q=q, k=k, v=v, scale=1.0)
     args.update(override)
-    return tree_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    return tree_attention(args.pop("q"), args.pop("k"), args.pop("v"), layout, **args)
 
 
 @pytest.mark.parametrize(
@@ -148,11 +148,14 @@ def _bad(tree: Tree, **override):
         (dict(attn_ranges=torch.tensor([[0, 99]])), "attn_ranges: expected 0 <= start <= end <= Rk"),
         (dict(attn_ranges=torch.tensor([[0.0, 1.0]])), "attn_ranges: expected an int32/int64"),
         (dict(attn_ranges=torch.tensor([[2, 4]])), "outside their segment's own rows"),
+        (dict(num_kv_rows=5), "num_kv_rows: expected >= num_rows"),
         (dict(k=torch.zeros(6, 3, 8), v=torch.zeros(6, 3, 8)), "H a multiple of Hkv"),
-        (dict(k=torch.zeros(5, 2, 8), v=torch.zeros(5, 2, 8)), "Rk >= R"),
+        (dict(k=torch.zeros(7, 2, 8), v=torch.zeros(7, 2, 8)), "extended rows"),
+        (dict(q=torch.zeros(5, 4, 8)), "query rows"),
         (dict(backend="cuda"), "backend: expected one of"),
     ],
-    ids=["seg_len_count", "empty_segment", "overlap", "offsets", "range_past_rk", "range_dtype", "range_in_own_rows", "gqa", "rk", "backend"],
+    ids=["seg_len_count", "empty_segment", "overlap", "offsets", "range_past_rk", "range_dtype", "range_in_own_rows",
+         "rk_below_r", "gqa", "kv_rows", "q_rows", "backend"],
 )
 def test_invalid_inputs_raise(override, match):
     tree = Tree(
@@ -162,6 +165,22 @@ def test_invalid_inputs_raise(override, match):
     _bad(tree)  # the unmodified layout is valid
     with pytest.raises(ValueError, match=match):
         _bad(tree, **override)
+
+
+def test_backends_are_resolved_once_by_name():
+    assert set(BACKENDS) >= {"ref", "triton"}
+    assert attention_backend("ref") is BACKENDS["ref"]
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        attention_backend("flash")
+
+
+def test_layout_plans_are_built_once():
+    """A backend's own index structure (`layout.plan`) is built on first use and shared by every layer."""
+    layout = random_tree(71, num_segments=3, max_len=5).prepare()
+    calls = []
+    first = layout.plan("tiles", lambda lay: calls.append(lay) or object())
+    assert layout.plan("tiles", lambda lay: calls.append(lay) or object()) is first
+    assert calls == [layout]
 
 
 def test_triton_kernels_under_interpreter():

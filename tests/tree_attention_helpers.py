@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.tree_attention import TreeLayout, prepare_tree_layout
+
 
 @dataclass(slots=True, kw_only=True)
 class Tree:
@@ -25,8 +27,13 @@ class Tree:
     Rk: int
 
     def layout(self) -> dict[str, torch.Tensor]:
+        """The compact arrays, as the plan carries them."""
         return dict(seg_start=self.seg_start, seg_len=self.seg_len, attn_offsets=self.attn_offsets,
                     attn_ranges=self.attn_ranges)
+
+    def prepare(self, device: str = "cpu", **blocks) -> TreeLayout:
+        """`prepare_tree_layout` of this tree (R local rows, Rk - R imported rows)."""
+        return prepare_tree_layout(**self.layout(), num_rows=self.R, num_kv_rows=self.Rk, device=device, **blocks)
 
 
 def random_tree(

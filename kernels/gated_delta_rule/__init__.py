@@ -18,8 +18,9 @@ call, so fp32 CPU outputs are bitwise equal however sequences are packed. Math i
 inputs stay float64); states in fp32.
 
 Modules: `naive` (token-by-token oracle), `chunk_ref` (chunkwise PyTorch reference, the default path),
-`chunk_triton` (Triton forward, backward by the reference),
-`layout` (validation and chunk indexing shared by the backends, `prepare_layout`).
+`chunk_triton` (staged Triton forward and backward over the kernels of `wy_triton`, `state_triton`,
+`output_triton`, `l2norm_triton`), `layout` (validation and the chunk indexing both backends use,
+`prepare_layout`).
 
 Legend: T packed rows, N sequences, E exported states, H heads, K key dim, V value dim.
 """
@@ -61,9 +62,9 @@ def chunk_gated_delta_rule(
             multiple of chunk_size or the sequence length.
         chunk_size: C. scale: q factor (default K ** -0.5). use_qk_l2norm: L2-normalise q, k.
         backend: "ref" (PyTorch, differentiable, bitwise batch-invariant on CPU; the default, None,
-            on every device) or "triton" (fused forward kernel, backward by the reference). Measured on
-            an H200 (bf16, T=16384, H=16, K=V=128, C=64; benchmarks/bench_kernels.py): ref forward
-            9.5 ms, triton forward 132 ms, so the Triton path is for correctness work only so far.
+            on every device) or "triton" (staged Triton forward and backward, fla's chunked
+            algorithm; CUDA, or CPU under TRITON_INTERPRET=1 in fp32; C in 16/32/64, K <= 256).
+            GPU timings: `benchmarks/bench_kernels.py --gpu` (not measured in this repository yet).
         layout: `prepare_layout(cu_seqlens, export_seq, export_pos, chunk_size)`, shared by the
             calls (layers) with those indices; cu_seqlens, export_seq, export_pos may then be None.
 
@@ -72,11 +73,6 @@ def chunk_gated_delta_rule(
     """
     if backend is None:
         backend = "ref"
-    if layout is not None and backend != "ref":
-        # The Triton backend builds its own indexing; it only needs the indices the layout keeps.
-        cu_seqlens = layout.cu_seqlens if cu_seqlens is None else cu_seqlens
-        export_seq = layout.export_seq_E if export_seq is None else export_seq
-        export_pos = layout.export_pos_E if export_pos is None else export_pos
     kwargs = dict(
         cu_seqlens=cu_seqlens,
         initial_state=initial_state,
@@ -85,9 +81,10 @@ def chunk_gated_delta_rule(
         chunk_size=chunk_size,
         scale=scale,
         use_qk_l2norm=use_qk_l2norm,
+        layout=layout,
     )
     if backend == "ref":
-        return chunk_gated_delta_rule_ref(q_THK, k_THK, v_THV, g_TH, beta_TH, layout=layout, **kwargs)
+        return chunk_gated_delta_rule_ref(q_THK, k_THK, v_THV, g_TH, beta_TH, **kwargs)
     if backend == "triton":
         from kernels.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
 

@@ -1,173 +1,236 @@
-"""Triton forward of the varlen chunked gated delta rule; backward by recomputing the reference.
+"""Triton backend of the varlen chunked gated delta rule: staged forward and backward kernels.
 
-Same contract and math as `chunk_ref` (see its docstring). One program per (sequence, head, V block)
-walks its sequence's chunks in order with the state block S [K, BV] in registers; per chunk it builds
-the strictly lower coupling A, inverts (I + A) by forward substitution over rows, forms U and W,
-writes the outputs and, where asked, the fp32 state. The backward (`torch.autograd.Function`)
-recomputes `chunk_ref` under autograd: gradients are those of the reference, not a Triton backward.
+Same contract and math as `chunk_ref` (see its docstring), on the same `ChunkLayout`: chunks are
+rows [jC, (j+1)C) of each sequence, slots and ranks as the layout orders them. The stages follow
+fla's chunked algorithm (fla-org/flash-linear-attention `ops/gated_delta_rule/chunk.py`), written
+for this contract (per-slot programs, per-sequence fp32 initial states, exported states at any
+chunk boundary and injected gradients on them):
+
+    forward   [L2 norm of q, k]                                    `l2norm_triton`
+              G, A -> Ai -> w, u        per chunk                  `wy_triton`
+              h, vnew, exported states  recurrence over chunks     `state_triton`
+              o                         per chunk                  `output_triton`
+    backward  w, u and h, vnew recomputed (h is M x H x K x V: not kept, as in fla)
+              dv_local                  per chunk                  `output_triton`
+              dh, dvnew, d initial      reverse recurrence, export gradients injected after
+                                        their chunk                `state_triton`
+              dq, dk, dw, dG partials   per chunk                  `output_triton`
+              dk, dv, dbeta, dg         per chunk (WY backward, reverse cumsum of dG)  `wy_triton`
+              [L2 norm backward]
+
+Precision. fp32 inputs run every product in fp32 (`input_precision="ieee"`): the interpreter tests
+match the reference to ~1e-5. bf16/fp16 inputs feed the tensor cores in their own dtype with fp32
+accumulation and keep Ai, w, u, h, vnew, dh, dvnew and dw in it, as fla does; the recurrence
+state, the exported states, the initial-state gradient and the gradient partials that are summed
+stay fp32. Gates (`wy_triton`): with bf16/fp16 inputs G is an fp32 cumulative sum per chunk and
+its exponentials are fp32 (fla's choice, the GPU production path); with fp32 inputs G, its
+differences and exponentials are float64, rounded once, as in the reference, so that fp32 GPU runs
+keep the reference's tree-vs-expanded gradient agreement. The CPU path stays the reference.
 
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
-bf16 is wrong). The wrapper rejects float64 (Triton has no fp64 `tl.dot` path worth testing here).
+bf16 is wrong). float64 is rejected.
 
-Legend: T packed rows, N sequences, M chunks, U distinct exported states, E exported states,
-H heads, K key dim, V value dim; tiles: BT = C rows, BK >= K, BV value columns per program.
+Legend: T packed rows, N sequences, M chunk slots, E exported states, U distinct exported states,
+H heads, K key dim, V value dim, NK key blocks; tiles: BT = C, BK/BV per-chunk key/value columns,
+BKS >= K the recurrence's key rows.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
-import triton.language as tl
 
-from kernels.gated_delta_rule.chunk_ref import chunk_gated_delta_rule_ref
-from kernels.gated_delta_rule.layout import validate_inputs
-from kernels.gated_delta_rule.naive import L2NORM_EPS
+from kernels.gated_delta_rule.chunk_ref import resolve_layout
+from kernels.gated_delta_rule.l2norm_triton import l2norm_bwd, l2norm_fwd
+from kernels.gated_delta_rule.layout import ChunkLayout
+from kernels.gated_delta_rule.output_triton import _dqkwg_kernel, _dv_local_kernel, _out_fwd_kernel
+from kernels.gated_delta_rule.state_triton import _state_bwd_kernel, _state_fwd_kernel
+from kernels.gated_delta_rule.wy_triton import _kkt_fwd_kernel, _solve_kernel, _wu_fwd_kernel, _wy_bwd_kernel
 
-
-@triton.heuristics({"HAS_INIT": lambda args: args["h0"] is not None})
-@triton.jit
-def _gdr_fwd_kernel(
-    q, k, v, g, beta, h0, o, states, cu_seqlens, chunk_base, export_slot,
-    scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_L2NORM: tl.constexpr, HAS_INIT: tl.constexpr, EPS: tl.constexpr,
-):
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    base = tl.load(chunk_base + i_n).to(tl.int64)
-    n_chunks = tl.cdiv(eos - bos, BT)
-
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    lower = o_t[:, None] > o_t[None, :]
-    causal = o_t[:, None] >= o_t[None, :]
-
-    # [BK, BV]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INIT:
-        p_h0 = h0 + ((i_n * H + i_h) * K).to(tl.int64) * V + o_k[:, None] * V + o_v[None, :]
-        S = tl.load(p_h0, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-
-    for j in range(0, n_chunks):
-        rows = bos + j * BT + o_t
-        m_t = rows < eos
-        # [BT, BK]
-        p_qk = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_q = tl.load(q + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_qk, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        # [BT, BV]
-        p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # [BT]
-        b_g = tl.load(g + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-        if USE_L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=1) + EPS)[:, None]
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + EPS)[:, None]
-        b_q = b_q * scale
-
-        b_G = tl.cumsum(b_g, axis=0)
-        G_last = tl.sum(tl.where(o_t == BT - 1, b_G, 0.0), axis=0)
-        # [BT, BT]; the unused upper part may overflow to inf before the where drops it
-        b_decay = tl.where(causal, tl.exp(b_G[:, None] - b_G[None, :]), 0.0)
-        b_kbeta = b_k * b_beta[:, None]
-        b_A = tl.dot(b_kbeta, tl.trans(b_k), input_precision="ieee") * b_decay
-        b_A = tl.where(lower, b_A, 0.0)
-        # (I + A)^-1 = I + Ai, Ai strictly lower, row by row: Ai[i] = -A[i] - A[i] Ai
-        b_Ai = tl.zeros([BT, BT], dtype=tl.float32)
-        for i in range(1, BT):
-            a_i = -tl.sum(tl.where(o_t[:, None] == i, b_A, 0.0), axis=0)
-            a_i = a_i + tl.sum(a_i[:, None] * b_Ai, axis=0)
-            b_Ai = tl.where(o_t[:, None] == i, a_i[None, :], b_Ai)
-        b_Ai = b_Ai + tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-        b_u = tl.dot(b_Ai, b_v * b_beta[:, None], input_precision="ieee")
-        b_w = tl.dot(b_Ai, b_kbeta * tl.exp(b_G)[:, None], input_precision="ieee")
-
-        b_vnew = b_u - tl.dot(b_w, S, input_precision="ieee")
-        b_attn = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * b_decay
-        b_o = tl.dot(b_q * tl.exp(b_G)[:, None], S, input_precision="ieee")
-        b_o += tl.dot(b_attn, b_vnew, input_precision="ieee")
-        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-        b_kdec = b_k * tl.exp(G_last - b_G)[:, None]
-        S = S * tl.exp(G_last) + tl.dot(tl.trans(b_kdec), b_vnew, input_precision="ieee")
-        slot = tl.load(export_slot + base + j).to(tl.int64)
-        if slot >= 0:
-            p_s = states + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_s, S, mask=m_k[:, None] & m_v[None, :])
+CHUNK_SIZES = (16, 32, 64)
+MAX_K = 256
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Output allocation; tests replace it with NaN-filled buffers to prove every element is written."""
+    """Every buffer the kernels write; tests replace it with NaN-filled buffers to prove each read
+    element was written."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _forward(
-    q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, initial_state, export_seq, export_pos, chunk_size, scale,
-    use_qk_l2norm,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel; returns o [T, H, V] (v's dtype) and states [E, H, K, V] fp32."""
-    T, H, K = q_THK.shape
-    V = v_THV.shape[-1]
-    C = chunk_size
-    dev = q_THK.device
-    cu = cu_seqlens.cpu().long()
-    n_chunks_N = (cu[1:] - cu[:-1] + C - 1) // C
-    chunk_base_N = torch.cumsum(n_chunks_N, 0) - n_chunks_N
-    M = int(n_chunks_N.sum())
-    # One buffer row per distinct (sequence, chunk) asked for; duplicates share it.
-    slot_of_E = chunk_base_N[export_seq.cpu().long()] + (export_pos.cpu().long() + C - 1) // C - 1
-    uniq_U, inverse_E = torch.unique(slot_of_E, return_inverse=True)
-    export_slot_M = torch.full((M,), -1, dtype=torch.int32)
-    export_slot_M[uniq_U] = torch.arange(uniq_U.numel(), dtype=torch.int32)
+@dataclass(slots=True, frozen=True, kw_only=True)
+class _Tiles:
+    """Tile sizes and dot precision of one call."""
 
-    o_THV = _empty((T, H, V), v_THV.dtype, dev)
-    states_UHKV = _empty((uniq_U.numel(), H, K, V), torch.float32, dev)
-    BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(32, triton.next_power_of_2(V)))
-    h0 = None if initial_state is None else initial_state.to(device=dev, dtype=torch.float32).contiguous()
-    grid = (cu.numel() - 1, H, triton.cdiv(V, BV))
-    _gdr_fwd_kernel[grid](
-        q=q_THK.contiguous(), k=k_THK.contiguous(), v=v_THV.contiguous(), g=g_TH.contiguous(),
-        beta=beta_TH.contiguous(), h0=h0, o=o_THV, states=states_UHKV,
-        cu_seqlens=cu.to(dev), chunk_base=chunk_base_N.to(dev), export_slot=export_slot_M.to(dev),
-        scale=float(K**-0.5 if scale is None else scale),
-        H=H, K=K, V=V, BT=C, BK=BK, BV=BV, USE_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+    H: int
+    K: int
+    V: int
+    BT: int
+    BK: int
+    BV: int
+    BKS: int
+    NK: int
+    PREC: str
+    gate_dtype: torch.dtype
+    """dtype of G: float64 for fp32 inputs (the reference's gate precision), fp32 otherwise (fla's)."""
+
+    def dims(self) -> dict:
+        return dict(H=self.H, K=self.K, V=self.V, BT=self.BT)
+
+
+def _tiles(H: int, K: int, V: int, C: int, dtype: torch.dtype) -> _Tiles:
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    return _Tiles(
+        H=H, K=K, V=V, BT=C, BK=BK, BV=min(64, max(16, triton.next_power_of_2(V))),
+        BKS=max(16, triton.next_power_of_2(K)), NK=triton.cdiv(K, BK),
+        # fp32: exact fp32 products (tf32 would miss the reference by ~1e-3).
+        PREC="ieee" if dtype == torch.float32 else "tf32",
+        gate_dtype=torch.float64 if dtype == torch.float32 else torch.float32,
     )
-    return o_THV, states_UHKV.index_select(0, inverse_E.to(dev))
+
+
+def _chunks(layout: ChunkLayout) -> dict:
+    return dict(chunk_row=layout.chunk_row_M, chunk_end=layout.chunk_end_M)
+
+
+def _walk(layout: ChunkLayout) -> dict:
+    return dict(
+        chunk_off=layout.chunk_off_t_J, rank_chunks=layout.rank_chunks_N, rank_seq=layout.rank_to_seq_N,
+        export_row=layout.export_row_M, **_chunks(layout),
+    )
+
+
+def _wy_forward(kn, g, beta, layout: ChunkLayout, t: _Tiles):
+    """G [T, H] (`t.gate_dtype`) and Ai = (I + A)^-1 [T, H, BT] (k's dtype) of every chunk."""
+    T, dev = kn.shape[0], kn.device
+    G = _empty((T, t.H), t.gate_dtype, dev)
+    A = _empty((T, t.H, t.BT), torch.float32, dev)
+    Ai = _empty((T, t.H, t.BT), kn.dtype, dev)
+    grid = (layout.num_chunks, t.H)
+    _kkt_fwd_kernel[grid](k=kn, g=g, beta=beta, G=G, A=A, **_chunks(layout), H=t.H, K=t.K, BT=t.BT, BK=t.BK, PREC=t.PREC)
+    _solve_kernel[grid](A=A, Ai=Ai, **_chunks(layout), H=t.H, BT=t.BT)
+    return G, Ai
+
+
+def _wu(kn, v, beta, G, Ai, layout: ChunkLayout, t: _Tiles):
+    """w = Ai (beta k exp(G)) [T, H, K], u = Ai (beta v) [T, H, V], in k's / v's dtype."""
+    w = _empty(tuple(kn.shape), kn.dtype, kn.device)
+    u = _empty(tuple(v.shape), v.dtype, v.device)
+    _wu_fwd_kernel[(layout.num_chunks, t.H)](
+        k=kn, v=v, beta=beta, G=G, Ai=Ai, w=w, u=u, **_chunks(layout), **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,
+    )
+    return w, u
+
+
+def _recurrence(kn, w, u, G, h0, layout: ChunkLayout, t: _Tiles, *, export: bool):
+    """h [M, H, K, V] (k's dtype; the state entering each chunk), vnew [T, H, V] (v's dtype) and,
+    with `export`, the distinct exported states [U, H, K, V] fp32 (else None)."""
+    dev = kn.device
+    h = _empty((layout.num_chunks, t.H, t.K, t.V), kn.dtype, dev)
+    vnew = _empty(tuple(u.shape), u.dtype, dev)
+    states = _empty((layout.num_export_rows, t.H, t.K, t.V), torch.float32, dev) if export and layout.num_export_rows else None
+    _state_fwd_kernel[lambda meta: (layout.num_seqs, t.H, triton.cdiv(t.V, meta["BV"]))](
+        k=kn, w=w, u=u, G=G, h0=h0, h=h, vnew=vnew, states=states, **_walk(layout), **t.dims(), BK=t.BKS, PREC=t.PREC,
+    )
+    return h, vnew, states
+
+
+def _forward(qn, kn, v, g, beta, h0, layout: ChunkLayout, t: _Tiles, scale: float):
+    """o [T, H, V] (v's dtype), the distinct exported states [U, H, K, V] fp32 (None when U = 0),
+    and G, Ai for the backward; qn, kn are the (normalised) q, k."""
+    G, Ai = _wy_forward(kn, g, beta, layout, t)
+    w, u = _wu(kn, v, beta, G, Ai, layout, t)
+    h, vnew, states = _recurrence(kn, w, u, G, h0, layout, t, export=True)
+    o = _empty(tuple(v.shape), v.dtype, v.device)
+    _out_fwd_kernel[(layout.num_chunks, triton.cdiv(t.V, t.BV), t.H)](
+        q=qn, k=kn, vnew=vnew, h=h, G=G, o=o, **_chunks(layout), scale=scale, **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,
+    )
+    return o, states, G, Ai
+
+
+def _backward(qn, kn, v, g_dtype, beta, G, Ai, h0, do, dstates, layout: ChunkLayout, t: _Tiles, scale: float):
+    """dq, dk fp32 w.r.t. the normalised q, k; dv, dbeta, dg in v's, beta's and `g_dtype`; dh0 fp32
+    (None without an initial state). dstates [U, H, K, V] fp32 or None: gradients on the exports."""
+    T, dev = kn.shape[0], kn.device
+    M = layout.num_chunks
+    w, u = _wu(kn, v, beta, G, Ai, layout, t)
+    h, vnew, _ = _recurrence(kn, w, u, G, h0, layout, t, export=False)
+    dv_local = _empty(tuple(v.shape), torch.float32, dev)
+    _dv_local_kernel[(M, t.H)](
+        q=qn, k=kn, G=G, do=do, dv=dv_local, **_chunks(layout), scale=scale, **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,
+    )
+    dh = _empty((M, t.H, t.K, t.V), kn.dtype, dev)
+    dv2 = _empty(tuple(v.shape), v.dtype, dev)
+    dh0 = None if h0 is None else _empty(tuple(h0.shape), torch.float32, dev)
+    _state_bwd_kernel[lambda meta: (layout.num_seqs, t.H, triton.cdiv(t.V, meta["BV"]))](
+        q=qn, k=kn, w=w, G=G, do=do, dv_local=dv_local, dstates=dstates, dh=dh, dv2=dv2, dh0=dh0,
+        **_walk(layout), scale=scale, **t.dims(), BK=t.BKS, PREC=t.PREC,
+    )
+    dq = _empty(tuple(qn.shape), torch.float32, dev)
+    dk_part = _empty(tuple(kn.shape), torch.float32, dev)
+    dw = _empty(tuple(kn.shape), kn.dtype, dev)
+    dg_part = _empty((t.NK, T, t.H), t.gate_dtype, dev)
+    _dqkwg_kernel[(M, t.NK, t.H)](
+        q=qn, k=kn, vnew=vnew, h=h, do=do, dh=dh, dv2=dv2, G=G, dq=dq, dk=dk_part, dw=dw, dg=dg_part,
+        **_chunks(layout), scale=scale, T=T, **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,
+    )
+    dk = _empty(tuple(kn.shape), torch.float32, dev)
+    dv = _empty(tuple(v.shape), v.dtype, dev)
+    dbeta = _empty(tuple(beta.shape), beta.dtype, dev)
+    dg = _empty(tuple(G.shape), g_dtype, dev)
+    _wy_bwd_kernel[(M, t.H)](
+        k=kn, v=v, beta=beta, G=G, Ai=Ai, dw=dw, du=dv2, dk_in=dk_part, dg_in=dg_part,
+        dk=dk, dv=dv, dbeta=dbeta, dg=dg, **_chunks(layout), T=T,
+        **t.dims(), NK=t.NK, BK=t.BK, BV=t.BV, PREC=t.PREC,
+    )
+    return dq, dk, dv, dbeta, dg, dh0
 
 
 class _ChunkGatedDeltaRuleTriton(torch.autograd.Function):
-    """Triton forward; backward recomputes `chunk_gated_delta_rule_ref` and differentiates it."""
+    """Staged Triton forward and backward; saves normalised q, k, v, beta, G, Ai and the initial state."""
 
     @staticmethod
-    def forward(ctx, q_THK, k_THK, v_THV, g_TH, beta_TH, initial_state, cfg):
-        ctx.cfg = cfg
-        ctx.save_for_backward(q_THK, k_THK, v_THV, g_TH, beta_TH, initial_state)
-        ctx.has_init = initial_state is not None
-        return _forward(
-            q_THK, k_THK, v_THV, g_TH, beta_TH, cfg["cu_seqlens"], initial_state, cfg["export_seq"],
-            cfg["export_pos"], cfg["chunk_size"], cfg["scale"], cfg["use_qk_l2norm"],
-        )
+    def forward(ctx, q_THK, k_THK, v_THV, g_TH, beta_TH, h0_NHKV, layout, scale, use_qk_l2norm):
+        T, H, K = q_THK.shape
+        V = v_THV.shape[-1]
+        t = _tiles(H, K, V, layout.chunk_size, q_THK.dtype)
+        if use_qk_l2norm:
+            qn, q_rstd = l2norm_fwd(q_THK, _empty)
+            kn, k_rstd = l2norm_fwd(k_THK, _empty)
+        else:
+            qn, kn, q_rstd, k_rstd = q_THK.contiguous(), k_THK.contiguous(), None, None
+        v_THV, g_TH, beta_TH = v_THV.contiguous(), g_TH.contiguous(), beta_TH.contiguous()
+        h0 = None if h0_NHKV is None else h0_NHKV.detach().to(torch.float32).contiguous()
+        o_THV, states_UHKV, G, Ai = _forward(qn, kn, v_THV, g_TH, beta_TH, h0, layout, t, scale)
+        ctx.save_for_backward(qn, kn, q_rstd, k_rstd, v_THV, beta_TH, G, Ai, h0)
+        ctx.meta = (layout, t, scale, use_qk_l2norm, q_THK.dtype, k_THK.dtype, g_TH.dtype,
+                    None if h0_NHKV is None else h0_NHKV.dtype)
+        if states_UHKV is None:
+            states_EHKV = o_THV.new_zeros((0, H, K, V), dtype=torch.float32)
+        else:
+            states_EHKV = states_UHKV.index_select(0, layout.export_unique_E)
+        return o_THV, states_EHKV
 
     @staticmethod
     def backward(ctx, do_THV, dstates_EHKV):
-        saved = ctx.saved_tensors
-        inputs = [None if x is None else x.detach().requires_grad_(True) for x in saved]
-        with torch.enable_grad():
-            o_THV, states_EHKV = chunk_gated_delta_rule_ref(*inputs[:5], initial_state=inputs[5], **ctx.cfg)
-        outs, cots = [o_THV], [do_THV]
-        if states_EHKV.numel():
-            outs.append(states_EHKV)
-            cots.append(dstates_EHKV)
-        wrt = [x for x in inputs if x is not None]
-        grads = iter(torch.autograd.grad(outs, wrt, cots, allow_unused=True))
-        result = [None if x is None else next(grads) for x in inputs]
-        return (*result, None)
+        qn, kn, q_rstd, k_rstd, v_THV, beta_TH, G, Ai, h0 = ctx.saved_tensors
+        layout, t, scale, use_qk_l2norm, q_dtype, k_dtype, g_dtype, h0_dtype = ctx.meta
+        dstates_UHKV = None
+        if layout.num_export_rows and dstates_EHKV is not None:
+            # Requests for one state share its row: their gradients add up there.
+            dstates_UHKV = dstates_EHKV.new_zeros((layout.num_export_rows, t.H, t.K, t.V), dtype=torch.float32)
+            dstates_UHKV.index_add_(0, layout.export_unique_E, dstates_EHKV.float())
+        dq, dk, dv, dbeta, dg, dh0 = _backward(
+            qn, kn, v_THV, g_dtype, beta_TH, G, Ai, h0, do_THV.contiguous(), dstates_UHKV, layout, t, scale,
+        )
+        if use_qk_l2norm:
+            dq = l2norm_bwd(qn, q_rstd, dq, q_dtype, _empty)
+            dk = l2norm_bwd(kn, k_rstd, dk, k_dtype, _empty)
+        else:
+            dq, dk = dq.to(q_dtype), dk.to(k_dtype)
+        if dh0 is not None:
+            dh0 = dh0.to(h0_dtype)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None
 
 
 def chunk_gated_delta_rule_triton(
@@ -177,32 +240,38 @@ def chunk_gated_delta_rule_triton(
     g_TH: torch.Tensor,
     beta_TH: torch.Tensor,
     *,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens=None,
     initial_state: torch.Tensor | None = None,
-    export_seq: torch.Tensor,
-    export_pos: torch.Tensor,
+    export_seq=None,
+    export_pos=None,
     chunk_size: int = 64,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    layout: ChunkLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton-forward chunked gated delta rule; same arguments and results as `chunk_gated_delta_rule_ref`.
+    """Triton chunked gated delta rule; same arguments and results as `chunk_gated_delta_rule_ref`.
 
-    Additional requirements: chunk_size a power of two >= 16 (tl.dot tiles), K <= 256, inputs
-    fp32/bf16/fp16 (not float64).
+    Differentiable w.r.t. q, k, v, g, beta and initial_state, with gradients on the exported
+    states flowing back into the call (injected at their chunk) and out through initial_state.
+    Additional requirements: chunk_size 16, 32 or 64; K <= 256; q, k, v of one dtype among
+    fp32/bf16/fp16 (not float64) on one device (CUDA, or CPU under TRITON_INTERPRET=1).
     """
-    validate_inputs(
-        q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, initial_state, export_seq, export_pos, chunk_size
+    layout = resolve_layout(
+        q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens=cu_seqlens, initial_state=initial_state,
+        export_seq=export_seq, export_pos=export_pos, chunk_size=chunk_size, layout=layout,
     )
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size: expected a power of two >= 16 for backend='triton', got {chunk_size}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES} for backend='triton', got {chunk_size}")
     K = q_THK.shape[-1]
-    if K > 256:
-        raise ValueError(f"q: expected K <= 256 for backend='triton', got K={K}; use backend='ref'")
-    for name, x in (("q", q_THK), ("k", k_THK), ("v", v_THV)):
-        if x.dtype == torch.float64:
-            raise ValueError(f"{name}: expected fp32/bf16/fp16 for backend='triton', got float64; use backend='ref'")
-    cfg = dict(
-        cu_seqlens=cu_seqlens, export_seq=export_seq, export_pos=export_pos, chunk_size=chunk_size,
-        scale=scale, use_qk_l2norm=use_qk_l2norm,
+    if K > MAX_K:
+        raise ValueError(f"q: expected K <= {MAX_K} for backend='triton', got K={K}; use backend='ref'")
+    if not (q_THK.dtype == k_THK.dtype == v_THV.dtype) or q_THK.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"q, k, v: expected one dtype among fp32/bf16/fp16 for backend='triton', got {q_THK.dtype}, "
+            f"{k_THK.dtype}, {v_THV.dtype}; use backend='ref' for float64"
+        )
+    if scale is None:
+        scale = K**-0.5
+    return _ChunkGatedDeltaRuleTriton.apply(
+        q_THK, k_THK, v_THV, g_TH, beta_TH, initial_state, layout, float(scale), bool(use_qk_l2norm)
     )
-    return _ChunkGatedDeltaRuleTriton.apply(q_THK, k_THK, v_THV, g_TH, beta_TH, initial_state, cfg)

@@ -7,7 +7,9 @@ Chunk order. Sequences are ranked by their number of chunks, most first (stable,
 keep their input order). Chunk `j` of the sequence of rank `r` gets slot `chunk_off[j] + r`: all
 `j`-th chunks are contiguous, and the sequences that have a `j`-th chunk are the ranks
 `0 .. active[j]-1`, a prefix. The inter-chunk recurrence is then a loop over `j` on prefixes of one
-state tensor, and the intra-chunk work is one batch over all slots.
+state tensor, and the intra-chunk work is one batch over all slots. The Triton kernels index the
+same slots: per-chunk programs read a slot's row range (`chunk_row_M`, `chunk_end_M`), and the
+recurrence programs, one per rank, walk slots `chunk_off[j] + rank` for their `rank_chunks` steps.
 
 Reuse. A layout depends only on `cu_seqlens`, the export requests and C (host data): every layer of
 a model runs the same calls, so `prepare_layout` builds it once (validated, index tensors on the
@@ -64,6 +66,20 @@ class ChunkLayout:
     """Position of export e in the step-by-step concatenation of the `export_ranks_J` (on `device`)."""
     above_diag_CC: torch.Tensor
     """[C, C] bool, True strictly above the diagonal: the causal mask of the intra-chunk decays (on `device`)."""
+    chunk_row_M: torch.Tensor
+    """First packed row of every chunk slot (int64, on `device`; the Triton kernels' per-chunk programs)."""
+    chunk_end_M: torch.Tensor
+    """One past the last packed row of every chunk slot (int64, on `device`)."""
+    chunk_off_t_J: torch.Tensor
+    """`chunk_off_J` as an int64 tensor on `device` (the Triton recurrences walk slot chunk_off[j] + rank)."""
+    rank_chunks_N: torch.Tensor
+    """Chunks of the sequence at each rank (int64, on `device`)."""
+    export_row_M: torch.Tensor
+    """Per chunk slot, the row of the distinct-export buffer its end state fills, or -1 (int64, on `device`)."""
+    export_unique_E: torch.Tensor
+    """Row of the distinct-export buffer of every export e (requests for one state share it; int64, on `device`)."""
+    num_export_rows: int
+    """U, distinct states exported (rows of the Triton kernels' export buffer)."""
     device: torch.device
     """Where the index tensors the kernel gathers with live."""
     source: tuple = ()
@@ -98,6 +114,12 @@ class ChunkLayout:
             export_ranks_J={j: r.to(device) for j, r in self.export_ranks_J.items()},
             export_order_E=self.export_order_E.to(device),
             above_diag_CC=self.above_diag_CC.to(device),
+            chunk_row_M=self.chunk_row_M.to(device),
+            chunk_end_M=self.chunk_end_M.to(device),
+            chunk_off_t_J=self.chunk_off_t_J.to(device),
+            rank_chunks_N=self.rank_chunks_N.to(device),
+            export_row_M=self.export_row_M.to(device),
+            export_unique_E=self.export_unique_E.to(device),
             device=device,
         )
 
@@ -281,6 +303,12 @@ def build_chunk_layout(cu_seqlens, export_seq_E, export_pos_E, chunk_size: int) 
     parts = np.split(export_rank_E[by_step_E], starts[1:])
     export_order_E = np.empty_like(by_step_E)
     export_order_E[by_step_E] = np.arange(by_step_E.shape[0])
+    # Triton indexing: each chunk slot's row range, and one export buffer row per distinct state.
+    chunk_row_M = row_MC[:, 0]
+    chunk_end_M = np.minimum(chunk_row_M + C, (seq_start_N + seq_len_N)[chunk_seq_M])
+    export_rows_U, export_unique_E = np.unique(export_slot_E, return_inverse=True)
+    export_row_M = np.full(M, -1, dtype=np.int64)
+    export_row_M[export_rows_U] = np.arange(export_rows_U.shape[0])
     return ChunkLayout(
         chunk_size=C,
         cu_seqlens=cu,
@@ -298,5 +326,12 @@ def build_chunk_layout(cu_seqlens, export_seq_E, export_pos_E, chunk_size: int) 
         export_ranks_J={int(j): torch.from_numpy(r) for j, r in zip(steps, parts)},
         export_order_E=torch.from_numpy(export_order_E),
         above_diag_CC=torch.ones(C, C, dtype=torch.bool).triu(1),
+        chunk_row_M=torch.from_numpy(chunk_row_M.astype(np.int64)),
+        chunk_end_M=torch.from_numpy(chunk_end_M.astype(np.int64)),
+        chunk_off_t_J=torch.from_numpy(off.astype(np.int64)),
+        rank_chunks_N=torch.from_numpy(n_chunks_R.astype(np.int64)),
+        export_row_M=torch.from_numpy(export_row_M),
+        export_unique_E=torch.from_numpy(export_unique_E.reshape(-1).astype(np.int64)),
+        num_export_rows=int(export_rows_U.shape[0]),
         device=torch.device("cpu"),
     )

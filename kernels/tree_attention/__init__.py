@@ -3,70 +3,79 @@ own rows (DESIGN §6), the softmax-attention layer of a prefix-shared tree micro
 
 Contract (the plan's layout, proto/harts/v1/plan.proto Microbatch segments + attn_offsets/attn_ranges):
 
-    o_RHD = tree_attention(q_RHD, k_KHD, v_KHD, *, seg_start, seg_len, attn_offsets, attn_ranges,
-                           scale, backend="ref")
+    layout = prepare_tree_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows=R,
+                                 num_kv_rows=R + I, device=q.device)      # once per microbatch
+    o_RHd = tree_attention(q_RHd, k_NHd, v_NHd, layout, scale=hd ** -0.5, backend="ref")
 
-Segments `seg_start[s] : seg_start[s] + seg_len[s]` tile the R query rows (consecutive depths). Row r
-of segment s sees every k/v row in `attn_ranges[attn_offsets[s] : attn_offsets[s+1]]` (half-open,
-its ancestors; rows >= R are imported rows, so Rk >= R) and rows seg_start[s] .. r of its own
-segment. Ancestor ranges are disjoint and outside the segment's own rows. GQA: query head h uses
-kv head h // (H / Hkv). Softmax in fp32 (float64 inputs stay float64), output in q's dtype,
-differentiable w.r.t. q, k, v.
+Queries are the R local rows; keys and values are the plan's extended rows [0, R + I): the local
+rows, then the I imported rows (a sharing window's ancestor rows, appended after them). Segments
+`seg_start[s] : seg_start[s] + seg_len[s]` tile the R query rows (consecutive depths). Row r of
+segment s sees every k/v row in `attn_ranges[attn_offsets[s] : attn_offsets[s+1]]` (half-open, its
+ancestors, local or imported) and rows seg_start[s] .. r of its own segment. Ancestor ranges are
+disjoint and outside the segment's own rows. GQA: query head h uses kv head h // (H / Hkv). Softmax
+in fp32 (float64 inputs stay float64), output in q's dtype, differentiable w.r.t. q, k, v (imported
+rows' gradients come back in k, v rows R..R+I-1).
 
-Modules: `ref` (per-segment PyTorch reference, the default), `triton_kernel` (flash-attention-2 style
-Triton forward and backward), `layout` (validation and the block maps the kernels walk).
+Backends (`BACKENDS`, each `fn(q, k, v, layout, scale)`; pick one with `attention_backend(name)`):
+"ref" (per-segment PyTorch reference, any device and dtype) and "triton" (flash-attention-2 style
+forward and backward; CUDA, or CPU under TRITON_INTERPRET=1 in fp32). A backend that needs its own
+index structure builds it from the layout once, through `layout.plan(name, build)`.
 
-Legend: R query rows, Rk k/v rows, S segments, n ancestor ranges, H query heads, Hkv kv heads, D head dim.
+Modules: `ref`, `triton_kernel`, `layout` (validation, `prepare_tree_layout`, the block maps).
+
+Legend: R query rows, I imported rows, N = R + I k/v rows, S segments, n ancestor ranges,
+H query heads, Hkv kv heads, d/hd head dim.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from kernels.tree_attention.layout import validate_inputs
+from kernels.tree_attention.layout import TreeLayout, prepare_tree_layout, validate_tensors
 from kernels.tree_attention.ref import tree_attention_ref
 
-BACKENDS = ("ref", "triton")
+
+def _triton(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tensor:
+    from kernels.tree_attention.triton_kernel import tree_attention_triton
+
+    return tree_attention_triton(q_RHd, k_NHd, v_NHd, layout, scale)
+
+
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"ref": tree_attention_ref, "triton": _triton}
+
+
+def attention_backend(name: str) -> Callable[..., torch.Tensor]:
+    """The backend `fn(q, k, v, layout, scale)` called `name` (raises ValueError for an unknown one)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {tuple(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]
 
 
 def tree_attention(
-    q_RHD: torch.Tensor,
-    k_KHD: torch.Tensor,
-    v_KHD: torch.Tensor,
+    q_RHd: torch.Tensor,
+    k_NHd: torch.Tensor,
+    v_NHd: torch.Tensor,
+    layout: TreeLayout,
     *,
-    seg_start: torch.Tensor,
-    seg_len: torch.Tensor,
-    attn_offsets: torch.Tensor,
-    attn_ranges: torch.Tensor,
     scale: float,
     backend: str = "ref",
-    block_m: int = 64,
-    block_n: int = 64,
 ) -> torch.Tensor:
     """Tree attention; see the module docstring for the contract.
 
     Args:
-        q_RHD: [R, H, D]. k_KHD, v_KHD: [Rk, Hkv, D], Rk >= R (rows >= R imported).
-        seg_start, seg_len: [S] int32/int64, segments tiling rows 0..R-1.
-        attn_offsets: [S+1] int32/int64. attn_ranges: [n, 2] half-open k/v row ranges.
-        scale: score factor (usually D ** -0.5).
-        backend: "ref" (PyTorch, any device and dtype) or "triton" (fused kernels; CUDA, or CPU
-            under TRITON_INTERPRET=1 in fp32; not float64). Measured on an H200 (bf16, one 2048-row
-            prompt + 8 x 1024-row branches, H=16, Hkv=2, D=128; benchmarks/bench_tree_attention.py):
-            forward ref 13.9 ms, triton 1.67 ms; forward+backward ref 34.6 ms, triton 9.5 ms;
-            flash SDPA on the 8 expanded sequences (1.64x the visible pairs) 0.87 / 2.98 ms.
-        block_m, block_n: Triton query/kv tile rows (powers of two >= 16); ignored by "ref".
+        q_RHd: [R, H, hd] queries of the local rows.
+        k_NHd, v_NHd: [R + I, Hkv, hd] keys and values: local rows, then imported rows.
+        layout: `prepare_tree_layout(...)` of the microbatch (the Triton backend needs it on q's device).
+        scale: score factor (usually hd ** -0.5).
+        backend: "ref" or "triton" (`BACKENDS`).
 
     Returns:
-        o [R, H, D] in q's dtype.
+        o [R, H, hd] in q's dtype.
     """
-    index = validate_inputs(q_RHD, k_KHD, v_KHD, seg_start, seg_len, attn_offsets, attn_ranges)
-    if backend == "ref":
-        return tree_attention_ref(q_RHD, k_KHD, v_KHD, index, scale)
-    if backend == "triton":
-        from kernels.tree_attention.triton_kernel import tree_attention_triton
-
-        return tree_attention_triton(q_RHD, k_KHD, v_KHD, index, scale, block_m=block_m, block_n=block_n)
-    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    fn = attention_backend(backend)
+    validate_tensors(q_RHd, k_NHd, v_NHd, layout)
+    return fn(q_RHd, k_NHd, v_NHd, layout, float(scale))
 
 
-__all__ = ["BACKENDS", "tree_attention", "tree_attention_ref"]
+__all__ = ["BACKENDS", "TreeLayout", "attention_backend", "prepare_tree_layout", "tree_attention", "tree_attention_ref"]

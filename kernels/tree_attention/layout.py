@@ -1,25 +1,32 @@
-"""Input validation and the block layout of one tree-attention call.
+"""The layout of one microbatch's tree attention: validated once, shared by every attention layer.
 
-Both backends see the plan's layout (proto/harts/v1/plan.proto, Microbatch): segments
-`seg_start[s] : seg_start[s] + seg_len[s]` that tile the R local rows, and per segment the half-open
-k/v row ranges `attn_ranges[attn_offsets[s] : attn_offsets[s+1]]` (its ancestors, local rows < R or
-imported rows >= R) that all its queries see. This module checks them once and builds the index
-tensors the Triton kernels walk:
+Rows follow the plan (proto/harts/v1/plan.proto, Microbatch): the R local rows are the queries;
+keys and values are the plan's *extended rows* [0, R + I): the local rows, then the I imported
+rows of a sharing window appended after them (row R + i is imported row i). Segments
+`seg_start[s] : seg_start[s] + seg_len[s]` tile the local rows; segment s sees every extended row
+in `attn_ranges[attn_offsets[s] : attn_offsets[s+1]]` (half-open, its ancestors, local or
+imported) and causally its own rows. No row index stands for padding: the kernels mask, and a
+gather-based backend that needs a zero row appends it at index R + I (`num_kv_rows`), never at R,
+which is the first imported row.
+
+`prepare_tree_layout` checks the compact ranges once and builds, on the compute device, the block
+maps the Triton kernels walk:
 
 - query blocks: each segment's rows cut into blocks of BM rows from the segment start (a block never
   spans two segments), the unit of the forward and dq programs;
-- kv pieces (backward only): for every kv block of BN rows, the (query block, column interval,
+- kv pieces (backward): for every kv block of BN extended rows, the (query block, column interval,
   causal) triples that see part of it, as a CSR map. One query block's pieces are disjoint in
   columns (ancestor ranges are disjoint and lie outside the segment), so a kv-major program sums
   its dk/dv over the pieces without atomics.
 
-Legend: R query rows, Rk k/v rows, S segments, n ancestor ranges, NB query blocks, NKB kv blocks,
-P kv pieces, H query heads, Hkv kv heads, D head dim.
+Legend: R query (local) rows, I imported rows, Rk = R + I k/v rows, S segments, n ancestor ranges,
+NB query blocks, NKB kv blocks, P kv pieces, H query heads, Hkv kv heads, D head dim.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 
@@ -34,54 +41,120 @@ class TreeIndex:
     attn_offsets_S1: torch.Tensor
     """[S+1] offsets into attn_ranges_n2."""
     attn_ranges_n2: torch.Tensor
-    """[n, 2] half-open k/v row ranges."""
+    """[n, 2] half-open extended-row ranges."""
 
 
-def _as_index(name: str, x: torch.Tensor, dim: int) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+@dataclass(slots=True, kw_only=True)
+class QueryBlocks:
+    """Each segment's rows in blocks of BM, from the segment start (int64)."""
+
+    seg_NB: torch.Tensor
+    """Segment of each block."""
+    row_NB: torch.Tensor
+    """First row of each block."""
+
+
+@dataclass(slots=True, kw_only=True)
+class KvPieces:
+    """CSR map kv block -> pieces (int64), pieces sorted by kv block."""
+
+    offsets_NKB1: torch.Tensor
+    """[NKB+1] piece offsets per kv block of BN rows."""
+    qblock_P: torch.Tensor
+    """Query block of each piece."""
+    lo_P: torch.Tensor
+    """First column (extended row) of the piece; inside the piece's kv block."""
+    hi_P: torch.Tensor
+    """One past the last column."""
+    causal_P: torch.Tensor
+    """1 where the piece is the block's own segment (column <= row also applies), else 0."""
+
+
+@dataclass(slots=True, kw_only=True)
+class TreeLayout:
+    """One microbatch's attention layout (`prepare_tree_layout`): the validated host index for the
+    reference and the Triton block maps on `device`, reused by every layer."""
+
+    num_rows: int
+    """R, query rows (the microbatch's local rows)."""
+    num_kv_rows: int
+    """R + I, key/value rows: local rows then imported rows (the plan's extended rows)."""
+    index: TreeIndex
+    """The compact ranges, validated, as int64 CPU tensors (the reference walks them)."""
+    block_m: int
+    """BM, query rows per Triton program."""
+    block_n: int
+    """BN, key/value rows per Triton tile."""
+    blocks: QueryBlocks
+    """Query blocks (on `device`)."""
+    pieces: KvPieces
+    """The backward's kv-block map (on `device`)."""
+    seg_start_S: torch.Tensor
+    """`index.seg_start_S` on `device`."""
+    seg_len_S: torch.Tensor
+    """`index.seg_len_S` on `device`."""
+    attn_offsets_S1: torch.Tensor
+    """`index.attn_offsets_S1` on `device`."""
+    attn_ranges_2n: torch.Tensor
+    """`index.attn_ranges_n2` flattened (start, end, start, end, ...) on `device`."""
+    device: torch.device
+    """Where the block maps live."""
+    plans: dict = field(default_factory=dict)
+    """Per-backend plans built from this layout on first use (`plan`), e.g. a CPU tile plan."""
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.index.seg_start_S.shape[0])
+
+    def plan(self, name: str, build):
+        """`build(self)` on the first call for `name`, the same object afterwards: a backend's own
+        index structure (built once per microbatch, shared by every layer)."""
+        if name not in self.plans:
+            self.plans[name] = build(self)
+        return self.plans[name]
+
+    def to(self, device: torch.device | str) -> TreeLayout:
+        """This layout with its block maps on `device` (self when they already are)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        mv = lambda t: t.to(device)  # noqa: E731
+        b, p = self.blocks, self.pieces
+        return replace(
+            self,
+            blocks=QueryBlocks(seg_NB=mv(b.seg_NB), row_NB=mv(b.row_NB)),
+            pieces=KvPieces(offsets_NKB1=mv(p.offsets_NKB1), qblock_P=mv(p.qblock_P), lo_P=mv(p.lo_P),
+                            hi_P=mv(p.hi_P), causal_P=mv(p.causal_P)),
+            seg_start_S=mv(self.seg_start_S), seg_len_S=mv(self.seg_len_S),
+            attn_offsets_S1=mv(self.attn_offsets_S1), attn_ranges_2n=mv(self.attn_ranges_2n),
+            device=device, plans={},
+        )
+
+
+def _as_index(name: str, x, dim: int) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "iu":
+            raise ValueError(f"{name}: expected an integer array, got {x.dtype}")
+        x = torch.from_numpy(x.astype(np.int64))
+    elif not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected an int32/int64 tensor or numpy array, got {type(x).__name__}")
     if x.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: expected an int32/int64 tensor, got {x.dtype}")
-    if x.dim() != dim:
+    if x.dim() != dim and not (dim == 2 and x.numel() == 0):
         raise ValueError(f"{name}: expected {dim} dimension(s), got shape {tuple(x.shape)}")
     return x.detach().to("cpu", torch.int64)
 
 
-def validate_inputs(
-    q_RHD: torch.Tensor,
-    k_KHD: torch.Tensor,
-    v_KHD: torch.Tensor,
-    seg_start: torch.Tensor,
-    seg_len: torch.Tensor,
-    attn_offsets: torch.Tensor,
-    attn_ranges: torch.Tensor,
-) -> TreeIndex:
-    """Check shapes, dtypes and the segment layout; returns the layout as int64 CPU tensors.
-
-    Raises ValueError ("expected X, got Y", naming the field) on any violation.
-    """
-    if q_RHD.dim() != 3 or k_KHD.dim() != 3 or v_KHD.dim() != 3:
-        raise ValueError(
-            f"q, k, v: expected [R, H, D], [Rk, Hkv, D], [Rk, Hkv, D], got {tuple(q_RHD.shape)}, "
-            f"{tuple(k_KHD.shape)}, {tuple(v_KHD.shape)}"
-        )
-    R, H, D = q_RHD.shape
-    Rk, Hkv, Dk = k_KHD.shape
-    if tuple(v_KHD.shape) != (Rk, Hkv, D) or Dk != D:
-        raise ValueError(f"k, v: expected shape {(Rk, Hkv, D)} each, got {tuple(k_KHD.shape)} and {tuple(v_KHD.shape)}")
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"q: expected H a multiple of Hkv={Hkv}, got H={H}")
-    if Rk < R:
-        raise ValueError(f"k: expected Rk >= R={R} rows (local rows first, then imported), got {Rk}")
-    if not (q_RHD.dtype == k_KHD.dtype == v_KHD.dtype) or not q_RHD.dtype.is_floating_point:
-        raise ValueError(f"q, k, v: expected one floating dtype, got {q_RHD.dtype}, {k_KHD.dtype}, {v_KHD.dtype}")
-    if not (q_RHD.device == k_KHD.device == v_KHD.device):
-        raise ValueError(f"q, k, v: expected one device, got {q_RHD.device}, {k_KHD.device}, {v_KHD.device}")
-
+def validate_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows: int, num_kv_rows: int) -> TreeIndex:
+    """Check the segment layout against R = num_rows query rows and Rk = num_kv_rows extended rows;
+    returns it as int64 CPU tensors. Raises ValueError ("expected X, got Y", naming the field)."""
+    R, Rk = int(num_rows), int(num_kv_rows)
+    if R < 0 or Rk < R:
+        raise ValueError(f"num_kv_rows: expected >= num_rows={R} (local rows first, then imported), got {Rk}")
     start_S = _as_index("seg_start", seg_start, 1)
     len_S = _as_index("seg_len", seg_len, 1)
     off_S1 = _as_index("attn_offsets", attn_offsets, 1)
-    ranges_n2 = _as_index("attn_ranges", attn_ranges, 2) if attn_ranges.numel() else torch.zeros(0, 2, dtype=torch.long)
+    ranges_n2 = _as_index("attn_ranges", attn_ranges, 2).reshape(-1, 2)
     S = start_S.numel()
     if len_S.numel() != S:
         raise ValueError(f"seg_len: expected {S} entries (one per segment), got {len_S.numel()}")
@@ -92,9 +165,9 @@ def validate_inputs(
     if S == 0 and R != 0 or S and (int(start_S[order[0]]) != 0 or int(ends[-1]) != R or not torch.equal(start_S[order[1:]], ends[:-1])):
         raise ValueError(f"seg_start/seg_len: expected segments that tile rows 0..{R} exactly, got starts {start_S.tolist()[:8]}... "
                          f"lengths {len_S.tolist()[:8]}...")
-    if off_S1.numel() != S + 1 or (S + 1 and int(off_S1[0]) != 0) or (off_S1[1:] < off_S1[:-1]).any():
+    if off_S1.numel() != S + 1 or int(off_S1[0]) != 0 or (off_S1[1:] < off_S1[:-1]).any():
         raise ValueError(f"attn_offsets: expected {S + 1} non-decreasing offsets from 0, got {off_S1.tolist()[:8]}...")
-    n = int(off_S1[-1]) if S + 1 else 0
+    n = int(off_S1[-1])
     if ranges_n2.shape != (n, 2):
         raise ValueError(f"attn_ranges: expected shape ({n}, 2) (attn_offsets[-1] ranges), got {tuple(ranges_n2.shape)}")
     if n and ((ranges_n2[:, 0] < 0).any() or (ranges_n2[:, 1] < ranges_n2[:, 0]).any() or (ranges_n2[:, 1] > Rk).any()):
@@ -113,21 +186,36 @@ def validate_inputs(
     return TreeIndex(seg_start_S=start_S, seg_len_S=len_S, attn_offsets_S1=off_S1, attn_ranges_n2=ranges_n2)
 
 
+def validate_tensors(q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: TreeLayout) -> None:
+    """Check q [R, H, D], k and v [R + I, Hkv, D] against the layout (no host synchronisation)."""
+    if not isinstance(layout, TreeLayout):
+        raise ValueError(f"layout: expected a TreeLayout from prepare_tree_layout, got {type(layout).__name__}")
+    if q_RHD.dim() != 3 or k_KHD.dim() != 3 or v_KHD.dim() != 3:
+        raise ValueError(
+            f"q, k, v: expected [R, H, D], [R+I, Hkv, D], [R+I, Hkv, D], got {tuple(q_RHD.shape)}, "
+            f"{tuple(k_KHD.shape)}, {tuple(v_KHD.shape)}"
+        )
+    R, H, D = q_RHD.shape
+    Rk, Hkv, Dk = k_KHD.shape
+    if R != layout.num_rows:
+        raise ValueError(f"q: expected the layout's {layout.num_rows} query rows, got {R}")
+    if Rk != layout.num_kv_rows:
+        raise ValueError(f"k: expected the layout's {layout.num_kv_rows} extended rows (local, then imported), got {Rk}")
+    if tuple(v_KHD.shape) != (Rk, Hkv, D) or Dk != D:
+        raise ValueError(f"k, v: expected shape {(Rk, Hkv, D)} each, got {tuple(k_KHD.shape)} and {tuple(v_KHD.shape)}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"q: expected H a multiple of Hkv={Hkv}, got H={H}")
+    if not (q_RHD.dtype == k_KHD.dtype == v_KHD.dtype) or not q_RHD.dtype.is_floating_point:
+        raise ValueError(f"q, k, v: expected one floating dtype, got {q_RHD.dtype}, {k_KHD.dtype}, {v_KHD.dtype}")
+    if not (q_RHD.device == k_KHD.device == v_KHD.device):
+        raise ValueError(f"q, k, v: expected one device, got {q_RHD.device}, {k_KHD.device}, {v_KHD.device}")
+
+
 def segmented_arange(counts: torch.Tensor) -> torch.Tensor:
     """Position of every element inside its group: [0..c0-1, 0..c1-1, ...] for counts [c0, c1, ...]."""
     total = int(counts.sum())
     starts = torch.cumsum(counts, 0) - counts
     return torch.arange(total, dtype=torch.long) - torch.repeat_interleave(starts, counts)
-
-
-@dataclass(slots=True, kw_only=True)
-class QueryBlocks:
-    """Each segment's rows in blocks of BM, from the segment start (int64, CPU)."""
-
-    seg_NB: torch.Tensor
-    """Segment of each block."""
-    row_NB: torch.Tensor
-    """First row of each block."""
 
 
 def query_blocks(index: TreeIndex, block_m: int) -> QueryBlocks:
@@ -136,22 +224,6 @@ def query_blocks(index: TreeIndex, block_m: int) -> QueryBlocks:
     seg_NB = torch.repeat_interleave(torch.arange(nb_S.numel(), dtype=torch.long), nb_S)
     row_NB = index.seg_start_S[seg_NB] + block_m * segmented_arange(nb_S)
     return QueryBlocks(seg_NB=seg_NB, row_NB=row_NB)
-
-
-@dataclass(slots=True, kw_only=True)
-class KvPieces:
-    """CSR map kv block -> pieces (int64, CPU), pieces sorted by kv block."""
-
-    offsets_NKB1: torch.Tensor
-    """[NKB+1] piece offsets per kv block of BN rows."""
-    qblock_P: torch.Tensor
-    """Query block of each piece."""
-    lo_P: torch.Tensor
-    """First column (k/v row) of the piece; inside the piece's kv block."""
-    hi_P: torch.Tensor
-    """One past the last column."""
-    causal_P: torch.Tensor
-    """1 where the piece is the block's own segment (column <= row also applies), else 0."""
 
 
 def kv_pieces(index: TreeIndex, blocks: QueryBlocks, *, block_m: int, block_n: int, num_kv_rows: int) -> KvPieces:
@@ -192,3 +264,42 @@ def kv_pieces(index: TreeIndex, blocks: QueryBlocks, *, block_m: int, block_n: i
     return KvPieces(
         offsets_NKB1=offsets, qblock_P=qb[rep][order], lo_P=lo_P[order], hi_P=hi_P[order], causal_P=causal[rep][order]
     )
+
+
+def prepare_tree_layout(
+    seg_start,
+    seg_len,
+    attn_offsets,
+    attn_ranges,
+    *,
+    num_rows: int,
+    num_kv_rows: int | None = None,
+    device: torch.device | str | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> TreeLayout:
+    """Validate a microbatch's compact attention ranges and build its layout, once for every layer.
+
+    Args:
+        seg_start, seg_len: [S] int segments tiling the local rows 0..R-1 (tensors or numpy arrays,
+            e.g. the plan's decoded `seg_start` / `seg_length`).
+        attn_offsets: [S+1]; attn_ranges: [n, 2] half-open extended-row ranges (the plan's
+            `attn_offsets` / `attn_ranges`: rows >= R are imported rows).
+        num_rows: R. num_kv_rows: R + I (default R: no imported rows).
+        device: where the kernels' inputs will live (default CPU).
+        block_m, block_n: Triton query / kv tile rows (powers of two >= 16).
+    """
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        if blk < 16 or blk & (blk - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {blk}")
+    Rk = num_rows if num_kv_rows is None else num_kv_rows
+    index = validate_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows, Rk)
+    blocks = query_blocks(index, block_m)
+    pieces = kv_pieces(index, blocks, block_m=block_m, block_n=block_n, num_kv_rows=Rk)
+    layout = TreeLayout(
+        num_rows=int(num_rows), num_kv_rows=int(Rk), index=index, block_m=block_m, block_n=block_n,
+        blocks=blocks, pieces=pieces, seg_start_S=index.seg_start_S, seg_len_S=index.seg_len_S,
+        attn_offsets_S1=index.attn_offsets_S1, attn_ranges_2n=index.attn_ranges_n2.reshape(-1),
+        device=torch.device("cpu"),
+    )
+    return layout.to(device or "cpu")

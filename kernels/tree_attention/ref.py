@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels.tree_attention.layout import TreeIndex
+from kernels.tree_attention.layout import TreeLayout
 
 
 def tree_attention_ref(
-    q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, index: TreeIndex, scale: float
+    q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: TreeLayout, scale: float
 ) -> torch.Tensor:
-    """Tree attention over a validated layout; see `kernels.tree_attention.tree_attention`.
+    """Tree attention over a prepared layout; see `kernels.tree_attention.tree_attention`.
 
     Args:
-        q_RHD: [R, H, D]. k_KHD, v_KHD: [Rk, Hkv, D]. index: from `layout.validate_inputs`.
+        q_RHD: [R, H, D]. k_KHD, v_KHD: [Rk, Hkv, D] (local then imported rows).
+        layout: from `prepare_tree_layout` (its host index; any device).
         scale: the score factor.
 
     Returns:
@@ -32,6 +33,7 @@ def tree_attention_ref(
     G = H // k_KHD.shape[1]
     acc_dtype = torch.float64 if q_RHD.dtype == torch.float64 else torch.float32
     dev = q_RHD.device
+    index = layout.index
     starts = index.seg_start_S.tolist()
     lens = index.seg_len_S.tolist()
     offsets = index.attn_offsets_S1.tolist()

@@ -1,14 +1,18 @@
 """Triton tree attention, flash-attention-2 style: online-softmax forward saving the log-sum-exp,
 backward recomputing P from it (dq query-major, dk/dv kv-major without atomics).
 
-Same contract and math as `ref` (see the package docstring). Forward and dq: one program per
-(query block of one segment, head) walks the segment's ancestor ranges in BN-row tiles, then its
-own rows up to the block's last row with the causal mask. dk/dv: one program per (kv block of BN
-rows, kv head) walks the CSR list of query-block pieces that see the block (`layout.kv_pieces`)
-for each of its G query heads, so every dk/dv row is written once by one program.
+Same contract and math as `ref` (see the package docstring), over the block maps of a prepared
+`TreeLayout`. Forward and dq: one program per (query block of one segment, head) walks the
+segment's ancestor ranges (local or imported extended rows) in BN-row tiles, then its own rows up
+to the block's last row with the causal mask. dk/dv: one program per (kv block of BN extended
+rows, query head) walks the CSR list of query-block pieces that see the block (`layout.pieces`),
+so every row of the per-query-head dk/dv is written once by one program (rows nobody sees get
+zeros); with GQA the host sums each kv head's G shares (FlashAttention-2's GQA backward does the
+same), which keeps the work of a block that many branches see spread over H programs.
 
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
-bf16 is wrong). float64 is rejected. Offsets are int64.
+bf16 is wrong). float64 is rejected. Row bases are int64 scalars added to the pointers; offsets
+inside a tile, and a tile's masks, are int32 and relative to its first row.
 
 Legend: R query rows, Rk k/v rows, NB query blocks, NKB kv blocks, P kv pieces, H query heads,
 Hkv kv heads, G = H / Hkv, D head dim; tiles: BM query rows, BN k/v rows, BD >= D.
@@ -19,24 +23,29 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_attention.layout import TreeIndex, kv_pieces, query_blocks
+from kernels.tree_attention.layout import TreeLayout
+from kernels.triton_tuning import autotune, warps_stages
 
 
 @triton.jit
 def _fwd_tile(
-    b_m, b_l, b_acc, b_q, k, v, cols, m_cols, rows, o_d, m_d, i_hk, scale,
-    HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    b_m, b_l, b_acc, b_q, p_k, p_v, p_nd, n_cols, diag, o_m, o_n, m_d, scale,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One online-softmax step of a [BM] query block against the k/v rows `cols`."""
+    """One online-softmax step of a [BM] query block against a [BN]-row k/v tile.
+
+    p_k, p_v: the tile's first row; p_nd: int32 [BN, BD] offsets in it; n_cols: its valid rows;
+    diag: first query row - first tile row (causal: column n is seen by row m iff n <= m + diag).
+    """
+    m_n = o_n < n_cols
     # [BN, BD]
-    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
-    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
-    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_k = tl.load(p_k + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(p_v + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
     # [BM, BN]
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-    visible = m_cols[None, :]
+    visible = m_n[None, :]
     if CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None])
+        visible = visible & (o_n[None, :] <= o_m[:, None] + diag)
     b_s = tl.where(visible, b_s, float("-inf"))
     m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
     alpha = tl.exp(b_m - m_new)
@@ -46,6 +55,7 @@ def _fwd_tile(
     return m_new, b_l, b_acc
 
 
+@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_fwd_kernel(
     q, k, v, o, lse, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
@@ -53,73 +63,78 @@ def _tree_attn_fwd_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
+    HKV: tl.constexpr = H // G
     i_b, i_h = tl.program_id(0), tl.program_id(1)
-    i_hk = i_h // G
-    i_s = tl.load(qb_seg + i_b).to(tl.int64)
-    row0 = tl.load(qb_row + i_b).to(tl.int64)
-    bos = tl.load(seg_start + i_s).to(tl.int64)
-    eos = bos + tl.load(seg_len + i_s).to(tl.int64)
-    r_lo = tl.load(attn_offsets + i_s).to(tl.int64)
-    r_hi = tl.load(attn_offsets + i_s + 1).to(tl.int64)
+    i_s = tl.load(qb_seg + i_b)
+    row0 = tl.load(qb_row + i_b)
+    bos = tl.load(seg_start + i_s)
+    row_end = tl.minimum(row0 + BM, bos + tl.load(seg_len + i_s))
+    r_lo = tl.load(attn_offsets + i_s)
+    r_hi = tl.load(attn_offsets + i_s + 1)
+    q += row0 * (H * D) + i_h * D
+    o += row0 * (H * D) + i_h * D
+    lse += row0 * H + i_h
+    k += (i_h // G) * D
+    v += (i_h // G) * D
 
-    o_n = tl.arange(0, BN).to(tl.int64)
+    o_m = tl.arange(0, BM)
+    o_n = tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    rows = row0 + tl.arange(0, BM).to(tl.int64)
-    m_rows = rows < eos
+    m_rows = o_m < (row_end - row0).to(tl.int32)
+    p_md = o_m[:, None] * (H * D) + o_d[None, :]
+    p_nd = o_n[:, None] * (HKV * D) + o_d[None, :]
     # [BM, BD]
-    p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
-    b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    b_q = tl.load(q + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
     # A finite start keeps exp(b_m - m_new) a number while every score so far is masked.
     b_m = tl.full([BM], -1.0e30, dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
 
     for i_r in range(r_lo, r_hi):
-        a = tl.load(attn_ranges + 2 * i_r).to(tl.int64)
-        b = tl.load(attn_ranges + 2 * i_r + 1).to(tl.int64)
+        a = tl.load(attn_ranges + 2 * i_r)
+        b = tl.load(attn_ranges + 2 * i_r + 1)
         for c0 in range(a, b, BN):
-            cols = c0 + o_n
             b_m, b_l, b_acc = _fwd_tile(
-                b_m, b_l, b_acc, b_q, k, v, cols, cols < b, rows, o_d, m_d, i_hk, scale,
-                HKV=H // G, D=D, CAUSAL=False, PREC=PREC,
+                b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
+                o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
             )
-    own_end = tl.minimum(row0 + BM, eos)
-    for c0 in range(bos, own_end, BN):
-        cols = c0 + o_n
+    for c0 in range(bos, row_end, BN):
         b_m, b_l, b_acc = _fwd_tile(
-            b_m, b_l, b_acc, b_q, k, v, cols, cols < own_end, rows, o_d, m_d, i_hk, scale,
-            HKV=H // G, D=D, CAUSAL=True, PREC=PREC,
+            b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
+            (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
         )
 
     # Every real row sees at least its own row; padding rows are not stored.
     b_l = tl.where(b_l > 0.0, b_l, 1.0)
     b_o = b_acc / b_l[:, None]
-    tl.store(o + p_q, b_o.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
-    tl.store(lse + rows * H + i_h, b_m + tl.log(b_l), mask=m_rows)
+    tl.store(o + p_md, b_o.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
+    tl.store(lse + o_m * H, b_m + tl.log(b_l), mask=m_rows)
 
 
 @triton.jit
 def _dq_tile(
-    b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, m_cols, rows, o_d, m_d, i_hk, scale,
-    HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, p_nd, n_cols, diag, o_m, o_n, m_d, scale,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dq contribution of the k/v rows `cols` to a [BM] query block (P recomputed from the lse)."""
+    """dq contribution of a [BN]-row k/v tile to a [BM] query block (P recomputed from the lse);
+    arguments as in `_fwd_tile`."""
+    m_n = o_n < n_cols
     # [BN, BD]
-    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
-    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
-    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_k = tl.load(p_k + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(p_v + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
     # [BM, BN]
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-    visible = m_cols[None, :]
+    visible = m_n[None, :]
     if CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None])
+        visible = visible & (o_n[None, :] <= o_m[:, None] + diag)
     b_p = tl.where(visible, tl.exp(b_s - b_lse[:, None]), 0.0)
     b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
     b_ds = b_p * (b_dp - b_delta[:, None])
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
 
 
+@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dq_kernel(
     q, k, v, do, lse, delta, dq, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
@@ -127,48 +142,54 @@ def _tree_attn_dq_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
+    HKV: tl.constexpr = H // G
     i_b, i_h = tl.program_id(0), tl.program_id(1)
-    i_hk = i_h // G
-    i_s = tl.load(qb_seg + i_b).to(tl.int64)
-    row0 = tl.load(qb_row + i_b).to(tl.int64)
-    bos = tl.load(seg_start + i_s).to(tl.int64)
-    eos = bos + tl.load(seg_len + i_s).to(tl.int64)
-    r_lo = tl.load(attn_offsets + i_s).to(tl.int64)
-    r_hi = tl.load(attn_offsets + i_s + 1).to(tl.int64)
+    i_s = tl.load(qb_seg + i_b)
+    row0 = tl.load(qb_row + i_b)
+    bos = tl.load(seg_start + i_s)
+    row_end = tl.minimum(row0 + BM, bos + tl.load(seg_len + i_s))
+    r_lo = tl.load(attn_offsets + i_s)
+    r_hi = tl.load(attn_offsets + i_s + 1)
+    q += row0 * (H * D) + i_h * D
+    do += row0 * (H * D) + i_h * D
+    dq += row0 * (H * D) + i_h * D
+    lse += row0 * H + i_h
+    delta += row0 * H + i_h
+    k += (i_h // G) * D
+    v += (i_h // G) * D
 
-    o_n = tl.arange(0, BN).to(tl.int64)
+    o_m = tl.arange(0, BM)
+    o_n = tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    rows = row0 + tl.arange(0, BM).to(tl.int64)
-    m_rows = rows < eos
+    m_rows = o_m < (row_end - row0).to(tl.int32)
+    p_md = o_m[:, None] * (H * D) + o_d[None, :]
+    p_nd = o_n[:, None] * (HKV * D) + o_d[None, :]
     # [BM, BD]
-    p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
-    b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
-    b_do = tl.load(do + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    b_q = tl.load(q + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    b_do = tl.load(do + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
     # [BM]
-    b_lse = tl.load(lse + rows * H + i_h, mask=m_rows, other=0.0)
-    b_delta = tl.load(delta + rows * H + i_h, mask=m_rows, other=0.0)
+    b_lse = tl.load(lse + o_m * H, mask=m_rows, other=0.0)
+    b_delta = tl.load(delta + o_m * H, mask=m_rows, other=0.0)
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
 
     for i_r in range(r_lo, r_hi):
-        a = tl.load(attn_ranges + 2 * i_r).to(tl.int64)
-        b = tl.load(attn_ranges + 2 * i_r + 1).to(tl.int64)
+        a = tl.load(attn_ranges + 2 * i_r)
+        b = tl.load(attn_ranges + 2 * i_r + 1)
         for c0 in range(a, b, BN):
-            cols = c0 + o_n
             b_dq = _dq_tile(
-                b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, cols < b, rows, o_d, m_d, i_hk, scale,
-                HKV=H // G, D=D, CAUSAL=False, PREC=PREC,
+                b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
+                o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
             )
-    own_end = tl.minimum(row0 + BM, eos)
-    for c0 in range(bos, own_end, BN):
-        cols = c0 + o_n
+    for c0 in range(bos, row_end, BN):
         b_dq = _dq_tile(
-            b_dq, b_q, b_do, b_lse, b_delta, k, v, cols, cols < own_end, rows, o_d, m_d, i_hk, scale,
-            HKV=H // G, D=D, CAUSAL=True, PREC=PREC,
+            b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
+            (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
         )
-    tl.store(dq + p_q, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
+    tl.store(dq + p_md, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
+@autotune(warps_stages((8, 4), (1, 2)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, qb_seg, qb_row, seg_start, seg_len,
@@ -177,52 +198,64 @@ def _tree_attn_dkdv_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_j, i_hk = tl.program_id(0), tl.program_id(1)
+    # One program per (kv block, query head): dk, dv of that head's share ([Rk, H, D]; the host
+    # sums each group of G heads), so the heavy blocks (a prompt every branch sees) spread over H
+    # programs rather than walking G heads in one.
     HKV: tl.constexpr = H // G
-    o_m = tl.arange(0, BM).to(tl.int64)
+    i_j, i_h = tl.program_id(0), tl.program_id(1)
+    c0 = i_j.to(tl.int64) * BN
+    k += c0 * (HKV * D) + (i_h // G) * D
+    v += c0 * (HKV * D) + (i_h // G) * D
+    dk += c0 * (H * D) + i_h * D
+    dv += c0 * (H * D) + i_h * D
+    q += i_h * D
+    do += i_h * D
+    lse += i_h
+    delta += i_h
+    o_m = tl.arange(0, BM)
+    o_n = tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    cols = i_j.to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
-    m_cols = cols < Rk
+    m_n = o_n < (Rk - c0).to(tl.int32)
+    p_nd = o_n[:, None] * (HKV * D) + o_d[None, :]
+    p_md = o_m[:, None] * (H * D) + o_d[None, :]
     # [BN, BD]
-    p_kv = cols[:, None] * (HKV * D) + i_hk * D + o_d[None, :]
-    b_k = tl.load(k + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
-    b_v = tl.load(v + p_kv, mask=m_cols[:, None] & m_d[None, :], other=0.0)
+    b_k = tl.load(k + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(v + p_nd, mask=m_n[:, None] & m_d[None, :], other=0.0)
     b_dk = tl.zeros([BN, BD], dtype=tl.float32)
     b_dv = tl.zeros([BN, BD], dtype=tl.float32)
 
-    p_lo = tl.load(piece_offsets + i_j).to(tl.int64)
-    p_hi = tl.load(piece_offsets + i_j + 1).to(tl.int64)
+    p_lo = tl.load(piece_offsets + i_j)
+    p_hi = tl.load(piece_offsets + i_j + 1)
     for i_p in range(p_lo, p_hi):
-        i_b = tl.load(piece_qb + i_p).to(tl.int64)
-        lo = tl.load(piece_lo + i_p).to(tl.int64)
-        hi = tl.load(piece_hi + i_p).to(tl.int64)
+        i_b = tl.load(piece_qb + i_p)
+        lo = (tl.load(piece_lo + i_p) - c0).to(tl.int32)
+        hi = (tl.load(piece_hi + i_p) - c0).to(tl.int32)
         causal = tl.load(piece_causal + i_p)
-        i_s = tl.load(qb_seg + i_b).to(tl.int64)
-        rows = tl.load(qb_row + i_b).to(tl.int64) + o_m
-        eos = tl.load(seg_start + i_s).to(tl.int64) + tl.load(seg_len + i_s).to(tl.int64)
-        m_rows = rows < eos
+        i_s = tl.load(qb_seg + i_b)
+        row0 = tl.load(qb_row + i_b)
+        row_end = tl.minimum(row0 + BM, tl.load(seg_start + i_s) + tl.load(seg_len + i_s))
+        m_rows = o_m < (row_end - row0).to(tl.int32)
+        diag = (row0 - c0).to(tl.int32)
         # [BN, BM]
-        visible = ((cols >= lo) & (cols < hi))[:, None] & m_rows[None, :]
-        visible = visible & ((causal == 0) | (cols[:, None] <= rows[None, :]))
-        for g in range(G):
-            i_h = i_hk * G + g
-            # [BM, BD]
-            p_q = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
-            b_q = tl.load(q + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
-            b_do = tl.load(do + p_q, mask=m_rows[:, None] & m_d[None, :], other=0.0)
-            # [BM]
-            b_lse = tl.load(lse + rows * H + i_h, mask=m_rows, other=0.0)
-            b_delta = tl.load(delta + rows * H + i_h, mask=m_rows, other=0.0)
-            # [BN, BM]
-            b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * scale
-            b_pT = tl.where(visible, tl.exp(b_sT - b_lse[None, :]), 0.0)
-            b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=PREC)
-            b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
-            b_dsT = b_pT * (b_dpT - b_delta[None, :])
-            b_dk += tl.dot(b_dsT.to(b_q.dtype), b_q, input_precision=PREC)
-    tl.store(dk + p_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_cols[:, None] & m_d[None, :])
-    tl.store(dv + p_kv, b_dv.to(dv.dtype.element_ty), mask=m_cols[:, None] & m_d[None, :])
+        visible = ((o_n >= lo) & (o_n < hi))[:, None] & m_rows[None, :]
+        visible = visible & ((causal == 0) | (o_n[:, None] <= o_m[None, :] + diag))
+        # [BM, BD]
+        b_q = tl.load(q + row0 * (H * D) + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+        b_do = tl.load(do + row0 * (H * D) + p_md, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+        # [BM]
+        b_lse = tl.load(lse + row0 * H + o_m * H, mask=m_rows, other=0.0)
+        b_delta = tl.load(delta + row0 * H + o_m * H, mask=m_rows, other=0.0)
+        # [BN, BM]
+        b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * scale
+        b_pT = tl.where(visible, tl.exp(b_sT - b_lse[None, :]), 0.0)
+        b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=PREC)
+        b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
+        b_dsT = b_pT * (b_dpT - b_delta[None, :])
+        b_dk += tl.dot(b_dsT.to(b_q.dtype), b_q, input_precision=PREC)
+    p_out = o_n[:, None] * (H * D) + o_d[None, :]
+    tl.store(dk + p_out, (b_dk * scale).to(dk.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
+    tl.store(dv + p_out, b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -235,90 +268,83 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _idx(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return x.to(device=device, dtype=torch.int64).contiguous()
+def _segments(layout: TreeLayout) -> dict:
+    return dict(
+        qb_seg=layout.blocks.seg_NB, qb_row=layout.blocks.row_NB, seg_start=layout.seg_start_S,
+        seg_len=layout.seg_len_S,
+    )
 
 
 class _TreeAttentionTriton(torch.autograd.Function):
     """Forward saves the fp32 log-sum-exp; backward recomputes P from it."""
 
     @staticmethod
-    def forward(ctx, q_RHD, k_KHD, v_KHD, index: TreeIndex, scale: float, block_m: int, block_n: int):
+    def forward(ctx, q_RHD, k_KHD, v_KHD, layout: TreeLayout, scale: float):
         R, H, D = q_RHD.shape
-        Rk, Hkv, _ = k_KHD.shape
+        Hkv = k_KHD.shape[1]
         dev = q_RHD.device
         q_RHD, k_KHD, v_KHD = q_RHD.contiguous(), k_KHD.contiguous(), v_KHD.contiguous()
-        blocks = query_blocks(index, block_m)
-        meta = dict(
-            qb_seg=_idx(blocks.seg_NB, dev), qb_row=_idx(blocks.row_NB, dev),
-            seg_start=_idx(index.seg_start_S, dev), seg_len=_idx(index.seg_len_S, dev),
-        )
         o_RHD = _empty((R, H, D), q_RHD.dtype, dev)
         lse_RH = _empty((R, H), torch.float32, dev)
         consts = dict(
-            H=H, G=H // Hkv, D=D, BM=block_m, BN=block_n, BD=max(16, triton.next_power_of_2(D)),
+            H=H, G=H // Hkv, D=D, BM=layout.block_m, BN=layout.block_n, BD=max(16, triton.next_power_of_2(D)),
             PREC=_dot_precision(q_RHD.dtype),
         )
-        NB = blocks.seg_NB.numel()
+        NB = layout.blocks.seg_NB.numel()
         if NB:
             _tree_attn_fwd_kernel[(NB, H)](
-                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **meta,
-                attn_offsets=_idx(index.attn_offsets_S1, dev), attn_ranges=_idx(index.attn_ranges_n2, dev).view(-1),
-                scale=float(scale), **consts,
+                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **_segments(layout),
+                attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, scale=float(scale), **consts,
             )
         ctx.save_for_backward(q_RHD, k_KHD, v_KHD, o_RHD, lse_RH)
-        ctx.index, ctx.blocks, ctx.meta, ctx.consts, ctx.scale = index, blocks, meta, consts, float(scale)
+        ctx.layout, ctx.consts, ctx.scale = layout, consts, float(scale)
         return o_RHD
 
     @staticmethod
     def backward(ctx, do_RHD):
         q_RHD, k_KHD, v_KHD, o_RHD, lse_RH = ctx.saved_tensors
-        index, blocks, meta, consts = ctx.index, ctx.blocks, ctx.meta, ctx.consts
+        layout, consts = ctx.layout, ctx.consts
         dev = q_RHD.device
         R, H, D = q_RHD.shape
         Rk, Hkv, _ = k_KHD.shape
         do_RHD = do_RHD.contiguous()
         delta_RH = (o_RHD.float() * do_RHD.float()).sum(-1).contiguous()
         dq_RHD = _empty((R, H, D), q_RHD.dtype, dev)
-        dk_KHD = _empty((Rk, Hkv, D), k_KHD.dtype, dev)
-        dv_KHD = _empty((Rk, Hkv, D), v_KHD.dtype, dev)
-        NB = blocks.seg_NB.numel()
+        # Per query head; summed over each kv head's G query heads below (in fp32 when G > 1).
+        G = H // Hkv
+        dk_KHD = _empty((Rk, H, D), k_KHD.dtype if G == 1 else torch.float32, dev)
+        dv_KHD = _empty((Rk, H, D), v_KHD.dtype if G == 1 else torch.float32, dev)
+        NB = layout.blocks.seg_NB.numel()
         if NB:
             _tree_attn_dq_kernel[(NB, H)](
-                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dq=dq_RHD, **meta,
-                attn_offsets=_idx(index.attn_offsets_S1, dev), attn_ranges=_idx(index.attn_ranges_n2, dev).view(-1),
-                scale=ctx.scale, **consts,
+                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dq=dq_RHD, **_segments(layout),
+                attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, scale=ctx.scale, **consts,
             )
-        pieces = kv_pieces(index, blocks, block_m=consts["BM"], block_n=consts["BN"], num_kv_rows=Rk)
+        pieces = layout.pieces
         NKB = pieces.offsets_NKB1.numel() - 1
         if NKB:
-            _tree_attn_dkdv_kernel[(NKB, Hkv)](
-                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dk=dk_KHD, dv=dv_KHD, **meta,
-                piece_offsets=_idx(pieces.offsets_NKB1, dev), piece_qb=_idx(pieces.qblock_P, dev),
-                piece_lo=_idx(pieces.lo_P, dev), piece_hi=_idx(pieces.hi_P, dev),
-                piece_causal=_idx(pieces.causal_P, dev),
+            _tree_attn_dkdv_kernel[(NKB, H)](
+                q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dk=dk_KHD, dv=dv_KHD,
+                **_segments(layout), piece_offsets=pieces.offsets_NKB1, piece_qb=pieces.qblock_P,
+                piece_lo=pieces.lo_P, piece_hi=pieces.hi_P, piece_causal=pieces.causal_P,
                 scale=ctx.scale, Rk=Rk, **consts,
             )
-        return dq_RHD, dk_KHD, dv_KHD, None, None, None, None
+        if G > 1:
+            dk_KHD = dk_KHD.view(Rk, Hkv, G, D).sum(2).to(k_KHD.dtype)
+            dv_KHD = dv_KHD.view(Rk, Hkv, G, D).sum(2).to(v_KHD.dtype)
+        return dq_RHD, dk_KHD, dv_KHD, None, None
 
 
 def tree_attention_triton(
-    q_RHD: torch.Tensor,
-    k_KHD: torch.Tensor,
-    v_KHD: torch.Tensor,
-    index: TreeIndex,
-    scale: float,
-    *,
-    block_m: int = 64,
-    block_n: int = 64,
+    q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: TreeLayout, scale: float
 ) -> torch.Tensor:
-    """Triton tree attention over a validated layout; same result as `tree_attention_ref`.
+    """Triton tree attention over a prepared layout; same result as `tree_attention_ref`.
 
-    Additional requirements: block_m, block_n powers of two >= 16; inputs fp32/bf16/fp16.
+    Additional requirements: inputs fp32/bf16/fp16 on the layout's device (CUDA, or CPU under
+    TRITON_INTERPRET=1).
     """
-    for name, blk in (("block_m", block_m), ("block_n", block_n)):
-        if blk < 16 or blk & (blk - 1):
-            raise ValueError(f"{name}: expected a power of two >= 16, got {blk}")
     if q_RHD.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q: expected fp32/bf16/fp16 for backend='triton', got {q_RHD.dtype}; use backend='ref'")
-    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, index, scale, block_m, block_n)
+    if q_RHD.device != layout.device:
+        raise ValueError(f"layout: expected one prepared on q's device {q_RHD.device}, got {layout.device} (use layout.to)")
+    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale)

@@ -1,0 +1,159 @@
+"""Triton kernels of the gated delta rule's inter-chunk state recurrence, forward and backward.
+
+One program per (rank, head, block of BV value columns) walks its sequence's chunks in order
+(forward) or in reverse (backward) with the fp32 state block S [K, BV] in registers; rank r's chunk
+j is slot chunk_off[j] + r of the call's `ChunkLayout`. The sequential work per chunk is two
+[BT, K] x [K, BV]-sized products; everything else is per-chunk parallel (`wy_triton`,
+`output_triton`).
+
+Forward (`_state_fwd_kernel`), per chunk with incoming state S:
+
+    h[slot] = S                                     the state entering the chunk (for the output stage)
+    vnew    = u - w S                               (stored)
+    S      <- exp(G_last) S + (k exp(G_last - G))^T vnew
+    states[export_row[slot]] = S  (fp32)            where the plan exports the state after this chunk
+
+starting from the sequence's fp32 initial state (or zeros). Backward (`_state_bwd_kernel`), with
+dS the gradient on the state after the chunk (zero after the last one):
+
+    dS     += dstates[export_row[slot]]             gradient injected on an exported state
+    dh[slot] = dS
+    dvnew   = dv_local + (k exp(G_last - G)) dS     (stored; the gradient on u)
+    dS     <- exp(G_last) dS + (scale q exp(G))^T do - w^T dvnew
+
+and dS after the first chunk is the initial state's gradient.
+
+Pointers: the per-chunk and per-state bases are int64 scalars; the tile offsets, computed once per
+program, are int32.
+
+Legend: T packed rows, M chunk slots, N sequences (ranks), U distinct exported states, H heads,
+K key dim, V value dim; tiles: BT = C rows, BK >= K, BV value columns.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.triton_tuning import autotune
+
+
+def _configs(*candidates: tuple[int, int]) -> list[triton.Config]:
+    """(BV, num_warps) candidates; the others spill at K = V = 128 (ptxas for sm_90,
+    scripts/triton_aot_check.py --all-configs): 2 warps, and BV = 64 on 4 warps."""
+    return [triton.Config({"BV": bv}, num_warps=w, num_stages=2) for bv, w in candidates]
+
+
+@triton.heuristics({
+    "HAS_H0": lambda args: args["h0"] is not None,
+    "EXPORT": lambda args: args["states"] is not None,
+})
+@autotune(_configs((32, 4), (32, 8), (64, 8)), key=["K", "V", "BT", "BK"])
+@triton.jit
+def _state_fwd_kernel(
+    k, w, u, G, h0, h, vnew, states,
+    chunk_row, chunk_end, chunk_off, rank_chunks, rank_seq, export_row,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, EXPORT: tl.constexpr, PREC: tl.constexpr,
+):
+    i_r, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    # int32 tile offsets: within a [K, V] state, and within a chunk's [BT, K] / [BT, V] rows
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+    p_tv = o_t[:, None] * (H * V) + o_v[None, :]
+    # [BK, BV]
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        seq = tl.load(rank_seq + i_r)
+        b_S += tl.load(h0 + (seq * H + i_h) * (K * V) + p_kv, mask=m_kv, other=0.0).to(tl.float32)
+    n_chunks = tl.load(rank_chunks + i_r)
+    for j in range(0, n_chunks):
+        m = tl.load(chunk_off + j) + i_r
+        row0 = tl.load(chunk_row + m)
+        n_t = (tl.load(chunk_end + m) - row0).to(tl.int32)
+        m_t = o_t < n_t
+        bh = row0 * H + i_h
+        tl.store(h + (m * H + i_h) * (K * V) + p_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [BT, BK]
+        b_w = tl.load(w + bh * K + p_tk, mask=m_tk, other=0.0)
+        b_k = tl.load(k + bh * K + p_tk, mask=m_tk, other=0.0)
+        # [BT, BV]
+        b_vn = tl.load(u + bh * V + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn -= tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PREC)
+        tl.store(vnew + bh * V + p_tv, b_vn.to(vnew.dtype.element_ty), mask=m_tv)
+        # [BT]
+        g_last = tl.load(G + bh + (n_t - 1) * H)
+        b_G = tl.load(G + bh + o_t * H, mask=m_t, other=0.0)
+        b_kd = b_k * tl.where(m_t, tl.exp(g_last - b_G).to(tl.float32), 0.0)[:, None]
+        b_S = b_S * tl.exp(g_last).to(tl.float32)
+        b_S += tl.dot(tl.trans(b_kd.to(b_k.dtype)), b_vn.to(b_k.dtype), input_precision=PREC)
+        if EXPORT:
+            e = tl.load(export_row + m)
+            if e >= 0:
+                tl.store(states + (e * H + i_h) * (K * V) + p_kv, b_S, mask=m_kv)
+
+
+@triton.heuristics({
+    "HAS_DH0": lambda args: args["dh0"] is not None,
+    "HAS_DSTATES": lambda args: args["dstates"] is not None,
+})
+@autotune(_configs((32, 8), (32, 4), (64, 8)), key=["K", "V", "BT", "BK"])
+@triton.jit
+def _state_bwd_kernel(
+    q, k, w, G, do, dv_local, dstates, dh, dv2, dh0,
+    chunk_row, chunk_end, chunk_off, rank_chunks, rank_seq, export_row, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DH0: tl.constexpr, HAS_DSTATES: tl.constexpr, PREC: tl.constexpr,
+):
+    i_r, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+    p_tv = o_t[:, None] * (H * V) + o_v[None, :]
+    # [BK, BV] gradient on the state after the current chunk
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    n_chunks = tl.load(rank_chunks + i_r)
+    for jj in range(0, n_chunks):
+        m = tl.load(chunk_off + (n_chunks - 1 - jj)) + i_r
+        row0 = tl.load(chunk_row + m)
+        n_t = (tl.load(chunk_end + m) - row0).to(tl.int32)
+        m_t = o_t < n_t
+        bh = row0 * H + i_h
+        if HAS_DSTATES:
+            e = tl.load(export_row + m)
+            if e >= 0:
+                b_dS += tl.load(dstates + (e * H + i_h) * (K * V) + p_kv, mask=m_kv, other=0.0)
+        tl.store(dh + (m * H + i_h) * (K * V) + p_kv, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [BT]
+        g_last = tl.load(G + bh + (n_t - 1) * H)
+        b_G = tl.load(G + bh + o_t * H, mask=m_t, other=0.0)
+        # [BT, BK]
+        b_k = tl.load(k + bh * K + p_tk, mask=m_tk, other=0.0)
+        b_w = tl.load(w + bh * K + p_tk, mask=m_tk, other=0.0)
+        b_q = tl.load(q + bh * K + p_tk, mask=m_tk, other=0.0).to(tl.float32) * (scale * tl.exp(b_G).to(tl.float32))[:, None]
+        b_kd = b_k * tl.where(m_t, tl.exp(g_last - b_G).to(tl.float32), 0.0)[:, None]
+        # [BT, BV]
+        b_do = tl.load(do + bh * V + p_tv, mask=m_tv, other=0.0)
+        b_dv = tl.load(dv_local + bh * V + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_dv += tl.dot(b_kd.to(b_k.dtype), b_dS.to(b_k.dtype), input_precision=PREC)
+        tl.store(dv2 + bh * V + p_tv, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
+        b_dS = b_dS * tl.exp(g_last).to(tl.float32)
+        b_dS += tl.dot(tl.trans(b_q.to(b_do.dtype)), b_do, input_precision=PREC)
+        b_dS -= tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC)
+    if HAS_DH0:
+        seq = tl.load(rank_seq + i_r)
+        tl.store(dh0 + (seq * H + i_h) * (K * V) + p_kv, b_dS.to(dh0.dtype.element_ty), mask=m_kv)
