@@ -39,7 +39,7 @@ def _logprobs(model: Qwen3NextForRL, seqs) -> list[torch.Tensor]:
     cfg = model.config
     layout = layout_from_sequences(seqs, conv_kernel=cfg.linear_conv_kernel_dim, chunk_size=C)
     with torch.no_grad():
-        logits = model.logits(model(layout, RunOptions(linear_fn=chunk_gated_delta_rule, chunk_size=C))).double()
+        logits = model.logits(model(layout, RunOptions(linear_fn=chunk_gated_delta_rule, chunk_size=C)).hidden).double()
     out, off = [], 0
     for s in seqs:
         lp = torch.log_softmax(logits[off : off + len(s) - 1], -1)

@@ -12,7 +12,7 @@ sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's 
 from kernels.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
 from trainer import tree_ops  # noqa: E402
 from trainer.layout import layout_from_sequences  # noqa: E402
-from trainer.tree_attention import tree_attention  # noqa: E402
+from kernels.tree_attention import tree_attention  # noqa: E402
 from trainer.models import ModelConfig, RunOptions, debugmodel, debugmodel_dense, load_model  # noqa: E402
 from trainer.models.loading import build_model  # noqa: E402
 from trainer.models.qwen3_next import row_linear, row_linear_ref  # noqa: E402
@@ -98,6 +98,8 @@ def test_tree_attention_matches_dense_reference():
     L = 70
     q, k, v = torch.randn(L, 4, 16, generator=gen), torch.randn(L, 2, 16, generator=gen), torch.randn(L, 2, 16, generator=gen)
     lay = layout_from_sequences([list(range(L))], conv_kernel=4, chunk_size=16)
-    full = tree_attention(q, k, v, lay.attention, scale=0.25)
-    ref = tree_ops.ancestor_attention_ref(q, k, v, torch.ones(L, L, dtype=torch.bool).tril(), scale=0.25)
-    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-6)
+    full = tree_attention(q, k, v, lay.attention, scale=0.25, backend="cpu")
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * 0.25
+    p = torch.softmax(s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf")), dim=-1)
+    torch.testing.assert_close(full, torch.einsum("hqk,khd->qhd", p, vv), rtol=1e-5, atol=1e-6)

@@ -1,10 +1,10 @@
-"""The exact CPU tree attention (`trainer.tree_attention`) against the plain reference.
+"""The "cpu" tree-attention backend (`kernels.tree_attention.cpu`) against the reference.
 
-Random trees of segments (each segment's keys: a prefix of an earlier segment's path, then its own
-rows), key tables with imported rows appended, fp32 and float64: outputs and gradients match
-`tree_ops.ancestor_attention_segments` within rounding; a row's output is bitwise the same inside a
-tree and alone on its path (the batch invariance the executor's Invariant E rests on); the tensors
-saved for backward do not grow with the number of (query, key) pairs.
+Random trees (tests/tree_attention_helpers: branches inside and at the end of segments, imported
+rows after the local ones), fp32 and float64: outputs and gradients match the reference within
+rounding; a row's output is bitwise the same inside a tree as at the same depth of its path alone
+(the batch invariance the executor's Invariant E rests on); the tensors saved for backward do not
+grow with the number of (query, key) pairs.
 """
 from __future__ import annotations
 
@@ -12,104 +12,80 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import tree_attention as TA
-from trainer import tree_ops as T
-from trainer.layout import layout_from_sequences
+from kernels.tree_attention import cpu as TA
+from kernels.tree_attention import prepare_tree_layout, tree_attention
+from tests.tree_attention_helpers import random_qkv, random_tree
 
 
-def _random_segments(rng: np.random.Generator, n: int, max_len: int, n_imported: int = 0):
-    """Segments tiling rows 0..R in order; keys index a table of R local rows then n_imported rows
-    (an imported chain that some roots hang below)."""
-    imported = np.arange(n_imported)  # positions R + i, resolved once R is known
-    segs, paths, R = [], [], 0
-    for _ in range(n):
-        anc = np.zeros(0, np.int64)
-        if paths and rng.random() < 0.8:
-            anc = paths[int(rng.integers(len(paths)))]
-            anc = anc[: int(rng.integers(0, len(anc) + 1))]
-        elif n_imported and rng.random() < 0.7:
-            anc = -1 - imported[: int(rng.integers(1, n_imported + 1))]  # placeholders for imported rows
-        L = int(rng.integers(1, max_len))
-        paths.append(np.concatenate([anc, np.arange(R, R + L)]))
-        segs.append((R, L))
-        R += L
-    kv = [np.where(p < 0, R + (-1 - p), p) for p in paths]
-    return [T.AttnSegment(q_start=a, q_len=L, kv_idx=torch.from_numpy(x)) for (a, L), x in zip(segs, kv)], R
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Small query and key blocks, so that several of each are exercised on small trees."""
+    monkeypatch.setattr(TA, "BLOCK_Q", 16)
+    monkeypatch.setattr(TA, "BLOCK_K", 32)
 
 
-def _plan(segs, R, N):
-    return TA.attention_plan([s.q_start for s in segs], [s.q_len for s in segs], [s.kv_idx.numpy() for s in segs], R, N)
+def _path_layout(L: int):
+    return prepare_tree_layout(torch.tensor([0]), torch.tensor([L]), torch.tensor([0, 0]), torch.zeros(0, 2, dtype=torch.long), num_rows=L)
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_matches_reference_outputs_and_gradients(seed, dtype, monkeypatch):
-    # small blocks so that several query and key blocks are exercised
-    monkeypatch.setattr(TA, "BLOCK_Q", 16)
-    monkeypatch.setattr(TA, "BLOCK_K", 32)
-    rng = np.random.default_rng(seed)
-    n_imp = int(rng.integers(0, 40))
-    segs, R = _random_segments(rng, int(rng.integers(1, 14)), 90, n_imp)
-    N = R + n_imp
-    gen = torch.Generator().manual_seed(seed)
+def test_matches_reference_outputs_and_gradients(seed, dtype, small_blocks):
+    tree = random_tree(seed, num_segments=8 + seed, max_len=60, num_imported=seed * 7)
     H, Hkv = (4, 2) if seed % 2 else (2, 2)
-    q = torch.randn(R, H, 16, generator=gen, dtype=dtype, requires_grad=True)
-    k = torch.randn(N, Hkv, 16, generator=gen, dtype=dtype, requires_grad=True)
-    v = torch.randn(N, Hkv, 16, generator=gen, dtype=dtype, requires_grad=True)
-    got = TA.tree_attention(q, k, v, _plan(segs, R, N), scale=0.25)
-    want = T.ancestor_attention_segments(q, k, v, segs, scale=0.25)
+    q, k, v = random_qkv(tree, H, Hkv, 16, seed=seed, dtype=dtype)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    layout = tree.prepare()
+    got = tree_attention(*leaves, layout, scale=0.25, backend="cpu")
+    want = tree_attention(*leaves, layout, scale=0.25, backend="ref")
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got, want, **tol)
-    w = torch.randn(got.shape, generator=gen, dtype=dtype)
-    for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), (q, k, v))):
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)):
         torch.testing.assert_close(a, b, **(dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else tol))
 
 
-def test_gradcheck_float64(monkeypatch):
-    monkeypatch.setattr(TA, "BLOCK_K", 16)
-    segs, R = _random_segments(np.random.default_rng(3), 4, 12, 5)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(R, 2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(R + 5, 1, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(R + 5, 1, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    plan = _plan(segs, R, R + 5)
-    assert torch.autograd.gradcheck(lambda q, k, v: TA.tree_attention(q, k, v, plan, scale=0.5), (q, k, v))
+def test_gradcheck_float64(small_blocks):
+    tree = random_tree(3, num_segments=4, max_len=12, num_imported=5)
+    q, k, v = (x.detach().requires_grad_() for x in random_qkv(tree, 2, 1, 4, seed=0, dtype=torch.float64))
+    layout = tree.prepare()
+    assert torch.autograd.gradcheck(lambda q, k, v: tree_attention(q, k, v, layout, scale=0.5, backend="cpu"), (q, k, v))
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_tree_rows_bitwise_equal_their_paths_alone(seed):
     """Every row gets the same bits in the tree as at the same depth of its own path alone (the
-    expanded run), across query and key blocks of different extents."""
-    rng = np.random.default_rng(10 + seed)
-    segs, R = _random_segments(rng, 10, 300)
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(R, h, 16, generator=gen) for h in (4, 2, 2))
-    tree = TA.tree_attention(q, k, v, _plan(segs, R, R), scale=0.25)
-    for s in segs:
-        path = s.kv_idx  # the segment's rows at their depths: ancestors then itself
-        alone = TA.tree_attention(q[path], k[path], v[path], TA.attention_plan([0], [path.shape[0]], [np.arange(path.shape[0])], path.shape[0]), scale=0.25)
-        assert torch.equal(alone[-s.q_len :], tree[s.q_start : s.q_start + s.q_len])
+    expanded run), across query and key blocks of different extents (default block sizes)."""
+    tree = random_tree(10 + seed, num_segments=10, min_len=20, max_len=300, num_imported=40 * seed)
+    q, k, v = (x.detach() for x in random_qkv(tree, 4, 2, 16, seed=seed, dtype=torch.float32))
+    out = tree_attention(q, k, v, tree.prepare(), scale=0.25, backend="cpu")
+    off = tree.attn_offsets.tolist()
+    for s, (a, L) in enumerate(zip(tree.seg_start.tolist(), tree.seg_len.tolist())):
+        anc = [torch.arange(x, y) for x, y in tree.attn_ranges[off[s] : off[s + 1]].tolist()]
+        path = torch.cat(anc + [torch.arange(a, a + L)])  # the segment's rows at their depths
+        n_anc = path.shape[0] - L
+        q_path = torch.cat([torch.zeros(n_anc, *q.shape[1:]), q[a : a + L]])
+        alone = tree_attention(q_path, k[path], v[path], _path_layout(path.shape[0]), scale=0.25, backend="cpu")
+        assert torch.equal(alone[n_anc:], out[a : a + L])
 
 
 def test_saved_memory_is_linear_in_rows():
     """What autograd keeps for backward: inputs, output and log-sum-exp, not scores ([R, depth])."""
     L = 3000
-    seq = layout_from_sequences([list(range(L))], conv_kernel=4, chunk_size=16)
     q = torch.randn(L, 8, 32, requires_grad=True)
     k = torch.randn(L, 2, 32, requires_grad=True)
     v = torch.randn(L, 2, 32, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
-        TA.tree_attention(q, k, v, seq.attention, scale=0.2).sum().backward()
+        tree_attention(q, k, v, _path_layout(L), scale=0.2, backend="cpu").sum().backward()
     per_row = sum(saved) / L
     assert per_row <= (8 + 2 + 2 + 8) * 32 * 4 + 8 * 4, per_row  # q, k, v, o, lse: no [L, L] scores
 
 
-def test_plan_rejects_segments_out_of_order():
-    with pytest.raises(ValueError, match="tiling rows"):
-        TA.attention_plan([3, 0], [2, 3], [np.arange(3, 5), np.arange(3)], 5)
-
-
-def test_layout_to_device_moves_the_plan():
-    lay = layout_from_sequences([[1, 2, 3] * 7, [4] * 40], conv_kernel=4, chunk_size=16).to("meta")
-    assert all(s.kv.is_meta and all(b.visible.is_meta for b in s.blocks) for s in lay.attention.segments)
+def test_plan_is_built_once_per_layout():
+    layout = _path_layout(40)
+    q, k, v = (torch.randn(40, h, 8) for h in (2, 1, 1))
+    tree_attention(q, k, v, layout, scale=0.3, backend="cpu")
+    plan = layout.plans["cpu"]
+    tree_attention(q, k, v, layout, scale=0.3, backend="cpu")
+    assert layout.plans["cpu"] is plan and all(b.n_keys % TA.BLOCK_K == 0 for s in plan.segments for b in s.blocks)

@@ -78,7 +78,10 @@ class ExecutorConfig:
     chunk_size: int = 64
     """Linear-attention kernel chunk size C; plans made for another C are rejected."""
     backend: str = "ref"
-    """Kernel backend of the chunked gated delta rule ("ref" on CPU)."""
+    """Kernel backend of the chunked gated delta rule ("ref" on CPU, "triton" on GPU)."""
+    attention_backend: str = "auto"
+    """Tree-attention backend (`kernels.tree_attention.BACKENDS`); "auto": "cpu" for a model on the
+    CPU (exact, bitwise batch-invariant), "triton" on a GPU."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The RL loss."""
     aux_loss_coef: float = 0.0
@@ -102,6 +105,10 @@ class ExecutorConfig:
             raise ValueError(f"chunk_size: expected a power of two, got {c}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
+        from kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
+
+        if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: expected auto or one of {tuple(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {self.validate!r}")
 
@@ -202,7 +209,12 @@ class Executor:
     def __init__(self, model: Qwen3NextForRL, cfg: ExecutorConfig | None = None):
         self.model = model
         self.cfg = cfg or ExecutorConfig()
-        self.run_options = RunOptions(linear_fn=kernel_backend(self.cfg.backend), chunk_size=self.cfg.chunk_size)
+        self.device = next(model.parameters()).device
+        attention = self.cfg.attention_backend
+        if attention == "auto":
+            attention = "cpu" if self.device.type == "cpu" else "triton"
+        self.run_options = RunOptions(linear_fn=kernel_backend(self.cfg.backend), chunk_size=self.cfg.chunk_size,
+                                      attention_backend=attention)
         mc = model.config
         self.moe_layers = mc.moe_layers
         self.num_experts = mc.num_experts
@@ -210,7 +222,6 @@ class Executor:
             objective=self.cfg.objective, aux_loss_coef=self.cfg.aux_loss_coef, want_entropy=self.cfg.want_entropies,
             num_experts=self.num_experts if self.moe_layers else 0, top_k=mc.num_experts_per_tok,
         )
-        self.device = next(model.parameters()).device
 
     def check_plan(self, plan) -> None:
         """Reject a plan this model cannot run exactly; raises ValueError naming the field."""

@@ -25,8 +25,8 @@ import torch
 
 from proto.plan_decode import MicrobatchArrays, PlanValidationError
 from proto.window_exports import KINDS, ExportNeeds, used_imports
-from trainer.tree_attention import AttentionPlan, attention_plan
-from trainer.tree_ops import AttnSegment, LinearCall
+from kernels.tree_attention import TreeLayout, prepare_tree_layout
+from trainer.tree_ops import LinearCall
 
 
 @dataclass(slots=True, kw_only=True)
@@ -103,11 +103,9 @@ class RowLayout:
     """float32 [R] trajectories through each row (0 for duplicated context rows)."""
     conv_src: torch.Tensor
     """long [R, J] conv ancestor rows oldest first, in the conv table (R + conv imports = zero padding)."""
-    attn_segments: list[AttnSegment]
-    """Per segment, its queries and keys in the attention table (host tensors, for
-    `tree_ops.ancestor_attention_segments`, the reference; the model runs `attention`)."""
-    attention: AttentionPlan
-    """The segments' query blocks and key rows (`trainer.tree_attention`), built once per microbatch."""
+    attention: TreeLayout
+    """The segments' compact ancestor ranges in the attention table (`kernels.tree_attention`),
+    built once per microbatch and shared by every attention layer (and backend)."""
     linear_calls: list[LinearCall]
     """The call schedule; gather indices address the kernel-input table."""
     row_from_kept: torch.Tensor
@@ -122,15 +120,14 @@ class RowLayout:
 
     def to(self, device: torch.device | str) -> "RowLayout":
         """The layout with its index tensors on `device` (in place; returns self). Call offsets and
-        export positions stay on the CPU: the kernel plans its chunks from them on the host; so do
-        the per-segment `attn_segments` (the reference's)."""
+        export positions stay on the CPU: the kernel plans its chunks from them on the host."""
         dev = torch.device(device)
         if dev.type == "cpu":
             return self
         mv = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         self.tokens, self.depth, self.occurrence = mv(self.tokens), mv(self.depth), mv(self.occurrence)
         self.conv_src, self.row_from_kept = mv(self.conv_src), mv(self.row_from_kept)
-        self.attention.to(dev)
+        self.attention = self.attention.to(dev)
         for call in self.linear_calls:
             call.gather_idx, call.keep_idx = mv(call.gather_idx), mv(call.keep_idx)
         lp = self.logprobs
@@ -230,17 +227,13 @@ def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None
     conv = _compact(a.conv_ancestors, R, io.import_rows["conv"], f"{where}.conv_ancestors")
 
     attn_rows = io.import_rows["attn"]
-    n_kv = R + attn_rows.shape[0]
-    starts, lens = a.seg_start.astype(np.int64), a.seg_length.astype(np.int64)
-    offs, ranges = a.attn_offsets, a.attn_ranges
-    seg_kv, segments = [], []
-    for s in range(a.num_segments):
-        lo, n = int(starts[s]), int(lens[s])
-        anc = [np.arange(x, y) for x, y in ranges[offs[s] : offs[s + 1]]]
-        idx = _compact(np.concatenate(anc + [np.arange(lo, lo + n)]), R, attn_rows, f"{where}.attn_ranges")
-        segments.append(AttnSegment(q_start=lo, q_len=n, kv_idx=_long(idx)))
-        seg_kv.append(idx)
-    attention = attention_plan(starts, lens, seg_kv, R, num_kv_rows=n_kv)
+    ranges = a.attn_ranges.astype(np.int64)
+    if ranges.shape[0]:  # imported ranges into the attention table (covered rows are contiguous there)
+        lo = _compact(ranges[:, 0], R, attn_rows, f"{where}.attn_ranges")
+        hi = _compact(ranges[:, 1] - 1, R, attn_rows, f"{where}.attn_ranges") + 1
+        ranges = np.stack([lo, hi], axis=1)
+    attention = prepare_tree_layout(a.seg_start, a.seg_length, a.attn_offsets, ranges, num_rows=R,
+                                    num_kv_rows=R + attn_rows.shape[0])
 
     kern_rows = io.import_rows["kernel"]
     calls, kept_rows = [], []
@@ -287,7 +280,7 @@ def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None
     assert lp.row.shape[0] == P
     return RowLayout(
         tokens=_long(a.tokens), depth=_long(a.depth), occurrence=torch.from_numpy(a.occurrence.astype(np.float32)),
-        conv_src=torch.from_numpy(conv), attn_segments=segments, attention=attention, linear_calls=calls,
+        conv_src=torch.from_numpy(conv), attention=attention, linear_calls=calls,
         row_from_kept=row_from_kept, num_states=a.num_states, logprobs=lp, window=io,
     )
 
@@ -307,8 +300,7 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
     rows = np.arange(R)
     J = conv_kernel - 1
     conv = np.stack([np.where(depth >= J - j, rows - (J - j), R) for j in range(J)], axis=1) if J else np.zeros((R, 0), np.int64)
-    segments = [AttnSegment(q_start=int(a), q_len=int(n), kv_idx=_long(np.arange(a, a + n))) for a, n in zip(starts, lengths)]
-    attention = attention_plan(starts, lengths, [np.arange(a, a + n) for a, n in zip(starts, lengths)], R)
+    attention = prepare_tree_layout(starts, lengths, np.zeros(len(seqs) + 1, np.int64), np.zeros((0, 2), np.int64), num_rows=R)
     call = LinearCall(
         gather_idx=_long(rows), cu_seqlens=_long(np.concatenate([[0], np.cumsum(lengths)])),
         init_kind=[0] * len(seqs), init_state=[0] * len(seqs), keep_idx=_long(rows),
@@ -325,7 +317,7 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
     )
     return RowLayout(
         tokens=_long(np.concatenate(seqs)), depth=_long(depth), occurrence=torch.ones(R),
-        conv_src=torch.from_numpy(conv.astype(np.int64)), attn_segments=segments, attention=attention, linear_calls=[call],
+        conv_src=torch.from_numpy(conv.astype(np.int64)), attention=attention, linear_calls=[call],
         row_from_kept=_long(rows), num_states=0, logprobs=lp,
     )
 

@@ -1,13 +1,11 @@
 """Sequence-coupled operators over packed tree rows (DESIGN §5.2-§5.3), each beside a plain reference.
 
-The per-token operators of the model run once per packed row; these three couple rows along
-root-to-leaf paths through the plan's ancestry:
+The per-token operators of the model run once per packed row; these couple rows along
+root-to-leaf paths through the plan's ancestry (tree attention, the third, is
+`kernels.tree_attention`):
 
 - `ancestry_conv`: the depthwise causal short convolution, gathering the K-1 ancestor rows of each
   row and summing in the fixed order (oldest first) that a linear sequence uses;
-- `ancestor_attention_segments`: the plain reference of tree attention: per segment, queries
-  attend to the segment's ancestor rows (all visible) and causally to its own rows (the model
-  runs the exact blocked implementation of `trainer.tree_attention`);
 - `linear_attention`: the linear-attention call schedule: per call, gather replay + range rows
   differentiably, run the kernel from the state-table initial states, keep range outputs, discard
   replay outputs, store exported states without detaching.
@@ -27,16 +25,6 @@ from kernels.gated_delta_rule import prepare_layout
 
 #: StateSource kinds (proto/harts/v1/plan.proto).
 ZERO, LOCAL, IMPORTED = 0, 1, 2
-
-
-@dataclass(slots=True, kw_only=True)
-class AttnSegment:
-    """Queries q_start:q_start+q_len attend to kv_idx (ancestors first, then the segment's own rows)."""
-
-    q_start: int
-    q_len: int
-    kv_idx: torch.Tensor
-    """long [A + q_len] rows: A ancestor rows (visible to every query), then the q_len own rows."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -92,34 +80,6 @@ def causal_conv_ref(x_LC: torch.Tensor, w_CK: torch.Tensor) -> torch.Tensor:
     K = w_CK.shape[1]
     y = F.conv1d(x_LC.t()[None], w_CK[:, None, :], padding=K - 1, groups=C)[0, :, :L]
     return y.t()
-
-
-def ancestor_attention_segments(q_RHd, k_NHd, v_NHd, segments: list[AttnSegment], *, scale: float) -> torch.Tensor:
-    """Plain reference of tree attention, segment by segment (softmax in at least fp32).
-
-    Args:
-        q_RHd: [R, H, hd]. k_NHd, v_NHd: [N, Hkv, hd] key table. segments: cover rows 0..R.
-    """
-    outs = []
-    for seg in sorted(segments, key=lambda s: s.q_start):
-        q = q_RHd[seg.q_start : seg.q_start + seg.q_len]
-        k = k_NHd.index_select(0, seg.kv_idx)
-        v = v_NHd.index_select(0, seg.kv_idx)
-        n_anc = seg.kv_idx.shape[0] - seg.q_len
-        visible = torch.ones(seg.q_len, k.shape[0], dtype=torch.bool, device=q.device)
-        visible[:, n_anc:] = torch.ones(seg.q_len, seg.q_len, dtype=torch.bool, device=q.device).tril()
-        outs.append(ancestor_attention_ref(q, k, v, visible, scale=scale))
-    return torch.cat(outs, dim=0)
-
-
-def ancestor_attention_ref(q_RHd, k_RHd, v_RHd, visible_RR: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """Reference with a dense [R, R] visibility mask (tests only: quadratic memory)."""
-    rep = q_RHd.shape[1] // k_RHd.shape[1]
-    k = k_RHd.repeat_interleave(rep, dim=1)
-    v = v_RHd.repeat_interleave(rep, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q_RHd, k) * scale
-    s = s.masked_fill(~visible_RR[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32)).to(q_RHd.dtype), v)
 
 
 def linear_attention(

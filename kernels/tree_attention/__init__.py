@@ -17,11 +17,13 @@ in fp32 (float64 inputs stay float64), output in q's dtype, differentiable w.r.t
 rows' gradients come back in k, v rows R..R+I-1).
 
 Backends (`BACKENDS`, each `fn(q, k, v, layout, scale)`; pick one with `attention_backend(name)`):
-"ref" (per-segment PyTorch reference, any device and dtype) and "triton" (flash-attention-2 style
-forward and backward; CUDA, or CPU under TRITON_INTERPRET=1 in fp32). A backend that needs its own
+"ref" (per-segment PyTorch reference, any device and dtype), "cpu" (exact blocked flash-style
+PyTorch: bounded memory, and bitwise batch-invariant on the CPU, so a tree row gets the bits of its
+expanded trajectory; the trainer's CPU path) and "triton" (flash-attention-2 style forward and
+backward; CUDA, or CPU under TRITON_INTERPRET=1 in fp32). A backend that needs its own
 index structure builds it from the layout once, through `layout.plan(name, build)`.
 
-Modules: `ref`, `triton_kernel`, `layout` (validation, `prepare_tree_layout`, the block maps).
+Modules: `ref`, `cpu`, `triton_kernel`, `layout` (validation, `prepare_tree_layout`, the block maps).
 
 Legend: R query rows, I imported rows, N = R + I k/v rows, S segments, n ancestor ranges,
 H query heads, Hkv kv heads, d/hd head dim.
@@ -42,7 +44,13 @@ def _triton(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tens
     return tree_attention_triton(q_RHd, k_NHd, v_NHd, layout, scale)
 
 
-BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"ref": tree_attention_ref, "triton": _triton}
+def _cpu(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tensor:
+    from kernels.tree_attention.cpu import tree_attention_cpu
+
+    return tree_attention_cpu(q_RHd, k_NHd, v_NHd, layout, scale)
+
+
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"ref": tree_attention_ref, "cpu": _cpu, "triton": _triton}
 
 
 def attention_backend(name: str) -> Callable[..., torch.Tensor]:
@@ -68,7 +76,7 @@ def tree_attention(
         k_NHd, v_NHd: [R + I, Hkv, hd] keys and values: local rows, then imported rows.
         layout: `prepare_tree_layout(...)` of the microbatch (the Triton backend needs it on q's device).
         scale: score factor (usually hd ** -0.5).
-        backend: "ref" or "triton" (`BACKENDS`).
+        backend: "ref", "cpu" or "triton" (`BACKENDS`).
 
     Returns:
         o [R, H, hd] in q's dtype.

@@ -15,7 +15,7 @@ expanded runs on CPU): a row's result must not depend on the other rows of the m
 its position. Every projection is a `RowLinear`, a matmul over fixed-size row tiles (plain CPU
 GEMMs pick different blockings for different row counts); sigmoid/silu/softplus are written with
 `exp` (torch's own kernels round their vector body and scalar tail differently, measured);
-attention reduces over keys in chunks at fixed depths (`trainer.tree_attention`). The whole
+attention reduces over keys in blocks at fixed depths (`kernels.tree_attention.cpu`). The whole
 forward is therefore bitwise equal between a tree run and its expanded run in fp32 on CPU.
 
 Dtypes: where a value is upcast for accuracy (norms, the decay g, the router softmax, RoPE) it goes
@@ -37,7 +37,7 @@ from torch import nn
 from proto.window_exports import ATTN, CONV, KERNEL
 from trainer import tree_ops
 from trainer.boundary import Boundary
-from trainer.tree_attention import tree_attention
+from kernels.tree_attention import attention_backend
 from trainer.models.config import FULL, ModelConfig
 
 #: rows per tile of RowLinear; every tile is one same-shape GEMM.
@@ -235,7 +235,7 @@ class Attention(nn.Module):
         q_RHd, k_RHd = apply_rope(q_RHd, cos, sin), apply_rope(k_RHd, cos, sin)
         k_NHd = bd.table(name + "attn_k", k_RHd, ATTN)
         v_NHd = bd.table(name + "attn_v", v_RHd, ATTN)
-        o_RHd = tree_attention(q_RHd, k_NHd, v_NHd, layout.attention, scale=self.hd**-0.5)
+        o_RHd = attention_backend(run.attention_backend)(q_RHd, k_NHd, v_NHd, layout.attention, self.hd**-0.5)
         o_RD = o_RHd.reshape(R, -1) * sigmoid(gate)
         return self.o_proj(o_RD)
 
@@ -385,6 +385,9 @@ class RunOptions:
     """chunk_gated_delta_rule-compatible callable (the kernel backend)."""
     chunk_size: int = 64
     """Linear-attention chunk size C; must equal the plan's."""
+    attention_backend: str = "cpu"
+    """Tree-attention backend (`kernels.tree_attention.BACKENDS`): "cpu" (exact blocked, bitwise
+    batch-invariant on the CPU), "triton" (GPU), "ref" (plain reference)."""
 
 
 class Backbone(nn.Module):

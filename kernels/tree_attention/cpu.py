@@ -1,27 +1,27 @@
 """Exact tree attention on the CPU, flash-style: bounded working set, no score tensor kept (DESIGN §5.2).
 
-    plan = attention_plan(q_start_S, q_len_S, kv_idx_S, num_rows, num_kv_rows)   # once per microbatch
-    o_RHd = tree_attention(q_RHd, k_NHd, v_NHd, plan, scale=hd ** -0.5)        # every attention layer
+    o_RHd = tree_attention(q_RHd, k_NHd, v_NHd, layout, scale=hd ** -0.5, backend="cpu")
 
-Every segment's queries attend to its keys: its ancestor rows (compact ranges of the key table,
-root first) and, causally, its own rows; key j of a segment is the row at depth j on its path.
-Queries run in blocks of up to BLOCK_Q rows of one segment, keys in blocks of exactly BLOCK_K keys
-at fixed depths (key block j covers depths [j*BLOCK_K, (j+1)*BLOCK_K); a segment's keys are gathered
-once and padded with zero-probability keys to a whole block). Per (query block, key block): scores
-S = q K^T (one GEMM, the query heads of a kv head folded into its rows), the running max, P =
-exp(S - m) and P [V, 1] (the value rows plus a ones column: the row sums come out of the same
-GEMM), merged into an online-softmax accumulator. Backward recomputes S from the saved
-log-sum-exp (flash attention's backward), so memory does not grow with the number of (query, key)
-pairs: the working set is a [heads x BLOCK_Q, BLOCK_K] tile.
+The "cpu" backend of `kernels.tree_attention` (same contract as the reference: the layout's
+compact ranges, imported rows after the local ones). Every segment's queries attend to its keys:
+its ancestor rows (root first) and, causally, its own rows; key j of a segment is the row at depth
+j on its path. Queries run in blocks of up to BLOCK_Q rows of one segment, keys in blocks of
+exactly BLOCK_K keys at fixed depths (key block j covers depths [j*BLOCK_K, (j+1)*BLOCK_K); a
+segment's keys are gathered once and padded with zero-probability keys to a whole block). Per
+(query block, key block): scores S = q K^T (one GEMM, the query heads of a kv head folded into its
+rows), the running max, P = exp(S - m) and P [V, 1] (the value rows plus a ones column: the row
+sums come out of the same GEMM), merged into an online-softmax accumulator. Backward recomputes S
+from the saved log-sum-exp (flash attention's backward), so memory does not grow with the number
+of (query, key) pairs: the working set is a [heads x BLOCK_Q, BLOCK_K] tile. The block plan is
+built once per microbatch from the layout (`TreeLayout.plan("cpu", ...)`) and shared by every layer.
 
 Batch invariance (DESIGN §5.3, Invariant E). A query's output depends only on its own key
 sequence: key blocks sit at fixed depths and every P [V, 1] product reduces over exactly BLOCK_K
 keys, and CPU GEMMs give each output element the same bits whatever the number of rows (measured
 with MKL on this machine for >= 4 rows; blocks are padded to >= MIN_ROWS rows) but not whatever
 the reduction length (which is why key blocks are never shortened). A row of a tree segment
-therefore gets the same bits as the same position of its trajectory in the expanded run;
-`trainer.tree_ops.ancestor_attention_segments` is the plain reference (tests compare within fp32
-rounding, and tree against expanded bitwise).
+therefore gets the same bits as the same position of its trajectory in the expanded run (tests:
+against the reference within fp32 rounding, tree against paths alone bitwise).
 
 Legend: R query rows, N key-table rows (local rows, then imported ones), H heads, Hkv kv heads,
 G = H / Hkv, hd head dim, M = G x queries of a block (padded), K keys of a key block.
@@ -70,7 +70,7 @@ class AttentionPlan:
     num_kv_rows: int
     segments: list[_Segment]
 
-    def to(self, device: torch.device) -> "AttentionPlan":
+    def to(self, device: torch.device | str) -> "AttentionPlan":
         for s in self.segments:
             s.kv = s.kv.to(device)
             for b in s.blocks:
@@ -78,25 +78,17 @@ class AttentionPlan:
         return self
 
 
-def attention_plan(q_start_S, q_len_S, kv_idx_S: list[np.ndarray], num_rows: int, num_kv_rows: int | None = None) -> AttentionPlan:
-    """Blocks of the segments' queries and their key rows.
-
-    Args:
-        q_start_S, q_len_S: [S] segment query rows (they must tile rows 0..num_rows in order).
-        kv_idx_S: per segment, int key-table rows: its A ancestors (depth order), then its own rows.
-        num_rows: R. num_kv_rows: N rows of the key table (default R).
-    Raises:
-        ValueError: segments that do not tile the query rows in order.
-    """
-    R = int(num_rows)
-    N = R if num_kv_rows is None else int(num_kv_rows)
-    q_start = np.asarray(q_start_S, np.int64).reshape(-1)
-    q_len = np.asarray(q_len_S, np.int64).reshape(-1)
-    if q_start.shape[0] and (q_start[0] != 0 or (q_start[1:] != (q_start + q_len)[:-1]).any() or q_start[-1] + q_len[-1] != R):
-        raise ValueError(f"attention segments: expected segments tiling rows 0..{R} in order")
+def attention_plan(layout) -> AttentionPlan:
+    """Query blocks and key rows of every segment of a `TreeLayout` (built once per microbatch)."""
+    ix = layout.index
+    N = int(layout.num_kv_rows)
+    starts, lens = ix.seg_start_S.tolist(), ix.seg_len_S.tolist()
+    offs, ranges = ix.attn_offsets_S1.tolist(), ix.attn_ranges_n2.numpy()
     segments = []
-    for a, L, kv in zip(q_start.tolist(), q_len.tolist(), kv_idx_S):
-        kv = np.asarray(kv, np.int64)
+    for s in sorted(range(len(starts)), key=starts.__getitem__):
+        a, L = starts[s], lens[s]
+        anc = [np.arange(lo, hi) for lo, hi in ranges[offs[s] : offs[s + 1]]]
+        kv = np.concatenate(anc + [np.arange(a, a + L)]).astype(np.int64)
         n_anc = kv.shape[0] - L
         blocks = []
         for off in range(0, L, BLOCK_Q):
@@ -107,7 +99,8 @@ def attention_plan(q_start_S, q_len_S, kv_idx_S: list[np.ndarray], num_rows: int
         pad = blocks[-1].n_keys - kv.shape[0]
         kv = np.concatenate([kv, np.full(pad, N, np.int64)])
         segments.append(_Segment(kv=torch.from_numpy(kv), blocks=blocks))
-    return AttentionPlan(num_rows=R, num_kv_rows=N, segments=segments)
+    plan = AttentionPlan(num_rows=int(layout.num_rows), num_kv_rows=N, segments=segments)
+    return plan.to(layout.device) if layout.device.type != "cpu" else plan
 
 
 def _group(x_nHd: torch.Tensor, Hkv: int, rows: int) -> torch.Tensor:
@@ -152,7 +145,8 @@ class _TreeAttention(torch.autograd.Function):
         k_t = torch.cat([k_NHd.to(dt), zero]).transpose(0, 1)  # [Hkv, N+1, hd]
         ones = q.new_ones(k_NHd.shape[0] + 1, Hkv, 1)
         v_t = torch.cat([torch.cat([v_NHd.to(dt), zero]), ones], dim=-1).transpose(0, 1)  # [Hkv, N+1, hd+1]
-        outs, lses = [], []
+        o_RHd = q.new_empty(R, H, hd)
+        lse_RH = q.new_empty(R, H)
         for seg in plan.segments:
             k_seg = k_t.index_select(1, seg.kv)  # [Hkv, Lk, hd]: the segment's keys, once
             v_seg = v_t.index_select(1, seg.kv)
@@ -168,11 +162,9 @@ class _TreeAttention(torch.autograd.Function):
                     part = torch.bmm(p, v_seg[:, s0 : s0 + BLOCK_K])  # [Hkv, M, hd+1]
                     acc = part if acc is None else acc.mul_((m - m_new).exp_()[..., None]).add_(part)
                     m = m_new
-                o = acc[..., :hd] / acc[..., hd:]
-                outs.append(_ungroup(o, b.n, rows))
-                lses.append(_ungroup((m + acc[..., hd].log())[..., None], b.n, rows)[..., 0])
-        o_RHd = torch.cat(outs) if outs else q.new_zeros(0, H, hd)
-        lse_RH = torch.cat(lses) if lses else q.new_zeros(0, H)
+                sl = slice(b.q0, b.q0 + b.n)
+                o_RHd[sl] = _ungroup(acc[..., :hd] / acc[..., hd:], b.n, rows)
+                lse_RH[sl] = _ungroup((m + acc[..., hd].log())[..., None], b.n, rows)[..., 0]
         ctx.save_for_backward(q_RHd, k_NHd, v_NHd, o_RHd, lse_RH)
         ctx.plan, ctx.scale = plan, scale
         return o_RHd.to(q_RHd.dtype)
@@ -223,15 +215,14 @@ class _TreeAttention(torch.autograd.Function):
         return dq.to(q_RHd.dtype), dk, dv, None, None
 
 
-def tree_attention(q_RHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tensor, plan: AttentionPlan, *,
-                   scale: float) -> torch.Tensor:
-    """Tree attention of every segment of a microbatch (see the module docstring).
+def tree_attention_cpu(q_RHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tensor, layout, scale: float) -> torch.Tensor:
+    """The "cpu" backend: `fn(q, k, v, layout, scale)` of `kernels.tree_attention` (module docstring).
 
     Args:
         q_RHd: [R, H, hd] queries (RoPE applied). k_NHd, v_NHd: [N, Hkv, hd] the key table: the
             R local rows, then any imported rows (sharing windows).
-        plan: the microbatch's `AttentionPlan` (`attention_plan`).
+        layout: the microbatch's `TreeLayout`.
     Returns:
         [R, H, hd] in q's dtype (computed in at least fp32).
     """
-    return _TreeAttention.apply(q_RHd, k_NHd, v_NHd, plan, scale)
+    return _TreeAttention.apply(q_RHd, k_NHd, v_NHd, layout.plan("cpu", attention_plan), float(scale))
