@@ -1,154 +1,258 @@
-"""Trainer benchmark: update throughput of tree vs trajectory-expanded execution on this CPU.
+"""Trainer benchmark: sharing windows, no windows, expanded, and transformers on the same weights.
 
-Run: `.venv/bin/python -m benchmarks.bench_trainer [--quick]` (progress on stderr, one JSON object
-of figures on stdout). A benchmark, not a timed test.
+Run: `.venv/bin/python -m benchmarks.bench_trainer [--quick] [--steps N] [--out DIR]` (progress on
+stderr, one JSON object on stdout; with --out also `trainer.md` and `trainer.json` there). A
+benchmark, not a timed test; `harts bench --only trainer` runs it inside the suite.
 
-Workload: synthetic agentic group sampling (`benchmarks.workloads.generate("group", ...)`: a
-shared system+tools prompt and task statement per task, then G multi-turn rollouts), and in the
-full run also tree sampling (`"tree"`: branches at turn boundaries, at unaligned depths). Both
-plans (tree: sharing with windows off; expanded: PlanConfig(sharing=False)) use the same token
-budget and run on two copies of the same weights, each with its own AdamW, alternating steps.
-A step is forward + backward of every microbatch + one optimizer step; throughput counts
-expanded tokens (the work the step stands for) per second, median over the timed steps. The
-headline `speedup` uses process CPU seconds (the project's CPUs are shared with other jobs, whose
-load makes wall time swing by 2x between steps); `speedup_wall` is reported beside it. The ideal speedup is the plan's FLOP
-compression (`trainer.flops`: FLOPs of the expanded plan / FLOPs of the tree plan, replay rows and
-depth-weighted attention included); `fraction_of_ideal` = measured speedup / ideal (target >= 0.8);
-`fraction_of_token_compression` divides by expanded / distinct tokens instead.
+Workloads whose trees are several times larger than the microbatch budget (issue 10): synthetic
+agentic rollouts (`benchmarks.workloads`) with per-call sampling (`percall`) and tree sampling
+(`tree`) at length scale 0.05, planned with C = 16 and B = 2,048. Per workload, on the `small`
+model with one intra-op thread, a step (forward + backward of every microbatch + one AdamW step)
+of each mode:
+
+- `windows`: the tree plan with sharing windows (the default);
+- `no_windows`: the tree plan without windows, at the smallest B it accepts (the longest
+  trajectory: a duplicated edge recomputes the whole root path in one microbatch);
+- `expanded`: the trajectory-expanded plan (PlanConfig(sharing=False)), the same executor;
+- `transformers`: transformers' Qwen3NextForCausalLM on the same weights, trajectory by
+  trajectory (`benchmarks.peer`; it takes no packed varlen batch without fla).
+
+Throughput is expanded tokens per CPU second of this process (the fastest of the timed steps
+after one warm-up step: other jobs on a shared machine only ever add wall time). Where the batch
+has more expanded tokens than `max_baseline_tokens`, `expanded` and `transformers` run a random
+subset of its trajectories (seeded, the same for both) and their rate stands for the batch; the
+tree modes always run the whole batch. The ideal is the FLOP compression of the plan
+(`trainer.flops`: FLOPs of the expanded plan / FLOPs of the tree plan); `fraction_of_ideal` =
+(windows rate / expanded rate) / ideal (target >= 0.9).
+
+Memory: the peak bytes of tensors saved for backward during a step (`benchmarks.peer.
+SavedTensorBytes`: the activations of the open windows plus the running microbatch for HARTS, one
+trajectory at a time for transformers), per mode; beside it the planner's estimate of the
+windowed plan (`PlanStats.peak_live_bytes` under the model's `proto.memory_model`), and per-row
+figures (HARTS peak / the plan's peak live rows, transformers peak / its longest trajectory).
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
-import statistics
 import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger("bench_trainer")
 
-#: (name, scheme, tasks, scale, knobs) of the full run.
+#: (name, generator settings) of the full run.
 WORKLOADS = [
-    ("group-G8", "group", 2, 0.05, {"group_size": 8, "turns": (3, 6)}),
-    ("tree-b2-l3", "tree", 2, 0.05, {"turns": (4, 8)}),
+    ("percall", dict(scheme="percall", tasks=1, seed=1, scale=0.05)),
+    ("tree", dict(scheme="tree", tasks=2, seed=1, scale=0.05)),
 ]
-QUICK_WORKLOADS = [("group-G8-quick", "group", 1, 0.02, {"group_size": 8, "turns": (2, 3)})]
+QUICK_WORKLOADS = [("tree-quick", dict(scheme="tree", tasks=1, seed=1, scale=0.01, turns=(4, 6)))]
+MODES = ("windows", "no_windows", "expanded", "transformers")
 
 
-def _step_time(executor, plan, optimizer) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one step."""
-    from trainer.executor import train_step
+def _subset(doc: dict, max_tokens: int, seed: int) -> dict:
+    """`doc` with a seeded random subset of its trajectories of about `max_tokens` expanded tokens."""
+    trajs = doc["trajectories"]
+    if sum(len(t["tokens"]) for t in trajs) <= max_tokens:
+        return doc
+    order = np.random.default_rng(seed).permutation(len(trajs))
+    keep, n = [], 0
+    for i in order.tolist():
+        if n >= max_tokens:
+            break
+        keep.append(trajs[i])
+        n += len(trajs[i]["tokens"])
+    return {**doc, "batch_id": doc["batch_id"] + "-subset", "trajectories": keep}
 
-    w0, c0 = time.perf_counter(), time.process_time()
-    train_step(executor, plan, optimizer)
-    return time.perf_counter() - w0, time.process_time() - c0
+
+def _timed_steps(step, steps: int) -> tuple[float, float, int]:
+    """(fastest CPU seconds, its wall seconds, peak saved bytes) of `steps` calls after a warm-up."""
+    best = (float("inf"), 0.0)
+    peak = 0
+    for i in range(steps + 1):
+        c0, w0 = time.process_time(), time.perf_counter()
+        saved = step()
+        cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+        peak = max(peak, saved)
+        if i and cpu < best[0]:
+            best = (cpu, wall)
+    return best[0], best[1], peak
 
 
-def bench_workload(name: str, scheme: str, tasks: int, scale: float, knobs: dict, *, reps: int, chunk_size: int,
-                   microbatch_tokens: int, model_name: str = "tiny", seed: int = 0) -> dict:
+def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microbatch_tokens: int, model_name: str,
+                   max_baseline_tokens: int, modes: tuple[str, ...] = MODES) -> dict:
+    from benchmarks.peer import SavedTensorBytes, TransformersPeer
     from benchmarks.workloads import generate
     from planner_service.ingest import forest_from_json
     from planner_service.planner import PlanConfig, plan_step
-    from trainer.executor import Executor, ExecutorConfig
+    from trainer.executor import Executor, ExecutorConfig, train_step
     from trainer.flops import plan_flops
     from trainer.models import build_model
     from trainer.optim import make_optimizer
 
-    forest = forest_from_json(generate(scheme, tasks, seed, scale, **knobs))
+    doc = generate(**gen, vocab_size=256)
+    forest = forest_from_json(doc)
+    sub_doc = _subset(doc, max_baseline_tokens, seed=7)
+    sub = forest if sub_doc is doc else forest_from_json(sub_doc)
+    model = build_model(model_name, seed=0)
+    mcfg = model.config
+    common = dict(chunk_size=chunk_size, conv_kernel=mcfg.linear_conv_kernel_dim, model_config=mcfg.to_hf_dict())
     longest = int(forest.traj_length().max())
-    B = max(microbatch_tokens, longest)
-    common = dict(chunk_size=chunk_size, microbatch_tokens=B, windows=False)
-    tree_plan = plan_step(forest, PlanConfig(**common))
-    flat_plan = plan_step(forest, PlanConfig(sharing=False, **common))
-    st = tree_plan.header.stats
-    log.info("%s: %d trajectories, %d expanded / %d distinct tokens (ideal %.2fx), %d computed rows, %d + %d microbatches",
-             name, forest.num_trajectories, st.expanded_tokens, st.unique_tokens, st.compression_ideal,
-             st.computed_tokens, st.microbatches, flat_plan.header.stats.microbatches)
-    base = build_model(model_name, seed=seed)
-    runs = {}
-    for label, plan in (("tree", tree_plan), ("expanded", flat_plan)):
-        model = copy.deepcopy(base)
-        opt = make_optimizer(model.parameters(), lr=1e-4)
-        runs[label] = (Executor(model, ExecutorConfig(chunk_size=chunk_size)), plan, opt)
-    times = {"tree": [], "expanded": []}
-    cpu = {"tree": [], "expanded": []}
-    for label, (ex, plan, opt) in runs.items():  # warm-up: first-call allocations, kernel paths
-        _step_time(ex, plan, opt)
-    for r in range(reps):
-        for label, (ex, plan, opt) in runs.items():
-            wall, cpu_s = _step_time(ex, plan, opt)
-            times[label].append(wall)
-            cpu[label].append(cpu_s)
-        log.info("%s: rep %d/%d tree %.3f s, expanded %.3f s", name, r + 1, reps, times["tree"][-1], times["expanded"][-1])
-    t_tree, t_flat = statistics.median(times["tree"]), statistics.median(times["expanded"])
-    c_tree, c_flat = statistics.median(cpu["tree"]), statistics.median(cpu["expanded"])
-    N_e = int(st.expanded_tokens)
-    speedup = c_flat / c_tree
-    cfg = runs["tree"][0].model.config
-    flop_compression = (plan_flops(flat_plan, cfg, chunk_size=chunk_size).total
-                        / plan_flops(tree_plan, cfg, chunk_size=chunk_size).total)
-    return {
-        "workload": name, "scheme": scheme, "trajectories": forest.num_trajectories,
-        "expanded_tokens": N_e, "unique_tokens": int(st.unique_tokens), "computed_tokens": int(st.computed_tokens),
-        "replay_tokens": int(st.replay_tokens), "duplicated_tokens": int(st.duplicated_tokens),
-        "compression_ideal": float(st.compression_ideal), "compression_achieved": float(st.compression_achieved),
-        "microbatch_tokens": B, "chunk_size": chunk_size, "microbatches_tree": int(st.microbatches),
-        "microbatches_expanded": int(flat_plan.header.stats.microbatches),
-        "step_seconds_tree": t_tree, "step_seconds_expanded": t_flat,
-        "step_cpu_seconds_tree": c_tree, "step_cpu_seconds_expanded": c_flat,
-        "tokens_per_s_tree": N_e / t_tree, "tokens_per_s_expanded": N_e / t_flat,
-        "tokens_per_cpu_s_tree": N_e / c_tree, "tokens_per_cpu_s_expanded": N_e / c_flat,
-        "flop_compression": flop_compression,
-        "speedup_wall": t_flat / t_tree, "speedup": speedup, "fraction_of_ideal": speedup / flop_compression,
-        "fraction_of_token_compression": speedup / float(st.compression_ideal), "reps": reps,
+    plans = {
+        "windows": plan_step(forest, PlanConfig(microbatch_tokens=microbatch_tokens, **common)),
+        "no_windows": plan_step(forest, PlanConfig(microbatch_tokens=max(microbatch_tokens, longest), windows=False, **common)),
+        "expanded": plan_step(sub, PlanConfig(microbatch_tokens=max(microbatch_tokens, int(sub.traj_length().max())),
+                                              sharing=False, windows=False, **common)),
     }
+    st = plans["windows"].header.stats
+    full_expanded = plan_step(forest, PlanConfig(microbatch_tokens=max(microbatch_tokens, longest), sharing=False,
+                                                 windows=False, **common))
+    ideal = plan_flops(full_expanded, mcfg, chunk_size=chunk_size).total / plan_flops(plans["windows"], mcfg, chunk_size=chunk_size).total
+    del full_expanded
+    row = {
+        "workload": name, "generator": gen, "trajectories": forest.num_trajectories,
+        "expanded_tokens": int(forest.expanded_tokens), "unique_tokens": int(forest.unique_tokens),
+        "longest_trajectory": longest, "baseline_tokens": int(sub.expanded_tokens),
+        "baseline_trajectories": sub.num_trajectories, "microbatch_tokens": microbatch_tokens,
+        "no_windows_microbatch_tokens": max(microbatch_tokens, longest), "chunk_size": chunk_size,
+        "compression_ideal": float(st.compression_ideal), "compression_achieved": float(st.compression_achieved),
+        "flop_compression": ideal, "microbatches": int(st.microbatches), "windows": int(st.windows),
+        "recomputed": sum(mb.recompute for r in plans["windows"].ranks for mb in r.microbatches),
+        "peak_live_tokens_estimate": int(st.peak_live_tokens), "peak_live_bytes_estimate": int(st.peak_live_bytes),
+        "no_windows_compression_achieved": float(plans["no_windows"].header.stats.compression_achieved),
+    }
+    log.info("%s: %d trajectories, %d expanded / %d distinct tokens, ideal %.2fx (FLOPs %.2fx); %d microbatches, "
+             "%d windows; baselines on %d tokens", name, row["trajectories"], row["expanded_tokens"],
+             row["unique_tokens"], row["compression_ideal"], ideal, row["microbatches"], row["windows"],
+             row["baseline_tokens"])
+    ex = Executor(model, ExecutorConfig(chunk_size=chunk_size))
+    opt = make_optimizer(model.parameters(), lr=1e-5)
+    for mode in modes:
+        tokens = row["baseline_tokens"] if mode in ("expanded", "transformers") else row["expanded_tokens"]
+        if mode == "transformers":
+            peer = TransformersPeer.from_model(model)
+            trajs = [t["tokens"] for t in sub_doc["trajectories"]]
+            masks = [t["loss_mask"] if "loss_mask" in t else [1] * len(t["tokens"]) for t in sub_doc["trajectories"]]
+
+            def step():
+                return peer.train_step(trajs, masks)[2]
+        else:
+            plan = plans[mode]
+
+            def step():
+                with SavedTensorBytes(model) as gauge:
+                    train_step(ex, plan, opt)
+                return gauge.peak
+        cpu, wall, peak = _timed_steps(step, steps)
+        row[f"{mode}_cpu_seconds"], row[f"{mode}_wall_seconds"] = cpu, wall
+        row[f"{mode}_tokens_per_cpu_s"] = tokens / cpu
+        row[f"{mode}_peak_saved_bytes"] = peak
+        log.info("%s: %s %.1f CPU s (%.1f wall), %.0f expanded tokens/CPU-s, peak saved %.0f MB", name, mode, cpu, wall,
+                 tokens / cpu, peak / 1e6)
+        if mode == "transformers":
+            del peer
+    r = lambda a, b: row.get(f"{a}_tokens_per_cpu_s", float("nan")) / row.get(f"{b}_tokens_per_cpu_s", float("nan"))  # noqa: E731
+    row["windows_vs_expanded"] = r("windows", "expanded")
+    row["fraction_of_ideal"] = row["windows_vs_expanded"] / ideal
+    row["windows_vs_no_windows"] = r("windows", "no_windows")
+    row["windows_vs_transformers"] = r("windows", "transformers")
+    row["expanded_vs_transformers"] = r("expanded", "transformers")
+    row["windows_vs_ideal_transformers"] = row["windows_vs_transformers"] / ideal
+    if "windows_peak_saved_bytes" in row:
+        row["windows_saved_bytes_per_live_row"] = row["windows_peak_saved_bytes"] / max(row["peak_live_tokens_estimate"], 1)
+        row["estimate_vs_measured"] = row["peak_live_bytes_estimate"] / max(row["windows_peak_saved_bytes"], 1)
+    if "transformers_peak_saved_bytes" in row:
+        longest_sub = max(len(t["tokens"]) for t in sub_doc["trajectories"])
+        row["transformers_saved_bytes_per_row"] = row["transformers_peak_saved_bytes"] / longest_sub
+    return row
 
 
-def run(quick: bool = False, threads: int = 1) -> dict:
-    """Benchmark every workload; returns {"workloads": [...], "settings": {...}}.
-
-    Args:
-        quick: one small workload and one timed step (for tests of the suite).
-        threads: torch intra-op threads (0: torch's default). 1, as in the headline benchmark:
-            CPU seconds then count work, not OpenMP workers spinning between small operators.
-    """
+def run(quick: bool = False, threads: int = 1, steps: int | None = None) -> dict:
+    """Benchmark every workload; returns {"workloads": [...], "settings": {...}}."""
     from benchmarks.allocator import steady_allocator
 
     steady_allocator()
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    settings = dict(model="tiny" if quick else "small", chunk_size=16, microbatch_tokens=256 if quick else 2048,
+                    max_baseline_tokens=4000 if quick else 45000, steps=steps or (1 if quick else 2))
     try:
         torch.manual_seed(0)
-        workloads = QUICK_WORKLOADS if quick else WORKLOADS
-        reps = 1 if quick else 5
-        chunk_size, budget = 64, 4096
-        results = []
-        for i, (name, scheme, tasks, scale, knobs) in enumerate(workloads):
-            log.info("[%d/%d] %s", i + 1, len(workloads), name)
-            results.append(bench_workload(name, scheme, tasks, scale, knobs, reps=reps, chunk_size=chunk_size,
-                                          microbatch_tokens=budget))
-        used = torch.get_num_threads()
+        rows = []
+        for i, (name, gen) in enumerate(QUICK_WORKLOADS if quick else WORKLOADS):
+            log.info("[%d/%d] %s", i + 1, len(QUICK_WORKLOADS if quick else WORKLOADS), name)
+            rows.append(bench_workload(name, gen, steps=settings["steps"], chunk_size=settings["chunk_size"],
+                                       microbatch_tokens=settings["microbatch_tokens"], model_name=settings["model"],
+                                       max_baseline_tokens=settings["max_baseline_tokens"]))
+        settings["threads"] = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)  # the suite runs the other benchmarks in this process
-    return {
-        "workloads": results,
-        "settings": {"model": "tiny (debugmodel: 4 layers, 8 experts top-2, fp32)", "chunk_size": chunk_size,
-                     "microbatch_tokens": budget, "threads": used, "quick": quick,
-                     "target_fraction_of_ideal": 0.8},
-    }
+    return {"workloads": rows, "settings": settings}
+
+
+COLUMNS = (
+    ("workload", "workload"), ("expanded_tokens", "expanded tokens"), ("flop_compression", "ideal (FLOP compression)"),
+    ("windows", "windows"), ("windows_tokens_per_cpu_s", "windows tok/CPU-s"),
+    ("no_windows_tokens_per_cpu_s", "no windows tok/CPU-s"), ("expanded_tokens_per_cpu_s", "expanded tok/CPU-s"),
+    ("transformers_tokens_per_cpu_s", "transformers tok/CPU-s"), ("windows_vs_expanded", "windows / expanded"),
+    ("fraction_of_ideal", "fraction of ideal"), ("windows_vs_transformers", "windows / transformers"),
+    ("expanded_vs_transformers", "expanded / transformers"), ("windows_vs_no_windows", "windows / no windows"),
+)
+MEMORY_COLUMNS = (
+    ("workload", "workload"), ("windows_peak_saved_bytes", "windows peak saved (MB)"),
+    ("no_windows_peak_saved_bytes", "no windows (MB)"), ("expanded_peak_saved_bytes", "expanded (MB)"),
+    ("transformers_peak_saved_bytes", "transformers, one trajectory (MB)"),
+    ("peak_live_bytes_estimate", "planner estimate, windows (MB)"), ("estimate_vs_measured", "estimate / measured"),
+    ("windows_saved_bytes_per_live_row", "windows KB / live row"), ("transformers_saved_bytes_per_row", "transformers KB / row"),
+)
+
+
+def _cell(key: str, v) -> str:
+    if isinstance(v, float) and key.endswith("_bytes"):
+        return f"{v / 1e6:,.0f}"
+    if isinstance(v, int) and key.endswith("_bytes"):
+        return f"{v / 1e6:,.0f}"
+    if key.endswith("_per_row") or key.endswith("_per_live_row"):
+        return f"{v / 1e3:,.0f}"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def markdown(result: dict) -> str:
+    rows = result["workloads"]
+    out = ["# Trainer: sharing windows vs no windows vs expanded vs transformers", "",
+           "Command: `.venv/bin/python -m benchmarks.bench_trainer --out benchmarks/results` "
+           f"(settings: {json.dumps(result['settings'])}).", ""]
+    for cols in (COLUMNS, MEMORY_COLUMNS):
+        out.append("| " + " | ".join(h for _, h in cols) + " |")
+        out.append("|" + "---|" * len(cols))
+        for r in rows:
+            out.append("| " + " | ".join(_cell(k, r.get(k, "")) for k, _ in cols) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small workload, one timed step")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's default)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per mode after one warm-up (default 2)")
+    parser.add_argument("--out", default=None, help="write trainer.md and trainer.json into this folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    print(json.dumps(run(quick=args.quick, threads=args.threads), indent=1))
+    result = run(quick=args.quick, threads=args.threads, steps=args.steps)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "trainer.json").write_text(json.dumps(result, indent=1))
+        (out / "trainer.md").write_text(markdown(result))
+    print(json.dumps(result, indent=1))
     return 0
 
 

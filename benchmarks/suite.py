@@ -49,7 +49,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODULES: dict[str, tuple[str, str]] = {
     "forest": ("benchmarks.bench_forest", "ingest: JSON/protobuf -> prefix forest, Numba vs reference"),
     "planner": ("benchmarks.bench_planner", "planner: ~1M distinct tokens, Numba vs reference, plan quality"),
-    "trainer": ("benchmarks.bench_trainer", "trainer: update throughput of tree vs expanded execution"),
+    "trainer": ("benchmarks.bench_trainer", "trainer: sharing windows vs no windows vs expanded vs transformers (throughput, memory)"),
     "service": ("benchmarks.bench_service", "service: concurrent submissions and plan polling on loopback"),
     "kernels": ("benchmarks.bench_kernels", "kernels: chunked gated delta rule"),
 }
@@ -72,15 +72,15 @@ class WorkloadSpec:
     """Row label."""
     gen: dict
     """WorkloadConfig keyword arguments."""
-    microbatch_tokens: int = 8192
-    """Planner token budget B."""
+    microbatch_tokens: int = 2048
+    """Planner token budget B (below the CPU-scale trees' sizes: steps run sharing windows)."""
     chunk_size: int = 16
     """Linear-attention chunk size C. CPU scale shrinks every length ~50x, so C = 16 (not the
     kernel default 64) keeps the replay overhead of branches inside a chunk near full scale's."""
     world_size: int = 1
     """Planner ranks (1 at CPU scale: the trainer runs the whole plan in-process)."""
-    windows: bool = False
-    """Sharing windows (the CPU trainer runs plans without them)."""
+    windows: bool = True
+    """Sharing windows (off: the ablation that duplicates prefixes)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -112,6 +112,8 @@ class SuiteConfig:
     """Also time the plain-Python reference planner (skipped above `reference_max_tokens`)."""
     reference_max_tokens: int = 50_000_000
     """Largest distinct-token count the reference planner is timed on (about 10 s per 17M here)."""
+    peer_max_tokens: int = 20_000
+    """Expanded tokens of the (seeded random) trajectory subset transformers is timed on."""
 
     def __post_init__(self) -> None:
         bad = [n for n in self.only if n not in NAMES]
@@ -147,9 +149,9 @@ def workload_specs(*, quick: bool = False, full: bool = False) -> list[WorkloadS
         ]
     if quick:
         return [
-            WorkloadSpec(name="group (G=4)", gen=dict(scheme="group", tasks=1, seed=0, scale=0.01, group_size=4, turns=(10, 12))),
-            WorkloadSpec(name="tree (k=2, 2 levels)", gen=dict(scheme="tree", tasks=1, seed=0, scale=0.01, levels=2, turns=(10, 12))),
-            WorkloadSpec(name="percall (G=1)", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.01, group_size=1, turns=(10, 12))),
+            WorkloadSpec(name="group (G=4)", gen=dict(scheme="group", tasks=1, seed=0, scale=0.01, group_size=4, turns=(10, 12)), microbatch_tokens=256),
+            WorkloadSpec(name="tree (k=2, 2 levels)", gen=dict(scheme="tree", tasks=1, seed=0, scale=0.01, levels=2, turns=(10, 12)), microbatch_tokens=256),
+            WorkloadSpec(name="percall (G=1)", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.01, group_size=1, turns=(10, 12)), microbatch_tokens=256),
         ]
     return [
         WorkloadSpec(name="group (G=4)", gen=dict(scheme="group", tasks=2, seed=0, scale=0.02, group_size=4, turns=(10, 30))),
@@ -225,8 +227,13 @@ def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig, row: dict | None = No
     warmup = _optional("planner_service.planner", "warmup")
     if warmup is not None:
         warmup()
+    model_config = None
+    if not cfg.full:  # the memory model of the model the trainer runs (full scale: the planner's default)
+        from trainer.models import NAMED_CONFIGS
+
+        model_config = NAMED_CONFIGS["tiny" if cfg.quick else cfg.model]().to_hf_dict()
     pcfg = PlanConfig(world_size=spec.world_size, microbatch_tokens=spec.microbatch_tokens, chunk_size=spec.chunk_size,
-                      windows=spec.windows)
+                      windows=spec.windows, model_config=model_config)
     plan, row["planner_seconds"] = _timed(plan_step, forest, pcfg)
     st = _plan_stats(plan)
     row.update(
@@ -251,27 +258,34 @@ def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig, row: dict | None = No
             row["planner_speedup"] = row["planner_ref_seconds"] / max(row["planner_seconds"], 1e-9)
     elif cfg.reference_planner:
         row["planner_ref_note"] = f"reference not timed above {cfg.reference_max_tokens} distinct tokens"
-    expanded, row["planner_expanded_seconds"] = _timed(plan_step, forest, _replace(pcfg, PlanConfig, sharing=False))
+    # the baseline packs whole trajectories (standard sequence packing): B raised to the longest
+    longest = int(forest.traj_length().max())
+    expanded, row["planner_expanded_seconds"] = _timed(plan_step, forest, _replace(
+        pcfg, PlanConfig, sharing=False, windows=False, microbatch_tokens=max(spec.microbatch_tokens, longest), memory_tokens=0))
     row["linear_attention_calls_expanded"] = _plan_stats(expanded)["linear_attention_calls"]
     if cfg.trainer and not cfg.full:
-        row.update(_measure_trainer(plan, expanded, row, cfg))
+        row.update(_measure_trainer(plan, expanded, row, cfg, forest))
     elif not cfg.full:
         row["trainer_note"] = "update throughput not timed (--no-trainer)"
     return row
 
 
 def _replace(pcfg, PlanConfig, **changes):
-    fields = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "sharing", "windows", "replay", "all_positions")
+    fields = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "sharing", "windows", "replay",
+              "all_positions", "model_config", "dtype")
     return PlanConfig(**{**{f: getattr(pcfg, f) for f in fields if hasattr(pcfg, f)}, **changes})
 
 
-def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
+def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig, forest) -> dict:
     """Update throughput (expanded tokens per CPU second of forward + backward + AdamW step) of the
-    tree plan and the expanded plan on the same model (`cfg.model`): one warm-up step each, then alternating
-    timed steps; the fastest step of each counts. CPU seconds of this process, with
-    `cfg.trainer_threads` intra-op threads and a steady allocator (`benchmarks.allocator`), rather
-    than wall seconds, because other processes on a shared machine only ever add wall time; the
-    wall ratio is reported beside it."""
+    tree plan and the expanded plan on the same model (`cfg.model`), and of the peer a user would
+    run instead: transformers' Qwen3-Next on the same weights, trajectory by trajectory
+    (`benchmarks.peer`; on a seeded subset of `cfg.peer_max_tokens` expanded tokens when the batch
+    is larger). One warm-up step each, then alternating timed steps; the fastest step of each
+    counts. CPU seconds of this process, with `cfg.trainer_threads` intra-op threads and a steady
+    allocator (`benchmarks.allocator`), rather than wall seconds, because other processes on a
+    shared machine only ever add wall time; the wall ratio is reported beside it. Peak bytes saved
+    for backward per mode (`benchmarks.peer.SavedTensorBytes`)."""
     Executor = _optional("trainer.executor", "Executor")
     ExecutorConfig = _optional("trainer.executor", "ExecutorConfig")
     train_step = _optional("trainer.executor", "train_step")
@@ -283,6 +297,7 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     import torch
 
     from benchmarks.allocator import steady_allocator
+    from benchmarks.peer import SavedTensorBytes, TransformersPeer
 
     steady_allocator()  # the rest of this process keeps the fixed thresholds too
     torch.manual_seed(0)
@@ -290,17 +305,33 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
     ex = Executor(model, ExecutorConfig(chunk_size=plan.header.params.chunk_size))
     opt = make_optimizer(model.parameters(), lr=1e-5)
     steps = cfg.trainer_steps if cfg.trainer_steps is not None else (1 if cfg.quick else 5)
-    wall: dict[str, list[float]] = {"tree": [], "expanded": []}
-    cpu: dict[str, list[float]] = {"tree": [], "expanded": []}
+    wall: dict[str, list[float]] = {"tree": [], "expanded": [], "transformers": []}
+    cpu: dict[str, list[float]] = {"tree": [], "expanded": [], "transformers": []}
+    saved = {"tree": 0, "expanded": 0, "transformers": 0}
+    rng = np.random.default_rng(7)
+    peer_trajs, n_peer = [], 0
+    for t in rng.permutation(forest.num_trajectories).tolist():
+        if n_peer >= cfg.peer_max_tokens:
+            break
+        a, b = int(forest.traj_offset[t]), int(forest.traj_offset[t + 1])
+        peer_trajs.append((forest.path_tokens(t).tolist(), forest.loss_mask[a:b].tolist()))
+        n_peer += b - a
+    peer = TransformersPeer.from_model(model)
     first = 0 if cfg.trainer_warmup else 1
     threads = torch.get_num_threads()
     if cfg.trainer_threads:
         torch.set_num_threads(cfg.trainer_threads)
     try:
         for step in range(first, steps + 1):
-            for name, p in (("tree", plan), ("expanded", expanded)):
+            for name, p in (("tree", plan), ("expanded", expanded), ("transformers", None)):
                 c0 = time.process_time()
-                _, dt = _timed(train_step, ex, p, opt)
+                if p is None:
+                    (_, _, peak), dt = _timed(peer.train_step, [x for x, _ in peer_trajs], [m for _, m in peer_trajs])
+                else:
+                    with SavedTensorBytes(model) as gauge:
+                        _, dt = _timed(train_step, ex, p, opt)
+                    peak = gauge.peak
+                saved[name] = max(saved[name], peak)
                 if step:  # step 0 warms up allocators and caches
                     wall[name].append(dt)
                     cpu[name].append(time.process_time() - c0)
@@ -311,6 +342,7 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
         torch.set_num_threads(threads)
     n_e = row["expanded_tokens"]
     tree_s, exp_s = min(cpu["tree"]), min(cpu["expanded"])
+    peer_rate = n_peer / min(cpu["transformers"])
     ratio = exp_s / tree_s
     chunk_size = plan.header.params.chunk_size
     flops_tree = plan_flops(plan, model.config, chunk_size=chunk_size)
@@ -331,6 +363,15 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig) -> dict:
         "throughput_ratio_wall": min(wall["expanded"]) / min(wall["tree"]),
         "fraction_of_ideal": ratio / flop_compression,
         "fraction_of_token_compression": ratio / row["compression_ideal"],
+        "transformers_tokens": n_peer,
+        "transformers_tokens_per_cpu_s": peer_rate,
+        "tree_vs_transformers": n_e / tree_s / peer_rate,
+        "expanded_vs_transformers": n_e / exp_s / peer_rate,
+        "tree_vs_transformers_ideal": n_e / tree_s / peer_rate / flop_compression,
+        "peak_saved_bytes_tree": saved["tree"],
+        "peak_saved_bytes_expanded": saved["expanded"],
+        "peak_saved_bytes_transformers": saved["transformers"],
+        "peak_live_tokens_tree": int(plan.header.stats.peak_live_tokens),
     }
 
 
@@ -555,9 +596,14 @@ HEADLINE = (
     ("planner_ref_seconds", "planner reference (s)"),
     ("calls", "linear-attn calls tree / expanded"),
     ("flop_compression", "ideal: FLOP compression"),
+    ("tree_tokens_per_cpu_s", "tree tok/CPU-s"),
+    ("expanded_tokens_per_cpu_s", "expanded tok/CPU-s"),
+    ("transformers_tokens_per_cpu_s", "transformers tok/CPU-s"),
+    ("tree_vs_transformers", "speedup vs transformers"),
+    ("expanded_vs_transformers", "expanded / transformers"),
     ("throughput_ratio", "update throughput tree / expanded"),
     ("fraction_of_ideal", "fraction of ideal"),
-    ("fraction_of_token_compression", "ratio / token compression"),
+    ("tree_vs_transformers_ideal", "vs transformers / ideal"),
 )
 
 
@@ -572,9 +618,12 @@ def headline_table(rows: list[dict]) -> str:
             if key == "calls":
                 cells.append(f"{_fmt(r.get('linear_attention_calls'))} / {_fmt(r.get('linear_attention_calls_expanded'))}"
                              if "linear_attention_calls" in r else "-")
-            elif key in ("compression_ideal", "compression_achieved", "flop_compression", "throughput_ratio") and key in r:
+            elif key in ("compression_ideal", "compression_achieved", "flop_compression", "throughput_ratio",
+                         "tree_vs_transformers", "expanded_vs_transformers") and key in r:
                 cells.append(f"{r[key]:.2f}x")
-            elif key in ("fraction_of_ideal", "fraction_of_token_compression") and key in r:
+            elif key.endswith("_tokens_per_cpu_s") and key in r:
+                cells.append(f"{r[key]:,.0f}")
+            elif key in ("fraction_of_ideal", "fraction_of_token_compression", "tree_vs_transformers_ideal") and key in r:
                 cells.append(f"{100 * r[key]:.0f}%")
             else:
                 cells.append(_fmt(r.get(key)))
@@ -603,11 +652,14 @@ def _workload_notes(rows: list[dict], mode: str) -> list[str]:
     if mode == "full":
         notes.append("- Full scale: planning only (8 ranks, sharing windows, B = 65,536, C = 64); no trainer run.")
     else:
-        notes.append("- CPU scale: token lengths x0.02 (quick: x0.01) and fewer turns; one rank, B = 8,192, no sharing "
-                     "windows, C = 16 (a 64-token chunk would span several scaled turns and inflate replay); "
+        notes.append("- CPU scale: token lengths x0.02 (quick: x0.01) and fewer turns; one rank, B = 2,048 (quick: 256, "
+                     "below the trees' sizes: sharing windows), C = 16 (a 64-token chunk would span several scaled "
+                     "turns and inflate replay); the expanded plan packs whole trajectories (B raised to the longest); "
                      "update throughput in expanded tokens per CPU second of this process (fastest timed step of "
                      "each mode; the machine is shared, so wall time is noisier) with "
-                     f"{_threads_text(rows)}, fixed malloc thresholds, reference kernels, fused AdamW.")
+                     f"{_threads_text(rows)}, fixed malloc thresholds, reference kernels, fused AdamW; transformers: "
+                     "Qwen3NextForCausalLM on the same weights (exported with `trainer.export`), trajectory by "
+                     "trajectory, on a seeded subset of up to 20,000 expanded tokens of the batch.")
     return notes
 
 
@@ -633,6 +685,9 @@ def render_result(name: str, entry: dict) -> str:
     if entry["status"] == "failed":
         lines += ["", "```", entry.get("traceback", entry.get("error", "")).strip(), "```"]
     result = entry.get("result")
+    own = getattr(importlib.import_module(MODULES[name][0]), "markdown", None) if name in MODULES else None
+    if isinstance(result, dict) and own is not None:  # a module that renders its own tables
+        return "\n".join(lines) + "\n\n" + own(result) + "\n"
     if isinstance(result, dict):
         scalars, tables = {}, {}
         for k, v in _flatten(result).items():

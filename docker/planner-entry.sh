@@ -1,8 +1,8 @@
 #!/bin/sh
 # Planner container entry point: `harts serve` on all interfaces, database on the /data volume.
 # HARTS_TOKEN (bearer token) and HARTS_WORLD_SIZE / HARTS_MICROBATCH_TOKENS / HARTS_CHUNK_SIZE
-# (default topology: plan every submission at once) come from the environment; HARTS_NO_WINDOWS=1
-# duplicates prefixes instead of opening sharing windows (the trainer runs independent microbatches).
+# (default topology: plan every submission at once) come from the environment. Plans open sharing
+# windows; HARTS_NO_WINDOWS=1 is the ablation that duplicates prefixes instead.
 set -eu
 [ "${HARTS_NO_WINDOWS:-0}" = "1" ] && set -- --no-windows "$@"
 set -- --host 0.0.0.0 \

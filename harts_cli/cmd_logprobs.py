@@ -34,6 +34,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ablation: duplicate prefixes instead of sharing windows (B is raised to the longest "
                              "trajectory, which must then fit one microbatch)")
     parser.add_argument("--backend", default="ref", help="gated delta rule kernel backend (ref | triton)")
+    parser.add_argument("--attention-backend", default="auto",
+                        help="tree-attention backend: auto (cpu on the CPU, triton on CUDA) | cpu | triton | ref")
 
 
 def plan_config(args: argparse.Namespace, forest, conv_kernel: int, **kw):
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     forest = load_forest(args.input, args.format)
     model = build_model(args.model, seed=args.seed)
     plan = plan_step(forest, plan_config(args, forest, model.config.linear_conv_kernel_dim))
-    ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, want_logprobs=True))
+    ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend,
+                                        attention_backend=args.attention_backend, want_logprobs=True))
     res = ex.run_step(plan, backward=False)
     out = {tid: [float(x) for x in lp] for tid, lp in res.logprobs.items()}
     with open(args.output, "w") as fh:

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     expanded = plan_step(forest, PlanConfig(microbatch_tokens=max(args.microbatch_tokens, longest), sharing=False, **common))
     obj = ObjectiveConfig(aggregation=args.aggregation, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef)
     ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, objective=obj,
-                                        want_logprobs=True, capture_linear=True))
+                                        attention_backend=args.attention_backend, want_logprobs=True, capture_linear=True))
     ref, g_ref = run_and_capture(ex, expanded)
     got, g_got = run_and_capture(ex, tree)
     rep = compare_runs(ref, g_ref, got, g_got)

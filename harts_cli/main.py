@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from planner_service.errors import HartsError
@@ -29,6 +30,32 @@ COMMANDS: dict[str, str] = {
 }
 
 
+def default_threads() -> int:
+    """Intra-op threads for the compute commands: half the cores this process may run on, at most 8,
+    at least 1 (a 2-core machine gets 1). Small CPU operators with a thread pool on a busy machine
+    spend most of their time in OpenMP workers waiting for each other: `harts verify` took 16 min
+    with torch's default pool on a loaded 2-core machine and 1.5 min with one thread."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
+
+
+def pin_threads(n: int | None) -> int:
+    """Use `n` intra-op threads (None: $OMP_NUM_THREADS if set, else `default_threads()`); set
+    before torch is imported, so that its thread pool starts at that size."""
+    if n is None:
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        n = int(env) if env.isdigit() and int(env) > 0 else default_threads()
+    if n < 1:
+        raise ValueError(f"--threads: expected >= 1, got {n}")
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+    return n
+
+
 def _available() -> dict[str, object]:
     mods = {}
     for name in COMMANDS:
@@ -43,6 +70,9 @@ def _available() -> dict[str, object]:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     parser = argparse.ArgumentParser(prog="harts", description="HARTS: prefix-sharing RL training for hybrid-attention models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: $OMP_NUM_THREADS, else half the usable cores, "
+                             "at most 8, at least 1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     mods = _available()
     for name, mod in mods.items():
@@ -62,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # one INFO line per HTTP request drowns the progress output
         logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
+        pin_threads(args.threads)
         return int(mods[args.command].run(args) or 0)
     except (HartsError, ValueError, FileNotFoundError) as exc:
         print(f"harts {args.command}: error: {exc}", file=sys.stderr)

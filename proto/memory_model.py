@@ -251,7 +251,16 @@ def saved_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int
                 + H * hd * e  # gated product (o_proj input)
             )
     out["head"] = norm(D) + dims.vocab_size * f
-    return out
+    return {k: v * MEASURED_FACTOR[k] for k, v in out.items()}
+
+
+#: measured / derived bytes per row, per component: the derivation above misses intermediates the
+#: reference kernels save (the chunked gated delta rule's per-chunk blocks, the experts' gathered
+#: rows and products). Measured with saved-tensor hooks on the `tiny` and `small` models
+#: (`tests/test_memory_model.py::test_formula_covers_the_measured_activations`): linear attention
+#: 1.44 / 1.33, MoE 1.44 / 1.44, attention 1.17 / 1.23, norms and head below the derivation; the
+#: larger ratio of the two, rounded up, so that the estimate stays an upper bound.
+MEASURED_FACTOR = {"norms": 1.0, "mlp": 1.5, "moe": 1.5, "linear_attention": 1.5, "attention": 1.3, "head": 1.0}
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)

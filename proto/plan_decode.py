@@ -219,7 +219,7 @@ def decode_microbatch(mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams) -> M
     I = import_mb.shape[0]
     J = params.conv_kernel - 1
     if J > 0:
-        conv = arr("conv_ancestors", "int32", R, width=J)
+        conv = arr("conv_ancestors", "int32", R, width=J).reshape(R, J)
     else:
         if len(mb.conv_ancestors):
             _fail(f"{w}.conv_ancestors", f"expected empty for conv_kernel {params.conv_kernel}, got {len(mb.conv_ancestors)} bytes")

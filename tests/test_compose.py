@@ -80,19 +80,19 @@ def test_gpu_override_merges(compose):
     assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 2
 
 
-def test_planner_entry_plans_without_windows_for_the_trainer(tmp_path):
-    # The compose trainer runs independent microbatches: the planner's default topology must not
-    # open sharing windows. Run the entry script with a stand-in `harts` that prints its arguments.
+def test_planner_entry_plans_with_windows_and_keeps_the_ablation(tmp_path):
+    # The compose trainer runs sharing windows: the planner's default topology opens them;
+    # HARTS_NO_WINDOWS=1 is the ablation. Run the entry script with a stand-in `harts`.
     fake = tmp_path / "harts"
     fake.write_text("#!/bin/sh\necho \"$@\"\n")
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "HARTS_WORLD_SIZE": "2", "HARTS_NO_WINDOWS": "1"}
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "HARTS_WORLD_SIZE": "2"}
+    env.pop("HARTS_NO_WINDOWS", None)
     out = subprocess.run(["sh", str(ROOT / "docker" / "planner-entry.sh")], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     args = out.stdout.split()
-    assert args[0] == "serve" and "--no-windows" in args and "--world-size 2" in out.stdout
-    env["HARTS_NO_WINDOWS"] = "0"
+    assert args[0] == "serve" and "--no-windows" not in args and "--world-size 2" in out.stdout
+    env["HARTS_NO_WINDOWS"] = "1"
     out = subprocess.run(["sh", str(ROOT / "docker" / "planner-entry.sh")], env=env, capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0 and "--no-windows" not in out.stdout.split()
-    compose_env = (ROOT / "docker-compose.yml").read_text()
-    assert 'HARTS_NO_WINDOWS: "1"' in compose_env
+    assert out.returncode == 0 and "--no-windows" in out.stdout.split()
+    assert "HARTS_NO_WINDOWS" not in (ROOT / "docker-compose.yml").read_text()

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 FORWARD, BACKWARD = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
 VALIDATE_MODES = ("check", "full", "none")
+#: a step running longer than this logs its progress every this many seconds
+PROGRESS_SECONDS = 10.0
 
 
 def kernel_backend(name: str):
@@ -259,7 +261,8 @@ class Executor:
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
         run = _StepRun(self, header, norm, backward=backward)
-        run.backwards_left = sum(k == BACKWARD for r in ranks for k, _ in rank_steps(r)) if backward else 0
+        run.total_steps = sum(len(rank_steps(r)) for r in ranks)
+        run.backwards_left = run.total_steps // 2 if backward else 0
         run.before_last_backward = before_last_backward
         for rank in ranks:
             run.rank(rank)
@@ -297,6 +300,8 @@ class _StepRun:
         self.load = torch.zeros(len(ex.moe_layers), max(ex.num_experts, 1), dtype=torch.float64)
         self.backwards_left = 0
         self.before_last_backward: Callable[[], None] | None = None
+        self.total_steps = self.steps_done = 0
+        self.t0 = self.last_report = time.perf_counter()
 
     def rank(self, rank: plan_pb2.RankPlan) -> None:
         arrays, steps = _decode_rank(self.header, rank, self.ex.cfg.validate)
@@ -313,8 +318,18 @@ class _StepRun:
                 if st is None:
                     raise ValueError(f"rank {rank.rank}: backward of microbatch {m} without an open forward")
                 self._backward(m, st, open_)
+            self._progress()
         if open_:
             raise ValueError(f"rank {rank.rank}: microbatches {sorted(open_)} were forwarded but never backwarded")
+
+    def _progress(self) -> None:
+        """One log line every PROGRESS_SECONDS of a long step."""
+        self.steps_done += 1
+        now = time.perf_counter()
+        if now - self.last_report >= PROGRESS_SECONDS and self.steps_done < self.total_steps:
+            self.last_report = now
+            log.info("step %s: %d/%d microbatch steps (forward/backward), %d rows so far, %.0f s",
+                     self.header.step_id, self.steps_done, self.total_steps, self.computed, now - self.t0)
 
     def _forward(self, a: MicrobatchArrays, needs, open_: dict[int, _Open]) -> _Open:
         ex = self.ex

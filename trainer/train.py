@@ -115,6 +115,7 @@ def train(cfg: TrainerConfig) -> dict:
         o = cfg.optimizer
         opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         ex_cfg = dict(chunk_size=cfg.executor.chunk_size, backend=cfg.executor.backend, objective=cfg.objective,
+                      attention_backend=cfg.executor.attention_backend,
                       aux_loss_coef=cfg.executor.aux_loss_coef, want_entropies=cfg.metrics.entropy)
         executor = Executor(model, ExecutorConfig(**ex_cfg))
         stand_in = Executor(model, ExecutorConfig(**ex_cfg, validate="none"))
