@@ -64,6 +64,8 @@ class Forest:
     """float32 [T] per-trajectory loss weights (1.0 by default)."""
     group_ids: list[str] = field(default_factory=list)
     """[T] GRPO group ids ("" when absent)."""
+    policy_version: int | None = None
+    """Version of the policy that sampled the batch (RolloutBatch.policy_version), None when absent."""
 
     @property
     def num_segments(self) -> int:

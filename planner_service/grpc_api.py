@@ -7,10 +7,7 @@ INVALID_ARGUMENT is also sent as trailing metadata `harts-field`. FetchPlan send
 slice bytes verbatim (a pass-through serializer), so both transports serve identical bytes. A call
 the client cancels (or whose deadline passes) is counted with code CANCELLED, not OK.
 
-DeleteStep (`/harts.v1.Planner/DeleteStep`) is served beside the RPCs of `proto/harts/v1/planner.proto`
-until the contract declares it: its request is wire-compatible with a `DeleteStepRequest
-{string step_id = 1;}` (a GetStatusRequest serialises the same), its response the deleted step's
-StepStatus, as HTTP `DELETE /v1/steps/{step_id}` answers.
+DeleteStep answers the deleted step's StepStatus, as HTTP `DELETE /v1/steps/{step_id}` does.
 """
 from __future__ import annotations
 
@@ -105,7 +102,7 @@ class _Planner:
 
     async def delete_step(self, raw: bytes, context):
         async def call():
-            return await self.core.delete_async(_parse(planner_pb2.GetStatusRequest, raw).step_id)
+            return await self.core.delete_async(_parse(planner_pb2.DeleteStepRequest, raw).step_id)
 
         return await self._run("DeleteStep", context, call)
 

@@ -187,6 +187,8 @@ class RolloutBatchDoc(BaseModel):
     vocab_size: int = Field(ge=1, le=_INT32)
     trajectories: list[TrajectoryDoc] = []
     trees: list[TreeDoc] = []
+    policy_version: int | None = Field(default=None, ge=0, le=(1 << 63) - 1,
+                                       description="Version of the policy that sampled the batch (staleness bound)")
 
 
 _STATE = {

@@ -61,6 +61,10 @@ def slice_plan(plan: plan_pb2.Plan, rank: int) -> plan_pb2.PlanSlice:
     h.tree_ids.extend(src.tree_ids[int(t)] for t in trees)
     h.trajectory_index = pack(trajs, "int32")
     h.tree_index = pack(trees, "int32")
+    if src.HasField("policy_version"):
+        h.policy_version = src.policy_version
+    if len(src.trajectory_rewards):
+        h.trajectory_rewards = pack(unpack(src.trajectory_rewards, "float32")[trajs], "float32")
     h.local_tables = True
     return out
 

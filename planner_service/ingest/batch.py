@@ -108,6 +108,8 @@ class RawBatch:
     """JSON text only: the `json_scan.ScannedJSON` that holds the lists `ListRef`s point to."""
     batch_id: str = ""
     vocab_size: int = 0
+    policy_version: int | None = None
+    """Version of the sampling policy (RolloutBatch.policy_version), None when absent."""
     # trajectories [T]
     traj_ids: list[str] = field(default_factory=list)
     traj_tree: list[int] = field(default_factory=list)

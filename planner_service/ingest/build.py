@@ -111,6 +111,7 @@ def build_forest(raw: RawBatch, *, numba: bool = True, limits: Limits | None = N
     return Forest(
         batch_id=raw.batch_id,
         vocab_size=raw.vocab_size,
+        policy_version=raw.policy_version,
         tokens=np.concatenate([flat.tokens, expl.tokens]).astype(np.int32),
         seg_parent=np.concatenate([flat.seg_parent, np.where(expl.seg_parent >= 0, expl.seg_parent + S_flat, -1)]).astype(np.int32),
         seg_offset=seg_offset,

@@ -43,6 +43,8 @@ def to_proto(raw: RawBatch) -> rollouts_pb2.RolloutBatch:
     T = len(raw.traj_ids)
     entries = {slot: _entries(raw.columns[slot], T) for slot in _PER_POSITION}
     out = rollouts_pb2.RolloutBatch(batch_id=raw.batch_id, vocab_size=raw.vocab_size)
+    if raw.policy_version is not None:
+        out.policy_version = raw.policy_version
     tokens = raw.columns["tokens"]
 
     def fill(msg, g: int) -> None:
@@ -92,6 +94,8 @@ def to_json(raw: RawBatch) -> dict:
         return obj
 
     doc: dict = {"batch_id": raw.batch_id, "vocab_size": raw.vocab_size}
+    if raw.policy_version is not None:
+        doc["policy_version"] = raw.policy_version
     flat = []
     for g in range(raw.n_flat):
         obj = {"id": raw.traj_ids[g]}

@@ -22,7 +22,7 @@ from planner_service.ingest.batch import F32_MAX, RANK, Column, ListRef, RawBatc
 from planner_service.ingest.json_scan import PLACEHOLDER, ScannedJSON, scan_json
 from planner_service.ingest.limits import Limits
 
-_TOP = ("batch_id", "vocab_size", "trajectories", "trees")
+_TOP = ("batch_id", "vocab_size", "trajectories", "trees", "policy_version")
 _FLAT = ("id", "tree_id", "tokens", "loss_mask", "old_logprobs", "ref_logprobs", "advantage", "reward",
          "group_id", "weight")
 _TREE_TRAJ = ("id", "node", "loss_mask", "old_logprobs", "ref_logprobs", "advantage", "reward", "group_id",
@@ -173,6 +173,8 @@ class _Walk(Walk):
         raw = self.raw
         raw.batch_id = self.string(doc, "batch_id", (0,), "", required=True)
         raw.vocab_size = self.integer(doc.get("vocab_size"), (1,), "vocab_size", 1, _INT32_MAX)
+        if doc.get("policy_version") is not None:
+            raw.policy_version = self.integer(doc["policy_version"], (1, 1), "policy_version", 0, _INT64[1])
         trajectories = doc.get("trajectories") or []
         trees = doc.get("trees") or []
         for name, value in (("trajectories", trajectories), ("trees", trees)):

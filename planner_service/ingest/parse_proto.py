@@ -72,6 +72,10 @@ class _Walk(Walk):
         if batch.vocab_size < 1:
             raise Stop((1,), "vocab_size", f"expected an integer >= 1, got {batch.vocab_size}")
         raw.vocab_size = batch.vocab_size
+        if batch.HasField("policy_version"):
+            if batch.policy_version < 0:
+                raise Stop((1, 1), "policy_version", f"expected an integer >= 0, got {batch.policy_version}")
+            raw.policy_version = batch.policy_version
         self.limits.check("max_trajectories", len(batch.trajectories), "trajectories", "trajectories")
         self.limits.check("max_trees", len(batch.trees), "trees", "trees")
         for j, traj in enumerate(batch.trajectories):

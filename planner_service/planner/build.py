@@ -678,3 +678,7 @@ def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> Non
     h.trajectory_ids.extend(forest.traj_ids)
     h.trajectory_lengths = pk(forest.traj_length(), "int32")
     h.tree_ids.extend(forest.tree_ids)
+    if forest.policy_version is not None:
+        h.policy_version = forest.policy_version
+    reward = forest.reward if forest.reward.shape[0] == T else np.zeros(T, np.float32)
+    h.trajectory_rewards = pk(reward, "float32")

@@ -515,4 +515,5 @@ def expand_forest(forest: Forest) -> Forest:
         reward=forest.reward,
         weight=forest.weight,
         group_ids=list(forest.group_ids),
+        policy_version=forest.policy_version,
     )

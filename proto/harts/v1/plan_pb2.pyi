@@ -279,7 +279,7 @@ class PlanStats(_message.Message):
     def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ...) -> None: ...
 
 class PlanHeader(_message.Message):
-    __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids", "trajectory_index", "tree_index", "local_tables")
+    __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids", "trajectory_index", "tree_index", "local_tables", "policy_version", "trajectory_rewards")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,8 @@ class PlanHeader(_message.Message):
     TRAJECTORY_INDEX_FIELD_NUMBER: _ClassVar[int]
     TREE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOCAL_TABLES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_REWARDS_FIELD_NUMBER: _ClassVar[int]
     version: str
     step_id: str
     params: PlanParams
@@ -302,7 +304,9 @@ class PlanHeader(_message.Message):
     trajectory_index: bytes
     tree_index: bytes
     local_tables: bool
-    def __init__(self, version: _Optional[str] = ..., step_id: _Optional[str] = ..., params: _Optional[_Union[PlanParams, _Mapping]] = ..., normalizers: _Optional[_Union[Normalizers, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., trajectory_ids: _Optional[_Iterable[str]] = ..., trajectory_lengths: _Optional[bytes] = ..., tree_ids: _Optional[_Iterable[str]] = ..., trajectory_index: _Optional[bytes] = ..., tree_index: _Optional[bytes] = ..., local_tables: _Optional[bool] = ...) -> None: ...
+    policy_version: int
+    trajectory_rewards: bytes
+    def __init__(self, version: _Optional[str] = ..., step_id: _Optional[str] = ..., params: _Optional[_Union[PlanParams, _Mapping]] = ..., normalizers: _Optional[_Union[Normalizers, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., trajectory_ids: _Optional[_Iterable[str]] = ..., trajectory_lengths: _Optional[bytes] = ..., tree_ids: _Optional[_Iterable[str]] = ..., trajectory_index: _Optional[bytes] = ..., tree_index: _Optional[bytes] = ..., local_tables: _Optional[bool] = ..., policy_version: _Optional[int] = ..., trajectory_rewards: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("header", "ranks")

@@ -117,3 +117,9 @@ class ListStepsResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[StepStatus]
     def __init__(self, steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ...) -> None: ...
+
+class DeleteStepRequest(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    def __init__(self, step_id: _Optional[str] = ...) -> None: ...

@@ -60,6 +60,11 @@ class PlannerStub:
                 request_serializer=proto_dot_harts_dot_v1_dot_planner__pb2.ListStepsRequest.SerializeToString,
                 response_deserializer=proto_dot_harts_dot_v1_dot_planner__pb2.ListStepsResponse.FromString,
                 _registered_method=True)
+        self.DeleteStep = channel.unary_unary(
+                '/harts.v1.Planner/DeleteStep',
+                request_serializer=proto_dot_harts_dot_v1_dot_planner__pb2.DeleteStepRequest.SerializeToString,
+                response_deserializer=proto_dot_harts_dot_v1_dot_planner__pb2.StepStatus.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -99,6 +104,14 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteStep(self, request, context):
+        """Delete a step with its batch and plan (a plan in progress finishes first); returns the
+        deleted step's status; NOT_FOUND for an unknown step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.ListSteps,
                     request_deserializer=proto_dot_harts_dot_v1_dot_planner__pb2.ListStepsRequest.FromString,
                     response_serializer=proto_dot_harts_dot_v1_dot_planner__pb2.ListStepsResponse.SerializeToString,
+            ),
+            'DeleteStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStep,
+                    request_deserializer=proto_dot_harts_dot_v1_dot_planner__pb2.DeleteStepRequest.FromString,
+                    response_serializer=proto_dot_harts_dot_v1_dot_planner__pb2.StepStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class Planner:
             '/harts.v1.Planner/ListSteps',
             proto_dot_harts_dot_v1_dot_planner__pb2.ListStepsRequest.SerializeToString,
             proto_dot_harts_dot_v1_dot_planner__pb2.ListStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harts.v1.Planner/DeleteStep',
+            proto_dot_harts_dot_v1_dot_planner__pb2.DeleteStepRequest.SerializeToString,
+            proto_dot_harts_dot_v1_dot_planner__pb2.StepStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,13 +77,15 @@ class RolloutTree(_message.Message):
     def __init__(self, id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ..., trajectories: _Optional[_Iterable[_Union[TreeTrajectory, _Mapping]]] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
-    __slots__ = ("batch_id", "vocab_size", "trajectories", "trees")
+    __slots__ = ("batch_id", "vocab_size", "trajectories", "trees", "policy_version")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     vocab_size: int
     trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
     trees: _containers.RepeatedCompositeFieldContainer[RolloutTree]
-    def __init__(self, batch_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., trees: _Optional[_Iterable[_Union[RolloutTree, _Mapping]]] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, batch_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., trees: _Optional[_Iterable[_Union[RolloutTree, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
