@@ -224,7 +224,7 @@ def _cell(key: str, v) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
-def markdown(result: dict) -> str:
+def result_markdown(result: dict) -> str:
     rows = result["workloads"]
     out = ["# Trainer: sharing windows vs no windows vs expanded vs transformers", "",
            "Command: `.venv/bin/python -m benchmarks.bench_trainer --out benchmarks/results` "
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "trainer.json").write_text(json.dumps(result, indent=1))
-        (out / "trainer.md").write_text(markdown(result))
+        (out / "trainer.md").write_text(result_markdown(result))
     print(json.dumps(result, indent=1))
     return 0
 

@@ -685,8 +685,10 @@ def render_result(name: str, entry: dict) -> str:
     if entry["status"] == "failed":
         lines += ["", "```", entry.get("traceback", entry.get("error", "")).strip(), "```"]
     result = entry.get("result")
-    own = getattr(importlib.import_module(MODULES[name][0]), "markdown", None) if name in MODULES else None
-    if isinstance(result, dict) and own is not None:  # a module that renders its own tables
+    own = None
+    if name in MODULES and entry["status"] == "ok":  # a module that renders its own tables
+        own = getattr(importlib.import_module(MODULES[name][0]), "result_markdown", None)
+    if isinstance(result, dict) and own is not None:
         return "\n".join(lines) + "\n\n" + own(result) + "\n"
     if isinstance(result, dict):
         scalars, tables = {}, {}

@@ -78,7 +78,9 @@ def _fit_to_fd_limit(limits: ConnectionLimits) -> tuple[ConnectionLimits, int]:
             soft = target
         except (ValueError, OSError):
             pass
-    fit = max(1, (soft - _RESERVED_FDS - _BACKLOG) // 2)
+    # both transports' connections, plus one accept burst per transport whose evictions have not
+    # closed their sockets yet (under load the guard runs a loop iteration or two behind accept)
+    fit = max(1, (soft - _RESERVED_FDS - 2 * _BACKLOG) // 2)
     if limits.max_connections > fit:
         log.warning("max_connections lowered from %d to %d: the file-descriptor limit is %d (raise `ulimit -n`)",
                     limits.max_connections, fit, soft)

@@ -76,6 +76,10 @@ def test_trainer_throughput_on_a_tiny_workload():
     assert row["flops_tree"]["linear_kernel"] > 0 and row["flops_expanded"]["attention"] > row["flops_tree"]["attention"]
     assert row["flop_compression"] == pytest.approx(row["flops_expanded"]["total"] / row["flops_tree"]["total"])
     assert row["compression_achieved"] <= row["flop_compression"] <= row["compression_ideal"]
+    # the peer on the same weights: transformers, trajectory by trajectory
+    assert row["transformers_tokens_per_cpu_s"] > 0 and row["peak_saved_bytes_transformers"] > 0
+    assert row["tree_vs_transformers"] == pytest.approx(row["tree_tokens_per_cpu_s"] / row["transformers_tokens_per_cpu_s"])
+    assert row["peak_saved_bytes_tree"] > 0 and row["peak_live_tokens_tree"] > 0
 
 
 def test_missing_and_failing_modules_are_reported(tmp_path, monkeypatch):
@@ -108,14 +112,19 @@ def test_headline_table_formats_every_column():
     row = {"workload": "tree (k=2)", "expanded_tokens": 123456, "compression_ideal": 6.0, "computed_per_unique": 1.04,
            "compression_achieved": 5.77, "planner_seconds": 0.0123, "planner_ref_seconds": 1.5,
            "linear_attention_calls": 4, "linear_attention_calls_expanded": 1, "flop_compression": 5.9,
-           "throughput_ratio": 4.8, "fraction_of_ideal": 0.81, "fraction_of_token_compression": 0.8}
+           "tree_tokens_per_cpu_s": 4800.4, "expanded_tokens_per_cpu_s": 1000.0, "transformers_tokens_per_cpu_s": 900.0,
+           "tree_vs_transformers": 5.333, "expanded_vs_transformers": 1.111, "throughput_ratio": 4.8,
+           "fraction_of_ideal": 0.81, "tree_vs_transformers_ideal": 0.904}
     table = suite.headline_table([row, {"workload": "bare"}])
     header, rule, full, bare = table.splitlines()
     assert header.count("|") == rule.count("|") == full.count("|") == bare.count("|") == len(suite.HEADLINE) + 1
-    assert full == "| tree (k=2) | 123,456 | 6.00x | 1.040 | 5.77x | 0.012 | 1.500 | 4 / 1 | 5.90x | 4.80x | 81% | 80% |"
+    assert full == ("| tree (k=2) | 123,456 | 6.00x | 1.040 | 5.77x | 0.012 | 1.500 | 4 / 1 | 5.90x | 4,800 | 1,000 | 900 "
+                    "| 5.33x | 1.11x | 4.80x | 81% | 90% |")
     assert bare == "| bare |" + " - |" * (len(suite.HEADLINE) - 1)
     # Planning only (--full): the throughput columns are left out.
-    planned = {k: v for k, v in row.items() if k not in ("flop_compression", "throughput_ratio", "fraction_of_ideal", "fraction_of_token_compression")}
+    planned = {k: v for k, v in row.items() if k in ("workload", "expanded_tokens", "compression_ideal", "computed_per_unique",
+                                                     "compression_achieved", "planner_seconds", "planner_ref_seconds",
+                                                     "linear_attention_calls", "linear_attention_calls_expanded")}
     header, _, line = suite.headline_table([planned]).splitlines()
     assert "throughput" not in header and "FLOP" not in header and line.endswith("| 4 / 1 |")
 

@@ -237,11 +237,11 @@ def _train_step(plan, i: int, cfg: TrainerConfig, ctx, executor, stand_in, sync,
     opt.zero_grad(set_to_none=True)
 
     real = res is not None and n_mb > 0
-    stats = (getattr(res, "stats", None) or {}) if real else {}
+    stats = res.stats if real else {}
     adv = advantage_partials(plan)
     sums = [res.loss if real else 0.0, res.policy_loss if real else 0.0, res.kl if real else 0.0,
             res.aux_loss if real else 0.0, res.computed_tokens if real else 0, res.loss_tokens if real else 0.0, n_mb,
-            getattr(res, "windows", 0) if real else 0, getattr(res, "recomputed_microbatches", 0) if real else 0,
+            res.windows if real else 0, res.recomputed_microbatches if real else 0,
             float(stop.requested), *adv[:3]]
     sums += [float(stats.get(k, 0.0)) for k in STAT_SUMS] + [float(k in stats) for k in STAT_SUMS]
     maxes = [adv[3], peak_memory_mib(ctx.device)] + [float(stats.get(k, float("-inf"))) for k in STAT_MAX]
