@@ -213,12 +213,12 @@ MEMORY_COLUMNS = (
 
 
 def _cell(key: str, v) -> str:
-    if isinstance(v, float) and key.endswith("_bytes"):
-        return f"{v / 1e6:,.0f}"
-    if isinstance(v, int) and key.endswith("_bytes"):
-        return f"{v / 1e6:,.0f}"
+    if v == "":
+        return "-"
     if key.endswith("_per_row") or key.endswith("_per_live_row"):
         return f"{v / 1e3:,.0f}"
+    if "bytes" in key:
+        return f"{v / 1e6:,.0f}"
     if isinstance(v, float):
         return f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
     return f"{v:,}" if isinstance(v, int) else str(v)

@@ -726,8 +726,9 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
     intro += ("Planning only." if cfg.full else
               f"Update throughput: the `{'tiny' if cfg.quick else cfg.model}` Qwen3-Next-style model on the CPU, forward + backward + AdamW step, "
               "expanded tokens per CPU second; fraction of ideal = throughput ratio / the plan's FLOP compression "
-              "(`trainer/flops.py`: expanded plan FLOPs / tree plan FLOPs); the last column divides by the token "
-              "compression instead.")
+              "(`trainer/flops.py`: expanded plan FLOPs / tree plan FLOPs); speedup vs transformers = tree "
+              "throughput / transformers' on the same weights; the last column divides that by the FLOP compression "
+              "(target >= 90%).")
     if not cfg.full and (not cfg.only or "workloads" in cfg.only):
         readme = [intro, "", table, "", _published_line(), *([""] + notes if notes else []), "",
                   "![compression](benchmarks/results/compression.png)", ""]

@@ -149,26 +149,25 @@ def _outside(a: np.ndarray, lo: int, hi: int) -> bool:
 def _decode_call(call: plan_pb2.LinearCall, where: str, R: int, I: int, Q: int, num_states: int) -> LinearCallArrays:
     seqs = call.sequences
     N = len(seqs)
-    cols = np.empty((5, N), np.int64)
-    replays, ex_seq, ex_depth, ex_state = [], [], [], []
-    for n, seq in enumerate(seqs):
-        cols[:, n] = (seq.row_start, seq.row_end, seq.start_depth, seq.init_state.kind, seq.init_state.state)
-        try:
-            replays.append(unpack(seq.replay_rows, "int32", name=f"{where}.sequences[{n}].replay_rows"))
-        except ValueError as exc:
-            raise PlanValidationError(str(exc)) from None
-        for ex in seq.exports:
-            ex_seq.append(n)
-            ex_depth.append(ex.depth)
-            ex_state.append(ex.state)
-    row_start, row_end, start_depth, kind, state = cols
-    lens = np.fromiter((r.shape[0] for r in replays), np.int64, N)
+    # one pass over the repeated messages (their fields are Python-level attribute reads)
+    rows, raw, exports = [], [], []
+    for n, q in enumerate(seqs):
+        st = q.init_state
+        rows.append((q.row_start, q.row_end, q.start_depth, st.kind, st.state))
+        raw.append(q.replay_rows)
+        if q.exports:
+            exports.extend((n, e.depth, e.state) for e in q.exports)
+    row_start, row_end, start_depth, kind, state = np.array(rows, np.int64).reshape(N, 5).T.copy()
+    nbytes = np.fromiter(map(len, raw), np.int64, N)
+    if (nbytes % 4).any():
+        n = int(np.flatnonzero(nbytes % 4)[0])
+        _fail(f"{where}.sequences[{n}].replay_rows", f"expected a multiple of 4 bytes (int32 x 1), got {int(nbytes[n])}")
+    ex = np.array(exports, np.int64).reshape(-1, 3)
     out = LinearCallArrays(
         row_start=row_start, row_end=row_end, start_depth=start_depth, init_kind=kind, init_state=state,
-        replay_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-        replay_rows=np.concatenate(replays).astype(np.int64) if N else np.zeros(0, np.int64),
-        export_seq=np.asarray(ex_seq, np.int64), export_depth=np.asarray(ex_depth, np.int64),
-        export_state=np.asarray(ex_state, np.int64),
+        replay_offsets=np.concatenate([[0], np.cumsum(nbytes // 4)]).astype(np.int64),
+        replay_rows=unpack(b"".join(raw), "int32").astype(np.int64),
+        export_seq=ex[:, 0].copy(), export_depth=ex[:, 1].copy(), export_state=ex[:, 2].copy(),
     )
     bad = np.flatnonzero((row_start < 0) | (row_end <= row_start) | (row_end > R))
     if bad.size:
