@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
             # one microbatch, or a few joined by sharing windows (per-microbatch work shows in the call term)
             budget = forest.unique_tokens // int(rng.integers(1, 4)) + args.chunk_size
             plan = plan_step(forest, PlanConfig(world_size=1, microbatch_tokens=budget, chunk_size=args.chunk_size,
-                                                conv_kernel=model.config.linear_conv_kernel_dim))
+                                                conv_kernel=model.config.linear_conv_kernel_dim,
+                                                model_config=model.config.to_hf_dict()))
             best = np.inf
             for rep in range(args.repeats + 1):
                 t0 = clock()

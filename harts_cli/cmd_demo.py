@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = build_model(args.model, seed=args.seed)
     vocab = model.config.vocab_size
-    topology = planner_pb2.Topology(world_size=1, microbatch_tokens=args.microbatch_tokens,
-                                    chunk_size=args.chunk_size)
+    topology = planner_pb2.Topology(world_size=1, microbatch_tokens=args.microbatch_tokens, chunk_size=args.chunk_size,
+                                    model=json.dumps(model.config.to_hf_dict()))  # the memory model of this model
     log.info("planner: in-process core, SQLite at %s; compiling the Numba planner", out / "planner.db")
     core = PlannerCore(ServiceConfig(db_path=str(out / "planner.db"), conv_kernel=model.config.linear_conv_kernel_dim))
     core.start()
@@ -121,7 +121,8 @@ def _compare_tree_and_expanded(doc: dict, model, args: argparse.Namespace) -> di
     from trainer.verify import compare_runs, run_and_capture
 
     forest = forest_from_json(doc)
-    common = dict(chunk_size=args.chunk_size, conv_kernel=model.config.linear_conv_kernel_dim, all_positions=True)
+    common = dict(chunk_size=args.chunk_size, conv_kernel=model.config.linear_conv_kernel_dim, all_positions=True,
+                  model_config=model.config.to_hf_dict())
     longest = int(forest.traj_length().max())
     executor = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, want_logprobs=True, capture_linear=True))
     log.info("Invariant E: running the last batch trajectory-expanded and as a windowed tree on the same weights")

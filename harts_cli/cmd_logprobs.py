@@ -38,8 +38,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tree-attention backend: auto (cpu on the CPU, triton on CUDA) | cpu | triton | ref")
 
 
-def plan_config(args: argparse.Namespace, forest, conv_kernel: int, **kw):
-    """The tree plan's PlanConfig from the shared arguments (windows on unless --no-windows)."""
+def plan_config(args: argparse.Namespace, forest, model_config, **kw):
+    """The tree plan's PlanConfig from the shared arguments (windows on unless --no-windows; the
+    memory model of the model that runs it)."""
     from planner_service.planner import PlanConfig
 
     B = args.microbatch_tokens
@@ -47,7 +48,8 @@ def plan_config(args: argparse.Namespace, forest, conv_kernel: int, **kw):
         B = max(B, int(forest.traj_length().max()))
     M = args.memory_tokens if args.memory_tokens else 0
     return PlanConfig(chunk_size=args.chunk_size, microbatch_tokens=B, memory_tokens=max(M, B) if M else 0,
-                      conv_kernel=conv_kernel, windows=not args.no_windows, all_positions=True, **kw)
+                      conv_kernel=model_config.linear_conv_kernel_dim, windows=not args.no_windows, all_positions=True,
+                      model_config=model_config.to_hf_dict(), **kw)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     forest = load_forest(args.input, args.format)
     model = build_model(args.model, seed=args.seed)
-    plan = plan_step(forest, plan_config(args, forest, model.config.linear_conv_kernel_dim))
+    plan = plan_step(forest, plan_config(args, forest, model.config))
     ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend,
                                         attention_backend=args.attention_backend, want_logprobs=True))
     res = ex.run_step(plan, backward=False)

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     K = model.config.linear_conv_kernel_dim
     longest = int(forest.traj_length().max()) if forest.num_trajectories else 1
     common = dict(chunk_size=args.chunk_size, conv_kernel=K, windows=False, all_positions=True)
-    tree = plan_step(forest, plan_config(args, forest, K, replay=not args.no_replay))
+    tree = plan_step(forest, plan_config(args, forest, model.config, replay=not args.no_replay))
     expanded = plan_step(forest, PlanConfig(microbatch_tokens=max(args.microbatch_tokens, longest), sharing=False, **common))
     obj = ObjectiveConfig(aggregation=args.aggregation, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef)
     ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, objective=obj,
