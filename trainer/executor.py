@@ -254,16 +254,17 @@ class Executor:
         if self.cfg.validate == "full":
             from proto import plan_validator
 
-            plan_validator.validate_plan(plan) if isinstance(plan, plan_pb2.Plan) else plan_validator.validate_slice(plan)
+            if isinstance(plan, plan_pb2.Plan):
+                plan_validator.validate_plan(plan)
+            else:
+                plan_validator.validate_slice(plan)
         elif self.cfg.validate == "check":
             check_header(header)
         norm = _normalizers(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
-        run = _StepRun(self, header, norm, backward=backward)
-        run.total_steps = sum(len(rank_steps(r)) for r in ranks)
-        run.backwards_left = run.total_steps // 2 if backward else 0
-        run.before_last_backward = before_last_backward
+        run = _StepRun(self, header, norm, backward=backward, total_steps=sum(len(rank_steps(r)) for r in ranks),
+                       before_last_backward=before_last_backward)
         for rank in ranks:
             run.rank(rank)
         return run.result(time.perf_counter() - t0)
@@ -289,7 +290,8 @@ def train_step(executor: Executor, plan, optimizer: torch.optim.Optimizer) -> St
 class _StepRun:
     """One step's walk over the ranks' execution orders, with the stack of open windows."""
 
-    def __init__(self, ex: Executor, header: plan_pb2.PlanHeader, norm: Normalizers, *, backward: bool):
+    def __init__(self, ex: Executor, header: plan_pb2.PlanHeader, norm: Normalizers, *, backward: bool,
+                 total_steps: int, before_last_backward: Callable[[], None] | None):
         self.ex, self.header, self.norm, self.backward = ex, header, norm, backward
         cfg = ex.cfg
         self.probes = TrajectoryProbes(header, logprobs=cfg.want_logprobs, entropies=cfg.want_entropies,
@@ -298,9 +300,9 @@ class _StepRun:
         self.stats: dict[str, float] = {}
         self.computed = self.n_mb = self.windows = self.recomputed = 0
         self.load = torch.zeros(len(ex.moe_layers), max(ex.num_experts, 1), dtype=torch.float64)
-        self.backwards_left = 0
-        self.before_last_backward: Callable[[], None] | None = None
-        self.total_steps = self.steps_done = 0
+        self.total_steps, self.steps_done = total_steps, 0
+        self.backwards_left = total_steps // 2 if backward else 0  # every microbatch: one forward, one backward
+        self.before_last_backward = before_last_backward
         self.t0 = self.last_report = time.perf_counter()
 
     def rank(self, rank: plan_pb2.RankPlan) -> None:

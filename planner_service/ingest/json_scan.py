@@ -371,7 +371,6 @@ def _parse_floats(buf, start, end, out, w, pow10, fix_pos, fix_a, fix_b, X):
         e10 = 0
         truncated = False
         is_int = True
-        iv = 0
         if buf[p] == 48:
             p += 1
             if p < stop and 48 <= buf[p] <= 57:
