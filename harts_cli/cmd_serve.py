@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="linear-attention chunk size C; also what a request's 0 means (default 64)")
     g.add_argument("--conv-kernel", type=int, default=4, help="short-convolution kernel size of the model")
     g.add_argument("--no-windows", action="store_true",
-                   help="duplicate prefixes instead of opening sharing windows (for trainers that run independent microbatches)")
+                   help="ablation: duplicate prefixes instead of opening sharing windows")
     g.add_argument("--no-sharing", action="store_true", help="plan the trajectory-expanded baseline")
     g.add_argument("--dtype", default="", choices=("", "float32", "bfloat16"), help="trainer dtype for the memory model")
     p.add_argument("--cost-model", default=None, help="cost model JSON from `harts calibrate` for topologies that name none")

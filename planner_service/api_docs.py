@@ -96,8 +96,8 @@ ROLLOUT_EXAMPLES = {
 #: Request examples of POST /v1/steps/{step_id}/plan.
 TOPOLOGY_EXAMPLES = {
     "two-ranks": {
-        "summary": "Two trainer ranks, independent microbatches (what the trainer runs today)",
-        "value": {"world_size": 2, "microbatch_tokens": 4096, "chunk_size": 64, "no_windows": True},
+        "summary": "Two trainer ranks, 4,096-token microbatches joined by sharing windows",
+        "value": {"world_size": 2, "microbatch_tokens": 4096, "chunk_size": 64},
     },
     "defaults": {
         "summary": "Eight ranks, every other budget at the service default",
