@@ -22,9 +22,8 @@ import numpy as np
 
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-
-#: StateSource kinds.
-ZERO, LOCAL, IMPORTED = plan_pb2.StateSource.ZERO, plan_pb2.StateSource.LOCAL, plan_pb2.StateSource.IMPORTED
+from proto.slice_kernels import (BAD_EXPORT_STATE, BAD_REPLAY_ROW, BAD_ROW_RANGE, BAD_STATE_ID, BAD_STATE_KIND, LOCAL,
+                                 call_bounds, outside)
 
 
 class PlanValidationError(ValueError):
@@ -143,48 +142,62 @@ class MicrobatchArrays:
 
 
 def _outside(a: np.ndarray, lo: int, hi: int) -> bool:
-    return bool(a.size) and (int(a.min()) < lo or int(a.max()) >= hi)
+    return outside(a.reshape(-1), lo, hi)
 
 
-def _decode_call(call: plan_pb2.LinearCall, where: str, R: int, I: int, Q: int, num_states: int) -> LinearCallArrays:
-    seqs = call.sequences
-    N = len(seqs)
-    # one pass over the repeated messages (their fields are Python-level attribute reads)
-    rows, raw, exports = [], [], []
-    for n, q in enumerate(seqs):
-        st = q.init_state
-        rows.append((q.row_start, q.row_end, q.start_depth, st.kind, st.state))
-        raw.append(q.replay_rows)
-        if q.exports:
-            exports.extend((n, e.depth, e.state) for e in q.exports)
+def _decode_calls(calls, where: str, R: int, I: int, Q: int, num_states: int) -> list[LinearCallArrays]:
+    """Every linear call of a microbatch: one pass over the repeated messages (Python attribute
+    reads), one bounds check over all sequences, then each call's columns as views."""
+    rows, raw, exports, seq_offsets = [], [], [], [0]
+    for call in calls:
+        for q in call.sequences:
+            st = q.init_state
+            if q.exports:
+                n = len(rows)
+                exports.extend((n, e.depth, e.state) for e in q.exports)
+            rows.append((q.row_start, q.row_end, q.start_depth, st.kind, st.state))
+            raw.append(q.replay_rows)
+        seq_offsets.append(len(rows))
+    N = len(rows)
     row_start, row_end, start_depth, kind, state = np.array(rows, np.int64).reshape(N, 5).T.copy()
     nbytes = np.fromiter(map(len, raw), np.int64, N)
+    seq_offsets = np.array(seq_offsets, np.int64)
+
+    def name(n: int) -> str:  # sequence n of the microbatch, as its call and index in it
+        c = int(np.searchsorted(seq_offsets, n, side="right")) - 1
+        return f"{where}.linear_calls[{c}].sequences[{n - int(seq_offsets[c])}]"
+
     if (nbytes % 4).any():
         n = int(np.flatnonzero(nbytes % 4)[0])
-        _fail(f"{where}.sequences[{n}].replay_rows", f"expected a multiple of 4 bytes (int32 x 1), got {int(nbytes[n])}")
+        _fail(f"{name(n)}.replay_rows", f"expected a multiple of 4 bytes (int32 x 1), got {int(nbytes[n])}")
+    replay_offsets = np.zeros(N + 1, np.int64)
+    np.cumsum(nbytes // 4, out=replay_offsets[1:])
+    replay_rows = unpack(b"".join(raw), "int32").astype(np.int64)
     ex = np.array(exports, np.int64).reshape(-1, 3)
-    out = LinearCallArrays(
-        row_start=row_start, row_end=row_end, start_depth=start_depth, init_kind=kind, init_state=state,
-        replay_offsets=np.concatenate([[0], np.cumsum(nbytes // 4)]).astype(np.int64),
-        replay_rows=unpack(b"".join(raw), "int32").astype(np.int64),
-        export_seq=ex[:, 0].copy(), export_depth=ex[:, 1].copy(), export_state=ex[:, 2].copy(),
-    )
-    bad = np.flatnonzero((row_start < 0) | (row_end <= row_start) | (row_end > R))
-    if bad.size:
-        n = int(bad[0])
-        _fail(f"{where}.sequences[{n}]", f"expected 0 <= row_start < row_end <= {R}, got [{row_start[n]}, {row_end[n]})")
-    if _outside(out.replay_rows, 0, R + I):
-        _fail(f"{where}.replay_rows", f"expected extended rows in [0, {R + I}), got {out.replay_rows.min()}..{out.replay_rows.max()}")
-    for k, limit, what in ((LOCAL, num_states, "num_states"), (IMPORTED, Q, "len(state_imports)")):
-        sel = kind == k
-        bad = np.flatnonzero(sel & ((state < 0) | (state >= limit)))
-        if bad.size:
-            _fail(f"{where}.sequences[{int(bad[0])}].init_state", f"expected a state id < {what} = {limit}, got {state[bad[0]]}")
-    bad = np.flatnonzero((kind != ZERO) & (kind != LOCAL) & (kind != IMPORTED))
-    if bad.size:
-        _fail(f"{where}.sequences[{int(bad[0])}].init_state.kind", f"expected ZERO, LOCAL or IMPORTED, got {kind[bad[0]]}")
-    if _outside(out.export_state, 0, num_states):
-        _fail(f"{where}.exports", f"expected state ids in [0, {num_states}), got {out.export_state.min()}..{out.export_state.max()}")
+    export_seq, export_depth, export_state = ex.T.copy()
+    code, n, value = call_bounds(row_start, row_end, kind, state, replay_offsets, replay_rows, export_seq, export_state,
+                                 R, R + I, num_states, Q)
+    if code == BAD_ROW_RANGE:
+        _fail(name(n), f"expected 0 <= row_start < row_end <= {R}, got [{row_start[n]}, {row_end[n]})")
+    if code == BAD_REPLAY_ROW:
+        _fail(f"{name(n)}.replay_rows", f"expected extended rows in [0, {R + I}), got {value}")
+    if code == BAD_STATE_KIND:
+        _fail(f"{name(n)}.init_state.kind", f"expected ZERO, LOCAL or IMPORTED, got {value}")
+    if code == BAD_STATE_ID:
+        what, limit = ("num_states", num_states) if kind[n] == LOCAL else ("len(state_imports)", Q)
+        _fail(f"{name(n)}.init_state", f"expected a state id < {what} = {limit}, got {value}")
+    if code == BAD_EXPORT_STATE:
+        _fail(f"{name(n)}.exports", f"expected state ids in [0, {num_states}), got {value}")
+    out = []
+    e_offsets = np.searchsorted(export_seq, seq_offsets)
+    for c in range(len(seq_offsets) - 1):
+        q0, q1, e0, e1 = int(seq_offsets[c]), int(seq_offsets[c + 1]), int(e_offsets[c]), int(e_offsets[c + 1])
+        r0, r1 = int(replay_offsets[q0]), int(replay_offsets[q1])
+        out.append(LinearCallArrays(
+            row_start=row_start[q0:q1], row_end=row_end[q0:q1], start_depth=start_depth[q0:q1],
+            init_kind=kind[q0:q1], init_state=state[q0:q1], replay_offsets=replay_offsets[q0 : q1 + 1] - r0,
+            replay_rows=replay_rows[r0:r1], export_seq=export_seq[e0:e1] - q0, export_depth=export_depth[e0:e1],
+            export_state=export_state[e0:e1]))
     return out
 
 
@@ -244,7 +257,7 @@ def decode_microbatch(mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams) -> M
         seg_forest_offset=arr("seg_forest_offset", "int32", S), seg_duplicated=arr("seg_duplicated", "uint8", S),
         conv_ancestors=conv, attn_offsets=arr("attn_offsets", "int32", S + 1),
         attn_ranges=arr("attn_ranges", "int32", None, width=2),
-        linear_calls=[_decode_call(c, f"{w}.linear_calls[{i}]", R, I, Q, num_states) for i, c in enumerate(mb.linear_calls)],
+        linear_calls=_decode_calls(mb.linear_calls, w, R, I, Q, num_states),
         import_microbatch=import_mb, import_row=arr("import_row", "int32", I),
         state_import_microbatch=np.fromiter((s.microbatch for s in mb.state_imports), np.int32, Q),
         state_import_state=np.fromiter((s.state for s in mb.state_imports), np.int32, Q),

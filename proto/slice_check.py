@@ -26,6 +26,9 @@ adds, each in time linear in the slice:
 - log-prob map: rows kept (not duplicated context) at depth `position - 1`, loss positions only
   in a loss-positions plan.
 
+The rules run as fused Numba passes (`proto.slice_kernels`): at step scale the check is
+memory-bound, about half of it the copy of the wire tables out of the message.
+
 What it does not check (validate_plan does): that token chains, conv ancestors and attention
 ranges reproduce the trajectories, that states come from the right path, the live-memory stack.
 
@@ -38,8 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from proto.harts.v1 import plan_pb2
-from proto.plan_decode import LOCAL, ZERO, MicrobatchArrays, PlanValidationError, decode_microbatch
+from proto.plan_decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from proto.plan_validator import check_header
+from proto.slice_kernels import (
+    CHILD_DEPTH, DEPTH_STEP, DUPLICATED, EXPORT_DEPTH, EXPORTED_TWICE, LOCAL_STATE_UNEXPORTED, NEGATIVE_DEPTH, OCCURRENCE,
+    PARENT, REPLAY_TOO_LONG, REPLAY_WITHOUT_REPLAY, START_NOT_REPLAY_DEPTH, START_NOT_ROW_DEPTH, START_UNALIGNED, TILING,
+    TREE, ZERO_STATE_DEPTH, call_rules, exporters, first_uncovered, first_unlisted, logprob_rules, mark, segment_rules)
 
 __all__ = ["DecodedSlice", "check_rank", "check_slice"]
 
@@ -95,53 +102,39 @@ def check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> DecodedS
 
 
 def _check_microbatch(a: MicrobatchArrays, params: plan_pb2.PlanParams, n_trees: int) -> None:
-    w, R, S = a.where, a.num_rows, a.num_segments
+    w, R = a.where, a.num_rows
     if R + a.replay_tokens > params.microbatch_tokens:
         _fail(w, f"computed rows {R + a.replay_tokens} exceed microbatch_tokens {params.microbatch_tokens}")
     if a.num_imports and not params.windows:
         _fail(f"{w}.import_row", "expected no imports with windows off")
-    start = a.seg_start.astype(np.int64)
-    length = a.seg_length.astype(np.int64)
-    parent = a.seg_parent.astype(np.int64)
-    if S and (int(length.min()) < 1 or start[0] != 0 or (start[1:] != start[:-1] + length[:-1]).any()) \
-            or int(length.sum()) != R:
+    found = segment_rules(a.depth, a.occurrence, a.seg_start, a.seg_length, a.seg_parent, a.seg_tree, a.seg_duplicated,
+                          n_trees)
+    if found[TILING] >= 0:
         _fail(f"{w}.seg_start", "expected segments to tile rows [0, num_rows) in order")
-    if S and (int(a.seg_tree.min()) < 0 or int(a.seg_tree.max()) >= n_trees):
+    if found[TREE] >= 0:
         _fail(f"{w}.seg_tree", f"expected indices into header.tree_ids (< {n_trees})")
-    bad = np.flatnonzero((parent < -1) | (parent >= np.arange(S)))
-    if bad.size:
-        _fail(f"{w}.seg_parent[{int(bad[0])}]", f"expected -1 or a preceding segment, got {int(parent[bad[0]])}")
-    depth = a.depth  # int32 [R]; row passes stay in int32 and few: this check must cost little
-    if R and int(depth.min()) < 0:
+    if found[PARENT] >= 0:
+        s = int(found[PARENT])
+        _fail(f"{w}.seg_parent[{s}]", f"expected -1 or a preceding segment, got {int(a.seg_parent[s])}")
+    if found[NEGATIVE_DEPTH] >= 0:
         _fail(f"{w}.depth", "expected depths >= 0")
-    if R > 1:
-        step = np.diff(depth) == 1
-        step[start[1:] - 1] = True  # a segment's first row may start anywhere
-        if not step.all():
-            _fail(f"{w}.depth", "expected consecutive depths inside every segment")
-    kid = np.flatnonzero(parent >= 0)
-    last_of_parent = start[parent[kid]] + length[parent[kid]] - 1
-    bad = kid[depth[start[kid]] != depth[last_of_parent] + 1]
-    if bad.size:
-        _fail(f"{w}.depth", f"expected segment {int(bad[0])} to start one below its parent's last row")
-    seg_dup = a.seg_duplicated.astype(np.bool_)
-    n_dup = int(length[seg_dup].sum())
+    if found[DEPTH_STEP] >= 0:
+        _fail(f"{w}.depth", "expected consecutive depths inside every segment")
+    if found[CHILD_DEPTH] >= 0:
+        _fail(f"{w}.depth", f"expected segment {int(found[CHILD_DEPTH])} to start one below its parent's last row")
+    n_dup = int(found[DUPLICATED])
     if n_dup != a.duplicated_tokens:
         _fail(f"{w}.duplicated_tokens", f"expected {n_dup}, got {a.duplicated_tokens}")
-    if S:
-        occ_min = np.minimum.reduceat(a.occurrence, start)
-        occ_max = np.maximum.reduceat(a.occurrence, start)
-        if (occ_max[seg_dup] != 0).any() or (occ_min[~seg_dup] < 1).any():
-            _fail(f"{w}.occurrence", "expected 0 on duplicated rows and >= 1 on kept rows")
+    if found[OCCURRENCE] >= 0:
+        _fail(f"{w}.occurrence", "expected 0 on duplicated rows and >= 1 on kept rows")
+    depth = a.depth
     _check_calls(a, params, depth)
     if a.num_logprobs:
-        r = a.lp_row
-        if n_dup and seg_dup[np.searchsorted(start, r, side="right") - 1].any():
+        on_duplicated, i = logprob_rules(depth, a.lp_row, a.lp_pos, a.seg_start, a.seg_duplicated, n_dup > 0)
+        if on_duplicated >= 0:
             _fail(f"{w}.lp_row", "expected kept rows, got a duplicated context row")
-        bad = np.flatnonzero(depth[r] != a.lp_pos - 1)
-        if bad.size:
-            i = int(bad[0])
-            _fail(f"{w}.lp_row[{i}]", f"expected a row at depth {int(a.lp_pos[i]) - 1} (position - 1), got depth {int(depth[r[i]])}")
+        if i >= 0:
+            _fail(f"{w}.lp_row[{i}]", f"expected a row at depth {int(a.lp_pos[i]) - 1} (position - 1), got depth {int(depth[a.lp_row[i]])}")
         if params.logprob_positions == plan_pb2.LOGPROB_POSITIONS_LOSS and (a.lp_loss_mask != 1).any():
             _fail(f"{w}.lp_loss_mask", "expected only loss positions (mask 1) in a loss-positions plan")
 
@@ -149,75 +142,39 @@ def _check_microbatch(a: MicrobatchArrays, params: plan_pb2.PlanParams, n_trees:
 def _check_calls(a: MicrobatchArrays, params: plan_pb2.PlanParams, depth: np.ndarray) -> None:
     """Sequences of every linear-attention call: coverage, replay, starts, state flow."""
     w, R, C = a.where, a.num_rows, params.chunk_size
-    starts, ends = [], []
-    export_call = np.full(a.num_states, -1, np.int64)
-    replay_total = 0
+    made = np.full(a.num_states, -1, np.int64)  # the call that exported each state
     for ci, call in enumerate(a.linear_calls):
-        where = f"{w}.linear_calls[{ci}]"
-        n_rep = np.diff(call.replay_offsets)
-        replay_total += int(n_rep.sum())
-        if call.num_sequences == 0:
-            continue
-        if params.replay and int(n_rep.max()) > C - 1:
-            q = int(np.argmax(n_rep))
-            _fail(f"{where}.sequences[{q}].replay_rows", f"expected <= C-1 = {C - 1} rows, got {int(n_rep[q])}")
-        if not params.replay and n_rep.any():
-            _fail(f"{where}.sequences[{int(np.flatnonzero(n_rep)[0])}].replay_rows", "expected none with replay off")
-        starts.append(call.row_start)
-        ends.append(call.row_end)
-        first = np.where(n_rep > 0, -1, call.row_start)
-        has_rep = np.flatnonzero(n_rep > 0)
-        sd = call.start_depth
-        if has_rep.size:  # the first replay row's depth (extended rows: local depth, or an import's)
-            rows = call.replay_rows[call.replay_offsets[has_rep]]
-            local = rows < R
-            bad = has_rep[local][depth[rows[local]] != sd[has_rep[local]]]
-            if bad.size:
-                _fail(f"{where}.sequences[{int(bad[0])}].start_depth", "expected the depth of its first replay row")
-        bad = np.flatnonzero((first >= 0) & (depth[np.maximum(first, 0)] != sd))
-        if bad.size:
-            q = int(bad[0])
-            _fail(f"{where}.sequences[{q}].start_depth", f"expected {int(depth[first[q]])} (depth of its first row), got {int(sd[q])}")
-        if params.replay and (sd % C).any():
-            q = int(np.flatnonzero(sd % C)[0])
-            _fail(f"{where}.sequences[{q}].start_depth", f"expected a multiple of C = {C} with replay on, got {int(sd[q])}")
-        bad = np.flatnonzero((call.init_kind == ZERO) & (sd != 0))
-        if bad.size:
-            _fail(f"{where}.sequences[{int(bad[0])}].init_state", f"zero state at depth {int(sd[bad[0]])}, expected depth 0")
-        local = np.flatnonzero(call.init_kind == LOCAL)
-        if local.size:  # readable only once an earlier call exported it
-            made = export_call[call.init_state[local]]
-            bad = local[(made < 0) | (made >= ci)]
-            if bad.size:
-                _fail(f"{where}", f"reads local state {int(call.init_state[bad[0]])} that no earlier call exported")
-        if call.export_seq.size:
-            es = call.export_seq
-            end_depth = depth[call.row_end[es] - 1] + 1
-            ed = call.export_depth
-            ok = (ed > sd[es]) & (ed <= end_depth) & (((ed - sd[es]) % C == 0) | (~np.bool_(params.replay) & (ed == end_depth)))
-            if not ok.all():
-                q = int(es[np.flatnonzero(~ok)[0]])
-                _fail(f"{where}.sequences[{q}].exports", "expected state depths at chunk boundaries inside the sequence")
-            st = call.export_state
-            if (export_call[st] >= 0).any():
-                _fail(f"{where}.exports", "state id exported twice")
-            export_call[st] = ci
-            if st.shape[0] > 1 and int(np.bincount(st).max()) > 1:
-                _fail(f"{where}.exports", "state id exported twice")
-    # the sequence ranges partition [0, R): sorted by start, each begins where the previous ends
-    lo = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    hi = np.concatenate(ends) if ends else np.zeros(0, np.int64)
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], hi[order]
-    if R and (lo.shape[0] == 0 or lo[0] != 0 or hi[-1] != R or (lo[1:] != hi[:-1]).any()):
-        gap = 0 if lo.shape[0] == 0 or lo[0] != 0 else int(hi[np.flatnonzero(np.append(lo[1:] != hi[:-1], True))[0]])
-        _fail(f"{w}.linear_calls", f"expected every local row in exactly one sequence range, row {min(gap, R - 1)} is not")
+        code, q, value = call_rules(ci, call.row_start, call.row_end, call.start_depth, call.init_kind, call.init_state,
+                                    call.replay_offsets, call.replay_rows, call.export_seq, call.export_depth,
+                                    call.export_state, depth, C, bool(params.replay), made)
+        if code:
+            _fail(*_CALL_RULES[code](f"{w}.linear_calls[{ci}]", q, value, C, int(depth[call.row_start[q]])))
+    starts = [c.row_start for c in a.linear_calls]
+    row = first_uncovered(np.concatenate(starts) if starts else np.zeros(0, np.int64),
+                          np.concatenate([c.row_end for c in a.linear_calls]) if starts else np.zeros(0, np.int64), R)
+    if row >= 0:
+        _fail(f"{w}.linear_calls", f"expected every local row in exactly one sequence range, row {row} is not")
+    replay_total = sum(int(c.replay_rows.shape[0]) for c in a.linear_calls)
     if replay_total != a.replay_tokens:
         _fail(f"{w}.replay_tokens", f"expected {replay_total}, got {a.replay_tokens}")
-    if a.num_states and (export_call < 0).any():
-        _fail(f"{w}.num_states", f"state {int(np.flatnonzero(export_call < 0)[0])} of num_states {a.num_states} is never exported")
-    if a.export_states.size and (export_call[a.export_states] < 0).any():
+    if a.num_states and (made < 0).any():
+        _fail(f"{w}.num_states", f"state {int(np.flatnonzero(made < 0)[0])} of num_states {a.num_states} is never exported")
+    if a.export_states.size and (made[a.export_states] < 0).any():
         _fail(f"{w}.export_states", "expected states that some sequence exports")
+
+
+#: call_rules code -> (field, message) of the violation.
+_CALL_RULES = {
+    REPLAY_TOO_LONG: lambda w, q, v, C, depth_of_first: (f"{w}.sequences[{q}].replay_rows", f"expected <= C-1 = {C - 1} rows, got {v}"),
+    REPLAY_WITHOUT_REPLAY: lambda w, q, v, C, depth_of_first: (f"{w}.sequences[{q}].replay_rows", "expected none with replay off"),
+    START_NOT_REPLAY_DEPTH: lambda w, q, v, C, depth_of_first: (f"{w}.sequences[{q}].start_depth", "expected the depth of its first replay row"),
+    START_NOT_ROW_DEPTH: lambda w, q, v, C, depth_of_first: (f"{w}.sequences[{q}].start_depth", f"expected {depth_of_first} (depth of its first row), got {v}"),
+    START_UNALIGNED: lambda w, q, v, C, depth_of_first: (f"{w}.sequences[{q}].start_depth", f"expected a multiple of C = {C} with replay on, got {v}"),
+    ZERO_STATE_DEPTH: lambda w, q, v, C, depth_of_first: (f"{w}.sequences[{q}].init_state", f"zero state at depth {v}, expected depth 0"),
+    LOCAL_STATE_UNEXPORTED: lambda w, q, v, C, depth_of_first: (w, f"reads local state {v} that no earlier call exported"),
+    EXPORT_DEPTH: lambda w, q, v, C, depth_of_first: (f"{w}.sequences[{q}].exports", "expected state depths at chunk boundaries inside the sequence"),
+    EXPORTED_TWICE: lambda w, q, v, C, depth_of_first: (f"{w}.exports", "state id exported twice"),
+}
 
 
 def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: list[tuple[int, int]], where: str) -> None:
@@ -225,7 +182,7 @@ def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: l
     M = len(arrays)
     state = np.zeros(M, np.int8)  # 0 not run, 1 open, 2 done
     stack: list[int] = []
-    exported_rows: dict[int, np.ndarray] = {}
+    listed: dict[tuple[int, str], np.ndarray] = {}  # (exporter, "rows" / "states") -> its export mask
     for i, (kind, k) in enumerate(steps):
         if not 0 <= k < M:
             _fail(f"{where}.steps[{i}]", f"expected an index < {M}, got {k}")
@@ -233,7 +190,7 @@ def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: l
         if kind == plan_pb2.ExecStep.FORWARD:
             if state[k]:
                 _fail(f"{where}.steps[{i}]", f"microbatch {a.id} forwarded twice")
-            _check_imports(a, arrays, index, state, exported_rows)
+            _check_imports(a, arrays, index, state, listed)
             state[k] = 1
             stack.append(k)
         else:
@@ -248,33 +205,22 @@ def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: l
 
 
 def _check_imports(a: MicrobatchArrays, arrays: list[MicrobatchArrays], index: dict[int, int], state: np.ndarray,
-                   exported_rows: dict[int, np.ndarray]) -> None:
+                   listed: dict[tuple[int, str], np.ndarray]) -> None:
     w = a.where
-    ids = np.concatenate([a.import_microbatch, a.state_import_microbatch]).astype(np.int64)
-    if not ids.shape[0]:
-        return
-    if int(ids.min()) < 0:
-        _fail(w, f"imports from microbatch {int(ids.min())}, which is not an open window on this rank")
-    for e in np.flatnonzero(np.bincount(ids)).tolist():
+    for e in exporters(a.import_microbatch, a.state_import_microbatch).tolist():
         k = index.get(e, -1)
         if k < 0 or state[k] != 1:
             _fail(w, f"imports from microbatch {e}, which is not an open window on this rank")
         ex = arrays[k]
-        sel = a.import_microbatch == e
-        if sel.any():
-            listed = exported_rows.get(k)
-            if listed is None:
-                listed = exported_rows[k] = np.zeros(ex.num_rows + ex.num_imports, np.bool_)
-                listed[ex.export_rows] = True
-            rows = a.import_row[sel].astype(np.int64)
-            bad = (rows >= listed.shape[0])
-            bad[~bad] = ~listed[rows[~bad]]
-            if bad.any():
-                i = int(np.flatnonzero(sel)[np.flatnonzero(bad)[0]])
-                _fail(f"{w}.import_row[{i}]", f"row {int(a.import_row[i])} is not listed in microbatch {e}'s export_rows")
-        sel = a.state_import_microbatch == e
-        if sel.any():
-            ok = np.isin(a.state_import_state[sel], ex.export_states)
-            if not ok.all():
-                q = int(np.flatnonzero(sel)[np.flatnonzero(~ok)[0]])
-                _fail(f"{w}.state_imports[{q}]", f"state {int(a.state_import_state[q])} is not in microbatch {e}'s export_states")
+        rows = listed.get((k, "rows"))
+        if rows is None:
+            rows = listed[k, "rows"] = mark(ex.export_rows, ex.num_rows + ex.num_imports)
+        i = first_unlisted(a.import_microbatch, a.import_row, e, rows)
+        if i >= 0:
+            _fail(f"{w}.import_row[{i}]", f"row {int(a.import_row[i])} is not listed in microbatch {e}'s export_rows")
+        states = listed.get((k, "states"))
+        if states is None:
+            states = listed[k, "states"] = mark(ex.export_states, ex.num_states)
+        q = first_unlisted(a.state_import_microbatch, a.state_import_state, e, states)
+        if q >= 0:
+            _fail(f"{w}.state_imports[{q}]", f"state {int(a.state_import_state[q])} is not in microbatch {e}'s export_states")

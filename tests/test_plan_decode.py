@@ -11,11 +11,11 @@ from proto.plan_decode import PlanValidationError, decode_microbatch
 from tests.builder_helpers import forest_from_trajectories, random_trajectories
 
 
-def _plan(windows: bool = True):
+def _plan(windows: bool = True, microbatch_tokens: int = 48):
     rng = np.random.default_rng(3)
     trajs, tree_of = random_trajectories(rng, n=24, max_len=60, trees=3, chunk=8)
     forest = forest_from_trajectories(trajs, tree_of=tree_of)
-    return plan_step(forest, PlanConfig(chunk_size=8, microbatch_tokens=48, memory_tokens=4096, windows=windows))
+    return plan_step(forest, PlanConfig(chunk_size=8, microbatch_tokens=microbatch_tokens, memory_tokens=4096, windows=windows))
 
 
 def test_decode_matches_wire_fields():
@@ -91,3 +91,35 @@ def test_export_needs_cover_every_import():
                     assert r in set(needs[e].rows[KERNEL].tolist())
                     checked += 1
     assert checked > 0
+
+
+def _late_sequence(plan):
+    """A microbatch and a sequence of it that is neither its first call nor that call's first."""
+    for mb in (mb for r in plan.ranks for mb in r.microbatches):
+        for c, call in enumerate(mb.linear_calls[1:], 1):
+            if len(call.sequences) > 1:
+                return mb, c, len(call.sequences) - 1, call.sequences[-1]
+    raise AssertionError("expected a later call with several sequences in the test plan")
+
+
+def _export(seq, state):
+    seq.exports.add(state=state, depth=seq.start_depth + 8)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda mb, seq: setattr(seq, "row_end", mb.num_rows + 1), r": expected 0 <= row_start < row_end"),
+    (lambda mb, seq: setattr(seq, "replay_rows", pack([mb.num_rows + len(mb.import_row) // 4], "int32")),
+     r"\.replay_rows: expected extended rows"),
+    (lambda mb, seq: setattr(seq, "replay_rows", b"\0\0\0"), r"\.replay_rows: expected a multiple of 4 bytes"),
+    (lambda mb, seq: setattr(seq.init_state, "kind", 7), r"\.init_state\.kind: expected ZERO, LOCAL or IMPORTED"),
+    (lambda mb, seq: (setattr(seq.init_state, "kind", 2), setattr(seq.init_state, "state", len(mb.state_imports))),
+     r"\.init_state: expected a state id < len\(state_imports\)"),
+    (lambda mb, seq: _export(seq, mb.num_states), r"\.exports: expected state ids in \[0, "),
+], ids=["row-range", "replay-row", "replay-bytes", "state-kind", "imported-state-id", "export-state"])
+def test_decode_rejects_bad_sequences_naming_call_and_sequence(mutate, match):
+    """The flat bounds pass over all calls names the offending call and its sequence index."""
+    plan = _plan(microbatch_tokens=192)
+    mb, c, q, seq = _late_sequence(plan)
+    mutate(mb, seq)
+    with pytest.raises(PlanValidationError, match=rf"microbatch {mb.id}\.linear_calls\[{c}\]\.sequences\[{q}\]" + match):
+        decode_microbatch(mb, plan.header.params)

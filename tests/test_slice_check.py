@@ -3,6 +3,8 @@ decode_microbatch gives, and rejects the structural corruptions that the indepen
 (the oracle) also rejects."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -67,6 +69,18 @@ def _mutate_seq(m, c, q, **fields):
     return mutate
 
 
+def _export_twice(plan):
+    _seq(0, 0, 1)(plan).exports.add(state=0, depth=8)
+
+
+def _off_boundary_export(plan):
+    _seq(0, 0, 0)(plan).exports[0].depth = 9
+
+
+def _extra_state(plan):
+    _mb(plan, 0).num_states += 1
+
+
 def _swap_backwards(plan):
     steps = plan.ranks[0].steps
     steps[2].microbatch, steps[3].microbatch = 0, 1
@@ -121,6 +135,11 @@ CORRUPTIONS = [
     ("rows-outside-sequences", _whole_plan, _mutate_seq(0, 0, 0, row_end=9), "exactly one sequence range"),
     ("unaligned-start", _whole_plan, _mutate_seq(0, 1, 0, replay_rows=b"", start_depth=9), "multiple of C = 8"),
     ("replay-too-long", _whole_plan, _mutate_seq(0, 1, 0, replay_rows=list(range(9)), start_depth=0), "C-1 = 7"),
+    ("start-depth", _whole_plan, _mutate_seq(0, 0, 0, start_depth=8), "expected 0 (depth of its first row), got 8"),
+    ("zero-state-deep", _whole_plan, lambda p: setattr(_seq(0, 1, 0)(p).init_state, "kind", 0), "zero state at depth 8"),
+    ("export-off-boundary", _whole_plan, _off_boundary_export, "linear_calls[0].sequences[0].exports: expected state depths"),
+    ("exported-twice", _whole_plan, _export_twice, "state id exported twice"),
+    ("state-never-exported", _whole_plan, _extra_state, "state 1 of num_states 2 is never exported"),
     ("over-budget", _whole_plan, _budget, "exceed microbatch_tokens 19"),
     ("header-version", _whole_plan, _version, "header.version"),
     ("segments-do-not-tile", _whole_plan, _tiling, "tile rows"),
@@ -145,7 +164,7 @@ def test_rejects_what_the_validator_rejects(make, mutate, fragment):
     sl = slice_plan(plan, 0)
     with pytest.raises(PlanValidationError):
         validate_slice(sl)  # the oracle agrees that the slice is broken
-    with pytest.raises(PlanValidationError, match=fragment.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(PlanValidationError, match=re.escape(fragment)):
         check_slice(sl)
 
 
