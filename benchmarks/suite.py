@@ -418,7 +418,10 @@ def run_placement(cfg: SuiteConfig) -> dict:
     """Makespan ratio (max rank cost / max(total / W, longest trajectory)) and compression of
     the default planner (sharing windows, computed-rows cost model) over the grid of ranks and
     microbatch budgets; one plan per cell, timed in wall and CPU seconds, plus the same cell
-    planned with makespan_slack = PLACEMENT_LOOSE_SLACK (its ratio and compression only)."""
+    planned with makespan_slack = PLACEMENT_LOOSE_SLACK (its ratio and compression only), and
+    upper bounds on the compression any placement reaches (`placement_bound.compression_bound`)."""
+    from benchmarks.placement_bound import compression_bound
+
     plan_step = _optional("planner_service.planner", "plan_step")
     PlanConfig = _optional("planner_service.planner", "PlanConfig")
     forest_from_json = _optional("planner_service.ingest", "forest_from_json")
@@ -449,6 +452,10 @@ def run_placement(cfg: SuiteConfig) -> dict:
                     "peak_live_tokens": int(st.peak_live_tokens), "plan_seconds": wall, "plan_cpu_seconds": cpu,
                     "loose_makespan_ratio": float(loose.makespan_ratio),
                     "loose_compression_vs_ideal": loose.compression_achieved / loose.compression_ideal,
+                    # the best any placement can reach (benchmarks/placement_bound.py): at this
+                    # plan's makespan, and anywhere the ratio target is met
+                    "bound_at_makespan": compression_bound(forest, st.makespan),
+                    "bound_at_target": compression_bound(forest, target * st.makespan_lower_bound),
                 })
                 log.info("bench placement: %s W=%d B=%d: makespan ratio %.3f, compression %.3f of ideal, %.2f s",
                          name, W, B, st.makespan_ratio, vs_ideal, wall)
@@ -462,6 +469,7 @@ PLACEMENT_COLUMNS = (
     ("duplicated_tokens", "duplicated tokens"), ("recomputed", "recomputed windows"), ("plan_seconds", "plan s (wall)"),
     ("plan_cpu_seconds", "plan s (CPU)"), ("loose_makespan_ratio", f"ratio, slack {PLACEMENT_LOOSE_SLACK}"),
     ("loose_compression_vs_ideal", f"compression / ideal, slack {PLACEMENT_LOOSE_SLACK}"),
+    ("bound_at_makespan", "bound at this makespan"), ("bound_at_target", "bound at the ratio target"),
 )
 
 
@@ -480,8 +488,8 @@ def placement_table(rows: list[dict]) -> str:
                 cells.append(f"<= {v}")
             elif key == "trees_per_rank":
                 cells.append(f"{v:.2f}")
-            elif key.startswith("loose_"):
-                cells.append(f"{v:.3f}")
+            elif key.startswith(("loose_", "bound_")):
+                cells.append("" if v is None else f"{v:.3f}")
             else:
                 cells.append(_fmt(v))
         lines.append("| " + " | ".join(cells) + " |")
@@ -745,9 +753,12 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
         summary += ["", "## Placement", "",
                     "Makespan ratio = max rank cost / max(total cost / W, longest trajectory's cost) with the default "
                     "planner (sharing windows, C = 64, cost = computed rows, makespan_slack 1.02); targets: <= 1.05 with "
-                    "at least 2 trees per rank, <= 1.25 otherwise; compression achieved >= 0.95 of ideal. The last two "
-                    f"columns plan the same cell with makespan_slack {PLACEMENT_LOOSE_SLACK} (a longer step for less "
-                    "duplication).", "", placement_table(placement)]
+                    "at least 2 trees per rank, <= 1.25 otherwise; compression achieved >= 0.95 of ideal. The "
+                    f"two slack columns plan the same cell with makespan_slack {PLACEMENT_LOOSE_SLACK} (a longer step for "
+                    "less duplication). The bounds are the highest compression / ideal any placement can reach "
+                    "(benchmarks/placement_bound.py: every rank computes the root path of what it keeps) with no rank "
+                    "above this plan's makespan, and with the makespan ratio at its target.", "",
+                    placement_table(placement)]
     summary += ["", "## Benchmarks", "", "| benchmark | status | seconds | details |", "|---|---|---|---|"]
     for name, entry in doc["benchmarks"].items():
         detail = entry.get("reason") or entry.get("error") or f"[{name}{suffix}.md]({name}{suffix}.md)"

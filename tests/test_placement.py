@@ -61,9 +61,10 @@ def test_placement_kernels_match_reference(seed):
         np.testing.assert_array_equal(a, b)
     part = placement.part_of_units(parent, placement.cut_parts(parent, uc.w, uc.ctx, uc.rc, total / 3)[0])
     roots = np.flatnonzero(part == np.arange(parent.shape[0]))
-    for a, b in zip(placement.lpt_parts(parent, part, roots[::-1], uc.w[roots[::-1]], uc.w_dup, uc.ctx, W),
-                    placement_ref.lpt_parts(parent, part, roots[::-1], uc.w[roots[::-1]], uc.w_dup, uc.ctx, W)):
-        np.testing.assert_array_equal(a, b)
+    for fit in (-1.0, 0.6 * total, 1.1 * total / W):  # plain LPT, packing (always fits, sometimes)
+        for a, b in zip(placement.lpt_parts(parent, part, roots[::-1], uc.w[roots[::-1]], uc.w_dup, uc.ctx, W, fit),
+                        placement_ref.lpt_parts(parent, part, roots[::-1], uc.w[roots[::-1]], uc.w_dup, uc.ctx, W, fit)):
+            np.testing.assert_array_equal(a, b)
     U = parent.shape[0]
     scratch = (np.full(U, -1, np.int64), np.zeros(U, np.int64), np.empty(U, np.int64))
     for r in range(W):
@@ -249,5 +250,22 @@ def test_bench_placement_table_on_tiny_workloads():
     rows = result["rows"]
     assert len(rows) == 3 * 2 * 2 and {r["world_size"] for r in rows} == {2, 4}
     assert all(r["makespan_ratio"] >= 1.0 - 1e-9 and 0 < r["compression_vs_ideal"] <= 1.0 for r in rows)
+    # no placement beats the bound at its own makespan
+    assert all(r["compression_vs_ideal"] <= r["bound_at_makespan"] + 1e-12 for r in rows)
     table = suite.placement_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| makespan ratio |" in table
+
+
+@pytest.mark.parametrize("impl", [placement, placement_ref], ids=["numba", "ref"])
+def test_lpt_packs_parts_of_a_tree_under_the_target(impl):
+    """A root unit (cost 10) with four children (8 each) as five parts on four ranks: plain LPT
+    puts each child on its own rank (three copies of the root duplicated); packing under a step
+    length of 50 keeps the children together where the root path is already held."""
+    parent = np.array([-1, 0, 0, 0, 0], np.int64)
+    w = np.array([10.0, 8, 8, 8, 8])
+    ctx = placement.context_costs(parent, w)
+    part, order = np.arange(5, dtype=np.int64), np.array([1, 2, 3, 4, 0], np.int64)
+    spread, load = impl.lpt_parts(parent, part, order, w[order], w, ctx, 4, -1.0)
+    assert sorted(spread[:4].tolist()) == [0, 1, 2, 3] and max(load) == 28
+    packed, load = impl.lpt_parts(parent, part, order, w[order], w, ctx, 4, 50.0)
+    assert packed.tolist() == [0, 0, 0, 0, 1] and max(load) == 42

@@ -10,7 +10,9 @@ be balanced; so placement works below the microbatch level, on the unit forest o
 - `cut_parts` is the bottom-up greedy of Kundu and Misra over unit costs with a capacity that
   every part, its duplicated prefix included, must fit (`cap`); it cuts the costliest children
   first, so it makes few parts and duplicates little;
-- the parts go to ranks longest-processing-time first (`level2.lpt_place`), and
+- the parts go to ranks longest-processing-time first (`lpt_parts`: to the rank where a part ends
+  soonest, or, packing, to the one holding most of its prefix among those where it ends within
+  the makespan target), and
   `rank_closure` adds to every rank the ancestors of the units it keeps (duplicated there), from
   which `closure_costs` gives each rank's cost with every duplicated unit counted once per rank;
 - `partition.place_units` tries a range of capacities and keeps the placement with the smallest
@@ -425,15 +427,20 @@ def subtree_sums(unit_parent, w):
 
 
 @njit(cache=True)
-def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size):
+def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size, fit=-1.0):
     """Longest processing time first over parts, each to the rank where it ends soonest counting
     only the prefix that rank does not hold yet (parts of one tree share their root paths).
+    With `fit` >= 0, a part goes instead to the rank that adds the least duplicated prefix among
+    those where it ends by `fit` (the soonest of them on a tie), if there is one: with more ranks
+    than large trees, plain LPT spreads a tree's parts over idle ranks, each duplicating the root
+    path, where packing them onto a rank that holds it would end the step no later.
 
     Args:
         unit_parent: int [U] (preorder); part: int64 [U] root unit of every unit's part.
         part_root: int64 [P] the part roots, in placement order (costliest first);
         part_resid: float64 [P] their costs without the prefix; w_dup: float64 [U]; ctx: float64
             [U] the whole prefix's cost (`context_costs`: what a rank holding none of the tree adds).
+        fit: a step length to pack parts under (see above), or < 0 for plain LPT.
 
     Returns:
         rank int64 [P] per part (in the given order), load float64 [W] estimated rank costs.
@@ -467,6 +474,9 @@ def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size):
         root = part_root[i]
         best = 0
         best_val = np.inf
+        fit_rank = -1
+        fit_miss = np.inf
+        fit_val = np.inf
         for r in range(W):
             miss = ctx[root]
             a = unit_parent[root]
@@ -479,6 +489,13 @@ def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size):
             if val < best_val:
                 best_val = val
                 best = r
+            if val <= fit and (miss < fit_miss or (miss == fit_miss and val < fit_val)):
+                fit_rank = r
+                fit_miss = miss
+                fit_val = val
+        if fit_rank >= 0:
+            best = fit_rank
+            best_val = fit_val
         rank[i] = best
         load[best] = best_val
         a = unit_parent[root]

@@ -252,7 +252,7 @@ def placement_costs(unit_parent, unit_rank, w, w_dup, rc, world_size):
     return closure_costs(*rank_closure(unit_parent, unit_rank, world_size), w, w_dup, rc, world_size)
 
 
-def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size):
+def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size, fit=-1.0):
     """See `placement.lpt_parts`: per rank the set of units its forest holds."""
     held: list[set[int]] = [set() for _ in range(world_size)]
     load = [0.0] * world_size
@@ -268,7 +268,7 @@ def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size):
             path.append(a)
             a = int(unit_parent[a])
         top = path[-1] if path else root
-        vals = []
+        vals, misses = [], []
         for r in range(world_size):
             miss = float(ctx[root])
             if path and top in held[r]:
@@ -277,8 +277,10 @@ def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size):
                     if a in held[r]:
                         break
                     miss += float(w_dup[a])
+            misses.append(miss)
             vals.append(load[r] + float(part_resid[i]) + miss)
-        best = min(range(world_size), key=lambda r: (vals[r], r))
+        fits = [r for r in range(world_size) if vals[r] <= fit]
+        best = min(fits, key=lambda r: (misses[r], vals[r], r)) if fits else min(range(world_size), key=lambda r: (vals[r], r))
         ranks.append(best)
         load[best] = vals[best]
         held[best].update(path)

@@ -75,7 +75,9 @@ def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> t
     """Rank keeping every unit (module docstring, step 2).
 
     1. For every part capacity of a geometric grid from the makespan's lower bound to the
-       costliest tree, `cut_parts` cuts the forest and LPT places the parts.
+       costliest tree, `cut_parts` cuts the forest and LPT places the parts, twice: soonest end
+       first, and packing each part onto the rank that holds most of its prefix among those where
+       it ends within the target (`lpt_parts`).
     2. The few placements with the smallest makespan, and the one that cuts nothing, are refined
        by moving subtrees from the busiest rank to the idlest (`placement.refine`) until the
        makespan is within cfg.makespan_slack of the lower bound or no move lowers it.
@@ -101,6 +103,7 @@ def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> t
         cost, dup = k.placement_costs(unit_parent, unit_rank, uc.w, uc.w_dup, uc.rc, W)
         return float(np.max(cost)), float(np.sum(dup))
 
+    target = lower * cfg.makespan_slack
     results = []  # (makespan, duplicated cost, capacity, refined, unit_rank)
     for cap in caps:
         cut, resid, bad = k.cut_parts(unit_parent, uc.w, uc.ctx, uc.rc, cap * (1 + 1e-12))
@@ -112,14 +115,16 @@ def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> t
         seq = np.lexsort((roots, -pcost))
         prank = np.empty(roots.shape[0], np.int64)
         if W * U <= HELD_MATRIX_LIMIT:  # parts of a tree share prefixes on a rank
-            prank[seq] = k.lpt_parts(unit_parent, part, roots[seq], resid[roots[seq]], uc.w_dup, uc.ctx, W)[0]
+            for fit in (-1.0, target):  # plain LPT, then packing parts under the makespan target
+                prank[seq] = k.lpt_parts(unit_parent, part, roots[seq], resid[roots[seq]], uc.w_dup, uc.ctx, W, fit)[0]
+                unit_rank = prank[np.searchsorted(roots, part)]
+                results.append((*evaluate(unit_rank), cap, False, unit_rank))
         else:
             prank[seq] = k.lpt_place(pcost[seq].astype(np.float64), W)[0]
-        unit_rank = prank[np.searchsorted(roots, part)]
-        results.append((*evaluate(unit_rank), cap, False, unit_rank))
+            unit_rank = prank[np.searchsorted(roots, part)]
+            results.append((*evaluate(unit_rank), cap, False, unit_rank))
     if not results:  # cannot happen: the smallest capacity fits every root path
         raise AssertionError("placement: no part capacity fits the costliest root path")
-    target = lower * cfg.makespan_slack
     by_makespan = sorted(range(len(results)), key=lambda i: (results[i][0], results[i][1], i))
     for i in sorted(set(by_makespan[:REFINED_PLACEMENTS]) | {len(results) - 1}):
         makespan, _, cap, _, unit_rank = results[i]
