@@ -15,7 +15,9 @@ of each mode:
   trajectory: a duplicated edge recomputes the whole root path in one microbatch);
 - `expanded`: the trajectory-expanded plan (PlanConfig(sharing=False)), the same executor;
 - `transformers`: transformers' Qwen3NextForCausalLM on the same weights, trajectory by
-  trajectory (`benchmarks.peer`; it takes no packed varlen batch without fla).
+  trajectory (`benchmarks.peer`; it takes no packed varlen batch without fla);
+- `windows_logprobs`, `expanded_logprobs`, `transformers_logprobs`: forward only, what `harts
+  logprobs` runs (the executor without a graph; transformers under no_grad, log-softmax gather).
 
 Throughput is expanded tokens per CPU second of this process (the fastest of the timed steps
 after one warm-up step: other jobs on a shared machine only ever add wall time). Where the batch
@@ -51,7 +53,8 @@ WORKLOADS = [
     ("tree", dict(scheme="tree", tasks=2, seed=1, scale=0.05)),
 ]
 QUICK_WORKLOADS = [("tree-quick", dict(scheme="tree", tasks=1, seed=1, scale=0.01, turns=(4, 6)))]
-MODES = ("windows", "no_windows", "expanded", "transformers")
+MODES = ("windows", "no_windows", "expanded", "transformers", "windows_logprobs", "expanded_logprobs",
+         "transformers_logprobs")
 
 
 def _subset(doc: dict, max_tokens: int, seed: int) -> dict:
@@ -131,30 +134,36 @@ def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microba
              row["baseline_tokens"])
     ex = Executor(model, ExecutorConfig(chunk_size=chunk_size))
     opt = make_optimizer(model.parameters(), lr=1e-5)
+    trajs = [t["tokens"] for t in sub_doc["trajectories"]]
+    masks = [t["loss_mask"] if "loss_mask" in t else [1] * len(t["tokens"]) for t in sub_doc["trajectories"]]
+    peer = TransformersPeer.from_model(model) if any(m.startswith("transformers") for m in modes) else None
     for mode in modes:
-        tokens = row["baseline_tokens"] if mode in ("expanded", "transformers") else row["expanded_tokens"]
-        if mode == "transformers":
-            peer = TransformersPeer.from_model(model)
-            trajs = [t["tokens"] for t in sub_doc["trajectories"]]
-            masks = [t["loss_mask"] if "loss_mask" in t else [1] * len(t["tokens"]) for t in sub_doc["trajectories"]]
-
+        kind, forward_only = mode.removesuffix("_logprobs"), mode.endswith("_logprobs")
+        tokens = row["baseline_tokens"] if kind in ("expanded", "transformers") else row["expanded_tokens"]
+        if kind == "transformers":
             def step():
+                if forward_only:
+                    peer.logprobs(trajs)
+                    return 0
                 return peer.train_step(trajs, masks)[2]
         else:
-            plan = plans[mode]
+            plan = plans[kind]
 
             def step():
+                if forward_only:
+                    ex.run_step(plan, backward=False)
+                    return 0
                 with SavedTensorBytes(model) as gauge:
                     train_step(ex, plan, opt)
                 return gauge.peak
         cpu, wall, peak = _timed_steps(step, steps)
         row[f"{mode}_cpu_seconds"], row[f"{mode}_wall_seconds"] = cpu, wall
         row[f"{mode}_tokens_per_cpu_s"] = tokens / cpu
-        row[f"{mode}_peak_saved_bytes"] = peak
+        if not forward_only:
+            row[f"{mode}_peak_saved_bytes"] = peak
         log.info("%s: %s %.1f CPU s (%.1f wall), %.0f expanded tokens/CPU-s, peak saved %.0f MB", name, mode, cpu, wall,
                  tokens / cpu, peak / 1e6)
-        if mode == "transformers":
-            del peer
+    del peer
     r = lambda a, b: row.get(f"{a}_tokens_per_cpu_s", float("nan")) / row.get(f"{b}_tokens_per_cpu_s", float("nan"))  # noqa: E731
     row["windows_vs_expanded"] = r("windows", "expanded")
     row["fraction_of_ideal"] = row["windows_vs_expanded"] / ideal
@@ -162,6 +171,8 @@ def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microba
     row["windows_vs_transformers"] = r("windows", "transformers")
     row["expanded_vs_transformers"] = r("expanded", "transformers")
     row["windows_vs_ideal_transformers"] = row["windows_vs_transformers"] / ideal
+    row["logprobs_windows_vs_transformers"] = r("windows_logprobs", "transformers_logprobs")
+    row["logprobs_expanded_vs_transformers"] = r("expanded_logprobs", "transformers_logprobs")
     if "windows_peak_saved_bytes" in row:
         row["windows_saved_bytes_per_live_row"] = row["windows_peak_saved_bytes"] / max(row["peak_live_tokens_estimate"], 1)
         row["estimate_vs_measured"] = row["peak_live_bytes_estimate"] / max(row["windows_peak_saved_bytes"], 1)
@@ -171,7 +182,7 @@ def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microba
     return row
 
 
-def run(quick: bool = False, threads: int = 1, steps: int | None = None) -> dict:
+def run(quick: bool = False, threads: int = 1, steps: int | None = None, modes: tuple[str, ...] = MODES) -> dict:
     """Benchmark every workload; returns {"workloads": [...], "settings": {...}}."""
     from benchmarks.allocator import steady_allocator
 
@@ -188,7 +199,7 @@ def run(quick: bool = False, threads: int = 1, steps: int | None = None) -> dict
             log.info("[%d/%d] %s", i + 1, len(QUICK_WORKLOADS if quick else WORKLOADS), name)
             rows.append(bench_workload(name, gen, steps=settings["steps"], chunk_size=settings["chunk_size"],
                                        microbatch_tokens=settings["microbatch_tokens"], model_name=settings["model"],
-                                       max_baseline_tokens=settings["max_baseline_tokens"]))
+                                       max_baseline_tokens=settings["max_baseline_tokens"], modes=modes))
         settings["threads"] = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)  # the suite runs the other benchmarks in this process
@@ -202,6 +213,13 @@ COLUMNS = (
     ("transformers_tokens_per_cpu_s", "transformers tok/CPU-s"), ("windows_vs_expanded", "windows / expanded"),
     ("fraction_of_ideal", "fraction of ideal"), ("windows_vs_transformers", "windows / transformers"),
     ("expanded_vs_transformers", "expanded / transformers"), ("windows_vs_no_windows", "windows / no windows"),
+)
+LOGPROB_COLUMNS = (
+    ("workload", "workload"), ("windows_logprobs_tokens_per_cpu_s", "windows tok/CPU-s"),
+    ("expanded_logprobs_tokens_per_cpu_s", "expanded tok/CPU-s"),
+    ("transformers_logprobs_tokens_per_cpu_s", "transformers tok/CPU-s"),
+    ("logprobs_windows_vs_transformers", "windows / transformers"),
+    ("logprobs_expanded_vs_transformers", "expanded / transformers"),
 )
 MEMORY_COLUMNS = (
     ("workload", "workload"), ("windows_peak_saved_bytes", "windows peak saved (MB)"),
@@ -229,7 +247,9 @@ def result_markdown(result: dict) -> str:
     out = ["# Trainer: sharing windows vs no windows vs expanded vs transformers", "",
            "Command: `.venv/bin/python -m benchmarks.bench_trainer --out benchmarks/results` "
            f"(settings: {json.dumps(result['settings'])}).", ""]
-    for cols in (COLUMNS, MEMORY_COLUMNS):
+    for title, cols in (("Step (forward + backward + AdamW)", COLUMNS), ("Memory", MEMORY_COLUMNS),
+                        ("Forward only (log-probs, `harts logprobs`)", LOGPROB_COLUMNS)):
+        out += [f"## {title}", ""]
         out.append("| " + " | ".join(h for _, h in cols) + " |")
         out.append("|" + "---|" * len(cols))
         for r in rows:
@@ -244,9 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's default)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per mode after one warm-up (default 2)")
     parser.add_argument("--out", default=None, help="write trainer.md and trainer.json into this folder")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)} (default all)")
     args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if unknown := sorted(set(modes) - set(MODES)):
+        parser.error(f"--modes: unknown {', '.join(unknown)}; expected some of {', '.join(MODES)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    result = run(quick=args.quick, threads=args.threads, steps=args.steps)
+    result = run(quick=args.quick, threads=args.threads, steps=args.steps, modes=modes)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

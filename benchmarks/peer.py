@@ -130,3 +130,18 @@ class TransformersPeer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return time.perf_counter() - w0, time.process_time() - c0, peak
+
+    @torch.no_grad()
+    def logprobs(self, trajectories: list[list[int]]) -> tuple[float, float, list[torch.Tensor]]:
+        """Forward only: each trajectory's token log-probs (positions 1..L-1), one at a time.
+
+        Returns:
+            (wall seconds, process CPU seconds, the log-probs of every trajectory).
+        """
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = []
+        for toks in trajectories:
+            ids = torch.tensor(toks, dtype=torch.long)[None]
+            logits_LV = self.model(input_ids=ids).logits[0, :-1].float()
+            out.append(torch.log_softmax(logits_LV, -1).gather(1, ids[0, 1:, None])[:, 0])
+        return time.perf_counter() - w0, time.process_time() - c0, out

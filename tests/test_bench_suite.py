@@ -153,3 +153,19 @@ def test_steady_allocator_sets_the_glibc_thresholds():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert steady_allocator() is True
+
+
+def test_bench_trainer_forward_only_modes_against_transformers():
+    """The log-prob modes (what `harts logprobs` runs) beside transformers' forward, same weights."""
+    pytest.importorskip("trainer.executor")
+    from benchmarks import bench_trainer
+
+    name, gen = bench_trainer.QUICK_WORKLOADS[0]
+    row = bench_trainer.bench_workload(name, gen, steps=1, chunk_size=16, microbatch_tokens=256, model_name="tiny",
+                                       max_baseline_tokens=2000,
+                                       modes=("windows_logprobs", "expanded_logprobs", "transformers_logprobs"))
+    assert row["windows_logprobs_tokens_per_cpu_s"] > 0 and row["transformers_logprobs_tokens_per_cpu_s"] > 0
+    assert row["logprobs_expanded_vs_transformers"] == pytest.approx(
+        row["expanded_logprobs_tokens_per_cpu_s"] / row["transformers_logprobs_tokens_per_cpu_s"])
+    assert "windows_peak_saved_bytes" not in row  # no backward, no saved activations measured
+    assert "| windows / transformers |" in bench_trainer.result_markdown({"workloads": [row], "settings": {}})
