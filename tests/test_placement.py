@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from planner_service.errors import PlanningError
-from planner_service.planner import PlanConfig, level1, placement, placement_ref, plan_step
+from planner_service.planner import PlanConfig, level1, partition_ref, placement, placement_ref, plan_step
 from planner_service.planner.cost_model import CostModel
 from planner_service.planner.partition import _KERNELS, partition_with_report
 from planner_service.planner.placement_search import unit_costs
@@ -49,7 +49,7 @@ def test_placement_kernels_match_reference(seed):
         want = placement_ref.cut_parts(parent, uc.w, uc.ctx, uc.rc, cap)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
-        np.testing.assert_array_equal(placement.part_of_units(parent, got[0]), placement_ref.part_of_units(parent, got[0]))
+        np.testing.assert_array_equal(level1.piece_roots(parent, got[0]), partition_ref.piece_roots(parent, got[0]))
     W = 4
     unit_rank = rng.integers(0, W, size=parent.shape[0]).astype(np.int64)
     ru = placement.rank_closure(parent, unit_rank, W)
@@ -59,7 +59,7 @@ def test_placement_kernels_match_reference(seed):
     np.testing.assert_array_equal(cost, placement_ref.closure_costs(*ru, uc.w, uc.w_dup, uc.rc, W)[0])
     for a, b in zip(placement.placement_costs(parent, unit_rank, uc.w, uc.w_dup, uc.rc, W), (cost, dup)):
         np.testing.assert_array_equal(a, b)
-    part = placement.part_of_units(parent, placement.cut_parts(parent, uc.w, uc.ctx, uc.rc, total / 3)[0])
+    part = level1.piece_roots(parent, placement.cut_parts(parent, uc.w, uc.ctx, uc.rc, total / 3)[0])
     roots = np.flatnonzero(part == np.arange(parent.shape[0]))
     for fit in (-1.0, 0.6 * total, 1.1 * total / W):  # plain LPT, packing (always fits, sometimes)
         for a, b in zip(placement.lpt_parts(parent, part, roots[::-1], uc.w[roots[::-1]], uc.w_dup, uc.ctx, W, fit),
@@ -89,7 +89,7 @@ def test_cut_parts_fit_their_capacity_with_the_duplicated_prefix():
     cap = float((uc.ctx + uc.w).max()) * 1.1
     cut, resid, bad = placement.cut_parts(parent, uc.w, uc.ctx, uc.rc, cap)
     assert bad == -1 and cut.any()
-    roots = np.flatnonzero(placement.part_of_units(parent, cut) == np.arange(parent.shape[0]))
+    roots = np.flatnonzero(level1.piece_roots(parent, cut) == np.arange(parent.shape[0]))
     assert (resid[roots] + uc.ctx[roots] <= cap).all()
     assert placement.cut_parts(parent, uc.w, uc.ctx, uc.rc, float((uc.ctx + uc.w).max()) * 0.9)[2] >= 0
 

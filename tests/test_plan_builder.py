@@ -258,7 +258,8 @@ def test_bad_partitions_are_rejected():
 
 @pytest.mark.parametrize("all_positions", [False, True], ids=["loss", "all"])
 def test_logprob_map_kernels_match_references(all_positions):
-    from planner_service.planner.logprob_map import group_by, loss_per_trajectory, lp_entries, lp_entries_ref
+    from planner_service.planner.level1 import group_by
+    from planner_service.planner.logprob_map import loss_per_trajectory, lp_entries, lp_entries_ref
 
     rng = np.random.default_rng(17)
     for it in range(5):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from planner_service.planner.level1 import group_by
+
 
 # ---------------------------------------------------------------------------------------------
 # Per-token index and token ranges.
@@ -729,16 +731,7 @@ def encode_linear_calls(q_start, q_end, q_depth, q_call, r_off, r_rows, src_kind
     for c in range(n_calls):
         total += 2 + _varint_len(call_size[c]) + call_size[c]
     # sequences of each call, in sequence order
-    first = np.zeros(n_calls + 1, np.int64)
-    for q in range(Q):
-        first[q_call[q] + 1] += 1
-    for c in range(n_calls):
-        first[c + 1] += first[c]
-    fill = first[:-1].copy()
-    by_call = np.empty(Q, np.int64)
-    for q in range(Q):
-        by_call[fill[q_call[q]]] = q
-        fill[q_call[q]] += 1
+    by_call, first = group_by(q_call, n_calls)
     buf = np.empty(total, np.uint8)
     k = 0
     for c in range(n_calls):

@@ -12,6 +12,8 @@ precedes its children). On it:
   duplicated context a piece root needs), so every piece fits B by construction.
 - `first_fit_decreasing` packs groups of pieces (those that start at forest roots, or hang below
   one microbatch) into microbatches, first fit over bins kept in a max segment tree: O(n log n).
+- `children_csr`, `group_by`, `piece_roots`: the CSR, counting-sort and part-root helpers the
+  placement and builder kernels share.
 
 Plain-Python oracles of each kernel live in `partition_ref.py`.
 
@@ -92,6 +94,22 @@ def children_csr(parent):
             kids[fill[p]] = u
             fill[p] += 1
     return off, kids
+
+
+@njit(cache=True)
+def group_by(keys: np.ndarray, n: int):
+    """Stable counting sort of int keys in [0, n): (order int64 [P], bounds int64 [n+1]) (Numba)."""
+    bounds = np.zeros(n + 1, np.int64)
+    for k in keys:
+        bounds[k + 1] += 1
+    for i in range(n):
+        bounds[i + 1] += bounds[i]
+    fill = bounds[:-1].copy()
+    order = np.empty(keys.shape[0], np.int64)
+    for i in range(keys.shape[0]):
+        order[fill[keys[i]]] = i
+        fill[keys[i]] += 1
+    return order, bounds
 
 
 @njit(cache=True)

@@ -60,22 +60,6 @@ def lp_entries(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
 
 
 @njit(cache=True)
-def group_by(keys: np.ndarray, n: int):
-    """Stable counting sort of int keys in [0, n): (order int64 [P], bounds int64 [n+1]) (Numba)."""
-    bounds = np.zeros(n + 1, np.int64)
-    for k in keys:
-        bounds[k + 1] += 1
-    for i in range(n):
-        bounds[i + 1] += bounds[i]
-    fill = bounds[:-1].copy()
-    order = np.empty(keys.shape[0], np.int64)
-    for i in range(keys.shape[0]):
-        order[fill[keys[i]]] = i
-        fill[keys[i]] += 1
-    return order, bounds
-
-
-@njit(cache=True)
 def loss_per_trajectory(traj_offset: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     """int64 [T] sum of loss_mask per trajectory (Numba)."""
     T = traj_offset.shape[0] - 1

@@ -64,7 +64,6 @@ _KERNELS = {
         dfs_order=level2.dfs_order,
         context_costs=placement.context_costs,
         cut_parts=placement.cut_parts,
-        part_of_units=placement.part_of_units,
         rank_closure=placement.rank_closure,
         closure_costs=placement.closure_costs,
         refine=placement.refine,
@@ -79,7 +78,7 @@ _KERNELS = {
             "build_units", "cut_pieces", "piece_roots", "first_fit_decreasing", "context_cost",
             "window_export_counts", "window_groups", "subtree_costs", "lpt_place", "live_stack", "dfs_order")},
         **{name: getattr(placement_ref, name) for name in (
-            "context_costs", "cut_parts", "part_of_units", "rank_closure", "closure_costs", "refine", "lp_row_flags",
+            "context_costs", "cut_parts", "rank_closure", "closure_costs", "refine", "lp_row_flags",
             "subtree_sums", "subtree_sizes", "lpt_parts", "placement_costs")},
     ),
 }

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from planner_service.planner.level1 import children_csr
+from planner_service.planner.level1 import children_csr, group_by
 
 
 @njit(cache=True)
@@ -89,17 +89,6 @@ def cut_parts(unit_parent, w, ctx, rc, cap):
 
 
 @njit(cache=True)
-def part_of_units(unit_parent, cut):
-    """Part (its root unit) of every unit: a unit roots a part at a forest root or a cut."""
-    n = unit_parent.shape[0]
-    root = np.empty(n, np.int64)
-    for u in range(n):
-        p = unit_parent[u]
-        root[u] = u if (p < 0 or cut[u]) else root[p]
-    return root
-
-
-@njit(cache=True)
 def rank_closure(unit_parent, unit_rank, world_size):
     """Every rank's forest: the units it keeps plus all their ancestors (duplicated there).
 
@@ -112,16 +101,7 @@ def rank_closure(unit_parent, unit_rank, world_size):
         rank, units in preorder within a rank.
     """
     U = unit_parent.shape[0]
-    cnt = np.zeros(world_size + 1, np.int64)
-    for u in range(U):
-        cnt[unit_rank[u] + 1] += 1
-    for r in range(world_size):
-        cnt[r + 1] += cnt[r]
-    fill = cnt[:-1].copy()
-    by_rank = np.empty(U, np.int64)
-    for u in range(U):
-        by_rank[fill[unit_rank[u]]] = u
-        fill[unit_rank[u]] += 1
+    by_rank, cnt = group_by(unit_rank, world_size)
     stamp = np.full(U, -1, np.int64)
     pos = np.empty(U, np.int64)
     mark = np.empty(U, np.int64)
@@ -199,16 +179,7 @@ def placement_costs(unit_parent, unit_rank, w, w_dup, rc, world_size):
         cost float64 [W], dup float64 [W] (the duplicated units' share).
     """
     U = unit_parent.shape[0]
-    cnt = np.zeros(world_size + 1, np.int64)
-    for u in range(U):
-        cnt[unit_rank[u] + 1] += 1
-    for r in range(world_size):
-        cnt[r + 1] += cnt[r]
-    fill = cnt[:-1].copy()
-    by_rank = np.empty(U, np.int64)
-    for u in range(U):
-        by_rank[fill[unit_rank[u]]] = u
-        fill[unit_rank[u]] += 1
+    by_rank, cnt = group_by(unit_rank, world_size)
     stamp = np.full(U, -1, np.int64)
     nkids = np.zeros(U, np.int64)
     buf = np.empty(U, np.int64)
@@ -452,21 +423,10 @@ def lpt_parts(unit_parent, part, part_root, part_resid, w_dup, ctx, world_size, 
     for u in range(U):
         p = unit_parent[u]
         top[u] = u if p < 0 else top[p]
-    # units of each part, contiguous
-    index = np.full(U, -1, np.int64)
+    index = np.full(U, -1, np.int64)  # placement position of every part root
     for i in range(P):
         index[part_root[i]] = i
-    off = np.zeros(P + 1, np.int64)
-    for u in range(U):
-        off[index[part[u]] + 1] += 1
-    for i in range(P):
-        off[i + 1] += off[i]
-    fill = off[:-1].copy()
-    members = np.empty(U, np.int64)
-    for u in range(U):
-        i = index[part[u]]
-        members[fill[i]] = u
-        fill[i] += 1
+    members, off = group_by(index[part], P)  # units of each part, contiguous
     held = np.zeros((W, U), np.bool_)
     load = np.zeros(W, np.float64)
     rank = np.empty(P, np.int64)

@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def _children(parent) -> list[list[int]]:
-    kids: list[list[int]] = [[] for _ in range(len(parent))]
-    for u, p in enumerate(parent):
-        if p >= 0:
-            kids[int(p)].append(u)
-    return kids
+from planner_service.planner.partition_ref import _children
 
 
 def context_costs(unit_parent, w_dup):
@@ -54,14 +48,6 @@ def cut_parts(unit_parent, w, ctx, rc, cap):
             bad = u
         resid[u] = total + extra(len(kept) - j)
     return np.array(cut, np.bool_), np.array(resid, np.float64), bad
-
-
-def part_of_units(unit_parent, cut):
-    """See `placement.part_of_units`."""
-    root: list[int] = []
-    for u, p in enumerate(unit_parent):
-        root.append(u if (p < 0 or cut[u]) else root[int(p)])
-    return np.array(root, np.int64)
 
 
 def rank_closure(unit_parent, unit_rank, world_size):

@@ -109,7 +109,7 @@ def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> t
         cut, resid, bad = k.cut_parts(unit_parent, uc.w, uc.ctx, uc.rc, cap * (1 + 1e-12))
         if bad >= 0:
             continue
-        part = k.part_of_units(unit_parent, cut)
+        part = k.piece_roots(unit_parent, cut)
         roots = np.flatnonzero(part == np.arange(U))
         pcost = resid[roots] + uc.ctx[roots]
         seq = np.lexsort((roots, -pcost))
