@@ -52,7 +52,7 @@ def run(quick: bool = False, reps: int = 3) -> dict:
     """Run the benchmark; returns the figures (seconds, sizes)."""
     from planner_service.ingest import forest_from_json, forest_from_proto, json_to_proto, warmup
     from planner_service.ingest.radix import radix_forest
-    from planner_service.ingest.radix_reference import radix_forest_reference
+    from planner_service.ingest.radix_ref import radix_forest_reference
 
     shape = dict(trajectories=64, length=16_384, prefix=8_192)
     if quick:

@@ -22,7 +22,7 @@ scale 0.25, `--quick` 1 task at 0.05): JSON bytes -> Forest and protobuf bytes -
 (CPU seconds of this process, and wall seconds), the peak resident memory of a JSON ingest (a
 subprocess: the body read, its Forest built) against the body size, then the step planned like
 the full-scale suite (8 ranks, B = 65,536, C = 64, windows) and its validation: the independent
-`validate_plan` (whole plan) against `proto.slice_check.check_slice` (every rank slice) and the
+`validate_plan` (whole plan) against `plan.slice_check.check_slice` (every rank slice) and the
 planning seconds (planning and each slice check: the fastest of 3 runs). The numbers of issue 16 before this work are in `BEFORE`.
 
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
@@ -40,7 +40,7 @@ import numpy as np
 from planner_service.forest import Forest
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.partition import expand_forest, partition_with_report
-from proto.plan_validator import validate_plan
+from plan.validator import validate_plan
 
 log = logging.getLogger("bench_planner")
 
@@ -313,16 +313,16 @@ def ingest_and_validation(batch: str | None = None, quick: bool = False) -> dict
 
     from planner_service import ingest
     from planner_service.planner import plan_step, warmup as planner_warmup
-    from proto.plan_io import slice_plan
-    from proto import slice_kernels
-    from proto.slice_check import check_slice
+    from plan.seal import slice_plan
+    from plan import slice_kernels
+    from plan.slice_check import check_slice
 
     ingest.warmup()
     planner_warmup()
     slice_kernels.warmup()
     tmp = None
     if batch is None:
-        from benchmarks.workloads import WorkloadConfig, generate_workload
+        from harts_client.synthetic import WorkloadConfig, generate_workload
 
         cfg = WorkloadConfig(scheme="percall", tasks=1 if quick else 2, seed=1, scale=0.05 if quick else 0.25)
         fd, tmp = tempfile.mkstemp(suffix=".json")

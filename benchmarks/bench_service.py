@@ -12,7 +12,7 @@ Three phases, bounded in count and time:
 3. ready-plan latency: P concurrent pollers fetch ready slices; p50/p99 latency.
 
 Targets: protobuf ingest >= 100 MB/s; p99 fetch latency of a ready plan <= 50 ms with 32 pollers.
-Workloads come from `benchmarks.workloads.generate` (group sampling, flat form, with log-probs).
+Workloads come from `harts_client.synthetic.generate` (group sampling, flat form, with log-probs).
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.workloads import generate
+from harts_client.synthetic import generate
 from planner_service.ingest import json_to_proto
 from planner_service.server import ServerProcess
-from proto.plan_io import open_sealed
+from plan.seal import open_sealed
 
 log = logging.getLogger("bench_service")
 

@@ -5,7 +5,7 @@ stderr, one JSON object on stdout; with --out also `trainer.md` and `trainer.jso
 benchmark, not a timed test; `harts bench --only trainer` runs it inside the suite.
 
 Workloads whose trees are several times larger than the microbatch budget (issue 10): synthetic
-agentic rollouts (`benchmarks.workloads`) with per-call sampling (`percall`) and tree sampling
+agentic rollouts (`harts_client.synthetic`) with per-call sampling (`percall`) and tree sampling
 (`tree`) at length scale 0.05, planned with C = 16 and B = 2,048. Per workload, on the `small`
 model with one intra-op thread, a step (forward + backward of every microbatch + one AdamW step)
 of each mode:
@@ -30,7 +30,7 @@ tree modes always run the whole batch. The ideal is the FLOP compression of the 
 Memory: the peak bytes of tensors saved for backward during a step (`benchmarks.peer.
 SavedTensorBytes`: the activations of the open windows plus the running microbatch for HARTS, one
 trajectory at a time for transformers), per mode; beside it the planner's estimate of the
-windowed plan (`PlanStats.peak_live_bytes` under the model's `proto.memory_model`), and per-row
+windowed plan (`PlanStats.peak_live_bytes` under the model's `plan.memory_model`), and per-row
 figures (HARTS peak / the plan's peak live rows, transformers peak / its longest trajectory).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _timed_steps(step, steps: int) -> tuple[float, float, int]:
 def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microbatch_tokens: int, model_name: str,
                    max_baseline_tokens: int, modes: tuple[str, ...] = MODES) -> dict:
     from benchmarks.peer import SavedTensorBytes, TransformersPeer
-    from benchmarks.workloads import generate
+    from harts_client.synthetic import generate
     from planner_service.ingest import forest_from_json
     from planner_service.planner import PlanConfig, plan_step
     from trainer.executor import Executor, ExecutorConfig, train_step

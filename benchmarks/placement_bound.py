@@ -107,7 +107,7 @@ def compression_bound(forest: Forest, capacity: float) -> float:
 def run(worlds=(8, 32, 64), budget: int = 65536, chunk: int = 64, slacks=(1.0, 1.25)) -> list[dict]:
     """Per placement workload and W: the planner's ratio and compression beside the bounds."""
     from benchmarks.suite import placement_specs
-    from benchmarks.workloads import WorkloadConfig, generate_workload
+    from harts_client.synthetic import WorkloadConfig, generate_workload
     from planner_service.ingest import forest_from_json
     from planner_service.planner import PlanConfig, plan_step, warmup
 

@@ -9,7 +9,7 @@ that is not there yet is skipped and the results say so. Writes into `benchmarks
 - `README-table.md`: the headline table for the top-level README (the lead pastes it);
 - `<name>.md` per benchmark, `results.json` (everything), `compression.png`, `planner.png`.
 
-Headline, per synthetic agentic workload (`benchmarks/workloads.py`, fixed seeds): token
+Headline, per synthetic agentic workload (`harts_client/synthetic.py`, fixed seeds): token
 compression (expanded / unique tokens), computed / unique tokens of the plan, planner time (Numba
 vs the plain-Python reference), sequential linear-attention calls (tree vs expanded plan), and the
 update throughput (forward + backward + optimizer step, expanded tokens/s) of tree vs expanded
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.workloads import WorkloadConfig, generate_workload
+from harts_client.synthetic import WorkloadConfig, generate_workload
 
 log = logging.getLogger(__name__)
 
@@ -729,7 +729,7 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
 
     table = headline_table(rows) if rows else "(the workloads benchmark did not run)"
     notes = _workload_notes(rows, doc["mode"])
-    intro = (f"Synthetic agentic workloads from `benchmarks/workloads.py` ({doc['mode']} scale, "
+    intro = (f"Synthetic agentic workloads from `harts_client/synthetic.py` ({doc['mode']} scale, "
              f"`{doc['command']}`, commit {doc['machine']['commit']}, {doc['machine']['cpus']} CPUs). ")
     intro += ("Planning only." if cfg.full else
               f"Update throughput: the `{'tiny' if cfg.quick else cfg.model}` Qwen3-Next-style model on the CPU, forward + backward + AdamW step, "

@@ -10,6 +10,6 @@ while [ "$i" -lt "$steps" ]; do
     out="/tmp/step-$i.json"
     harts gen --scheme "${HARTS_SCHEME:-tree}" --tasks "${HARTS_TASKS:-4}" --seed "$i" \
         --scale "${HARTS_SCALE:-0.02}" --old-logprobs --batch-id "step-$i" -o "$out"
-    python -m trainer.client --url "${HARTS_PLANNER_URL:-http://planner:8000}" submit "$out"
+    python -m harts_client.client --url "${HARTS_PLANNER_URL:-http://planner:8000}" submit "$out"
     i=$((i + 1))
 done

@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from trainer.client import PlannerClient  # noqa: E402
-from trainer.rollouts import RolloutBatchBuilder, Trajectory, grpo_advantages, latest_export, samples_from_vllm  # noqa: E402
+from harts_client.client import PlannerClient  # noqa: E402
+from harts_client.rollouts import RolloutBatchBuilder, Trajectory, grpo_advantages, latest_export, samples_from_vllm  # noqa: E402
 
 VOCAB = 256
 

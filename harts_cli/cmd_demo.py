@@ -3,7 +3,7 @@
     harts demo                                   # what `make demo` runs (about a minute on 2 cores)
     harts demo --steps 6 --scheme group --tasks 3 --out demo-out
 
-Each step generates a batch of synthetic agentic rollouts (`benchmarks.workloads`, the same
+Each step generates a batch of synthetic agentic rollouts (`harts_client.synthetic`, the same
 generator as `harts gen`), submits it to an in-process planner service core backed by SQLite
 (`OUT/planner.db`: the same validation, storage, planning and sealed plan slices as `harts serve`),
 fetches rank 0's slice, verifies its checksum and trains the tiny Qwen3-Next-style hybrid model on
@@ -42,10 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.workloads import generate
+    from harts_client.synthetic import generate
     from planner_service.core import PlannerCore, ServiceConfig
     from proto.harts.v1 import planner_pb2
-    from proto.plan_io import open_sealed
+    from plan.seal import open_sealed
     from trainer.executor import Executor, ExecutorConfig, train_step
     from trainer.models import build_model
     from trainer.optim import make_optimizer

@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from benchmarks.workloads import WorkloadConfig, generate_workload
+    from harts_client.synthetic import WorkloadConfig, generate_workload
 
     cfg = WorkloadConfig(
         scheme=args.scheme, tasks=args.tasks, seed=args.seed, scale=args.scale, vocab_size=args.vocab_size,

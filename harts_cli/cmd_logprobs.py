@@ -35,7 +35,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "trajectory, which must then fit one microbatch)")
     parser.add_argument("--backend", default="ref", help="gated delta rule kernel backend (ref | triton)")
     parser.add_argument("--attention-backend", default="auto",
-                        help="tree-attention backend: auto (cpu on the CPU, triton on CUDA) | cpu | triton | ref")
+                        help="tree-attention backend: auto (blocked on the CPU, triton on CUDA) | blocked | triton | ref")
 
 
 def plan_config(args: argparse.Namespace, forest, model_config, **kw):

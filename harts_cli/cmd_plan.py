@@ -7,7 +7,7 @@
 
 Sharing windows are on (`--no-windows` is the ablation that duplicates every cut edge's prefix).
 `--model` names the trainer's model (a config.json path or a named config such as `tiny`) so that
-the live window stack is checked in its bytes (proto/memory_model.py; default: Qwen3-Next-80B-A3B
+the live window stack is checked in its bytes (plan/memory_model.py; default: Qwen3-Next-80B-A3B
 in fp32); `--cost-model` is a file written by `harts calibrate` that placement balances with.
 
 Prints one JSON object on stdout: the plan's PlanStats (unique_tokens, expanded_tokens,
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from planner_service import ingest
     from planner_service.planner import PlanConfig, expand_forest, plan_step, warmup
     from planner_service.planner.cost_model import CostModel
-    from proto.plan_validator import validate_plan
+    from plan.validator import validate_plan
 
     extra = {}
     if args.model:

@@ -1,7 +1,7 @@
 """`--model CFG` of the planning commands: a named trainer config or a Qwen3-Next config.json path.
 
 The planner never imports the trainer; the CLI resolves a name (trainer.models.config.NAMED_CONFIGS,
-e.g. `tiny`, `small`) into the config.json dict the memory model reads (proto/memory_model.py).
+e.g. `tiny`, `small`) into the config.json dict the memory model reads (plan/memory_model.py).
 """
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ from planner_service.service_config import (
 )
 from planner_service.store import FAILED, PLANNED, SUBMITTED, StepRecord, Store
 from proto.harts.v1 import plan_pb2, planner_pb2, rollouts_pb2
-from proto.plan_io import seal, slice_plan
+from plan.seal import seal, slice_plan
 
 log = logging.getLogger(__name__)
 

@@ -53,14 +53,14 @@ fi
 # compilation, and compiling dominates these runs): five pytest processes in parallel, each under
 # its own timeout, the bf16 production-shape tests in the first and third.
 PYTEST=("$PYTHON" -m pytest -v -p no:cacheprovider -rs)
-GDN=tests/test_gated_delta_rule_triton.py
-TREE=tests/test_tree_attention_triton.py
+GDN=tests/kernels/test_gated_delta_rule_triton.py
+TREE=tests/kernels/test_tree_attention_triton.py
 step tests-gdn-bf16-misc 210 tests-gdn-bf16-misc.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" $GDN -k "not test_triton_matches_ref_fp32" &
 step tests-gdn-fp32 210 tests-gdn-fp32.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" $GDN -k test_triton_matches_ref_fp32 &
 step tests-tree-bf16-misc 210 tests-tree-bf16-misc.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" $TREE -k "not test_every_backend" &
 step tests-tree-fp32 210 tests-tree-fp32.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" $TREE -k test_every_backend &
 # The other gpu-marked tests (only their files are collected: the GPU Python may lack service deps).
-marked=$(grep -l "mark.gpu" tests/test_*.py | grep -v -e test_gated_delta_rule_triton -e test_tree_attention_triton | tr '\n' ' ')
+marked=$(grep -l "mark.gpu" tests/*/test_*.py | grep -v -e test_gated_delta_rule_triton -e test_tree_attention_triton | tr '\n' ' ')
 if [ -n "$marked" ]; then
   # shellcheck disable=SC2086
   step tests-gpu-marked 210 tests-gpu-marked.txt env HARTS_AUTOTUNE=0 "${PYTEST[@]}" -m gpu $marked &

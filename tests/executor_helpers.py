@@ -16,7 +16,7 @@ import numpy as np
 
 from proto.arrays import pack
 from proto.harts.v1 import plan_pb2
-from proto.plan_io import PLAN_VERSION
+from plan.seal import PLAN_VERSION
 
 
 class _Node:

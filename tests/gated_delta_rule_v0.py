@@ -1,7 +1,7 @@
 """Frozen copy of the chunked gated delta rule reference as of commit 8455dbc (before the per-step
 overhead work): the oracle of `kernels.gated_delta_rule.chunk_ref`, differentiated by autograd.
 
-Do not optimise this file. `tests/test_gated_delta_rule.py` checks that the live reference returns
+Do not optimise this file. `tests/kernels/test_gated_delta_rule.py` checks that the live reference returns
 the same outputs, states and gradients as this one up to rounding: the live one forms the gate
 cumsums in float64 and writes the recurrence's backward out (in float64 both agree to 1e-12).
 Inputs are assumed valid.
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels.gated_delta_rule.naive import compute_dtype, prepare_qk
+from kernels.gated_delta_rule.recurrent_ref import compute_dtype, prepare_qk
 
 
 def build_chunk_layout_v0(cu_seqlens, export_seq_E, export_pos_E, chunk_size):

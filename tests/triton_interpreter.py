@@ -10,9 +10,9 @@ import pytest
 
 
 def run_under_interpreter(test_file: str) -> None:
-    """Run tests/`test_file` under the Triton interpreter and fail with its output if anything fails."""
+    """Run tests/`test_file` (a path below tests/) under the Triton interpreter and fail with its output if anything fails."""
     pytest.importorskip("triton")
-    path = Path(__file__).with_name(test_file)
+    path = Path(__file__).parent / test_file
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from proto.window_exports import ATTN, CONV, KERNEL
+from plan.window_exports import ATTN, CONV, KERNEL
 from trainer.layout import WindowIO
 
 STATE = "state"

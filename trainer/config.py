@@ -128,11 +128,11 @@ class ExecutorSection:
     aux_loss_coef: float = 0.0
     """Weight of the occurrence-weighted MoE load-balancing loss."""
     attention_backend: str = "auto"
-    """Tree-attention backend: "auto" ("cpu" on the CPU, "triton" on a GPU), "cpu", "triton" or "ref"."""
+    """Tree-attention backend: "auto" ("blocked" on the CPU, "triton" on a GPU), "blocked", "triton" or "ref"."""
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "cpu", "triton", "ref"):
-            raise ValueError(f"attention_backend: expected auto, cpu, triton or ref, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "blocked", "triton", "ref"):
+            raise ValueError(f"attention_backend: expected auto, blocked, triton or ref, got {self.attention_backend!r}")
         c = self.chunk_size
         if c < 1 or c & (c - 1):
             raise ValueError(f"chunk_size: expected a power of two, got {c}")

@@ -11,7 +11,7 @@ expanded baseline is just a plan whose trees are single trajectories. A `plan_pb
 every rank's microbatches in this process (rank after rank, gradients summed: with the plan's
 global normalisers that equals a data-parallel step whose gradients are SUM-reduced); a
 `plan_pb2.PlanSlice` runs one rank. Each rank is checked in linear time and decoded once
-(`proto.slice_check`; `validate="full"` runs the complete oracle `proto.plan_validator` as well);
+(`plan.slice_check`; `validate="full"` runs the complete oracle `plan.validator` as well);
 plans made for another chunk size, conv kernel or vocabulary are rejected.
 
 Sharing windows (DESIGN §5.5). The rank's `ExecStep`s are a depth-first walk over its window
@@ -45,10 +45,10 @@ import torch
 
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-from proto.plan_decode import MicrobatchArrays, decode_microbatch
-from proto.plan_validator import check_header
-from proto.slice_check import check_rank
-from proto.window_exports import export_needs
+from plan.decode import BACKWARD, FORWARD, MicrobatchArrays, decode_microbatch, rank_plans, rank_steps
+from plan.header import check_header
+from plan.slice_check import check_rank
+from plan.window_exports import export_needs
 from trainer.boundary import kind_of
 from trainer.layout import RowLayout, layout_from_arrays
 from trainer.loss import LossConfig, MicrobatchLoss, expert_load, microbatch_loss
@@ -58,7 +58,6 @@ from trainer.probes import TrajectoryProbes
 
 log = logging.getLogger(__name__)
 
-FORWARD, BACKWARD = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
 VALIDATE_MODES = ("check", "full", "none")
 #: a step running longer than this logs its progress every this many seconds
 PROGRESS_SECONDS = 10.0
@@ -82,7 +81,7 @@ class ExecutorConfig:
     backend: str = "ref"
     """Kernel backend of the chunked gated delta rule ("ref" on CPU, "triton" on GPU)."""
     attention_backend: str = "auto"
-    """Tree-attention backend (`kernels.tree_attention.BACKENDS`); "auto": "cpu" for a model on the
+    """Tree-attention backend (`kernels.tree_attention.BACKENDS`); "auto": "blocked" for a model on the
     CPU (exact, bitwise batch-invariant), "triton" on a GPU."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The RL loss."""
@@ -95,8 +94,8 @@ class ExecutorConfig:
     capture_linear: bool = False
     """Return every linear-attention layer's output per trajectory position (verification)."""
     validate: str = "check"
-    """"check": the linear-time slice check (`proto.slice_check`) of every rank; "full": also the
-    complete validator (`proto.plan_validator`, up to 10x the planning time: tests and tools);
+    """"check": the linear-time slice check (`plan.slice_check`) of every rank; "full": also the
+    complete validator (`plan.validator`, up to 10x the planning time: tests and tools);
     "none": decode only (bounds checks)."""
     check_recompute: bool = False
     """Assert that a recomputed forward reproduces its first forward's exports bitwise (tests)."""
@@ -164,23 +163,6 @@ def _normalizers(header: plan_pb2.PlanHeader) -> Normalizers:
     )
 
 
-def rank_plans(plan) -> tuple[plan_pb2.PlanHeader, list[plan_pb2.RankPlan]]:
-    """(header, rank plans) of a Plan (every rank) or a PlanSlice (its one rank)."""
-    if isinstance(plan, plan_pb2.PlanSlice):
-        return plan.header, [plan.rank]
-    if isinstance(plan, plan_pb2.Plan):
-        return plan.header, list(plan.ranks)
-    raise TypeError(f"plan: expected plan_pb2.Plan or plan_pb2.PlanSlice, got {type(plan).__name__}")
-
-
-def rank_steps(rank: plan_pb2.RankPlan) -> list[tuple[int, int]]:
-    """(kind, microbatch index) of a rank's execution order; FORWARD m, BACKWARD m per microbatch
-    when the plan lists no steps."""
-    if len(rank.steps):
-        return [(s.kind, s.microbatch) for s in rank.steps]
-    return [(k, i) for i in range(len(rank.microbatches)) for k in (FORWARD, BACKWARD)]
-
-
 def _decode_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan, mode: str) -> tuple[dict[int, MicrobatchArrays], list[tuple[int, int]]]:
     """Decoded microbatches by id and the execution steps (kind, index) of one rank."""
     if mode == "none":
@@ -214,7 +196,7 @@ class Executor:
         self.device = next(model.parameters()).device
         attention = self.cfg.attention_backend
         if attention == "auto":
-            attention = "cpu" if self.device.type == "cpu" else "triton"
+            attention = "blocked" if self.device.type == "cpu" else "triton"
         self.run_options = RunOptions(linear_fn=kernel_backend(self.cfg.backend), chunk_size=self.cfg.chunk_size,
                                       attention_backend=attention)
         mc = model.config
@@ -252,7 +234,7 @@ class Executor:
         self.check_plan(plan)
         header, ranks = rank_plans(plan)
         if self.cfg.validate == "full":
-            from proto import plan_validator
+            from plan import validator as plan_validator
 
             if isinstance(plan, plan_pb2.Plan):
                 plan_validator.validate_plan(plan)
@@ -455,4 +437,4 @@ class _StepRun:
         )
 
 
-__all__ = ["Executor", "ExecutorConfig", "StepResult", "kernel_backend", "rank_plans", "rank_steps", "train_step"]
+__all__ = ["Executor", "ExecutorConfig", "StepResult", "kernel_backend", "train_step"]

@@ -9,7 +9,7 @@ the original Qwen3-Next layout (per-expert `mlp.experts.{e}.{gate,up,down}_proj.
 head is not written twice), and `harts.json` with the policy version (= completed trainer steps)
 and the step ids that produced it. The export root's `latest` names the newest export; it is
 written last, atomically, so a generator polling it never sees a half-written directory
-(`trainer.rollouts.latest_export`). This inverts `trainer.models.loading.load_model`.
+(`harts_client.rollouts.latest_export`). This inverts `trainer.models.loading.load_model`.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Turn a decoded plan microbatch into the torch index tensors the model runs on (DESIGN §4.4, §5.2, §5.5).
 
-`layout_from_arrays(arrays, needs)` converts a `proto.plan_decode.MicrobatchArrays` (decoded and
+`layout_from_arrays(arrays, needs)` converts a `plan.decode.MicrobatchArrays` (decoded and
 bounds-checked once by proto/) into a `RowLayout`; `layout_from_sequences` builds the same
 structure for plain sequences (one segment each, one linear call from zero states), used for
 parity with transformers and by tests.
 
 Sharing windows. The plan addresses a window child's imported rows as extended rows R + i,
-i < I. Each consumer reads another per-layer tensor of them (`proto.window_exports`): attention
+i < I. Each consumer reads another per-layer tensor of them (`plan.window_exports`): attention
 the K/V rows, the short conv the conv inputs, bounded replay the kernel inputs. The layout keeps,
 per kind, only the imported rows that kind reads (`WindowIO.import_rows`) and renumbers the plan's
 extended rows into that kind's compact table "local rows, then those imported rows, then one zero
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from proto.plan_decode import MicrobatchArrays, PlanValidationError
-from proto.window_exports import KINDS, ExportNeeds, used_imports
+from plan.decode import MicrobatchArrays, PlanValidationError
+from plan.window_exports import KINDS, ExportNeeds, used_imports
 from kernels.tree_attention import TreeLayout, prepare_tree_layout
 from trainer.tree_ops import LinearCall
 
@@ -210,8 +210,8 @@ def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None
     """Tensors of one decoded microbatch.
 
     Args:
-        a: the microbatch (`proto.plan_decode.decode_microbatch`).
-        needs: the rank's `proto.window_exports.export_needs` (required when a imports or exports).
+        a: the microbatch (`plan.decode.decode_microbatch`).
+        needs: the rank's `plan.window_exports.export_needs` (required when a imports or exports).
         chunk_size: C (state exports must sit at chunk boundaries of their sequence or at its end).
 
     Raises:

@@ -90,7 +90,7 @@ def train(cfg: TrainerConfig) -> dict:
     import torch
 
     from trainer import checkpoint
-    from trainer.client import ChecksumError, PlannerClient, PlannerError, RetryPolicy
+    from harts_client.client import ChecksumError, PlannerClient, PlannerError, RetryPolicy
     from trainer.distributed import init_distributed, shutdown
     from trainer.executor import Executor, ExecutorConfig
     from trainer.metrics import MetricsWriter

@@ -17,7 +17,7 @@ are [jC, (j+1)C) from each sequence start; a chunk's arithmetic does not depend 
 call, so fp32 CPU outputs are bitwise equal however sequences are packed. Math in fp32 (float64
 inputs stay float64); states in fp32.
 
-Modules: `naive` (token-by-token oracle), `chunk_ref` (chunkwise PyTorch reference, the default path),
+Modules: `recurrent_ref` (token-by-token oracle), `chunk_ref` (chunkwise PyTorch reference, the default path),
 `chunk_triton` (staged Triton forward and backward over the kernels of `wy_triton`, `state_triton`,
 `output_triton`, `l2norm_triton`), `layout` (validation and the chunk indexing both backends use,
 `prepare_layout`).
@@ -30,7 +30,7 @@ import torch
 
 from kernels.gated_delta_rule.chunk_ref import chunk_gated_delta_rule_ref
 from kernels.gated_delta_rule.layout import ChunkLayout, prepare_layout
-from kernels.gated_delta_rule.naive import naive_gated_delta_rule
+from kernels.gated_delta_rule.recurrent_ref import recurrent_gated_delta_rule_ref
 
 BACKENDS = ("ref", "triton")
 
@@ -97,6 +97,6 @@ __all__ = [
     "ChunkLayout",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_ref",
-    "naive_gated_delta_rule",
+    "recurrent_gated_delta_rule_ref",
     "prepare_layout",
 ]

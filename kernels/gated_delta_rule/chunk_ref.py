@@ -15,7 +15,7 @@ G_i - G_j cancels: its error, ~1e-5 of the decay, moved outputs and gate gradien
 against the float64 oracle, and made the trajectory-expanded run's A_log / dt_bias gradients (each
 shared chunk differentiated once per trajectory) differ from the tree run's (once, with summed
 cotangents) by up to 1.6e-5 relative. In float64 these per-chunk [C] and [C, C] terms cost little
-beside the chunk's matmuls, and both stay below 5e-7 and 3e-6 (tests/test_gated_delta_rule.py,
+beside the chunk's matmuls, and both stay below 5e-7 and 3e-6 (tests/kernels/test_gated_delta_rule.py,
 `harts verify`). The matmul operands stay fp32.
 
 Batch invariance (DESIGN §2, §5.3: the tree run and the trajectory-expanded run must give bitwise
@@ -54,7 +54,7 @@ from kernels.gated_delta_rule.layout import (
     validate_indices,
     validate_tensors,
 )
-from kernels.gated_delta_rule.naive import compute_dtype, prepare_qk
+from kernels.gated_delta_rule.recurrent_ref import compute_dtype, prepare_qk
 
 
 def _to_chunks(x_TX: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:

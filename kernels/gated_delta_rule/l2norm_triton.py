@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gated_delta_rule.naive import L2NORM_EPS
+from kernels.gated_delta_rule.recurrent_ref import L2NORM_EPS
 from kernels.triton_tuning import autotune, warps_stages
 
 

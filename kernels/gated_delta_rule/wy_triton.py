@@ -23,7 +23,7 @@ cumulative sum within the chunk and fp32 exponentials of G and of its difference
 choice (fla's `chunk_local_cumsum`). float64 G, for fp32 inputs: G, its differences and their
 exponentials in float64, rounded once to fp32, and dG summed in float64 before its reverse
 cumulative sum, as the reference does (`chunk_ref`: in fp32, G_i - G_j cancels, |G| reaching
-C max|g|). Measured through the trainer (tests/test_executor_gpu.py's cases, tiny-deep, C = 16,
+C max|g|). Measured through the trainer (tests/trainer/test_executor_gpu.py's cases, tiny-deep, C = 16,
 fp32, under the interpreter), the largest tree-vs-expanded parameter-gradient difference was
 1.0e-5 relative with fp32 gates (on A_log) and is 1.1e-6 with these, the reference's level. The
 float64 work is [BT] vectors and [BT, BT] elementwise tiles, beside fp32 products.

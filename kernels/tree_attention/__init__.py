@@ -17,13 +17,13 @@ in fp32 (float64 inputs stay float64), output in q's dtype, differentiable w.r.t
 rows' gradients come back in k, v rows R..R+I-1).
 
 Backends (`BACKENDS`, each `fn(q, k, v, layout, scale)`; pick one with `attention_backend(name)`):
-"ref" (per-segment PyTorch reference, any device and dtype), "cpu" (exact blocked flash-style
+"ref" (per-segment PyTorch reference, any device and dtype), "blocked" (exact blocked flash-style
 PyTorch: bounded memory, and bitwise batch-invariant on the CPU, so a tree row gets the bits of its
 expanded trajectory; the trainer's CPU path) and "triton" (flash-attention-2 style forward and
 backward; CUDA, or CPU under TRITON_INTERPRET=1 in fp32). A backend that needs its own
 index structure builds it from the layout once, through `layout.plan(name, build)`.
 
-Modules: `ref`, `cpu`, `triton_kernel`, `layout` (validation, `prepare_tree_layout`, the block maps).
+Modules: `segment_ref`, `blocked`, `triton_kernel`, `layout` (validation, `prepare_tree_layout`, the block maps).
 
 Legend: R query rows, I imported rows, N = R + I k/v rows, S segments, n ancestor ranges,
 H query heads, Hkv kv heads, d/hd head dim.
@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from kernels.tree_attention.layout import TreeLayout, prepare_tree_layout, validate_tensors
-from kernels.tree_attention.ref import tree_attention_ref
+from kernels.tree_attention.segment_ref import tree_attention_ref
 
 
 def _triton(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tensor:
@@ -44,13 +44,13 @@ def _triton(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tens
     return tree_attention_triton(q_RHd, k_NHd, v_NHd, layout, scale)
 
 
-def _cpu(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tensor:
-    from kernels.tree_attention.cpu import tree_attention_cpu
+def _blocked(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tensor:
+    from kernels.tree_attention.blocked import tree_attention_blocked
 
-    return tree_attention_cpu(q_RHd, k_NHd, v_NHd, layout, scale)
+    return tree_attention_blocked(q_RHd, k_NHd, v_NHd, layout, scale)
 
 
-BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"ref": tree_attention_ref, "cpu": _cpu, "triton": _triton}
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"ref": tree_attention_ref, "blocked": _blocked, "triton": _triton}
 
 
 def attention_backend(name: str) -> Callable[..., torch.Tensor]:
@@ -76,7 +76,7 @@ def tree_attention(
         k_NHd, v_NHd: [R + I, Hkv, hd] keys and values: local rows, then imported rows.
         layout: `prepare_tree_layout(...)` of the microbatch (the Triton backend needs it on q's device).
         scale: score factor (usually hd ** -0.5).
-        backend: "ref", "cpu" or "triton" (`BACKENDS`).
+        backend: "ref", "blocked" or "triton" (`BACKENDS`).
 
     Returns:
         o [R, H, hd] in q's dtype.

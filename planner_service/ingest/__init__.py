@@ -8,7 +8,7 @@
 Both input forms (docs/rollouts.md, proto/harts/v1/rollouts.proto) go through one pipeline:
 a parsing pass (`parse_json` / `parse_proto`) into a `RawBatch`, vectorised validation
 (`check.check_batch`), then `build.build_forest` (Numba radix merge of flat trajectories,
-`radix.py`, beside its Python oracle `radix_reference.py`; explicit trees, `explicit.py`).
+`radix.py`, beside its Python oracle `radix_ref.py`; explicit trees, `explicit.py`).
 The same content therefore gives the same Forest in either form. A rejected batch raises
 `ValidationError` whose `field` is the first offending field in document order.
 """

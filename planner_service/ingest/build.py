@@ -58,7 +58,7 @@ def build_forest(raw: RawBatch, *, numba: bool = True, limits: Limits | None = N
         if numba:
             flat = radix_forest(tokens, tokens_col.offsets, flat_tree, len(names))
         else:
-            from planner_service.ingest.radix_reference import radix_forest_reference
+            from planner_service.ingest.radix_ref import radix_forest_reference
             flat = radix_forest_reference(tokens, tokens_col.offsets, flat_tree, len(names))
     else:
         flat = _empty()

@@ -6,7 +6,7 @@ insertion creates at most two nodes (a split and a leaf), so the build is linear
 tokens plus O(1) hash probes per visited branch. Node children live in one open-addressing hash
 table keyed by (node, first token). `preorder` then numbers the nodes depth-first with children
 ordered by (first token, tie id), which makes the output deterministic and independent of the
-insertion order within a tree. `radix_reference.py` holds the plain-Python oracle.
+insertion order within a tree. `radix_ref.py` holds the plain-Python oracle.
 
 Legend: N expanded tokens (concatenated trajectories), T trajectories, F trees, V radix nodes
 (F virtual roots first, then real nodes), S segments (real nodes in preorder), N_u distinct tokens.

@@ -24,7 +24,7 @@ microbatch's computed rows, attended (query, key) pairs (a row at depth d attend
 linear-attention calls and distinct log-prob rows. The makespan statistics compare the largest
 rank cost with max(total / W, the longest trajectory computed alone).
 
-Live memory (PlanStats.peak_live_bytes): proto.memory_model.rank_live_bytes over the decoded
+Live memory (PlanStats.peak_live_bytes): plan.memory_model.rank_live_bytes over the decoded
 microbatches, the same function the validator checks with.
 
 Legend: N_u forest tokens, N_e expanded positions, T trajectories, R local rows, I imported rows,
@@ -46,9 +46,9 @@ from planner_service.planner.logprob_map import loss_per_trajectory
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import pack as pk
 from proto.harts.v1 import plan_pb2
-from proto.memory_model import rank_live_bytes
-from proto.plan_decode import LinearCallArrays, MicrobatchArrays
-from proto.plan_io import PLAN_VERSION
+from plan.memory_model import rank_live_bytes
+from plan.decode import LinearCallArrays, MicrobatchArrays
+from plan.seal import PLAN_VERSION
 
 
 @dataclass(slots=True)
@@ -477,7 +477,7 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         raise PlanningError(f"partition.rank_steps: microbatch {int(np.flatnonzero(placed != 2)[0])} must have one F and one B step")
 
     mbs: dict[int, plan_pb2.Microbatch] = {}
-    arrays: dict[int, MicrobatchArrays] = {}  # what proto.plan_decode would decode, for the memory model
+    arrays: dict[int, MicrobatchArrays] = {}  # what plan.decode would decode, for the memory model
     calls_max = 0
     for r, m in ((r, m) for r in range(cfg.world_size) for m in rank_order[r]):
         L = layouts[m]
@@ -586,8 +586,8 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
 
 def _arrays(msg, L: _Layout, P: dict, tokens_R, occ_R, conv_RJ, offs, ranges, src_kind, src_state, ex_seq, ex_depth,
             ex_state, n_calls: int, seg_tree, lp_cols: dict) -> MicrobatchArrays:
-    """The MicrobatchArrays that `proto.plan_decode.decode_microbatch(msg)` returns, from the
-    builder's own arrays (no decoding pass; tests/test_plan_builder.py compares the two)."""
+    """The MicrobatchArrays that `plan.decode.decode_microbatch(msg)` returns, from the
+    builder's own arrays (no decoding pass; tests/planner_service/test_plan_builder.py compares the two)."""
     q_start, q_end, q_depth, _, q_call, r_off, r_rows, _ = L.sched
     calls = []
     ex_seq = np.asarray(ex_seq, np.int64)

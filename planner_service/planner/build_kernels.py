@@ -2,7 +2,7 @@
 
 `build.py` calls the kernels with `use_numba=True` and the twins otherwise; the twins loop over
 Python ints and lists (no numpy vector ops) and return the same arrays, so the two builder modes
-give byte-identical plans (tests/test_plan_builder.py compares them on seeded random forests).
+give byte-identical plans (tests/planner_service/test_plan_builder.py compares them on seeded random forests).
 
 - `local_segments`: cut a microbatch's sorted rows into local segments and link each to its
   local parent (or to the imported context row it hangs below).

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner_service.planner.cost_model import CostModel
-from proto.memory_model import DTYPE_BYTES, ModelDims, RowSizes
+from plan.memory_model import DTYPE_BYTES, ModelDims, RowSizes
 
 #: MemoryModel.model of plans made without a model config.
 DEFAULT_MODEL_NAME = "default: Qwen3-Next-80B-A3B"
@@ -20,7 +20,7 @@ class PlanConfig:
     """Token budget B per microbatch: computed rows (kept + replay + duplicated) must fit."""
     memory_tokens: int = 0
     """Live-activation budget M per rank in row-equivalents of full activations (M x the model's
-    activation bytes per row, proto/memory_model.py); 0 means 8 * microbatch_tokens."""
+    activation bytes per row, plan/memory_model.py); 0 means 8 * microbatch_tokens."""
     chunk_size: int = 64
     """Linear-attention chunk size C; a power of two, equal to the kernel's."""
     conv_kernel: int = 0

@@ -4,7 +4,7 @@
   of its pieces' root paths, plus the bounded replay at the branch points of that union).
 - `window_export_counts`: upper bounds of what a window parent exports of its own rows, per kind
   (attention K/V rows, conv inputs, replay kernel inputs, states): its live cost under activation
-  recomputation (proto/memory_model.py). Rows it imported and re-exports are counted in the
+  recomputation (plan/memory_model.py). Rows it imported and re-exports are counted in the
   ancestor that computes them (which is open too).
 - `window_groups`, `subtree_costs`: the window forest's components and subtree costs.
 - `lpt_place`: longest-processing-time-first placement of window groups on ranks.
@@ -219,7 +219,7 @@ def window_export_counts(roots_off, roots, unit_parent, unit_len, unit_depth, un
     the replay rows [floor(d/C) C, d) of a piece root at depth d; one state at the chunk boundary
     it starts from (d itself with replay off). Each window group is handled on its own, with the
     rows of a root path, and the conv/replay rows and states of an anchor, counted once per group
-    (overlaps between anchors are counted twice: an upper bound of proto.window_exports).
+    (overlaps between anchors are counted twice: an upper bound of plan.window_exports).
 
     Args:
         roots_off: int64 [M+1], roots: int64 [*] piece-root units of each microbatch.

@@ -19,7 +19,7 @@
    or the duplicated root path (no windows) its root needs.
 4. Level 2 (`level2.py`): choose each cross-microbatch edge's mode (share through a window, or
    duplicate a short prefix), keep every rank's live window stack under M in bytes of the memory
-   model (`proto.memory_model`: activation recomputation first, then duplication), and order each
+   model (`plan.memory_model`: activation recomputation first, then duplication), and order each
    rank depth-first. Without windows every microbatch carries its whole root path and microbatches
    are placed longest-processing-time first over computed rows.
 
@@ -100,7 +100,7 @@ class PartitionReport:
     """float64 [W] estimated cost per rank (placement's cost model; computed rows without windows)."""
     live: np.ndarray
     """int64 [M] live bytes while each microbatch runs (its full activations plus its open
-    windows' live bytes, proto.memory_model)."""
+    windows' live bytes, plan.memory_model)."""
     pieces: int
     """Number of connected pieces level 1 cut the rank forests into."""
     exports: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -357,7 +357,7 @@ def _lpt(k, W: int, group: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np
 
 
 class _Exports:
-    """The partitioner's estimate of what each window keeps (proto.memory_model's rules).
+    """The partitioner's estimate of what each window keeps (plan.memory_model's rules).
 
     `full` are a microbatch's full activations; `window` what it keeps while its dependents run:
     `full`, or, recomputed, the exports of its own rows that `level2.window_export_counts` bounds

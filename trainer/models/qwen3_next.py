@@ -15,7 +15,7 @@ expanded runs on CPU): a row's result must not depend on the other rows of the m
 its position. Every projection is a `RowLinear`, a matmul over fixed-size row tiles (plain CPU
 GEMMs pick different blockings for different row counts); sigmoid/silu/softplus are written with
 `exp` (torch's own kernels round their vector body and scalar tail differently, measured);
-attention reduces over keys in blocks at fixed depths (`kernels.tree_attention.cpu`). The whole
+attention reduces over keys in blocks at fixed depths (`kernels.tree_attention.blocked`). The whole
 forward is therefore bitwise equal between a tree run and its expanded run in fp32 on CPU.
 
 Dtypes: where a value is upcast for accuracy (norms, the decay g, the router softmax, RoPE) it goes
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proto.window_exports import ATTN, CONV, KERNEL
+from plan.window_exports import ATTN, CONV, KERNEL
 from trainer import tree_ops
 from trainer.boundary import Boundary
 from kernels.tree_attention import attention_backend
@@ -385,8 +385,8 @@ class RunOptions:
     """chunk_gated_delta_rule-compatible callable (the kernel backend)."""
     chunk_size: int = 64
     """Linear-attention chunk size C; must equal the plan's."""
-    attention_backend: str = "cpu"
-    """Tree-attention backend (`kernels.tree_attention.BACKENDS`): "cpu" (exact blocked, bitwise
+    attention_backend: str = "blocked"
+    """Tree-attention backend (`kernels.tree_attention.BACKENDS`): "blocked" (exact blocked, bitwise
     batch-invariant on the CPU), "triton" (GPU), "ref" (plain reference)."""
 
 

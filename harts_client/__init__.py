@@ -1,0 +1,9 @@
+"""The torch-free generator side of HARTS: what a rollout generator needs, installable alone.
+
+    pip install 'harts[client]'    # numpy, httpx, protobuf: no torch, no FastAPI, no numba
+
+Modules: `client` (the planner's HTTP client: submit, plan, poll, retries within a deadline),
+`rollouts` (the generator API: trajectories and explicit trees -> a batch, JSON or protobuf, and
+the newest weight export), `synthetic` (synthetic agentic rollouts: group, tree and per-call
+sampling, used by `harts gen`, the demo and the benchmarks).
+"""

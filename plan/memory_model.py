@@ -1,0 +1,390 @@
+"""The memory model of sharing windows (DESIGN §4.2, §5.5): what an open window keeps, in bytes.
+
+    dims = ModelDims.from_hf_config(json.load(open("config.json")))   # or ModelDims.default()
+    sizes = RowSizes.of(dims, dtype="float32")                          # per-row and per-state bytes
+    sizes.full_bytes(rows)                                              # a window that is not recomputed
+    sizes.export_bytes(attn_rows, conv_rows, kernel_rows, states)       # a recomputed one
+    live, peak = rank_live_bytes(sizes, arrays_by_id, steps)            # a rank's live stack, per step
+
+One module, three users: the partitioner's estimate (`planner_service.planner.partition`), the plan
+builder's `PlanStats.peak_live_bytes` and the validator's check against `PlanParams.memory`; the
+trainer keeps exactly what is counted here (the executor contract of issue 10):
+
+- an open window whose microbatch is not recomputed keeps the whole forward graph of that
+  microbatch: `activation_row_bytes` per computed row (num_rows + replay_tokens);
+- a recomputed one (`Microbatch.recompute`: forward without a graph first) keeps only the tensors
+  `plan.window_exports.export_needs` lists for it, and of those only its own rows
+  (`ExportNeeds.local_counts`; imported rows it re-exports stay live in the ancestor that computed
+  them): per softmax-attention layer K and V of its ATTN rows, per linear-attention layer the conv
+  inputs of its CONV rows, the kernel inputs q, k (before the per-value-head repeat), v, g and
+  beta (fp32) of its KERNEL rows, and every fp32 state it exports.
+
+While microbatch m runs (forward or backward), a rank holds m's full activations plus the live
+bytes of every open window below which m runs. The budget is `PlanParams.memory.memory_bytes` =
+memory_tokens x activation_row_bytes: M stays a user-facing token count ("M rows of full
+activations") and is checked in bytes everywhere.
+
+Per-row sizes come from the model config the topology names (a Qwen3-Next `config.json`); without
+one the planner uses `ModelDims.default()`, the published Qwen3-Next-80B-A3B configuration, in
+fp32. `saved_bytes_per_row` is the one formula for full activations: it is derived by reading what
+autograd saves in `trainer/models/qwen3_next.py` (plus the fused chunked gated-delta-rule kernel's
+own saved tensors) and is meant to be corrected against saved-tensor hooks; everything else uses it.
+
+Legend: D hidden, V vocab, H/Hkv attention query/key-value heads, hd head dim, Hk/Hv linear key/
+value heads, Kd/Vd linear head dims, K conv kernel, C chunk size, I dense MLP width, E experts,
+k top-k, Ie/Is routed/shared expert width, e element bytes of the model dtype, f = 4 (fp32).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from plan.decode import MicrobatchArrays
+from plan.window_exports import ATTN, CONV, KERNEL, export_needs
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+#: bytes per element of the model dtypes the trainer runs.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class ModelDims:
+    """The dimensions of a Qwen3-Next-style hybrid model that decide activation sizes.
+
+    Field names and defaults are those of Hugging Face `Qwen3NextConfig` (`config.json` keys).
+    """
+
+    hidden_size: int
+    """Residual width D."""
+    layer_types: tuple[str, ...]
+    """Per layer: "linear_attention" (Gated DeltaNet) or "full_attention" (gated softmax attention)."""
+    vocab_size: int
+    """Vocabulary size V (logits rows)."""
+    num_attention_heads: int
+    """Query heads H of the full-attention layers."""
+    num_key_value_heads: int
+    """Key/value heads Hkv of the full-attention layers."""
+    head_dim: int
+    """Head dimension hd of the full-attention layers."""
+    rotary_dim: int
+    """Dimensions RoPE rotates (head_dim x partial_rotary_factor)."""
+    linear_num_key_heads: int
+    """Gated DeltaNet key heads Hk."""
+    linear_num_value_heads: int
+    """Gated DeltaNet value heads Hv."""
+    linear_key_head_dim: int
+    """Gated DeltaNet key head dimension Kd."""
+    linear_value_head_dim: int
+    """Gated DeltaNet value head dimension Vd."""
+    linear_conv_kernel_dim: int
+    """Short-convolution kernel size K."""
+    intermediate_size: int
+    """Dense MLP width I."""
+    num_experts: int
+    """Routed experts E (0: every layer dense)."""
+    num_experts_per_tok: int
+    """Top-k."""
+    moe_intermediate_size: int
+    """Routed expert width Ie."""
+    shared_expert_intermediate_size: int
+    """Shared expert width Is (0: none)."""
+    moe_layers: tuple[bool, ...] = field(default=())
+    """Per layer: True for a MoE FFN, False for a dense MLP (empty: derived from num_experts)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int) and v < 0:
+                raise ValueError(f"{f.name}: expected >= 0, got {v}")
+        for name in ("hidden_size", "vocab_size", "linear_conv_kernel_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        for i, t in enumerate(self.layer_types):
+            if t not in (LINEAR, FULL):
+                raise ValueError(f"layer_types[{i}]: expected {LINEAR!r} or {FULL!r}, got {t!r}")
+        if not self.layer_types:
+            raise ValueError("layer_types: expected at least one layer, got none")
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", tuple(self.num_experts > 0 for _ in self.layer_types))
+        if len(self.moe_layers) != len(self.layer_types):
+            raise ValueError(f"moe_layers: expected {len(self.layer_types)} entries, got {len(self.moe_layers)}")
+
+    @property
+    def num_full(self) -> int:
+        return sum(t == FULL for t in self.layer_types)
+
+    @property
+    def num_linear(self) -> int:
+        return sum(t == LINEAR for t in self.layer_types)
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> "ModelDims":
+        """Read the fields above from a Qwen3-Next `config.json` dict (missing keys take the
+        Hugging Face defaults; `layer_types` falls back to `full_attention_interval`, MoE layers to
+        `decoder_sparse_step` and `mlp_only_layers`, as in `Qwen3NextConfig`).
+
+        Raises:
+            ValueError: not a dict, a missing or malformed key, naming it.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"model config: expected a config.json object, got {type(d).__name__}")
+
+        def num(key: str, default=None) -> int:
+            v = d.get(key, default)
+            if v is None:
+                raise ValueError(f"model config {key}: expected an integer, got none")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+                raise ValueError(f"model config {key}: expected an integer, got {v!r}")
+            return int(v)
+
+        n_layers = num("num_hidden_layers")
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            interval = num("full_attention_interval", 4)
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+            raise ValueError(f"model config layer_types: expected a list of {n_layers} layer types, got {layer_types!r}")
+        heads = num("num_attention_heads")
+        head_dim = num("head_dim", num("hidden_size") // max(heads, 1))
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        factor = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) if isinstance(rope, dict) else 1.0)
+        experts = num("num_experts", 0)
+        step = max(num("decoder_sparse_step", 1), 1)
+        mlp_only = set(d.get("mlp_only_layers") or [])
+        return cls(
+            hidden_size=num("hidden_size"), layer_types=tuple(layer_types), vocab_size=num("vocab_size"),
+            num_attention_heads=heads, num_key_value_heads=num("num_key_value_heads", heads), head_dim=head_dim,
+            rotary_dim=int(head_dim * factor),
+            linear_num_key_heads=num("linear_num_key_heads", 16), linear_num_value_heads=num("linear_num_value_heads", 32),
+            linear_key_head_dim=num("linear_key_head_dim", 128), linear_value_head_dim=num("linear_value_head_dim", 128),
+            linear_conv_kernel_dim=num("linear_conv_kernel_dim", 4), intermediate_size=num("intermediate_size", 0),
+            num_experts=experts, num_experts_per_tok=num("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=num("moe_intermediate_size", 0) if experts else 0,
+            shared_expert_intermediate_size=num("shared_expert_intermediate_size", 0) if experts else 0,
+            moe_layers=tuple(experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(n_layers)),
+        )
+
+    @classmethod
+    def default(cls) -> "ModelDims":
+        """Qwen3-Next-80B-A3B (the published `config.json`): 48 layers, 3 Gated DeltaNet per gated
+        attention layer, D = 2048, 512 experts top-10; the model class HARTS targets."""
+        return cls.from_hf_config({
+            "hidden_size": 2048, "num_hidden_layers": 48, "full_attention_interval": 4, "vocab_size": 151936,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "intermediate_size": 5120,
+            "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1,
+        })
+
+
+def saved_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int = 64) -> dict[str, float]:
+    """Bytes autograd keeps per computed row for the backward of one microbatch, by component.
+
+    Derived from `trainer/models/qwen3_next.py` (a tensor counted once however many ops save it;
+    e = element bytes of `dtype`, f = 4 for the values computed in at least fp32):
+    - every RMSNorm over width n: its input and the normalised value in fp32, the rsqrt, its
+      output in the model dtype (saved by the next projection): n(2f + e) + f;
+    - dense MLP: gate and up outputs, exp(-gate) and 1 + exp(-gate) of the silu, silu(gate), the
+      product fed to down_proj: 6 I e;
+    - MoE FFN: router softmax (E f), top-k weights (2k f), per selected expert the gathered input,
+      the six tensors of its SwiGLU and its output (k (2D + 6 Ie) e), shared expert 6 Is e plus
+      its sigmoid gate and output (D e + 4 e);
+    - Gated DeltaNet: the K conv taps (gathered ancestor rows and the row itself), the three
+      tensors of the silu after the conv and its output ((K + 4) conv e, conv = 2 Hk Kd + Hv Vd),
+      q and k repeated to Hv heads (2 Hv Kd e), g, beta and their softplus/sigmoid intermediates
+      (8 Hv f), the fused kernel's WY blocks (Hv C f) and chunk states (Hv Kd Vd f / C), the
+      kernel output, the gated RMSNorm (3 Hv Vd f + 3 Hv Vd e + Hv f) and silu(z) (3 Hv Vd f);
+    - gated attention: q and k RMSNorms over hd per head, v, the RoPE rotate-half terms, the
+      rotated q and k, the output with its log-sum-exp (flash style), the sigmoid gate (three
+      tensors) and the gated product fed to o_proj;
+    - the final norm and the lm head's logits in the compute dtype (V f; an upper bound: only rows
+      with a log-prob entry compute logits).
+
+    Args:
+        dims: the model.
+        dtype: the trainer's parameter/activation dtype (DTYPE_BYTES).
+        chunk_size: linear-attention chunk size C (the kernel's chunk states and WY blocks).
+
+    Returns:
+        component -> bytes per row ("norms", "mlp", "moe", "linear_attention", "attention", "head");
+        `sum(...)` is the per-row activation size.
+    """
+    e = DTYPE_BYTES[dtype]
+    f = 4.0
+    D = dims.hidden_size
+
+    def norm(n: int) -> float:
+        return n * (2 * f + e) + f
+
+    out = {"norms": 0.0, "mlp": 0.0, "moe": 0.0, "linear_attention": 0.0, "attention": 0.0, "head": 0.0}
+    H, Hkv, hd, rd = dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim, dims.rotary_dim
+    Hk, Hv, Kd, Vd = dims.linear_num_key_heads, dims.linear_num_value_heads, dims.linear_key_head_dim, dims.linear_value_head_dim
+    conv = 2 * Hk * Kd + Hv * Vd
+    for i, kind in enumerate(dims.layer_types):
+        out["norms"] += 2 * norm(D)
+        if dims.moe_layers[i]:
+            k, Ie, Is = dims.num_experts_per_tok, dims.moe_intermediate_size, dims.shared_expert_intermediate_size
+            out["moe"] += dims.num_experts * f + 2 * k * f + k * (2 * D + 6 * Ie) * e
+            if Is:
+                out["moe"] += 6 * Is * e + D * e + 4 * e
+        else:
+            out["mlp"] += 6 * dims.intermediate_size * e
+        if kind == LINEAR:
+            out["linear_attention"] += (
+                (dims.linear_conv_kernel_dim + 4) * conv * e + 2 * Hv * Kd * e + 8 * Hv * f
+                + Hv * chunk_size * f + Hv * Kd * Vd * f / chunk_size
+                + Hv * Vd * e + 3 * Hv * Vd * f + 3 * Hv * Vd * e + Hv * f + 3 * Hv * Vd * f
+            )
+        else:
+            out["attention"] += (
+                (H + Hkv) * (hd * (2 * f + e) + f)  # q/k RMSNorms
+                + Hkv * hd * e  # v
+                + (H + Hkv) * rd * e + 2 * rd * e  # rotate-half terms, cos/sin
+                + (H + Hkv) * hd * e  # rotated q, k
+                + H * hd * e + H * f  # output and log-sum-exp
+                + 3 * H * hd * e  # gate, exp, sigmoid
+                + H * hd * e  # gated product (o_proj input)
+            )
+    out["head"] = norm(D) + dims.vocab_size * f
+    return {k: v * MEASURED_FACTOR[k] for k, v in out.items()}
+
+
+#: measured / derived bytes per row, per component: the derivation above misses intermediates the
+#: reference kernels save (the chunked gated delta rule's per-chunk blocks, the experts' gathered
+#: rows and products). Measured with saved-tensor hooks on the `tiny` and `small` models
+#: (`tests/plan/test_memory_model.py::test_formula_covers_the_measured_activations`): linear attention
+#: 1.44 / 1.33, MoE 1.44 / 1.44, attention 1.17 / 1.23, norms and head below the derivation; the
+#: larger ratio of the two, rounded up, so that the estimate stays an upper bound.
+MEASURED_FACTOR = {"norms": 1.0, "mlp": 1.5, "moe": 1.5, "linear_attention": 1.5, "attention": 1.3, "head": 1.0}
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class RowSizes:
+    """Byte sizes the memory model multiplies by row and state counts (PlanParams.memory)."""
+
+    activation_row_bytes: int
+    """Saved activations of one computed row of a microbatch that is not recomputed."""
+    attn_row_bytes: int
+    """Exported K and V of one ATTN row, summed over the softmax-attention layers."""
+    conv_row_bytes: int
+    """Exported conv inputs of one CONV row, summed over the linear-attention layers."""
+    kernel_row_bytes: int
+    """Exported q, k, v, g, beta of one KERNEL (replay) row, summed over the linear-attention layers."""
+    state_bytes: int
+    """One exported fp32 state, summed over the linear-attention layers."""
+
+    def __post_init__(self) -> None:
+        if self.activation_row_bytes < 1:
+            raise ValueError(f"activation_row_bytes: expected >= 1, got {self.activation_row_bytes}")
+        for name in ("attn_row_bytes", "conv_row_bytes", "kernel_row_bytes", "state_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, dims: ModelDims, dtype: str = "float32", chunk_size: int = 64) -> "RowSizes":
+        """The sizes of a model (see the module docstring and `saved_bytes_per_row`).
+
+        Raises:
+            ValueError: an unknown dtype.
+        """
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+        e = DTYPE_BYTES[dtype]
+        Hk, Hv, Kd, Vd = dims.linear_num_key_heads, dims.linear_num_value_heads, dims.linear_key_head_dim, dims.linear_value_head_dim
+        conv = 2 * Hk * Kd + Hv * Vd
+        return cls(
+            activation_row_bytes=math.ceil(sum(saved_bytes_per_row(dims, dtype, chunk_size).values())),
+            attn_row_bytes=dims.num_full * 2 * dims.num_key_value_heads * dims.head_dim * e,
+            conv_row_bytes=dims.num_linear * conv * e,
+            kernel_row_bytes=dims.num_linear * (conv * e + 2 * Hv * 4),
+            state_bytes=dims.num_linear * Hv * Kd * Vd * 4,
+        )
+
+    @classmethod
+    def rows(cls) -> "RowSizes":
+        """A row-counting profile: every computed row and every ATTN export row is one unit, the
+        other exports free (the planner's accounting before it had a memory model; tests)."""
+        return cls(activation_row_bytes=1, attn_row_bytes=1, conv_row_bytes=0, kernel_row_bytes=0, state_bytes=0)
+
+    def full_bytes(self, rows):
+        """Live bytes of an open window that is not recomputed (int or int64 array of computed rows)."""
+        return np.asarray(rows, np.int64) * self.activation_row_bytes if not isinstance(rows, int) else rows * self.activation_row_bytes
+
+    def export_bytes(self, attn_rows, conv_rows, kernel_rows, states):
+        """Live bytes of a recomputed open window: its own exported rows per kind and its states
+        (ints or int64 arrays of equal shape)."""
+        if all(isinstance(x, int) for x in (attn_rows, conv_rows, kernel_rows, states)):
+            return (attn_rows * self.attn_row_bytes + conv_rows * self.conv_row_bytes
+                    + kernel_rows * self.kernel_row_bytes + states * self.state_bytes)
+        a, c, k, s = (np.asarray(x, np.int64) for x in (attn_rows, conv_rows, kernel_rows, states))
+        return a * self.attn_row_bytes + c * self.conv_row_bytes + k * self.kernel_row_bytes + s * self.state_bytes
+
+    def tokens(self, nbytes: int) -> int:
+        """Row-equivalents of full activations of `nbytes` (rounded up): how M is stated."""
+        return -(-int(nbytes) // self.activation_row_bytes)
+
+    def fill(self, msg, memory_tokens: int) -> None:
+        """Write these sizes and the budget into a `plan_pb2.MemoryModel`."""
+        for f in fields(self):
+            setattr(msg, f.name, getattr(self, f.name))
+        msg.memory_bytes = int(memory_tokens) * self.activation_row_bytes
+
+    @classmethod
+    def from_proto(cls, msg) -> "RowSizes":
+        """Read a `plan_pb2.MemoryModel`. Raises ValueError when it is unset or inconsistent."""
+        return cls(**{f.name: int(getattr(msg, f.name)) for f in fields(cls)})
+
+
+def live_bytes_of(sizes: RowSizes, mb: MicrobatchArrays, local_counts: dict[str, int] | None, num_states: int) -> tuple[int, int]:
+    """(full bytes, live bytes as an open window) of one microbatch.
+
+    Args:
+        local_counts: `ExportNeeds.local_counts(num_rows)` of the microbatch (None: exports nothing).
+        num_states: states it exports (`len(ExportNeeds.states)`).
+    """
+    full = sizes.full_bytes(int(mb.num_rows) + int(mb.replay_tokens))
+    if not mb.recompute:
+        return full, full
+    c = local_counts or {ATTN: 0, CONV: 0, KERNEL: 0}
+    return full, sizes.export_bytes(c[ATTN], c[CONV], c[KERNEL], int(num_states))
+
+
+def rank_live_bytes(sizes: RowSizes, mbs: dict[int, MicrobatchArrays], steps: list[tuple[bool, int]]) -> tuple[list[int], int]:
+    """Live bytes of a rank at each of its execution steps, and their maximum.
+
+    Args:
+        mbs: the rank's decoded microbatches by id.
+        steps: (is_forward, microbatch id) in execution order, properly nested (depth-first).
+
+    Returns:
+        (live bytes per step, peak). At a step of microbatch m: m's full activations plus the live
+        bytes of every other open window (forward: those opened before m; backward: those still
+        open once m closes).
+    """
+    order = [m for fwd, m in steps if fwd]
+    needs = export_needs(mbs, order)
+    window: dict[int, int] = {}
+    full: dict[int, int] = {}
+    for m, mb in mbs.items():
+        nd = needs.get(m)
+        counts = nd.local_counts(mb.num_rows) if nd is not None else None
+        full[m], window[m] = live_bytes_of(sizes, mb, counts, 0 if nd is None else int(nd.states.shape[0]))
+    out: list[int] = []
+    stack: list[int] = []
+    open_bytes = 0
+    for fwd, m in steps:
+        if fwd:
+            out.append(open_bytes + full[m])
+            stack.append(m)
+            open_bytes += window[m]
+        else:
+            if stack and stack[-1] == m:
+                stack.pop()
+                open_bytes -= window[m]
+            out.append(open_bytes + full[m])
+    return out, max(out, default=0)

@@ -1,0 +1,135 @@
+"""`harts plan` as users run it: a subprocess on a JSON batch, plus in-process runs for the variants."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harts_cli.main import main
+from proto.harts.v1 import plan_pb2
+from plan.validator import validate_plan
+
+HARTS = [sys.executable, "-m", "harts_cli.main"]
+FIELDS = {
+    "unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens",
+    "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs",
+    "imbalance", "peak_live_tokens", "peak_live_bytes", "makespan", "makespan_lower_bound", "makespan_ratio",
+    "plan_seconds",
+}
+
+
+def _doc() -> dict:
+    """Two tasks: 4 rollouts below a 40-token prompt (task a), 3 below a 25-token prompt (task b)."""
+    trajs = []
+    for b in range(4):
+        toks = [(7 * i) % 200 for i in range(40)] + [(b * 31 + i) % 200 for i in range(30 + 5 * b)]
+        trajs.append({"id": f"a{b}", "tree_id": "a", "tokens": toks, "loss_mask": [0] * 40 + [1] * (len(toks) - 40),
+                      "advantage": 0.5 - b / 4})
+    for b in range(3):
+        toks = [(3 * i + 1) % 200 for i in range(25)] + [(b * 17 + 5 + i) % 200 for i in range(20)]
+        trajs.append({"id": f"b{b}", "tree_id": "b", "tokens": toks, "advantage": 1.0})
+    return {"batch_id": "cli-test", "vocab_size": 256, "trajectories": trajs}
+
+
+@pytest.fixture()
+def batch(tmp_path):
+    path = tmp_path / "rollouts.json"
+    path.write_text(json.dumps(_doc()))
+    return path
+
+
+def test_plan_prints_the_report_and_writes_a_deterministic_plan(tmp_path, batch):
+    args = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "64", "--chunk-size", "8"]
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"plan{i}.bin"
+        r = subprocess.run([*HARTS, *args, "-o", str(out)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert FIELDS <= report.keys() and report["validated"] is True and report["output"] == str(out)
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1], "same batch and settings must give the same plan bytes"
+    doc = _doc()
+    assert report["expanded_tokens"] == sum(len(t["tokens"]) for t in doc["trajectories"])
+    assert report["unique_tokens"] == 40 + sum(30 + 5 * b for b in range(4)) + 25 + 3 * 20
+    assert report["computed_tokens"] == report["unique_tokens"] + report["replay_tokens"] + report["duplicated_tokens"]
+    assert report["compression_achieved"] <= report["compression_ideal"]
+    assert len(report["rank_costs"]) == 2 and report["plan_seconds"] > 0
+    plan = plan_pb2.Plan()
+    plan.ParseFromString(outs[0])
+    validate_plan(plan)
+    assert plan.header.params.world_size == 2 and plan.header.params.microbatch_tokens == 64
+    assert plan.header.stats.microbatches == report["microbatches"]
+    assert all(mb.num_rows + mb.replay_tokens <= 64 for rank in plan.ranks for mb in rank.microbatches)
+
+
+def test_plan_rejects_impossible_settings_with_exit_code_2(batch):
+    r = subprocess.run([*HARTS, "plan", str(batch), "--microbatch-tokens", "64", "--chunk-size", "8", "--no-windows"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert "harts plan: error: microbatch_tokens: trajectory 'a3' has 85 tokens" in r.stderr
+    assert "raise microbatch_tokens to >= 85 or enable windows" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "flags,check",
+    [
+        (["--no-sharing"], lambda r: r["computed_tokens"] == r["expanded_tokens"] and r["compression_achieved"] == 1.0),
+        (["--no-replay"], lambda r: r["replay_tokens"] == 0),
+        (["--no-windows", "--microbatch-tokens", "128"], lambda r: r["windows"] == 0),
+        (["--all-positions", "--python"], lambda r: r["microbatches"] >= 2),
+    ],
+    ids=["no-sharing", "no-replay", "no-windows", "all-positions-python"],
+)
+def test_plan_variants(capsys, batch, flags, check):
+    args = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "64", "--chunk-size", "8", *flags]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert check(report), report
+
+
+def test_plan_reads_protobuf_from_stdin(tmp_path):
+    from planner_service.ingest import json_to_proto
+
+    pb = tmp_path / "batch.pb"
+    pb.write_bytes(json_to_proto(_doc()).SerializeToString())
+    with open(pb, "rb") as fh:
+        r = subprocess.run([*HARTS, "plan", "-", "--format", "pb", "--microbatch-tokens", "256", "--chunk-size", "8"],
+                           stdin=fh, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["microbatches"] >= 1 and report["unique_tokens"] == 40 + 150 + 25 + 60
+
+
+def test_plan_rejects_bad_config(capsys, batch):
+    assert main(["plan", str(batch), "--chunk-size", "48"]) == 2
+    assert "chunk_size: expected a power of two" in capsys.readouterr().err
+
+
+def test_plan_sizes_windows_with_the_named_model_and_balances_with_a_cost_model(capsys, tmp_path, batch):
+    from planner_service.planner.cost_model import CostModel
+    from plan.memory_model import ModelDims, RowSizes
+    from trainer.models.config import debugmodel
+
+    cost = tmp_path / "cost.json"
+    cost.write_text(CostModel(row=2.0, attention=0.001, linear_call=5.0, logprob_row=1.0, source="test").to_json())
+    out = tmp_path / "plan.bin"
+    args = ["plan", str(batch), "--world-size", "4", "--microbatch-tokens", "64", "--chunk-size", "8", "--model", "tiny",
+            "--dtype", "bfloat16", "--cost-model", str(cost), "--memory-tokens", "64", "-o", str(out)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    mm = plan.header.params.memory
+    want = RowSizes.of(ModelDims.from_hf_config(debugmodel().to_hf_dict()), "bfloat16", 8)
+    assert (mm.activation_row_bytes, mm.state_bytes, mm.model, mm.dtype) == (want.activation_row_bytes, want.state_bytes, "tiny", "bfloat16")
+    assert plan.header.params.cost_model.linear_call == 5.0 and plan.header.params.cost_model.source == "test"
+    assert report["peak_live_bytes"] <= 64 * mm.activation_row_bytes
+    assert report["makespan_ratio"] >= 1.0 and report["makespan"] == max(report["rank_costs"])
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(debugmodel().to_hf_dict()))
+    assert main([*args[:-2], "--model", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_live_bytes"] == report["peak_live_bytes"]
+    assert main([*args[:-2], "--model", "no-such-model"]) == 2
+    assert "--model: expected a config.json path or one of" in capsys.readouterr().err

@@ -1,0 +1,206 @@
+"""harts_client.client against a real `harts serve`: submit, long-poll fetch, retries, checksum checks."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from planner_service.ingest import json_to_proto
+from planner_service.server import ServerProcess
+from plan.seal import ChecksumError
+from tests.service_helpers import TOPOLOGY, rollout_doc
+from harts_client.client import PlannerClient, PlannerError, RetryPolicy, WrongSliceError
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "client-token"
+FAST = RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.05)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("client") / "planner.db", token=TOKEN).start()
+    yield srv
+    srv.stop()
+
+
+class Flaky(httpx.BaseTransport):
+    """Forwards to the real server, but first fails `fail` times in the given way; counts calls."""
+
+    def __init__(self, kind: str, fail: int, only: str = ""):
+        self.inner = httpx.HTTPTransport()
+        self.kind, self.fail, self.only, self.calls = kind, fail, only, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.only not in request.url.path:
+            return self.inner.handle_request(request)
+        self.calls += 1
+        if self.calls <= self.fail:
+            if self.kind == "connect":
+                raise httpx.ConnectError("refused", request=request)
+            if self.kind in ("503", "retry-after"):
+                headers = {"Retry-After": "1"} if self.kind == "retry-after" else {}
+                return httpx.Response(503, json={"error": {"code": "UNAVAILABLE", "message": "busy"}}, headers=headers,
+                                      request=request)
+            if self.kind == "other-rank":  # a proxy that mixes up answers
+                request.url = request.url.copy_with(path=request.url.path.replace("/ranks/0/", "/ranks/1/"))
+            if self.kind == "other-step":
+                request.url = request.url.copy_with(path=request.url.path.replace("/c-json/", "/c-pb/"))
+        resp = self.inner.handle_request(request)
+        if self.kind == "corrupt" and self.calls <= self.fail:
+            data = bytearray(resp.read())
+            data[len(data) // 2] ^= 0xFF
+            return httpx.Response(resp.status_code, headers=resp.headers, content=bytes(data), request=request)
+        return resp
+
+
+def test_submit_then_fetch_verified_slices(server):
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        out = c.submit(rollout_doc("c-json"), **TOPOLOGY)
+        assert out["duplicate"] is False
+        assert c.submit(rollout_doc("c-json"), **TOPOLOGY)["duplicate"] is True
+        slices = [c.fetch_plan("c-json", r, timeout=30) for r in range(2)]
+        assert [s.rank.rank for s in slices] == [0, 1]
+        assert c.fetch_plan_bytes("c-json", 1, timeout=30) == c.fetch_plan_bytes("c-json", 1, timeout=30)
+        assert c.status("c-json")["state"] == "planned"
+        c.submit(json_to_proto(rollout_doc("c-pb", seed=2)))  # protobuf body, planned on request
+        assert c.plan("c-pb", **TOPOLOGY)["state"] == "planned"
+        assert {"c-json", "c-pb"} <= {s["step_id"] for s in c.list_steps()}
+
+
+def test_fetch_long_polls_until_the_step_is_submitted_and_planned(server):
+    with PlannerClient(server.http_url, token=TOKEN) as gen, PlannerClient(server.http_url, token=TOKEN) as tr:
+        timer = threading.Timer(0.5, lambda: gen.submit(rollout_doc("c-late", seed=4), **TOPOLOGY))
+        t0 = time.perf_counter()
+        timer.start()
+        slice_ = tr.fetch_plan("c-late", 0, timeout=30, poll=2)
+        timer.join()
+        assert slice_.header.step_id == "c-late" and 0.4 < time.perf_counter() - t0 < 20
+        with pytest.raises(TimeoutError):
+            tr.fetch_plan("c-never", 0, timeout=0.5, poll=0.2)
+
+
+@pytest.mark.parametrize("kind", ["connect", "503"])
+def test_transient_failures_are_retried(server, kind):
+    flaky = Flaky(kind, fail=2, only="/v1/steps")
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+        assert c.submit(rollout_doc(f"c-retry-{kind}", seed=5), **TOPOLOGY)["status"]["step_id"] == f"c-retry-{kind}"
+    assert flaky.calls == 3
+    flaky = Flaky(kind, fail=10, only="/v1/steps")
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+        with pytest.raises(PlannerError):
+            c.status(f"c-retry-{kind}")
+    assert flaky.calls == FAST.attempts
+
+
+def test_client_errors_are_not_retried(server):
+    flaky = Flaky("none", fail=0, only="/v1/steps")
+    with PlannerClient(server.http_url, token="wrong", retry=FAST, transport=flaky) as c:
+        with pytest.raises(PlannerError) as err:
+            c.status("anything")
+    assert err.value.status == 401 and flaky.calls == 1
+    bad = rollout_doc("c-bad")
+    bad["trajectories"][0]["tokens"] = []
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST) as c:
+        with pytest.raises(PlannerError) as err:
+            c.submit(bad)
+        assert err.value.status == 422 and err.value.field.startswith("trajectories[0].tokens")
+        c.submit(rollout_doc("c-rank"), **TOPOLOGY)
+        with pytest.raises(PlannerError) as err:
+            c.fetch_plan("c-rank", 7, timeout=10)
+        assert err.value.status == 404 and "rank" in err.value.message
+
+
+def test_corrupted_slices_are_refetched_then_refused(server):
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        c.submit(rollout_doc("c-corrupt", seed=8), **TOPOLOGY)
+        good = c.fetch_plan_bytes("c-corrupt", 0, timeout=30)
+    flaky = Flaky("corrupt", fail=1, only="/ranks/")
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+        assert c.fetch_plan_bytes("c-corrupt", 0, timeout=30) == good
+    assert flaky.calls == 2
+    flaky = Flaky("corrupt", fail=100, only="/ranks/")
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+        with pytest.raises(ChecksumError):
+            c.fetch_plan_bytes("c-corrupt", 0, timeout=30)
+    assert flaky.calls == FAST.attempts
+
+
+def test_client_does_not_import_the_service(server, tmp_path):
+    code = "import sys, harts_client.client; print(sorted(m for m in sys.modules if m.startswith('planner_service')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
+    path = tmp_path / "rollouts.json"
+    import json
+
+    path.write_text(json.dumps(rollout_doc("c-cli", seed=9)))
+    env_cmd = [sys.executable, "-m", "harts_client.client", "--url", server.http_url, "--token", TOKEN]
+    sub = subprocess.run([*env_cmd, "submit", str(path), "--world-size", "2", "--microbatch-tokens", "128",
+                          "--chunk-size", "16"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    got = subprocess.run([*env_cmd, "fetch", "c-cli", "1", "--timeout", "30", "-o", str(tmp_path / "r1.pb")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert '"rank": 1' in got.stdout and (tmp_path / "r1.pb").stat().st_size > 0
+
+
+def test_retries_stop_at_the_callers_deadline(server):
+    slow = RetryPolicy()  # 8 attempts with backoff up to 5 s: about 12 s of sleeping in all
+    for kind in ("503", "connect"):
+        flaky = Flaky(kind, fail=10_000, only="/v1/steps")
+        with PlannerClient(server.http_url, token=TOKEN, retry=slow, transport=flaky, timeout=1.0) as c:
+            t0 = time.perf_counter()
+            with pytest.raises(PlannerError):
+                c.status("c-deadline")
+            assert time.perf_counter() - t0 < 2.0, kind
+            t0 = time.perf_counter()
+            with pytest.raises((PlannerError, TimeoutError)):
+                c.fetch_plan("c-deadline", 0, timeout=1.5)
+            assert time.perf_counter() - t0 < 2.5, kind
+
+
+def test_retry_after_of_a_503_is_honoured(server):
+    flaky = Flaky("retry-after", fail=1, only="/v1/steps")
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+        t0 = time.perf_counter()
+        c.list_steps()
+        assert time.perf_counter() - t0 >= 0.9 and flaky.calls == 2
+
+
+def test_a_slice_of_another_step_rank_or_world_size_is_refused(server):
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        c.submit(rollout_doc("c-json"), **TOPOLOGY)
+        c.submit(rollout_doc("c-pb", seed=2), **TOPOLOGY)
+        good = c.fetch_plan_bytes("c-json", 0, timeout=30, world_size=2)
+    for kind, what in (("other-rank", "rank 1"), ("other-step", "step 'c-pb'")):
+        flaky = Flaky(kind, fail=1, only="/ranks/")  # once: fetched again, then right
+        with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+            assert c.fetch_plan_bytes("c-json", 0, timeout=30) == good and flaky.calls == 2
+        flaky = Flaky(kind, fail=100, only="/ranks/")  # always: refused
+        with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+            with pytest.raises(WrongSliceError, match=what):
+                c.fetch_plan_bytes("c-json", 0, timeout=30)
+        assert flaky.calls == FAST.attempts
+    flaky = Flaky("none", fail=0, only="/ranks/")
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=flaky) as c:
+        with pytest.raises(WrongSliceError, match="world_size 2"):
+            c.fetch_plan("c-json", 0, timeout=30, world_size=3)
+    assert flaky.calls == 1  # another topology does not get better: refused at once
+
+
+def test_step_ids_are_url_encoded_and_steps_can_be_deleted(server):
+    step = "c odd?id#1%2"
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        c.submit(rollout_doc(step), **TOPOLOGY)
+        assert c.fetch_plan(step, 1, timeout=30).header.step_id == step
+        assert c.status(step)["step_id"] == step
+        assert c.delete(step)["step_id"] == step
+        with pytest.raises(PlannerError) as err:
+            c.status(step)
+        assert err.value.status == 404

@@ -1,0 +1,115 @@
+"""The generator-side API (harts_client/rollouts.py) and examples/generator_submit.py against a real planner.
+
+The example's stand-in engine produces vLLM-shaped outputs for multi-turn tool episodes; the same
+episodes submitted as explicit trees and as flat trajectories must give the planner the same
+forest (unique and expanded tokens, trajectories, loss tokens). The client and the generator API
+import without torch.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from planner_service.server import ServerProcess
+from proto.arrays import unpack
+from harts_client.client import PlannerClient
+from harts_client.rollouts import RolloutBatchBuilder, RolloutTree, Trajectory, _radix, samples_from_sglang, samples_from_vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_client_and_generator_api_import_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import harts_client.client, harts_client.rollouts\n"
+        "from harts_client.rollouts import RolloutBatchBuilder, Trajectory\n"
+        "b = RolloutBatchBuilder('s', vocab_size=16).add(Trajectory('a', [1, 2]).add_completion([3], [-0.5]))\n"
+        "b.to_proto('tree'); b.to_json('flat')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'planner_service', 'fastapi', 'numba')"
+        " and sys.modules[m] is not None)\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_radix_nodes_rebuild_every_path_and_share_prefixes():
+    paths = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2], [7], [1, 2, 3, 4]]
+    nodes, ends = _radix(paths)
+    parent = {n["id"]: n["parent"] for n in nodes}
+    tokens = {n["id"]: n["tokens"] for n in nodes}
+    for path, end in zip(paths, ends):
+        rebuilt, cur = [], end
+        while cur is not None:
+            rebuilt = tokens[cur] + rebuilt
+            cur = parent[cur]
+        assert rebuilt == path
+    assert sum(len(t) for t in tokens.values()) == 7  # 1 2 | 3 | 4 | 5 6 | 7: every distinct prefix token once
+    assert ends[0] == ends[4]
+
+
+def test_engine_adapters():
+    out = SimpleNamespace(prompt_token_ids=[5, 6], outputs=[
+        SimpleNamespace(token_ids=[7, 8], logprobs=[{7: SimpleNamespace(logprob=-0.1), 3: SimpleNamespace(logprob=-2.0)},
+                                                    {8: SimpleNamespace(logprob=-0.2)}])])
+    (s,) = samples_from_vllm(out)
+    assert (s.prompt_ids, s.token_ids, s.logprobs) == ([5, 6], [7, 8], [-0.1, -0.2])
+    s = samples_from_sglang({"meta_info": {"output_token_logprobs": [(-0.3, 9, "a"), (-0.4, 10, "b")]}}, [1])
+    assert (s.token_ids, s.logprobs) == ([9, 10], [-0.3, -0.4])
+    t = Trajectory.from_sample("x", s, group_id="g").add_observation([4]).add_completion([2], [-1.0])
+    assert t.tokens == [1, 9, 10, 4, 2] and t.loss_mask == [0, 1, 1, 0, 1]
+    assert t.old_logprobs() == [0.0, -0.3, -0.4, 0.0, -1.0]
+    with pytest.raises(ValueError, match="logprobs: expected 2 values"):
+        Trajectory("y", [1]).add_completion([1, 2], [-1.0])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("gen") / "planner.db").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.integration
+def test_example_generator_submits_both_forms_and_they_plan_the_same_forest(server):
+    answers = {}
+    for form, extra in (("tree", []), ("flat", ["--protobuf"])):
+        out = subprocess.run([sys.executable, "examples/generator_submit.py", "--url", server.http_url, "--steps", "2",
+                              "--form", form, "--batch-prefix", f"{form}-", "--world-size", "2", *extra],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        answers[form] = [json.loads(line) for line in out.stdout.splitlines()]
+    for t, f in zip(answers["tree"], answers["flat"]):
+        assert "fail" not in t["state"].lower() and "fail" not in f["state"].lower()
+        assert (t["trajectories"], t["unique_tokens"], t["expanded_tokens"]) == (
+            f["trajectories"], f["unique_tokens"], f["expanded_tokens"])
+        assert t["trajectories"] == 6 and t["unique_tokens"] < t["expanded_tokens"]  # the shared prompts count once
+    with PlannerClient(server.http_url) as c:
+        for step in range(2):
+            heads = [c.fetch_plan(f"{form}-{step}", 0, timeout=30).header for form in ("tree", "flat")]
+            lengths = [dict(zip(h.trajectory_ids, unpack(h.trajectory_lengths, "int32").tolist())) for h in heads]
+            assert lengths[0] == lengths[1]
+            assert heads[0].normalizers.total_loss_tokens == heads[1].normalizers.total_loss_tokens > 0
+
+
+@pytest.mark.integration
+def test_explicit_tree_from_a_tree_search_generator(server):
+    tree = RolloutTree("search-0")
+    root = tree.node(None, [1, 2, 3, 4])
+    a = tree.node(root, [5, 6], logprobs=[-0.5, -0.6])
+    obs = tree.node(a, [7])
+    b1 = tree.node(obs, [8, 9], logprobs=[-0.1, -0.2])
+    b2 = tree.node(obs, [10], logprobs=[-0.3])
+    tree.trajectory("s0", b1, advantage=1.0, reward=1.0, group_id="g")
+    tree.trajectory("s1", b2, advantage=-1.0, reward=0.0, group_id="g")
+    batch = RolloutBatchBuilder("search-step", vocab_size=256).add_tree(tree)
+    doc = batch.to_json()
+    assert doc["trees"][0]["trajectories"][0]["loss_mask"] == [0, 0, 0, 0, 1, 1, 0, 1, 1]
+    with PlannerClient(server.http_url) as c:
+        st = batch.submit(c, world_size=1, chunk_size=16, microbatch_tokens=64, no_windows=True)["status"]
+    assert (st["trajectories"], st["unique_tokens"], st["expanded_tokens"]) == (2, 10, 17)

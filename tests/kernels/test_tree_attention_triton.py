@@ -1,0 +1,120 @@
+"""Tests of the Triton backend of kernels.tree_attention against the PyTorch reference.
+
+Runs on CUDA, or on CPU under the Triton interpreter: `TRITON_INTERPRET=1 pytest
+tests/kernels/test_tree_attention_triton.py` (tests/kernels/test_tree_attention.py starts exactly that in a
+subprocess, since the variable must be set before triton is imported). Otherwise skipped.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see module docstring)", allow_module_level=True)
+
+from kernels.tree_attention import BACKENDS, tree_attention  # noqa: E402
+from kernels.tree_attention import triton_kernel  # noqa: E402
+from kernels.tree_attention import prepare_tree_layout  # noqa: E402
+from tests.tree_attention_helpers import random_qkv, random_tree  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Every output buffer (o, lse, dq, dk, dv) starts as NaN: a missed store shows up in the comparisons."""
+    monkeypatch.setattr(
+        triton_kernel, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    )
+
+
+def run_backends(tree, H, Hkv, D, backends, *, seed, dtype=torch.float32, **blocks):
+    """Per backend: (o, dq, dk, dv) on the same inputs and cotangent, through one prepared layout."""
+    q, k, v = random_qkv(tree, H, Hkv, D, seed=seed, dtype=dtype, device=DEVICE)
+    do = torch.randn(tree.R, H, D, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
+    layout = tree.prepare(DEVICE, **blocks)
+    out = {}
+    for backend in backends:
+        o = tree_attention(q, k, v, layout, scale=D**-0.5, backend=backend)
+        out[backend] = (o, *torch.autograd.grad(o, [q, k, v], do))
+    return out
+
+
+# (tree kwargs, H, Hkv, D, block_m, block_n); the interpreter's cost is programs x tiles: keep small.
+# Imported rows (extended rows R..R+I-1, appended after the local ones) appear in most cases.
+CASES = {
+    "single_segment_multiblock": (dict(num_segments=1, min_len=45, max_len=45), 2, 2, 16, 16, 16),
+    "deep_chain_gqa_2_1": (dict(num_segments=6, min_len=3, max_len=12, kind="chain"), 2, 1, 16, 16, 16),
+    "wide_imported_bm16_bn32": (dict(num_segments=6, min_len=4, max_len=16, kind="wide", num_imported=2), 2, 1, 16, 16, 32),
+    "imported_short_segments_gqa_4_2": (dict(num_segments=6, max_len=10, num_imported=3), 4, 2, 16, 16, 16),
+    "imported_unmerged_d24": (dict(num_segments=5, max_len=14, num_imported=2, merge_adjacent=False), 2, 2, 24, 16, 16),
+    "default_blocks_64_d64": (dict(num_segments=3, min_len=10, max_len=80, num_imported=1), 2, 1, 64, 64, 64),
+}
+# (Production tiles, D = 128, run in bf16 on CUDA below.)
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_every_backend_matches_ref_fp32(case):
+    """Every backend of the contract against the reference: outputs and q/k/v gradients (imported
+    rows' gradients included), every output buffer poisoned with NaN first."""
+    kwargs, H, Hkv, D, bm, bn = case
+    tree = random_tree(7, **kwargs)
+    out = run_backends(tree, H, Hkv, D, list(BACKENDS), seed=8, block_m=bm, block_n=bn)
+    want = out.pop("ref")
+    assert set(out) >= {"triton"}
+    for backend, got in out.items():
+        assert got[0].dtype == torch.float32 and got[0].shape == (tree.R, H, D)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+            assert not a.isnan().any(), (backend, name)
+            assert b.abs().max() > 0, name
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name, be=backend: f"{be} {n}: {m}")
+
+
+def test_triton_kv_rows_seen_by_nobody_get_zero_gradients():
+    """Imported rows outside every range and trailing rows: written as zeros, not left unset."""
+    tree = random_tree(9, num_segments=3, max_len=10, num_imported=2)
+    q, k, v = random_qkv(tree, 2, 2, 16, seed=10, dtype=torch.float32, device=DEVICE)
+    pad = torch.randn(17, 2, 16, device=DEVICE)
+    k2 = torch.cat([k.detach(), pad]).requires_grad_(True)
+    v2 = torch.cat([v.detach(), pad]).requires_grad_(True)
+    layout = prepare_tree_layout(**tree.layout(), num_rows=tree.R, num_kv_rows=tree.Rk + 17, device=DEVICE,
+                                 block_m=16, block_n=16)
+    o = tree_attention(q, k2, v2, layout, scale=0.25, backend="triton")
+    dk, dv = torch.autograd.grad(o.sum(), [k2, v2])
+    assert torch.equal(dk[tree.Rk :], torch.zeros_like(dk[tree.Rk :]))
+    assert torch.equal(dv[tree.Rk :], torch.zeros_like(dv[tree.Rk :]))
+    assert dv[: tree.Rk].abs().max() > 0
+
+
+def test_triton_rejects_float64_and_a_layout_elsewhere():
+    tree = random_tree(11, num_segments=2, max_len=4)
+    q, k, v = random_qkv(tree, 1, 1, 16, seed=12, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+        tree_attention(q.double(), k.double(), v.double(), tree.prepare(DEVICE), scale=1.0, backend="triton")
+    with pytest.raises(ValueError, match="block_m"):
+        tree.prepare(DEVICE, block_m=8)
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="device"):
+            tree_attention(q, k, v, tree.prepare("cpu"), scale=1.0, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 is only meaningful on a GPU (the interpreter's bf16 is wrong)")
+def test_triton_bf16_matches_fp32_ref():
+    """bf16 Triton against the fp32 reference on the same (bf16-rounded) inputs, errors relative to the scale."""
+    tree = random_tree(13, num_segments=40, min_len=1, max_len=200, num_imported=3)
+    q, k, v = random_qkv(tree, 8, 2, 128, seed=14, dtype=torch.bfloat16, device=DEVICE)
+    do = torch.randn(tree.R, 8, 128, generator=torch.Generator().manual_seed(15)).to(DEVICE, torch.bfloat16)
+    layout = tree.prepare(DEVICE)
+    o = tree_attention(q, k, v, layout, scale=128**-0.5, backend="triton")
+    got = (o, *torch.autograd.grad(o, [q, k, v], do))
+    leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
+    o_r = tree_attention(*leaves, layout, scale=128**-0.5, backend="ref")
+    want = (o_r, *torch.autograd.grad(o_r, leaves, do.float()))
+    assert got[0].dtype == torch.bfloat16
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert not a.isnan().any(), name
+        err = (a.float() - b).abs().max() / b.abs().max()
+        assert err < 2e-2, (name, err.item())

@@ -1,0 +1,387 @@
+"""PlannerCore without a transport: idempotent submit, planning, sealed slices, long-poll, recovery."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from planner_service.core import PlannerCore, ServiceConfig
+from planner_service.errors import ConflictError, LimitError, NotFoundError, NotReadyError, PlanningError, ValidationError
+from planner_service.ingest import json_to_proto
+from proto.harts.v1 import planner_pb2
+from plan.seal import open_sealed
+from tests.service_helpers import TOPOLOGY, rollout_doc
+
+TOPO = planner_pb2.Topology(**TOPOLOGY)
+
+
+@pytest.fixture()
+def core(tmp_path):
+    c = PlannerCore(ServiceConfig(db_path=str(tmp_path / "core.db"), max_request_bytes=1 << 20))
+    c.start()
+    yield c
+    c.close()
+
+
+def _body(doc: dict) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def test_submit_is_idempotent_by_batch_id(core):
+    doc = rollout_doc("s-idem")
+    first = core.submit(_body(doc), "json")
+    assert not first.duplicate and first.status.state == planner_pb2.STEP_STATE_SUBMITTED
+    again = core.submit(_body(doc), "json")
+    assert again.duplicate and again.status == first.status
+    other = rollout_doc("s-idem", seed=1)
+    with pytest.raises(ConflictError, match="batch_id"):
+        core.submit(_body(other), "json")
+    assert [s.step_id for s in core.list_steps()] == ["s-idem"]
+
+
+def _reordered(value):
+    """The same JSON value with every object's keys in reverse order."""
+    if isinstance(value, dict):
+        return {k: _reordered(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [_reordered(v) for v in value]
+    return value
+
+
+def test_idempotency_compares_content_not_bytes(core):
+    doc = rollout_doc("s-content")
+    first = core.submit(_body(doc), "json")
+    assert not first.duplicate
+    spellings = {
+        "indented, keys reversed": json.dumps(_reordered(doc), indent=3).encode(),
+        "floats respelt": re.sub(r"-?\d+\.\d+", lambda m: f"{float(m.group()):.17e}", json.dumps(doc)).encode(),
+        "explicit defaults": json.dumps({**doc, "trees": []}).encode(),
+        "protobuf": json_to_proto(doc).SerializeToString(),
+    }
+    assert len(set(spellings.values()) | {_body(doc)}) == len(spellings) + 1
+    for name, body in spellings.items():
+        fmt = "proto" if name == "protobuf" else "json"
+        resp = core.submit(body, fmt)
+        assert resp.duplicate and resp.status == first.status, name
+    assert core.submit_message(json_to_proto(doc)).duplicate
+    changed = json.loads(_body(doc))
+    changed["trajectories"][3]["tokens"][-1] = (changed["trajectories"][3]["tokens"][-1] + 1) % 64
+    with pytest.raises(ConflictError, match="other content"):
+        core.submit(_body(changed), "json")
+    changed = json_to_proto(doc)
+    changed.trajectories[0].reward = 0.5
+    with pytest.raises(ConflictError):
+        core.submit(changed.SerializeToString(), "proto")
+    assert [s.step_id for s in core.list_steps()] == ["s-content"]
+
+
+def test_rows_of_earlier_versions_are_compared_by_content(core):
+    # an earlier version keyed steps by a SHA-256 of the body bytes
+    import hashlib
+
+    from planner_service.store import StepRecord
+
+    doc = rollout_doc("s-legacy")
+    body = _body(doc)
+    core.store.insert_step(StepRecord(
+        step_id="s-legacy", body_sha256="json:" + hashlib.sha256(body).hexdigest(), body_format="json",
+        trajectories=6, unique_tokens=1, expanded_tokens=1, submitted_at=time.time(),
+        state=planner_pb2.STEP_STATE_SUBMITTED), body)
+    assert core.submit(json.dumps(doc, indent=1).encode(), "json").duplicate
+    assert core.submit(json_to_proto(doc).SerializeToString(), "proto").duplicate
+    with pytest.raises(ConflictError):
+        core.submit(_body(rollout_doc("s-legacy", seed=2)), "json")
+
+
+def test_invalid_batch_names_the_field_and_stores_nothing(core):
+    doc = rollout_doc("s-bad")
+    doc["trajectories"][2]["tokens"][3] = 64  # vocab_size is 64
+    with pytest.raises(ValidationError) as err:
+        core.submit(_body(doc), "json")
+    assert err.value.field.startswith("trajectories[2].tokens")
+    with pytest.raises(ValidationError, match="RolloutBatch"):
+        core.submit(b"\xff\xff\xff", "proto")
+    with pytest.raises(LimitError):
+        core.submit(b" " * (core.cfg.max_request_bytes + 1), "json")
+    assert core.list_steps() == []
+
+
+def test_plan_seals_one_slice_per_rank_and_serves_identical_bytes(core):
+    core.submit(_body(rollout_doc("s-plan")), "json")
+    with pytest.raises(NotReadyError):
+        core.fetch("s-plan", 0)
+    st = core.plan("s-plan", TOPO)
+    assert st.state == planner_pb2.STEP_STATE_PLANNED
+    assert st.stats.unique_tokens == st.unique_tokens and st.stats.expanded_tokens == st.expanded_tokens
+    assert st.stats.compression_ideal > 1.0  # the rollouts share a prompt
+    assert st.topology.world_size == 2 and st.topology.chunk_size == 16
+    for rank in range(2):
+        data = core.fetch("s-plan", rank)
+        sl = open_sealed(data)
+        assert sl.header.step_id == "s-plan" and sl.rank.rank == rank
+        assert core.fetch("s-plan", rank) == data
+        assert core.store.slice("s-plan", rank) == data
+    with pytest.raises(NotFoundError, match="rank"):
+        core.fetch("s-plan", 2)
+    with pytest.raises(NotFoundError):
+        core.fetch("nope", 0)
+    # same topology again: the stored plan, not a new one; another topology: refused
+    assert core.plan("s-plan", TOPO).planned_at == st.planned_at
+    with pytest.raises(ConflictError, match="topology"):
+        core.plan("s-plan", planner_pb2.Topology(world_size=3, microbatch_tokens=128, chunk_size=16))
+
+
+def test_topology_errors_name_the_field(core):
+    core.submit(_body(rollout_doc("s-topo")), "json")
+    cases = {
+        "topology.world_size": planner_pb2.Topology(world_size=0, microbatch_tokens=128),
+        "topology.chunk_size": planner_pb2.Topology(world_size=1, microbatch_tokens=128, chunk_size=24),
+        "topology.microbatch_tokens": planner_pb2.Topology(world_size=1, microbatch_tokens=8, chunk_size=16),
+    }
+    for field, topo in cases.items():
+        with pytest.raises(ValidationError) as err:
+            core.plan("s-topo", topo)
+        assert err.value.field == field
+    assert core.status("s-topo").state == planner_pb2.STEP_STATE_SUBMITTED
+
+
+def test_planning_failure_is_stored_and_the_step_can_be_replanned(core):
+    doc = rollout_doc("s-fail")
+    core.submit(_body(doc), "json")
+    longest = max(len(t["tokens"]) for t in doc["trajectories"])
+    impossible = planner_pb2.Topology(world_size=1, microbatch_tokens=16, chunk_size=16, no_windows=True)
+    assert longest > 16
+    with pytest.raises(PlanningError):
+        core.plan("s-fail", impossible)
+    st = core.status("s-fail")
+    assert st.state == planner_pb2.STEP_STATE_FAILED and st.error
+    with pytest.raises(PlanningError):
+        core.fetch("s-fail", 0)
+    assert core.plan("s-fail", TOPO).state == planner_pb2.STEP_STATE_PLANNED
+
+
+def test_submit_with_topology_plans_in_the_background_and_wakes_long_polls(core):
+    doc = rollout_doc("s-poll")
+
+    async def scenario():
+        waiter = asyncio.create_task(core.fetch_async("s-poll", 1, wait=20.0))
+        await asyncio.sleep(0.2)  # the step does not exist yet: the fetch waits for it
+        assert not waiter.done()
+        t0 = time.perf_counter()
+        threading.Thread(target=core.submit, args=(_body(doc), "json", TOPO)).start()
+        data = await waiter
+        return data, time.perf_counter() - t0
+
+    data, elapsed = asyncio.run(scenario())
+    assert open_sealed(data).rank.rank == 1
+    assert elapsed < 10.0
+    assert data == core.fetch("s-poll", 1)
+
+
+def test_long_poll_gives_up_after_the_wait(core):
+    core.submit(_body(rollout_doc("s-wait")), "json")
+
+    async def scenario(step):
+        t0 = time.perf_counter()
+        with pytest.raises((NotReadyError, NotFoundError)) as err:
+            await core.fetch_async(step, 0, wait=0.3)
+        return err.type, time.perf_counter() - t0
+
+    kind, elapsed = asyncio.run(scenario("s-wait"))
+    assert kind is NotReadyError and 0.25 <= elapsed < 3.0
+    kind, elapsed = asyncio.run(scenario("unknown"))
+    assert kind is NotFoundError and 0.25 <= elapsed < 3.0
+
+
+def test_restart_recovers_plans_and_resumes_interrupted_planning(tmp_path):
+    cfg = ServiceConfig(db_path=str(tmp_path / "r.db"))
+    a = PlannerCore(cfg)
+    a.start()
+    a.submit(_body(rollout_doc("s-done")), "json")
+    a.plan("s-done", TOPO)
+    before = [a.fetch("s-done", r) for r in range(2)]
+    a.submit(json_to_proto(rollout_doc("s-cut")).SerializeToString(), "proto")
+    # a crash right after the plan was requested, before it was stored
+    a.store.request_plan("s-cut", planner_pb2.Topology(world_size=2, microbatch_tokens=128, memory_tokens=1024,
+                                                       chunk_size=16).SerializeToString(deterministic=True))
+    a.close()
+
+    b = PlannerCore(cfg)
+    b.start()
+    try:
+        assert [b.fetch("s-done", r) for r in range(2)] == before
+        data = asyncio.run(b.fetch_async("s-cut", 0, wait=20.0))
+        assert open_sealed(data).header.step_id == "s-cut"
+        assert b.submit(json_to_proto(rollout_doc("s-cut")).SerializeToString(), "proto").duplicate
+    finally:
+        b.close()
+
+
+def test_metrics_count_plans_and_waiting_steps(core):
+    core.submit(_body(rollout_doc("s-m1")), "json")
+    core.submit(_body(rollout_doc("s-m2")), "json")
+    text = core.metrics.render().decode()
+    assert "harts_steps_waiting 2.0" in text
+    core.plan("s-m1", TOPO)
+    text = core.metrics.render().decode()
+    assert "harts_steps_waiting 1.0" in text
+    assert "harts_plan_seconds_count 1.0" in text
+    assert 'harts_plans_total{outcome="planned"} 1.0' in text
+    assert "harts_compression_ideal_count 1.0" in text
+    assert 'harts_ingest_bytes_total{format="json"}' in text
+
+
+def test_default_topology_plans_every_submission(tmp_path):
+    cfg = ServiceConfig(db_path=str(tmp_path / "d.db"), default_topology=TOPO)
+    c = PlannerCore(cfg)
+    c.start()
+    try:
+        c.submit(_body(rollout_doc("s-default")), "json")
+        data = asyncio.run(c.fetch_async("s-default", 1, wait=20.0))
+        assert open_sealed(data).rank.rank == 1
+        assert c.status("s-default").topology.world_size == TOPO.world_size
+    finally:
+        c.close()
+    with pytest.raises(ValidationError):
+        ServiceConfig(default_topology=planner_pb2.Topology(world_size=0))
+
+
+def test_concurrent_plans_of_one_step_are_serialised(core):
+    core.submit(_body(rollout_doc("s-race", trajectories=12)), "json")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: core.plan("s-race", TOPO), range(4)))
+    assert len({r.planned_at for r in results}) == 1
+    assert 'harts_plans_total{outcome="planned"} 1.0' in core.metrics.render().decode()
+
+
+def _padded(doc: dict, nbytes: int) -> bytes:
+    """The document followed by `nbytes` of JSON whitespace (stored with the body)."""
+    return _body(doc) + b" " * nbytes
+
+
+def _wait(check, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_delete_removes_the_step_its_body_and_slices(core):
+    core.submit(_body(rollout_doc("s-del")), "json")
+    core.plan("s-del", TOPO)
+    core.fetch("s-del", 1)
+    st = core.delete("s-del")
+    assert st.step_id == "s-del" and st.state == planner_pb2.STEP_STATE_PLANNED
+    for call in (lambda: core.status("s-del"), lambda: core.fetch("s-del", 1), lambda: core.store.body("s-del"),
+                 lambda: core.delete("s-del")):
+        with pytest.raises(NotFoundError):
+            call()
+    assert core.store.slice("s-del", 1) is None and core.list_steps() == []
+    assert not core.submit(_body(rollout_doc("s-del")), "json").duplicate  # the id is free again
+    assert 'harts_steps_deleted_total{cause="request"} 1.0' in core.metrics.render().decode()
+
+
+def test_retention_keeps_the_newest_steps_and_compacts_the_file(tmp_path):
+    db = tmp_path / "keep.db"
+    c = PlannerCore(ServiceConfig(db_path=str(db), retain_steps=2))
+    c.start()
+    try:
+        for i in range(6):
+            c.submit(_padded(rollout_doc(f"s-keep-{i}", seed=i), 1 << 20), "json")
+        assert _wait(lambda: [s.step_id for s in c.list_steps()] == ["s-keep-5", "s-keep-4"])
+        assert _wait(lambda: 'harts_steps_deleted_total{cause="retention"} 4.0' in c.metrics.render().decode())
+        # compaction gives the freed pages back: the file holds about the two kept bodies
+        assert _wait(lambda: db.stat().st_size + Path(f"{db}-wal").stat().st_size < 3.5 * (1 << 20))
+    finally:
+        c.close()
+
+
+def test_max_age_deletes_old_steps(tmp_path):
+    c = PlannerCore(ServiceConfig(db_path=str(tmp_path / "age.db"), max_age_seconds=0.5, storage_probe_seconds=0.1))
+    c.start()
+    try:
+        c.submit(_body(rollout_doc("s-old")), "json")
+        time.sleep(0.3)
+        c.submit(_body(rollout_doc("s-new", seed=1)), "json")
+        assert _wait(lambda: [s.step_id for s in c.list_steps()] == ["s-new"], 5)
+        assert _wait(lambda: c.list_steps() == [], 5)
+    finally:
+        c.close()
+
+
+_EARLIER_SCHEMA = """
+CREATE TABLE steps (step_id TEXT PRIMARY KEY, body_sha256 TEXT NOT NULL, body_format TEXT NOT NULL,
+    body BLOB NOT NULL, trajectories INTEGER NOT NULL, unique_tokens INTEGER NOT NULL,
+    expanded_tokens INTEGER NOT NULL, submitted_at REAL NOT NULL, state INTEGER NOT NULL, topology BLOB,
+    stats BLOB, error TEXT NOT NULL DEFAULT '', planned_at REAL NOT NULL DEFAULT 0,
+    world_size INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE slices (step_id TEXT NOT NULL, rank INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (step_id, rank)) WITHOUT ROWID;
+"""
+
+
+def test_a_database_of_an_earlier_version_is_read_deleted_and_vacuumed(tmp_path):
+    import hashlib
+    import sqlite3
+
+    db = tmp_path / "earlier.db"
+    old = sqlite3.connect(db)
+    old.execute("PRAGMA page_size=65536")
+    old.execute("PRAGMA journal_mode=WAL")
+    old.executescript(_EARLIER_SCHEMA)
+    for i in range(3):  # bodies inline in `steps`, keyed by a hash of the bytes, no auto-vacuum
+        body = _padded(rollout_doc(f"s-early-{i}", seed=i), 1 << 20)
+        old.execute("INSERT INTO steps VALUES (?, ?, 'json', ?, 6, 1, 1, ?, ?, NULL, NULL, '', 0, 0)",
+                    (f"s-early-{i}", "json:" + hashlib.sha256(body).hexdigest(), body, time.time(),
+                     planner_pb2.STEP_STATE_SUBMITTED))
+    old.commit()
+    old.close()
+    c = PlannerCore(ServiceConfig(db_path=str(db)))
+    c.start()
+    try:
+        assert c.submit(json.dumps(rollout_doc("s-early-1", seed=1), indent=2).encode(), "json").duplicate
+        c.delete("s-early-2")  # space reused, the file does not shrink: no VACUUM behind the users' back
+        assert _wait(lambda: c.store._vacuum_hint)
+        assert c.store._db.execute("PRAGMA auto_vacuum").fetchone()[0] == 0
+        assert c.plan("s-early-0", TOPO).state == planner_pb2.STEP_STATE_PLANNED  # body read from the old column
+        c.submit(_body(rollout_doc("s-later")), "json")  # stored the new way beside the old rows
+        assert c.plan("s-later", TOPO).state == planner_pb2.STEP_STATE_PLANNED
+        for i in range(2):
+            c.delete(f"s-early-{i}")
+    finally:
+        c.close()
+    before = db.stat().st_size
+    c = PlannerCore(ServiceConfig(db_path=str(db), vacuum=True))  # harts serve --vacuum
+    c.start()
+    try:
+        assert c.store._file_bytes() < before / 2  # converted before the service was ready
+        assert c.store._db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
+        assert [s.step_id for s in c.list_steps()] == ["s-later"] and c.fetch("s-later", 0)
+    finally:
+        c.close()
+
+
+def test_vacuum_is_skipped_when_the_disk_has_no_room_for_its_copy(tmp_path, monkeypatch):
+    import shutil
+    import sqlite3
+
+    from planner_service.store import Store
+
+    db = tmp_path / "full.db"
+    old = sqlite3.connect(db)
+    old.executescript(_EARLIER_SCHEMA)
+    old.close()
+    store = Store(db)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
+    assert store.compact(vacuum=True) == 0
+    assert store._db.execute("PRAGMA auto_vacuum").fetchone()[0] == 0  # left as it was
+    store.close()

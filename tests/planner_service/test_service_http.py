@@ -1,0 +1,218 @@
+"""The HTTP API of a real `harts serve` subprocess on 127.0.0.1 (one server, with a token)."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from planner_service.ingest import json_to_proto
+from planner_service.server import ServerProcess
+from plan.seal import open_sealed
+from tests.service_helpers import TOPOLOGY, rollout_doc
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "test-token-h4"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    db = tmp_path_factory.mktemp("http") / "planner.db"
+    srv = ServerProcess(db, token=TOKEN, extra=["--max-request-mb", "1", "--max-wait", "5"]).start()
+    yield srv
+    srv.stop()
+    log = srv.log_text()
+    assert "Traceback" not in log
+    # Numba code is compiled at start-up, before the ports open, not on the first request
+    assert log.index("numba code compiled") < log.index("harts serve: ready")
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.http_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=20) as c:
+        yield c
+
+
+def test_every_endpoint_but_health_needs_the_token(server):
+    url = server.http_url
+    for path in ("/v1/steps", "/v1/steps/x", "/v1/steps/x/ranks/0/plan", "/metrics"):
+        r = httpx.get(url + path)
+        assert r.status_code == 401, path
+        assert r.json()["error"]["code"] == "UNAUTHENTICATED"
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(url + "/v1/steps", json=rollout_doc("s-noauth")).status_code == 401
+    assert httpx.post(url + "/v1/steps/x/plan", json={"world_size": 1}).status_code == 401
+    assert httpx.get(url + "/healthz").json() == {"status": "ok"}
+    assert httpx.get(url + "/readyz").status_code == 200
+
+
+def test_submit_json_plan_at_once_and_fetch_identical_bytes(http):
+    r = http.post("/v1/steps", json=rollout_doc("s-json"), params=TOPOLOGY)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["duplicate"] is False and body["status"]["step_id"] == "s-json"
+    assert body["status"]["topology"]["world_size"] == 2
+    for rank in range(2):
+        first = http.get(f"/v1/steps/s-json/ranks/{rank}/plan", params={"wait": 10})
+        assert first.status_code == 200, first.text
+        assert first.headers["content-type"] == "application/x-protobuf"
+        sl = open_sealed(first.content)
+        assert sl.rank.rank == rank and first.headers["x-harts-checksum"] == sl.checksum
+        again = http.get(f"/v1/steps/s-json/ranks/{rank}/plan")
+        assert again.content == first.content and again.headers["x-harts-checksum"] == sl.checksum
+    st = http.get("/v1/steps/s-json").json()
+    assert st["state"] == "planned" and st["stats"]["expanded_tokens"] == st["expanded_tokens"]
+    assert st["stats"]["compression_ideal"] > 1.0
+    assert "s-json" in [s["step_id"] for s in http.get("/v1/steps").json()["steps"]]
+    r = http.get("/v1/steps/s-json/ranks/2/plan")
+    assert r.status_code == 404 and "rank" in r.json()["error"]["message"]
+
+
+def test_submit_protobuf_is_idempotent_and_conflicts_on_another_body(http):
+    doc = rollout_doc("s-pb", seed=3)
+    body = json_to_proto(doc).SerializeToString(deterministic=True)
+    ct = {"Content-Type": "application/x-protobuf"}
+    first = http.post("/v1/steps", content=body, headers=ct)
+    assert first.status_code == 200 and first.json()["duplicate"] is False
+    again = http.post("/v1/steps", content=body, headers=ct)
+    assert again.status_code == 200 and again.json() == {**first.json(), "duplicate": True}
+    other = json_to_proto(rollout_doc("s-pb", seed=4)).SerializeToString()
+    r = http.post("/v1/steps", content=other, headers=ct)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "ALREADY_EXISTS"
+    r = http.post("/v1/steps/s-pb/plan", json=TOPOLOGY)
+    assert r.status_code == 200 and r.json()["state"] == "planned"
+    assert open_sealed(http.get("/v1/steps/s-pb/ranks/1/plan").content).header.step_id == "s-pb"
+
+
+def test_validation_errors_name_the_field_and_leak_no_trace(http):
+    doc = rollout_doc("s-invalid")
+    doc["trajectories"][1]["loss_mask"] = doc["trajectories"][1]["loss_mask"][:-1]
+    r = http.post("/v1/steps", json=doc)
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["code"] == "INVALID_ARGUMENT" and err["field"] == "trajectories[1].loss_mask"
+    for content, ctype in ((b"{not json", "application/json"), (b"\xff\x01garbage", "application/x-protobuf"),
+                           (b"[1, 2]", "application/json")):
+        r = http.post("/v1/steps", content=content, headers={"Content-Type": ctype})
+        assert r.status_code in (400, 422), (content, r.text)
+        assert "Traceback" not in r.text and 'File "' not in r.text
+    r = http.post("/v1/steps", content=b"x", headers={"Content-Type": "text/csv"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "Content-Type"
+    r = http.post("/v1/steps/s-invalid/plan", json={"world_size": 0})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body.world_size"
+    r = http.get("/v1/steps/x/ranks/0/plan", params={"wait": "soon"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "query.wait"
+    assert "s-invalid" not in [s["step_id"] for s in http.get("/v1/steps").json()["steps"]]
+
+
+def test_request_size_limit_413_declared_and_streamed(http):
+    big = b"{" + b" " * (1 << 20) + b"}"  # the server was started with --max-request-mb 1
+    r = http.post("/v1/steps", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
+
+    def chunks():  # no Content-Length: the limit applies while reading
+        for _ in range(20):
+            yield b" " * (64 << 10)
+
+    r = http.post("/v1/steps", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_long_poll_waits_then_404(http):
+    t0 = time.perf_counter()
+    r = http.get("/v1/steps/never/ranks/0/plan", params={"wait": 0.4})
+    assert r.status_code == 404 and time.perf_counter() - t0 >= 0.35
+    http.post("/v1/steps", json=rollout_doc("s-unplanned"))
+    r = http.get("/v1/steps/s-unplanned/ranks/0/plan", params={"wait": 0.2})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "DEADLINE_EXCEEDED"
+
+
+def test_metrics_in_prometheus_format(http):
+    http.get("/v1/steps")
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in ("harts_requests_total", "harts_request_seconds_bucket", "harts_plan_seconds_count",
+                 "harts_compression_achieved_count", "harts_steps_waiting", "harts_ingest_bytes_total"):
+        assert name in text, name
+    assert 'harts_requests_total{code="200",operation="list_steps",transport="http"}' in text
+
+
+def test_openapi_is_complete_and_docs_render(server):
+    spec = httpx.get(server.http_url + "/openapi.json").json()
+    submit = spec["paths"]["/v1/steps"]["post"]
+    assert set(submit["requestBody"]["content"]) == {"application/json", "application/x-protobuf"}
+    assert {"200", "401", "409", "413", "422"} <= set(submit["responses"])
+    assert "RolloutBatchDoc" in spec["components"]["schemas"] and "ErrorBody" in spec["components"]["schemas"]
+    fetch = spec["paths"]["/v1/steps/{step_id}/ranks/{rank}/plan"]["get"]
+    assert "application/x-protobuf" in fetch["responses"]["200"]["content"]
+    assert any(p["name"] == "wait" for p in fetch["parameters"])
+    assert "HTTPBearer" in spec["components"]["securitySchemes"]
+    docs = httpx.get(server.http_url + "/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert "delete" in spec["paths"]["/v1/steps/{step_id}"]
+
+
+def _references(html: str) -> list[str]:
+    """Every URL a page loads: src/href attributes and the URLs its inline script names."""
+    import re
+
+    found = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", html)
+    found += re.findall(r"""(?:url|spec-url)\s*[:=]\s*["']([^"']+)["']""", html)
+    found += re.findall(r"""https?://[^\s"'<>)]+""", html)
+    return found
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_load_only_local_assets(server, page):
+    r = httpx.get(server.http_url + page)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    refs = _references(r.text)
+    assert refs, r.text
+    scripts = 0
+    for ref in refs:
+        assert ref.startswith("/") and not ref.startswith("//"), f"{page} loads {ref} from elsewhere"
+        got = httpx.get(server.http_url + ref)
+        assert got.status_code == 200 and len(got.content) > 100, ref
+        scripts += got.headers["content-type"].startswith(("text/javascript", "application/javascript"))
+    assert scripts >= 1  # the UI itself, served by this server
+    assert "cdn" not in r.text.lower() and "googleapis" not in r.text
+
+
+def test_openapi_request_examples_are_accepted(http):
+    spec = http.get("/openapi.json").json()
+    submit = spec["paths"]["/v1/steps"]["post"]["requestBody"]["content"]["application/json"]["examples"]
+    plan = spec["paths"]["/v1/steps/{step_id}/plan"]["post"]["requestBody"]["content"]["application/json"]["examples"]
+    assert set(submit) == {"flat", "tree"} and "trees" in submit["tree"]["value"]
+    assert "trajectories" in submit["flat"]["value"] and plan
+    for name, example in submit.items():
+        r = http.post("/v1/steps", json=example["value"])
+        assert r.status_code == 200, (name, r.text)
+        step = example["value"]["batch_id"]
+        for topo in plan.values():
+            r = http.post(f"/v1/steps/{step}/plan", json=topo["value"])
+            assert r.status_code in (200, 409), (name, topo, r.text)  # 409: planned for the other example
+            assert r.status_code == 200 or "another topology" in r.json()["error"]["message"]
+        assert http.get(f"/v1/steps/{step}").json()["state"] == "planned"
+
+
+def test_delete_a_step(http, server):
+    r = http.post("/v1/steps", json=rollout_doc("s-del"), params=TOPOLOGY)
+    assert r.status_code == 200
+    assert http.get("/v1/steps/s-del/ranks/0/plan", params={"wait": 10}).status_code == 200
+    assert httpx.delete(server.http_url + "/v1/steps/s-del").status_code == 401
+    r = http.delete("/v1/steps/s-del")
+    assert r.status_code == 200 and r.json()["step_id"] == "s-del" and r.json()["state"] == "planned"
+    assert http.get("/v1/steps/s-del").status_code == 404
+    assert http.get("/v1/steps/s-del/ranks/0/plan").status_code == 404  # the cached slice is gone too
+    assert http.delete("/v1/steps/s-del").status_code == 404
+    assert "s-del" not in [s["step_id"] for s in http.get("/v1/steps").json()["steps"]]
+    r = http.post("/v1/steps", json=rollout_doc("s-del"))  # the id is free again: a new step
+    assert r.status_code == 200 and r.json()["duplicate"] is False
+
+
+def test_batch_id_with_a_slash_is_rejected(http):
+    r = http.post("/v1/steps", json=rollout_doc("team/step-1"))
+    assert r.status_code == 422 and r.json()["error"]["field"] == "batch_id"

@@ -1,0 +1,58 @@
+"""A topology that names the trainer's model and a cost model (issue 10 item 3, issue 12): the
+service plans with both, falls back to its own defaults, and names a bad document's field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner_service.core import PlannerCore, ServiceConfig, topology_to_config
+from planner_service.errors import ValidationError
+from planner_service.planner.cost_model import CostModel
+from proto.harts.v1 import planner_pb2
+from plan.seal import open_sealed
+from tests.service_helpers import TOPOLOGY, rollout_doc
+from trainer.models.config import debugmodel
+
+
+def _texts():
+    return json.dumps(debugmodel().to_hf_dict()), CostModel(row=1.0, attention=0.002, linear_call=4.0, source="svc").to_json()
+
+
+def test_topology_model_and_cost_model_reach_the_plan(tmp_path):
+    model, cost = _texts()
+    core = PlannerCore(ServiceConfig(db_path=str(tmp_path / "c.db"), max_request_bytes=1 << 20))
+    core.start()
+    try:
+        doc = rollout_doc("s-model")
+        core.submit(json.dumps(doc).encode(), "json")
+        topo = planner_pb2.Topology(**TOPOLOGY, model=model, dtype="bfloat16", cost_model=cost)
+        st = core.plan("s-model", topo)
+        assert st.state == planner_pb2.STEP_STATE_PLANNED
+        assert st.topology.dtype == "bfloat16" and json.loads(st.topology.model) == json.loads(model)
+        assert CostModel.from_json(st.topology.cost_model).linear_call == 4.0
+        sl = open_sealed(core.fetch("s-model", 0))
+        p = sl.header.params
+        assert p.memory.dtype == "bfloat16" and p.cost_model.source == "svc"
+        assert core.plan("s-model", topo).state == planner_pb2.STEP_STATE_PLANNED  # idempotent
+    finally:
+        core.close()
+
+
+def test_service_defaults_apply_to_topologies_that_name_none():
+    model, cost = _texts()
+    cfg = topology_to_config(planner_pb2.Topology(**TOPOLOGY), cost_model=cost, model=model)
+    assert cfg.cost_model.linear_call == 4.0 and cfg.model_config == json.loads(model)
+    plain = topology_to_config(planner_pb2.Topology(**TOPOLOGY))
+    assert plain.cost_model == CostModel() and plain.model_config is None
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("model", "{not json", "topology.model"),
+    ("cost_model", json.dumps({"format": "other"}), "topology.cost_model"),
+    ("dtype", "int8", "topology.dtype"),
+])
+def test_bad_model_documents_name_the_topology_field(field, value, match):
+    with pytest.raises(ValidationError) as err:
+        topology_to_config(planner_pb2.Topology(**TOPOLOGY, **{field: value}))
+    assert err.value.field == match

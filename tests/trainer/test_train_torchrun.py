@@ -1,0 +1,370 @@
+"""`trainer.train` end to end: a real `harts serve`, a 2-rank torchrun on gloo, resume, SIGTERM, errors.
+
+Every step is submitted twice under different batch ids: planned for world size 2 (`ws2-<i>`) and
+world size 1 (`ws1-<i>`). The 2-rank run must end with the parameters of a plain single-process
+loop (executor + AdamW) over the world-size-1 plans: that is the exactness of the SUM gradient sync.
+The last test runs the whole loop: the example generator feeds the planner and torchrun trains with
+FSDP2 from examples/train_tiny_fsdp.toml.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harts_client.synthetic import generate
+from planner_service.server import ServerProcess
+from trainer import checkpoint
+from harts_client.client import PlannerClient
+from trainer.executor import Executor, ExecutorConfig
+from trainer.models import build_model
+from trainer.optim import make_optimizer
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "train-token"
+C = 16
+LR = 1e-3
+SEED = 3
+TOPOLOGY = {"microbatch_tokens": 64, "chunk_size": C}  # below the trees: sharing windows
+#: Small batches with nonzero advantages: a group-sampled step and a tree-sampled one.
+DOCS = [
+    dict(scheme="group", tasks=2, seed=0, group_size=3),
+    dict(scheme="tree", tasks=2, seed=2),
+    dict(scheme="group", tasks=2, seed=2, group_size=3),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("train") / "planner.db", token=TOKEN).start()
+    with PlannerClient(srv.http_url, token=TOKEN) as c:
+        for i, knobs in enumerate(DOCS):
+            doc = generate(**knobs, scale=0.01, turns=(2, 3), old_logprobs=True)
+            for ws in (1, 2):
+                doc["batch_id"] = f"ws{ws}-{i}"
+                c.submit(doc, world_size=ws, **TOPOLOGY)
+    yield srv
+    srv.stop()
+
+
+def _env() -> dict:
+    return {**os.environ, "HARTS_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _train_args(server, *extra: str) -> list[str]:
+    return ["--planner-url", server.http_url, "--chunk-size", str(C), "--seed", str(SEED), "--lr", str(LR),
+            "--plan-timeout", "60", *extra]
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """Single-process loop over the world-size-1 plans: params after each step and grad norms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model("tiny", seed=SEED)
+        opt = make_optimizer(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        ex = Executor(model, ExecutorConfig(chunk_size=C))
+        states, norms, losses = [_params(model)], [], []
+        with PlannerClient(server.http_url, token=TOKEN) as c:
+            for i in range(len(DOCS)):
+                res = ex.run_step(c.fetch_plan(f"ws1-{i}", 0, timeout=30))
+                assert res.windows > 0  # trees larger than B: the steps run sharing windows
+                norms.append(float(torch.linalg.vector_norm(torch.stack(
+                    [p.grad.norm() for p in model.parameters() if p.grad is not None]))))
+                losses.append(res.loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                states.append(_params(model))
+    finally:
+        torch.set_num_threads(threads)
+    return {"states": states, "norms": norms, "losses": losses}
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    model = build_model("tiny", seed=12345)  # other weights: the checkpoint must overwrite all of them
+    checkpoint.load(path, model=model)
+    return _params(model)
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_two_replicated_ranks_equal_a_single_process_run_of_the_world_size_1_plans(server, reference, tmp_path):
+    """`--data-parallel replicate` (the earlier path: full replicas, one bucketed SUM all-reduce);
+    the FSDP2 default is checked by the full-loop test below."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    out = _run(["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
+                "-m", "trainer.train", *_train_args(server, "--steps", "2", "--step-prefix", "ws2-", "--data-parallel",
+                "replicate", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--metrics-jsonl", str(metrics))])
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert checkpoint.latest(ckpt) == ckpt / "step-00000002"
+    assert checkpoint.read_meta(ckpt / "step-00000002")["step_ids"] == ["ws2-0", "ws2-1"]
+    states = reference["states"]
+    assert _max_rel(states[2], states[0]) > 1e-3  # training moved the weights well beyond the tolerance
+    for step in (1, 2):
+        assert _max_rel(_load(ckpt / f"step-{step:08d}"), states[step]) < 1e-5, step
+    lines = _jsonl(metrics)
+    assert [m["step"] for m in lines] == [1, 2] and [m["step_id"] for m in lines] == ["ws2-0", "ws2-1"]
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        stats = [c.fetch_plan(f"ws2-{i}", 0, timeout=30).header.stats for i in range(2)]
+        assert all(len(c.fetch_plan(f"ws2-{i}", r, timeout=30).rank.microbatches) > 0 for i in range(2) for r in range(2))
+    for m, st, norm, loss in zip(lines, stats, reference["norms"], reference["losses"]):
+        assert m["world_size"] == 2
+        # Token counts are summed over both ranks: the planner's step totals.
+        assert (m["computed_tokens"], m["expanded_tokens"], m["microbatches"]) == (
+            st.computed_tokens, st.expanded_tokens, st.microbatches)
+        assert m["grad_norm"] == pytest.approx(norm, rel=1e-5)  # SUM, not mean, of the ranks' gradients
+        assert m["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-9)
+        assert m["computed_tokens"] > 0 and m["compression"] == pytest.approx(m["expanded_tokens"] / m["computed_tokens"])
+        assert m["tokens_per_s"] > 0 and m["seconds"] > 0
+    assert out.stderr.count("trainer.train: step ") == 2  # per-step logs from rank 0 only
+
+
+def test_resume_continues_the_step_counter_and_matches_an_uninterrupted_run(server, reference, tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    first = _run(["-m", "trainer.train", *_train_args(server, "--steps", "1", "--step-prefix", "ws1-",
+                                                       "--checkpoint-dir", str(ckpt))])
+    assert first.returncode == 0, first.stderr[-4000:]
+    second = _run(["-m", "trainer.train", *_train_args(server, "--steps", "3", "--step-prefix", "ws1-",
+                                                        "--checkpoint-dir", str(ckpt), "--resume",
+                                                        "--metrics-jsonl", str(metrics))])
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resumed from" in second.stderr
+    assert [m["step"] for m in _jsonl(metrics)] == [2, 3]
+    assert checkpoint.read_meta(checkpoint.latest(ckpt))["step_ids"] == ["ws1-0", "ws1-1", "ws1-2"]
+    assert _max_rel(_load(ckpt / "step-00000003"), reference["states"][3]) < 1e-6
+
+    other = _run(["-m", "trainer.train", *_train_args(server, "--steps", "2", "--step-prefix", "other-",
+                                                       "--checkpoint-dir", str(ckpt), "--resume")])
+    assert other.returncode == 1 and "Traceback" not in other.stderr
+    assert "--resume" in other.stderr and "expected this run's first 2 steps ['other-0', 'other-1']" in other.stderr
+
+
+def test_sigterm_finishes_the_step_and_checkpoints(server, reference, tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    log_path = tmp_path / "train.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.train", *_train_args(
+            server, "--steps", "3", "--step-prefix", "ws1-", "--checkpoint-dir", str(ckpt),
+            "--metrics-jsonl", str(metrics))], cwd=ROOT, env=_env(), stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while "ready; training steps" not in log_path.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, log_path.read_text()[-4000:]
+        finally:
+            proc.kill() if proc.poll() is None else None
+    done = [m["step"] for m in _jsonl(metrics)]
+    assert done in ([1], [2]), done  # stopped after the step that was running, not at the end of the run
+    assert "SIGTERM: stopped after step" in log_path.read_text()
+    assert checkpoint.read_meta(checkpoint.latest(ckpt))["step"] == done[-1]
+    assert _max_rel(_load(checkpoint.latest(ckpt)), reference["states"][done[-1]]) < 1e-6
+
+
+def test_world_size_mismatch_is_a_clear_error(server):
+    out = _run(["-m", "trainer.train", *_train_args(server, "--steps", "1", "--step-prefix", "ws2-")])
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "the plan is for world_size=2, but this run has 1 rank(s)" in out.stderr
+
+
+def test_unreachable_planner_is_a_clear_error():
+    out = _run(["-m", "trainer.train", "--planner-url", f"http://127.0.0.1:{_free_port()}", "--steps", "1",
+                "--ready-timeout", "1"], timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "not reachable or not ready after 1 s" in out.stderr
+
+
+def test_plan_for_another_vocabulary_is_a_clear_error(server):
+    from tests.service_helpers import rollout_doc
+
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        c.submit(rollout_doc("vocab64", vocab=64), world_size=1, **TOPOLOGY)
+    out = _run(["-m", "trainer.train", *_train_args(server, "--steps", "1", "--step-ids", "vocab64")])
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "vocab_size: expected 256 (the model's), got 64" in out.stderr
+
+
+def test_sigterm_while_waiting_for_a_plan_exits_at_once(server, tmp_path):
+    metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "train.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.train", *_train_args(
+            server, "--steps", "2", "--step-ids", "ws1-0,never-submitted", "--metrics-jsonl", str(metrics))],
+            cwd=ROOT, env=_env(), stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while not (metrics.exists() and metrics.read_text().count("\n") == 1):
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, log_path.read_text()[-4000:]
+            assert time.monotonic() - t0 < 10  # not after the 60 s plan timeout
+        finally:
+            proc.kill() if proc.poll() is None else None
+    assert "SIGTERM while waiting for the plan of step 'never-submitted'" in log_path.read_text()
+
+
+def test_missing_plan_times_out_with_a_clear_error(server):
+    out = _run(["-m", "trainer.train", "--planner-url", server.http_url, "--chunk-size", str(C), "--steps", "1",
+                "--step-ids", "never-submitted", "--plan-timeout", "1"], timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "step 'never-submitted' rank 0: no plan after 1 s" in out.stderr
+
+
+def test_harts_train_runs_the_same_trainer(server, reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = _run(["-m", "harts_cli.main", "train", *_train_args(server, "--steps", "1", "--step-prefix", "ws1-",
+                                                              "--checkpoint-dir", str(ckpt))])
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert _max_rel(_load(ckpt / "step-00000001"), reference["states"][1]) < 1e-6
+
+
+# ---- the full loop: example generator -> planner -> torchrun FSDP2 trainer from the example config
+
+EXAMPLE = ROOT / "examples" / "train_tiny_fsdp.toml"
+
+
+@pytest.fixture(scope="module")
+def loop_server(tmp_path_factory):
+    """A planner fed by examples/generator_submit.py: the same 3 steps planned for 2 ranks (g2-<i>) and 1 (g1-<i>)."""
+    srv = ServerProcess(tmp_path_factory.mktemp("loop") / "planner.db", token=TOKEN).start()
+    for ws in (1, 2):
+        out = _run(["examples/generator_submit.py", "--url", srv.http_url, "--steps", "3", "--world-size", str(ws),
+                    "--batch-prefix", f"g{ws}-", "--chunk-size", str(C), "--microbatch-tokens", "128"])
+        assert out.returncode == 0, out.stderr[-3000:]
+    yield srv
+    srv.stop()
+
+
+def _example_reference(server) -> dict:
+    """One process over the world-size-1 plans with the example config's objective, schedule and clipping."""
+    from trainer.config import load_config
+    from trainer.distributed import DistContext
+    from trainer.optim import lr_at, set_lr
+    from trainer.parallelize import grad_norm_and_clip
+
+    cfg = load_config(EXAMPLE)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(cfg.model.name, seed=cfg.job.seed)
+        params = list(model.parameters())
+        o, ls = cfg.optimizer, cfg.lr_schedule
+        opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        ex = Executor(model, ExecutorConfig(chunk_size=C, objective=cfg.objective, want_entropies=True))
+        out = {"states": [_params(model)], "norms": [], "losses": [], "exp_avg": []}
+        with PlannerClient(server.http_url, token=TOKEN) as c:
+            for i in range(3):
+                set_lr(opt, lr_at(i, lr=o.lr, total_steps=2 if i < 2 else 3, warmup_steps=ls.warmup_steps,
+                                  decay=ls.decay, decay_steps=ls.decay_steps, min_lr_ratio=ls.min_lr_ratio))
+                res = ex.run_step(c.fetch_plan(f"g1-{i}", 0, timeout=30))
+                out["norms"].append(grad_norm_and_clip(params, o.max_grad_norm, DistContext(), sharded=False))
+                out["losses"].append(res.loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                out["states"].append(_params(model))
+                out["exp_avg"].append({n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()})
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _exp_avg(path: Path) -> dict[str, torch.Tensor]:
+    """AdamW's first moment after the checkpoint's steps: after one step it is (1 - beta1) x the clipped gradient."""
+    model = build_model("tiny", seed=12345)
+    opt = make_optimizer(list(model.parameters()), lr=1.0)
+    checkpoint.load(path, model=model, optimizer=opt)
+    return {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+
+
+def test_full_loop_example_config_torchrun_fsdp_equals_one_process_then_resumes_on_one_rank(loop_server, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.executor import StepResult
+    from trainer.models import load_model
+    from harts_client.rollouts import latest_export
+
+    ref = _example_reference(loop_server)
+    ckpt, hf, metrics, tb = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "m" / "metrics.jsonl", tmp_path / "tb"
+    paths = ["--planner.url", loop_server.http_url, "--checkpoint.dir", str(ckpt), "--checkpoint.export_dir", str(hf),
+             "--metrics.jsonl", str(metrics), "--metrics.tensorboard_dir", str(tb), "--planner.plan_timeout", "60"]
+    out = _run(["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}", "-m", "trainer.train",
+                "--config", str(EXAMPLE), *paths, "--job.steps", "2", "--job.step_prefix", "g2-"])
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "(fsdp, 2 rank(s))" in out.stderr
+    # The 2-rank FSDP2 step is the one-process step: AdamW's first moment after step 1 is (1 - beta1) x gradient.
+    got, want = _exp_avg(ckpt / "step-00000001"), ref["exp_avg"][0]
+    num = sum(float((got[k].double() - want[k].double()).pow(2).sum()) for k in want)
+    den = sum(float(want[k].double().pow(2).sum()) for k in want)
+    print(f"FSDP2 2-rank vs one process: relative gradient difference {(num / den) ** 0.5:.3g}")
+    assert (num / den) ** 0.5 <= 1e-6, f"relative gradient difference {(num / den) ** 0.5:.3g}"
+    assert _max_rel(_load(ckpt / "step-00000002"), ref["states"][2]) < 1e-5
+    lines = _jsonl(metrics)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m, norm, loss in zip(lines, ref["norms"], ref["losses"]):
+        assert m["grad_norm"] == pytest.approx(norm, rel=1e-6) and m["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-9)
+        for key in ("policy_loss", "lr", "advantage_mean", "advantage_std", "advantage_min", "advantage_max",
+                    "computed_tokens", "expanded_tokens", "compression", "microbatches", "windows", "peak_memory_mib",
+                    "tokens_per_s", "computed_tokens_per_s", "loss_tokens", "policy_version"):
+            assert key in m, key
+        assert m["advantage_max"] > 0 > m["advantage_min"] and m["peak_memory_mib"] > 0 and m["skipped"] == 0
+        if "stats" in StepResult.__dataclass_fields__:  # an executor that sums LossTerms.stats
+            assert 0 <= m["clip_fraction"] <= 1 and m["entropy"] > 0 and m["approx_kl_old"] >= 0
+            assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
+    assert lines[0]["lr"] < lines[1]["lr"]  # one warmup step of the example config
+    # An export for the generators after step 2, carrying its policy version.
+    assert latest_export(hf) == (hf / "step-00000002", 2)
+    exported = load_model(hf / "step-00000002")
+    for k, v in ref["states"][2].items():
+        assert torch.allclose(exported.state_dict()[k], v.to(torch.bfloat16).float(), rtol=0, atol=0.02 * float(v.abs().max()) + 1e-6), k
+
+    # Resume on 1 rank from the 2-rank sharded checkpoint; step 3 is planned for 1 rank. A line
+    # logged after the checkpoint by a run that died must not survive; keep_last prunes.
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"step": 3, "from": "a crashed run"}) + "\n")
+    out = _run(["-m", "trainer.train", "--config", str(EXAMPLE), *paths, "--job.steps", "3",
+                "--job.step_ids", "g2-0,g2-1,g1-2", "--checkpoint.keep_last", "2"])
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "resumed from" in out.stderr
+    lines = _jsonl(metrics)
+    assert [m["step"] for m in lines] == [1, 2, 3] and "from" not in lines[-1]
+    assert lines[-1]["grad_norm"] == pytest.approx(ref["norms"][2], rel=1e-6)
+    assert _max_rel(_load(ckpt / "step-00000003"), ref["states"][3]) < 1e-5
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000002", "step-00000003"]
+    assert latest_export(hf)[1] == 3  # the last step of a run is exported too
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
