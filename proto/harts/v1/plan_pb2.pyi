@@ -11,11 +11,20 @@ class LogprobPositions(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LOGPROB_POSITIONS_LOSS: _ClassVar[LogprobPositions]
     LOGPROB_POSITIONS_ALL: _ClassVar[LogprobPositions]
+
+class PhaseKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_FORWARD: _ClassVar[PhaseKind]
+    PHASE_BACKWARD: _ClassVar[PhaseKind]
+    PHASE_RECOMPUTE: _ClassVar[PhaseKind]
 LOGPROB_POSITIONS_LOSS: LogprobPositions
 LOGPROB_POSITIONS_ALL: LogprobPositions
+PHASE_FORWARD: PhaseKind
+PHASE_BACKWARD: PhaseKind
+PHASE_RECOMPUTE: PhaseKind
 
 class PlanParams(_message.Message):
-    __slots__ = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "vocab_size", "sharing", "windows", "replay", "logprob_positions", "memory", "cost_model")
+    __slots__ = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "vocab_size", "sharing", "windows", "replay", "logprob_positions", "memory", "cost_model", "lockstep")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +37,7 @@ class PlanParams(_message.Message):
     LOGPROB_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     COST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     microbatch_tokens: int
     memory_tokens: int
@@ -40,7 +50,8 @@ class PlanParams(_message.Message):
     logprob_positions: LogprobPositions
     memory: MemoryModel
     cost_model: CostModel
-    def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., conv_kernel: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sharing: _Optional[bool] = ..., windows: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ..., memory: _Optional[_Union[MemoryModel, _Mapping]] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ...) -> None: ...
+    lockstep: bool
+    def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., conv_kernel: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sharing: _Optional[bool] = ..., windows: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ..., memory: _Optional[_Union[MemoryModel, _Mapping]] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., lockstep: _Optional[bool] = ...) -> None: ...
 
 class MemoryModel(_message.Message):
     __slots__ = ("activation_row_bytes", "attn_row_bytes", "conv_row_bytes", "kernel_row_bytes", "state_bytes", "memory_bytes", "model", "dtype")
@@ -203,7 +214,7 @@ class Microbatch(_message.Message):
     def __init__(self, id: _Optional[int] = ..., num_rows: _Optional[int] = ..., tokens: _Optional[bytes] = ..., depth: _Optional[bytes] = ..., occurrence: _Optional[bytes] = ..., seg_start: _Optional[bytes] = ..., seg_length: _Optional[bytes] = ..., seg_parent: _Optional[bytes] = ..., seg_tree: _Optional[bytes] = ..., seg_forest: _Optional[bytes] = ..., seg_forest_offset: _Optional[bytes] = ..., seg_duplicated: _Optional[bytes] = ..., conv_ancestors: _Optional[bytes] = ..., attn_offsets: _Optional[bytes] = ..., attn_ranges: _Optional[bytes] = ..., linear_calls: _Optional[_Iterable[_Union[LinearCall, _Mapping]]] = ..., num_states: _Optional[int] = ..., import_microbatch: _Optional[bytes] = ..., import_row: _Optional[bytes] = ..., state_imports: _Optional[_Iterable[_Union[StateImport, _Mapping]]] = ..., export_rows: _Optional[bytes] = ..., export_states: _Optional[bytes] = ..., lp_row: _Optional[bytes] = ..., lp_label: _Optional[bytes] = ..., lp_traj: _Optional[bytes] = ..., lp_pos: _Optional[bytes] = ..., lp_loss_mask: _Optional[bytes] = ..., lp_old_logprob: _Optional[bytes] = ..., lp_ref_logprob: _Optional[bytes] = ..., lp_advantage: _Optional[bytes] = ..., cost: _Optional[float] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., recompute: _Optional[bool] = ...) -> None: ...
 
 class ExecStep(_message.Message):
-    __slots__ = ("kind", "microbatch")
+    __slots__ = ("kind", "microbatch", "standin")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FORWARD: _ClassVar[ExecStep.Kind]
@@ -212,9 +223,11 @@ class ExecStep(_message.Message):
     BACKWARD: ExecStep.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    STANDIN_FIELD_NUMBER: _ClassVar[int]
     kind: ExecStep.Kind
     microbatch: int
-    def __init__(self, kind: _Optional[_Union[ExecStep.Kind, str]] = ..., microbatch: _Optional[int] = ...) -> None: ...
+    standin: int
+    def __init__(self, kind: _Optional[_Union[ExecStep.Kind, str]] = ..., microbatch: _Optional[int] = ..., standin: _Optional[int] = ...) -> None: ...
 
 class RankPlan(_message.Message):
     __slots__ = ("rank", "microbatches", "steps")
@@ -239,7 +252,7 @@ class Normalizers(_message.Message):
     def __init__(self, total_loss_tokens: _Optional[float] = ..., num_trajectories: _Optional[int] = ..., traj_loss_tokens: _Optional[bytes] = ..., traj_weight: _Optional[bytes] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan")
+    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan", "lockstep_phases", "lockstep_makespan", "lockstep_ratio")
     UNIQUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPANDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +271,9 @@ class PlanStats(_message.Message):
     MAKESPAN_LOWER_BOUND_FIELD_NUMBER: _ClassVar[int]
     MAKESPAN_RATIO_FIELD_NUMBER: _ClassVar[int]
     MAKESPAN_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_PHASES_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_MAKESPAN_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_RATIO_FIELD_NUMBER: _ClassVar[int]
     unique_tokens: int
     expanded_tokens: int
     computed_tokens: int
@@ -276,10 +292,13 @@ class PlanStats(_message.Message):
     makespan_lower_bound: float
     makespan_ratio: float
     makespan: float
-    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ...) -> None: ...
+    lockstep_phases: int
+    lockstep_makespan: float
+    lockstep_ratio: float
+    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ..., lockstep_phases: _Optional[int] = ..., lockstep_makespan: _Optional[float] = ..., lockstep_ratio: _Optional[float] = ...) -> None: ...
 
 class PlanHeader(_message.Message):
-    __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids", "trajectory_index", "tree_index", "local_tables", "policy_version", "trajectory_rewards")
+    __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids", "trajectory_index", "tree_index", "local_tables", "policy_version", "trajectory_rewards", "lockstep_phases")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +312,7 @@ class PlanHeader(_message.Message):
     LOCAL_TABLES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_PHASES_FIELD_NUMBER: _ClassVar[int]
     version: str
     step_id: str
     params: PlanParams
@@ -306,7 +326,8 @@ class PlanHeader(_message.Message):
     local_tables: bool
     policy_version: int
     trajectory_rewards: bytes
-    def __init__(self, version: _Optional[str] = ..., step_id: _Optional[str] = ..., params: _Optional[_Union[PlanParams, _Mapping]] = ..., normalizers: _Optional[_Union[Normalizers, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., trajectory_ids: _Optional[_Iterable[str]] = ..., trajectory_lengths: _Optional[bytes] = ..., tree_ids: _Optional[_Iterable[str]] = ..., trajectory_index: _Optional[bytes] = ..., tree_index: _Optional[bytes] = ..., local_tables: _Optional[bool] = ..., policy_version: _Optional[int] = ..., trajectory_rewards: _Optional[bytes] = ...) -> None: ...
+    lockstep_phases: bytes
+    def __init__(self, version: _Optional[str] = ..., step_id: _Optional[str] = ..., params: _Optional[_Union[PlanParams, _Mapping]] = ..., normalizers: _Optional[_Union[Normalizers, _Mapping]] = ..., stats: _Optional[_Union[PlanStats, _Mapping]] = ..., trajectory_ids: _Optional[_Iterable[str]] = ..., trajectory_lengths: _Optional[bytes] = ..., tree_ids: _Optional[_Iterable[str]] = ..., trajectory_index: _Optional[bytes] = ..., tree_index: _Optional[bytes] = ..., local_tables: _Optional[bool] = ..., policy_version: _Optional[int] = ..., trajectory_rewards: _Optional[bytes] = ..., lockstep_phases: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("header", "ranks")
