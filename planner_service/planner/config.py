@@ -45,6 +45,10 @@ class PlanConfig:
     """Explicit memory-model sizes, overriding model_config (tests, measured profiles)."""
     cost_model: CostModel = field(default_factory=CostModel)
     """Microbatch cost for placement and the report (default: computed rows)."""
+    lockstep: bool = False
+    """True: a lock-step plan (DESIGN §5.7, PlanParams.lockstep): one global sequence of phases in
+    which every rank runs one step of the same kind (a real one or a stand-in), for trainers that
+    gather parameters per forward and backward (FSDP2 with reshard_after_forward)."""
     makespan_slack: float = 1.02
     """Placement accepts a makespan up to this factor above its lower bound (max(total cost / W,
     the costliest trajectory)) and, among such placements, duplicates the least; 1.0 minimises
