@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 
 from harts_cli.inputs import add_input_arguments, load_forest
+from harts_client.timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         **extra,
     )
-    t0 = time.perf_counter()
-    ingest.warmup()
-    warmup()
-    log.debug("numba warm-up %.3f s", time.perf_counter() - t0)
+    with Stopwatch() as sw:
+        ingest.warmup()
+        warmup()
+    log.debug("numba warm-up %.3f s", sw.wall)
     forest = load_forest(args.input, args.format)
     log.info("forest: %d trajectories, %d segments, %d distinct tokens", forest.num_trajectories,
              forest.num_segments, forest.unique_tokens)
