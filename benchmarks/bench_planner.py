@@ -24,6 +24,8 @@ subprocess: the body read, its Forest built) against the body size, then the ste
 the full-scale suite (8 ranks, B = 65,536, C = 64, windows) and its validation: the independent
 `validate_plan` (whole plan) against `plan.slice_check.check_slice` (every rank slice) and the
 planning seconds (planning and each slice check: the fastest of 3 runs). The numbers of issue 16 before this work are in `BEFORE`.
+`slice_check_scaling`: the slice check's CPU seconds per computed row on a slice 8x larger than
+another (about 1: linear).
 
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
 """
@@ -257,6 +259,39 @@ def run(quick: bool = False) -> dict:
             "speedup": round(t_ref / t_numba, 1), "identical_plans": same, "validate_seconds": round(t_validate, 3),
         }
         log.info("plan_step reference: %s", out["plan_step_reference"])
+        out["slice_check_scaling"] = slice_check_scaling(quick)
+    return out
+
+
+def slice_check_scaling(quick: bool = False, factor: int = 8) -> dict:
+    """The fast slice check's time against the size of the slice: one-rank plans (C = 16, B = 1,024)
+    of n and `factor` x n trajectories under one 300-token prompt; CPU seconds of the fastest of 3
+    checks per plan, per computed row. `per_row_ratio` = (large s/row) / (small s/row): about 1 is
+    linear, `factor` would be quadratic (this was the wall-clock test "8x the slice in well under
+    16x the time", which failed under load)."""
+    from plan import slice_kernels
+    from plan.seal import slice_plan
+    from plan.slice_check import check_slice
+    from planner_service.ingest import forest_from_json
+    from planner_service.planner import plan_step
+
+    def slice_of(n: int):
+        rng = np.random.default_rng(5)
+        prompt = rng.integers(0, 50, 300).tolist()
+        trajs = [{"id": f"t{i}", "tree_id": "task", "tokens": prompt + rng.integers(0, 50, int(rng.integers(50, 400))).tolist()}
+                 for i in range(n)]
+        forest = forest_from_json(json.dumps({"batch_id": f"scaling-{n}", "vocab_size": 50, "trajectories": trajs}))
+        return slice_plan(plan_step(forest, PlanConfig(chunk_size=16, microbatch_tokens=1024)), 0)
+
+    slice_kernels.warmup()
+    out = {}
+    for name, n in (("small", 10 if quick else 20), ("large", (10 if quick else 20) * factor)):
+        sl = slice_of(n)
+        rows = sum(m.num_rows + m.replay_tokens for m in sl.rank.microbatches)
+        cpu = repeat(lambda: check_slice(sl), 3, warmup=1).fastest("cpu").cpu
+        out[name] = {"trajectories": n, "rows": rows, "cpu_seconds": round(cpu, 6), "us_per_row": round(1e6 * cpu / rows, 4)}
+    out["per_row_ratio"] = round(out["large"]["us_per_row"] / out["small"]["us_per_row"], 3)
+    log.info("slice check scaling: %s", out)
     return out
 
 
