@@ -40,6 +40,7 @@ def batch(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_plan_prints_the_report_and_writes_a_deterministic_plan(tmp_path, batch):
     args = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "64", "--chunk-size", "8"]
     outs = []
