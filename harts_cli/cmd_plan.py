@@ -44,7 +44,6 @@ import logging
 
 from harts_cli.inputs import add_input_arguments, load_forest
 from harts_client.timing import Stopwatch
-from plan.cluster_memory import DEFAULT_DEVICE_MEMORY_GB, GIB
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-tokens", type=int, default=0,
                         help="live window-stack budget M per rank in rows of full activations of --model (default: "
                              "what --device-memory-gb leaves after the model's shards and gathered units; 8 x B without --model)")
-    parser.add_argument("--device-memory-gb", type=float, default=DEFAULT_DEVICE_MEMORY_GB,
-                        help=f"memory of one trainer device in GiB (default {DEFAULT_DEVICE_MEMORY_GB:g}: an H200)")
+    parser.add_argument("--device-memory-gb", type=float, default=None,
+                        help="memory of one trainer device in GiB (default: plan.cluster_memory.DEFAULT_DEVICE_MEMORY_GB, "
+                             "141 for an H200)")
     parser.add_argument("--conv-kernel", type=int, default=0, help="short-convolution kernel size K (default: --model's, else 4)")
     parser.add_argument("--model", default=None,
                         help="trainer model for the memory model: a config.json path or a named config (qwen3-next-80b-a3b, "
@@ -95,10 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def memory_only(args: argparse.Namespace) -> int:
     """The memory report of --model (default Qwen3-Next-80B-A3B) on --world-size ranks, no batch."""
     from harts_cli.model_arg import resolve_model
-    from plan.cluster_memory import memory_report
+    from plan.cluster_memory import DEFAULT_DEVICE_MEMORY_GB, GIB, memory_report
 
     name, config = resolve_model(args.model or "qwen3-next-80b-a3b")
-    kw = dict(dtype=args.dtype or "bfloat16", device_memory_gb=args.device_memory_gb, memory_tokens=args.memory_tokens,
+    kw = dict(dtype=args.dtype or "bfloat16", device_memory_gb=args.device_memory_gb or DEFAULT_DEVICE_MEMORY_GB,
+              memory_tokens=args.memory_tokens,
               microbatch_tokens=args.microbatch_tokens, chunk_size=args.chunk_size, model_name=name)
     lockstep = memory_report(config, args.world_size, lockstep=True, **kw)
     free = memory_report(config, args.world_size, lockstep=False, **kw)
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from planner_service import ingest
     from planner_service.planner import PlanConfig, expand_forest, plan_step, warmup
     from planner_service.planner.cost_model import CostModel
-    from plan.cluster_memory import PhaseCounts, collective_bytes, memory_report
+    from plan.cluster_memory import GIB, PhaseCounts, collective_bytes, memory_report
     from plan.named_models import NAMED_MODELS
     from plan.validator import validate_plan
 
@@ -130,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         extra["cost_model"] = CostModel.load(args.cost_model)
     if args.makespan_slack is not None:
         extra["makespan_slack"] = args.makespan_slack
+    if args.device_memory_gb is not None:
+        extra["device_memory_gb"] = args.device_memory_gb
     cfg = PlanConfig(
         world_size=args.world_size,
         microbatch_tokens=args.microbatch_tokens,
@@ -141,7 +144,6 @@ def run(args: argparse.Namespace) -> int:
         replay=not args.no_replay,
         all_positions=args.all_positions,
         dtype=args.dtype or "float32",
-        device_memory_gb=args.device_memory_gb,
         **extra,
     )
     with Stopwatch() as sw:
