@@ -43,7 +43,7 @@ import numpy as np
 from harts_client.synthetic import WorkloadConfig, generate_workload
 from harts_client.timing import Stopwatch, timed
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("benchmarks.suite")  # also when run as __main__ (harts bench)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
