@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from harts_client.timing import repeat
+
 log = logging.getLogger(__name__)
 
 #: batch shapes the synthetic samples cycle through
@@ -161,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     # CPU: this process's CPU seconds (on a shared machine other processes only add wall time);
     # an accelerator: wall seconds after a synchronize
-    clock = time.process_time if args.device == "cpu" else time.perf_counter
+    clock, sync = ("cpu", None) if args.device == "cpu" else ("wall", torch.cuda.synchronize)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,14 +179,8 @@ def run(args: argparse.Namespace) -> int:
             plan = plan_step(forest, PlanConfig(world_size=1, microbatch_tokens=budget, chunk_size=args.chunk_size,
                                                 conv_kernel=model.config.linear_conv_kernel_dim,
                                                 model_config=model.config.to_hf_dict()))
-            best = np.inf
-            for rep in range(args.repeats + 1):
-                t0 = clock()
-                ex.run_step(plan)
-                if args.device != "cpu":
-                    torch.cuda.synchronize()
-                if rep:  # the first run warms caches and allocators
-                    best = min(best, clock() - t0)
+            # the warm-up run warms caches and allocators
+            best = repeat(lambda: ex.run_step(plan), args.repeats, warmup=1, sync=sync).fastest(clock).on(clock)
             model.zero_grad(set_to_none=True)
             X.append(plan_features(plan))
             t.append(best)

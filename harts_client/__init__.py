@@ -5,5 +5,6 @@
 Modules: `client` (the planner's HTTP client: submit, plan, poll, retries within a deadline),
 `rollouts` (the generator API: trajectories and explicit trees -> a batch, JSON or protobuf, and
 the newest weight export), `synthetic` (synthetic agentic rollouts: group, tree and per-call
-sampling, used by `harts gen`, the demo and the benchmarks).
+sampling, used by `harts gen`, the demo and the benchmarks), `timing` (the wall/CPU clocks and
+repeat-with-warm-up helpers that `harts calibrate` and the benchmarks share).
 """

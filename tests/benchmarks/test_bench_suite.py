@@ -24,6 +24,8 @@ def quick_run(tmp_path_factory):
     return r, out, only
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_quick_suite_writes_results(quick_run):
     r, out, only = quick_run
     assert r.returncode in (0, 1), r.stderr  # 1: some benchmark failed, reported in the files
@@ -57,6 +59,7 @@ def test_quick_suite_writes_results(quick_run):
     assert (out / "compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_trainer_throughput_on_a_tiny_workload():
     pytest.importorskip("trainer.executor")
     pytest.importorskip("planner_service.planner")

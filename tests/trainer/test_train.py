@@ -108,6 +108,7 @@ def two_ranks():
     return out
 
 
+@pytest.mark.integration
 def test_bucketed_sync_equals_per_tensor_reference_and_the_sum(two_ranks):
     expect = []
     for a, b in zip(_grads(0), _grads(1)):
@@ -121,6 +122,7 @@ def test_bucketed_sync_equals_per_tensor_reference_and_the_sum(two_ranks):
                 assert torch.equal(torch.from_numpy(f), torch.from_numpy(r)) and torch.equal(torch.from_numpy(f), e)
 
 
+@pytest.mark.integration
 def test_broadcast_gives_every_rank_rank0_weights(two_ranks):
     w0, w1 = two_ranks[0]["weights"], two_ranks[1]["weights"]
     expect = build_model("tiny-dense", seed=0).state_dict()

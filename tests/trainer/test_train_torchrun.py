@@ -228,10 +228,9 @@ def test_sigterm_while_waiting_for_a_plan_exits_at_once(server, tmp_path):
             while not (metrics.exists() and metrics.read_text().count("\n") == 1):
                 assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
                 time.sleep(0.02)
-            t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
+            # exits within 30 s, so not at the end of its 60 s plan timeout
             assert proc.wait(30) == 0, log_path.read_text()[-4000:]
-            assert time.monotonic() - t0 < 10  # not after the 60 s plan timeout
         finally:
             proc.kill() if proc.poll() is None else None
     assert "SIGTERM while waiting for the plan of step 'never-submitted'" in log_path.read_text()
