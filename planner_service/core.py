@@ -109,7 +109,10 @@ class PlannerCore:
         self.metrics.storage_ok.set(0 if self.store.fault else 1)
         self.metrics.steps_waiting.set_function(self._count_unplanned)
         self._plan_pool = ThreadPoolExecutor(max_workers=cfg.plan_workers, thread_name_prefix="harts-plan")
-        self._maintenance = Maintenance(self)
+        self._maintenance = Maintenance(
+            self.store, probe_seconds=cfg.storage_probe_seconds, retain_steps=cfg.retain_steps,
+            max_age_seconds=cfg.max_age_seconds, resume=self.resume_pending,
+            delete=lambda step_id: self.delete(step_id, cause="retention"))
 
     # ---- lifecycle and readiness
 
