@@ -18,6 +18,10 @@ Routes (all under /v1 need `Authorization: Bearer <token>` when a token is confi
 Every error body is `{"error": {"code", "message", "field"}}`; the status code comes from
 `planner_service.errors.STATUS` (503s carry `Retry-After`). No exception text other than a
 HartsError's message reaches a client, and a client that disconnects is not an error.
+
+The token is checked by an ASGI middleware (`_TokenGate`) before routing, so an unauthenticated
+request is answered 401 before any of its body is read; request bodies are read with the size
+limit (`_read_body`), the plan request's topology included.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ import hmac
 import logging
 import time
 from typing import Literal
+
+import pydantic
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,6 +64,8 @@ PROTOBUF = "application/x-protobuf"
 _PROTO_TYPES = {PROTOBUF, "application/protobuf", "application/vnd.google.protobuf", "application/octet-stream"}
 _INT32 = 2**31 - 1
 _INT64 = 2**63 - 1
+_TOPOLOGY_BYTES = 4 * 1024 * 1024
+"""Largest plan request body: a topology with its model and cost-model documents (1 MiB each)."""
 
 # ---- models (OpenAPI and response bodies)
 
@@ -327,6 +335,32 @@ class _Measure:
             self.metrics.requests.labels("http", op, str(status)).inc()
 
 
+def _needs_token(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/v1" or path == "/metrics"
+
+
+class _TokenGate:
+    """ASGI middleware: 401 for a request under /v1 or /metrics without the configured bearer
+    token, before routing reads any of its body."""
+
+    def __init__(self, app, token: str | None):
+        self.app, self.token = app, token.encode() if token is not None else None
+
+    async def __call__(self, scope, receive, send):
+        if self.token is None or scope["type"] != "http" or not _needs_token(scope["path"]):
+            return await self.app(scope, receive, send)
+        got = b""
+        for key, value in scope["headers"]:
+            if key == b"authorization":
+                got = value
+        scheme, _, cred = got.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(cred.strip(), self.token):
+            return await self.app(scope, receive, send)
+        resp = _error_response(401, "UNAUTHENTICATED", "Authorization: expected 'Bearer <token>' with the service's token",
+                               headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
 def _core(request: Request) -> PlannerCore:
     """The service core of the application serving `request` (set by `create_app`)."""
     return request.app.state.core
@@ -335,18 +369,12 @@ def _core(request: Request) -> PlannerCore:
 _bearer = HTTPBearer(auto_error=False, description="Bearer token configured with `harts serve --token`")
 
 
-async def require_token(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-    """Refuse (AuthError) a request without the configured bearer token; no-op without a token."""
-    token = _core(request).cfg.token
-    if token is None:
-        return
-    if creds is None or creds.scheme.lower() != "bearer" or not hmac.compare_digest(
-        creds.credentials.encode(), token.encode()
-    ):
-        raise AuthError("Authorization: expected 'Bearer <token>' with the service's token")
+async def _bearer_scheme(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    """Declares the bearer scheme of a route in the OpenAPI document; `_TokenGate` has checked
+    the token before the route runs."""
 
 
-_AUTH = [Depends(require_token)]
+_AUTH = [Depends(_bearer_scheme)]
 
 router = APIRouter()
 """Every route of the service; `create_app` mounts it on an application bound to one core."""
@@ -480,11 +508,21 @@ async def submit_rollouts(
 
 
 @router.post("/v1/steps/{step_id}/plan", response_model=StepStatus, tags=["steps"], name="plan_step",
-             dependencies=_AUTH, responses=_responses(400, 401, 404, 409, 422, 503),
-             openapi_extra={"requestBody": {"content": {"application/json": {"examples": TOPOLOGY_EXAMPLES}}}})
-async def plan_step(topology: Topology, step_id: str = Path(min_length=1),
+             dependencies=_AUTH, responses=_responses(400, 401, 404, 409, 413, 422, 503),
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/Topology"}, "examples": TOPOLOGY_EXAMPLES}}}})
+async def plan_step(request: Request, step_id: str = Path(min_length=1),
                     core: PlannerCore = Depends(_core)) -> StepStatus:
     """Plan (or, after a failure, re-plan) a stored step; idempotent for the same topology."""
+    body = await _read_body(request, min(core.cfg.max_request_bytes, _TOPOLOGY_BYTES))
+    try:
+        topology = Topology.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(["body", *(str(p) for p in first.get("loc", ()))])
+        if first.get("type") == "json_invalid":
+            raise ValidationError("body", f"expected a JSON topology object, got invalid JSON ({first.get('msg')})") from None
+        raise ValidationError(field, first.get("msg", "invalid")) from None
     return status_model(await core.plan_async(step_id, topology.to_proto()))
 
 
@@ -578,6 +616,7 @@ def create_app(core: PlannerCore) -> FastAPI:
     app.state.core = core
     for exc_type, handler in _HANDLERS:
         app.add_exception_handler(exc_type, handler)
+    app.add_middleware(_TokenGate, token=core.cfg.token)
     app.add_middleware(_Measure, metrics=core.metrics)
     app.include_router(router)
     app.openapi = _openapi_with_rollout_schema(app)

@@ -12,10 +12,13 @@ timers) bounds what one connection can hold:
   two pieces of it, else 408 (when no response has started) and close;
 - idle timeout: a keep-alive connection without a new request for `idle_timeout` seconds is
   closed (uvicorn's `timeout_keep_alive`);
-- at most `max_connections` open connections: one more closes the connection that has waited
-  longest for its headers or sat idle the longest, else the upload that has received nothing for
-  the longest time (at least `_STALLED_S`); when every connection is busy with a request, the new
-  one is answered 503 (Retry-After) and closed.
+- at most `max_connections` open connections: one more closes, in this order, the connection
+  that has held half-sent headers the longest (a slowloris), the one that sat idle the longest,
+  the one that connected longest ago without sending a byte, else the upload that has received
+  nothing for the longest time (at least `_STALLED_S`); when every connection is busy with a
+  request, the new one is answered 503 (Retry-After) and closed. Half-sent ones go first so
+  that an attacker who reconnects each evicted connection at once only evicts its own: a new
+  legitimate connection has sent nothing yet (or its whole request) when the next one arrives.
 
 The guard logs the first closing at once and then at most one summary line a minute;
 `harts_http_connections_closed_total{reason}` counts every one (header_timeout, body_timeout,
@@ -88,8 +91,9 @@ class ConnectionGuard:
         self.limits = limits
         self.metrics = metrics
         self.open = 0
-        # evictable connections, least recently active first: waiting for headers or idle, and uploads
-        self._waiting: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
+        # evictable connections by kind, least recently active first (eviction order)
+        self._evictable: dict[str, OrderedDict[GuardedH11Protocol, None]] = {
+            kind: OrderedDict() for kind in ("half_sent", "idle", "fresh")}
         self._uploading: OrderedDict[GuardedH11Protocol, float] = OrderedDict()
         self._pending: Counter[str] = Counter()
         self._last_log = -math.inf
@@ -104,11 +108,12 @@ class ConnectionGuard:
         self._gauge()
         if self.open <= self.limits.max_connections:
             return True
-        while self._waiting:
-            victim, _ = self._waiting.popitem(last=False)
-            if victim is not proto and victim.evict():
-                self.note("evicted")
-                return True
+        for waiting in self._evictable.values():
+            while waiting:
+                victim, _ = waiting.popitem(last=False)
+                if victim is not proto and victim.evict():
+                    self.note("evicted")
+                    return True
         now = time.monotonic()
         while self._uploading:
             victim, last_data = next(iter(self._uploading.items()))
@@ -122,17 +127,20 @@ class ConnectionGuard:
 
     def closed(self, proto: GuardedH11Protocol) -> None:
         self.open -= 1
-        self._waiting.pop(proto, None)
+        for waiting in self._evictable.values():
+            waiting.pop(proto, None)
         self._uploading.pop(proto, None)
         self._gauge()
 
     def waiting(self, proto: GuardedH11Protocol, kind: str | None) -> None:
-        """Mark a connection as evictable, most recently active last: kind "waiting" (for headers,
-        or idle), "uploading" (receiving a body), or None (busy: not evictable)."""
-        self._waiting.pop(proto, None)
+        """Mark a connection as evictable, most recently active last: kind "half_sent" (part of
+        its headers), "idle" (keep-alive between requests), "fresh" (connected, nothing sent),
+        "uploading" (receiving a body), or None (busy: not evictable)."""
+        for waiting in self._evictable.values():
+            waiting.pop(proto, None)
         self._uploading.pop(proto, None)
-        if kind == "waiting":
-            self._waiting[proto] = None
+        if kind in self._evictable:
+            self._evictable[kind][proto] = None
         elif kind == "uploading":
             self._uploading[proto] = time.monotonic()
 
@@ -219,6 +227,8 @@ class GuardedH11Protocol(H11Protocol):
         if phase in ("body", "busy"):
             self._partial = False
         if phase == self._phase and not (phase == "body" and data_arrived):
+            if phase == "header" and data_arrived:
+                self._guard.waiting(self, "half_sent")  # the header timer keeps running
             return
         self._phase = phase
         self._cancel_timer()
@@ -227,7 +237,11 @@ class GuardedH11Protocol(H11Protocol):
             self._timer = self.loop.call_later(lim.header_timeout, self._expired)
         elif phase == "body":
             self._timer = self.loop.call_later(lim.body_timeout, self._expired)
-        self._guard.waiting(self, "waiting" if phase in ("header", "idle") else "uploading" if phase == "body" else None)
+        if phase == "header":
+            kind = "half_sent" if self._partial else "fresh"
+        else:
+            kind = {"idle": "idle", "body": "uploading"}.get(phase)
+        self._guard.waiting(self, kind)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -276,6 +290,21 @@ class GuardedH11Protocol(H11Protocol):
         else:
             self.transport.close()
         return True
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not an HTTP/1.1 request, with the service's JSON
+        error body: 431 for a request line and headers over h11's limit (a 1 MB step id)."""
+        pending, _ = self.conn.trailing_data
+        limit = self.conn._max_incomplete_event_size
+        if len(pending) > limit:
+            response = _raw_response(431, "Request Header Fields Too Large", "INVALID_ARGUMENT",
+                                     f"request line and headers: expected at most {limit} bytes, got more (a step "
+                                     "id is at most 512 characters)")
+        else:
+            response = _raw_response(400, "Bad Request", "INVALID_ARGUMENT", "expected an HTTP/1.1 request, got "
+                                     "bytes that do not parse as one")
+        self._phase = "closed"
+        self._close_with(response)
 
     def _close_with(self, response: bytes) -> None:
         self._cancel_timer()

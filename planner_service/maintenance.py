@@ -1,8 +1,10 @@
 """The service's background upkeep: storage probes, plans resumed after a fault, retention, compaction.
 
 One daemon thread per `PlannerCore`. Each round it probes the database (every
-`storage_probe_seconds` while healthy, every second during a fault, at once when a fault starts);
-while the database is healthy it resumes the plans a fault interrupted, deletes what the retention
+`storage_probe_seconds` while healthy, writing nothing; every second during a fault, at once when
+a fault starts); while the database is healthy it resumes the plans a fault interrupted or that
+waited for disk space (after every probe; with a shared store every `resume_every` seconds too,
+which picks up the plans of a replica that died), deletes what the retention
 policy drops (`retain_steps`: keep the newest N; `max_age_seconds`: keep the younger ones) and
 compacts the file after deletions. `wake` starts a round early (a submission under a count policy,
 a deletion, a fault).
@@ -15,7 +17,6 @@ import time
 from typing import Callable
 
 from planner_service.errors import NotFoundError, StorageError
-from planner_service.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +34,19 @@ class Maintenance:
         resume: plans the steps whose planning a fault interrupted (called from this thread).
         delete: deletes one step the retention policy drops, with its caches (NotFoundError when
             it is gone already).
+        resume_every: also resume this often (seconds; 0: only after a fault): a shared store's
+            replicas pick up the plans of a replica that died.
     """
 
-    def __init__(self, store: Store, *, probe_seconds: float, retain_steps: int, max_age_seconds: float,
-                 resume: Callable[[], None], delete: Callable[[str], object]):
+    def __init__(self, store, *, probe_seconds: float, retain_steps: int, max_age_seconds: float,
+                 resume: Callable[[], None], delete: Callable[[str], object], resume_every: float = 0.0):
         self.store = store
         self.probe_seconds = probe_seconds
         self.retain_steps = retain_steps
         self.max_age_seconds = max_age_seconds
         self._resume_plans = resume
         self._delete = delete
+        self.resume_every = resume_every
         self._wake = threading.Event()
         self._stop = False
         self._resume = False
@@ -76,10 +80,13 @@ class Maintenance:
 
     def _run(self) -> None:
         store = self.store
-        last_probe = time.monotonic()
+        last_probe = last_resume = time.monotonic()
         while not self._stop:
             interval = 1.0 if store.fault else self.probe_seconds
-            self._wake.wait(max(0.0, last_probe + interval - time.monotonic()))
+            until = last_probe + interval
+            if self.resume_every:
+                until = min(until, last_resume + self.resume_every)
+            self._wake.wait(max(0.0, until - time.monotonic()))
             self._wake.clear()
             if self._stop:
                 return
@@ -88,8 +95,10 @@ class Maintenance:
                     last_probe = time.monotonic()
                     if store.probe() is not None:
                         continue
-                if self._resume:
+                    self._resume = True  # plans that waited for the disk may fit now
+                if self._resume or (self.resume_every and time.monotonic() - last_resume >= self.resume_every):
                     self._resume = False
+                    last_resume = time.monotonic()
                     self._resume_plans()
                 self._retain()
                 self._compact()

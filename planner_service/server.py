@@ -11,7 +11,8 @@ line that tests and scripts wait for:
 
     harts serve: ready http=http://HOST:PORT grpc=HOST:PORT
 
-Ports may be 0 (the lines then name the ports the OS chose). SIGINT/SIGTERM stop both servers.
+Ports may be 0 (the lines then name the ports the OS chose). SIGINT/SIGTERM stop both servers:
+long-polls waiting for a plan answer 503 at once (their clients retry), then the ports close.
 
 Connection hardening: the HTTP side runs `http_guard.GuardedH11Protocol` (header, body and idle
 timeouts, a bound on open connections); gRPC gets the same bounds as channel arguments (handshake
@@ -57,6 +58,20 @@ _RESERVED_FDS = 128
 _BACKLOG = 128
 """Listen backlog of the HTTP socket: also how many connections asyncio accepts in one burst,
 before the guard's evictions have closed theirs (so it is kept free under the fd limit too)."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that stops the core's long-polls first when it shuts down: waiting
+    fetches answer 503 (clients retry, on another replica if they know one) instead of being
+    cancelled after the graceful timeout ("Cancel N running task(s)")."""
+
+    def __init__(self, config: uvicorn.Config, core: PlannerCore):
+        super().__init__(config)
+        self._core = core
+
+    async def shutdown(self, sockets=None) -> None:
+        self._core.stop_serving()
+        await super().shutdown(sockets)
 
 
 def _hostport(host: str, port: int) -> str:
@@ -158,10 +173,10 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
     sock.bind((host, http_port))
     bound_http = sock.getsockname()[1]
     guard = ConnectionGuard(limits, core.metrics)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         create_app(core), http=guard.protocol(), log_level="warning", access_log=False, lifespan="off",
         timeout_keep_alive=limits.idle_timeout, timeout_graceful_shutdown=5, backlog=_BACKLOG,
-    ))
+    ), core)
     urls = f"http=http://{_hostport(host, bound_http)} grpc={_hostport(host, bound_grpc)}"
     announced = asyncio.Event()
 

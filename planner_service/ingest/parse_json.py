@@ -57,17 +57,27 @@ def load_document(doc: dict | bytes | bytearray | str, limits: Limits) -> tuple[
                 doc = json.loads(scan.skeleton)  # decodes bytes with "surrogatepass", as before
             except json.JSONDecodeError as exc:
                 raise ValidationError("", f"expected a JSON document, got invalid JSON ({_where(exc, scan, data)})") from None
-            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            except UnicodeDecodeError:
+                # bytes that are not UTF-8 become lone surrogates, so that the walk's text check
+                # names the field holding them
+                text = bytes(scan.skeleton).decode("utf-8", "surrogateescape")
+                try:
+                    doc = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    where = _where(exc, scan, data, errors="surrogateescape")
+                    raise ValidationError("", f"expected a JSON document, got invalid JSON ({where})") from None
+            except (ValueError, RecursionError) as exc:
                 raise ValidationError("", f"expected a JSON document, got invalid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ValidationError("", f"expected a JSON object, got {describe(doc)}")
     return doc, scan
 
 
-def _where(exc: json.JSONDecodeError, scan: ScannedJSON, data) -> str:
-    """The decoder's message with the position in the submitted text (not in the skeleton)."""
+def _where(exc: json.JSONDecodeError, scan: ScannedJSON, data, errors: str = "surrogatepass") -> str:
+    """The decoder's message with the position in the submitted text (not in the skeleton);
+    `errors`: how the skeleton's bytes were decoded."""
     prefix = exc.doc[: exc.pos]
-    byte = len(prefix.encode("utf-8", "surrogatepass")) if isinstance(prefix, str) else exc.pos
+    byte = len(prefix.encode("utf-8", errors)) if isinstance(prefix, str) else exc.pos
     pos = scan.body_offset(byte)
     head = bytes(data[:pos])
     line = head.count(b"\n") + 1
@@ -165,8 +175,11 @@ class _Walk(Walk):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise Stop(key, field, f"expected valid Unicode text, got a lone surrogate {value[exc.start]!r} "
-                                   f"at character {exc.start}") from None
+            ch = value[exc.start]
+            got = f"a lone surrogate {ch!r}"
+            if 0xDC80 <= ord(ch) <= 0xDCFF:  # how load_document decodes bytes that are not UTF-8
+                got += f" (or the byte 0x{ord(ch) - 0xDC00:02x}, which is not UTF-8)"
+            raise Stop(key, field, f"expected valid UTF-8 text, got {got} at character {exc.start}") from None
 
     # -- document --------------------------------------------------------------------------------
     def run(self, doc: dict) -> None:

@@ -91,7 +91,7 @@ def _padded(doc: dict, mib: float) -> bytes:
 
 def test_disk_full_immutable_and_deleted_database(tmpfs):
     db = tmpfs / "harts.db"
-    srv = ServerProcess(db).start()
+    srv = ServerProcess(db, extra=["--min-free-mb", "1"]).start()
     c = httpx.Client(base_url=srv.http_url, timeout=20)
     ct = {"Content-Type": "application/json"}
     try:
@@ -153,12 +153,12 @@ def test_disk_full_immutable_and_deleted_database(tmpfs):
 
 
 def test_unwritable_database_at_start_is_not_ready_until_writable(tmpfs):
-    from planner_service.store import Store
+    from planner_service.store_sqlite import SQLiteStore as Store
 
     db = tmpfs / "ro.db"
     Store(db).close()  # an existing database, then made immutable before the service starts
     _chattr("+i", db)
-    srv = start_serve(db, tmpfs.parent / "ro.log")  # returns once the port accepts, ready or not
+    srv = start_serve(db, tmpfs.parent / "ro.log", extra=["--min-free-mb", "1"])  # returns once the port accepts, ready or not
     try:
         assert "harts serve: not ready: storage" in srv.log_text()
         assert "harts serve: ready" not in srv.log_text()
