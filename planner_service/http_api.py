@@ -50,6 +50,7 @@ from planner_service.errors import (
     HartsError,
     LimitError,
     StorageError,
+    Unavailable,
     ValidationError,
     status_of,
 )
@@ -96,6 +97,9 @@ class Topology(BaseModel):
     model: str = Field("", max_length=1 << 20, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
     dtype: str = Field("", description="Trainer dtype for the memory model (float32, bfloat16); empty: float32")
     cost_model: str = Field("", max_length=1 << 20, description="Cost model JSON written by `harts calibrate`; empty: service default")
+    lockstep: bool = Field(False, description="Plan lock-step phases (DESIGN §5.7): every rank runs one step of the "
+                           "same kind per phase, so that trainers which gather parameters per forward and backward "
+                           "(FSDP2 with parallelism.reshard_after_forward) pair their collectives")
 
     def to_proto(self) -> planner_pb2.Topology:
         return planner_pb2.Topology(**self.model_dump())
@@ -389,7 +393,7 @@ async def _harts_error(request: Request, exc: HartsError):
         headers = {"WWW-Authenticate": "Bearer"}
     elif status == 503:
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-    if status >= 500 and not isinstance(exc, StorageError):  # the core logs a storage fault once
+    if status >= 500 and not isinstance(exc, (StorageError, Unavailable)):  # the core logs a storage fault once
         log.error("%s %s: %s", request.method, request.url.path, exc.message)
     return _error_response(status, code, exc.message, getattr(exc, "field", None) or None, headers)
 
@@ -481,6 +485,7 @@ async def submit_rollouts(
     chunk_size: int = Query(0, ge=0, le=_INT32),
     no_sharing: bool = Query(False),
     no_windows: bool = Query(False),
+    lockstep: bool = Query(False, description="Plan lock-step phases (see Topology.lockstep)"),
     core: PlannerCore = Depends(_core),
 ) -> SubmitResponse:
     """Store a step's rollouts: validated whole, idempotent by batch_id and content.
@@ -501,7 +506,7 @@ async def submit_rollouts(
     if world_size is not None:
         topology = planner_pb2.Topology(
             world_size=world_size, microbatch_tokens=microbatch_tokens, memory_tokens=memory_tokens,
-            chunk_size=chunk_size, no_sharing=no_sharing, no_windows=no_windows,
+            chunk_size=chunk_size, no_sharing=no_sharing, no_windows=no_windows, lockstep=lockstep,
         )
     resp = await core.submit_async(body, fmt, topology)
     return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate)

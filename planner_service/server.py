@@ -228,10 +228,13 @@ class ServerProcess:
         extra: further `harts serve` arguments.
         log_path: where stdout/stderr go (a temp file by default).
         timeout: seconds `start` waits.
+        http_port, grpc_port: ports to listen on (0: chosen by the OS at each start; a fixed port
+            lets a restarted server keep its URL).
     """
 
     def __init__(self, db: str | Path, *, token: str | None = None, extra: list[str] | None = None,
-                 log_path: str | Path | None = None, timeout: float = 120.0):
+                 log_path: str | Path | None = None, timeout: float = 120.0, http_port: int = 0, grpc_port: int = 0):
+        self.http_port, self.grpc_port = http_port, grpc_port
         self.db = str(db)
         self.token = token
         self.extra = list(extra or [])
@@ -243,20 +246,21 @@ class ServerProcess:
 
     def start(self, *, ready: bool = True) -> "ServerProcess":
         """Start and wait for the ready line (ready=False: only for the ports to accept)."""
-        cmd = [sys.executable, "-m", "harts_cli.main", "serve", "--host", "127.0.0.1", "--http-port", "0",
-               "--grpc-port", "0", "--db", self.db, *self.extra]
+        cmd = [sys.executable, "-m", "harts_cli.main", "serve", "--host", "127.0.0.1", "--http-port", str(self.http_port),
+               "--grpc-port", str(self.grpc_port), "--db", self.db, *self.extra]
         env = dict(os.environ)
         if self.token is not None:
             env["HARTS_TOKEN"] = self.token
         else:
             env.pop("HARTS_TOKEN", None)
-        with open(self.log_path, "wb") as out:
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as out:  # a restart appends to the same log
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          cwd=Path(__file__).resolve().parent.parent)
         pattern = READY_RE if ready else LISTENING_RE
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
+            text = self.log_path.read_bytes()[offset:].decode(errors="replace")
             m = pattern.search(text)
             if m:
                 self.http_url, self.grpc_target = m.group(1), m.group(2)

@@ -144,8 +144,8 @@ def train(cfg: TrainerConfig) -> dict:
             except PlannerError as exc:
                 raise TrainError(f"step {sid!r} rank {ctx.rank}: the planner answered {exc}") from None
             except TimeoutError as exc:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: {exc} (was the step submitted and planned, "
-                                 "and is the planner up?)") from None
+                raise TrainError(f"step {sid!r} rank {ctx.rank}: no plan after {timeout:g} s ({exc}; was the step "
+                                 "submitted and planned, and is the planner up?)") from None
             except ChecksumError as exc:
                 raise TrainError(f"step {sid!r} rank {ctx.rank}: corrupted plan slice: {exc}") from None
 
