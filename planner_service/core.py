@@ -9,7 +9,8 @@ Flow of a step:
                      configured, plan in the background planning pool
     plan(step)    -> PlanConfig from the topology -> planner.plan_step -> seal one slice per rank
                      -> Store.save_plan (one transaction) -> wake long-polling fetches
-    fetch(step,r) -> the stored sealed bytes, verbatim (cached in memory once read)
+    fetch(step,r) -> the stored sealed bytes, exactly (restored from their compressed stored form,
+                     cached in memory once read)
     delete(step)  -> the step, its body and its slices leave the database and the caches
 
 Blocking work (ingest, SQLite, planning) never runs on the event loop: the async methods hand it to
@@ -100,8 +101,9 @@ class PlannerCore:
         self.metrics = metrics or Metrics()
         self._guard = threading.Lock()
         self._step_locks: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-        self._slices: ByteLRU[str, list[bytes]] = ByteLRU(
-            cfg.slice_cache_bytes, lambda s: sum(map(len, s)), self.metrics.cache_bytes.labels("slices").set)
+        # (step, rank) -> sealed bytes: a miss reads (and decompresses) that rank's slice only
+        self._slices: ByteLRU[tuple[str, int], bytes] = ByteLRU(
+            cfg.slice_cache_bytes, len, self.metrics.cache_bytes.labels("slices").set)
         self._forests: ByteLRU[tuple[str, str], Forest] = ByteLRU(
             cfg.forest_cache_bytes, _forest_bytes, self.metrics.cache_bytes.labels("forests").set)
         self._listeners: dict[str, set[Callable[[], None]]] = {}
@@ -252,7 +254,7 @@ class PlannerCore:
         """A replica (maybe this one) committed `event` for a step: wake its long-polls; a deleted
         step leaves the caches. After a reconnect of the listener every waiter looks again."""
         if event == "deleted":
-            self._slices.pop(step_id)
+            self._slices.pop_where(lambda key: key[0] == step_id)
             self._forests.pop_where(lambda key: key[0] == step_id)
         if event == "reconnected":
             with self._guard:
@@ -466,7 +468,8 @@ class PlannerCore:
         slices = self._seal_all(plan, cfg.world_size)
         self.store.save_plan(step_id, topology=want, stats=plan.header.stats.SerializeToString(deterministic=True),
                              slices=slices)
-        self._slices.put(step_id, slices)
+        for r, data in enumerate(slices):
+            self._slices.put((step_id, r), data)
         st = plan.header.stats
         self.metrics.plans.labels("planned").inc()
         self.metrics.plan_seconds.observe(seconds)
@@ -508,9 +511,9 @@ class PlannerCore:
         check_step_id(step_id, "step_id")
         if rank < 0:
             raise ValidationError("rank", f"expected >= 0, got {rank}")
-        slices = self._slices.get(step_id)
-        if slices is not None and rank < len(slices):
-            return slices[rank]
+        cached = self._slices.get((step_id, rank))
+        if cached is not None:
+            return cached
         rec = self.store.get(step_id)
         if rec.state != PLANNED:
             with self._guard:
@@ -523,11 +526,11 @@ class PlannerCore:
             raise NotReadyError(f"step {step_id!r} is not planned yet; retry, or long-poll with a wait")
         if rank >= rec.world_size:
             raise NotFoundError(f"rank: expected 0 <= rank < {rec.world_size} (the step's world_size), got {rank}")
-        slices = [self.store.slice(step_id, r) for r in range(rec.world_size)]
-        if any(s is None for s in slices):
+        data = self.store.slice(step_id, rank)
+        if data is None:
             raise NotFoundError(f"step_id: no step {step_id!r} (deleted while it was read)")
-        self._slices.put(step_id, slices)
-        return slices[rank]
+        self._slices.put((step_id, rank), data)
+        return data
 
     async def fetch_async(self, step_id: str, rank: int, wait: float = 0.0) -> bytes:
         """`fetch` with long-poll: wait up to `wait` seconds (clipped to max_wait_seconds) for the
@@ -537,9 +540,9 @@ class PlannerCore:
         if not (wait >= 0 and math.isfinite(wait)):
             raise ValidationError("wait_seconds", f"expected a finite number of seconds >= 0, got {wait!r}")
         check_step_id(step_id, "step_id")
-        slices = self._slices.get(step_id)
-        if slices is not None and 0 <= rank < len(slices):
-            return slices[rank]
+        cached = self._slices.get((step_id, rank))
+        if cached is not None:
+            return cached
         wait = min(wait, self.cfg.max_wait_seconds)
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
@@ -612,7 +615,7 @@ class PlannerCore:
             st = self._status(self.store.get(step_id))
             if not self.store.delete(step_id):
                 raise NotFoundError(f"step_id: no step {step_id!r}")
-            self._slices.pop(step_id)
+            self._slices.pop_where(lambda key: key[0] == step_id)
             self._forests.pop_where(lambda key: key[0] == step_id)
             with self._guard:
                 self._unstored.pop(step_id, None)
