@@ -425,8 +425,10 @@ class PlannerCore:
                     f"topology: step {step_id!r} is already planned for another topology; submit the "
                     "rollouts under a new batch_id to plan them differently"
                 )
-            if not mine or (resumed and rec.state != SUBMITTED):
-                return self._status(rec)  # another replica plans it, or it failed (resume skips those)
+            with self._guard:
+                unstored = step_id in self._unstored
+            if not mine or (resumed and rec.state != SUBMITTED and not unstored):
+                return self._status(rec)  # another replica plans it, or its planning failed
             try:
                 rec = self._plan_locked(rec, cfg, want)
             except StorageError as exc:

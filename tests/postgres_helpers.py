@@ -80,10 +80,7 @@ class PostgresServer:
         if out.returncode:
             raise RuntimeError(f"initdb failed:\n{out.stdout}\n{out.stderr}")
         # fsync off: a test server (durability across replicas is what the tests check, not power loss)
-        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100"
-        out = self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "server.log"), "-w", "start")
-        if out.returncode:
-            raise RuntimeError(f"pg_ctl start failed:\n{out.stdout}\n{out.stderr}\n{self.log_text()}")
+        self.resume()
         import psycopg
 
         deadline = time.monotonic() + 30
@@ -96,6 +93,18 @@ class PostgresServer:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+    def pause(self) -> None:
+        """Stop the server, keeping its data (`resume` starts it again on the same port)."""
+        out = self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop", timeout=60)
+        if out.returncode:
+            raise RuntimeError(f"pg_ctl stop failed:\n{out.stdout}\n{out.stderr}")
+
+    def resume(self) -> None:
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100"
+        out = self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "server.log"), "-w", "start")
+        if out.returncode:
+            raise RuntimeError(f"pg_ctl start failed:\n{out.stdout}\n{out.stderr}\n{self.log_text()}")
 
     def log_text(self) -> str:
         try:

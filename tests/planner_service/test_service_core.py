@@ -442,7 +442,7 @@ def test_an_idle_server_writes_nothing(tmp_path):
     try:
         c.submit(_body(rollout_doc("idle")), "json", TOPO)
         _until(lambda: c.status("idle").state == planner_pb2.STEP_STATE_PLANNED)
-        c.store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        c.store.compact()  # under the store lock: checkpoints and truncates the WAL
         files = [tmp_path / "idle.db", tmp_path / "idle.db-wal"]
         before = [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
         time.sleep(1.0)  # about 20 probes

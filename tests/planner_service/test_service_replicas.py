@@ -193,3 +193,49 @@ def test_kill_9_of_one_replica_under_load_loses_nothing(pg, tmp_path):
         a.kill()
         b.stop()
     assert "Traceback" not in b.log_text(), b.log_text()[-3000:]
+
+
+def test_a_database_outage_is_a_storage_fault_that_clears(pg):
+    import asyncio
+
+    from planner_service.core import PlannerCore, ServiceConfig
+    from planner_service.errors import StorageError
+    from proto.harts.v1 import planner_pb2
+
+    core = PlannerCore(ServiceConfig(db_path=pg.url, storage_probe_seconds=0.2))
+    core.start()
+    try:
+        core.submit(json.dumps(rollout_doc("outage-0")).encode(), "json")
+        pg.pause()
+        try:
+            with pytest.raises(StorageError) as err:
+                core.submit(json.dumps(rollout_doc("outage-1", seed=1)).encode(), "json")
+            assert "127.0.0.1" in err.value.message and "harts@" in err.value.message
+            deadline = time.monotonic() + 20
+            while core.ready:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        finally:
+            pg.resume()
+        deadline = time.monotonic() + 30
+        while not core.ready:
+            assert time.monotonic() < deadline, core.readiness()
+            time.sleep(0.1)
+        core.submit(json.dumps(rollout_doc("outage-1", seed=1)).encode(), "json")
+        # the listener reconnected: a plan stored by another replica wakes a long-poll here
+        other = PlannerCore(ServiceConfig(db_path=pg.url))
+        try:
+            async def poll():
+                return await core.fetch_async("outage-1", 0, 30)
+
+            async def both():
+                task = asyncio.ensure_future(poll())
+                await asyncio.sleep(0.5)
+                await asyncio.to_thread(other.plan, "outage-1", planner_pb2.Topology(**TOPOLOGY))
+                return await asyncio.wait_for(task, 30)
+
+            assert asyncio.run(both()) == other.fetch("outage-1", 0)
+        finally:
+            other.close()
+    finally:
+        core.close()
