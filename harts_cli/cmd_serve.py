@@ -3,11 +3,12 @@
     harts serve --host 127.0.0.1 --http-port 8000 --grpc-port 50051 --db harts.db [--token T]
     harts serve --db postgresql://harts@db:5432/harts ...   # replicas sharing one database
 
-With --world-size (and optionally the other budget flags) every submission is planned at once for
-that default topology. The token may also come from the HARTS_TOKEN environment variable.
-`--cost-model F` (from `harts calibrate`) and `--model CFG` (a config.json path or a named config)
-apply to every topology that names none: placement balances with that cost model and the memory
-model sizes open windows from that model.
+With --world-size (and optionally the other budget flags, --lockstep included) every submission is
+planned at once for that default topology. With a PostgreSQL --db, any number of replicas serve
+the same steps (clients take their URLs separated by commas). The token may also come from the
+HARTS_TOKEN environment variable. `--cost-model F` (from `harts calibrate`) and `--model CFG` (a
+config.json path or a named config) apply to every topology that names none: placement balances
+with that cost model and the memory model sizes open windows from that model.
 """
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "version so that deletions shrink the file; needs free disk space of twice its size)")
     c = p.add_argument_group("connections (each transport)")
     c.add_argument("--max-connections", type=int, default=1000,
-                   help="open connections at most; a new one closes the longest-waiting idle or half-sent "
-                        "HTTP connection, or gets 503 when all are busy (default 1000)")
+                   help="open connections at most; a new one closes the longest-waiting half-sent or idle "
+                        "HTTP connection (never one that has just opened), or gets 503 when all are busy "
+                        "(default 1000)")
     c.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds to send a request's headers (gRPC: the connection handshake); 408 after (default 10)")
     c.add_argument("--body-timeout", type=float, default=30.0,

@@ -382,6 +382,7 @@ class PostgresStore:
 
     def save_failure(self, step_id: str, *, topology: bytes, error: str) -> None:
         """Mark the step FAILED with a client-safe reason."""
+        error = error.replace("\x00", "\\x00")  # PostgreSQL text holds no NUL (a message may quote an id)
         with self._op("recording a planning failure in", write=True) as db:
             with db.transaction():
                 db.execute("UPDATE harts_steps SET state = %s, topology = %s, error = %s, planned_at = %s "
