@@ -58,7 +58,6 @@ from planner_service.planner.config import PlanConfig
 from planner_service.wire_errors import wire_error
 from planner_service.service_config import (
     DEFAULT_MICROBATCH_TOKENS,
-    MAX_STEP_ID_CHARS,
     MAX_WORLD_SIZE,
     ServiceConfig,
     check_step_id,

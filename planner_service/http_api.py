@@ -19,9 +19,10 @@ Every error body is `{"error": {"code", "message", "field"}}`; the status code c
 `planner_service.errors.STATUS` (503s carry `Retry-After`). No exception text other than a
 HartsError's message reaches a client, and a client that disconnects is not an error.
 
-The token is checked by an ASGI middleware (`_TokenGate`) before routing, so an unauthenticated
-request is answered 401 before any of its body is read; request bodies are read with the size
-limit (`_read_body`), the plan request's topology included.
+The JSON bodies are the pydantic models of `http_models.py`. The token is checked by an ASGI
+middleware (`_TokenGate`) before routing, so an unauthenticated request is answered 401 before
+any of its body is read; request bodies are read with the size limit (`_read_body`), the plan
+request's topology included.
 """
 from __future__ import annotations
 
@@ -29,19 +30,29 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import Literal
 
 import pydantic
-
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from planner_service.api_docs import ROLLOUT_EXAMPLES, TOPOLOGY_EXAMPLES, add_docs
+from planner_service.http_models import (
+    INT32,
+    INT64,
+    ErrorBody,
+    ErrorDetail,
+    Health,
+    RolloutBatchDoc,
+    StepList,
+    StepStatus,
+    SubmitResponse,
+    Topology,
+    status_model,
+)
 from planner_service.core import MAX_WORLD_SIZE, PlannerCore
 from planner_service.errors import (
     INTERNAL,
@@ -63,176 +74,8 @@ __all__ = ["create_app", "router", "PROTOBUF", "slice_checksum"]
 
 PROTOBUF = "application/x-protobuf"
 _PROTO_TYPES = {PROTOBUF, "application/protobuf", "application/vnd.google.protobuf", "application/octet-stream"}
-_INT32 = 2**31 - 1
-_INT64 = 2**63 - 1
 _TOPOLOGY_BYTES = 4 * 1024 * 1024
 """Largest plan request body: a topology with its model and cost-model documents (1 MiB each)."""
-
-# ---- models (OpenAPI and response bodies)
-
-
-class ErrorDetail(BaseModel):
-    code: str = Field(description="gRPC-style code name, e.g. INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS")
-    message: str = Field(description="What is wrong and, where possible, how to fix it")
-    field: str | None = Field(None, description="Path of the first offending field, e.g. trajectories[3].loss_mask")
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-class Topology(BaseModel):
-    """Trainer topology and budgets a step is planned for."""
-
-    # strict: "2", 2.0 or true are not a world size (a typo in a generator, not a number to coerce)
-    model_config = ConfigDict(extra="forbid", strict=True,
-                              json_schema_extra={"examples": [e["value"] for e in TOPOLOGY_EXAMPLES.values()]})
-    world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="Number of data-parallel trainer ranks")
-    microbatch_tokens: int = Field(0, ge=0, le=_INT32, description="Token budget per microbatch; 0: the service "
-                                   "default (`harts serve --microbatch-tokens`, 4096 unless set), as over gRPC")
-    memory_tokens: int = Field(0, ge=0, le=_INT64, description="Live-activation budget per rank; 0: 8 x microbatch_tokens")
-    chunk_size: int = Field(0, ge=0, le=_INT32, description="Linear-attention chunk size (power of two); 0: service default")
-    no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
-    no_windows: bool = Field(False, description="Duplicate prefixes instead of opening sharing windows")
-    model: str = Field("", max_length=1 << 20, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
-    dtype: str = Field("", description="Trainer dtype for the memory model (float32, bfloat16); empty: float32")
-    cost_model: str = Field("", max_length=1 << 20, description="Cost model JSON written by `harts calibrate`; empty: service default")
-    lockstep: bool = Field(False, description="Plan lock-step phases (DESIGN §5.7): every rank runs one step of the "
-                           "same kind per phase, so that trainers which gather parameters per forward and backward "
-                           "(FSDP2 with parallelism.reshard_after_forward) pair their collectives")
-
-    def to_proto(self) -> planner_pb2.Topology:
-        return planner_pb2.Topology(**self.model_dump())
-
-
-class PlanStats(BaseModel):
-    unique_tokens: int
-    expanded_tokens: int
-    computed_tokens: int
-    replay_tokens: int
-    duplicated_tokens: int
-    compression_ideal: float
-    compression_achieved: float
-    microbatches: int
-    linear_attention_calls: int
-    rank_costs: list[float]
-    imbalance: float
-    peak_live_tokens: int
-    plan_seconds: float
-    windows: int
-    peak_live_bytes: int = 0
-    makespan: float = 0.0
-    makespan_lower_bound: float = 0.0
-    makespan_ratio: float = 0.0
-
-
-class StepStatus(BaseModel):
-    step_id: str
-    state: Literal["submitted", "planned", "failed"]
-    trajectories: int
-    unique_tokens: int
-    expanded_tokens: int
-    stats: PlanStats | None = Field(None, description="Present once planned")
-    topology: Topology | None = Field(None, description="Requested (submitted), planned or attempted (failed) topology")
-    error: str | None = Field(None, description="Why planning failed")
-    submitted_at: float = Field(description="Unix seconds")
-    planned_at: float | None = Field(None, description="Unix seconds")
-
-
-class SubmitResponse(BaseModel):
-    status: StepStatus
-    duplicate: bool = Field(description="True when the batch_id was already stored with the same content "
-                            "(however it was serialised)")
-
-
-class StepList(BaseModel):
-    steps: list[StepStatus]
-
-
-class Health(BaseModel):
-    status: Literal["ok", "starting", "unavailable", "stopping"]
-    reason: str | None = Field(None, description="Why the service is not ready (e.g. the storage fault)")
-
-
-# The rollout document (docs/rollouts.md). Documentation only: the body is validated by
-# planner_service.ingest, which names the first offending field.
-class _TrajectoryFieldsDoc(BaseModel):
-    """Per-position arrays (the trajectory's length) and per-trajectory scalars of both forms."""
-
-    loss_mask: list[Literal[0, 1]] | None = None
-    old_logprobs: list[float] | None = None
-    ref_logprobs: list[float] | None = None
-    advantage: float | list[float] = 0.0
-    reward: float = 0.0
-    group_id: str | None = None
-    weight: float | None = Field(None, ge=0)
-
-
-class TrajectoryDoc(_TrajectoryFieldsDoc):
-    id: str
-    tree_id: str | None = None
-    tokens: list[int] = Field(min_length=1)
-
-
-class TreeNodeDoc(BaseModel):
-    id: int
-    parent: int | None = None
-    tokens: list[int] = Field(min_length=1)
-
-
-class TreeTrajectoryDoc(_TrajectoryFieldsDoc):
-    id: str
-    node: int
-
-
-class TreeDoc(BaseModel):
-    id: str
-    nodes: list[TreeNodeDoc]
-    trajectories: list[TreeTrajectoryDoc]
-
-
-class RolloutBatchDoc(BaseModel):
-    """One training step's rollouts (docs/rollouts.md); flat and explicit-tree forms may be mixed."""
-
-    batch_id: str = Field(min_length=1, pattern="^[^/]+$", description="Idempotency key of the step (no '/': "
-                          "it is a URL path segment); the same content under the same id is a duplicate")
-    vocab_size: int = Field(ge=1, le=_INT32)
-    trajectories: list[TrajectoryDoc] = []
-    trees: list[TreeDoc] = []
-    policy_version: int | None = Field(default=None, ge=0, le=(1 << 63) - 1,
-                                       description="Version of the policy that sampled the batch (staleness bound)")
-
-
-_STATE = {
-    planner_pb2.STEP_STATE_SUBMITTED: "submitted",
-    planner_pb2.STEP_STATE_PLANNED: "planned",
-    planner_pb2.STEP_STATE_FAILED: "failed",
-}
-
-
-def status_model(st: planner_pb2.StepStatus) -> StepStatus:
-    """JSON view of a StepStatus message."""
-    stats = None
-    if st.HasField("stats"):
-        s = st.stats
-        stats = PlanStats(**{f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields if f.name != "rank_costs"},
-                          rank_costs=list(s.rank_costs))
-    topo = None
-    if st.HasField("topology"):
-        topo = Topology.model_construct(**{f.name: getattr(st.topology, f.name) for f in st.topology.DESCRIPTOR.fields})
-    return StepStatus(
-        step_id=st.step_id,
-        state=_STATE[st.state],
-        trajectories=st.trajectories,
-        unique_tokens=st.unique_tokens,
-        expanded_tokens=st.expanded_tokens,
-        stats=stats,
-        topology=topo,
-        error=st.error or None,
-        submitted_at=st.submitted_at,
-        planned_at=st.planned_at or None,
-    )
-
 
 def slice_checksum(data: bytes) -> str:
     """The checksum field of sealed PlanSlice bytes.
@@ -480,9 +323,9 @@ async def metrics(core: PlannerCore = Depends(_core)):
 async def submit_rollouts(
     request: Request,
     world_size: int | None = Query(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks"),
-    microbatch_tokens: int = Query(0, ge=0, le=_INT32, description="0: the service default"),
-    memory_tokens: int = Query(0, ge=0, le=_INT64),
-    chunk_size: int = Query(0, ge=0, le=_INT32),
+    microbatch_tokens: int = Query(0, ge=0, le=INT32, description="0: the service default"),
+    memory_tokens: int = Query(0, ge=0, le=INT64),
+    chunk_size: int = Query(0, ge=0, le=INT32),
     no_sharing: bool = Query(False),
     no_windows: bool = Query(False),
     lockstep: bool = Query(False, description="Plan lock-step phases (see Topology.lockstep)"),
@@ -580,7 +423,7 @@ async def delete_step(step_id: str = Path(min_length=1), core: PlannerCore = Dep
 
 @router.get("/v1/steps", response_model=StepList, tags=["steps"], name="list_steps",
             dependencies=_AUTH, responses=_responses(401, 422, 503))
-async def list_steps(limit: int = Query(0, ge=0, le=_INT32, description="At most this many (0: default)"),
+async def list_steps(limit: int = Query(0, ge=0, le=INT32, description="At most this many (0: default)"),
                      core: PlannerCore = Depends(_core)) -> StepList:
     """Steps, newest submission first."""
     return StepList(steps=[status_model(s) for s in await core.list_steps_async(limit)])

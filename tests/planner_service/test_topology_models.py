@@ -59,7 +59,7 @@ def test_bad_model_documents_name_the_topology_field(field, value, match):
 
 
 def test_lockstep_reaches_the_plan_config_over_json_and_grpc_and_the_service_default():
-    from planner_service.http_api import Topology
+    from planner_service.http_models import Topology
 
     assert topology_to_config(planner_pb2.Topology(**TOPOLOGY, lockstep=True)).lockstep
     assert not topology_to_config(planner_pb2.Topology(**TOPOLOGY)).lockstep
