@@ -143,8 +143,10 @@ class TreeDoc(BaseModel):
 class RolloutBatchDoc(BaseModel):
     """One training step's rollouts (docs/rollouts.md); flat and explicit-tree forms may be mixed."""
 
-    batch_id: str = Field(min_length=1, pattern="^[^/]+$", description="Idempotency key of the step (no '/': "
-                          "it is a URL path segment); the same content under the same id is a duplicate")
+    batch_id: str = Field(min_length=1, max_length=512, pattern="^[^/]+$",
+                          description="Idempotency key of the step; the same content under the same id is a "
+                          "duplicate. It is a URL path segment: no '/', not '.' or '..', no control characters, "
+                          "not only whitespace")
     vocab_size: int = Field(ge=1, le=INT32)
     trajectories: list[TrajectoryDoc] = []
     trees: list[TreeDoc] = []
