@@ -1,98 +1,43 @@
-"""Durable step store: SQLite in WAL mode.
+"""Durable step stores: what both backends keep, and `open_store`, which picks one by its URL.
 
-What it keeps per step: the submitted body (the bytes received, JSON or protobuf) and the batch's
-content digest for idempotency, the forest counts, the requested or planned topology, the plan
-state, and every rank's sealed plan slice. Sealed slices are written in the same transaction as
-the PLANNED state, so a crash leaves either no plan or the whole plan; a restart serves the very
-bytes stored before it. Bodies live in their own table, so reading a step's record never walks
-the overflow pages of a large body (databases of earlier versions keep theirs inline).
+Two backends with one interface (the methods of `SQLiteStore`):
 
-Storage faults: every SQLite or file-system error becomes a `StorageError` (HTTP 503 / gRPC
-UNAVAILABLE) whose message names the database and SQLite's reason, and puts the store in its
-*fault* state (`fault` is the reason). While faulted, writes are refused at once (reads still go
-to the database) until `probe` succeeds: it checks the file is the one opened (a database deleted
-or replaced while the service runs would take every later write with it) and commits a one-row
-write, reopening the database when that helps (a file that was read-only at start). `on_fault` is
-told of every change (the reason, or None when healthy again).
+- `store_sqlite.SQLiteStore`: an embedded SQLite file in WAL mode (the default; one process).
+- `store_postgres.PostgresStore`: a PostgreSQL database (`postgresql://...`) that any number of
+  `harts serve` replicas share. A step is planned once across them (`plan_lock`), and each
+  replica hears what the others store (`listen`) to wake its long-polls and drop stale caches.
 
-Retention and compaction: `delete` removes a step with its body and slices; `expired` names the
-steps a count or age policy drops; `compact` returns the freed pages to the file system
-(`PRAGMA incremental_vacuum` on databases created with incremental auto-vacuum, which new ones
-are; an older one is converted by one `VACUUM` only on request, `harts serve --vacuum`, since it
-copies the whole file while every other call waits, and only when the disk has room for the copy).
+Per step both keep the submitted body and the batch's content digest for idempotency, the forest
+counts, the requested or planned topology, the plan state, and every rank's sealed plan slice,
+written in the same transaction as the PLANNED state. Bodies and slices are kept compressed
+(`stored_form`): the bytes a trainer receives are the sealed bytes, exactly.
 
-The store is thread-safe: one connection guarded by a lock (SQLite serialises writers anyway, and
-the service caches the hot reads, the sealed slices, in memory).
+Storage faults: every database or file-system error becomes a `StorageError` (HTTP 503 / gRPC
+UNAVAILABLE) naming the database and the reason, and puts the store in its *fault* state
+(`fault` is the reason) until `probe` succeeds; `on_fault` hears of every change.
 """
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import sqlite3
-import threading
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-from planner_service.errors import NotFoundError, StorageError
 from proto.harts.v1 import planner_pb2
 
-log = logging.getLogger(__name__)
-
-__all__ = ["StepRecord", "Store"]
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS steps (
-    step_id         TEXT PRIMARY KEY,
-    body_sha256     TEXT NOT NULL,
-    body_format     TEXT NOT NULL,
-    trajectories    INTEGER NOT NULL,
-    unique_tokens   INTEGER NOT NULL,
-    expanded_tokens INTEGER NOT NULL,
-    submitted_at    REAL NOT NULL,
-    state           INTEGER NOT NULL,
-    topology        BLOB,
-    stats           BLOB,
-    error           TEXT NOT NULL DEFAULT '',
-    planned_at      REAL NOT NULL DEFAULT 0,
-    world_size      INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS bodies (
-    step_id TEXT PRIMARY KEY,
-    body    BLOB NOT NULL
-);
-CREATE TABLE IF NOT EXISTS slices (
-    step_id TEXT NOT NULL,
-    rank    INTEGER NOT NULL,
-    data    BLOB NOT NULL,
-    PRIMARY KEY (step_id, rank)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value
-);
-"""
-
-_COLUMNS = (
-    "step_id, body_sha256, body_format, trajectories, unique_tokens, expanded_tokens, submitted_at, "
-    "state, topology, stats, error, planned_at, world_size"
-)
-_NAMES = [c.strip() for c in _COLUMNS.split(",")]
+__all__ = ["StepRecord", "open_store", "is_postgres_url", "SUBMITTED", "PLANNED", "FAILED", "COLUMNS", "NAMES",
+           "STEP_EVENTS"]
 
 SUBMITTED = planner_pb2.STEP_STATE_SUBMITTED
 PLANNED = planner_pb2.STEP_STATE_PLANNED
 FAILED = planner_pb2.STEP_STATE_FAILED
 
-#: SQLite errors that mean the storage, not the statement, is at fault (full, read-only, I/O,
-#: locked, corrupt). Integrity and programming errors are bugs and propagate unchanged.
-_FAULTS = (sqlite3.OperationalError, sqlite3.InternalError, OSError)
+COLUMNS = (
+    "step_id, body_sha256, body_format, trajectories, unique_tokens, expanded_tokens, submitted_at, "
+    "state, topology, stats, error, planned_at, world_size"
+)
+NAMES = [c.strip() for c in COLUMNS.split(",")]
 
-
-def _is_fault(exc: BaseException) -> bool:
-    return isinstance(exc, _FAULTS) or type(exc) is sqlite3.DatabaseError  # "file is not a database"
+STEP_EVENTS = ("submitted", "planned", "failed", "deleted")
+"""What `listen` callbacks are told happened to a step."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -102,8 +47,9 @@ class StepRecord:
     step_id: str
     """The batch_id of the submitted rollouts."""
     body_sha256: str
-    """Idempotency key: `content:<hex>`, the batch's content digest (`planner_service.digest`);
-    rows of earlier versions hold `json:<hex>` / `proto:<hex>`, a SHA-256 of the body bytes."""
+    """Idempotency key: `content-v2:<hex>`, the batch's content digest (`planner_service.digest`);
+    rows of earlier versions hold `content-v1:` (no policy_version), `json:` or `proto:` (a
+    SHA-256 of the body bytes) and are compared by re-ingesting their body."""
     body_format: str
     """'json' or 'proto'."""
     trajectories: int
@@ -123,384 +69,36 @@ class StepRecord:
     world_size: int = 0
     """Number of stored slices once planned."""
 
+    @classmethod
+    def from_row(cls, row) -> "StepRecord":
+        """A record from a row of `COLUMNS`."""
+        rec = cls(**dict(zip(NAMES, row)))
+        for name in ("topology", "stats"):
+            value = getattr(rec, name)
+            if value is not None and not isinstance(value, bytes):
+                setattr(rec, name, bytes(value))  # PostgreSQL's memoryview
+        return rec
 
-class Store:
-    """SQLite persistence of steps and sealed plan slices.
 
-    Opening never raises for a storage fault: the store starts faulted (see the module docstring)
-    and `probe` opens it once the file can be opened and written.
+def is_postgres_url(db: str) -> bool:
+    """True for a PostgreSQL connection URL (`postgresql://` or `postgres://`)."""
+    return db.startswith(("postgresql://", "postgres://"))
+
+
+def open_store(db: str, *, synchronous: str = "FULL", min_free_bytes: int = 0,
+               on_fault: Callable[[str | None], None] | None = None):
+    """The store for `db`: a PostgreSQL URL, or a SQLite file path (":memory:": throwaway).
 
     Args:
-        path: database file (created with its folder); ":memory:" for a throwaway store.
-        synchronous: SQLite `synchronous` pragma; FULL survives power loss, NORMAL process crashes.
-        on_fault: called with the new fault reason (None: healthy again) on every change, with the
-            store's lock held: it must not call the store.
+        synchronous: SQLite `synchronous` pragma (PostgreSQL commits durably, as configured there).
+        min_free_bytes: SQLite: disk space writes leave free (PostgreSQL manages its own disk).
+        on_fault: told of every change of the fault state (the reason, or None when healthy again),
+            with the store's lock held: it must not call the store.
     """
+    if is_postgres_url(db):
+        from planner_service.store_postgres import PostgresStore
 
-    def __init__(self, path: str | Path, *, synchronous: str = "FULL",
-                 on_fault: Callable[[str | None], None] | None = None):
-        if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
-            raise ValueError(f"synchronous: expected OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
-        self.path = str(path)
-        self._synchronous = synchronous.upper()
-        self._on_fault = on_fault
-        self._lock = threading.Lock()
-        self._db: sqlite3.Connection | None = None
-        self._ident: tuple[int, int] | None = None
-        self._inline_bodies = False
-        self._gone: str | None = None
-        self._vacuum_hint = False
-        self.fault: str | None = None
-        """Why the storage is unusable now; None when healthy."""
-        try:
-            self._db = self._connect()
-        except BaseException as exc:
-            if not _is_fault(exc):
-                raise
-            self.fault = self._reason(exc, "opening")
+        return PostgresStore(db, on_fault=on_fault)
+    from planner_service.store_sqlite import SQLiteStore
 
-    # ---- connection and faults
-
-    def _connect(self) -> sqlite3.Connection:
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
-        try:
-            # Bodies and slices are megabyte blobs: 64 KiB pages write them about twice as fast as
-            # the default 4 KiB. Both pragmas only apply to a new file (WAL mode fixes the page
-            # size afterwards); incremental auto-vacuum lets `compact` shrink the file in place.
-            db.execute("PRAGMA page_size=65536")
-            db.execute("PRAGMA auto_vacuum=INCREMENTAL")
-            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if mode.lower() not in ("wal", "memory"):
-                raise sqlite3.OperationalError(f"cannot use WAL mode (journal_mode stays {mode})")
-            db.execute(f"PRAGMA synchronous={self._synchronous}")
-            db.executescript(_SCHEMA)
-            self._inline_bodies = any(r[1] == "body" for r in db.execute("PRAGMA table_info(steps)"))
-            if self.path != ":memory:":
-                st = os.stat(self.path)
-                ident = (st.st_dev, st.st_ino)
-                if self._ident is not None and ident != self._ident:
-                    raise OSError(f"{self.path} is another file than the one opened before")
-                self._ident = ident
-        except BaseException:
-            db.close()
-            raise
-        return db
-
-    def _reason(self, exc: BaseException, doing: str) -> str:
-        if isinstance(exc, sqlite3.Error):
-            name = getattr(exc, "sqlite_errorname", None)
-            what = f"{exc} ({name})" if name else str(exc)
-        elif isinstance(exc, OSError):
-            what = exc.strerror or str(exc)
-            if exc.filename and exc.filename != self.path:
-                what += f" ({exc.filename})"
-        else:
-            what = str(exc)
-        return f"storage: {what} while {doing} {self.path}"
-
-    def _set_fault(self, reason: str | None) -> None:
-        if reason == self.fault:
-            return
-        self.fault = reason
-        if self._on_fault is not None:
-            self._on_fault(reason)
-
-    def _check_file(self) -> None:
-        """Fault when the database or its WAL cannot be written (made read-only or immutable: WAL
-        appends may still pass, the checkpoint and the next start would not), and for good when
-        the file at `path` is not the one opened (later writes would be lost)."""
-        if self._gone is None and self.path != ":memory:" and self._ident is not None:
-            try:
-                st = os.stat(self.path)
-                if (st.st_dev, st.st_ino) != self._ident:
-                    self._gone = (f"storage: the database file {self.path} was replaced by another file while "
-                                  "the service ran; writes are refused; restart the service to use the new file")
-            except FileNotFoundError:
-                self._gone = (f"storage: the database file {self.path} was deleted while the service ran; writes "
-                              "are refused (they would be lost); restart the service to start an empty database "
-                              "there, or stop it and put the file back")
-            except OSError as exc:
-                self._set_fault(self._reason(exc, "checking"))
-                raise StorageError(self.fault) from None
-        if self._gone is not None:
-            self._set_fault(self._gone)
-            raise StorageError(self._gone)
-        if self.path != ":memory:":
-            for name in (self.path, self.path + "-wal"):
-                if os.path.exists(name) and not os.access(name, os.W_OK):
-                    self._set_fault(f"storage: {name} is not writable (read-only or immutable)")
-                    raise StorageError(self.fault)
-
-    @contextmanager
-    def _op(self, doing: str, *, write: bool) -> Iterator[sqlite3.Connection]:
-        """The connection, under the lock; storage errors become StorageError and set the fault."""
-        with self._lock:
-            if self._db is None:
-                raise StorageError(self.fault or f"storage: {self.path} is not open")
-            if write:
-                self._check_file()
-                if self.fault is not None:
-                    raise StorageError(self.fault)
-            try:
-                yield self._db
-            except BaseException as exc:
-                if self._db.in_transaction:
-                    try:
-                        self._db.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
-                if not _is_fault(exc):
-                    raise
-                self._set_fault(self._reason(exc, doing))
-                raise StorageError(self.fault) from None
-
-    def probe(self) -> str | None:
-        """Check that the database can be written (one committed row), reopening it if needed.
-
-        Clears the fault when the write succeeds, sets it otherwise. Returns the fault (None: healthy).
-        """
-        with self._lock:
-            try:
-                self._check_file()
-            except StorageError:
-                return self.fault
-            try:
-                if self._db is None:
-                    self._db = self._connect()
-                self._probe_write(self._db)
-            except BaseException as exc:
-                if not _is_fault(exc):
-                    raise
-                reason = self._reason(exc, "writing to")
-                if self._db is not None:
-                    # a connection opened read-only, or left unusable by an I/O error: try a new one
-                    try:
-                        fresh = self._connect()
-                    except BaseException as exc2:
-                        if not _is_fault(exc2):
-                            raise
-                    else:
-                        try:
-                            self._probe_write(fresh)
-                        except BaseException as exc2:
-                            fresh.close()
-                            if not _is_fault(exc2):
-                                raise
-                        else:
-                            self._db.close()
-                            self._db = fresh
-                            self._set_fault(None)
-                            return None
-                self._set_fault(reason)
-                return reason
-            self._set_fault(None)
-            return None
-
-    @staticmethod
-    def _probe_write(db: sqlite3.Connection) -> None:
-        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('probe', ?)", (time.time(),))
-
-    def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-
-    def _row(self, row) -> StepRecord:
-        return StepRecord(**dict(zip(_NAMES, row)))
-
-    # ---- steps
-
-    def insert_step(self, rec: StepRecord, body: bytes) -> StepRecord | None:
-        """Store a new step with its body, unless its step_id is taken.
-
-        Returns:
-            None when stored; the stored record when the step_id exists (nothing is written then:
-            the caller decides whether it is an idempotent retry or a conflict).
-        """
-        with self._op("storing a step in", write=True) as db:
-            db.execute("BEGIN IMMEDIATE")
-            row = db.execute(f"SELECT {_COLUMNS} FROM steps WHERE step_id = ?", (rec.step_id,)).fetchone()
-            if row is not None:
-                db.execute("COMMIT")
-                return self._row(row)
-            names = _COLUMNS + (", body" if self._inline_bodies else "")
-            values = [getattr(rec, n) for n in _NAMES] + ([b""] if self._inline_bodies else [])
-            db.execute(f"INSERT INTO steps ({names}) VALUES ({', '.join('?' * len(values))})", values)
-            db.execute("INSERT OR REPLACE INTO bodies (step_id, body) VALUES (?, ?)", (rec.step_id, body))
-            db.execute("COMMIT")
-        return None
-
-    def get(self, step_id: str) -> StepRecord:
-        """The step's record; NotFoundError when unknown."""
-        with self._op("reading", write=False) as db:
-            row = db.execute(f"SELECT {_COLUMNS} FROM steps WHERE step_id = ?", (step_id,)).fetchone()
-        if row is None:
-            raise NotFoundError(f"step_id: no step {step_id!r}")
-        return self._row(row)
-
-    def body(self, step_id: str) -> tuple[str, bytes]:
-        """(format, body bytes) of a stored step."""
-        with self._op("reading", write=False) as db:
-            row = db.execute(
-                "SELECT s.body_format, b.body FROM steps s LEFT JOIN bodies b USING (step_id) WHERE s.step_id = ?",
-                (step_id,),
-            ).fetchone()
-            if row is not None and row[1] is None and self._inline_bodies:
-                row = db.execute("SELECT body_format, body FROM steps WHERE step_id = ?", (step_id,)).fetchone()
-        if row is None or row[1] is None:
-            raise NotFoundError(f"step_id: no step {step_id!r}")
-        return row[0], bytes(row[1])
-
-    def list(self, limit: int) -> list[StepRecord]:
-        """At most `limit` steps, newest submission first."""
-        with self._op("reading", write=False) as db:
-            rows = db.execute(f"SELECT {_COLUMNS} FROM steps ORDER BY rowid DESC LIMIT ?", (int(limit),)).fetchall()
-        return [self._row(r) for r in rows]
-
-    def pending(self) -> list[StepRecord]:
-        """Steps with a requested topology that were never planned (planning was interrupted)."""
-        with self._op("reading", write=False) as db:
-            rows = db.execute(
-                f"SELECT {_COLUMNS} FROM steps WHERE state = ? AND topology IS NOT NULL ORDER BY rowid",
-                (SUBMITTED,),
-            ).fetchall()
-        return [self._row(r) for r in rows]
-
-    def count_unplanned(self) -> int:
-        with self._op("reading", write=False) as db:
-            return int(db.execute("SELECT COUNT(*) FROM steps WHERE state = ?", (SUBMITTED,)).fetchone()[0])
-
-    def request_plan(self, step_id: str, topology: bytes) -> None:
-        """Record the topology a step is about to be planned for (so a restart resumes it)."""
-        with self._op("recording a plan request in", write=True) as db:
-            db.execute(
-                "UPDATE steps SET topology = ?, state = ?, error = '' WHERE step_id = ? AND state != ?",
-                (topology, SUBMITTED, step_id, PLANNED),
-            )
-
-    def save_plan(self, step_id: str, *, topology: bytes, stats: bytes, slices: list[bytes]) -> float:
-        """Store the sealed slices and mark the step PLANNED, atomically. Returns planned_at.
-
-        Raises:
-            NotFoundError: the step was deleted meanwhile (nothing is written).
-        """
-        planned_at = time.time()
-        with self._op("storing a plan in", write=True) as db:
-            db.execute("BEGIN IMMEDIATE")
-            updated = db.execute(
-                "UPDATE steps SET state = ?, topology = ?, stats = ?, error = '', planned_at = ?, world_size = ? "
-                "WHERE step_id = ?",
-                (PLANNED, topology, stats, planned_at, len(slices), step_id),
-            ).rowcount
-            if not updated:
-                db.execute("ROLLBACK")
-                raise NotFoundError(f"step_id: no step {step_id!r} (deleted while it was planned)")
-            db.execute("DELETE FROM slices WHERE step_id = ?", (step_id,))
-            db.executemany("INSERT INTO slices (step_id, rank, data) VALUES (?, ?, ?)",
-                           [(step_id, r, s) for r, s in enumerate(slices)])
-            db.execute("COMMIT")
-        return planned_at
-
-    def save_failure(self, step_id: str, *, topology: bytes, error: str) -> None:
-        """Mark the step FAILED with a client-safe reason."""
-        with self._op("recording a planning failure in", write=True) as db:
-            db.execute(
-                "UPDATE steps SET state = ?, topology = ?, error = ?, planned_at = ? WHERE step_id = ? AND state != ?",
-                (FAILED, topology, error, time.time(), step_id, PLANNED),
-            )
-
-    def slice(self, step_id: str, rank: int) -> bytes | None:
-        """Sealed slice bytes of one rank, None when absent."""
-        with self._op("reading", write=False) as db:
-            row = db.execute("SELECT data FROM slices WHERE step_id = ? AND rank = ?", (step_id, int(rank))).fetchone()
-        return None if row is None else bytes(row[0])
-
-    # ---- retention and compaction
-
-    def delete(self, step_id: str) -> bool:
-        """Delete a step with its body and slices, in one transaction; False when there was none."""
-        with self._op("deleting a step from", write=True) as db:
-            db.execute("BEGIN IMMEDIATE")
-            gone = db.execute("DELETE FROM steps WHERE step_id = ?", (step_id,)).rowcount
-            db.execute("DELETE FROM bodies WHERE step_id = ?", (step_id,))
-            db.execute("DELETE FROM slices WHERE step_id = ?", (step_id,))
-            db.execute("COMMIT")
-        return bool(gone)
-
-    def expired(self, *, keep: int = 0, before: float = 0.0, limit: int = 1000) -> list[str]:
-        """Step ids a retention policy drops, oldest submission first.
-
-        Args:
-            keep: keep only the newest `keep` steps (0: no count limit).
-            before: drop steps submitted before this Unix time (0: no age limit).
-            limit: at most this many ids.
-        """
-        out: list[str] = []
-        with self._op("reading", write=False) as db:
-            if keep > 0:
-                out += [r[0] for r in db.execute(
-                    "SELECT step_id FROM steps ORDER BY rowid DESC LIMIT ? OFFSET ?", (int(limit), int(keep))
-                ).fetchall()][::-1]
-            if before > 0:
-                # submission order is rowid order: walk from the oldest and stop at the first kept one
-                for step_id, submitted_at in db.execute("SELECT step_id, submitted_at FROM steps ORDER BY rowid"):
-                    if submitted_at >= before or len(out) >= limit:
-                        break
-                    if step_id not in out:
-                        out.append(step_id)
-        return out[:limit]
-
-    def compact(self, *, vacuum: bool = False) -> int:
-        """Give free pages back to the file system and truncate the WAL. Returns the bytes freed.
-
-        Databases created with incremental auto-vacuum (every new one) shrink in place, a few
-        pages at a time. An older database only reuses its free pages, unless `vacuum`: one VACUUM
-        then converts it, writing a copy of the whole file while every other database call waits,
-        so it is never run behind the users' back (`harts serve --vacuum` runs it before the
-        service is ready), and only when the disk has room for twice the file.
-        """
-        with self._op("compacting", write=True) as db:
-            before = self._file_bytes()
-            mode = db.execute("PRAGMA auto_vacuum").fetchone()[0]
-            if mode != 2 and not vacuum:
-                if not self._vacuum_hint:
-                    self._vacuum_hint = True
-                    log.warning("%s predates incremental auto-vacuum: space of deleted steps is reused but the file "
-                                "does not shrink; restart once with `harts serve --vacuum` to convert it", self.path)
-                return 0
-            if mode == 2:
-                # one statement may free a single page (Python's sqlite3 steps it once): repeat
-                db.execute("BEGIN IMMEDIATE")
-                for _ in range(db.execute("PRAGMA freelist_count").fetchone()[0]):
-                    db.execute("PRAGMA incremental_vacuum").fetchall()
-                    if not db.execute("PRAGMA freelist_count").fetchone()[0]:
-                        break
-                db.execute("COMMIT")
-            elif self.path != ":memory:":
-                need = 2 * before
-                free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
-                if free < need:
-                    log.warning("not compacting %s: VACUUM needs about %d free bytes, the disk has %d",
-                                self.path, need, free)
-                    return 0
-                t0 = time.perf_counter()
-                db.execute("PRAGMA auto_vacuum=INCREMENTAL")
-                db.execute("VACUUM")
-                log.info("vacuumed %s in %.1f s (incremental auto-vacuum from now on)", self.path,
-                         time.perf_counter() - t0)
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-            return max(0, before - self._file_bytes())
-
-    def _file_bytes(self) -> int:
-        if self.path == ":memory:":
-            return 0
-        total = 0
-        for suffix in ("", "-wal"):
-            try:
-                total += os.path.getsize(self.path + suffix)
-            except OSError:
-                pass
-        return total
+    return SQLiteStore(db, synchronous=synchronous, min_free_bytes=min_free_bytes, on_fault=on_fault)

@@ -43,19 +43,24 @@ class PlannerConfig:
     """The planner service the ranks poll."""
 
     url: str = "http://127.0.0.1:8000"
-    """Base URL of the planner's HTTP API (env HARTS_PLANNER_URL when not given)."""
+    """Base URL of the planner's HTTP API (env HARTS_PLANNER_URL when not given); several
+    replicas' URLs separated by commas fail over to one another."""
     token: str | None = None
     """Bearer token (env HARTS_TOKEN when not given; None: no Authorization header)."""
     plan_timeout: float = 600.0
     """Seconds to wait for one step's plan slice (long-poll)."""
     ready_timeout: float = 120.0
     """Seconds to wait for the planner to answer /readyz at start-up."""
+    retry_seconds: float = 600.0
+    """Seconds of planner outage (a restart, a failover) the ranks wait out before they stop."""
 
     def __post_init__(self) -> None:
         if not self.url:
             raise ValueError("url: expected a base URL such as http://127.0.0.1:8000, got ''")
         if self.plan_timeout <= 0 or self.ready_timeout <= 0:
             raise ValueError(f"plan_timeout/ready_timeout: expected > 0, got {self.plan_timeout}, {self.ready_timeout}")
+        if not 0 <= self.retry_seconds < float("inf"):
+            raise ValueError(f"retry_seconds: expected a finite number of seconds >= 0, got {self.retry_seconds}")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -129,14 +129,15 @@ class MetricsWriter:
     def __init__(self, cfg, *, is_main: bool, resume_step: int = 0):
         self.jsonl = None
         self.tb = None
+        self._jsonl_path: Path | None = None
+        self._resume_step = resume_step
         if not is_main:
             return
         if cfg.jsonl:
-            path = Path(cfg.jsonl)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if resume_step >= 0 and path.exists():
-                _truncate_after(path, resume_step)
-            self.jsonl = open(path, "a")
+            # opened (and, on resume, cut after the checkpoint's step) by the first write, as
+            # TensorBoard purges on its first event: a run that trains nothing changes neither
+            self._jsonl_path = Path(cfg.jsonl)
+            self._jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -147,6 +148,10 @@ class MetricsWriter:
             self.tb = SummaryWriter(cfg.tensorboard_dir, purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, metrics: dict) -> None:
+        if self.jsonl is None and self._jsonl_path is not None:
+            if self._resume_step >= 0 and self._jsonl_path.exists():
+                _truncate_after(self._jsonl_path, self._resume_step)
+            self.jsonl = open(self._jsonl_path, "a")
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(metrics) + "\n")
             self.jsonl.flush()

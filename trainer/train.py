@@ -90,7 +90,7 @@ def train(cfg: TrainerConfig) -> dict:
     import torch
 
     from trainer import checkpoint
-    from harts_client.client import ChecksumError, PlannerClient, PlannerError, RetryPolicy
+    from harts_client.client import ChecksumError, PlannerClient, PlannerError
     from trainer.distributed import init_distributed, shutdown
     from trainer.executor import Executor, ExecutorConfig
     from trainer.metrics import MetricsWriter
@@ -126,7 +126,7 @@ def train(cfg: TrainerConfig) -> dict:
             log.info("checkpoint already has %d of %d steps; nothing to do", start, cfg.job.steps)
             return {"step": start}
 
-        client = PlannerClient(cfg.planner.url, token=cfg.planner.token, retry=RetryPolicy(attempts=4, backoff_s=0.2))
+        client = PlannerClient(cfg.planner.url, token=cfg.planner.token, retry_seconds=cfg.planner.retry_seconds)
         try:
             client.wait_ready(cfg.planner.ready_timeout)
         except TimeoutError:
@@ -143,9 +143,9 @@ def train(cfg: TrainerConfig) -> dict:
                 return client.fetch_plan(sid, ctx.rank, timeout=timeout, poll=min(30.0, timeout))
             except PlannerError as exc:
                 raise TrainError(f"step {sid!r} rank {ctx.rank}: the planner answered {exc}") from None
-            except TimeoutError:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: no plan after {timeout:g} s "
-                                 "(was the step submitted and planned?)") from None
+            except TimeoutError as exc:
+                raise TrainError(f"step {sid!r} rank {ctx.rank}: no plan after {timeout:g} s ({exc}; was the step "
+                                 "submitted and planned, and is the planner up?)") from None
             except ChecksumError as exc:
                 raise TrainError(f"step {sid!r} rank {ctx.rank}: corrupted plan slice: {exc}") from None
 

@@ -1,6 +1,7 @@
 """harts_client.client against a real `harts serve`: submit, long-poll fetch, retries, checksum checks."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -172,7 +173,7 @@ def test_client_does_not_import_the_service(server, tmp_path):
 
 
 def test_retries_stop_at_the_callers_deadline(server, monkeypatch):
-    slow = RetryPolicy()  # 8 attempts with backoff up to 5 s: about 12 s of sleeping in all
+    slow = RetryPolicy()  # no attempt cap, backoff up to 5 s: only the deadline stops it
     clock = FakeClock()
     monkeypatch.setattr(client_module, "time", clock)
     for kind in ("503", "connect"):
@@ -228,3 +229,56 @@ def test_step_ids_are_url_encoded_and_steps_can_be_deleted(server):
         with pytest.raises(PlannerError) as err:
             c.status(step)
         assert err.value.status == 404
+
+
+# ---- issue 22: outages and replicas
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_url_fails_over_to_the_next_and_says_who_did_not_answer(server):
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with PlannerClient(f"{dead},{server.http_url}", token=TOKEN, retry=FAST) as c:
+        c.submit(rollout_doc("c-failover", seed=11), **TOPOLOGY)
+        assert c.url == server.http_url  # it stays with the one that answered
+        assert len(c.fetch_plan_bytes("c-failover", 1, timeout=30)) > 0
+    with PlannerClient([dead], token=TOKEN, timeout=1.5) as c:
+        with pytest.raises(PlannerError) as err:
+            c.status("c-failover")
+        assert err.value.status == 0 and re.search(rf"no answer from {dead} for \d+ s", err.value.message)
+        with pytest.raises(TimeoutError, match=f"no answer from {dead} for"):
+            c.fetch_plan("c-failover", 0, timeout=1.5)
+    for bad in ("", "ftp://x", " , "):
+        with pytest.raises(ValueError, match="url"):
+            PlannerClient(bad)
+    with PlannerClient(server.http_url, token=TOKEN) as c:
+        for bad in (".", ".."):  # URL segments that name no step (the service refuses such batch ids)
+            with pytest.raises(ValueError, match="step_id"):
+                c.status(bad)
+
+
+@pytest.mark.slow
+def test_a_long_poll_rides_out_a_planner_down_for_15_s(tmp_path):
+    """Issue 22: `fetch_plan_bytes(sid, 0, timeout=120)` gave up after 12-14 s of a 15 s outage."""
+    srv = ServerProcess(tmp_path / "down.db", token=TOKEN, http_port=_free_port(), grpc_port=_free_port()).start()
+    got: dict = {}
+    with PlannerClient(srv.http_url, token=TOKEN) as c:
+        srv.kill()
+        poll = threading.Thread(target=lambda: got.update(data=c.fetch_plan_bytes("c-down", 0, timeout=120)))
+        t0 = time.monotonic()
+        poll.start()
+        time.sleep(15.0)
+        assert poll.is_alive()
+        srv.start()
+        try:
+            c.submit(rollout_doc("c-down", seed=12), **TOPOLOGY)
+            poll.join(60)
+            assert len(got["data"]) > 0 and time.monotonic() - t0 >= 15
+        finally:
+            srv.stop()

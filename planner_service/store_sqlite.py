@@ -1,0 +1,593 @@
+"""SQLite step store (WAL mode): the embedded default, one process (`planner_service.store`).
+
+Bodies live in their own table, so reading a step's record never walks the overflow pages of a
+large body (databases of earlier versions keep theirs inline).
+
+Storage faults: while faulted, writes are refused at once (reads still go to the database) until
+`probe` succeeds. A healthy store's probe writes nothing (an idle server leaves the disk alone):
+it checks that the database and its WAL are the files opened, that both are writable, and that
+the disk has `min_free_bytes` free; during a fault it commits a one-row write, reopening the
+database when that helps (a file that was read-only at start). A database deleted or replaced
+under the running service would take every later write with it: writes are refused until a
+restart. A WAL deleted under it (the database file stays) would take every batch acknowledged
+since the last checkpoint: the still-open WAL is checkpointed into the database and a new WAL
+started, before the next write and at the next probe.
+
+Disk space: a write that would leave less than `min_free_bytes` free is refused with a
+`StorageError` (`need` says how much it wants) before SQLite fills the disk; the store is faulted
+(not ready) only while less than `min_free_bytes` is free, so small writes go on when a plan does
+not fit. Opening a database on a full disk still serves reads.
+
+Retention and compaction: `delete` removes a step with its body and slices; `expired` names the
+steps a count or age policy drops; `compact` returns the freed pages to the file system
+(`PRAGMA incremental_vacuum` on databases created with incremental auto-vacuum, which new ones
+are; an older one is converted by one `VACUUM` only on request, `harts serve --vacuum`, since it
+copies the whole file while every other call waits, and only when the disk has room for the copy).
+
+The store is thread-safe: one connection guarded by a lock (SQLite serialises writers anyway, and
+the service caches the hot reads, the sealed slices, in memory).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from planner_service.errors import NotFoundError, StorageError
+from planner_service.store import COLUMNS as _COLUMNS
+from planner_service.store import NAMES as _NAMES
+from planner_service.store import PLANNED, SUBMITTED, FAILED, StepRecord
+from planner_service.stored_form import pack_body, pack_slice, unpack
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SQLiteStore"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS steps (
+    step_id         TEXT PRIMARY KEY,
+    body_sha256     TEXT NOT NULL,
+    body_format     TEXT NOT NULL,
+    trajectories    INTEGER NOT NULL,
+    unique_tokens   INTEGER NOT NULL,
+    expanded_tokens INTEGER NOT NULL,
+    submitted_at    REAL NOT NULL,
+    state           INTEGER NOT NULL,
+    topology        BLOB,
+    stats           BLOB,
+    error           TEXT NOT NULL DEFAULT '',
+    planned_at      REAL NOT NULL DEFAULT 0,
+    world_size      INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS bodies (
+    step_id TEXT PRIMARY KEY,
+    body    BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS slices (
+    step_id TEXT NOT NULL,
+    rank    INTEGER NOT NULL,
+    data    BLOB NOT NULL,
+    PRIMARY KEY (step_id, rank)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value
+);
+"""
+
+#: SQLite errors that mean the storage, not the statement, is at fault (full, read-only, I/O,
+#: locked, corrupt). Integrity and programming errors are bugs and propagate unchanged.
+_FAULTS = (sqlite3.OperationalError, sqlite3.InternalError, OSError)
+
+
+def _ident_of(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _is_fault(exc: BaseException) -> bool:
+    return isinstance(exc, _FAULTS) or type(exc) is sqlite3.DatabaseError  # "file is not a database"
+
+
+class SQLiteStore:
+    """SQLite persistence of steps and sealed plan slices.
+
+    Opening never raises for a storage fault: the store starts faulted (see the module docstring)
+    and `probe` opens it once the file can be opened and written.
+
+    Args:
+        path: database file (created with its folder); ":memory:" for a throwaway store.
+        synchronous: SQLite `synchronous` pragma; FULL survives power loss, NORMAL process crashes.
+        min_free_bytes: disk space a write must leave free (0: none; SQLite's own "disk full" then
+            faults the store).
+        on_fault: called with the new fault reason (None: healthy again) on every change, with the
+            store's lock held: it must not call the store.
+    """
+
+    shared = False
+    """Only this process writes the database (PostgreSQL stores are shared by replicas)."""
+
+    def __init__(self, path: str | Path, *, synchronous: str = "FULL", min_free_bytes: int = 0,
+                 on_fault: Callable[[str | None], None] | None = None):
+        if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise ValueError(f"synchronous: expected OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
+        if min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes: expected >= 0, got {min_free_bytes}")
+        self.path = str(path)
+        self.min_free_bytes = int(min_free_bytes)
+        self._synchronous = synchronous.upper()
+        self._on_fault = on_fault
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+        self._ident: tuple[int, int] | None = None
+        self._wal_ident: tuple[int, int] | None = None
+        self._inline_bodies = False
+        self._gone: str | None = None
+        self._vacuum_hint = False
+        self.fault: str | None = None
+        """Why the storage is unusable now; None when healthy."""
+        try:
+            self._db = self._connect()
+        except BaseException as exc:
+            if not _is_fault(exc):
+                raise
+            self.fault = self._reason(exc, "opening")
+            self._db = self._connect_for_reading()
+        if self._db is not None and self.fault is None:
+            self.fault = self._space_fault()
+
+    # ---- connection and faults
+
+    def _connect(self) -> sqlite3.Connection:
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        try:
+            # Bodies and slices are megabyte blobs: 64 KiB pages write them about twice as fast as
+            # the default 4 KiB. Both pragmas only apply to a new file (WAL mode fixes the page
+            # size afterwards); incremental auto-vacuum lets `compact` shrink the file in place.
+            db.execute("PRAGMA page_size=65536")
+            db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() not in ("wal", "memory"):
+                raise sqlite3.OperationalError(f"cannot use WAL mode (journal_mode stays {mode})")
+            db.execute(f"PRAGMA synchronous={self._synchronous}")
+            db.executescript(_SCHEMA)
+            self._inline_bodies = any(r[1] == "body" for r in db.execute("PRAGMA table_info(steps)"))
+            if self.path != ":memory:":
+                st = os.stat(self.path)
+                ident = (st.st_dev, st.st_ino)
+                if self._ident is not None and ident != self._ident:
+                    raise OSError(f"{self.path} is another file than the one opened before")
+                self._ident = ident
+                self._wal_ident = _ident_of(self.path + "-wal")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _connect_for_reading(self) -> sqlite3.Connection | None:
+        """A connection that only reads, for a database that cannot be opened for writing (a full
+        disk, a read-only file): acknowledged steps stay readable while the store is faulted."""
+        if self.path == ":memory:" or not os.path.exists(self.path):
+            return None
+        # read-only needs the -shm (and -wal) to exist or be creatable; after a clean stop they
+        # are gone and the file holds every commit, so on a full disk it is read as immutable
+        modes = ["mode=ro"] + ([] if os.path.exists(self.path + "-wal") else ["immutable=1"])
+        for mode in modes:
+            try:
+                db = sqlite3.connect(f"file:{self.path}?{mode}", uri=True, isolation_level=None,
+                                     check_same_thread=False, timeout=30.0)
+                db.execute("SELECT COUNT(*) FROM steps").fetchone()
+                self._inline_bodies = any(r[1] == "body" for r in db.execute("PRAGMA table_info(steps)"))
+            except sqlite3.Error as exc:
+                log.warning("%s cannot be opened for reading (%s): %s", self.path, mode, exc)
+                continue
+            log.warning("%s opened for reading only until it can be written", self.path)
+            return db
+        return None
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the database's file system (None for ":memory:" or when unknown)."""
+        if self.path == ":memory:":
+            return None
+        try:
+            return shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
+        except OSError:
+            return None
+
+    def _space_fault(self) -> str | None:
+        free = self.free_bytes()
+        if free is None or free >= self.min_free_bytes or not self.min_free_bytes:
+            return None
+        return (f"storage: the disk holding {self.path} is full: {free} bytes free, less than the "
+                f"{self.min_free_bytes} writes must leave (`harts serve --min-free-mb`); free some space")
+
+    def _check_space(self, need: int, what: str) -> None:
+        """Refuse a write of about `need` bytes that would leave less than min_free_bytes free."""
+        if not self.min_free_bytes:
+            return
+        free = self.free_bytes()
+        if free is None or free - need >= self.min_free_bytes:
+            return
+        fault = self._space_fault()
+        if fault is not None:
+            self._set_fault(fault)
+        raise StorageError(f"storage: the disk holding {self.path} is too full for {what}: it needs about {need} "
+                           f"bytes, {free} are free and {self.min_free_bytes} stay free (`harts serve --min-free-mb`)",
+                           need=need)
+
+    def _reason(self, exc: BaseException, doing: str) -> str:
+        if isinstance(exc, sqlite3.Error):
+            name = getattr(exc, "sqlite_errorname", None)
+            what = f"{exc} ({name})" if name else str(exc)
+        elif isinstance(exc, OSError):
+            what = exc.strerror or str(exc)
+            if exc.filename and exc.filename != self.path:
+                what += f" ({exc.filename})"
+        else:
+            what = str(exc)
+        return f"storage: {what} while {doing} {self.path}"
+
+    def _set_fault(self, reason: str | None) -> None:
+        if reason == self.fault:
+            return
+        self.fault = reason
+        if self._on_fault is not None:
+            self._on_fault(reason)
+
+    def _check_file(self) -> None:
+        """Fault when the database or its WAL cannot be written (made read-only or immutable: WAL
+        appends may still pass, the checkpoint and the next start would not), and for good when
+        the file at `path` is not the one opened (later writes would be lost)."""
+        if self._gone is None and self.path != ":memory:" and self._ident is not None:
+            try:
+                st = os.stat(self.path)
+                if (st.st_dev, st.st_ino) != self._ident:
+                    self._gone = (f"storage: the database file {self.path} was replaced by another file while "
+                                  "the service ran; writes are refused; restart the service to use the new file")
+            except FileNotFoundError:
+                self._gone = (f"storage: the database file {self.path} was deleted while the service ran; writes "
+                              "are refused (they would be lost); restart the service to start an empty database "
+                              "there, or stop it and put the file back")
+            except OSError as exc:
+                self._set_fault(self._reason(exc, "checking"))
+                raise StorageError(self.fault) from None
+        if self._gone is not None:
+            self._set_fault(self._gone)
+            raise StorageError(self._gone)
+        if self.path != ":memory:":
+            self._check_wal()
+            for name in (self.path, self.path + "-wal"):
+                if os.path.exists(name) and not os.access(name, os.W_OK):
+                    self._set_fault(f"storage: {name} is not writable (read-only or immutable)")
+                    raise StorageError(self.fault)
+
+    def _check_wal(self) -> None:
+        """A WAL deleted or replaced under the open connection: checkpoint the one still open into
+        the database (it holds every commit since the last checkpoint) and start a new one."""
+        if self._wal_ident is None or self._db is None or _ident_of(self.path + "-wal") == self._wal_ident:
+            return
+        log.warning("the WAL of %s was deleted or replaced while the service ran: checkpointing the open WAL "
+                    "into the database and starting a new one", self.path)
+        try:
+            busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if busy:
+                raise sqlite3.OperationalError("the checkpoint of the deleted WAL could not finish")
+            self._db.close()
+            self._db = None
+            self._db = self._connect()
+        except BaseException as exc:
+            if not _is_fault(exc):
+                raise
+            self._gone = (f"storage: the WAL of {self.path} was deleted while the service ran and could not be "
+                          f"checkpointed ({exc}); writes are refused; restart the service")
+            self._set_fault(self._gone)
+            raise StorageError(self._gone) from None
+
+    @contextmanager
+    def _op(self, doing: str, *, write: bool) -> Iterator[sqlite3.Connection]:
+        """The connection, under the lock; storage errors become StorageError and set the fault."""
+        with self._lock:
+            if self._db is None:
+                raise StorageError(self.fault or f"storage: {self.path} is not open")
+            if write:
+                self._check_file()
+                if self.fault is not None:
+                    raise StorageError(self.fault)
+            try:
+                yield self._db
+            except BaseException as exc:
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                if not _is_fault(exc):
+                    raise
+                self._set_fault(self._reason(exc, doing))
+                raise StorageError(self.fault) from None
+
+    def probe(self) -> str | None:
+        """Check that the database can be written, reopening it if needed.
+
+        Healthy: the file checks, the free space and a read, nothing written. Faulted: one
+        committed row. Clears or sets the fault. Returns the fault (None: healthy).
+        """
+        with self._lock:
+            try:
+                self._check_file()
+            except StorageError:
+                return self.fault
+            space = self._space_fault()
+            if space is not None:
+                self._set_fault(space)
+                return space
+            try:
+                if self.fault is None and self._db is not None:
+                    self._db.execute("SELECT 1 FROM meta LIMIT 1").fetchall()
+                    return None
+                if self._db is None:
+                    self._db = self._connect()
+                self._probe_write(self._db)
+            except BaseException as exc:
+                if not _is_fault(exc):
+                    raise
+                reason = self._reason(exc, "writing to")
+                if self._db is not None:
+                    # a connection opened read-only, or left unusable by an I/O error: try a new one
+                    try:
+                        fresh = self._connect()
+                    except BaseException as exc2:
+                        if not _is_fault(exc2):
+                            raise
+                    else:
+                        try:
+                            self._probe_write(fresh)
+                        except BaseException as exc2:
+                            fresh.close()
+                            if not _is_fault(exc2):
+                                raise
+                        else:
+                            self._db.close()
+                            self._db = fresh
+                            self._set_fault(None)
+                            return None
+                self._set_fault(reason)
+                return reason
+            self._set_fault(None)
+            return None
+
+    @staticmethod
+    def _probe_write(db: sqlite3.Connection) -> None:
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('probe', ?)", (time.time(),))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None and self._gone is None and self.path != ":memory:":
+                try:
+                    self._check_wal()
+                except StorageError:
+                    pass
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def _row(self, row) -> StepRecord:
+        return StepRecord.from_row(row)
+
+    @contextmanager
+    def plan_lock(self, step_id: str, *, wait: bool = True) -> Iterator[bool]:
+        """Planning a step is exclusive across processes: one process owns a SQLite file, and the
+        core's per-step lock serialises its threads. Yields True."""
+        yield True
+
+    def listen(self, fn: Callable[[str, str], None]) -> None:
+        """No other process writes this database: nothing to hear."""
+
+    # ---- steps
+
+    def insert_step(self, rec: StepRecord, body: bytes) -> StepRecord | None:
+        """Store a new step with its body, unless its step_id is taken.
+
+        Returns:
+            None when stored; the stored record when the step_id exists (nothing is written then:
+            the caller decides whether it is an idempotent retry or a conflict).
+        """
+        stored = pack_body(body)
+        with self._op("storing a step in", write=True) as db:
+            self._check_space(len(stored), f"step {rec.step_id[:80]!r}")
+            db.execute("BEGIN IMMEDIATE")
+            row = db.execute(f"SELECT {_COLUMNS} FROM steps WHERE step_id = ?", (rec.step_id,)).fetchone()
+            if row is not None:
+                db.execute("COMMIT")
+                return self._row(row)
+            names = _COLUMNS + (", body" if self._inline_bodies else "")
+            values = [getattr(rec, n) for n in _NAMES] + ([b""] if self._inline_bodies else [])
+            db.execute(f"INSERT INTO steps ({names}) VALUES ({', '.join('?' * len(values))})", values)
+            db.execute("INSERT OR REPLACE INTO bodies (step_id, body) VALUES (?, ?)", (rec.step_id, stored))
+            db.execute("COMMIT")
+        return None
+
+    def get(self, step_id: str) -> StepRecord:
+        """The step's record; NotFoundError when unknown."""
+        with self._op("reading", write=False) as db:
+            row = db.execute(f"SELECT {_COLUMNS} FROM steps WHERE step_id = ?", (step_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"step_id: no step {step_id!r}")
+        return self._row(row)
+
+    def body(self, step_id: str) -> tuple[str, bytes]:
+        """(format, body bytes) of a stored step."""
+        with self._op("reading", write=False) as db:
+            row = db.execute(
+                "SELECT s.body_format, b.body FROM steps s LEFT JOIN bodies b USING (step_id) WHERE s.step_id = ?",
+                (step_id,),
+            ).fetchone()
+            if row is not None and row[1] is None and self._inline_bodies:
+                row = db.execute("SELECT body_format, body FROM steps WHERE step_id = ?", (step_id,)).fetchone()
+        if row is None or row[1] is None:
+            raise NotFoundError(f"step_id: no step {step_id!r}")
+        return row[0], unpack(row[1])
+
+    def list(self, limit: int) -> list[StepRecord]:
+        """At most `limit` steps, newest submission first."""
+        with self._op("reading", write=False) as db:
+            rows = db.execute(f"SELECT {_COLUMNS} FROM steps ORDER BY rowid DESC LIMIT ?", (int(limit),)).fetchall()
+        return [self._row(r) for r in rows]
+
+    def pending(self) -> list[StepRecord]:
+        """Steps with a requested topology that were never planned (planning was interrupted)."""
+        with self._op("reading", write=False) as db:
+            rows = db.execute(
+                f"SELECT {_COLUMNS} FROM steps WHERE state = ? AND topology IS NOT NULL ORDER BY rowid",
+                (SUBMITTED,),
+            ).fetchall()
+        return [self._row(r) for r in rows]
+
+    def count_unplanned(self) -> int:
+        with self._op("reading", write=False) as db:
+            return int(db.execute("SELECT COUNT(*) FROM steps WHERE state = ?", (SUBMITTED,)).fetchone()[0])
+
+    def request_plan(self, step_id: str, topology: bytes) -> None:
+        """Record the topology a step is about to be planned for (so a restart resumes it)."""
+        with self._op("recording a plan request in", write=True) as db:
+            db.execute(
+                "UPDATE steps SET topology = ?, state = ?, error = '' WHERE step_id = ? AND state != ?",
+                (topology, SUBMITTED, step_id, PLANNED),
+            )
+
+    def save_plan(self, step_id: str, *, topology: bytes, stats: bytes, slices: list[bytes]) -> float:
+        """Store the sealed slices and mark the step PLANNED, atomically. Returns planned_at.
+
+        Raises:
+            NotFoundError: the step was deleted meanwhile (nothing is written).
+        """
+        planned_at = time.time()
+        stored = [pack_slice(s) for s in slices]
+        with self._op("storing a plan in", write=True) as db:
+            self._check_space(sum(map(len, stored)), f"the plan of step {step_id[:80]!r}")
+            db.execute("BEGIN IMMEDIATE")
+            updated = db.execute(
+                "UPDATE steps SET state = ?, topology = ?, stats = ?, error = '', planned_at = ?, world_size = ? "
+                "WHERE step_id = ?",
+                (PLANNED, topology, stats, planned_at, len(slices), step_id),
+            ).rowcount
+            if not updated:
+                db.execute("ROLLBACK")
+                raise NotFoundError(f"step_id: no step {step_id!r} (deleted while it was planned)")
+            db.execute("DELETE FROM slices WHERE step_id = ?", (step_id,))
+            db.executemany("INSERT INTO slices (step_id, rank, data) VALUES (?, ?, ?)",
+                           [(step_id, r, s) for r, s in enumerate(stored)])
+            db.execute("COMMIT")
+        return planned_at
+
+    def save_failure(self, step_id: str, *, topology: bytes, error: str) -> None:
+        """Mark the step FAILED with a client-safe reason."""
+        with self._op("recording a planning failure in", write=True) as db:
+            db.execute(
+                "UPDATE steps SET state = ?, topology = ?, error = ?, planned_at = ? WHERE step_id = ? AND state != ?",
+                (FAILED, topology, error, time.time(), step_id, PLANNED),
+            )
+
+    def slice(self, step_id: str, rank: int) -> bytes | None:
+        """Sealed slice bytes of one rank, None when absent."""
+        with self._op("reading", write=False) as db:
+            row = db.execute("SELECT data FROM slices WHERE step_id = ? AND rank = ?", (step_id, int(rank))).fetchone()
+        return None if row is None else unpack(row[0])
+
+    # ---- retention and compaction
+
+    def delete(self, step_id: str) -> bool:
+        """Delete a step with its body and slices, in one transaction; False when there was none."""
+        with self._op("deleting a step from", write=True) as db:
+            db.execute("BEGIN IMMEDIATE")
+            gone = db.execute("DELETE FROM steps WHERE step_id = ?", (step_id,)).rowcount
+            db.execute("DELETE FROM bodies WHERE step_id = ?", (step_id,))
+            db.execute("DELETE FROM slices WHERE step_id = ?", (step_id,))
+            db.execute("COMMIT")
+        return bool(gone)
+
+    def expired(self, *, keep: int = 0, before: float = 0.0, limit: int = 1000) -> list[str]:
+        """Step ids a retention policy drops, oldest submission first.
+
+        Args:
+            keep: keep only the newest `keep` steps (0: no count limit).
+            before: drop steps submitted before this Unix time (0: no age limit).
+            limit: at most this many ids.
+        """
+        out: list[str] = []
+        with self._op("reading", write=False) as db:
+            if keep > 0:
+                out += [r[0] for r in db.execute(
+                    "SELECT step_id FROM steps ORDER BY rowid DESC LIMIT ? OFFSET ?", (int(limit), int(keep))
+                ).fetchall()][::-1]
+            if before > 0:
+                # submission order is rowid order: walk from the oldest and stop at the first kept one
+                for step_id, submitted_at in db.execute("SELECT step_id, submitted_at FROM steps ORDER BY rowid"):
+                    if submitted_at >= before or len(out) >= limit:
+                        break
+                    if step_id not in out:
+                        out.append(step_id)
+        return out[:limit]
+
+    def compact(self, *, vacuum: bool = False) -> int:
+        """Give free pages back to the file system and truncate the WAL. Returns the bytes freed.
+
+        Databases created with incremental auto-vacuum (every new one) shrink in place, a few
+        pages at a time. An older database only reuses its free pages, unless `vacuum`: one VACUUM
+        then converts it, writing a copy of the whole file while every other database call waits,
+        so it is never run behind the users' back (`harts serve --vacuum` runs it before the
+        service is ready), and only when the disk has room for twice the file.
+        """
+        with self._op("compacting", write=True) as db:
+            before = self._file_bytes()
+            mode = db.execute("PRAGMA auto_vacuum").fetchone()[0]
+            if mode != 2 and not vacuum:
+                if not self._vacuum_hint:
+                    self._vacuum_hint = True
+                    log.warning("%s predates incremental auto-vacuum: space of deleted steps is reused but the file "
+                                "does not shrink; restart once with `harts serve --vacuum` to convert it", self.path)
+                return 0
+            if mode == 2:
+                # one statement may free a single page (Python's sqlite3 steps it once): repeat
+                db.execute("BEGIN IMMEDIATE")
+                for _ in range(db.execute("PRAGMA freelist_count").fetchone()[0]):
+                    db.execute("PRAGMA incremental_vacuum").fetchall()
+                    if not db.execute("PRAGMA freelist_count").fetchone()[0]:
+                        break
+                db.execute("COMMIT")
+            elif self.path != ":memory:":
+                need = 2 * before
+                free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
+                if free < need:
+                    log.warning("not compacting %s: VACUUM needs about %d free bytes, the disk has %d",
+                                self.path, need, free)
+                    return 0
+                t0 = time.perf_counter()
+                db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                db.execute("VACUUM")
+                log.info("vacuumed %s in %.1f s (incremental auto-vacuum from now on)", self.path,
+                         time.perf_counter() - t0)
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            return max(0, before - self._file_bytes())
+
+    def _file_bytes(self) -> int:
+        if self.path == ":memory:":
+            return 0
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.path.getsize(self.path + suffix)
+            except OSError:
+                pass
+        return total
