@@ -57,7 +57,7 @@ class ServiceConfig:
 
     db_path: str = "harts.db"
     """SQLite database file (WAL mode; ":memory:" keeps nothing across restarts), or the
-    `postgresql://...` URL of a database that replicas share (`planner_service.store_postgres`)."""
+    `postgresql://...` URL of a database that replicas share (`planner_service.store.postgres`)."""
     token: str | None = None
     """Bearer token every non-health request must carry; None disables auth."""
     max_request_bytes: int = 1024 * _MiB  # ingest's Limits.max_body_bytes

@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server for the tests of the shared store (`planner_service.store_postgres`).
+"""A throwaway PostgreSQL server for the tests of the shared store (`planner_service.store.postgres`).
 
 `PostgresServer` runs `initdb` and `pg_ctl` from the Debian package (`apt-get install postgresql`:
 `.ci/run` installs it on a fresh machine) in a temporary folder, on a free loopback port, with

@@ -21,12 +21,9 @@ def _load():
 
 ig = _load()
 
-#: circles that are known and owned elsewhere; the test fails when one disappears, so that the
-#: entry goes with it (issue 23: the service core and its maintenance, a TYPE_CHECKING import
-#: while maintenance reaches into core.store and core.cfg)
-KNOWN_CYCLES = {
-    "planner_service.core -> planner_service.maintenance -> planner_service.core",
-}
+#: circles that are known and owned elsewhere (none left); the test fails when one disappears, so
+#: that the entry goes with it
+KNOWN_CYCLES: set[str] = set()
 
 
 @pytest.fixture(scope="module")

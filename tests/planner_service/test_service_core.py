@@ -373,7 +373,7 @@ def test_vacuum_is_skipped_when_the_disk_has_no_room_for_its_copy(tmp_path, monk
     import shutil
     import sqlite3
 
-    from planner_service.store_sqlite import SQLiteStore as Store
+    from planner_service.store.sqlite import SQLiteStore as Store
 
     db = tmp_path / "full.db"
     old = sqlite3.connect(db)

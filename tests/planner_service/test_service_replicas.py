@@ -83,7 +83,7 @@ def test_a_step_is_planned_once_and_long_polls_wake_on_the_other_replica(pg, tmp
 
 _HOLD = """
 import sys, time
-from planner_service.store_postgres import PostgresStore
+from planner_service.store.postgres import PostgresStore
 store = PostgresStore(sys.argv[1])
 with store.plan_lock("orphan") as got:
     print("locked" if got else "busy", flush=True)
@@ -93,7 +93,7 @@ with store.plan_lock("orphan") as got:
 
 def test_a_replica_that_dies_mid_plan_releases_the_step_to_another(pg, tmp_path):
     from planner_service.core import PlannerCore, ServiceConfig
-    from planner_service.store_postgres import PostgresStore
+    from planner_service.store.postgres import PostgresStore
     from proto.harts.v1 import planner_pb2
 
     # the lock: held by a process, free once it is killed

@@ -153,7 +153,7 @@ def test_disk_full_immutable_and_deleted_database(tmpfs):
 
 
 def test_unwritable_database_at_start_is_not_ready_until_writable(tmpfs):
-    from planner_service.store_sqlite import SQLiteStore as Store
+    from planner_service.store.sqlite import SQLiteStore as Store
 
     db = tmpfs / "ro.db"
     Store(db).close()  # an existing database, then made immutable before the service starts

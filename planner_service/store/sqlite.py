@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from planner_service.errors import NotFoundError, StorageError
-from planner_service.store import COLUMNS as _COLUMNS
-from planner_service.store import NAMES as _NAMES
-from planner_service.store import PLANNED, SUBMITTED, FAILED, StepRecord
-from planner_service.stored_form import pack_body, pack_slice, unpack
+from planner_service.store.records import COLUMNS as _COLUMNS
+from planner_service.store.records import NAMES as _NAMES
+from planner_service.store.records import PLANNED, SUBMITTED, FAILED, StepRecord
+from planner_service.store.stored_form import pack_body, pack_slice, unpack
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from planner_service.errors import NotFoundError, StorageError
-from planner_service.store import COLUMNS, NAMES, PLANNED, SUBMITTED, FAILED, StepRecord
-from planner_service.stored_form import pack_body, pack_slice, unpack
+from planner_service.store.records import COLUMNS, NAMES, PLANNED, SUBMITTED, FAILED, StepRecord
+from planner_service.store.stored_form import pack_body, pack_slice, unpack
 
 log = logging.getLogger(__name__)
 
