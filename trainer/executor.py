@@ -50,6 +50,7 @@ from plan.header import check_header
 from plan.slice_check import check_rank
 from plan.window_exports import export_needs
 from trainer.boundary import kind_of
+from trainer.config.schema import ExecutorSection
 from trainer.layout import RowLayout, layout_from_arrays
 from trainer.loss import LossConfig, MicrobatchLoss, expert_load, microbatch_loss
 from trainer.models.qwen3_next import ModelOutput, Qwen3NextForRL, RunOptions
@@ -73,20 +74,12 @@ def kernel_backend(name: str):
 
 
 @dataclass(slots=True, kw_only=True)
-class ExecutorConfig:
-    """How the executor runs plans."""
+class ExecutorConfig(ExecutorSection):
+    """How the executor runs plans: the config file's `executor` section (chunk_size, backend,
+    aux_loss_coef, attention_backend; `trainer.config.ExecutorSection`) plus what a caller sets in code."""
 
-    chunk_size: int = 64
-    """Linear-attention kernel chunk size C; plans made for another C are rejected."""
-    backend: str = "ref"
-    """Kernel backend of the chunked gated delta rule ("ref" on CPU, "triton" on GPU)."""
-    attention_backend: str = "auto"
-    """Tree-attention backend (`kernels.tree_attention.BACKENDS`); "auto": "blocked" for a model on the
-    CPU (exact, bitwise batch-invariant), "triton" on a GPU."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The RL loss."""
-    aux_loss_coef: float = 0.0
-    """Weight of the occurrence-weighted load-balancing loss of each microbatch (MoE only)."""
     want_logprobs: bool = False
     """Return per-trajectory log-probs in StepResult.logprobs."""
     want_entropies: bool = False
@@ -101,15 +94,7 @@ class ExecutorConfig:
     """Assert that a recomputed forward reproduces its first forward's exports bitwise (tests)."""
 
     def __post_init__(self) -> None:
-        c = self.chunk_size
-        if c < 1 or c & (c - 1):
-            raise ValueError(f"chunk_size: expected a power of two, got {c}")
-        if self.aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
-        from kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
-
-        if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend: expected auto or one of {tuple(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        ExecutorSection.__post_init__(self)  # zero-argument super() fails in slotted dataclasses
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {self.validate!r}")
 

@@ -9,7 +9,8 @@ the original Qwen3-Next layout (per-expert `mlp.experts.{e}.{gate,up,down}_proj.
 head is not written twice), and `harts.json` with the policy version (= completed trainer steps)
 and the step ids that produced it. The export root's `latest` names the newest export; it is
 written last, atomically, so a generator polling it never sees a half-written directory
-(`harts_client.rollouts.latest_export`). This inverts `trainer.models.loading.load_model`.
+(`harts_client.rollouts.latest_export`, `trainer.step_dirs`). Names and layouts come from
+`trainer.models.state_dict_adapter`, so `trainer.models.loading.load_model` reads an export back.
 """
 from __future__ import annotations
 
@@ -22,46 +23,15 @@ from pathlib import Path
 import torch
 
 from trainer.models.config import NAMED_CONFIGS, ModelConfig
+from trainer.models.state_dict_adapter import StateDictAdapter
+from trainer.step_dirs import LATEST, point_latest, prune
 
 log = logging.getLogger(__name__)
 
-__all__ = ["hf_state_dict", "write_hf_dir", "export_checkpoint", "model_config_of_meta", "prune", "LATEST", "META"]
+__all__ = ["write_hf_dir", "export_checkpoint", "model_config_of_meta", "point_latest", "prune", "LATEST", "META"]
 
-LATEST = "latest"
 META = "harts.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our parameter names -> the Qwen3-Next checkpoint names and layouts.
-
-    Stacked experts `experts.gate_up_proj` [E, 2I, D] / `experts.down_proj` [E, D, I] become
-    per-expert `experts.{e}.gate_proj.weight` [I, D], `up_proj.weight` [I, D], `down_proj.weight`
-    [D, I]; with tied embeddings `lm_head.weight` is left out. Every other name is already HF's.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
-            inner = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inner]
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inner:]
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
-        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        else:
-            out[name] = t
-    return out
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
@@ -83,7 +53,7 @@ def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConf
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     tensors = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
-               for k, v in hf_state_dict(state, cfg).items()}
+               for k, v in StateDictAdapter(cfg).to_hf(state).items()}
     shards: list[list[str]] = [[]]
     size = 0
     for name in sorted(tensors):
@@ -109,23 +79,6 @@ def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConf
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
-
-
-def point_latest(root: str | Path, name: str) -> None:
-    """Point `root/latest` at the export `name` (atomically)."""
-    _write_atomic(Path(root) / LATEST, name + "\n")
-
-
-def prune(root: str | Path, keep: int, prefix: str = "step-") -> list[Path]:
-    """Delete all but the newest `keep` `<prefix>XXXXXXXX` directories under root (0: keep all); returns them."""
-    if keep <= 0:
-        return []
-    root = Path(root)
-    dirs = sorted(p for p in root.glob(f"{prefix}*") if p.is_dir() and p.name[len(prefix):].isdigit())
-    doomed = dirs[:-keep]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed
 
 
 def model_config_of_meta(meta: dict) -> ModelConfig:

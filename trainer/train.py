@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from trainer.config import ConfigError, TrainerConfig, add_config_arguments, config_from_namespace, to_dict
 
@@ -86,131 +87,167 @@ def train(cfg: TrainerConfig) -> dict:
     Raises:
         TrainError: planner unreachable, a plan this rank cannot run, a checkpoint of another run.
     """
+    from trainer.distributed import init_distributed, shutdown
+
+    stop = _StopFlag()
+    stop.install()
+    ctx = init_distributed(single_process_group=cfg.parallelism.data_parallel == "fsdp")
+    run = None
+    try:
+        run = _setup(cfg, ctx, stop)
+        if run.start >= cfg.job.steps:
+            log.info("checkpoint already has %d of %d steps; nothing to do", run.start, cfg.job.steps)
+            return {"step": run.start}
+        return _loop(run)
+    except TrainError as exc:
+        raise TrainError(f"[rank {ctx.rank}/{ctx.world_size}] {exc}") from None
+    finally:
+        stop.uninstall()
+        if run is not None:
+            run.close()
+        shutdown(ctx)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Run:
+    """What `_setup` builds for one rank's run: the model and its optimizer, executors, the planner client."""
+
+    cfg: TrainerConfig
+    ctx: object
+    """trainer.distributed.DistContext."""
+    stop: "_StopFlag"
+    model: object
+    params: list
+    opt: object
+    executor: object
+    stand_in: object
+    """The executor of participation stand-ins (no slice check: `participation_slice` builds them)."""
+    sync: object
+    start: int
+    """Completed steps at start (from a resumed checkpoint)."""
+    client: object = None
+    writer: object = None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.client is not None:
+            self.client.close()
+
+
+def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
+    """Build the model (seeded), shard it, make the optimizer and executors, resume, reach the planner."""
     # torch and the model are imported here, not at the top, so that `harts --help` stays fast.
     import torch
 
+    from harts_client.client import PlannerClient, RetryPolicy
     from trainer import checkpoint
-    from harts_client.client import ChecksumError, PlannerClient, PlannerError, RetryPolicy
-    from trainer.distributed import init_distributed, shutdown
     from trainer.executor import Executor, ExecutorConfig
-    from trainer.metrics import MetricsWriter
     from trainer.models import build_model
     from trainer.optim import make_optimizer
     from trainer.parallelize import GradSync, make_mesh, parallelize
 
-    stop = _StopFlag()
-    stop.install()
-    fsdp = cfg.parallelism.data_parallel == "fsdp"
-    ctx = init_distributed(single_process_group=fsdp)
-    prefix = f"[rank {ctx.rank}/{ctx.world_size}] "
-    client = None
+    torch.manual_seed(cfg.job.seed)
     try:
-        torch.manual_seed(cfg.job.seed)
-        try:
-            model = build_model(cfg.model.name, seed=cfg.job.seed).to(ctx.device)
-            model = parallelize(model, make_mesh(cfg.parallelism, ctx), cfg.parallelism, ctx)
-        except ValueError as exc:
-            raise TrainError(str(exc)) from None
-        params = [p for p in model.parameters() if p.requires_grad]
-        o = cfg.optimizer
-        opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        ex_cfg = dict(chunk_size=cfg.executor.chunk_size, backend=cfg.executor.backend, objective=cfg.objective,
-                      attention_backend=cfg.executor.attention_backend,
-                      aux_loss_coef=cfg.executor.aux_loss_coef, want_entropies=cfg.metrics.entropy)
-        executor = Executor(model, ExecutorConfig(**ex_cfg))
-        stand_in = Executor(model, ExecutorConfig(**ex_cfg, validate="none"))
-        sync = GradSync(model, ctx)
+        model = build_model(cfg.model.name, seed=cfg.job.seed).to(ctx.device)
+        model = parallelize(model, make_mesh(cfg.parallelism, ctx), cfg.parallelism, ctx)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    ex_cfg = dict(to_dict(cfg.executor), objective=cfg.objective, want_entropies=cfg.metrics.entropy)
+    run = _Run(cfg=cfg, ctx=ctx, stop=stop, model=model, params=params, opt=opt,
+               executor=Executor(model, ExecutorConfig(**ex_cfg)),
+               stand_in=Executor(model, ExecutorConfig(**ex_cfg, validate="none")), sync=GradSync(model, ctx),
+               start=_resume(cfg, model, opt, checkpoint) if cfg.checkpoint.resume else 0)
+    if run.start >= cfg.job.steps:
+        return run
+    run.client = PlannerClient(cfg.planner.url, token=cfg.planner.token, retry=RetryPolicy(attempts=4, backoff_s=0.2))
+    try:
+        run.client.wait_ready(cfg.planner.ready_timeout)
+    except TimeoutError:
+        raise TrainError(f"planner at {cfg.planner.url}: not reachable or not ready after {cfg.planner.ready_timeout:g} s "
+                         "(check --planner.url and that `harts serve` is running)") from None
+    if ctx.is_main:
+        log.info("planner %s ready; training steps %d..%d of %d (%s, %d rank(s))", cfg.planner.url, run.start + 1,
+                 cfg.job.steps, cfg.job.steps, cfg.parallelism.data_parallel, ctx.world_size)
+    return run
 
-        start = _resume(cfg, model, opt, checkpoint) if cfg.checkpoint.resume else 0
-        if start >= cfg.job.steps:
-            log.info("checkpoint already has %d of %d steps; nothing to do", start, cfg.job.steps)
-            return {"step": start}
 
-        client = PlannerClient(cfg.planner.url, token=cfg.planner.token, retry=RetryPolicy(attempts=4, backoff_s=0.2))
-        try:
-            client.wait_ready(cfg.planner.ready_timeout)
-        except TimeoutError:
-            raise TrainError(f"planner at {cfg.planner.url}: not reachable or not ready after {cfg.planner.ready_timeout:g} s "
-                             "(check --planner.url and that `harts serve` is running)") from None
+def _fetch(run: _Run, i: int):
+    """Step i's plan slice for this rank (long-poll; checked for this step, rank and world size)."""
+    from harts_client.client import ChecksumError, PlannerError, WrongSliceError
+
+    sid, rank = run.cfg.step_id(i), run.ctx.rank
+    timeout = run.cfg.planner.plan_timeout
+    try:
+        return run.client.fetch_plan(sid, rank, timeout=timeout, poll=min(30.0, timeout), world_size=run.ctx.world_size)
+    except PlannerError as exc:
+        raise TrainError(f"step {sid!r} rank {rank}: the planner answered {exc}") from None
+    except TimeoutError:
+        raise TrainError(f"step {sid!r} rank {rank}: no plan after {timeout:g} s "
+                         "(was the step submitted and planned?)") from None
+    except WrongSliceError as exc:
+        raise TrainError(f"step {sid!r} rank {rank}: {exc}") from None
+    except ChecksumError as exc:
+        raise TrainError(f"step {sid!r} rank {rank}: corrupted plan slice: {exc}") from None
+
+
+def _loop(run: _Run) -> dict:
+    """Steps start..job.steps: fetch (the next plan prefetched while one trains), train, log, save."""
+    from trainer import checkpoint
+    from trainer.metrics import MetricsWriter
+
+    cfg, ctx = run.cfg, run.ctx
+    try:
+        run.writer = MetricsWriter(cfg.metrics, is_main=ctx.is_main,
+                                   resume_step=run.start if cfg.checkpoint.resume else -1)
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"metrics: {exc}") from None
+    prefetch = _Prefetch(lambda i: _fetch(run, i), run.start)
+    last: dict = {}
+    for i in range(run.start, cfg.job.steps):
+        sid = cfg.step_id(i)
+        t_wait = time.perf_counter()
+        plan = prefetch.get(i, run.stop)
+        if plan is None:
+            log.warning("SIGTERM while waiting for the plan of step %r: exiting after %d completed steps "
+                        "(no new checkpoint)", sid, i)
+            last["stopped"] = True
+            break
+        wait_seconds = time.perf_counter() - t_wait
+        if i + 1 < cfg.job.steps:
+            prefetch.start(i + 1)
+        last, stopping = _train_step(plan, i, run)
+        last["wait_seconds"] = wait_seconds
+        done = i + 1
         if ctx.is_main:
-            log.info("planner %s ready; training steps %d..%d of %d (%s, %d rank(s))", cfg.planner.url, start + 1,
-                     cfg.job.steps, cfg.job.steps, cfg.parallelism.data_parallel, ctx.world_size)
-
-        def fetch(i: int):
-            sid = cfg.step_id(i)
-            timeout = cfg.planner.plan_timeout
-            try:
-                return client.fetch_plan(sid, ctx.rank, timeout=timeout, poll=min(30.0, timeout))
-            except PlannerError as exc:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: the planner answered {exc}") from None
-            except TimeoutError:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: no plan after {timeout:g} s "
-                                 "(was the step submitted and planned?)") from None
-            except ChecksumError as exc:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: corrupted plan slice: {exc}") from None
-
-        try:
-            writer = MetricsWriter(cfg.metrics, is_main=ctx.is_main, resume_step=start if cfg.checkpoint.resume else -1)
-        except (OSError, ValueError) as exc:
-            raise TrainError(f"metrics: {exc}") from None
-        prefetch = _Prefetch(fetch, start)
-        last: dict = {}
-        try:
-            for i in range(start, cfg.job.steps):
-                sid = cfg.step_id(i)
-                t_wait = time.perf_counter()
-                plan = prefetch.get(i, stop)
-                if plan is None:
-                    log.warning("SIGTERM while waiting for the plan of step %r: exiting after %d completed steps "
-                                "(no new checkpoint)", sid, i)
-                    last["stopped"] = True
-                    break
-                wait_seconds = time.perf_counter() - t_wait
-                if i + 1 < cfg.job.steps:
-                    prefetch.start(i + 1)
-                last, stopping = _train_step(plan, i, cfg, ctx, executor, stand_in, sync, model, params, opt, stop)
-                last["wait_seconds"] = wait_seconds
-                done = i + 1
-                if ctx.is_main:
-                    log.info("step %d/%d %s loss %.6f grad_norm %.4g lr %.3g tokens %d computed / %d expanded (%.2fx) "
-                             "%.3f s %.0f tok/s%s", done, cfg.job.steps, sid, last["loss"], last["grad_norm"], last["lr"],
-                             last["computed_tokens"], last["expanded_tokens"], last["compression"], last["seconds"],
-                             last["tokens_per_s"], " (stale batch rejected)" if last.get("skipped") else "")
-                writer.write(last)
-                _save_and_export(cfg, ctx, model, opt, checkpoint, done, final=done == cfg.job.steps or stopping)
-                if stopping:
-                    if ctx.is_main:
-                        log.warning("SIGTERM: stopped after step %d of %d", done, cfg.job.steps)
-                    break
-        finally:
-            writer.close()
-        return last
-    except TrainError as exc:
-        raise TrainError(prefix + str(exc)) from None
-    finally:
-        stop.uninstall()
-        if client is not None:
-            client.close()
-        shutdown(ctx)
+            log.info("step %d/%d %s loss %.6f grad_norm %.4g lr %.3g tokens %d computed / %d expanded (%.2fx) "
+                     "%.3f s %.0f tok/s%s", done, cfg.job.steps, sid, last["loss"], last["grad_norm"], last["lr"],
+                     last["computed_tokens"], last["expanded_tokens"], last["compression"], last["seconds"],
+                     last["tokens_per_s"], " (stale batch rejected)" if last.get("skipped") else "")
+        run.writer.write(last)
+        _save_and_export(cfg, ctx, run.model, run.opt, checkpoint, done, final=done == cfg.job.steps or stopping)
+        if stopping:
+            if ctx.is_main:
+                log.warning("SIGTERM: stopped after step %d of %d", done, cfg.job.steps)
+            break
+    return last
 
 
-def _train_step(plan, i: int, cfg: TrainerConfig, ctx, executor, stand_in, sync, model, params, opt,
-                stop: "_StopFlag") -> tuple[dict, bool]:
+def _train_step(plan, i: int, run: _Run) -> tuple[dict, bool]:
     """One step on this rank: run the slice, SUM-reduce gradients, clip, schedule the lr, AdamW.
 
     Returns:
         (metrics reduced over ranks, whether any rank has seen SIGTERM).
     """
-    from proto.arrays import unpack
-    from trainer.distributed import all_reduce_values
-    from trainer.metrics import STAT_MAX, STAT_MIN, STAT_SUMS, advantage_partials, moments, peak_memory_mib, \
-        reward_metrics, stat_metrics
     from trainer.optim import lr_at, set_lr
     from trainer.parallelize import grad_norm_and_clip, participation_slice, run_slice, scale_grads
 
+    cfg, ctx, opt = run.cfg, run.ctx, run.opt
     sid = cfg.step_id(i)
     t0 = time.perf_counter()
-    _check_slice(plan, sid, ctx)
     version = batch_policy_version(plan.header)
     staleness, factor = staleness_scale(i, version, cfg.staleness)
     ls = cfg.lr_schedule
@@ -223,26 +260,42 @@ def _train_step(plan, i: int, cfg: TrainerConfig, ctx, executor, stand_in, sync,
         torch.cuda.reset_peak_memory_stats(ctx.device)
     res, grad_norm, n_mb = None, 0.0, len(plan.rank.microbatches)
     if factor > 0:
-        runner, work = executor, plan
+        runner, work = run.executor, plan
         if not n_mb:  # no microbatches here: a zero-loss stand-in keeps this rank in the collectives
-            runner, work = stand_in, participation_slice(plan, conv_kernel=model.config.linear_conv_kernel_dim)
+            runner, work = run.stand_in, participation_slice(plan, conv_kernel=run.model.config.linear_conv_kernel_dim)
         try:
-            res = run_slice(runner, work, sync)  # forward + backward of every microbatch
+            res = run_slice(runner, work, run.sync)  # forward + backward of every microbatch
         except ValueError as exc:
             raise TrainError(f"step {sid!r}: {exc}") from None
-        sync.finish_step(params)
-        scale_grads(params, factor)
-        grad_norm = grad_norm_and_clip(params, cfg.optimizer.max_grad_norm, ctx, sharded=sync.fsdp)
+        run.sync.finish_step(run.params)
+        scale_grads(run.params, factor)
+        grad_norm = grad_norm_and_clip(run.params, cfg.optimizer.max_grad_norm, ctx, sharded=run.sync.fsdp)
         opt.step()
     opt.zero_grad(set_to_none=True)
+    out, stopping = _step_metrics(plan, i, run, res if n_mb else None, seconds_since=t0)
+    out.update(grad_norm=grad_norm, lr=lr, skipped=int(factor == 0))
+    if factor == 0:
+        out["tokens_per_s"] = 0.0
+    if version is not None:
+        out.update(batch_policy_version=version, staleness=staleness, staleness_scale=factor)
+    return out, stopping
 
-    real = res is not None and n_mb > 0
+
+def _step_metrics(plan, i: int, run: _Run, res, *, seconds_since: float) -> tuple[dict, bool]:
+    """The step's metrics summed / maxed / minned over ranks (collective), and whether any rank stops."""
+    from proto.arrays import unpack
+    from trainer.distributed import all_reduce_values
+    from trainer.metrics import STAT_MAX, STAT_MIN, STAT_SUMS, advantage_partials, moments, peak_memory_mib, \
+        reward_metrics, stat_metrics
+
+    ctx = run.ctx
+    real = res is not None
     stats = res.stats if real else {}
     adv = advantage_partials(plan)
     sums = [res.loss if real else 0.0, res.policy_loss if real else 0.0, res.kl if real else 0.0,
-            res.aux_loss if real else 0.0, res.computed_tokens if real else 0, res.loss_tokens if real else 0.0, n_mb,
-            res.windows if real else 0, res.recomputed_microbatches if real else 0,
-            float(stop.requested), *adv[:3]]
+            res.aux_loss if real else 0.0, res.computed_tokens if real else 0, res.loss_tokens if real else 0.0,
+            len(plan.rank.microbatches), res.windows if real else 0, res.recomputed_microbatches if real else 0,
+            float(run.stop.requested), *adv[:3]]
     sums += [float(stats.get(k, 0.0)) for k in STAT_SUMS] + [float(k in stats) for k in STAT_SUMS]
     maxes = [adv[3], peak_memory_mib(ctx.device)] + [float(stats.get(k, float("-inf"))) for k in STAT_MAX]
     mins = [adv[4]] + [float(stats.get(k, float("inf"))) for k in STAT_MIN]
@@ -254,26 +307,23 @@ def _train_step(plan, i: int, cfg: TrainerConfig, ctx, executor, stand_in, sync,
     stat_sums = {key: v for key, v, have in zip(STAT_SUMS, sums[13:13 + k], sums[13 + k:]) if have > 0}
     stat_max = {key: v for key, v in zip(STAT_MAX, maxes[2:]) if v != float("-inf")}
     stat_min = {key: v for key, v in zip(STAT_MIN, mins[1:]) if v != float("inf")}
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - seconds_since
     expanded = int(plan.header.stats.expanded_tokens) or int(
         unpack(plan.header.trajectory_lengths, "int32", name="trajectory_lengths").sum())
     out = {
-        "step": i + 1, "step_id": sid, "policy_version": i + 1, "loss": loss, "policy_loss": policy, "kl": kl,
-        "aux_loss": aux, "grad_norm": grad_norm, "lr": lr, "loss_tokens": loss_tokens,
+        "step": i + 1, "step_id": run.cfg.step_id(i), "policy_version": i + 1, "loss": loss, "policy_loss": policy,
+        "kl": kl, "aux_loss": aux, "grad_norm": 0.0, "lr": 0.0, "loss_tokens": loss_tokens,
         "computed_tokens": int(computed), "expanded_tokens": expanded,
         "compression": expanded / max(computed, 1.0), "microbatches": int(mbs), "windows": int(windows),
-        "recomputed_microbatches": int(recomputed), "seconds": seconds,
-        "tokens_per_s": expanded / seconds if factor > 0 else 0.0,
+        "recomputed_microbatches": int(recomputed), "seconds": seconds, "tokens_per_s": expanded / seconds,
         "computed_tokens_per_s": computed / seconds, "peak_memory_mib": maxes[1], "world_size": ctx.world_size,
-        "skipped": int(factor == 0),
+        "skipped": 0,
     }
     if an > 0:
         out["advantage_mean"], out["advantage_std"] = moments(an, asum, asq)
         out["advantage_min"], out["advantage_max"] = mins[0], maxes[0]
     out.update(stat_metrics(stat_sums, stat_max, stat_min))
     out.update(reward_metrics(plan.header))
-    if version is not None:
-        out.update(batch_policy_version=version, staleness=staleness, staleness_scale=factor)
     return out, stopping > 0
 
 
@@ -313,16 +363,6 @@ def _export(cfg: TrainerConfig, ctx, model, done: int) -> None:
         prune(root, cfg.checkpoint.keep_last_exports)
         log.info("export %s (policy_version %d)", out, done)
     barrier(ctx)
-
-
-def _check_slice(plan, sid: str, ctx) -> None:
-    """The plan must be made for this topology and this rank."""
-    ws = plan.header.params.world_size
-    if ws != ctx.world_size:
-        raise TrainError(f"step {sid!r}: the plan is for world_size={ws}, but this run has {ctx.world_size} "
-                         f"rank(s); launch torchrun with --nproc_per_node={ws} (x nodes) or re-plan the step")
-    if plan.rank.rank != ctx.rank:
-        raise TrainError(f"step {sid!r}: expected the slice of rank {ctx.rank}, got rank {plan.rank.rank}")
 
 
 def _meta(cfg: TrainerConfig, model, done: int) -> dict:

@@ -12,7 +12,7 @@ from harts_cli.main import main
 from tests.executor_helpers import make_plan
 from trainer.executor import Executor, ExecutorConfig, StepResult
 from trainer.models import build_model
-from trainer.models.qwen3_next import compute_dtype
+from kernels.dtypes import compute_dtype
 from trainer.objectives import ObjectiveConfig
 from trainer.verify import compare_runs, f64_reference_report, grad_rel_errors, run_and_capture
 

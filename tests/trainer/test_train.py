@@ -182,6 +182,37 @@ def test_config_rejects_bad_values_naming_the_dotted_field(flags, message):
         load_config(None, flags)
 
 
+def test_executor_section_is_the_executor_configs_one_definition():
+    """The config file's executor section and ExecutorConfig share one definition of those fields,
+    and the schema's backend names (spelled out to keep torch out of it) are the kernels'."""
+    from kernels.gated_delta_rule import BACKENDS as KERNELS
+    from kernels.tree_attention import BACKENDS as ATTENTION
+    from trainer.config.schema import ATTENTION_BACKENDS, KERNEL_BACKENDS, ExecutorSection
+    from trainer.executor import ExecutorConfig
+
+    assert issubclass(ExecutorConfig, ExecutorSection)
+    assert set(KERNEL_BACKENDS) == set(KERNELS) and set(ATTENTION_BACKENDS) == {"auto", *ATTENTION}
+    section = load_config(None, ["--executor.chunk_size", "16", "--executor.attention_backend", "ref"]).executor
+    ex = ExecutorConfig(**to_dict(section), validate="none")
+    assert (ex.chunk_size, ex.attention_backend) == (16, "ref")
+    with pytest.raises(ValueError, match="chunk_size: expected a power of two, got 12"):
+        ExecutorConfig(chunk_size=12)
+    with pytest.raises(ValueError, match="validate: expected one of"):
+        ExecutorConfig(validate="some")
+
+
+def test_step_dirs_prune_keeps_the_newest_and_the_one_latest_names(tmp_path):
+    from trainer.step_dirs import latest_name, point_latest, prune, step_name
+
+    for step in (1, 2, 3, 4):
+        (tmp_path / step_name(step)).mkdir()
+    point_latest(tmp_path, step_name(1))
+    assert latest_name(tmp_path) == "step-00000001" and not (tmp_path / "latest.tmp").exists()
+    assert [p.name for p in prune(tmp_path, 2)] == ["step-00000002"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001", "step-00000003", "step-00000004"]
+    assert prune(tmp_path, 0) == []
+
+
 def test_step_ids_from_prefix_or_list():
     assert load_config(None, ["--steps", "2"]).step_id(1) == "step-1"
     assert load_config(None, ["--job.steps", "2", "--job.step_ids", "a,b,c"]).step_id(1) == "b"

@@ -1,24 +1,21 @@
 """Load a Hugging Face Qwen3-Next model directory (config.json + safetensors) into `Qwen3NextForRL`.
 
-Accepts the original checkpoint layout (per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`,
-what `save_pretrained` writes) and the transformers v5 in-memory layout (`mlp.experts.gate_up_proj`,
-`mlp.experts.down_proj`). Multi-token-prediction weights (`mtp.*`) are ignored.
+Names and layouts (per-expert or stacked experts, tied embeddings, `mtp.*` ignored) go through
+`trainer.models.state_dict_adapter.StateDictAdapter`, the one mapping `harts export` inverts.
 """
 from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
 
 from trainer.models.config import NAMED_CONFIGS, ModelConfig
 from trainer.models.qwen3_next import Qwen3NextForRL
+from trainer.models.state_dict_adapter import StateDictAdapter
 
 log = logging.getLogger(__name__)
-
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:
@@ -49,24 +46,6 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _regroup_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> stacked gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
-    out, experts = {}, {}
-    for name, t in raw.items():
-        m = _EXPERT.match(name)
-        if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-        else:
-            out[name] = t
-    for prefix, by_e in experts.items():
-        E = max(by_e) + 1
-        if sorted(by_e) != list(range(E)) or any(len(v) != 3 for v in by_e.values()):
-            raise ValueError(f"{prefix}: expected gate/up/down weights for experts 0..{E - 1}, got an incomplete set")
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]], 0) for e in range(E)])
-        out[f"{prefix}.down_proj"] = torch.stack([by_e[e]["down_proj"] for e in range(E)])
-    return out
-
-
 def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> Qwen3NextForRL:
     """Build the model from a checkpoint directory and load every weight.
 
@@ -76,9 +55,10 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> 
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     model = Qwen3NextForRL(cfg)
-    state = {k: v for k, v in _regroup_experts(_read_tensors(model_dir)).items() if not k.startswith("mtp.")}
-    if cfg.tie_word_embeddings:
-        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+    try:
+        state = StateDictAdapter(cfg).from_hf(_read_tensors(model_dir))
+    except ValueError as exc:
+        raise ValueError(f"model directory {model_dir}: {exc}") from None
     want = model.state_dict()
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))

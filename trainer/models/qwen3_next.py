@@ -19,9 +19,9 @@ attention reduces over keys in blocks at fixed depths (`kernels.tree_attention.b
 forward is therefore bitwise equal between a tree run and its expanded run in fp32 on CPU.
 
 Dtypes: where a value is upcast for accuracy (norms, the decay g, the router softmax, RoPE) it goes
-to `compute_dtype(x)` = promote(x.dtype, fp32), never to a hard-coded fp32: fp32 and bf16 models
-compute exactly as before, and a float64 model (`model.double()`) computes in float64 end to end,
-the oracle of `harts verify --f64-reference`.
+to `compute_dtype(x)` = promote(x.dtype, fp32) (`kernels.dtypes`, shared with the kernels), never
+to a hard-coded fp32: fp32 and bf16 models compute exactly as before, and a float64 model
+(`model.double()`) computes in float64 end to end, the oracle of `harts verify --f64-reference`.
 
 Legend: R rows, D hidden, H heads, Hk/Hv linear key/value heads, Kd/Vd linear head dims,
 hd attention head dim, E experts, k top-k, C conv channels, K conv kernel, V vocab.
@@ -37,17 +37,12 @@ from torch import nn
 from plan.window_exports import ATTN, CONV, KERNEL
 from trainer import tree_ops
 from trainer.boundary import Boundary
+from kernels.dtypes import compute_dtype
 from kernels.tree_attention import attention_backend
 from trainer.models.config import FULL, ModelConfig
 
 #: rows per tile of RowLinear; every tile is one same-shape GEMM.
 ROW_TILE = 32
-
-
-def compute_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
-    """The dtype a value is upcast to for accuracy: at least fp32 (fp32 for bf16/fp16/fp32, float64
-    kept), so a float64 model computes in float64 end to end and fp32/bf16 runs are unchanged."""
-    return torch.promote_types(x if isinstance(x, torch.dtype) else x.dtype, torch.float32)
 
 
 def row_linear(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
@@ -401,7 +396,8 @@ class Backbone(nn.Module):
 
 
 class Qwen3NextForRL(nn.Module):
-    """The hybrid decoder plus lm head; `forward` maps a layout's rows to final hidden states."""
+    """The hybrid decoder plus lm head; `forward` runs a layout's rows and returns a `ModelOutput`
+    (the final normed hidden states, the logits of the requested rows, MoE routing, window exports)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -450,25 +446,3 @@ class Qwen3NextForRL(nn.Module):
     def logits(self, h_RD: torch.Tensor) -> torch.Tensor:
         """lm head of hidden states (outside a forward: tests and single-process tools)."""
         return self.lm_head(h_RD)
-
-
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Rough forward matmul FLOPs per row (for reports)."""
-    D = cfg.hidden_size
-    per = 2 * D * cfg.vocab_size
-    for i in range(cfg.num_hidden_layers):
-        if cfg.layer_types[i] == FULL:
-            per += 2 * D * (cfg.num_attention_heads * cfg.head_dim * 3 + 2 * cfg.num_key_value_heads * cfg.head_dim)
-        else:
-            kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            per += 2 * D * (2 * kd + 3 * vd + 2 * cfg.linear_num_value_heads)
-        if cfg.is_moe_layer(i):
-            per += 2 * D * (3 * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 3 * cfg.shared_expert_intermediate_size)
-        else:
-            per += 6 * D * cfg.intermediate_size
-    return float(per)
-
