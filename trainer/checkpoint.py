@@ -36,7 +36,7 @@ from trainer.step_dirs import LATEST, latest_name, point_latest, prune, step_nam
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "load", "latest", "read_meta", "prune", "CheckpointError"]
+__all__ = ["save", "load", "load_model_tensors", "latest", "read_meta", "prune", "CheckpointError"]
 
 META = "harts.json"
 
@@ -112,3 +112,18 @@ def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Opt
     if step != meta.get("step"):
         raise CheckpointError(f"{path}: expected step {meta.get('step')} (from {META}), got {step} in the DCP state")
     return meta
+
+
+def load_model_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Read some of a checkpoint's model tensors by parameter name into `tensors` (full, in this process).
+
+    Only those tensors are read (`harts export` goes unit by unit).
+    Raises:
+        CheckpointError: a name the checkpoint does not have.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load({"model": tensors}, checkpoint_id=str(path), no_dist=True)
+        except (RuntimeError, KeyError) as exc:  # DCP raises CheckpointException (a RuntimeError) for missing keys
+            raise CheckpointError(f"{path}: expected model tensors {sorted(tensors)[:3]}..., got {exc}") from None

@@ -12,20 +12,25 @@ examples/train_tiny_fsdp.toml) overridden by dotted flags (`--section.field valu
 of earlier releases (`--steps`, `--lr`, `--planner-url`, `--checkpoint-dir`, ...) still work.
 
 Step i (0-based) trains the planner step `job.step_ids[i]`, or `<job.step_prefix><i>`. Every rank
-builds the model from `job.seed`, applies `trainer.parallelize` (FSDP2 by default, or
-`--data-parallel replicate`), long-polls its own slice of the step's plan (the next one is
-fetched in the background while the current one trains), runs it with the executor (no
-gradient communication until the rank's last backward; a rank without microbatches runs a
-zero-loss stand-in so that it takes part in the collectives), SUM-reduces gradients once, clips
-them, sets the scheduled learning rate, steps AdamW and logs one metrics line from rank 0
-(`trainer.metrics` lists the keys; JSONL and TensorBoard). The plan's world size must equal
-torchrun's, and its chunk size, conv kernel and vocabulary the model's.
+builds its part of the model on the meta device and fills only its FSDP2 shards (from
+`job.seed`, the same weights at any world size; from a Hugging Face directory; or, resuming, from
+the checkpoint; `--data-parallel replicate` builds full replicas), applies `trainer.parallelize`,
+long-polls its own slice of the step's plan (the next one is fetched in the background while the
+current one trains), runs it with the executor and reduces the gradients: with
+`parallelism.reshard_after_forward` true, FSDP2 gathers each unit per forward and per backward
+and reduce-scatters after every backward, on lock-step plans only (a free plan is refused with
+an error naming the field); otherwise units stay gathered and gradients are SUM-reduced once, in
+the rank's last backward (a rank without microbatches runs a zero-loss stand-in so that it takes
+part in the collectives). Then it clips, sets the scheduled learning rate, steps AdamW and logs
+one metrics line from rank 0 (`trainer.metrics` lists the keys, `peak_param_grad_bytes` among
+them; JSONL and TensorBoard). The plan's world size must equal torchrun's, and its chunk size,
+conv kernel and vocabulary the model's.
 
 Checkpoints (sharded DCP: model, optimizer, step; loadable at any world size) go to
 `checkpoint.dir` every `checkpoint.every` steps and after the last one, keeping the newest
 `checkpoint.keep_last`; `checkpoint.resume` continues from the newest one. Every
 `checkpoint.export_every` steps rank 0 writes a Hugging Face directory for the generators
-(`trainer.export`) carrying the policy version (= completed steps). A batch submitted with a
+(`trainer.export`, gathered one unit at a time) carrying the policy version (= completed steps). A batch submitted with a
 `policy_version` older than `staleness.max_staleness` versions is rejected (skipped) or
 down-weighted (`staleness.mode`). SIGTERM (on any rank) finishes the current step, checkpoints
 and exits 0 (a rank still waiting for a plan exits at once, keeping the previous checkpoint).
@@ -123,8 +128,14 @@ class _Run:
     stand_in: object
     """The executor of participation stand-ins (no slice check: `participation_slice` builds them)."""
     sync: object
+    reshard: bool
+    """parallelism.reshard_after_forward, resolved: lock-step plans only."""
     start: int
     """Completed steps at start (from a resumed checkpoint)."""
+    gauge: object = None
+    """trainer.param_memory.ParamGradGauge: peak_param_grad_bytes of each step."""
+    full_bytes: int = 0
+    """full_param_grad_bytes: full parameters plus full gradients."""
     client: object = None
     writer: object = None
 
@@ -136,31 +147,32 @@ class _Run:
 
 
 def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
-    """Build the model (seeded), shard it, make the optimizer and executors, resume, reach the planner."""
+    """Build this rank's part of the model, make the optimizer and executors, resume, reach the planner."""
     # torch and the model are imported here, not at the top, so that `harts --help` stays fast.
     import torch
 
     from harts_client.client import PlannerClient, RetryPolicy
     from trainer import checkpoint
     from trainer.executor import Executor, ExecutorConfig
-    from trainer.models import build_model
     from trainer.optim import make_optimizer
-    from trainer.parallelize import GradSync, make_mesh, parallelize
+    from trainer.param_memory import ParamGradGauge
+    from trainer.parallelize import GradSync, full_param_grad_bytes
 
     torch.manual_seed(cfg.job.seed)
-    try:
-        model = build_model(cfg.model.name, seed=cfg.job.seed).to(ctx.device)
-        model = parallelize(model, make_mesh(cfg.parallelism, ctx), cfg.parallelism, ctx)
-    except ValueError as exc:
-        raise TrainError(str(exc)) from None
+    resume_from = _resume_path(cfg, checkpoint) if cfg.checkpoint.resume else None
+    model, reshard = _build_model(cfg, ctx, init=resume_from is None)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
     opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    ex_cfg = dict(to_dict(cfg.executor), objective=cfg.objective, want_entropies=cfg.metrics.entropy)
-    run = _Run(cfg=cfg, ctx=ctx, stop=stop, model=model, params=params, opt=opt,
+    fsdp = cfg.parallelism.data_parallel == "fsdp"
+    ex_cfg = dict(to_dict(cfg.executor), objective=cfg.objective, want_entropies=cfg.metrics.entropy,
+                  reach_all_units=fsdp)
+    run = _Run(cfg=cfg, ctx=ctx, stop=stop, model=model, params=params, opt=opt, reshard=reshard,
                executor=Executor(model, ExecutorConfig(**ex_cfg)),
-               stand_in=Executor(model, ExecutorConfig(**ex_cfg, validate="none")), sync=GradSync(model, ctx),
-               start=_resume(cfg, model, opt, checkpoint) if cfg.checkpoint.resume else 0)
+               stand_in=Executor(model, ExecutorConfig(**ex_cfg, validate="none")),
+               sync=GradSync(model, ctx, every_backward=reshard),
+               gauge=ParamGradGauge(model, enabled=cfg.metrics.param_grad_bytes), full_bytes=full_param_grad_bytes(model),
+               start=_resume(cfg, resume_from, model, opt, checkpoint) if resume_from is not None else 0)
     if run.start >= cfg.job.steps:
         return run
     run.client = PlannerClient(cfg.planner.url, token=cfg.planner.token, retry=RetryPolicy(attempts=4, backoff_s=0.2))
@@ -173,6 +185,48 @@ def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
         log.info("planner %s ready; training steps %d..%d of %d (%s, %d rank(s))", cfg.planner.url, run.start + 1,
                  cfg.job.steps, cfg.job.steps, cfg.parallelism.data_parallel, ctx.world_size)
     return run
+
+
+def _build_model(cfg: TrainerConfig, ctx, *, init: bool):
+    """(this rank's model, reshard_after_forward): built on the meta device and sharded before any
+    weight exists, so that no rank materialises the whole model under FSDP2 (`trainer.models.loading`).
+
+    `init`: fill the weights from job.seed or the model directory; False leaves them for a checkpoint.
+    """
+    from trainer.models import build_model, meta_model, model_config
+    from trainer.parallelize import full_param_grad_bytes, make_mesh, parallelize, resolve_reshard
+
+    try:
+        mcfg = model_config(cfg.model.name)
+        full = full_param_grad_bytes(meta_model(mcfg))
+        reshard = resolve_reshard(cfg.parallelism, full, ctx.device)
+        _log_model_memory(cfg, ctx, full, reshard)
+        if cfg.parallelism.data_parallel == "fsdp":
+            mesh = make_mesh(cfg.parallelism, ctx)
+            model = build_model(cfg.model.name, seed=cfg.job.seed, device=ctx.device, fill=init,
+                                shard=lambda m: parallelize(m, mesh, cfg.parallelism, ctx, reshard=reshard))
+        else:  # full replicas: every rank builds them, rank 0's weights are broadcast
+            model = build_model(cfg.model.name, seed=cfg.job.seed, device=ctx.device, fill=init)
+            model = parallelize(model, None, cfg.parallelism, ctx)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
+    return model, reshard
+
+
+def _log_model_memory(cfg: TrainerConfig, ctx, full_bytes: int, reshard: bool) -> None:
+    """One start-up line: the full parameters plus gradients, what a rank holds of them, the schedule.
+
+    The seam for the per-rank memory report of `plan` (`harts plan --device-memory-gb`: shards,
+    gathered units, activations, fits or not): once it lands, its figures are printed here.
+    """
+    if not ctx.is_main:
+        return
+    W, gib = ctx.world_size, float(1 << 30)
+    fsdp = cfg.parallelism.data_parallel == "fsdp"
+    log.info("model %s: full parameters + gradients %.3f GiB; per rank %s; parallelism.reshard_after_forward=%s%s",
+             cfg.model.name, full_bytes / gib,
+             f"{full_bytes / W / gib:.3f} GiB of shards" if fsdp else "a full replica",
+             str(reshard).lower(), " (lock-step plans)" if reshard else "")
 
 
 def _fetch(run: _Run, i: int):
@@ -247,6 +301,11 @@ def _train_step(plan, i: int, run: _Run) -> tuple[dict, bool]:
 
     cfg, ctx, opt = run.cfg, run.ctx, run.opt
     sid = cfg.step_id(i)
+    lockstep = plan.header.params.lockstep
+    if run.reshard and not lockstep:  # every rank has the same header: all stop here, before any collective
+        raise TrainError(f"step {sid!r}: parallelism.reshard_after_forward is true, which needs a lock-step plan, "
+                         "got a free one; submit the step with topology.lockstep=true (`harts plan --lockstep`, "
+                         "examples/generator_submit.py --lockstep) or set parallelism.reshard_after_forward=false")
     t0 = time.perf_counter()
     version = batch_policy_version(plan.header)
     staleness, factor = staleness_scale(i, version, cfg.staleness)
@@ -259,20 +318,22 @@ def _train_step(plan, i: int, run: _Run) -> tuple[dict, bool]:
 
         torch.cuda.reset_peak_memory_stats(ctx.device)
     res, grad_norm, n_mb = None, 0.0, len(plan.rank.microbatches)
+    run.gauge.begin_step()
     if factor > 0:
         runner, work = run.executor, plan
-        if not n_mb:  # no microbatches here: a zero-loss stand-in keeps this rank in the collectives
+        if not n_mb and not lockstep:  # a zero-loss stand-in keeps this rank in the collectives
             runner, work = run.stand_in, participation_slice(plan, conv_kernel=run.model.config.linear_conv_kernel_dim)
         try:
             res = run_slice(runner, work, run.sync)  # forward + backward of every microbatch
         except ValueError as exc:
             raise TrainError(f"step {sid!r}: {exc}") from None
         run.sync.finish_step(run.params)
+        run.gauge.sample()
         scale_grads(run.params, factor)
         grad_norm = grad_norm_and_clip(run.params, cfg.optimizer.max_grad_norm, ctx, sharded=run.sync.fsdp)
         opt.step()
     opt.zero_grad(set_to_none=True)
-    out, stopping = _step_metrics(plan, i, run, res if n_mb else None, seconds_since=t0)
+    out, stopping = _step_metrics(plan, i, run, res if n_mb or lockstep else None, seconds_since=t0)
     out.update(grad_norm=grad_norm, lr=lr, skipped=int(factor == 0))
     if factor == 0:
         out["tokens_per_s"] = 0.0
@@ -295,17 +356,18 @@ def _step_metrics(plan, i: int, run: _Run, res, *, seconds_since: float) -> tupl
     sums = [res.loss if real else 0.0, res.policy_loss if real else 0.0, res.kl if real else 0.0,
             res.aux_loss if real else 0.0, res.computed_tokens if real else 0, res.loss_tokens if real else 0.0,
             len(plan.rank.microbatches), res.windows if real else 0, res.recomputed_microbatches if real else 0,
-            float(run.stop.requested), *adv[:3]]
+            float(run.stop.requested), *adv[:3], res.standins if real else 0]
     sums += [float(stats.get(k, 0.0)) for k in STAT_SUMS] + [float(k in stats) for k in STAT_SUMS]
-    maxes = [adv[3], peak_memory_mib(ctx.device)] + [float(stats.get(k, float("-inf"))) for k in STAT_MAX]
+    maxes = [adv[3], peak_memory_mib(ctx.device), float(run.gauge.peak)] + [
+        float(stats.get(k, float("-inf"))) for k in STAT_MAX]
     mins = [adv[4]] + [float(stats.get(k, float("inf"))) for k in STAT_MIN]
     sums = all_reduce_values(sums, ctx, "sum")
     maxes = all_reduce_values(maxes, ctx, "max")
     mins = all_reduce_values(mins, ctx, "min")
-    loss, policy, kl, aux, computed, loss_tokens, mbs, windows, recomputed, stopping, an, asum, asq = sums[:13]
+    loss, policy, kl, aux, computed, loss_tokens, mbs, windows, recomputed, stopping, an, asum, asq, standins = sums[:14]
     k = len(STAT_SUMS)
-    stat_sums = {key: v for key, v, have in zip(STAT_SUMS, sums[13:13 + k], sums[13 + k:]) if have > 0}
-    stat_max = {key: v for key, v in zip(STAT_MAX, maxes[2:]) if v != float("-inf")}
+    stat_sums = {key: v for key, v, have in zip(STAT_SUMS, sums[14:14 + k], sums[14 + k:]) if have > 0}
+    stat_max = {key: v for key, v in zip(STAT_MAX, maxes[3:]) if v != float("-inf")}
     stat_min = {key: v for key, v in zip(STAT_MIN, mins[1:]) if v != float("inf")}
     seconds = time.perf_counter() - seconds_since
     expanded = int(plan.header.stats.expanded_tokens) or int(
@@ -315,8 +377,9 @@ def _step_metrics(plan, i: int, run: _Run, res, *, seconds_since: float) -> tupl
         "kl": kl, "aux_loss": aux, "grad_norm": 0.0, "lr": 0.0, "loss_tokens": loss_tokens,
         "computed_tokens": int(computed), "expanded_tokens": expanded,
         "compression": expanded / max(computed, 1.0), "microbatches": int(mbs), "windows": int(windows),
-        "recomputed_microbatches": int(recomputed), "seconds": seconds, "tokens_per_s": expanded / seconds,
-        "computed_tokens_per_s": computed / seconds, "peak_memory_mib": maxes[1], "world_size": ctx.world_size,
+        "recomputed_microbatches": int(recomputed), "standins": int(standins), "seconds": seconds, "tokens_per_s": expanded / seconds,
+        "computed_tokens_per_s": computed / seconds, "peak_memory_mib": maxes[1],
+        "peak_param_grad_bytes": int(maxes[2]), "full_param_grad_bytes": run.full_bytes, "world_size": ctx.world_size,
         "skipped": 0,
     }
     if an > 0:
@@ -341,24 +404,18 @@ def _save_and_export(cfg: TrainerConfig, ctx, model, opt, checkpoint, done: int,
 
 
 def _export(cfg: TrainerConfig, ctx, model, done: int) -> None:
-    """Write `<exports>/step-XXXXXXXX` (HF directory, policy_version = done) from rank 0; collective."""
+    """Write `<exports>/step-XXXXXXXX` (HF directory, policy_version = done) from rank 0, gathering
+    one unit at a time; collective."""
     from pathlib import Path
 
     from trainer.distributed import barrier
-    from trainer.export import DTYPES, point_latest, prune, write_hf_dir
-    from trainer.parallelize import is_fsdp
+    from trainer.export import DTYPES, export_model, point_latest, prune
 
-    if is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        state = model.state_dict()
+    root = Path(cfg.checkpoint.exports)
+    name = f"step-{done:08d}"
+    out = export_model(root / name, model, write=ctx.is_main, dtype=DTYPES[cfg.checkpoint.export_dtype],
+                       meta={"policy_version": done, "step_ids": [cfg.step_id(j) for j in range(done)]})
     if ctx.is_main:
-        root = Path(cfg.checkpoint.exports)
-        name = f"step-{done:08d}"
-        out = write_hf_dir(root / name, state, model.config, dtype=DTYPES[cfg.checkpoint.export_dtype],
-                           meta={"policy_version": done, "step_ids": [cfg.step_id(j) for j in range(done)]})
         point_latest(root, name)
         prune(root, cfg.checkpoint.keep_last_exports)
         log.info("export %s (policy_version %d)", out, done)
@@ -372,13 +429,20 @@ def _meta(cfg: TrainerConfig, model, done: int) -> dict:
             "lr": cfg.optimizer.lr, "model_config": model.config.to_hf_dict(), "config": config}
 
 
-def _resume(cfg: TrainerConfig, model, opt, checkpoint) -> int:
-    """Load the newest checkpoint; returns the number of completed steps (0 without one)."""
+def _resume_path(cfg: TrainerConfig, checkpoint):
+    """The newest checkpoint of checkpoint.dir, or None (a fresh start)."""
     try:
         path = checkpoint.latest(cfg.checkpoint.dir)
-        if path is None:
-            log.info("--resume: no checkpoint in %s; starting at step 0", cfg.checkpoint.dir)
-            return 0
+    except checkpoint.CheckpointError as exc:
+        raise TrainError(f"--resume: {exc}") from None
+    if path is None:
+        log.info("--resume: no checkpoint in %s; starting at step 0", cfg.checkpoint.dir)
+    return path
+
+
+def _resume(cfg: TrainerConfig, path, model, opt, checkpoint) -> int:
+    """Load the checkpoint at `path` into the (sharded) model and optimizer; returns its completed steps."""
+    try:
         meta = checkpoint.read_meta(path)
         done = int(meta["step"])
         want = [cfg.step_id(i) for i in range(min(done, cfg.job.steps))]

@@ -98,6 +98,19 @@ class ParallelismConfig:
     "bfloat16" or "float32". Master weights, gradients and optimizer state stay float32."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype of FSDP2 (float32 keeps SUM exact to fp32 rounding)."""
+    reshard_after_forward: bool | None = None
+    """FSDP2 parameters sharded through the step: every decoder block is gathered for each forward
+    and each backward and freed after it, and every backward reduce-scatters its gradients into
+    the sharded fp32 accumulators, so no rank holds full parameters or full gradients. Needs
+    lock-step plans (topology.lockstep: `harts plan --lockstep`); a free plan is refused. false:
+    units stay gathered from a step's first forward to its last backward (full parameters plus
+    full gradients per rank), any plan runs. none: true when the model's full parameters plus
+    gradients exceed reshard_memory_fraction of device_memory_gb."""
+    reshard_memory_fraction: float = 0.5
+    """The fraction of device memory above which reshard_after_forward = none means true."""
+    device_memory_gb: float = 0.0
+    """Memory of one device in GiB for the reshard_after_forward default (0: the CUDA device's own;
+    on the CPU 0 means unknown, and none means false)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -106,6 +119,13 @@ class ParallelismConfig:
             raise ValueError(f"param_dtype: expected one of {PARAM_DTYPES}, got {self.param_dtype!r}")
         if self.reduce_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"reduce_dtype: expected 'float32' or 'bfloat16', got {self.reduce_dtype!r}")
+        if self.reshard_after_forward and self.data_parallel != "fsdp":
+            raise ValueError(f"reshard_after_forward: expected false or none with data_parallel={self.data_parallel!r} "
+                             "(full replicas), got true; use data_parallel='fsdp'")
+        if not 0 < self.reshard_memory_fraction <= 1:
+            raise ValueError(f"reshard_memory_fraction: expected in (0, 1], got {self.reshard_memory_fraction}")
+        if self.device_memory_gb < 0:
+            raise ValueError(f"device_memory_gb: expected >= 0 (0: the device's own), got {self.device_memory_gb}")
 
 
 #: the gated delta rule's backends (`kernels.gated_delta_rule.BACKENDS`) and the tree-attention
@@ -243,6 +263,9 @@ class MetricsConfig:
     """Write TensorBoard scalars here (`tensorboard --logdir DIR`)."""
     entropy: bool = True
     """Compute the policy entropy of every loss token for the metrics (one softmax per logits row)."""
+    param_grad_bytes: bool = True
+    """Measure peak_param_grad_bytes at FSDP2's unit boundaries (`trainer.param_memory`: about two
+    samples per unit and microbatch, each reading every parameter's storages; false: reported as 0)."""
 
 
 STALENESS_MODES = ("reject", "downweight")
