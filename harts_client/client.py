@@ -362,8 +362,9 @@ def _check_slice(slice_: plan_pb2.PlanSlice, step_id: str, rank: int, world_size
                               f"rank {got_rank}")
     planned = slice_.header.params.world_size
     if world_size is not None and planned != world_size:
-        err = WrongSliceError(f"step {step_id!r} is planned for world_size {planned}, this trainer runs {world_size} "
-                              "ranks; plan the step for this topology")
+        err = WrongSliceError(f"step {step_id!r} is planned for world_size {planned}, but this trainer runs {world_size} "
+                              f"rank(s); launch torchrun with --nproc_per_node={planned} (x nodes) or plan the step "
+                              "for this topology")
         err.final = True
         raise err
 

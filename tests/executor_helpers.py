@@ -9,6 +9,10 @@ segment at its own depth from the parent's end state. Microbatches (`groups`, tr
 lists) without windows: a row shared with an earlier microbatch is duplicated (occurrence 0, no
 log-prob entries); log-prob entries live where the row of token i-1 is kept.
 `sharing=False` gives every trajectory its own tree (the expanded baseline).
+
+`lockstep_plan(plan)` turns any plan (this maker's or the plan builder's, windows and
+recomputation included) into a lock-step plan: one global sequence of phases with stand-ins
+(DESIGN §5.7), aligned greedily here, independently of the planner's phase builder.
 """
 from __future__ import annotations
 
@@ -235,3 +239,69 @@ def make_plan(
             st = rank.steps.add()
             st.kind, st.microbatch = kind, g
     return plan
+
+
+def lockstep_plan(plan: plan_pb2.Plan) -> plan_pb2.Plan:
+    """The same plan as a lock-step plan (DESIGN §5.7), aligned here independently of the planner.
+
+    Every rank keeps its real steps in their order. Phases are chosen greedily: the phase kind most
+    ranks' next steps have (FORWARD first on ties); a rank whose next step is of another kind gets
+    a stand-in: FORWARD 0 (no graph) in a forward phase, BACKWARD 0 (forward and backward) in a
+    recompute phase, and in a backward phase BACKWARD k paired with the rank's latest unpaired
+    FORWARD 0, which becomes FORWARD k. A rank without such a forward makes the helper insert a
+    forward phase first (the rank takes a stand-in there).
+    """
+    F, B, R = plan_pb2.PHASE_FORWARD, plan_pb2.PHASE_BACKWARD, plan_pb2.PHASE_RECOMPUTE
+    out = plan_pb2.Plan()
+    out.CopyFrom(plan)
+    out.header.params.lockstep = True
+    queues = []
+    for r in out.ranks:
+        order = [(s.kind, s.microbatch) for s in r.steps] or [
+            (k, i) for i in range(len(r.microbatches)) for k in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD)]
+        queues.append([(k, i, F if k == plan_pb2.ExecStep.FORWARD else R if r.microbatches[i].recompute else B)
+                       for k, i in order])
+    W = len(queues)
+    steps: list[list[tuple[int, int, int]]] = [[] for _ in range(W)]
+    free: list[list[int]] = [[] for _ in range(W)]
+    next_id = [1] * W
+    phases: list[int] = []
+
+    def standin(r: int, phase: int) -> None:
+        if phase == F:
+            free[r].append(len(steps[r]))
+            steps[r].append((plan_pb2.ExecStep.FORWARD, -1, 0))
+        elif phase == R:
+            steps[r].append((plan_pb2.ExecStep.BACKWARD, -1, 0))
+        else:
+            j, k = free[r].pop(), next_id[r]
+            next_id[r] += 1
+            steps[r][j] = (plan_pb2.ExecStep.FORWARD, -1, k)
+            steps[r].append((plan_pb2.ExecStep.BACKWARD, -1, k))
+
+    def take(r: int, phase: int) -> None:
+        if queues[r] and queues[r][0][2] == phase:
+            kind, i, _ = queues[r].pop(0)
+            steps[r].append((kind, i, 0))
+        else:
+            standin(r, phase)
+
+    while any(queues):
+        nexts = [q[0][2] for q in queues if q]
+        chosen = max((F, B, R), key=lambda k: (nexts.count(k), -k))
+        if chosen == B:
+            needy = [r for r in range(W) if not (queues[r] and queues[r][0][2] == B) and not free[r]]
+            if needy:
+                phases.append(F)
+                for r in range(W):
+                    standin(r, F) if r in needy else take(r, F)
+                continue
+        phases.append(chosen)
+        for r in range(W):
+            take(r, chosen)
+    out.header.lockstep_phases = pack(np.array(phases, np.uint8), "uint8")
+    for r, rank in enumerate(out.ranks):
+        del rank.steps[:]
+        for kind, i, k in steps[r]:
+            rank.steps.add(kind=kind, microbatch=i, standin=k)
+    return out

@@ -21,6 +21,8 @@ Legend: R rows, n rows of one kind, l layer index.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from plan.window_exports import ATTN, CONV, KERNEL
@@ -41,7 +43,7 @@ class Boundary:
 
     __slots__ = ("window", "imports", "exports")
 
-    def __init__(self, window: WindowIO, imports: dict[str, torch.Tensor] | None = None):
+    def __init__(self, window: WindowIO, imports: Mapping[str, torch.Tensor] | None = None):
         self.window = window
         self.imports = imports or {}
         """name -> imported tensor (the kind's imported rows, in the layout's order)."""
@@ -78,3 +80,29 @@ class Boundary:
             if missing:
                 raise ValueError(f"boundary: {name} exports states {missing} that no linear call computed")
             self.exports[name] = torch.stack([table[int(i)] for i in ids.tolist()])
+
+
+class Imports(Mapping):
+    """A microbatch's import leaves by name, as the executor hands them to a model forward.
+
+    A read-only mapping that is neither a dict nor a dataclass, on purpose: FSDP2 wraps every
+    tensor requiring grad that it finds in a root module's inputs (dicts and dataclasses included)
+    in its post-backward function, so the root unit's gradient reduce-scatter would run when the
+    imports' gradients are complete instead of in its final callback, as it does on a rank whose
+    microbatch imports nothing. Hidden here, every rank reduces the root at the same point of
+    every backward (lock-step plans pair collectives across ranks, DESIGN §5.7).
+    """
+
+    __slots__ = ("_by_name",)
+
+    def __init__(self, by_name: dict[str, torch.Tensor]):
+        self._by_name = by_name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._by_name[name]
+
+    def __iter__(self):
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)

@@ -26,6 +26,12 @@ keeping only its exports; at BACKWARD it re-runs the forward with a graph on the
 (the re-run's exports are the same bits: `check_recompute` asserts it) and backpropagates that.
 Losses, log-probs, expert loads and probes are recorded from the first forward only.
 
+Lock-step plans (DESIGN §5.7, `trainer.lockstep`): each rank has one step per phase; stand-in
+steps (microbatch -1) run a one-row zero-loss microbatch so that every rank issues the same FSDP2
+collectives in every phase, and every microbatch marked `recompute` re-runs its forward inside
+its BACKWARD (a PHASE_RECOMPUTE phase), exporter or not. With `reach_all_units` every backward
+also carries an exact zero over the final hidden states, so that it reaches every sharded unit.
+
 Dtypes: values upcast for accuracy (logits, log-probs, router probabilities, the load-balancing
 loss) use `compute_dtype` (at least fp32), so a float64 model (`model.double()`, the oracle of
 `harts verify --f64-reference`) runs in float64 end to end.
@@ -49,8 +55,10 @@ from plan.decode import BACKWARD, FORWARD, MicrobatchArrays, decode_microbatch, 
 from plan.header import check_header
 from plan.slice_check import check_rank
 from plan.window_exports import export_needs
-from trainer.boundary import kind_of
+from trainer.boundary import Imports, kind_of
+from trainer.config.schema import ExecutorSection
 from trainer.layout import RowLayout, layout_from_arrays
+from trainer.lockstep import LockstepStep, lockstep_steps, standin_microbatch, without_standins
 from trainer.loss import LossConfig, MicrobatchLoss, expert_load, microbatch_loss
 from trainer.models.qwen3_next import ModelOutput, Qwen3NextForRL, RunOptions
 from trainer.objectives import Normalizers, ObjectiveConfig
@@ -73,20 +81,12 @@ def kernel_backend(name: str):
 
 
 @dataclass(slots=True, kw_only=True)
-class ExecutorConfig:
-    """How the executor runs plans."""
+class ExecutorConfig(ExecutorSection):
+    """How the executor runs plans: the config file's `executor` section (chunk_size, backend,
+    aux_loss_coef, attention_backend; `trainer.config.ExecutorSection`) plus what a caller sets in code."""
 
-    chunk_size: int = 64
-    """Linear-attention kernel chunk size C; plans made for another C are rejected."""
-    backend: str = "ref"
-    """Kernel backend of the chunked gated delta rule ("ref" on CPU, "triton" on GPU)."""
-    attention_backend: str = "auto"
-    """Tree-attention backend (`kernels.tree_attention.BACKENDS`); "auto": "blocked" for a model on the
-    CPU (exact, bitwise batch-invariant), "triton" on a GPU."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The RL loss."""
-    aux_loss_coef: float = 0.0
-    """Weight of the occurrence-weighted load-balancing loss of each microbatch (MoE only)."""
     want_logprobs: bool = False
     """Return per-trajectory log-probs in StepResult.logprobs."""
     want_entropies: bool = False
@@ -99,17 +99,15 @@ class ExecutorConfig:
     "none": decode only (bounds checks)."""
     check_recompute: bool = False
     """Assert that a recomputed forward reproduces its first forward's exports bitwise (tests)."""
+    reach_all_units: bool = False
+    """Add an exact zero, 0 * sum(final hidden states), to every loss that is backpropagated, so
+    that every backward reaches every decoder block and the root: a sharded (FSDP2) unit that a
+    backward does not reach issues none of its collectives there (a window parent whose exports
+    come from early layers only, a microbatch or stand-in without log-prob entries) and the ranks
+    would pair different collectives. The trainer sets it for FSDP2 (`trainer.parallelize`)."""
 
     def __post_init__(self) -> None:
-        c = self.chunk_size
-        if c < 1 or c & (c - 1):
-            raise ValueError(f"chunk_size: expected a power of two, got {c}")
-        if self.aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
-        from kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
-
-        if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend: expected auto or one of {tuple(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        ExecutorSection.__post_init__(self)  # zero-argument super() fails in slotted dataclasses
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {self.validate!r}")
 
@@ -135,6 +133,8 @@ class StepResult:
     """Microbatches that imported from a window ancestor."""
     recomputed_microbatches: int = 0
     """Window parents whose forward ran twice (activation recomputation)."""
+    standins: int = 0
+    """Lock-step stand-in steps run (phases where a rank had no real step of the phase's kind)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Sums over microbatches of the objective's `LossTerms.stats` (keys ending in _max / _min:
     max / min), for the trainer's metrics."""
@@ -150,7 +150,8 @@ class StepResult:
             "loss": self.loss, "policy_loss": self.policy_loss, "kl": self.kl, "aux_loss": self.aux_loss,
             "computed_tokens": self.computed_tokens, "expanded_tokens": self.expanded_tokens,
             "microbatches": self.microbatches, "windows": self.windows,
-            "recomputed_microbatches": self.recomputed_microbatches, "seconds": round(self.seconds, 4),
+            "recomputed_microbatches": self.recomputed_microbatches, "standins": self.standins,
+            "seconds": round(self.seconds, 4),
         }
 
 
@@ -163,12 +164,22 @@ def _normalizers(header: plan_pb2.PlanHeader) -> Normalizers:
     )
 
 
-def _decode_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan, mode: str) -> tuple[dict[int, MicrobatchArrays], list[tuple[int, int]]]:
-    """Decoded microbatches by id and the execution steps (kind, index) of one rank."""
+def _decode_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan, mode: str) -> tuple[dict[int, MicrobatchArrays], list[LockstepStep]]:
+    """Decoded microbatches by id and the execution steps of one rank (a lock-step plan's with its
+    stand-ins, `trainer.lockstep`; the real steps are checked by `plan.slice_check` either way)."""
+    lockstep = header.params.lockstep
+    real = without_standins(rank) if lockstep else rank
     if mode == "none":
-        return {mb.id: decode_microbatch(mb, header.params) for mb in rank.microbatches}, rank_steps(rank)
-    d = check_rank(header, rank)
-    return d.by_id(), d.steps
+        arrays = [decode_microbatch(mb, header.params) for mb in real.microbatches]
+        order = rank_steps(real)
+    else:
+        d = check_rank(header, real)
+        arrays, order = d.microbatches, d.steps
+    if lockstep:
+        steps = lockstep_steps(header, rank, recompute=lambda i: arrays[i].recompute)
+    else:
+        steps = [LockstepStep(phase=-1, kind=kind, index=i, standin=0) for kind, i in order]
+    return {a.id: a for a in arrays}, steps
 
 
 @dataclass(slots=True, kw_only=True)
@@ -177,7 +188,7 @@ class _Open:
 
     layout: RowLayout
     imports: dict[str, torch.Tensor]
-    """Its import leaves by name (gradients accumulate on them)."""
+    """Its import leaves by name (gradients accumulate on them; empty for a stand-in)."""
     exports: dict[str, torch.Tensor]
     """Its exports by name: with graph, or detached when it will be recomputed."""
     loss: torch.Tensor | None
@@ -206,6 +217,14 @@ class Executor:
             objective=self.cfg.objective, aux_loss_coef=self.cfg.aux_loss_coef, want_entropy=self.cfg.want_entropies,
             num_experts=self.num_experts if self.moe_layers else 0, top_k=mc.num_experts_per_tok,
         )
+        self._standin_layout: RowLayout | None = None
+
+    def standin_layout(self, params: plan_pb2.PlanParams) -> RowLayout:
+        """The layout of a lock-step stand-in (`trainer.lockstep.standin_microbatch`), made once."""
+        if self._standin_layout is None:
+            a = decode_microbatch(standin_microbatch(conv_kernel=self.model.config.linear_conv_kernel_dim), params)
+            self._standin_layout = layout_from_arrays(a, chunk_size=self.cfg.chunk_size).to(self.device)
+        return self._standin_layout
 
     def check_plan(self, plan) -> None:
         """Reject a plan this model cannot run exactly; raises ValueError naming the field."""
@@ -236,17 +255,19 @@ class Executor:
         if self.cfg.validate == "full":
             from plan import validator as plan_validator
 
-            if isinstance(plan, plan_pb2.Plan):
-                plan_validator.validate_plan(plan)
+            real = _without_standins(plan) if header.params.lockstep else plan  # the oracle checks real steps
+            if isinstance(real, plan_pb2.Plan):
+                plan_validator.validate_plan(real)
             else:
-                plan_validator.validate_slice(plan)
+                plan_validator.validate_slice(real)
         elif self.cfg.validate == "check":
             check_header(header)
         norm = _normalizers(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
-        run = _StepRun(self, header, norm, backward=backward, total_steps=sum(len(rank_steps(r)) for r in ranks),
-                       before_last_backward=before_last_backward)
+        steps = [kind for r in ranks for kind, _ in rank_steps(r)]
+        run = _StepRun(self, header, norm, backward=backward, total_steps=len(steps),
+                       backwards=sum(kind == BACKWARD for kind in steps), before_last_backward=before_last_backward)
         for rank in ranks:
             run.rank(rank)
         return run.result(time.perf_counter() - t0)
@@ -255,9 +276,21 @@ class Executor:
                 grad: bool) -> tuple[ModelOutput, MicrobatchLoss]:
         """One microbatch forward and its loss (pure: re-running it gives the same outputs)."""
         with torch.set_grad_enabled(grad):
-            out = self.model(layout, self.run_options, imports, logit_rows=layout.logprobs.rows_U,
-                             capture_linear=self.cfg.capture_linear)
-            return out, microbatch_loss(out, layout, norm, self.loss_cfg)
+            out = self.model(layout, self.run_options, Imports(imports) if imports else None,
+                             logit_rows=layout.logprobs.rows_U, capture_linear=self.cfg.capture_linear)
+            mb_loss = microbatch_loss(out, layout, norm, self.loss_cfg)
+            if grad and self.cfg.reach_all_units:  # + 0.0 exactly: the loss and every gradient keep their bits
+                mb_loss.loss = mb_loss.loss + out.hidden.sum() * 0.0
+            return out, mb_loss
+
+
+def _without_standins(plan):
+    """A copy of a lock-step Plan or PlanSlice whose ranks keep only their real steps."""
+    out = type(plan)()
+    out.CopyFrom(plan)
+    for r in ([out.rank] if isinstance(out, plan_pb2.PlanSlice) else out.ranks):
+        r.CopyFrom(without_standins(r))
+    return out
 
 
 def train_step(executor: Executor, plan, optimizer: torch.optim.Optimizer) -> StepResult:
@@ -273,38 +306,57 @@ class _StepRun:
     """One step's walk over the ranks' execution orders, with the stack of open windows."""
 
     def __init__(self, ex: Executor, header: plan_pb2.PlanHeader, norm: Normalizers, *, backward: bool,
-                 total_steps: int, before_last_backward: Callable[[], None] | None):
+                 total_steps: int, backwards: int, before_last_backward: Callable[[], None] | None):
         self.ex, self.header, self.norm, self.backward = ex, header, norm, backward
         cfg = ex.cfg
         self.probes = TrajectoryProbes(header, logprobs=cfg.want_logprobs, entropies=cfg.want_entropies,
                                        linear=cfg.capture_linear)
         self.totals = dict(loss=0.0, policy=0.0, kl=0.0, ent=0.0, aux=0.0, loss_tokens=0.0)
         self.stats: dict[str, float] = {}
-        self.computed = self.n_mb = self.windows = self.recomputed = 0
+        self.computed = self.n_mb = self.windows = self.recomputed = self.standins = 0
         self.load = torch.zeros(len(ex.moe_layers), max(ex.num_experts, 1), dtype=torch.float64)
         self.total_steps, self.steps_done = total_steps, 0
-        self.backwards_left = total_steps // 2 if backward else 0  # every microbatch: one forward, one backward
+        self.backwards_left = backwards if backward else 0
         self.before_last_backward = before_last_backward
         self.t0 = self.last_report = time.perf_counter()
 
     def rank(self, rank: plan_pb2.RankPlan) -> None:
         arrays, steps = _decode_rank(self.header, rank, self.ex.cfg.validate)
         ids = [mb.id for mb in rank.microbatches]
-        order = [ids[i] for k, i in steps if k == FORWARD]
+        order = [ids[st.index] for st in steps if st.kind == FORWARD and st.index >= 0]
         needs = export_needs(arrays, order)
         open_: dict[int, _Open] = {}
-        for kind, i in steps:
-            m = ids[i]
-            if kind == FORWARD:
-                open_[m] = self._forward(arrays[m], needs, open_)
+        standins: dict[int, _Open] = {}
+        for st in steps:
+            if st.index < 0:
+                self._standin(st, standins)
+            elif st.kind == FORWARD:
+                open_[ids[st.index]] = self._forward(arrays[ids[st.index]], needs, open_)
             else:
-                st = open_.pop(m, None)
-                if st is None:
+                m = ids[st.index]
+                if m not in open_:
                     raise ValueError(f"rank {rank.rank}: backward of microbatch {m} without an open forward")
-                self._backward(m, st, open_)
+                self._backward(m, open_.pop(m), open_)
             self._progress()
         if open_:
             raise ValueError(f"rank {rank.rank}: microbatches {sorted(open_)} were forwarded but never backwarded")
+
+    def _standin(self, st: LockstepStep, standins: dict[int, "_Open"]) -> None:
+        """A lock-step stand-in: the collectives of a real step of its phase, with an exact zero loss."""
+        self.standins += 1
+        if st.kind == BACKWARD and not self.backward:
+            return
+        if st.kind == FORWARD:
+            layout = self.ex.standin_layout(self.header.params)
+            keep = bool(st.standin) and self.backward
+            _, mb_loss = self.ex.forward(layout, None, self.norm, grad=keep)
+            if keep:
+                standins[st.standin] = _Open(layout=layout, imports={}, exports={}, loss=mb_loss.loss, recompute=False)
+        elif st.standin:  # PHASE_BACKWARD: through the graph its FORWARD kept
+            self._backward(-1, standins.pop(st.standin), {})
+        else:  # PHASE_RECOMPUTE: forward and backward here
+            layout = self.ex.standin_layout(self.header.params)
+            self._backward(-1, _Open(layout=layout, imports={}, exports={}, loss=None, recompute=True), {})
 
     def _progress(self) -> None:
         """One log line every PROGRESS_SECONDS of a long step."""
@@ -319,7 +371,9 @@ class _StepRun:
         ex = self.ex
         layout = layout_from_arrays(a, needs, chunk_size=ex.cfg.chunk_size).to(ex.device)
         imports = self._imports(layout, open_)
-        recompute = bool(a.recompute and self.backward and a.id in needs)
+        # A recomputed forward runs without a graph: only a window parent needs it, but in a lock-step
+        # plan every rank re-runs the forwards its phases say (PHASE_RECOMPUTE), exporter or not.
+        recompute = bool(a.recompute and self.backward and (a.id in needs or self.header.params.lockstep))
         out, mb_loss = ex.forward(layout, imports, self.norm, grad=self.backward and not recompute)
         self._record(a, layout, out, mb_loss)
         if layout.window.imports_anything:
@@ -363,7 +417,7 @@ class _StepRun:
         loss, exports = st.loss, st.exports
         if st.recompute:
             out, mb_loss = ex.forward(st.layout, st.imports, self.norm, grad=True)
-            if ex.cfg.check_recompute:
+            if ex.cfg.check_recompute and m >= 0:
                 for name, t in st.exports.items():
                     if not torch.equal(out.exports[name].detach(), t):
                         raise AssertionError(f"microbatch {m}: recomputed export {name} differs from the first forward's")
@@ -433,7 +487,7 @@ class _StepRun:
             expanded_tokens=int(self.header.stats.expanded_tokens) or int(lengths.sum()),
             loss_tokens=tot["loss_tokens"], microbatches=self.n_mb, seconds=seconds, windows=self.windows,
             recomputed_microbatches=self.recomputed, stats=self.stats,
-            logprobs=logprobs, entropies=entropies, linear_outputs=linear,
+            logprobs=logprobs, entropies=entropies, linear_outputs=linear, standins=self.standins,
         )
 
 

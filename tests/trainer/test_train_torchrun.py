@@ -197,7 +197,7 @@ def test_sigterm_finishes_the_step_and_checkpoints(server, reference, tmp_path):
 def test_world_size_mismatch_is_a_clear_error(server):
     out = _run(["-m", "trainer.train", *_train_args(server, "--steps", "1", "--step-prefix", "ws2-")])
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "the plan is for world_size=2, but this run has 1 rank(s)" in out.stderr
+    assert "is planned for world_size 2, but this trainer runs 1 rank(s)" in out.stderr
 
 
 def test_unreachable_planner_is_a_clear_error():

@@ -1,28 +1,19 @@
-"""The trainer's configuration: typed sections, loaded from TOML or YAML, overridden on the command line.
+"""The trainer's configuration schema: keyword-only, slotted dataclasses, one per section.
 
-    cfg = load_config("examples/train_tiny_fsdp.toml", ["--objective.clip_high", "0.28", "--job.steps", "4"])
-    python -m trainer.train --config examples/train_tiny_fsdp.toml --objective.clip_high 0.28
-
-Precedence: the dataclass defaults, then the file (`--config`, .toml / .yaml / .yml), then dotted
-flags (`--section.field value`, one per leaf field; `--help` lists them with their docstrings and
-defaults). The short flags of earlier releases (`--steps`, `--lr`, `--planner-url`, ...) remain
-aliases of their dotted fields. Every section validates itself in `__post_init__` and errors name
-the dotted field (`optimizer.lr: expected > 0, got 0.0`); unknown keys in a file are errors.
+Every field carries a docstring (shown by `--help`, `trainer.config.cli`) and every section
+validates itself in `__post_init__`, raising ValueError that names the field, the value and the
+remedy; `trainer.config.loader` prefixes the section (`optimizer.lr: expected > 0, got 0.0`).
+Nothing here imports torch: `harts --help` stays fast.
 
 Sections (`TrainerConfig` fields): planner, job, model, parallelism, executor, objective
 (`trainer.objectives.ObjectiveConfig`), optimizer, lr_schedule, checkpoint, metrics, staleness.
+`ExecutorSection` holds the executor's user-facing fields once: `trainer.executor.ExecutorConfig`
+extends it with what a caller sets in code (the objective, probes, validation).
 """
 from __future__ import annotations
 
-import argparse
-import ast
-import dataclasses
-import functools
-import inspect
-import os
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from trainer.objectives import ObjectiveConfig
@@ -30,7 +21,7 @@ from trainer.objectives import ObjectiveConfig
 __all__ = [
     "PlannerConfig", "JobConfig", "ModelSection", "ParallelismConfig", "ExecutorSection", "OptimizerConfig",
     "LRScheduleConfig", "CheckpointConfig", "MetricsConfig", "StalenessConfig", "TrainerConfig", "ConfigError",
-    "add_config_arguments", "config_from_namespace", "load_config", "read_config_file", "to_dict", "field_docs",
+    "SECTIONS",
 ]
 
 
@@ -112,6 +103,19 @@ class ParallelismConfig:
     "bfloat16" or "float32". Master weights, gradients and optimizer state stay float32."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype of FSDP2 (float32 keeps SUM exact to fp32 rounding)."""
+    reshard_after_forward: bool | None = None
+    """FSDP2 parameters sharded through the step: every decoder block is gathered for each forward
+    and each backward and freed after it, and every backward reduce-scatters its gradients into
+    the sharded fp32 accumulators, so no rank holds full parameters or full gradients. Needs
+    lock-step plans (topology.lockstep: `harts plan --lockstep`); a free plan is refused. false:
+    units stay gathered from a step's first forward to its last backward (full parameters plus
+    full gradients per rank), any plan runs. none: true when the model's full parameters plus
+    gradients exceed reshard_memory_fraction of device_memory_gb."""
+    reshard_memory_fraction: float = 0.5
+    """The fraction of device memory above which reshard_after_forward = none means true."""
+    device_memory_gb: float = 0.0
+    """Memory of one device in GiB for the reshard_after_forward default (0: the CUDA device's own;
+    on the CPU 0 means unknown, and none means false)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -120,31 +124,46 @@ class ParallelismConfig:
             raise ValueError(f"param_dtype: expected one of {PARAM_DTYPES}, got {self.param_dtype!r}")
         if self.reduce_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"reduce_dtype: expected 'float32' or 'bfloat16', got {self.reduce_dtype!r}")
+        if self.reshard_after_forward and self.data_parallel != "fsdp":
+            raise ValueError(f"reshard_after_forward: expected false or none with data_parallel={self.data_parallel!r} "
+                             "(full replicas), got true; use data_parallel='fsdp'")
+        if not 0 < self.reshard_memory_fraction <= 1:
+            raise ValueError(f"reshard_memory_fraction: expected in (0, 1], got {self.reshard_memory_fraction}")
+        if self.device_memory_gb < 0:
+            raise ValueError(f"device_memory_gb: expected >= 0 (0: the device's own), got {self.device_memory_gb}")
+
+
+#: the gated delta rule's backends (`kernels.gated_delta_rule.BACKENDS`) and the tree-attention
+#: backends (`kernels.tree_attention.BACKENDS`) plus "auto"; spelled out so that the schema needs no
+#: torch (tests/trainer/test_train.py checks them against the kernels).
+KERNEL_BACKENDS = ("ref", "triton")
+ATTENTION_BACKENDS = ("auto", "blocked", "triton", "ref")
 
 
 @dataclass(slots=True, kw_only=True)
 class ExecutorSection:
-    """How plans run (`trainer.executor.ExecutorConfig`)."""
+    """How plans run: the fields a run's config sets (`trainer.executor.ExecutorConfig` adds the rest)."""
 
     chunk_size: int = 64
-    """Linear-attention kernel chunk size C; the plans must be made for it."""
+    """Linear-attention kernel chunk size C; plans made for another C are rejected."""
     backend: str = "ref"
-    """Gated delta rule kernel backend: "ref" (PyTorch) or "triton"."""
+    """Gated delta rule kernel backend: "ref" (PyTorch, CPU) or "triton" (fused kernel, GPU)."""
     aux_loss_coef: float = 0.0
-    """Weight of the occurrence-weighted MoE load-balancing loss."""
+    """Weight of the occurrence-weighted MoE load-balancing loss of each microbatch."""
     attention_backend: str = "auto"
-    """Tree-attention backend: "auto" ("blocked" on the CPU, "triton" on a GPU), "blocked", "triton" or "ref"."""
+    """Tree-attention backend: "auto" ("blocked" for a model on the CPU: exact, bitwise batch-invariant;
+    "triton" on a GPU), "blocked", "triton" or "ref"."""
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "blocked", "triton", "ref"):
-            raise ValueError(f"attention_backend: expected auto, blocked, triton or ref, got {self.attention_backend!r}")
         c = self.chunk_size
         if c < 1 or c & (c - 1):
             raise ValueError(f"chunk_size: expected a power of two, got {c}")
-        if self.backend not in ("ref", "triton"):
-            raise ValueError(f"backend: expected 'ref' or 'triton', got {self.backend!r}")
+        if self.backend not in KERNEL_BACKENDS:
+            raise ValueError(f"backend: expected one of {KERNEL_BACKENDS}, got {self.backend!r}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -249,6 +268,9 @@ class MetricsConfig:
     """Write TensorBoard scalars here (`tensorboard --logdir DIR`)."""
     entropy: bool = True
     """Compute the policy entropy of every loss token for the metrics (one softmax per logits row)."""
+    param_grad_bytes: bool = True
+    """Measure peak_param_grad_bytes at FSDP2's unit boundaries (`trainer.param_memory`: about two
+    samples per unit and microbatch, each reading every parameter's storages; false: reported as 0)."""
 
 
 STALENESS_MODES = ("reject", "downweight")
@@ -295,217 +317,6 @@ class TrainerConfig:
     def step_id(self, i: int) -> str:
         return self.job.step_id(i)
 
-    @classmethod
-    def from_dict(cls, doc: dict, *, where: str = "config") -> "TrainerConfig":
-        """Build from a nested dict ({section: {field: value}}); values are coerced to the field types.
 
-        Raises:
-            ConfigError: an unknown section or field, a value of the wrong type, a failed validation.
-        """
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        kw = {}
-        for name, value in doc.items():
-            if name not in sections:
-                raise ConfigError(f"{where}: unknown section {name!r}; expected one of {', '.join(sections)}")
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: {name}: expected a table of fields, got {type(value).__name__}")
-            kw[name] = _build(_SECTIONS[name], value, name, where)
-        return cls(**kw)
-
-
-_SECTIONS: dict[str, type] = {
-    "planner": PlannerConfig, "job": JobConfig, "model": ModelSection, "parallelism": ParallelismConfig,
-    "executor": ExecutorSection, "objective": ObjectiveConfig, "optimizer": OptimizerConfig,
-    "lr_schedule": LRScheduleConfig, "checkpoint": CheckpointConfig, "metrics": MetricsConfig,
-    "staleness": StalenessConfig,
-}
-
-#: Flags of earlier releases, kept as aliases of their dotted fields.
-ALIASES: dict[str, str] = {
-    "planner.url": "--planner-url", "planner.token": "--token", "planner.plan_timeout": "--plan-timeout",
-    "planner.ready_timeout": "--ready-timeout", "job.steps": "--steps", "job.step_prefix": "--step-prefix",
-    "job.step_ids": "--step-ids", "job.seed": "--seed", "model.name": "--model", "optimizer.lr": "--lr",
-    "optimizer.weight_decay": "--weight-decay", "optimizer.max_grad_norm": "--max-grad-norm",
-    "executor.backend": "--backend", "executor.chunk_size": "--chunk-size", "checkpoint.dir": "--checkpoint-dir",
-    "checkpoint.every": "--checkpoint-every", "checkpoint.resume": "--resume", "checkpoint.keep_last": "--keep-last",
-    "checkpoint.export_every": "--export-every", "metrics.jsonl": "--metrics-jsonl",
-    "metrics.tensorboard_dir": "--tensorboard-dir", "parallelism.data_parallel": "--data-parallel",
-}
-
-
-def _hints(cls: type) -> dict[str, object]:
-    return typing.get_type_hints(cls)
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (read from its source; "" where none)."""
-    try:
-        tree = ast.parse(inspect.getsource(cls).lstrip())
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    body = tree.body[0].body
-    out = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-            out[node.target.id] = " ".join(nxt.value.value.split())
-    return out
-
-
-def _coerce(value, hint, name: str):
-    """`value` (from a file or the command line) as the field type `hint`; ValueError if it is not one."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], name)
-    if origin in (list, tuple):
-        elem = args[0] if args else str
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"expected a list, got {value!r}")
-        return [_coerce(v, elem, name) for v in value]
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ValueError(f"expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"expected an integer, got {value!r}")
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {value!r}") from None
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError(f"expected a number, got {value!r}")
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"expected a number, got {value!r}") from None
-    if hint is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ValueError(f"expected a string, got {value!r}")
-        return str(value)
-    raise AssertionError(f"{name}: unsupported field type {hint}")
-
-
-def _build(cls: type, values: dict, section: str, where: str):
-    hints = _hints(cls)
-    kw = {}
-    for key, value in values.items():
-        if key not in hints:
-            raise ConfigError(f"{where}: unknown field {section}.{key}; expected one of {', '.join(hints)}")
-        try:
-            kw[key] = _coerce(value, hints[key], f"{section}.{key}")
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {section}.{key}: {exc}") from None
-    try:
-        return cls(**kw)
-    except ValueError as exc:
-        raise ConfigError(f"{section}.{exc}") from None
-
-
-def read_config_file(path: str | Path) -> dict:
-    """The nested dict of a .toml, .yaml or .yml file.
-
-    Raises:
-        ConfigError: missing file, another extension, a parse error, not a table at the top.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config {path}: expected a TOML or YAML file, got no such file")
-    text = path.read_text()
-    try:
-        if path.suffix == ".toml":
-            import tomllib
-
-            doc = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            doc = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError(f"--config {path}: expected a .toml, .yaml or .yml file, got {path.suffix or 'no extension'!r}")
-    except ConfigError:
-        raise
-    except Exception as exc:  # tomllib.TOMLDecodeError, yaml.YAMLError
-        raise ConfigError(f"--config {path}: expected valid {path.suffix[1:].upper()}, got {type(exc).__name__}: "
-                          f"{' '.join(str(exc).split())}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"--config {path}: expected a table of sections at the top, got {type(doc).__name__}")
-    return doc
-
-
-def _metavar(hint) -> str:
-    text = getattr(hint, "__name__", None) or str(hint)
-    return text.replace("typing.", "").replace(" | None", "|none").upper()
-
-
-def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    """`--config FILE` and one `--section.field` flag per leaf field (old flat flags as aliases).
-
-    Every flag defaults to argparse.SUPPRESS: only what the command line sets overrides the file.
-    """
-    p.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE",
-                   help="TOML or YAML trainer config (see examples/); dotted flags below override it")
-    for section, cls in _SECTIONS.items():
-        group = p.add_argument_group(f"{section}", (cls.__doc__ or "").strip().split("\n")[0])
-        docs = field_docs(cls)
-        defaults = to_dict(cls())
-        for name, hint in _hints(cls).items():
-            dest = f"{section}.{name}"
-            flags = [f"--{dest}"] + ([ALIASES[dest]] if dest in ALIASES else [])
-            default = defaults[name]
-            shown = ",".join(map(str, default)) if isinstance(default, list) else default
-            kw = dict(dest=dest, default=argparse.SUPPRESS, help=f"{docs.get(name, '')} (default: {shown})")
-            if hint is bool:
-                kw.update(nargs="?", const="true", metavar="BOOL")
-            else:
-                kw.update(metavar=_metavar(hint))
-            group.add_argument(*flags, **kw)
-
-
-def config_from_namespace(args: argparse.Namespace) -> TrainerConfig:
-    """TrainerConfig of parsed arguments: defaults < --config file < flags < env (token and URL, only when unset)."""
-    doc: dict = {}
-    ns = vars(args)
-    if ns.get("config"):
-        doc = read_config_file(ns["config"])
-    doc = {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()}
-    for dest, value in ns.items():
-        if "." in dest and dest.split(".", 1)[0] in _SECTIONS:
-            section, name = dest.split(".", 1)
-            if not isinstance(doc.setdefault(section, {}), dict):
-                raise ConfigError(f"config: {section}: expected a table of fields, got {type(doc[section]).__name__}")
-            doc[section][name] = value
-    planner = doc.setdefault("planner", {})
-    if "url" not in planner and os.environ.get("HARTS_PLANNER_URL"):
-        planner["url"] = os.environ["HARTS_PLANNER_URL"]
-    if "token" not in planner and os.environ.get("HARTS_TOKEN"):
-        planner["token"] = os.environ["HARTS_TOKEN"]
-    return TrainerConfig.from_dict(doc, where=f"--config {ns['config']}" if ns.get("config") else "config")
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainerConfig:
-    """Defaults < file < dotted overrides (`["--objective.clip_high", "0.28"]`), as the CLI does."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_config_arguments(p)
-    args = p.parse_args([*(["--config", str(path)] if path else []), *(overrides or [])])
-    return config_from_namespace(args)
-
-
-def to_dict(cfg) -> dict:
-    """A config (or section) as plain nested dicts and lists, e.g. for harts.json and the metrics."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        out[f.name] = to_dict(v) if dataclasses.is_dataclass(v) else (list(v) if isinstance(v, (list, tuple)) else v)
-    return out
+#: section name -> its dataclass, in TrainerConfig's field order.
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(TrainerConfig)[f.name] for f in fields(TrainerConfig)}
