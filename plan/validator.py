@@ -569,12 +569,6 @@ def _check_costs(plan: plan_pb2.Plan, all_mbs: dict[int, "_MB"]) -> None:
         _fail("header.stats.makespan_ratio", f"expected makespan / makespan_lower_bound = {want}, got {st.makespan_ratio}")
 
 
-def _prefix_hashes(tokens: np.ndarray) -> np.ndarray:
-    """uint64 [L] prefix hash H of tokens[:i+1] for every i."""
-    with np.errstate(over="ignore"):
-        return np.cumsum(_hash_terms(tokens, np.arange(tokens.shape[0])), dtype=np.uint64)
-
-
 def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], forest_like) -> None:
     lengths = unpack(header.trajectory_lengths, "int32").astype(np.int64)
     T = lengths.shape[0]

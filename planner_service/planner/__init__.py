@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
+import planner_service.planner.placement as placement
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
 from planner_service.planner.build import build_plan
-from planner_service.planner import placement
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.cost_model import CostModel
 from planner_service.planner.partition import expand_forest, partition, partition_with_report
@@ -49,7 +49,7 @@ def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_p
     t0 = time.perf_counter()
     source = forest if cfg.sharing else expand_forest(forest)
     part = partition(source, cfg, impl=impl)
-    plan = build_plan(source, cfg, part, use_numba=impl == "numba")
+    plan = build_plan(source, cfg, part, impl=impl)
     plan.header.stats.plan_seconds = time.perf_counter() - t0
     st = plan.header.stats
     if st.peak_live_bytes > cfg.memory_bytes:  # the partitioner's estimate bounds the exact stack

@@ -12,8 +12,8 @@ precedes its children). On it:
   duplicated context a piece root needs), so every piece fits B by construction.
 - `first_fit_decreasing` packs groups of pieces (those that start at forest roots, or hang below
   one microbatch) into microbatches, first fit over bins kept in a max segment tree: O(n log n).
-- `children_csr`, `group_by`, `piece_roots`: the CSR, counting-sort and part-root helpers the
-  placement and builder kernels share.
+- `children_csr`, `group_by`, `piece_roots`, `stamp_path`: the CSR, counting-sort, part-root and
+  root-path walk helpers the placement, level-2 and builder kernels share.
 
 Plain-Python oracles of each kernel live in `partition_ref.py`.
 
@@ -110,6 +110,29 @@ def group_by(keys: np.ndarray, n: int):
         order[fill[keys[i]]] = i
         fill[keys[i]] += 1
     return order, bounds
+
+
+@njit(cache=True)
+def stamp_path(parent, a, stamp, key, buf, n):
+    """Walk from node `a` towards its root, stamping nodes with `key` until one already carries it.
+
+    The root-path walk of the context, closure and cost kernels: with one key per microbatch or
+    rank, every node of the union of the walked paths is visited once per key.
+
+    Args:
+        parent: int [*] forest parents (-1 at a root); stamp: int64 [*] scratch, updated.
+        buf: int64 [*] the newly stamped nodes are written to buf[n:], `a` first.
+
+    Returns:
+        (n plus the number of newly stamped nodes, the first node that already carried `key`, or
+        -1 when the walk passed a root).
+    """
+    while a >= 0 and stamp[a] != key:
+        stamp[a] = key
+        buf[n] = a
+        n += 1
+        a = parent[a]
+    return n, a
 
 
 @njit(cache=True)
