@@ -55,8 +55,10 @@ from planner_service.planner.cost_model import microbatch_features
 from planner_service.planner.logprob_map import loss_per_trajectory
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import pack as pk
+from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 from plan.memory_model import rank_live_bytes
+from plan.phases import PHASE_BACKWARD, PHASE_FORWARD, phase_counts, step_cost
 from plan.decode import LinearCallArrays, MicrobatchArrays
 from plan.seal import PLAN_VERSION
 
@@ -301,9 +303,12 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, impl: s
     sources = _state_sources(layouts)
     lp = _logprob_map(forest, cfg, k, kept_mb, kept_row, len(layouts))
     steps, rank_order = _rank_orders(partition, cfg)
+    phases = _phases(partition, cfg, steps)
 
     plan = plan_pb2.Plan()
     _fill_header(plan.header, forest, cfg)
+    if phases is not None:
+        plan.header.lockstep_phases = pk(phases, "uint8")
     for r in range(cfg.world_size):
         plan.ranks.add(rank=r)
     mbs: dict[int, plan_pb2.Microbatch] = {}
@@ -316,6 +321,8 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, impl: s
             mbs[m] = msg
     rank_costs, peak = _fill_steps(plan, cfg, steps, rank_order, mbs, arrays)
     _fill_stats(plan.header.stats, forest, cfg, layouts, mbs, rank_costs, peak)
+    if phases is not None:
+        _fill_lockstep_stats(plan, phases)
     return plan
 
 
@@ -506,6 +513,8 @@ def _rank_orders(partition: Partition, cfg: PlanConfig) -> tuple[list[list[tuple
     for r in range(cfg.world_size):
         order: list[int] = []
         for kind, m in steps[r]:
+            if m == -1 and cfg.lockstep:  # a stand-in (checked against the phases in `_phases`)
+                continue
             if not 0 <= m < M or specs[m].rank != r:
                 raise PlanningError(f"partition.rank_steps[{r}]: microbatch {m} is not placed on rank {r}")
             if kind not in ("F", "B"):
@@ -575,20 +584,68 @@ def _serialise(msg: plan_pb2.Microbatch, L: _Layout, forest: Forest, cfg: PlanCo
                    ex_state, n_calls, seg_tree, {name: lp.columns[col][a:b] for name, _, col in lp.fields})
 
 
+def _phases(partition: Partition, cfg: PlanConfig, steps) -> np.ndarray | None:
+    """The lock-step phases (uint8 [P]) of a cfg.lockstep partition, after checking that every
+    rank has one step per phase of its kind; None for a free plan."""
+    if partition.phases is None:
+        if cfg.lockstep and any(steps):
+            raise PlanningError("partition.phases: expected the phases of a lock-step plan (cfg.lockstep), got none")
+        return np.zeros(0, np.uint8) if cfg.lockstep else None
+    if not cfg.lockstep:
+        raise PlanningError("partition.phases: expected none in a free plan (cfg.lockstep false)")
+    phases = np.asarray(partition.phases, np.uint8)
+    want = ["F" if ph == PHASE_FORWARD else "B" for ph in phases.tolist()]
+    for r, rs in enumerate(steps):
+        if [kind for kind, _ in rs] != want:
+            raise PlanningError(f"partition.rank_steps[{r}]: expected one step per phase of partition.phases, of its kind")
+    return phases
+
+
 def _fill_steps(plan: plan_pb2.Plan, cfg: PlanConfig, steps, rank_order: list[list[int]],
                 mbs: dict[int, plan_pb2.Microbatch], arrays: dict[int, MicrobatchArrays]) -> tuple[list[float], int]:
-    """Write every rank's execution steps; returns the rank costs and the peak live bytes."""
+    """Write every rank's execution steps; returns the rank costs and the peak live bytes.
+
+    Stand-ins (microbatch -1, lock-step plans) pair up last in, first out: a BACKWARD stand-in in
+    a PHASE_BACKWARD phase takes the latest unpaired FORWARD stand-in's graph (a fresh id k > 0
+    for both); other FORWARD stand-ins, and those of PHASE_RECOMPUTE phases, get id 0.
+    """
+    phases = unpack(plan.header.lockstep_phases, "uint8").tolist()
     rank_costs = []
     peak = 0
     for r in range(cfg.world_size):
         rp = plan.ranks[r]
         local = {m: i for i, m in enumerate(rank_order[r])}
-        for kind, m in steps[r]:
-            rp.steps.add(kind=plan_pb2.ExecStep.FORWARD if kind == "F" else plan_pb2.ExecStep.BACKWARD, microbatch=local[m])
+        unpaired: list[plan_pb2.ExecStep] = []
+        for i, (kind, m) in enumerate(steps[r]):
+            step = rp.steps.add(kind=plan_pb2.ExecStep.FORWARD if kind == "F" else plan_pb2.ExecStep.BACKWARD,
+                                microbatch=local[m] if m >= 0 else -1)
+            if m >= 0:
+                continue
+            if phases[i] == PHASE_FORWARD:
+                unpaired.append(step)
+            elif phases[i] == PHASE_BACKWARD:
+                if not unpaired:
+                    raise PlanningError(f"partition.rank_steps[{r}][{i}]: a BACKWARD stand-in without an earlier FORWARD stand-in")
+                step.standin = unpaired.pop().standin = len(rp.steps)  # unique on the rank, > 0
         rank_costs.append(float(sum(mbs[m].cost for m in rank_order[r])))
-        _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, [(kind == "F", m) for kind, m in steps[r]])
+        real = [(kind == "F", m) for kind, m in steps[r] if m >= 0]
+        _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real)
         peak = max(peak, rank_peak)
     return rank_costs, peak
+
+
+def _fill_lockstep_stats(plan: plan_pb2.Plan, phases: np.ndarray) -> None:
+    """PlanStats.lockstep_*: the phases, their makespan (plan.phases' cost model) and the ratio."""
+    st = plan.header.stats
+    cost = np.zeros((len(plan.ranks), phases.shape[0]), np.float64)
+    for r, rp in enumerate(plan.ranks):
+        for i, (step, phase) in enumerate(zip(rp.steps, phases.tolist())):
+            if step.microbatch >= 0:
+                cost[r, i] = step_cost(phase, rp.microbatches[step.microbatch].cost)
+    st.lockstep_phases = int(phases.shape[0])
+    st.lockstep_makespan = float(cost.max(axis=0).sum()) if cost.size else 0.0
+    st.lockstep_ratio = st.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0
+    st.lockstep_forward_phases, st.lockstep_backward_phases, st.lockstep_recompute_phases = phase_counts(phases)
 
 
 def _fill_stats(st: plan_pb2.PlanStats, forest: Forest, cfg: PlanConfig, layouts: list[_Layout],
@@ -675,6 +732,7 @@ def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> Non
     p.windows = cfg.windows
     p.replay = cfg.replay
     p.logprob_positions = plan_pb2.LOGPROB_POSITIONS_ALL if cfg.all_positions else plan_pb2.LOGPROB_POSITIONS_LOSS
+    p.lockstep = cfg.lockstep
     cfg.sizes.fill(p.memory, cfg.memory_tokens)
     p.memory.model = cfg.model_name
     p.memory.dtype = cfg.dtype

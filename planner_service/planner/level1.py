@@ -154,7 +154,8 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay, fo
 
     Args:
         unit_parent, unit_len, unit_depth: int [U] the unit forest (preorder).
-        chunk: chunk size C; budget: B.
+        chunk: chunk size C; budget: int64 [U] the piece capacity at each unit (B, or a lock-step
+            plan's smaller capacity of the unit's rank forest; a piece's units share one).
         dup: piece roots carry their whole root path as context rows (no sharing windows).
         replay: bounded replay at unaligned branches (PlanConfig.replay).
         force: bool [U] units that must root a piece (cut from their parent whatever the sizes).
@@ -183,24 +184,25 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay, fo
         br = (unit_depth[u] + unit_len[u]) % chunk if replay else 0
         rr = root_cost(unit_depth[u], unit_parent[u], chunk, dup, replay)
         extra = (k - 1) * br if k > 1 else 0
-        if total + extra + rr > budget:
+        cap = budget[u]
+        if total + extra + rr > cap:
             keys = np.empty(k, np.int64)
             j = 0
             for i in range(lo, hi):
                 c = kids[i]
                 if not force[c]:
-                    keys[j] = (budget - resid[c]) * n + c
+                    keys[j] = (cap - resid[c]) * n + c
                     j += 1
             order = np.argsort(keys)
             j = 0
-            while total + extra + rr > budget and k > 0:
+            while total + extra + rr > cap and k > 0:
                 c = keys[order[j]] % n
                 cut[c] = True
                 total -= resid[c]
                 k -= 1
                 j += 1
                 extra = (k - 1) * br if k > 1 else 0
-            if total + rr > budget:
+            if total + rr > cap:
                 return cut, resid, np.int64(u)
         resid[u] = total + extra
     return cut, resid, np.int64(-1)

@@ -33,6 +33,7 @@ groups, W ranks, T trajectories, P placement parts.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -42,6 +43,7 @@ from numba import njit
 
 import planner_service.planner.level1 as level1
 import planner_service.planner.level2 as level2
+import planner_service.planner.lockstep as lockstep
 import planner_service.planner.partition_ref as partition_ref
 import planner_service.planner.placement as placement
 import planner_service.planner.placement_ref as placement_ref
@@ -66,6 +68,7 @@ _KERNELS = {
         lpt_place=level2.lpt_place,
         live_stack=level2.live_stack,
         dfs_order=level2.dfs_order,
+        align_phases=lockstep.align_phases,
         context_costs=placement.context_costs,
         cut_parts=placement.cut_parts,
         rank_closure=placement.rank_closure,
@@ -81,6 +84,7 @@ _KERNELS = {
         **{name: getattr(partition_ref, name) for name in (
             "build_units", "cut_pieces", "piece_roots", "first_fit_decreasing", "context_cost",
             "window_export_counts", "window_groups", "subtree_costs", "lpt_place", "live_stack", "dfs_order")},
+        align_phases=lockstep.align_phases_ref,
         **{name: getattr(placement_ref, name) for name in (
             "context_costs", "cut_parts", "rank_closure", "closure_costs", "refine", "lp_row_flags",
             "subtree_sums", "subtree_sizes", "lpt_parts", "placement_costs")},
@@ -150,10 +154,54 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
     if not cfg.windows:
         _check_paths_fit(forest, cfg.microbatch_tokens)
     rf = _rank_forests(k, forest, cfg)
+    if cfg.lockstep:
+        return _assemble(k, cfg, rf, *_lockstep(k, cfg, rf))
     l1 = _level1(k, cfg, rf)
     edges = _edge_rows(k, cfg, rf, l1)
     l2 = _level2(k, cfg, rf, l1, edges)
     return _assemble(k, cfg, rf, l1, edges, l2)
+
+
+#: Lock-step plans try every rank at most (the fewest microbatches any rank needs at B) + each of
+#: these microbatches, with equal counts per rank (`lockstep.equal_count_caps`).
+LOCKSTEP_EXTRA_MICROBATCHES = (0, 1, 2)
+
+
+def _lockstep(k, cfg: PlanConfig, rf: _RankForests):
+    """Level 1 with about equal microbatch counts and sizes per rank, level 2 with the fewest
+    recomputed windows, and the phases aligned (`lockstep.align_phases`): of the candidate
+    counts and rank weightings, the schedule with the shortest lock-step makespan (then the
+    fewest phases). Returns (level 1, edge rows, level 2, schedule) for `_assemble`."""
+    W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
+    first = _level1(k, cfg, rf)
+    candidates = [first]
+    if cfg.windows and W > 1:
+        n0 = int(np.bincount(first.mb_home, minlength=W).max())
+
+        def counts(caps: np.ndarray) -> np.ndarray:
+            return np.bincount(_level1(k, cfg, rf, caps).mb_home, minlength=W)
+
+        candidates = [_level1(k, cfg, rf, lockstep.equal_count_caps(counts, W, B, C, n0 + extra))
+                      for extra in LOCKSTEP_EXTRA_MICROBATCHES]
+    best = None
+    for l1 in candidates:
+        e = _edge_rows(k, cfg, rf, l1)
+        l2 = _level2(k, cfg, rf, l1, e, minimal_recompute=True)
+        wparent = np.where((l1.mb_parent >= 0) & l2.shared, l1.mb_parent, -1)
+        full = cfg.sizes.full_bytes(l2.rows)
+        win = np.where(l2.recompute, l2.exports, full)
+        cost = l2.rows.astype(np.float64) * cfg.cost_model.row
+        for power, rec_open in itertools.product(lockstep.WEIGHT_POWERS, (False, True)):
+            sch = lockstep.schedule(k.align_phases, l2.mb_rank, wparent, cost, l2.recompute, full, win, l2.exports,
+                                    cfg.memory_bytes, W, power, rec_open)
+            key = (sch.makespan, sch.phases.shape[0])
+            if best is None or key < best[0]:
+                best = (key, l1, e, l2, sch)
+    _, l1, e, l2, sch = best
+    l2.recompute |= sch.voluntary
+    log.debug("lock-step: %d microbatches, %d phases, estimated lock-step makespan %.0f", l1.num_microbatches,
+              sch.phases.shape[0], sch.makespan)
+    return l1, e, l2, sch
 
 
 @dataclass(slots=True)
@@ -227,14 +275,20 @@ class _Level1:
         return int(self.mb_parent.shape[0])
 
 
-def _level1(k, cfg: PlanConfig, rf: _RankForests) -> _Level1:
+def _level1(k, cfg: PlanConfig, rf: _RankForests, caps: np.ndarray | None = None) -> _Level1:
     """Cut every rank forest into the fewest pieces that fit B (Kundu-Misra) and pack them into
-    microbatches level by level (`_pack`)."""
+    microbatches level by level (`_pack`).
+
+    Args:
+        caps: int64 [W] a smaller piece and microbatch capacity per rank forest (lock-step plans,
+            `_lockstep`); None: B everywhere.
+    """
     W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
     dup_only = not cfg.windows
     unit_parent, unit_depth = rf.unit_parent, rf.unit_depth
+    budget = np.full(unit_parent.shape[0], B, np.int64) if caps is None else caps[rf.unit_rank]
     force = rf.dup & (unit_parent >= 0) & ~rf.dup[np.maximum(unit_parent, 0)]
-    cut, resid, bad = k.cut_pieces(unit_parent, rf.unit_len, unit_depth, C, B, dup_only, cfg.replay, force)
+    cut, resid, bad = k.cut_pieces(unit_parent, rf.unit_len, unit_depth, C, budget, dup_only, cfg.replay, force)
     if bad >= 0:  # only reachable without windows, and _check_paths_fit rules it out
         raise PlanningError(f"microbatch_tokens: unit {bad} cannot fit {B} rows; raise microbatch_tokens")
     root = k.piece_roots(unit_parent, cut)
@@ -244,14 +298,15 @@ def _level1(k, cfg: PlanConfig, rf: _RankForests) -> _Level1:
     pdepth = unit_depth[pieces]
     tail = np.where(has_anchor, pdepth % C if cfg.replay else np.zeros_like(pdepth), 0)
     size = resid[pieces] + tail
-    cap_of = np.where(has_anchor, B - pdepth + tail, B) if dup_only else np.full(pieces.shape[0], B, np.int64)
+    piece_cap = budget[pieces]
+    cap_of = np.where(has_anchor, piece_cap - pdepth + tail, piece_cap) if dup_only else piece_cap
     assert (size <= cap_of).all(), "a piece larger than its bin: cut_pieces broke its contract"
     ppar = np.where(has_anchor, np.searchsorted(pieces, root[np.maximum(anchor, 0)]), -1)
     root_key = rf.unit_rank[pieces]
-    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, B, root_key)
+    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, piece_cap, root_key)
     if dup_only and W > 1 and M % W:
         root_cap = _balanced_root_cap(k, *root_items, n_root, M, W, B)
-        piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, root_cap, root_key)
+        piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, np.full(pieces.shape[0], root_cap), root_key)
     unit_mb = piece_mb[np.searchsorted(pieces, root)]
     mb_parent = np.full(M, -1, np.int64)
     anchored = np.flatnonzero(has_anchor)
@@ -317,9 +372,10 @@ class _Level2:
     """float64 [W] estimated cost per rank."""
 
 
-def _level2(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows) -> _Level2:
+def _level2(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, *, minimal_recompute: bool = False
+            ) -> _Level2:
     """Edge modes (share, or duplicate a short prefix), ranks without windows (LPT over computed
-    rows), and the live window stacks within M (`_fit_memory`)."""
+    rows), and the live window stacks within M (`_fit_memory`; `minimal_recompute`: lock-step)."""
     W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
     M, mb_parent = l1.num_microbatches, l1.mb_parent
     has_parent = mb_parent >= 0
@@ -339,21 +395,25 @@ def _level2(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows) -> 
         mb_rank = _lpt(k, W, np.arange(M, dtype=np.int64), rows_now())[0]
     recompute = np.zeros(M, np.bool_)
     est = _Exports(k, cfg, e.roots_off, e.roots, rf.unit_parent, rf.unit_len, rf.unit_depth, l1.unit_mb, mb_parent)
-    live = _fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now)
+    live = _fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now, minimal=minimal_recompute)
     rows = rows_now()
     load = rf.load if rf.load is not None else np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
     return _Level2(shared=shared, mb_rank=mb_rank, recompute=recompute, rows=rows, live=live,
                    exports=est.bytes(shared, rows)[1], load=load)
 
 
-def _assemble(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, l2: _Level2
-              ) -> tuple[Partition, PartitionReport]:
-    """Every rank's depth-first order, the microbatch specs and the partition report."""
+def _assemble(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, l2: _Level2,
+              sch: lockstep.Schedule | None = None) -> tuple[Partition, PartitionReport]:
+    """Every rank's order (depth-first, or the lock-step schedule `sch`), the microbatch specs and
+    the partition report."""
     W, M = cfg.world_size, l1.num_microbatches
-    step_rank, step_kind, step_mb = k.dfs_order(l1.mb_parent, l2.shared, l2.mb_rank, W)
-    rank_steps: list[list[tuple[str, int]]] = [[] for _ in range(W)]
-    for r, kind, m in zip(step_rank.tolist(), step_kind.tolist(), step_mb.tolist()):
-        rank_steps[r].append(("B" if kind else "F", m))
+    if sch is not None:
+        rank_steps = sch.rank_steps
+    else:
+        step_rank, step_kind, step_mb = k.dfs_order(l1.mb_parent, l2.shared, l2.mb_rank, W)
+        rank_steps = [[] for _ in range(W)]
+        for r, kind, m in zip(step_rank.tolist(), step_kind.tolist(), step_mb.tolist()):
+            rank_steps[r].append(("B" if kind else "F", m))
     kept_specs = _specs(rf.unit_seg, rf.unit_off, rf.unit_len, l1.unit_mb, M, ~rf.dup)
     dup_specs = _specs(rf.unit_seg, rf.unit_off, rf.unit_len, l1.unit_mb, M, rf.dup)
     microbatches = [
@@ -375,7 +435,8 @@ def _assemble(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, l
         report.pieces, M, int(l2.shared.sum()), int((has_parent & ~l2.shared).sum()), int(l2.recompute.sum()),
         int(l2.rows.sum()), int(e.own_dup.sum()), report.imbalance, report.peak_live,
     )
-    return Partition(microbatches=microbatches, rank_steps=rank_steps), report
+    return Partition(microbatches=microbatches, rank_steps=rank_steps,
+                     phases=None if sch is None else sch.phases), report
 
 
 def _check_paths_fit(forest: Forest, budget: int) -> None:
@@ -389,11 +450,11 @@ def _check_paths_fit(forest: Forest, budget: int) -> None:
         )
 
 
-def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, root_key: np.ndarray):
+def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: np.ndarray, root_key: np.ndarray):
     """Microbatch of every piece: first fit decreasing, level by level down the piece forest.
 
     Root pieces with the same `root_key` (the rank forest they belong to) are packed together
-    (bins of `root_cap`). The pieces hanging below one microbatch's pieces are packed together
+    (bins of their `root_cap`, int64 [K], equal within a rank forest). The pieces hanging below one microbatch's pieces are packed together
     (without windows: below one anchor unit, so that they share one duplicated context). Parents
     get smaller ids.
 
@@ -426,7 +487,7 @@ def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, root_key
         skey = key[sort]
         starts = np.flatnonzero(np.r_[True, skey[1:] != skey[:-1]])
         group_off = np.r_[starts, order.shape[0]].astype(np.int64)
-        caps = np.full(starts.shape[0], root_cap, np.int64) if L == 0 else cap_of[order][starts].astype(np.int64)
+        caps = (root_cap if L == 0 else cap_of)[order][starts].astype(np.int64)
         sizes = size[order].astype(np.int64)
         bins, nb = k.first_fit_decreasing(sizes, group_off, caps, opens[sort])
         piece_mb[order] = M + bins
@@ -497,9 +558,13 @@ class _Exports:
         return sizes.full_bytes(rows), sizes.export_bytes(attn, conv, kern, states)
 
 
-def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, rows_now):
+def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, rows_now, *, minimal: bool = False):
     """Keep every live window stack within M (bytes): mark recomputation where it saves memory,
     then duplicate edges (deepest first along a violating stack). Returns live int64 [M] bytes.
+
+    A violating stack marks every window on it; with `minimal` (lock-step plans, where each
+    recomputed window's backward needs a PHASE_RECOMPUTE) only the root-most ones that cover its
+    excess.
 
     Raises:
         PlanningError: a microbatch whose own activations plus the exports of its open windows,
@@ -517,10 +582,22 @@ def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, ro
     if (live <= budget).all():
         return live
     for m in np.flatnonzero(live > budget).tolist():
+        chain = []  # the open windows below which m runs, nearest first
         c = m
         while mb_parent[c] >= 0 and shared[c]:
             c = int(mb_parent[c])
-            recompute[c] = exports[c] < full[c]
+            chain.append(c)
+        if not minimal:
+            for c in chain:
+                recompute[c] = exports[c] < full[c]
+            continue
+        over = int(live[m]) - budget
+        for c in reversed(chain):  # root-most first: one mark covers every stack below it
+            if over <= 0:
+                break
+            if not recompute[c] and exports[c] < full[c]:
+                recompute[c] = True
+                over -= int(full[c] - exports[c])
     live, full, exports = live_now()
     # Enough M without any duplication: under a larger M the violators are a subset of these and
     # their ancestors get the same marks.

@@ -65,9 +65,9 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay, fo
         def size(ks):
             return int(unit_len[u]) + sum(resid[c] for c in ks) + max(len(ks) - 1, 0) * branch
 
-        while kept and size(kept) + rr > budget:
+        while kept and size(kept) + rr > budget[u]:
             cut[kept.pop(0)] = True
-        if size(kept) + rr > budget:
+        if size(kept) + rr > budget[u]:
             return np.array(cut, np.bool_), np.array(resid, np.int64), u
         resid[u] = size(kept)
     return np.array(cut, np.bool_), np.array(resid, np.int64), -1

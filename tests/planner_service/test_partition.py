@@ -157,7 +157,8 @@ def test_kundu_misra_gives_the_fewest_pieces(seed):
     ud = np.zeros(n, np.int64)  # additive weights: no replay (replay=False), no context (dup=False)
     want = _brute_min_pieces(parent, weight, budget)
     for impl in (level1, partition_ref):
-        cut, resid, bad = impl.cut_pieces(up, ul, ud, 1 << 20, budget, False, False, np.zeros(n, np.bool_))
+        cut, resid, bad = impl.cut_pieces(up, ul, ud, 1 << 20, np.full(n, budget, np.int64), False, False,
+                                          np.zeros(n, np.bool_))
         assert bad == -1
         roots = np.asarray(impl.piece_roots(up, cut))
         pieces = np.unique(roots)
@@ -199,8 +200,9 @@ def test_cut_pieces_numba_matches_reference(seed, dup, replay):
     rng = np.random.default_rng(seed)
     U = unit_parent.shape[0]
     for force in (np.zeros(U, np.bool_), (unit_parent >= 0) & (rng.random(U) < 0.2)):
-        got = level1.cut_pieces(unit_parent, unit_len, unit_depth, 8, budget, dup, replay, force)
-        want = partition_ref.cut_pieces(unit_parent, unit_len, unit_depth, 8, budget, dup, replay, force)
+        caps = np.full(U, budget, np.int64)
+        got = level1.cut_pieces(unit_parent, unit_len, unit_depth, 8, caps, dup, replay, force)
+        want = partition_ref.cut_pieces(unit_parent, unit_len, unit_depth, 8, caps, dup, replay, force)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
         assert got[2] == want[2]
