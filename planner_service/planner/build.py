@@ -513,7 +513,10 @@ def _rank_orders(partition: Partition, cfg: PlanConfig) -> tuple[list[list[tuple
     for r in range(cfg.world_size):
         order: list[int] = []
         for kind, m in steps[r]:
-            if m == -1 and cfg.lockstep:  # a stand-in (checked against the phases in `_phases`)
+            if m == -1:  # a stand-in (checked against the phases in `_phases`)
+                if not cfg.lockstep:
+                    raise PlanningError(f"partition.rank_steps[{r}]: expected no stand-ins (microbatch -1) in a free plan "
+                                        f"(cfg.lockstep false)")
                 continue
             if not 0 <= m < M or specs[m].rank != r:
                 raise PlanningError(f"partition.rank_steps[{r}]: microbatch {m} is not placed on rank {r}")

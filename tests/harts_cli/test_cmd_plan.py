@@ -133,3 +133,19 @@ def test_plan_sizes_windows_with_the_named_model_and_balances_with_a_cost_model(
     assert json.loads(capsys.readouterr().out)["peak_live_bytes"] == report["peak_live_bytes"]
     assert main([*args[:-2], "--model", "no-such-model"]) == 2
     assert "--model: expected a config.json path or one of" in capsys.readouterr().err
+
+
+def test_plan_lockstep_reports_the_phases(capsys, tmp_path, batch):
+    out = tmp_path / "plan.bin"
+    args = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "32", "--chunk-size", "8", "--lockstep",
+            "-o", str(out)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    validate_plan(plan)
+    assert plan.header.params.lockstep and all(len(r.steps) == report["lockstep_phases"] for r in plan.ranks)
+    assert report["lockstep_phases"] == (report["lockstep_forward_phases"] + report["lockstep_backward_phases"]
+                                         + report["lockstep_recompute_phases"]) > 0
+    assert report["lockstep_ratio"] == pytest.approx(report["lockstep_makespan"] / report["makespan"])
+    assert main(args[:-3]) == 0  # a free plan's report names no phases
+    assert "lockstep_phases" not in json.loads(capsys.readouterr().out)
