@@ -11,21 +11,24 @@ line up in kind and in cost. Two parts:
   every rank has about the same number of microbatches of about the same size;
 - `align_phases`: the phases themselves, built one at a time. Each rank keeps its depth-first
   window rules (a stack of open windows; a window closes after its dependents; the live stack
-  within M) but chooses its order online: in a FORWARD phase it opens the available microbatch
-  (a window root, or a child of an open window) with the costliest window subtree, if its
-  subtree fits the memory left; in a BACKWARD or RECOMPUTE phase it closes its top window if all
-  its dependents have closed and the kind matches. The phase kind is the one whose able ranks
-  weigh most, a rank weighing (remaining cost / the largest remaining cost)^p (p = 1 or 16: the
-  ranks furthest behind decide). A PHASE_BACKWARD is chosen only if every rank that does not
-  close holds a FORWARD stand-in to pair its BACKWARD stand-in with (an idle rank in a FORWARD
-  phase opens one); with none possible, an all-stand-in FORWARD phase gives every rank one. In a
-  RECOMPUTE phase, a rank whose top window is not marked recompute may close it there anyway
-  (voluntary recomputation, the microbatch becomes `recompute`) when its recompute costs at most
-  VOLUNTARY_SLACK x the phase's slowest forced one and its remaining work stays below the
-  slowest rank's: it then avoids a later BACKWARD phase of its own.
+  within M) but chooses its order online. In a FORWARD phase it opens the available microbatch
+  (a window root, or a child of an open window) of highest priority (the costliest window
+  subtree) if that subtree fits the memory left; else, with `small_fill`, the available one that
+  needs least memory; else, with `rec_open`, the first one graph-less (recomputed: it then holds
+  only its exports) if its remaining work stays below the slowest rank's; else its top window's
+  next child, which always fits (as it, or recomputed). In a BACKWARD or RECOMPUTE phase it
+  closes its top window if all its dependents have closed and the kind matches. The phase kind
+  is the one whose able ranks weigh most, a rank weighing (remaining cost / the largest
+  remaining cost)^p (p = 1, or 16: the ranks furthest behind decide). A PHASE_BACKWARD is chosen
+  only if every rank that does not close holds a FORWARD stand-in to pair its BACKWARD stand-in
+  with (an idle rank in a FORWARD phase opens one); with none possible, an all-stand-in FORWARD
+  phase gives every rank one. In a RECOMPUTE phase, a rank whose top window is not recomputed may
+  close it there anyway (voluntary recomputation: the microbatch becomes `recompute`) when that
+  costs at most VOLUNTARY_SLACK x the phase's slowest forced recompute and its remaining work
+  stays below the slowest rank's: it saves a BACKWARD phase of its own later.
 
-`align_phases_ref` is the plain-Python twin; the partitioner tries a few microbatch counts and
-both weightings and keeps the shortest lock-step makespan.
+`align_phases_ref` is the plain-Python twin. The partitioner tries a few microbatch counts and
+every combination of p, `rec_open` and `small_fill`, and keeps the shortest lock-step makespan.
 
 Linear in phases x ranks plus O(M log M) for the per-rank heaps of available microbatches.
 
@@ -103,18 +106,22 @@ def _heap_pop(heap, base, size, key):
 
 
 @njit(cache=True)
-def align_phases(mb_rank, wparent, cost, forced, full, win, exports, budget, world_size, power, vslack, rec_open):
+def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, budget, world_size, power, vslack,
+                 rec_open, small_fill):
     """Phases and every rank's steps (module docstring).
 
     Args:
         mb_rank: int64 [M] rank of each microbatch; wparent: int64 [M] its sharing-window parent
             (same rank, smaller id) or -1.
-        cost: float64 [M] microbatch costs; forced: bool [M] marked recompute (memory).
+        cost: float64 [M] microbatch costs; priority: float64 [M] which available microbatch a
+            rank opens first (the largest; e.g. its window subtree's cost); forced: bool [M] marked
+            recompute (memory).
         full, win: int64 [M] live bytes while it runs, and as an open window; exports: int64 [M]
             its bytes as a recomputed open window; budget: M in bytes.
         power: int weight exponent p; vslack: VOLUNTARY_SLACK; rec_open: a rank whose next
             microbatch does not fit the memory left may open it graph-less (recomputed) if its
-            remaining work stays below the slowest rank's.
+            remaining work stays below the slowest rank's; small_fill: when the highest-priority
+            available microbatch does not fit, open the one that needs the least memory if it fits.
 
     Returns:
         phases int8 [P]; step_phase int64 [2M] and step_mb int64 [2M] the phase of every real
@@ -125,13 +132,9 @@ def align_phases(mb_rank, wparent, cost, forced, full, win, exports, budget, wor
     W = world_size
     share = FORWARD_SHARE
     off, kids = children_csr(wparent)
-    sub = cost.copy()
+    sub = priority
     need = full.copy()  # live bytes its window subtree needs on top of the open ones
     need_rec = full.copy()  # ... with every window of it recomputed
-    for m in range(M - 1, -1, -1):
-        p = wparent[m]
-        if p >= 0:
-            sub[p] += sub[m]
     for m in range(M - 1, -1, -1):
         top = 0
         top_rec = 0
@@ -147,14 +150,18 @@ def align_phases(mb_rank, wparent, cost, forced, full, win, exports, budget, wor
         rem[mb_rank[m]] += share * cost[m] + (cost[m] if forced[m] else (1.0 - share) * cost[m])
     for r in range(W):
         count[r + 1] += count[r]
-    heap = np.empty(M, np.int64)
+    heap = np.empty(M, np.int64)  # available microbatches of each rank, highest priority first
     hsize = np.zeros(W, np.int64)
+    small = np.empty(M, np.int64)  # ... and smallest need first
+    ssize = np.zeros(W, np.int64)
+    neg_need = -need.astype(np.float64)
     stack = np.empty(M, np.int64)
     sp = np.zeros(W, np.int64)
     for m in range(M):
         if wparent[m] < 0:
             r = mb_rank[m]
             hsize[r] = _heap_push(heap, count[r], hsize[r], m, sub)
+            ssize[r] = _heap_push(small, count[r], ssize[r], m, neg_need)
     left = off[1:] - off[:-1]
     opened = np.zeros(M, np.bool_)
     is_rec = forced.copy()
@@ -181,14 +188,18 @@ def align_phases(mb_rank, wparent, cost, forced, full, win, exports, budget, wor
         for r in range(W):
             act[0, r] = act[1, r] = act[2, r] = -1
             c[0, r] = c[1, r] = c[2, r] = 0.0
-            while hsize[r] > 0 and opened[heap[count[r]]]:  # opened as a window's next child
+            while hsize[r] > 0 and opened[heap[count[r]]]:  # opened through the other heap or as a next child
                 hsize[r] = _heap_pop(heap, count[r], hsize[r], sub)
+            while ssize[r] > 0 and opened[small[count[r]]]:
+                ssize[r] = _heap_pop(small, count[r], ssize[r], neg_need)
             m = -1
             rec_act[r] = False
             if hsize[r] > 0:
                 h = heap[count[r]]
                 if open_bytes[r] + need[h] <= budget:
                     m = h
+                elif small_fill and open_bytes[r] + need[small[count[r]]] <= budget:  # the one that needs least
+                    m = small[count[r]]
                 elif (rec_open and open_bytes[r] + need_rec[h] <= budget
                       and rem[r] + share * cost[h] <= crit):
                     m = h
@@ -259,6 +270,7 @@ def align_phases(mb_rank, wparent, cost, forced, full, win, exports, budget, wor
                 opened[m] = True
                 for i in range(off[m], off[m + 1]):
                     hsize[r] = _heap_push(heap, base, hsize[r], kids[i], sub)
+                    ssize[r] = _heap_push(small, base, ssize[r], kids[i], neg_need)
                 stack[base + sp[r]] = m
                 sp[r] += 1
                 rem[r] -= share * cost[m]
@@ -282,19 +294,17 @@ def align_phases(mb_rank, wparent, cost, forced, full, win, exports, budget, wor
     return phases[:P], step_phase[:n_steps], step_mb[:n_steps], voluntary, makespan
 
 
-def align_phases_ref(mb_rank, wparent, cost, forced, full, win, exports, budget, world_size, power, vslack, rec_open):
+def align_phases_ref(mb_rank, wparent, cost, priority, forced, full, win, exports, budget, world_size, power, vslack,
+                     rec_open, small_fill):
     """Plain-Python twin of `align_phases` (per-rank lists and heapq)."""
     M, W, share = len(mb_rank), world_size, FORWARD_SHARE
     kids: list[list[int]] = [[] for _ in range(M)]
     for m in range(M):
         if wparent[m] >= 0:
             kids[int(wparent[m])].append(m)
-    sub = [float(x) for x in cost]
+    sub = [float(x) for x in priority]
     need = [int(x) for x in full]
     need_rec = [int(x) for x in full]
-    for m in reversed(range(M)):
-        if wparent[m] >= 0:
-            sub[int(wparent[m])] += sub[m]
     for m in reversed(range(M)):
         need[m] = max(int(full[m]), int(win[m]) + max((need[k] for k in kids[m]), default=0))
         need_rec[m] = max(int(full[m]), int(exports[m]) + max((need_rec[k] for k in kids[m]), default=0))
@@ -302,9 +312,11 @@ def align_phases_ref(mb_rank, wparent, cost, forced, full, win, exports, budget,
     for m in range(M):
         rem[int(mb_rank[m])] += share * cost[m] + (cost[m] if forced[m] else (1.0 - share) * cost[m])
     heaps: list[list[tuple[float, int]]] = [[] for _ in range(W)]
+    smalls: list[list[tuple[int, int]]] = [[] for _ in range(W)]
     for m in range(M):
         if wparent[m] < 0:
             heapq.heappush(heaps[int(mb_rank[m])], (-sub[m], m))
+            heapq.heappush(smalls[int(mb_rank[m])], (need[m], m))
     stacks: list[list[int]] = [[] for _ in range(W)]
     left = [len(k) for k in kids]
     opened = [False] * M
@@ -322,11 +334,15 @@ def align_phases_ref(mb_rank, wparent, cost, forced, full, win, exports, budget,
         for r in range(W):
             while heaps[r] and opened[heaps[r][0][1]]:
                 heapq.heappop(heaps[r])
+            while smalls[r] and opened[smalls[r][0][1]]:
+                heapq.heappop(smalls[r])
             m = None
             if heaps[r]:
                 h = heaps[r][0][1]
                 if open_bytes[r] + need[h] <= budget:
                     m = h
+                elif small_fill and open_bytes[r] + need[smalls[r][0][1]] <= budget:
+                    m = smalls[r][0][1]
                 elif rec_open and open_bytes[r] + need_rec[h] <= budget and rem[r] + share * cost[h] <= crit:
                     m, rec_act[r] = h, True
             if m is None and stacks[r]:
@@ -376,6 +392,7 @@ def align_phases_ref(mb_rank, wparent, cost, forced, full, win, exports, budget,
                 opened[m] = True
                 for k in kids[m]:
                     heapq.heappush(heaps[r], (-sub[k], k))
+                    heapq.heappush(smalls[r], (need[k], k))
                 stacks[r].append(m)
                 rem[r] -= share * cost[m]
                 if rec_act[r] and not is_rec[m]:
@@ -412,14 +429,15 @@ class Schedule:
     """The lock-step makespan under the costs the schedule was aligned with."""
 
 
-def schedule(align, mb_rank, wparent, cost, forced, full, win, exports, budget: int, world_size: int, power: int,
-             rec_open: bool) -> Schedule:
+def schedule(align, mb_rank, wparent, cost, priority, forced, full, win, exports, budget: int, world_size: int,
+             power: int, rec_open: bool, small_fill: bool) -> Schedule:
     """Align the phases (`align`: align_phases or its twin) and lay out every rank's steps."""
     M = mb_rank.shape[0]
     phases, step_phase, step_mb, voluntary, makespan = align(
         np.asarray(mb_rank, np.int64), np.asarray(wparent, np.int64), np.asarray(cost, np.float64),
+        np.asarray(priority, np.float64),
         np.asarray(forced, np.bool_), np.asarray(full, np.int64), np.asarray(win, np.int64),
-        np.asarray(exports, np.int64), int(budget), world_size, power, VOLUNTARY_SLACK, rec_open)
+        np.asarray(exports, np.int64), int(budget), world_size, power, VOLUNTARY_SLACK, rec_open, small_fill)
     if step_mb.shape[0] != 2 * M:  # the phase bound 3M + 1 cannot be reached (see align_phases)
         raise AssertionError(f"lock-step alignment placed {step_mb.shape[0]} of {2 * M} steps in {phases.shape[0]} phases")
     P = phases.shape[0]

@@ -191,9 +191,10 @@ def _lockstep(k, cfg: PlanConfig, rf: _RankForests):
         full = cfg.sizes.full_bytes(l2.rows)
         win = np.where(l2.recompute, l2.exports, full)
         cost = l2.rows.astype(np.float64) * cfg.cost_model.row
-        for power, rec_open in itertools.product(lockstep.WEIGHT_POWERS, (False, True)):
-            sch = lockstep.schedule(k.align_phases, l2.mb_rank, wparent, cost, l2.recompute, full, win, l2.exports,
-                                    cfg.memory_bytes, W, power, rec_open)
+        sub = np.asarray(k.subtree_costs(l1.mb_parent, l2.shared, cost))  # open the costliest window subtree first
+        for power, rec_open, small_fill in itertools.product(lockstep.WEIGHT_POWERS, (False, True), (False, True)):
+            sch = lockstep.schedule(k.align_phases, l2.mb_rank, wparent, cost, sub, l2.recompute, full, win, l2.exports,
+                                    cfg.memory_bytes, W, power, rec_open, small_fill)
             key = (sch.makespan, sch.phases.shape[0])
             if best is None or key < best[0]:
                 best = (key, l1, e, l2, sch)

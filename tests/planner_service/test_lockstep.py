@@ -3,6 +3,7 @@ every rank's steps into one sequence of phases, against its twin and the free pl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -48,38 +49,39 @@ def test_align_phases_matches_reference_and_keeps_window_rules(seed):
         if wparent[m] >= 0:
             need[wparent[m]] = max(need[wparent[m]], win[wparent[m]] + need[m])
     budget = int(need.max() * rng.uniform(1.0, 3.0))
-    for power in lockstep.WEIGHT_POWERS:
-        for rec_open in (False, True):
-            args = (mb_rank, wparent, cost, forced, full, win, exports, budget, W, power, lockstep.VOLUNTARY_SLACK, rec_open)
-            got = lockstep.align_phases(*args)
-            want = lockstep.align_phases_ref(*args)
-            for a, b in zip(got[:4], want[:4]):
-                np.testing.assert_array_equal(a, b)
-            assert got[4] == want[4]
-            phases, step_phase, step_mb, voluntary, makespan = got
-            assert sorted(step_mb.tolist()) == sorted(list(range(M)) * 2), "every microbatch F once and B once"
-            assert not (voluntary & forced).any()
-            rec = forced | voluntary
-            # per rank: one step per phase at most, a depth-first stack, kinds matching the phases
-            assert np.unique(np.stack([mb_rank[step_mb], step_phase]), axis=1).shape[1] == step_mb.shape[0]
-            stacks: dict[int, list[int]] = {}
-            done = np.zeros(M, np.bool_)
-            slowest = np.zeros(phases.shape[0])
-            for p, m in zip(step_phase.tolist(), step_mb.tolist()):
-                st = stacks.setdefault(int(mb_rank[m]), [])
-                if m not in st and not done[m]:
-                    assert phases[p] == PHASE_FORWARD
-                    assert wparent[m] < 0 or wparent[m] in st, "a window child opens while its parent is open"
-                    st.append(m)
-                    slowest[p] = max(slowest[p], step_cost(PHASE_FORWARD, cost[m]))
-                else:
-                    assert st[-1] == m, "windows close depth-first"
-                    assert phases[p] == (PHASE_RECOMPUTE if rec[m] else PHASE_BACKWARD)
-                    assert not (wparent == m)[~done].any(), "a window closes after its dependents"
-                    st.pop()
-                    done[m] = True
-                    slowest[p] = max(slowest[p], step_cost(int(phases[p]), cost[m]))
-            assert makespan == pytest.approx(slowest.sum())
+    priority = rng.integers(0, 5, M).astype(np.float64)  # ties broken by id
+    for power, rec_open, small_fill in itertools.product(lockstep.WEIGHT_POWERS, (False, True), (False, True)):
+        args = (mb_rank, wparent, cost, priority, forced, full, win, exports, budget, W, power,
+                lockstep.VOLUNTARY_SLACK, rec_open, small_fill)
+        got = lockstep.align_phases(*args)
+        want = lockstep.align_phases_ref(*args)
+        for a, b in zip(got[:4], want[:4]):
+            np.testing.assert_array_equal(a, b)
+        assert got[4] == want[4]
+        phases, step_phase, step_mb, voluntary, makespan = got
+        assert sorted(step_mb.tolist()) == sorted(list(range(M)) * 2), "every microbatch F once and B once"
+        assert not (voluntary & forced).any()
+        rec = forced | voluntary
+        # per rank: one step per phase at most, a depth-first stack, kinds matching the phases
+        assert np.unique(np.stack([mb_rank[step_mb], step_phase]), axis=1).shape[1] == step_mb.shape[0]
+        stacks: dict[int, list[int]] = {}
+        done = np.zeros(M, np.bool_)
+        slowest = np.zeros(phases.shape[0])
+        for p, m in zip(step_phase.tolist(), step_mb.tolist()):
+            st = stacks.setdefault(int(mb_rank[m]), [])
+            if m not in st and not done[m]:
+                assert phases[p] == PHASE_FORWARD
+                assert wparent[m] < 0 or wparent[m] in st, "a window child opens while its parent is open"
+                st.append(m)
+                slowest[p] = max(slowest[p], step_cost(PHASE_FORWARD, cost[m]))
+            else:
+                assert st[-1] == m, "windows close depth-first"
+                assert phases[p] == (PHASE_RECOMPUTE if rec[m] else PHASE_BACKWARD)
+                assert not (wparent == m)[~done].any(), "a window closes after its dependents"
+                st.pop()
+                done[m] = True
+                slowest[p] = max(slowest[p], step_cost(int(phases[p]), cost[m]))
+        assert makespan == pytest.approx(slowest.sum())
 
 
 def _forest(seed: int, chunk: int = 8):
