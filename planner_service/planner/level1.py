@@ -11,7 +11,9 @@ precedes its children). On it:
   the rows the builder adds (bounded replay at unaligned branches inside a piece, and the replay or
   duplicated context a piece root needs), so every piece fits B by construction.
 - `first_fit_decreasing` packs groups of pieces (those that start at forest roots, or hang below
-  one microbatch) into microbatches, first fit over bins kept in a max segment tree: O(n log n).
+  one microbatch) into microbatches, first fit over bins kept in a max segment tree: O(n log n);
+  `balance_bins` spreads a group's pieces over as many bins longest first onto the least loaded
+  one (lock-step plans, where a phase waits for the largest microbatch of any rank).
 - `children_csr`, `group_by`, `piece_roots`, `stamp_path`: the CSR, counting-sort, part-root and
   root-path walk helpers the placement, level-2 and builder kernels share.
 
@@ -271,3 +273,62 @@ def first_fit_decreasing(sizes, group_off, caps, opens):
                 used = leaf + 1
         base += used
     return out, base
+
+
+@njit(cache=True)
+def balance_bins(sizes, group_off, bins, cap):
+    """Longest processing time first over the bins first_fit_decreasing opened, group by group:
+    each item (sorted by size descending within its group) onto the least loaded of the group's
+    bins (the lowest on a tie). A group whose balanced bins would exceed `cap`, or whose largest
+    balanced bin would exceed first fit's largest, keeps its bins.
+
+    Args:
+        sizes: int64 [n] item sizes in packing order; group_off: int64 [G+1]; bins: int64 [n]
+            first_fit_decreasing's bins (a group's bins are consecutive); cap: the hard capacity B.
+
+    Returns:
+        int64 [n] bins, each group's numbered in order of their first item.
+    """
+    out = bins.copy()
+    for g in range(group_off.shape[0] - 1):
+        a = group_off[g]
+        b = group_off[g + 1]
+        if b - a < 2:
+            continue
+        lo = bins[a]
+        k = 0
+        for i in range(a, b):
+            lo = min(lo, bins[i])
+            k = max(k, bins[i])
+        k = k - lo + 1
+        if k < 2:
+            continue
+        load = np.zeros(k, np.int64)
+        heap = np.arange(k)  # bin indices, a min-heap on (load, index)
+        fits = True
+        for i in range(a, b):
+            j = heap[0]
+            if load[j] + sizes[i] > cap:
+                fits = False
+                break
+            load[j] += sizes[i]
+            out[i] = lo + j
+            x = 0  # sift the root down
+            while True:
+                c = 2 * x + 1
+                if c >= k:
+                    break
+                if c + 1 < k and (load[heap[c + 1]] < load[heap[c]] or (load[heap[c + 1]] == load[heap[c]] and heap[c + 1] < heap[c])):
+                    c += 1
+                if load[heap[c]] < load[heap[x]] or (load[heap[c]] == load[heap[x]] and heap[c] < heap[x]):
+                    heap[c], heap[x] = heap[x], heap[c]
+                    x = c
+                else:
+                    break
+        ffd_load = np.zeros(k, np.int64)
+        for i in range(a, b):
+            ffd_load[bins[i] - lo] += sizes[i]
+        if not fits or load.max() > ffd_load.max():  # LPT is not always better than first fit
+            for i in range(a, b):
+                out[i] = bins[i]
+    return out

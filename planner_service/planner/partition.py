@@ -61,6 +61,7 @@ _KERNELS = {
         cut_pieces=level1.cut_pieces,
         piece_roots=level1.piece_roots,
         first_fit_decreasing=level1.first_fit_decreasing,
+        balance_bins=level1.balance_bins,
         context_cost=level2.context_cost,
         window_export_counts=level2.window_export_counts,
         window_groups=level2.window_groups,
@@ -82,7 +83,7 @@ _KERNELS = {
     ),
     "ref": SimpleNamespace(
         **{name: getattr(partition_ref, name) for name in (
-            "build_units", "cut_pieces", "piece_roots", "first_fit_decreasing", "context_cost",
+            "build_units", "cut_pieces", "piece_roots", "first_fit_decreasing", "balance_bins", "context_cost",
             "window_export_counts", "window_groups", "subtree_costs", "lpt_place", "live_stack", "dfs_order")},
         align_phases=lockstep.align_phases_ref,
         **{name: getattr(placement_ref, name) for name in (
@@ -304,7 +305,8 @@ def _level1(k, cfg: PlanConfig, rf: _RankForests, caps: np.ndarray | None = None
     assert (size <= cap_of).all(), "a piece larger than its bin: cut_pieces broke its contract"
     ppar = np.where(has_anchor, np.searchsorted(pieces, root[np.maximum(anchor, 0)]), -1)
     root_key = rf.unit_rank[pieces]
-    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, piece_cap, root_key)
+    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, piece_cap, root_key,
+                                            balance_cap=B if caps is not None else 0)
     if dup_only and W > 1 and M % W:
         root_cap = _balanced_root_cap(k, *root_items, n_root, M, W, B)
         piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, np.full(pieces.shape[0], root_cap), root_key)
@@ -451,13 +453,15 @@ def _check_paths_fit(forest: Forest, budget: int) -> None:
         )
 
 
-def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: np.ndarray, root_key: np.ndarray):
+def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: np.ndarray, root_key: np.ndarray, *,
+          balance_cap: int = 0):
     """Microbatch of every piece: first fit decreasing, level by level down the piece forest.
 
     Root pieces with the same `root_key` (the rank forest they belong to) are packed together
-    (bins of their `root_cap`, int64 [K], equal within a rank forest). The pieces hanging below one microbatch's pieces are packed together
-    (without windows: below one anchor unit, so that they share one duplicated context). Parents
-    get smaller ids.
+    (bins of their `root_cap`, int64 [K], equal within a rank forest). The pieces hanging below
+    one microbatch's pieces are packed together (without windows: below one anchor unit, so that
+    they share one duplicated context). Parents get smaller ids. With `balance_cap` > 0 (lock-step plans) every group's pieces are then spread
+    over its bins longest first onto the least loaded (`level1.balance_bins`, within that cap).
 
     Returns:
         piece_mb int64 [K], number of microbatches, number of root microbatches, and the root
@@ -491,6 +495,8 @@ def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: np.ndarray, r
         caps = (root_cap if L == 0 else cap_of)[order][starts].astype(np.int64)
         sizes = size[order].astype(np.int64)
         bins, nb = k.first_fit_decreasing(sizes, group_off, caps, opens[sort])
+        if balance_cap:
+            bins = k.balance_bins(sizes, group_off, bins, balance_cap)
         piece_mb[order] = M + bins
         M += int(nb)
         if L == 0:

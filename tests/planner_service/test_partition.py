@@ -575,3 +575,31 @@ def test_window_groups_of_big_trees_stay_apart_when_that_balances_ranks():
     # one rank: the root pieces share microbatches (15 rows each, three per bin)
     part1, _ = partition_with_report(f, PlanConfig(world_size=1, microbatch_tokens=48, chunk_size=8))
     assert len(part1.microbatches) == len(part.microbatches) - 2
+
+
+def test_balance_bins_matches_reference_and_balances_within_the_cap():
+    rng = np.random.default_rng(11)
+    changed = 0
+    for _ in range(40):
+        G = int(rng.integers(1, 5))
+        sizes, offs = [], [0]
+        for _ in range(G):
+            n = int(rng.integers(0, 9))
+            sizes += sorted(rng.integers(1, 40, n).tolist(), reverse=True)
+            offs.append(offs[-1] + n)
+        sizes, group_off = np.array(sizes, np.int64), np.array(offs, np.int64)
+        cap = int(rng.integers(40, 90))
+        ffd, _ = level1.first_fit_decreasing(sizes, group_off, np.full(G, cap, np.int64), np.zeros(sizes.shape[0], np.bool_))
+        got = level1.balance_bins(sizes, group_off, ffd, cap)
+        np.testing.assert_array_equal(got, partition_ref.balance_bins(sizes, group_off, ffd, cap))
+        changed += int((got != ffd).any())
+        for g in range(G):
+            a, b = group_off[g], group_off[g + 1]
+            if b == a:
+                continue
+            assert sorted(set(got[a:b].tolist())) == sorted(set(ffd[a:b].tolist())), "the same bins"
+            load = np.bincount(got[a:b] - got[a:b].min(), weights=sizes[a:b])
+            assert load.max() <= cap
+            ffd_load = np.bincount(ffd[a:b] - ffd[a:b].min(), weights=sizes[a:b])
+            assert load.max() <= ffd_load.max(), "never a larger largest bin than first fit's"
+    assert changed, "some groups are rebalanced"
