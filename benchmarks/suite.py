@@ -500,7 +500,7 @@ def placement_table(rows: list[dict]) -> str:
             elif key == "trees_per_rank":
                 cells.append(f"{v:.2f}")
             elif key == "lockstep_ratio":
-                cells.append("" if v is None else f"{v:.3f}" + ("" if r["lockstep_met"] else f" (> {LOCKSTEP_TARGET})"))
+                cells.append("" if v is None else f"{v:.3f}" + ("" if r["lockstep_met"] else f" (> {LOCKSTEP_TARGET:.2f})"))
             elif key.startswith(("loose_", "bound_", "lockstep_vs")):
                 cells.append("" if v is None else f"{v:.3f}")
             else:
