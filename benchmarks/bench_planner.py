@@ -24,6 +24,8 @@ subprocess: the body read, its Forest built) against the body size, then the ste
 the full-scale suite (8 ranks, B = 65,536, C = 64, windows) and its validation: the independent
 `validate_plan` (whole plan) against `plan.slice_check.check_slice` (every rank slice) and the
 planning seconds (planning and each slice check: the fastest of 3 runs). The numbers of issue 16 before this work are in `BEFORE`.
+The `windows` step is also planned lock-step (`lockstep`: its planning time over the free plan's,
+its phases and lockstep_ratio).
 
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
 """
@@ -265,6 +267,16 @@ def run(quick: bool = False) -> dict:
             "speedup": round(t_ref / t_numba, 1), "identical_plans": same, "validate_seconds": round(t_validate, 3),
         }
         log.info("plan_step reference: %s", out["plan_step_reference"])
+        # the same step as a lock-step plan (DESIGN §5.7): its extra planning time and its phases
+        lock_cfg = PlanConfig(world_size=W, microbatch_tokens=cfg.microbatch_tokens, chunk_size=64, lockstep=True)
+        t_lock, lock = _time(lambda: plan_step(forest, lock_cfg), repeat=2)
+        st = lock.header.stats
+        out["lockstep"] = {
+            "config": "windows", "plan_step_seconds": round(t_lock, 3), "over_free": round(t_lock / t_numba, 2),
+            "lockstep_phases": st.lockstep_phases, "lockstep_ratio": round(st.lockstep_ratio, 4),
+            "microbatches": st.microbatches,
+        }
+        log.info("plan_step lock-step: %s", out["lockstep"])
     return out
 
 

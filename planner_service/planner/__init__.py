@@ -4,8 +4,8 @@
     warmup()                                   # compile the Numba kernels once, at start-up
     plan = plan_step(forest, PlanConfig(world_size=8, microbatch_tokens=16384))
 
-`plan_step` = `partition` (levels 1-2, `partition.py`) + `build_plan` (`build.py`) + the wall time
-of both in `PlanStats.plan_seconds`. With `cfg.sharing=False` it plans the trajectory-expanded
+`plan_step` = `partition` (levels 1-2, `partition.py`; with `cfg.lockstep` the phases of
+`lockstep.py`) + `build_plan` (`build.py`) + the wall time of both in `PlanStats.plan_seconds`. With `cfg.sharing=False` it plans the trajectory-expanded
 baseline: every trajectory its own tree (`expand_forest`), standard packing, the same builder.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _tiny_forest() -> Forest:
 def warmup() -> float:
     """Compile (or load from the on-disk cache) every Numba kernel of the planner on a tiny input:
     windows, duplication, recomputation, placement across ranks with a full cost model, the
-    expanded baseline and the replay ablation.
+    expanded baseline, the replay ablation and a lock-step plan.
 
     Returns the seconds it took.
     """
@@ -109,6 +109,7 @@ def warmup() -> float:
         PlanConfig(world_size=2, microbatch_tokens=32, chunk_size=8, windows=False),
         PlanConfig(world_size=1, microbatch_tokens=16, chunk_size=4, replay=False),
         PlanConfig(world_size=2, microbatch_tokens=64, chunk_size=8, sharing=False),
+        PlanConfig(world_size=2, microbatch_tokens=16, chunk_size=8, memory_tokens=24, lockstep=True),
     ):
         try:
             plan_step(forest, cfg)

@@ -106,6 +106,68 @@ def _heap_pop(heap, base, size, key):
 
 
 @njit(cache=True)
+def _subtree_needs(off, kids, full, win, exports):
+    """int64 [M] the live bytes each window subtree needs on top of the open windows (the deepest
+    stack of it: windows as they are), and the same with every window of it recomputed."""
+    need = full.copy()
+    need_rec = full.copy()
+    for m in range(full.shape[0] - 1, -1, -1):
+        top = 0
+        top_rec = 0
+        for i in range(off[m], off[m + 1]):
+            top = max(top, need[kids[i]])
+            top_rec = max(top_rec, need_rec[kids[i]])
+        need[m] = max(full[m], win[m] + top)
+        need_rec[m] = max(full[m], exports[m] + top_rec)
+    return need, need_rec
+
+
+@njit(cache=True)
+def _pick_forward(h, s, t, off, kids, next_kid, opened, need, need_rec, open_bytes, budget, may_rec, small_fill):
+    """What a rank opens in a FORWARD phase (module docstring): (microbatch or -1, opened
+    graph-less). h / s: its available microbatch of highest priority / smallest need (-1: none);
+    t: its top window (-1: none); may_rec: it may open h graph-less (rec_open and the slack);
+    next_kid (advanced past opened children) belongs to the rank's windows."""
+    if h >= 0:
+        if open_bytes + need[h] <= budget:
+            return h, False
+        if small_fill and open_bytes + need[s] <= budget:
+            return s, False
+        if may_rec and open_bytes + need_rec[h] <= budget:
+            return h, True
+    if t >= 0:  # the top window's next child fits (as it, or recomputed)
+        while next_kid[t] < off[t + 1] and opened[kids[next_kid[t]]]:
+            next_kid[t] += 1
+        if next_kid[t] < off[t + 1]:
+            m = kids[next_kid[t]]
+            return m, open_bytes + need[m] > budget
+    return -1, False
+
+
+@njit(cache=True)
+def _phase_kind(act, weight, pool):
+    """The kind (0 FORWARD, 1 BACKWARD, 2 RECOMPUTE) whose able ranks (act[kind, r] >= 0) weigh
+    most, BACKWARD only if every other rank holds a FORWARD stand-in (pool); ties BACKWARD,
+    RECOMPUTE, FORWARD; -1 when no rank can run anything."""
+    best = -1
+    best_score = 0.0
+    for kind in (1, 2, 0):
+        score = 0.0
+        able = 0
+        paired = True
+        for r in range(weight.shape[0]):
+            if act[kind, r] >= 0:
+                score += weight[r]
+                able += 1
+            elif kind == 1 and pool[r] == 0:
+                paired = False
+        if able and paired and (best < 0 or score > best_score):
+            best = kind
+            best_score = score
+    return best
+
+
+@njit(cache=True)
 def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, budget, world_size, power, vslack,
                  rec_open, small_fill):
     """Phases and every rank's steps (module docstring).
@@ -133,16 +195,7 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
     share = FORWARD_SHARE
     off, kids = children_csr(wparent)
     sub = priority
-    need = full.copy()  # live bytes its window subtree needs on top of the open ones
-    need_rec = full.copy()  # ... with every window of it recomputed
-    for m in range(M - 1, -1, -1):
-        top = 0
-        top_rec = 0
-        for i in range(off[m], off[m + 1]):
-            top = max(top, need[kids[i]])
-            top_rec = max(top_rec, need_rec[kids[i]])
-        need[m] = max(full[m], win[m] + top)
-        need_rec[m] = max(full[m], exports[m] + top_rec)
+    need, need_rec = _subtree_needs(off, kids, full, win, exports)
     count = np.zeros(W + 1, np.int64)
     rem = np.zeros(W, np.float64)
     for m in range(M):
@@ -192,25 +245,11 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
                 hsize[r] = _heap_pop(heap, count[r], hsize[r], sub)
             while ssize[r] > 0 and opened[small[count[r]]]:
                 ssize[r] = _heap_pop(small, count[r], ssize[r], neg_need)
-            m = -1
-            rec_act[r] = False
-            if hsize[r] > 0:
-                h = heap[count[r]]
-                if open_bytes[r] + need[h] <= budget:
-                    m = h
-                elif small_fill and open_bytes[r] + need[small[count[r]]] <= budget:  # the one that needs least
-                    m = small[count[r]]
-                elif (rec_open and open_bytes[r] + need_rec[h] <= budget
-                      and rem[r] + share * cost[h] <= crit):
-                    m = h
-                    rec_act[r] = True
-            if m < 0 and sp[r] > 0:  # the top window's next child fits (as it, or recomputed)
-                t = stack[count[r] + sp[r] - 1]
-                while next_kid[t] < off[t + 1] and opened[kids[next_kid[t]]]:
-                    next_kid[t] += 1
-                if next_kid[t] < off[t + 1]:
-                    m = kids[next_kid[t]]
-                    rec_act[r] = open_bytes[r] + need[m] > budget
+            m, rec_act[r] = _pick_forward(
+                heap[count[r]] if hsize[r] > 0 else -1, small[count[r]] if ssize[r] > 0 else -1,
+                stack[count[r] + sp[r] - 1] if sp[r] > 0 else -1, off, kids, next_kid, opened, need, need_rec,
+                open_bytes[r], budget, rec_open and rem[r] + share * cost[heap[count[r]]] <= crit if hsize[r] > 0 else False,
+                small_fill)
             if m >= 0:
                 act[0, r] = m
                 c[0, r] = share * cost[m]
@@ -229,22 +268,7 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
             if t >= 0 and cap > 0 and cost[t] <= vslack * cap and rem[r] + share * cost[t] <= crit:
                 act[2, r] = t
                 c[2, r] = cost[t]
-        best = -1
-        best_score = 0.0
-        for kind in (1, 2, 0):  # ties: BACKWARD, RECOMPUTE, FORWARD
-            score = 0.0
-            able = 0
-            paired = True
-            for r in range(W):
-                if act[kind, r] >= 0:
-                    score += weight[r]
-                    able += 1
-                elif kind == 1 and pool[r] == 0:
-                    paired = False
-            if able and paired and (best < 0 or score > best_score):
-                best = kind
-                best_score = score
-        kind = best
+        kind = _phase_kind(act, weight, pool)
         phase_cost = 0.0
         if kind < 0:  # nothing can run: an all-stand-in FORWARD phase pairs later BACKWARD stand-ins
             phases[P] = 0
@@ -365,7 +389,7 @@ def align_phases_ref(mb_rank, wparent, cost, priority, forced, full, win, export
                 if cap > 0 and cost[t] <= vslack * cap and rem[r] + share * cost[t] <= crit:
                     acts[2][r] = (t, float(cost[t]))
         best, best_score = -1, 0.0
-        for kind in (1, 2, 0):
+        for kind in (1, 2, 0):  # ties: BACKWARD, RECOMPUTE, FORWARD
             able = [r for r in range(W) if acts[kind][r] is not None]
             paired = kind != 1 or all(pool[r] > 0 for r in range(W) if acts[1][r] is None)
             score = 0.0
