@@ -23,8 +23,15 @@
    rank depth-first. Without windows every microbatch carries its whole root path and microbatches
    are placed longest-processing-time first over computed rows.
 
-Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`); `impl="ref"` runs
-the whole partitioner on them (tests compare both; the benchmark times both).
+With `cfg.lockstep` (`_lockstep`, DESIGN §5.7) level 1 packs every rank forest into about the
+same number of microbatches of about the same size (`lockstep.equal_count_caps`, then
+`level1.balance_bins`), level 2 marks only the root-most windows a too-deep stack needs as
+recomputed, and the order is one global sequence of phases (`lockstep.align_phases`; stand-ins
+where a rank has nothing of a phase's kind): of a few microbatch counts and aligner variants, the
+shortest lock-step makespan.
+
+Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`, `lockstep.py`);
+`impl="ref"` runs the whole partitioner on them (tests compare both; the benchmark times both).
 
 `expand_forest` builds the trajectory-expanded baseline's forest (cfg.sharing False).
 
