@@ -26,6 +26,8 @@ the full-scale suite (8 ranks, B = 65,536, C = 64, windows) and its validation: 
 planning seconds (planning and each slice check: the fastest of 3 runs). The numbers of issue 16 before this work are in `BEFORE`.
 `slice_check_scaling`: the slice check's CPU seconds per computed row on a slice 8x larger than
 another (about 1: linear).
+The `windows` step is also planned lock-step (`lockstep`: its planning time over the free plan's,
+its phases and lockstep_ratio).
 
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
 """
@@ -259,6 +261,16 @@ def run(quick: bool = False) -> dict:
             "speedup": round(t_ref / t_numba, 1), "identical_plans": same, "validate_seconds": round(t_validate, 3),
         }
         log.info("plan_step reference: %s", out["plan_step_reference"])
+        # the same step as a lock-step plan (DESIGN §5.7): its extra planning time and its phases
+        lock_cfg = PlanConfig(world_size=W, microbatch_tokens=cfg.microbatch_tokens, chunk_size=64, lockstep=True)
+        t_lock, lock = _time(lambda: plan_step(forest, lock_cfg), runs=2)
+        st = lock.header.stats
+        out["lockstep"] = {
+            "config": "windows", "plan_step_seconds": round(t_lock, 3), "over_free": round(t_lock / t_numba, 2),
+            "lockstep_phases": st.lockstep_phases, "lockstep_ratio": round(st.lockstep_ratio, 4),
+            "microbatches": st.microbatches,
+        }
+        log.info("plan_step lock-step: %s", out["lockstep"])
         out["slice_check_scaling"] = slice_check_scaling(quick)
     return out
 

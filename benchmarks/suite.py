@@ -20,7 +20,7 @@ replay rows and weighs attention by depth).
 Modes: default CPU scale (a few minutes on 2 cores); `--quick` (tiny inputs, for tests);
 `--full`: planning only, at full scale (tens of millions of expanded tokens per workload), plus
 the placement table (issue 12: makespan ratio and compression over W in {8, 32, 64} and
-B in {16k, 32k, 64k} for the three schemes, `run_placement`).
+B in {16k, 32k, 64k} for the three schemes, `run_placement`; issue 20: each cell's lockstep_ratio).
 """
 from __future__ import annotations
 
@@ -395,6 +395,8 @@ def run_workloads(cfg: SuiteConfig) -> dict:
 PLACEMENT_GRID = {"full": ((8, 32, 64), (16384, 32768, 65536), 64), "quick": ((2, 4), (256, 512), 16)}
 
 
+#: issue 20's goal for the lock-step plan of every cell (lockstep_makespan / makespan)
+LOCKSTEP_TARGET = 1.10
 #: a second placement per cell that accepts a makespan up to this factor above the lower bound
 #: (PlanConfig.makespan_slack) to duplicate less: the trade-off between the two targets
 PLACEMENT_LOOSE_SLACK = 1.25
@@ -404,8 +406,9 @@ def run_placement(cfg: SuiteConfig) -> dict:
     """Makespan ratio (max rank cost / max(total / W, longest trajectory)) and compression of
     the default planner (sharing windows, computed-rows cost model) over the grid of ranks and
     microbatch budgets; one plan per cell, timed in wall and CPU seconds, plus the same cell
-    planned with makespan_slack = PLACEMENT_LOOSE_SLACK (its ratio and compression only), and
-    upper bounds on the compression any placement reaches (`placement_bound.compression_bound`)."""
+    planned with makespan_slack = PLACEMENT_LOOSE_SLACK (its ratio and compression only) and as a
+    lock-step plan (its lockstep_ratio and phases), and upper bounds on the compression any
+    placement reaches (`placement_bound.compression_bound`)."""
     from benchmarks.placement_bound import compression_bound, placement_specs
 
     plan_step = _optional("planner_service.planner", "plan_step")
@@ -425,6 +428,7 @@ def run_placement(cfg: SuiteConfig) -> dict:
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 loose = plan_step(forest, PlanConfig(world_size=W, microbatch_tokens=B, chunk_size=chunk,
                                                      makespan_slack=PLACEMENT_LOOSE_SLACK)).header.stats
+                lock = plan_step(forest, PlanConfig(world_size=W, microbatch_tokens=B, chunk_size=chunk, lockstep=True)).header.stats
                 st = plan.header.stats
                 target = 1.05 if trees >= 2 * W else 1.25
                 vs_ideal = st.compression_achieved / st.compression_ideal
@@ -442,9 +446,14 @@ def run_placement(cfg: SuiteConfig) -> dict:
                     # plan's makespan, and anywhere the ratio target is met
                     "bound_at_makespan": compression_bound(forest, st.makespan),
                     "bound_at_target": compression_bound(forest, target * st.makespan_lower_bound),
+                    # the same cell as a lock-step plan (DESIGN §5.7): its phases' makespan over its free
+                    # makespan, and over this (free) plan's
+                    "lockstep_ratio": float(lock.lockstep_ratio), "lockstep_met": lock.lockstep_ratio <= LOCKSTEP_TARGET,
+                    "lockstep_vs_free": lock.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0,
+                    "lockstep_phases": int(lock.lockstep_phases),
                 })
-                log.info("bench placement: %s W=%d B=%d: makespan ratio %.3f, compression %.3f of ideal, %.2f s",
-                         name, W, B, st.makespan_ratio, vs_ideal, wall)
+                log.info("bench placement: %s W=%d B=%d: makespan ratio %.3f, compression %.3f of ideal, lock-step ratio "
+                         "%.3f, %.2f s", name, W, B, st.makespan_ratio, vs_ideal, lock.lockstep_ratio, wall)
         del forest, w
     return {"mode": _mode(cfg), "chunk_size": chunk, "rows": rows}
 
@@ -456,6 +465,8 @@ PLACEMENT_COLUMNS = (
     ("plan_cpu_seconds", "plan s (CPU)"), ("loose_makespan_ratio", f"ratio, slack {PLACEMENT_LOOSE_SLACK}"),
     ("loose_compression_vs_ideal", f"compression / ideal, slack {PLACEMENT_LOOSE_SLACK}"),
     ("bound_at_makespan", "bound at this makespan"), ("bound_at_target", "bound at the ratio target"),
+    ("lockstep_ratio", "lockstep_ratio"), ("lockstep_vs_free", "lock-step / free makespan"),
+    ("lockstep_phases", "lock-step phases"),
 )
 
 
@@ -474,7 +485,9 @@ def placement_table(rows: list[dict]) -> str:
                 cells.append(f"<= {v}")
             elif key == "trees_per_rank":
                 cells.append(f"{v:.2f}")
-            elif key.startswith(("loose_", "bound_")):
+            elif key == "lockstep_ratio":
+                cells.append("" if v is None else f"{v:.3f}" + ("" if r["lockstep_met"] else f" (> {LOCKSTEP_TARGET:.2f})"))
+            elif key.startswith(("loose_", "bound_", "lockstep_vs")):
                 cells.append("" if v is None else f"{v:.3f}")
             else:
                 cells.append(_fmt(v))
@@ -743,7 +756,11 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
                     f"two slack columns plan the same cell with makespan_slack {PLACEMENT_LOOSE_SLACK} (a longer step for "
                     "less duplication). The bounds are the highest compression / ideal any placement can reach "
                     "(benchmarks/placement_bound.py: every rank computes the root path of what it keeps) with no rank "
-                    "above this plan's makespan, and with the makespan ratio at its target.", "",
+                    "above this plan's makespan, and with the makespan ratio at its target. The lock-step columns plan "
+                    "the cell with lockstep=True (one global sequence of phases, DESIGN §5.7; forward 1/3 and backward "
+                    f"2/3 of a microbatch's cost, a phase as long as its slowest rank): lockstep_ratio = lock-step "
+                    f"makespan / that plan's makespan (target <= {LOCKSTEP_TARGET}), and the same over the free plan's "
+                    "makespan.", "",
                     placement_table(placement)]
     summary += ["", "## Benchmarks", "", "| benchmark | status | seconds | details |", "|---|---|---|---|"]
     for name, entry in doc["benchmarks"].items():

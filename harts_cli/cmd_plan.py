@@ -23,14 +23,19 @@ its bytes (plan/memory_model.py; default: Qwen3-Next-80B-A3B's sizes in fp32) an
 model's shards and gathered units (without --model: 8 x B rows); `--cost-model` is a file written
 by `harts calibrate` that placement balances with.
 
+`--lockstep` plans one global sequence of phases that every rank runs in step (DESIGN §5.7: for
+trainers that gather parameters per forward and backward, FSDP2 with reshard_after_forward).
+
 Prints one JSON object on stdout: the plan's PlanStats (unique_tokens, expanded_tokens,
 computed_tokens, replay_tokens, duplicated_tokens, compression_ideal, compression_achieved,
 microbatches, linear_attention_calls, rank_costs, imbalance, peak_live_tokens, peak_live_bytes,
-makespan, makespan_lower_bound, makespan_ratio, plan_seconds, windows) plus `validated`,
-`memory_model` (the model whose sizes peak_live_bytes counts), `memory_budget` (memory_tokens,
-memory_bytes and where they come from), with --model `memory_report` (the report above for this
-topology), for a lock-step plan `collectives` (all-gather and reduce-scatter bytes per rank and
-step from its phase counts) and, with -o, `output`. With more than 16 ranks `rank_costs` is summarised (min, max) unless --all-ranks. The plan is checked with the independent
+makespan, makespan_lower_bound, makespan_ratio, plan_seconds, windows; with --lockstep also
+lockstep_phases, lockstep_forward_phases, lockstep_backward_phases, lockstep_recompute_phases,
+lockstep_makespan, lockstep_ratio) plus `validated`, `memory_model` (the model whose sizes
+peak_live_bytes counts), `memory_budget` (memory_tokens, memory_bytes and where they come from),
+with --model `memory_report` (the report above for this topology), for a lock-step plan
+`collectives` (all-gather and reduce-scatter bytes per rank and step from its phase counts) and,
+with -o, `output`. With more than 16 ranks `rank_costs` is summarised (min, max) unless --all-ranks. The plan is checked with the independent
 validator before it is written. `-o` writes the `harts.v1.Plan` serialised deterministically with
 `plan_seconds` zeroed, so that the same batch and settings always give the same bytes (the timing
 is in the printed report). Settings that cannot be satisfied exit with code 2 and a message that
@@ -53,6 +58,11 @@ REPORT_FIELDS = (
     "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls",
     "rank_costs", "imbalance", "peak_live_tokens", "peak_live_bytes", "makespan", "makespan_lower_bound",
     "makespan_ratio", "plan_seconds", "windows",
+)
+#: ... and those of a lock-step plan (--lockstep).
+LOCKSTEP_FIELDS = (
+    "lockstep_phases", "lockstep_forward_phases", "lockstep_backward_phases", "lockstep_recompute_phases",
+    "lockstep_makespan", "lockstep_ratio",
 )
 
 
@@ -87,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ablation: hand over states at unaligned branch depths instead of replaying")
     parser.add_argument("--all-positions", action="store_true",
                         help="a log-prob entry for every position, not only loss positions")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="lock-step phases: every rank runs one step of the same kind per phase (FSDP2 resharding "
+                             "after forward); the report adds the phase counts, lockstep_makespan and lockstep_ratio")
     parser.add_argument("--python", action="store_true", help="plain-Python partitioner and builder kernels (reference)")
     parser.add_argument("--all-ranks", action="store_true", help="print every rank's cost, not only min and max")
     parser.add_argument("-o", "--output", help="write the serialised harts.v1.Plan here")
@@ -143,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         windows=not args.no_windows,
         replay=not args.no_replay,
         all_positions=args.all_positions,
+        lockstep=args.lockstep,
         dtype=args.dtype or "float32",
         **extra,
     )
@@ -156,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_step(forest, cfg, impl="ref" if args.python else "numba")
     validate_plan(plan, forest if cfg.sharing else expand_forest(forest))
     st = plan.header.stats
-    report = {name: getattr(st, name) for name in REPORT_FIELDS}
+    report = {name: getattr(st, name) for name in REPORT_FIELDS + (LOCKSTEP_FIELDS if cfg.lockstep else ())}
     report["rank_costs"] = list(st.rank_costs)
     if len(st.rank_costs) > 16 and not args.all_ranks:
         report["rank_costs"] = {"min": min(st.rank_costs), "max": max(st.rank_costs), "ranks": len(st.rank_costs)}
@@ -181,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
     log.info("plan: %d microbatches on %d ranks, compression %.3f of %.3f, imbalance %.3f, %.3f s",
              st.microbatches, cfg.world_size, st.compression_achieved, st.compression_ideal, st.imbalance,
              st.plan_seconds)
+    if cfg.lockstep:
+        log.info("lock-step: %d phases (%d forward, %d backward, %d recompute), lockstep_ratio %.3f",
+                 st.lockstep_phases, st.lockstep_forward_phases, st.lockstep_backward_phases,
+                 st.lockstep_recompute_phases, st.lockstep_ratio)
     if args.output:
         plan.header.stats.plan_seconds = 0.0
         with open(args.output, "wb") as fh:

@@ -45,9 +45,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 
 from plan.memory_model import DTYPE_BYTES, FULL, LINEAR, ModelDims, RowSizes
+from plan.phases import lockstep_phases, phase_counts
 from proto.harts.v1 import plan_pb2
 
 GIB = 1 << 30
@@ -322,15 +322,15 @@ class PhaseCounts:
 
     @classmethod
     def of(cls, header) -> "PhaseCounts | None":
-        """The counts of a `plan_pb2.PlanHeader`; None for a free plan (no phases)."""
-        kinds = np.frombuffer(header.lockstep_phases, np.uint8)
-        if kinds.size == 0:
+        """The counts of a `plan_pb2.PlanHeader`; None for a free plan (no phases).
+
+        Raises:
+            PlanValidationError: phase kinds that are not PhaseKind values (`plan.phases`).
+        """
+        if not header.lockstep_phases:
             return None
-        n = np.bincount(kinds, minlength=3)
-        if n.size > 3:
-            raise ValueError(f"lockstep_phases: expected PhaseKind values 0-2, got {int(kinds.max())}")
-        return cls(forward=int(n[plan_pb2.PHASE_FORWARD]), backward=int(n[plan_pb2.PHASE_BACKWARD]),
-                   recompute=int(n[plan_pb2.PHASE_RECOMPUTE]))
+        forward, backward, recompute = phase_counts(lockstep_phases(header))
+        return cls(forward=forward, backward=backward, recompute=recompute)
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)

@@ -150,3 +150,19 @@ def test_plan_report_names_its_memory_model_and_where_the_budget_comes_from(caps
     assert budget["memory_bytes"] == budget["memory_tokens"] * mem["activation_row_bytes"]
     assert main([*base, "--model", "qwen3-next-80b-a3b"]) == 2  # 80B on 2 ranks: no room for one microbatch
     assert "memory_tokens: expected the memory model to leave room for one microbatch" in capsys.readouterr().err
+
+
+def test_plan_lockstep_reports_the_phases(capsys, tmp_path, batch):
+    out = tmp_path / "plan.bin"
+    args = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "32", "--chunk-size", "8", "--lockstep",
+            "-o", str(out)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    validate_plan(plan)
+    assert plan.header.params.lockstep and all(len(r.steps) == report["lockstep_phases"] for r in plan.ranks)
+    assert report["lockstep_phases"] == (report["lockstep_forward_phases"] + report["lockstep_backward_phases"]
+                                         + report["lockstep_recompute_phases"]) > 0
+    assert report["lockstep_ratio"] == pytest.approx(report["lockstep_makespan"] / report["makespan"])
+    assert main(args[:-3]) == 0  # a free plan's report names no phases
+    assert "lockstep_phases" not in json.loads(capsys.readouterr().out)

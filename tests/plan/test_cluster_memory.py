@@ -87,10 +87,11 @@ def test_collective_bytes_by_hand():
 def test_phase_counts_of_a_header():
     header = plan_pb2.PlanHeader()
     assert PhaseCounts.of(header) is None  # a free plan
+    header.params.lockstep = True
     header.lockstep_phases = np.array([0, 0, 0, 2, 1, 1], np.uint8).tobytes()
     assert PhaseCounts.of(header) == PhaseCounts(forward=3, backward=2, recompute=1)
     header.lockstep_phases = bytes([0, 7])
-    with pytest.raises(ValueError, match="lockstep_phases: expected PhaseKind values 0-2, got 7"):
+    with pytest.raises(ValueError, match=r"lockstep_phases\[1\]: expected a PhaseKind \(0, 1 or 2\), got 7"):
         PhaseCounts.of(header)
 
 

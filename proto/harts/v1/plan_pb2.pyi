@@ -252,7 +252,7 @@ class Normalizers(_message.Message):
     def __init__(self, total_loss_tokens: _Optional[float] = ..., num_trajectories: _Optional[int] = ..., traj_loss_tokens: _Optional[bytes] = ..., traj_weight: _Optional[bytes] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan", "lockstep_phases", "lockstep_makespan", "lockstep_ratio")
+    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan", "lockstep_phases", "lockstep_makespan", "lockstep_ratio", "lockstep_forward_phases", "lockstep_backward_phases", "lockstep_recompute_phases")
     UNIQUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPANDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,9 @@ class PlanStats(_message.Message):
     LOCKSTEP_PHASES_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_MAKESPAN_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_FORWARD_PHASES_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_BACKWARD_PHASES_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_RECOMPUTE_PHASES_FIELD_NUMBER: _ClassVar[int]
     unique_tokens: int
     expanded_tokens: int
     computed_tokens: int
@@ -295,7 +298,10 @@ class PlanStats(_message.Message):
     lockstep_phases: int
     lockstep_makespan: float
     lockstep_ratio: float
-    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ..., lockstep_phases: _Optional[int] = ..., lockstep_makespan: _Optional[float] = ..., lockstep_ratio: _Optional[float] = ...) -> None: ...
+    lockstep_forward_phases: int
+    lockstep_backward_phases: int
+    lockstep_recompute_phases: int
+    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ..., lockstep_phases: _Optional[int] = ..., lockstep_makespan: _Optional[float] = ..., lockstep_ratio: _Optional[float] = ..., lockstep_forward_phases: _Optional[int] = ..., lockstep_backward_phases: _Optional[int] = ..., lockstep_recompute_phases: _Optional[int] = ...) -> None: ...
 
 class PlanHeader(_message.Message):
     __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids", "trajectory_index", "tree_index", "local_tables", "policy_version", "trajectory_rewards", "lockstep_phases")
