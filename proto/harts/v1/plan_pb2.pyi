@@ -74,18 +74,20 @@ class MemoryModel(_message.Message):
     def __init__(self, activation_row_bytes: _Optional[int] = ..., attn_row_bytes: _Optional[int] = ..., conv_row_bytes: _Optional[int] = ..., kernel_row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CostModel(_message.Message):
-    __slots__ = ("row", "attention", "linear_call", "logprob_row", "source")
+    __slots__ = ("row", "attention", "linear_call", "logprob_row", "source", "transfer_byte")
     ROW_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     LINEAR_CALL_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_ROW_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTE_FIELD_NUMBER: _ClassVar[int]
     row: float
     attention: float
     linear_call: float
     logprob_row: float
     source: str
-    def __init__(self, row: _Optional[float] = ..., attention: _Optional[float] = ..., linear_call: _Optional[float] = ..., logprob_row: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+    transfer_byte: float
+    def __init__(self, row: _Optional[float] = ..., attention: _Optional[float] = ..., linear_call: _Optional[float] = ..., logprob_row: _Optional[float] = ..., source: _Optional[str] = ..., transfer_byte: _Optional[float] = ...) -> None: ...
 
 class StateSource(_message.Message):
     __slots__ = ("kind", "state")
@@ -230,14 +232,44 @@ class ExecStep(_message.Message):
     def __init__(self, kind: _Optional[_Union[ExecStep.Kind, str]] = ..., microbatch: _Optional[int] = ..., standin: _Optional[int] = ...) -> None: ...
 
 class RankPlan(_message.Message):
-    __slots__ = ("rank", "microbatches", "steps")
+    __slots__ = ("rank", "microbatches", "steps", "cross_edges")
     RANK_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    CROSS_EDGES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     microbatches: _containers.RepeatedCompositeFieldContainer[Microbatch]
     steps: _containers.RepeatedCompositeFieldContainer[ExecStep]
-    def __init__(self, rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[Microbatch, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ExecStep, _Mapping]]] = ...) -> None: ...
+    cross_edges: _containers.RepeatedCompositeFieldContainer[CrossEdge]
+    def __init__(self, rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[Microbatch, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ExecStep, _Mapping]]] = ..., cross_edges: _Optional[_Iterable[_Union[CrossEdge, _Mapping]]] = ...) -> None: ...
+
+class CrossEdge(_message.Message):
+    __slots__ = ("id", "exporter", "exporter_rank", "importer", "importer_rank", "attn_rows", "conv_rows", "kernel_rows", "states", "send_phase", "grad_phase", "bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_RANK_FIELD_NUMBER: _ClassVar[int]
+    IMPORTER_FIELD_NUMBER: _ClassVar[int]
+    IMPORTER_RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CONV_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    SEND_PHASE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_PHASE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    exporter: int
+    exporter_rank: int
+    importer: int
+    importer_rank: int
+    attn_rows: bytes
+    conv_rows: bytes
+    kernel_rows: bytes
+    states: bytes
+    send_phase: int
+    grad_phase: int
+    bytes: int
+    def __init__(self, id: _Optional[int] = ..., exporter: _Optional[int] = ..., exporter_rank: _Optional[int] = ..., importer: _Optional[int] = ..., importer_rank: _Optional[int] = ..., attn_rows: _Optional[bytes] = ..., conv_rows: _Optional[bytes] = ..., kernel_rows: _Optional[bytes] = ..., states: _Optional[bytes] = ..., send_phase: _Optional[int] = ..., grad_phase: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Normalizers(_message.Message):
     __slots__ = ("total_loss_tokens", "num_trajectories", "traj_loss_tokens", "traj_weight")
