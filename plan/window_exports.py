@@ -14,7 +14,9 @@ exported at all: with a real model the conv inputs and kernel inputs are 8x the 
 row, and only the last K-1 rows above a child's roots and its replay rows need them.
 
 The trainer exports exactly these tensors; the planner's and the validator's memory accounting of
-recomputed windows counts exactly these rows (one rule, one module).
+recomputed windows counts exactly these rows (one rule, one module). A window across ranks
+(plan.proto CrossEdge, `plan.cross_edges`) sends exactly what `reads_of` lists for its importer,
+and its exporter's needs include those reads (`export_needs(..., remote=...)`).
 
 Legend: R local rows, I imported rows.
 """
@@ -70,33 +72,50 @@ def used_imports(mb: MicrobatchArrays, own: ExportNeeds | None) -> dict[str, np.
     return used
 
 
-def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int]) -> dict[int, ExportNeeds]:
+def reads_of(mb: MicrobatchArrays, own: ExportNeeds | None, exporter: int,
+             used: dict[str, np.ndarray] | None = None) -> ExportNeeds:
+    """What importer `mb` and its own importers read of `exporter`: per kind, the exporter's
+    extended rows among mb's imports that a consumer of that kind reads (`used_imports`), and the
+    exporter's states mb imports (sorted, unique). The rows and states of a window across ranks
+    (plan.proto CrossEdge) are exactly this.
+
+    Args:
+        own: what mb's own importers read of mb (its `export_needs` entry; None: nothing).
+        used: `used_imports(mb, own)` when the caller has it already.
+    """
+    used = used_imports(mb, own) if used is None else used
+    sel = mb.import_microbatch == exporter
+    rows = {k: _union([mb.import_row[sel & used[k]].astype(np.int64)]) for k in KINDS}
+    states = _union([mb.state_import_state[mb.state_import_microbatch == exporter].astype(np.int64)])
+    return ExportNeeds(rows=rows, states=states)
+
+
+def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int], *,
+                 remote: dict[int, list[ExportNeeds]] | None = None, external=()) -> dict[int, ExportNeeds]:
     """Per exporter, the rows and states its importers read (see the module docstring).
 
     Args:
         mbs: decoded microbatches of one rank, by id.
         order: their ids in forward order (an exporter before its importers).
+        remote: exporter id -> what importers on other ranks read of it (their windows across
+            ranks, `plan.cross_edges.outgoing_needs`); those reads count like a local importer's.
+        external: ids of exporters on other ranks that microbatches of `mbs` import from (windows
+            across ranks); their needs are not collected here.
     Returns:
-        {exporter id: ExportNeeds} for every microbatch that something imports from.
+        {exporter id: ExportNeeds} for every microbatch of `mbs` that something imports from.
     """
     needs: dict[int, ExportNeeds] = {}
-    parts: dict[int, dict[str, list[np.ndarray]]] = {}
-    states: dict[int, list[np.ndarray]] = {}
+    parts: dict[int, list[ExportNeeds]] = {e: list(v) for e, v in (remote or {}).items()}
+    skip = set(external)
     for m in reversed(order):  # importers first: their needs are complete when they are visited
         mb = mbs[m]
         own = None
         if m in parts:
-            own = needs[m] = _finish(parts.pop(m), states.pop(m, []))
-        if mb.num_imports:
-            used = used_imports(mb, own)
-            for e in _distinct(mb.import_microbatch):
-                sel = mb.import_microbatch == e
-                d = parts.setdefault(e, {k: [] for k in KINDS})
-                for k in KINDS:
-                    d[k].append(mb.import_row[sel & used[k]].astype(np.int64))
-        for e in _distinct(mb.state_import_microbatch):
-            parts.setdefault(e, {k: [] for k in KINDS})
-            states.setdefault(e, []).append(mb.state_import_state[mb.state_import_microbatch == e].astype(np.int64))
+            own = needs[m] = _finish(parts.pop(m))
+        exporters = sorted((set(_distinct(mb.import_microbatch)) | set(_distinct(mb.state_import_microbatch))) - skip)
+        used = used_imports(mb, own) if exporters and mb.num_imports else None
+        for e in exporters:
+            parts.setdefault(e, []).append(reads_of(mb, own, e, used))
     if parts:
         raise ValueError(f"order: microbatches {sorted(parts)} are imported from but not in the forward order")
     return needs
@@ -123,5 +142,6 @@ def _union(xs: list[np.ndarray]) -> np.ndarray:
     return np.flatnonzero(seen).astype(np.int64)
 
 
-def _finish(parts: dict[str, list[np.ndarray]], states: list[np.ndarray]) -> ExportNeeds:
-    return ExportNeeds(rows={k: _union(parts[k]) for k in KINDS}, states=_union(states))
+def _finish(parts: list[ExportNeeds]) -> ExportNeeds:
+    return ExportNeeds(rows={k: _union([p.rows[k] for p in parts]) for k in KINDS},
+                       states=_union([p.states for p in parts]))

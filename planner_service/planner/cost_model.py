@@ -13,9 +13,15 @@ Coefficients are non-negative; `harts calibrate` fits them (non-negative least s
 executor timings, so that costs are seconds of the measured trainer. Without a file every
 coefficient but `row` is 0: costs are computed rows.
 
+Windows across ranks (lock-step plans, plan/cross_edges.py) add a fifth coefficient outside the
+microbatch cost: `transfer_byte`, the cost of one byte an edge sends (exports one way, their
+gradients the other), charged to both ranks in the phase that moves it. Without one it is
+`row x DEFAULT_TRANSFER_ROWS_PER_BYTE`: a byte costs that fraction of a computed row.
+
 The JSON file (FORMAT):
     {"format": "harts.cost_model.v1", "coefficients": {"row": ..., "attention": ...,
-     "linear_call": ..., "logprob_row": ...}, "source": "...", "fit": {...}}
+     "linear_call": ..., "logprob_row": ..., "transfer_byte": ...}, "source": "...", "fit": {...}}
+("transfer_byte" optional).
 """
 from __future__ import annotations
 
@@ -30,6 +36,12 @@ FORMAT = "harts.cost_model.v1"
 #: the feature names, in the order of `features` columns and the JSON coefficients.
 FEATURES = ("row", "attention", "linear_call", "logprob_row")
 
+#: Default cost of one transferred byte in computed rows. A row of the default model
+#: (Qwen3-Next-80B-A3B, ~3B active parameters: ~1.8e10 FLOP forward and backward) takes ~45 us on
+#: an H200 at ~40% of its 989 TFLOP/s; a 200 Gb/s link per GPU (the middle of the usual 100-400
+#: Gb/s InfiniBand or RoCE) moves a byte in 0.04 ns: 0.04 ns / 45 us = 8.9e-7 rows, rounded up.
+DEFAULT_TRANSFER_ROWS_PER_BYTE = 1e-6
+
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class CostModel:
@@ -43,6 +55,9 @@ class CostModel:
     """Cost per sequential linear-attention call of a microbatch."""
     logprob_row: float = 0.0
     """Cost per distinct log-prob row (lm head and loss)."""
+    transfer_byte: float | None = None
+    """Cost of one byte a window across ranks sends (plan.proto CostModel.transfer_byte); None:
+    row x DEFAULT_TRANSFER_ROWS_PER_BYTE."""
     source: str = "rows"
     """Where the coefficients come from (reports)."""
     fit: dict = field(default_factory=dict, compare=False, hash=False)
@@ -55,6 +70,11 @@ class CostModel:
                 raise ValueError(f"cost model {name}: expected a finite coefficient >= 0, got {v!r}")
         if self.row + self.attention + self.linear_call + self.logprob_row <= 0:
             raise ValueError("cost model: expected a coefficient > 0 (a cost that grows with the work), got all 0")
+        if self.transfer_byte is None:
+            object.__setattr__(self, "transfer_byte", self.row * DEFAULT_TRANSFER_ROWS_PER_BYTE)
+        v = self.transfer_byte
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"cost model transfer_byte: expected a finite cost >= 0 per byte, got {v!r}")
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -71,15 +91,18 @@ class CostModel:
         length = np.asarray(length, np.float64)
         return self.row * length + self.attention * length * (length + 1) / 2 + self.linear_call * (length > 0)
 
-    def fill(self, msg) -> None:
-        """Write the coefficients into a `plan_pb2.CostModel`."""
+    def fill(self, msg, *, transfer: bool = False) -> None:
+        """Write the coefficients into a `plan_pb2.CostModel`; `transfer_byte` only with `transfer`
+        (plans that may carry windows across ranks; 0 in the others)."""
         for name in FEATURES:
             setattr(msg, name, float(getattr(self, name)))
+        if transfer:
+            msg.transfer_byte = float(self.transfer_byte)
         msg.source = self.source
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "coefficients": {n: float(getattr(self, n)) for n in FEATURES},
-                "source": self.source, "fit": self.fit}
+        coef = {n: float(getattr(self, n)) for n in FEATURES} | {"transfer_byte": float(self.transfer_byte)}
+        return {"format": FORMAT, "coefficients": coef, "source": self.source, "fit": self.fit}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -93,11 +116,14 @@ class CostModel:
         coef = d.get("coefficients")
         if not isinstance(coef, dict):
             raise ValueError("cost model coefficients: expected an object of the four coefficients")
-        unknown = sorted(set(coef) - set(FEATURES))
+        keys = FEATURES + ("transfer_byte",)
+        unknown = sorted(set(coef) - set(keys))
         if unknown:
-            raise ValueError(f"cost model coefficients: expected keys from {', '.join(FEATURES)}, got {', '.join(unknown)}")
+            raise ValueError(f"cost model coefficients: expected keys from {', '.join(keys)}, got {', '.join(unknown)}")
         vals = {}
-        for n in FEATURES:
+        for n in keys:
+            if n not in coef and n == "transfer_byte":
+                continue
             v = coef.get(n, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"cost model {n}: expected a number, got {v!r}")
