@@ -10,9 +10,12 @@ With `cfg.sharing=False` it plans the trajectory-expanded baseline: every trajec
 (`expand_forest`), standard packing, the same builder.
 
 With windows across ranks allowed (`cfg.crossing`: a lock-step plan with cross_rank_windows) it
-builds two plans, one whose placement duplicates root paths (windows stay on their rank) and one
-whose placement imports them across ranks (`cross_placement.py`), and keeps the second only where
-it shortens the step (lockstep_makespan) or duplicates fewer rows at a step at most
+builds the plan whose placement duplicates root paths (windows stay on their rank) and the plans
+with windows across ranks: that plan's schedule with the duplicated rows imported where windows
+enclose each other (`crossing.import_duplicates`), and the partitioner's crossing candidates
+(`partition.crossing_partitions`: a tree's shared prefix imported from the rank keeping its root).
+The best of the latter (shortest lock-step makespan, then fewest duplicated rows) replaces the
+first only where it shortens the step or duplicates fewer rows at a step at most
 CROSS_EQUAL_MAKESPAN longer; PlanStats.with_cross_edges / without_cross_edges report both.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from planner_service.forest import Forest
 from planner_service.planner.build import build_plan
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.cost_model import CostModel
+from planner_service.planner.crossing import import_duplicates
 from planner_service.planner.partition import crossing_partitions, expand_forest, partition, partition_with_report
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.harts.v1 import plan_pb2
@@ -84,20 +88,27 @@ def _plan_crossing(source: Forest, cfg: PlanConfig, impl: str) -> plan_pb2.Plan:
     (module docstring)."""
     plans: dict[bool, plan_pb2.Plan] = {}
     errors: list[PlanningError] = []
+    candidates: list[Partition] = []
     try:
-        plans[False] = build_plan(source, cfg, partition(source, dataclasses.replace(cfg, cross_rank_windows=False),
-                                                         impl=impl), impl=impl)
+        base = partition(source, dataclasses.replace(cfg, cross_rank_windows=False), impl=impl)
+        plans[False] = build_plan(source, cfg, base, impl=impl)
+        kept = import_duplicates(source, base)  # the same schedule, duplicated rows imported where it allows
+        if kept is not None:
+            candidates.append(kept)
     except PlanningError as exc:  # a budget the duplicating placement cannot meet
         errors.append(exc)
     try:
-        for _, part, _ in crossing_partitions(source, cfg, impl=impl):
-            plan = build_plan(source, cfg, part, impl=impl)
-            best = plans.get(True)
-            if best is None or _step_key(plan) < _step_key(best):
-                plans[True] = plan
+        candidates += [part for _, part, _ in crossing_partitions(source, cfg, impl=impl)]
     except PlanningError as exc:  # no candidate fits the budgets or finishes its order
         errors.append(exc)
         log.debug("plan %s with windows across ranks: %s", source.batch_id, exc)
+    for part in candidates:
+        plan = build_plan(source, cfg, part, impl=impl)
+        if plan.header.stats.peak_live_bytes > cfg.memory_bytes:  # what it receives does not fit
+            continue
+        best = plans.get(True)
+        if best is None or _step_key(plan) < _step_key(best):
+            plans[True] = plan
     if not plans:
         raise errors[0]
     base, cross = plans.get(False), plans.get(True)

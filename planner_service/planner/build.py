@@ -10,7 +10,9 @@ report. `PlanStats.plan_seconds` is left to `plan_step`.
 windows), `_context` (root paths and what window children need), `_lay_out` (rows of every
 microbatch), `_windows` (imports and exports), `_schedules` (linear-attention calls),
 `_state_sources` (every sequence's initial state), `_logprob_map`, `_rank_orders` (execution
-steps), `_serialise` (one wire microbatch), and `_fill_steps` / `_fill_stats`.
+steps), `_serialise` (one wire microbatch), `_cross_edges` (windows across ranks, lock-step plans
+with cfg.crossing: a window parent or a state's exporter on another rank) and `_fill_steps` /
+`_fill_stats`.
 
 The passes over tokens, rows, sequences and log-prob entries are Numba kernels over flat arrays
 (`build_kernels.py`, `min_calls.py`, `linear_calls_codec.py`), picked once per plan as a namespace
@@ -32,7 +34,10 @@ linear-attention calls and distinct log-prob rows. The makespan statistics compa
 rank cost with max(total / W, the longest trajectory computed alone).
 
 Live memory (PlanStats.peak_live_bytes): plan.memory_model.rank_live_bytes over the decoded
-microbatches, the same function the validator checks with.
+microbatches, the same function the validator checks with (with windows across ranks: the
+exporters' remote needs and the exports an importer holds, plan.cross_edges). Transfers:
+CostModel.transfer_byte x each rank's exchanged bytes in PlanStats.rank_transfer_costs (added to
+the makespan) and, per phase, in lockstep_makespan.
 
 Legend: N_u forest tokens, N_e expanded positions, T trajectories, R local rows, I imported rows,
 S local segments, K conv kernel, C chunk size.

@@ -27,6 +27,12 @@ line up in kind and in cost. Two parts:
   costs at most VOLUNTARY_SLACK x the phase's slowest forced recompute and its remaining work
   stays below the slowest rank's: it saves a BACKWARD phase of its own later.
 
+Windows across ranks (a window parent on another rank, plan.proto CrossEdge): such a microbatch
+becomes available on its own rank once its parent has forwarded (so in a later phase), starts a
+stack there, and its parent closes only after it has (a later phase); the exports it receives are
+in its `full`, `win` and `exports` bytes (the partitioner adds them). An order in which every rank
+waits for another stalls: `schedule` returns None.
+
 `align_phases_ref` is the plain-Python twin. The partitioner tries a few microbatch counts and
 every combination of p, `rec_open` and `small_fill`, and keeps the shortest lock-step makespan.
 

@@ -30,6 +30,18 @@ recomputed, and the order is one global sequence of phases (`lockstep.align_phas
 where a rank has nothing of a phase's kind): of a few microbatch counts and aligner variants, the
 shortest lock-step makespan.
 
+Windows across ranks (`crossing_partitions`, cfg.crossing: lock-step plans with
+cross_rank_windows; plan.proto CrossEdge): `_crossing_forests` takes the duplicating placement, moves
+every unit above a depth (CROSS_PREFIX_FRACTIONS of B) that another rank needs (a tree's shared
+prefix) to the rank keeping the tree's root, and drops the other ranks' duplicated copies of it:
+what hung below them now has a unit parent on another rank. Level 1 cuts pieces there, and keeps
+the units that travel in pieces of their own, packed apart, so the microbatches exporting them are
+thin and open first; level 2 counts what an importer receives in its live bytes; the aligner makes
+a microbatch whose parent runs on another rank available once that parent has forwarded. Deeper
+imports are not tried: a lock-step importer forwards only after its exporter's phase and the
+exporter closes only after it, so every level of exporters adds a phase pair to the step.
+`plan_step` builds the candidates and keeps one only where it pays.
+
 Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`, `lockstep.py`);
 `impl="ref"` runs the whole partitioner on them (tests compare both; the benchmark times both).
 

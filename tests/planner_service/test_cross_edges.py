@@ -221,3 +221,40 @@ def test_cost_model_transfer_byte():
         4.0 * DEFAULT_TRANSFER_ROWS_PER_BYTE)
     with pytest.raises(ValueError, match="transfer_byte: expected a finite cost >= 0 per byte, got -1"):
         CostModel(transfer_byte=-1.0)
+
+
+def _enclosed_partition(enclosed: bool):
+    """Rank 0 keeps a 7-token prompt and a branch; rank 1 keeps another branch and duplicates the
+    prompt. With `enclosed`, rank 1's window opens after rank 0's and closes before it."""
+    from planner_service.planner.spec import MicrobatchSpec, Partition
+
+    prefix = list(range(1, 8))
+    f = forest_from_trajectories([prefix + [101, 102, 103], prefix + [101, 102, 201], prefix + [301, 302]])
+    ranges = np.array([[s, 0, f.seg_length[s]] for s in range(f.num_segments)], np.int64)
+    r1 = [("F", -1), ("F", 1), ("B", 1), ("B", -1)] if enclosed else [("F", 1), ("F", -1), ("B", -1), ("B", 1)]
+    part = Partition(microbatches=[MicrobatchSpec(ranges=ranges[:4], rank=0),
+                                   MicrobatchSpec(ranges=ranges[4:], dup_ranges=ranges[:1], rank=1)],
+                     rank_steps=[[("F", 0), ("F", -1), ("B", -1), ("B", 0)], r1], phases=np.array([0, 0, 1, 1], np.uint8))
+    return f, part
+
+
+def test_import_duplicates_keeps_the_schedule_and_imports_the_enclosed_prompt():
+    from planner_service.planner.crossing import import_duplicates
+
+    f, part = _enclosed_partition(enclosed=True)
+    cfg = PlanConfig(chunk_size=8, microbatch_tokens=64, world_size=2, lockstep=True, row_sizes=SIZES, memory_tokens=64)
+    base = build_plan(f, cfg, part)
+    validate_plan(base, f)
+    conv = import_duplicates(f, part)
+    assert conv is not None and conv.rank_steps == part.rank_steps and conv.phases is part.phases
+    assert (conv.microbatches[1].parent, conv.microbatches[1].shared, conv.microbatches[1].dup_ranges.shape[0]) == (0, True, 0)
+    plan = build_plan(f, cfg, conv)
+    validate_plan(plan, f)
+    b, x = base.header.stats, plan.header.stats
+    assert (b.duplicated_tokens, x.duplicated_tokens, x.cross_edges) == (7, 0, 1)
+    assert [(s.kind, s.microbatch, s.standin) for r in plan.ranks for s in r.steps] == [
+        (s.kind, s.microbatch, s.standin) for r in base.ranks for s in r.steps]
+    moved = plan.header.params.cost_model.transfer_byte * x.exchanged_bytes
+    assert x.lockstep_makespan <= b.lockstep_makespan + moved  # no phase got longer but by its transfers
+    f, part = _enclosed_partition(enclosed=False)  # rank 1 opens with rank 0: nothing to import from yet
+    assert import_duplicates(f, part) is None
