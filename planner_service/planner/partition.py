@@ -32,8 +32,8 @@ shortest lock-step makespan.
 
 Windows across ranks (`crossing_partitions`, cfg.crossing: lock-step plans with
 cross_rank_windows; plan.proto CrossEdge): `_crossing_forests` takes the duplicating placement, moves
-every unit above a depth (CROSS_PREFIX_FRACTIONS of B) that another rank needs (a tree's shared
-prefix) to the rank keeping the tree's root, and drops the other ranks' duplicated copies of it:
+every unit above a depth (its tree's root segment, or a fraction of B: CROSS_PREFIXES) that
+another rank needs (a tree's shared prefix) to the rank keeping the tree's root, and drops the other ranks' duplicated copies of it:
 what hung below them now has a unit parent on another rank. Level 1 cuts pieces there, and keeps
 the units that travel in pieces of their own, packed apart, so the microbatches exporting them are
 thin and open first; level 2 counts what an importer receives in its live bytes; the aligner makes
@@ -187,17 +187,17 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
 #: Lock-step plans try every rank at most (the fewest microbatches any rank needs at B) + each of
 #: these microbatches, with equal counts per rank (`lockstep.equal_count_caps`).
 LOCKSTEP_EXTRA_MICROBATCHES = (0, 1, 2)
-#: Windows across ranks: the shared prefix imported lies above these fractions of B (deeper
-#: imports wait longer: a lock-step importer forwards after its exporter's phase and closes
-#: before it), each with a placement that counts that prefix as duplicated or as free.
-CROSS_PREFIX_FRACTIONS = (1 / 8, 1 / 4)
+#: Windows across ranks: the shared prefix imported lies above each tree's root segment (None:
+#: what all its trajectories share) or above these fractions of B (deeper imports wait longer: a
+#: lock-step importer forwards after its exporter's phase and closes before it), each with a
+#: placement that counts that prefix as duplicated or as free.
+CROSS_PREFIXES = (None, 1 / 8, 1 / 4)
 
 
 def crossing_partitions(forest: Forest, cfg: PlanConfig, *, impl: str = "numba"
                         ) -> list[tuple[float, Partition, PartitionReport]]:
     """Lock-step partitions whose windows may cross ranks (cfg.crossing), one per candidate: the
-    rank forests of `_crossing_forests` for every prefix depth of CROSS_PREFIX_FRACTIONS x B and
-    both placements, each with its lock-step schedule (`_lockstep`). Returns (the schedule's
+    rank forests of `_crossing_forests` for every prefix of CROSS_PREFIXES and both placements, each with its lock-step schedule (`_lockstep`). Returns (the schedule's
     lock-step makespan estimate, partition, report) of every candidate that fits the budgets and
     whose order finishes, shortest first; `plan_step` builds them and compares the plans with the plan
     without windows across ranks.
@@ -211,8 +211,9 @@ def crossing_partitions(forest: Forest, cfg: PlanConfig, *, impl: str = "numba"
         raise ValueError("cfg: expected a lock-step plan with cross_rank_windows, windows, sharing and world_size > 1")
     k = _KERNELS[impl]
     out, error = [], None
-    for fraction, free_prefix in itertools.product(CROSS_PREFIX_FRACTIONS, (True, False)):
-        rf = _rank_forests(k, forest, cfg, (int(fraction * cfg.microbatch_tokens), free_prefix))
+    for prefix, free_prefix in itertools.product(CROSS_PREFIXES, (True, False)):
+        depth = -1 if prefix is None else int(prefix * cfg.microbatch_tokens)
+        rf = _rank_forests(k, forest, cfg, (depth, free_prefix))
         try:
             got = _lockstep(k, cfg, rf)
         except PlanningError as exc:
@@ -228,7 +229,14 @@ def _lockstep(k, cfg: PlanConfig, rf: _RankForests):
     """Level 1 with about equal microbatch counts and sizes per rank, level 2 with the fewest
     recomputed windows, and the phases aligned (`lockstep.align_phases`): of the candidate
     counts and rank weightings, the schedule with the shortest lock-step makespan (then the
-    fewest phases). Returns (level 1, edge rows, level 2, schedule) for `_assemble`."""
+    fewest phases); with windows across ranks also level 1 at B (fewer microbatches: shorter
+    chains of windows across ranks), and each importer's received exports in its live bytes and
+    their transfer in its cost. Returns (level 1, edge rows, level 2, schedule) for `_assemble`.
+
+    Raises:
+        PlanningError: with windows across ranks, when no order finishes (ranks waiting for each
+            other), or a budget level 2 cannot meet.
+    """
     W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
     first = _level1(k, cfg, rf)
     candidates = [first]
@@ -328,18 +336,23 @@ def _rank_forests(k, forest: Forest, cfg: PlanConfig, crossing: tuple[int, bool]
 
 
 def _crossing_forests(k, forest: Forest, cfg: PlanConfig, units, prefix_depth: int, free_prefix: bool) -> _RankForests:
-    """Rank forests whose shared prefix crosses ranks (`_lockstep_crossing`): the placement of
+    """Rank forests whose shared prefix crosses ranks (`crossing_partitions`): the placement of
     `placement_search.place_units` (with `free_prefix`, duplicating a unit above prefix_depth
-    costs nothing there: it will be imported), then every unit above prefix_depth that another
-    rank needs (the shared prefix) moves to the rank keeping its tree's root, and the other ranks
-    drop their duplicated copies of it: what hangs below imports it across ranks (a unit parent on
-    another rank). Deeper shared units stay duplicated as before."""
+    costs nothing there: it will be imported; prefix_depth < 0: the end of each tree's root
+    segment), then every unit above prefix_depth that another rank needs (the shared prefix)
+    moves to the rank keeping its tree's root, and the other ranks drop their duplicated copies
+    of it: what hangs below imports it across ranks (a unit parent on another rank). Deeper
+    shared units stay duplicated as before."""
     W = cfg.world_size
     g_seg, g_off, g_len, g_depth, g_parent = units
     U = g_parent.shape[0]
     uc = unit_costs(k, forest, cfg, g_seg, g_off, g_len, g_depth, g_parent)
     lower_bound = max(float(uc.w.sum()) / W, float((uc.ctx + uc.w).max()))
-    above = g_depth < prefix_depth
+    top = np.asarray(k.piece_roots(g_parent, np.zeros(U, np.bool_)))  # the tree root of every unit
+    if prefix_depth < 0:  # each tree's root segment: what all its trajectories share
+        above = g_depth < forest.seg_length[g_seg[top]]
+    else:
+        above = g_depth < prefix_depth
     placed = uc
     if free_prefix:
         w_dup = np.where(above, 0.0, uc.w_dup)
@@ -349,7 +362,6 @@ def _crossing_forests(k, forest: Forest, cfg: PlanConfig, units, prefix_depth: i
     prefix = np.zeros(U, np.bool_)
     prefix[ru_unit[ru_dup]] = True  # some other rank needs it
     prefix &= above
-    top = np.asarray(k.piece_roots(g_parent, np.zeros(U, np.bool_)))  # the tree root of every unit
     unit_rank = np.where(prefix, unit_rank[top], unit_rank)
     ru_unit, ru_rank, ru_dup, ru_parent = k.rank_closure(g_parent, unit_rank, W)
     load = np.asarray(k.closure_costs(ru_unit, ru_rank, ru_dup, ru_parent, uc.w, uc.w_dup, uc.rc, W)[0])
