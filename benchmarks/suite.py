@@ -463,7 +463,7 @@ def run_placement(cfg: SuiteConfig) -> dict:
                     "lockstep_vs_free": lock.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0,
                     "lockstep_phases": int(lock.lockstep_phases),
                     # windows across ranks (issue 24): the lock-step plan's edges, and the two plans it was chosen from
-                    "cross_edges": int(lock.cross_edges),
+                    "cross_edges": int(lock.cross_edges), "lockstep_plan_seconds": float(lock.plan_seconds),
                     "lockstep_compression_vs_ideal": lock.compression_achieved / lock.compression_ideal,
                     "lockstep_step_vs_bound": lock.lockstep_makespan / lock.makespan_lower_bound,
                     **_crossing_columns(with_x, without_x, lock.compression_ideal, row_bytes, W),
@@ -503,7 +503,8 @@ PLACEMENT_COLUMNS = (
     ("loose_compression_vs_ideal", f"compression / ideal, slack {PLACEMENT_LOOSE_SLACK}"),
     ("bound_at_makespan", "bound at this makespan"), ("bound_at_target", "bound at the ratio target"),
     ("lockstep_ratio", "lockstep_ratio"), ("lockstep_vs_free", "lock-step / free makespan"),
-    ("lockstep_phases", "lock-step phases"), ("cross_edges", "lock-step cross edges"),
+    ("lockstep_phases", "lock-step phases"), ("lockstep_plan_seconds", "lock-step plan s (wall)"),
+    ("cross_edges", "lock-step cross edges"),
     ("lockstep_compression_vs_ideal", "lock-step compression / ideal"), ("lockstep_step_vs_bound", "lock-step step / bound"),
     ("crossing_compression_vs_ideal", "with crossing: compression / ideal"), ("crossing_makespan_ratio", "with crossing: ratio"),
     ("crossing_step_vs_bound", "with crossing: step / bound"),

@@ -20,10 +20,19 @@ header.lockstep_phases, of the phase's kind, with the stand-in pairing and recom
 `plan.phases`, so every rank has the same phase count and kinds; the lock-step statistics follow
 from the steps. Stand-ins are skipped by the window-order and memory rules.
 
+Windows across ranks (lock-step plans, RankPlan.cross_edges): every rank's edges pass the
+one-rank rules of `plan.cross_edges` (rows and states exactly what the importer and its own
+importers read, phase order, bytes); the whole plan lists each edge identically on both of its
+ranks with ids 0..E-1, its statistics count them, and rows resolve across ranks by forward phase
+(an exporter before its importers), so token chains, ancestry and states are checked through the
+edge as through a local window. `validate_slice` cannot see the other rank: it checks the
+one-rank rules and leaves the rows that come from there to `validate_plan`.
+
 Live memory (what must fit params.memory.memory_bytes): `plan.memory_model.rank_live_bytes`, the
 function the planner uses: while microbatch m runs, its full activations plus, for every open window
 below which it runs, that window's full activations, or, when it is marked `recompute`, only the
-export tensors of its own rows that `plan.window_exports.export_needs` lists.
+export tensors of its own rows that `plan.window_exports.export_needs` lists (those its remote
+importers read included), plus the exports it has received over cross edges and not yet answered.
 
 Legend: R local rows, I imported rows, S segments, P log-prob entries, K conv kernel, C chunk size.
 """
