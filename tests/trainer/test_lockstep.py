@@ -30,7 +30,6 @@ from proto.harts.v1 import plan_pb2
 from tests.builder_helpers import forest_from_trajectories, random_partition, random_trajectories
 from tests.executor_helpers import lockstep_plan
 from trainer.executor import Executor, ExecutorConfig
-from trainer.lockstep import lockstep_steps
 from trainer.models import build_model
 from trainer.objectives import ObjectiveConfig
 
@@ -294,17 +293,22 @@ def test_standin_backward_reaches_every_unit_with_exact_zeros(monkeypatch):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda r: r.steps.pop(), r"rank \d\.steps: expected 16 steps \(one per lock-step phase\), got 15"),
-    (lambda r: setattr(r.steps[0], "kind", plan_pb2.ExecStep.BACKWARD), r"steps\[0\] \(PHASE_FORWARD\): expected a FORWARD step"),
-    (lambda r: [setattr(s, "standin", 0) for s in r.steps if s.microbatch < 0 and s.standin], "BACKWARD of an open FORWARD stand-in"),
+    (lambda r: r.steps.pop(), r"rank \d\.steps: expected 16 steps, one per phase of header.lockstep_phases, got 15"),
+    (lambda r: setattr(r.steps[0], "kind", plan_pb2.ExecStep.BACKWARD),
+     r"rank \d\.steps\[0\]: expected a PHASE_FORWARD step \(FORWARD\), got BACKWARD"),
+    (lambda r: [setattr(s, "standin", 0) for s in r.steps if s.microbatch < 0 and s.standin],
+     r"expected a BACKWARD stand-in paired with an earlier FORWARD stand-in"),
 ], ids=["count", "kind", "pair"])
-def test_misaligned_slices_are_refused_naming_the_step(edit, message):
+def test_misaligned_slices_are_refused_before_anything_runs(edit, message):
+    """The executor refuses them through the slice check (plan.phases' rules), naming the step."""
     plan = lockstep_plan(_free_plan(2))
     assert len(plan.header.lockstep_phases) == 16
     rank = next(r for r in plan.ranks if any(s.microbatch < 0 and s.standin for s in r.steps))
     edit(rank)
+    model = build_model("tiny", seed=SEED)
     with pytest.raises(ValueError, match=message):
-        lockstep_steps(plan.header, rank, recompute=lambda i: rank.microbatches[i].recompute)
+        _executor(model).run_step(plan_pb2.PlanSlice(header=plan.header, rank=rank))
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_free_plan_is_refused_when_parameters_are_sharded_through_the_step():
