@@ -139,19 +139,18 @@ class LocalTransport:
 class P2PTransport:
     """Batched point-to-point over the default process group, every wait bounded by `timeout_s`."""
 
-    def __init__(self, timeout_s: float, *, poll_s: float = 0.0005):
+    def __init__(self, timeout_s: float):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected > 0, got {timeout_s}")
         self.timeout_s = timeout_s
-        self.poll_s = poll_s
 
     def run(self, phase: int, transfers: list[Transfer], phase_kind: int | None = None) -> None:
         """Post this rank's operations of `phase` together (increasing edge id), wait for all.
 
         Raises:
-            CrossRankError: an operation failed (the peer's connection closed: it died) or did not
-                complete within the timeout (the peer hangs or is elsewhere), naming the phase,
-                the edge and the peer rank.
+            CrossRankError: an operation failed (gloo: the peer's connection reset, it died) or
+                did not complete within the timeout (the peer hangs, or runs another plan), naming
+                the phase, the edge and the peer rank.
         """
         import torch.distributed as dist
 
@@ -159,33 +158,26 @@ class P2PTransport:
             return
         transfers = sorted(transfers, key=lambda t: (t.edge.id, t.grad))
         ops = [dist.P2POp(dist.isend if t.send else dist.irecv, t.buf, t.peer, tag=t.tag) for t in transfers]
+        t0 = time.monotonic()
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
             raise CrossRankError(f"{transfers[0].describe(phase, phase_kind)}: {exc}") from None
-        # one work per operation (gloo), or one for the whole batch (NCCL coalesces): a failure names
+        # one work per operation (gloo), or one for the whole batch (NCCL coalesces): an error names
         # the first transfer its work covers
-        owners = [[t] for t in transfers] if len(works) == len(transfers) else [transfers] * len(works)
-        deadline = time.monotonic() + self.timeout_s
-        pending = list(range(len(works)))
-        while pending:
-            still = []
-            for i in pending:
-                if not works[i].is_completed():
-                    still.append(i)
-                    continue
-                try:
-                    works[i].wait(timedelta(seconds=max(self.timeout_s, 1.0)))
-                except RuntimeError as exc:
-                    raise CrossRankError(f"{owners[i][0].describe(phase, phase_kind)} failed (did rank "
-                                         f"{owners[i][0].peer} die?): {exc}") from None
-            pending = still
-            if pending:
-                if time.monotonic() > deadline:
-                    t = owners[pending[0]][0]
-                    raise CrossRankError(f"{t.describe(phase, phase_kind)}: not done after parallelism.p2p_timeout_s = "
-                                         f"{self.timeout_s:g} s (is rank {t.peer} alive and running the same plan?)")
-                time.sleep(self.poll_s)
+        owners = transfers if len(works) == len(transfers) else [transfers[0]] * len(works)
+        for work, t in zip(works, owners):
+            # Work.wait(timeout) blocks at most that long on gloo and NCCL alike, and raises at once
+            # when the peer's connection breaks (is_completed() would not see that)
+            left = max(t0 + self.timeout_s - time.monotonic(), 1e-3)
+            try:
+                work.wait(timedelta(seconds=left))
+            except RuntimeError as exc:
+                waited = time.monotonic() - t0
+                cause = (f"not done after parallelism.p2p_timeout_s = {self.timeout_s:g} s" if waited >= 0.99 * self.timeout_s
+                         else f"failed after {waited:.1f} s")
+                raise CrossRankError(f"{t.describe(phase, phase_kind)}: {cause} (is rank {t.peer} alive and running "
+                                     f"the same plan?): {str(exc).splitlines()[0][:300]}") from None
 
 
 @dataclass(slots=True, kw_only=True)
