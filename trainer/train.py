@@ -21,7 +21,10 @@ current one trains), runs it with the executor and reduces the gradients: with
 and reduce-scatters after every backward, on lock-step plans only (a free plan is refused with
 an error naming the field); otherwise units stay gathered and gradients are SUM-reduced once, in
 the rank's last backward (a rank without microbatches runs a zero-loss stand-in so that it takes
-part in the collectives). Then it clips, sets the scheduled learning rate, steps AdamW and logs
+part in the collectives). Windows across ranks of a lock-step plan (cross edges) exchange their
+exports and gradients point to point at the end of their phases (`trainer.cross_rank`), every
+wait bounded by `parallelism.p2p_timeout_s`. At start rank 0 prints the per-rank memory report of
+`plan.cluster_memory` (shards, gathered units, activations left, whether it fits). Then it clips, sets the scheduled learning rate, steps AdamW and logs
 one metrics line from rank 0 (`trainer.metrics` lists the keys, `peak_param_grad_bytes` among
 them; JSONL and TensorBoard). The plan's world size must equal torchrun's, and its chunk size,
 conv kernel and vocabulary the model's.
