@@ -93,24 +93,24 @@ def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int], *,
     needs: dict[int, ExportNeeds] = {}
     parts: dict[int, dict[str, list[np.ndarray]]] = {}
     states: dict[int, list[np.ndarray]] = {}
+
+    def add(e: int, nd: ExportNeeds) -> None:
+        d = parts.setdefault(e, {k: [] for k in KINDS})
+        for k in KINDS:
+            d[k].append(nd.rows[k])
+        states.setdefault(e, []).append(nd.states)
+
     for e, theirs in (sent or {}).items():
         for nd in theirs:
-            d = parts.setdefault(e, {k: [] for k in KINDS})
-            for k in KINDS:
-                d[k].append(nd.rows[k])
-            states.setdefault(e, []).append(nd.states)
+            add(e, nd)
     for m in reversed(order):  # importers first: their needs are complete when they are visited
         mb = mbs[m]
         own = None
         if m in parts:
             own = needs[m] = _finish(parts.pop(m), states.pop(m, []))
         for e, nd in _import_parts(mb, own):
-            if (e, m) in remote:
-                continue
-            d = parts.setdefault(e, {k: [] for k in KINDS})
-            for k in KINDS:
-                d[k].append(nd.rows[k])
-            states.setdefault(e, []).append(nd.states)
+            if (e, m) not in remote:
+                add(e, nd)
     if parts:
         raise ValueError(f"order: microbatches {sorted(parts)} are imported from but not in the forward order")
     return needs

@@ -57,12 +57,15 @@ def test_synthetic_batches_span_the_features():
     assert F[:, 2].max() >= 4 and F[:, 2].min() == 1, "calls must vary"
 
 
+def _calibrate(capsys, out, *extra: str) -> tuple[dict, CostModel]:
+    """A short `harts calibrate` of the tiny model: its printed report and the cost model it wrote."""
+    assert main(["calibrate", "--model", "tiny", "--chunk-size", "16", "--repeats", "1", *extra, "-o", str(out)]) == 0
+    return json.loads(capsys.readouterr().out), CostModel.load(out)
+
+
 def test_calibrate_writes_a_cost_model_that_plan_accepts(tmp_path, capsys):
     out = tmp_path / "cost.json"
-    assert main(["calibrate", "--model", "tiny", "--chunk-size", "16", "--samples", "6", "--max-rows", "256",
-                 "--repeats", "1", "--transfer-backend", "none", "-o", str(out)]) == 0
-    report = json.loads(capsys.readouterr().out)
-    cm = CostModel.load(out)
+    report, cm = _calibrate(capsys, out, "--samples", "6", "--max-rows", "256", "--transfer-backend", "none")
     assert cm.transfer_byte == 0.0 and "transfer" not in report  # not measured
     assert all(getattr(cm, n) >= 0 for n in FEATURES) and sum(getattr(cm, n) for n in FEATURES) > 0
     assert cm.fit["samples"] == 6 and cm.fit["held_out"] == 2 and "r2" in report and "max_rel_error" in report
@@ -79,11 +82,7 @@ def test_calibrate_writes_a_cost_model_that_plan_accepts(tmp_path, capsys):
 @pytest.mark.integration
 def test_calibrate_measures_the_point_to_point_bandwidth_into_transfer_byte(tmp_path, capsys):
     """Two gloo processes bounce buffers through the trainer's P2PTransport: transfer_byte is seconds per byte."""
-    out = tmp_path / "cost.json"
-    assert main(["calibrate", "--model", "tiny", "--chunk-size", "16", "--samples", "4", "--max-rows", "128",
-                 "--repeats", "1", "--transfer-max-mb", "1", "-o", str(out)]) == 0
-    report = json.loads(capsys.readouterr().out)
-    cm = CostModel.load(out)
+    report, cm = _calibrate(capsys, tmp_path / "cost.json", "--samples", "4", "--max-rows", "128", "--transfer-max-mb", "1")
     t = report["transfer"]
     assert t["backend"] == "gloo" and t["sizes"][0] == 1024 and t["sizes"][-1] == 1 << 20
     assert cm.transfer_byte == report["transfer_byte"] == t["transfer_byte"] > 0

@@ -12,16 +12,13 @@ error naming the phase, the edge and the peer instead of waiting forever.
 from __future__ import annotations
 
 import os
-import queue as queue_mod
 import re
-import socket
 import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from harts_client.synthetic import generate
 from plan.decode import PlanValidationError
@@ -30,6 +27,7 @@ from planner_service.ingest import forest_from_json
 from planner_service.planner import PlanConfig, plan_step
 from proto.arrays import pack, unpack
 from proto.harts.v1 import plan_pb2
+from tests.dist_helpers import assert_ranks_match, rel_grad_diff, spawn_ranks
 from tests.executor_helpers import cross_rank_plan
 from trainer.executor import Executor, ExecutorConfig
 from trainer.models import build_model
@@ -95,13 +93,6 @@ def _one_process(plan, **kw) -> tuple[dict[str, np.ndarray], float]:
     return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}, res.loss
 
 
-def _rel(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    num = sum(float(np.square(a[k].astype(np.float64) - b[k]).sum()) for k in a)
-    den = sum(float(np.square(b[k].astype(np.float64)).sum()) for k in a)
-    return (num / den) ** 0.5
-
-
 @pytest.mark.parametrize("world,memory", [(2, None), (2, 256), (4, None)], ids=["2-ranks-recompute", "2-ranks-kept", "4-ranks"])
 def test_crossing_windows_in_one_process_equal_the_plan_without_them(world, memory):
     plan = _lockstep(world, memory)
@@ -117,7 +108,7 @@ def test_crossing_windows_in_one_process_equal_the_plan_without_them(world, memo
         check_rank(crossing.header, r)
     want, loss = _one_process(plan)
     got, got_loss = _one_process(crossing, reach_all_units=True)
-    rel = _rel(got, want)
+    rel = rel_grad_diff(got, want)
     print(f"{world} ranks, {shape['edges']} cross edges: relative gradient difference {rel:.3g}")
     assert rel <= 1e-6 and abs(got_loss - loss) <= 1e-6 * max(1.0, abs(loss))
 
@@ -132,7 +123,7 @@ def test_dropping_the_returned_gradients_breaks_exactness(monkeypatch):
     monkeypatch.setattr(RankEdges, "complete", lambda self, ts, open_: complete(self, [t for t in ts if not t.grad], open_))
     got, _ = _one_process(crossing)
     want, _ = _one_process(plan)
-    assert _rel(got, want) > 1e-3
+    assert rel_grad_diff(got, want) > 1e-3
 
 
 def test_edge_wire_matches_the_memory_model_and_round_trips_mixed_dtypes():
@@ -282,34 +273,10 @@ def _worker(rank: int, world: int, port: int, plan_bytes: bytes, mode: str, queu
 
 
 def _spawn(world: int, plan: plan_pb2.Plan, mode: str, want: int) -> dict:
-    """Start `world` ranks; the results of the first `want` ranks that report."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, plan.SerializeToString(), mode, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict = {}
-    deadline = time.monotonic() + 300
-    try:
-        while len(out) < want:
-            try:
-                rank, got = queue.get(timeout=2)
-                out[rank] = got
-            except queue_mod.Empty:
-                if (mode == "fsdp" and any(p.exitcode not in (None, 0) for p in procs)) or time.monotonic() > deadline:
-                    pytest.fail(f"a rank failed or hung (exit codes {[p.exitcode for p in procs]}); see its traceback above")
-    finally:
-        if mode != "fsdp":
-            for p in procs:
-                p.kill()
-        for p in procs:
-            p.join(30)
-    if mode == "fsdp":
-        assert all(p.exitcode == 0 for p in procs)
-    return out
+    """Start `world` ranks; the results of the first `want` ranks that report (the rest killed
+    in the failure modes)."""
+    return spawn_ranks(_worker, world, (plan.SerializeToString(), mode), want=want if mode != "fsdp" else None,
+                       kill=mode != "fsdp")
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
@@ -324,12 +291,7 @@ def fsdp_run(request):
 @pytest.mark.slow
 def test_crossing_windows_on_gloo_ranks_with_sharded_parameters_equal_the_one_process_step(fsdp_run):
     world, plan, crossing, out = fsdp_run
-    want, loss = _one_process(plan)
-    for rank in range(world):
-        rel = _rel(out[rank]["grads"], want)
-        print(f"{world} ranks ({_shape(crossing)}), rank {rank}: relative gradient difference {rel:.3g}")
-        assert rel <= 1e-6, (rank, rel)
-    assert abs(sum(out[r]["loss"] for r in range(world)) - loss) <= 1e-6 * max(1.0, abs(loss))
+    assert_ranks_match(out, *_one_process(plan), f"{world} ranks ({_shape(crossing)})")
     # the ranks of each edge posted their operations: one batch per phase with transfers on that rank
     posted = {r: sum(out[r]["batches"]) for r in range(world)}
     edges = {e.id: e for r in crossing.ranks for e in r.cross_edges}.values()
