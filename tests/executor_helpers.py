@@ -309,7 +309,25 @@ def lockstep_plan(plan: plan_pb2.Plan) -> plan_pb2.Plan:
         del rank.steps[:]
         for kind, i, k in steps[r]:
             rank.steps.add(kind=kind, microbatch=i, standin=k)
+    _lockstep_stats(out)
     return out
+
+
+def _lockstep_stats(plan: plan_pb2.Plan) -> None:
+    """PlanStats.lockstep_* of a lock-step plan, by `plan.phases`' cost model (what the validator checks)."""
+    from plan.phases import lockstep_phases, phase_counts, step_cost
+
+    phases = lockstep_phases(plan.header)
+    st = plan.header.stats
+    st.lockstep_phases = phases.shape[0]
+    st.lockstep_forward_phases, st.lockstep_backward_phases, st.lockstep_recompute_phases = phase_counts(phases)
+    slowest = np.zeros(phases.shape[0])
+    for r in plan.ranks:
+        for i, (s, phase) in enumerate(zip(r.steps, phases.tolist())):
+            if s.microbatch >= 0:
+                slowest[i] = max(slowest[i], step_cost(phase, r.microbatches[s.microbatch].cost))
+    st.lockstep_makespan = float(slowest.sum())
+    st.lockstep_ratio = st.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0
 
 
 def _standin_id(rank: plan_pb2.RankPlan) -> int:
@@ -334,7 +352,7 @@ def cross_rank_plan(plan: plan_pb2.Plan, importer: int, dst: int, rng: np.random
     from plan.decode import decode_microbatch
     from plan.window_exports import export_needs, import_needs
 
-    F, B, R = plan_pb2.PHASE_FORWARD, plan_pb2.PHASE_BACKWARD, plan_pb2.PHASE_RECOMPUTE
+    F, B = plan_pb2.PHASE_FORWARD, plan_pb2.PHASE_BACKWARD
     out = plan_pb2.Plan()
     out.CopyFrom(plan)
     assert out.header.params.lockstep, "cross_rank_plan needs a lock-step plan"
@@ -413,15 +431,12 @@ def cross_rank_plan(plan: plan_pb2.Plan, importer: int, dst: int, rng: np.random
             e.send_phase += L if e.send_phase >= ins else 0
             e.grad_phase += L if e.grad_phase >= ins else 0
     out.header.lockstep_phases = pack(np.array(new_phases, np.uint8), "uint8")
-    st = out.header.stats
-    st.lockstep_phases = len(new_phases)
-    st.lockstep_forward_phases, st.lockstep_backward_phases, st.lockstep_recompute_phases = (
-        int(sum(k == v for k in new_phases)) for v in (F, B, R))
 
     def phase_of(rank, mb_id, kind):
         idx = {m.id: j for j, m in enumerate(rank.microbatches)}[mb_id]
         return next(p for p, s in enumerate(rank.steps) if s.microbatch == idx and s.kind == kind)
 
+    _lockstep_stats(out)
     first = max((e.id for r in out.ranks for e in r.cross_edges), default=-1) + 1
     fwd, bwd = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
     for n, (e, x, nd) in enumerate(pairs):

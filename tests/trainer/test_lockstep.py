@@ -212,7 +212,7 @@ def test_lockstep_plan_and_the_zero_term_change_no_bit_in_one_process():
     free = _free_plan(2)
     plan = lockstep_plan(free)
     ref, loss = _one_process(free)
-    for kw in ({}, {"reach_all_units": True}):
+    for kw in ({}, {"reach_all_units": True}, {"validate": "full"}):  # the oracle checks stand-ins too
         got, got_loss = _one_process(plan, **kw)
         assert got_loss == loss and got.keys() == ref.keys() and all(np.array_equal(got[k], ref[k]) for k in ref), kw
 
