@@ -18,8 +18,8 @@ exporter's one BACKWARD. `trainer.executor` decides what is sent when; this modu
   process (every rank's side is here: a copy).
 
     wire = EdgeWire.of(edge, layout)               # layout: export_layout(model.config, dtype)
-    buf = wire.pack(tensors_by_name)               # uint8 [wire.nbytes]
-    tensors = wire.unpack(buf, device)             # name -> [n, ...] tensor
+    buf = wire.pack(tensors_by_name, device)       # uint8 [wire.nbytes]
+    tensors = wire.unpack(buf)                     # name -> [n, ...] tensor
     transport.run(phase, [Transfer(...), ...])     # fills the receive buffers
 
 Legend: n rows of one kind of the edge.
