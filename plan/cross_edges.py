@@ -1,39 +1,52 @@
-"""Windows across ranks (DESIGN §5.7, plan.proto `CrossEdge`): what one rank's data decides.
+"""Windows across ranks (DESIGN §5.7, plan.proto `CrossEdge`): decoded edges, their rules, bytes,
+what moves when.
 
-    edges = decode_edges(rank_plan, world_size, num_phases)        # [CrossEdgeArrays], bounds-checked
-    check_rank_edges(where, rank_plan.rank, edges, arrays_by_id, order, fwd_phase, bwd_phase, sizes)
-    needs = export_needs(arrays_by_id, order, remote=outgoing_needs(edges, rank),
-                         external=remote_exporters(edges, rank))    # plan.window_exports
-    held = held_bytes(edges, rank, num_phases)                     # what received exports occupy
-    moved = transfer_bytes(edges, rank, num_phases)                # what the rank sends or receives
+    edges = decode_edges(rank_plan)                                   # [CrossEdgeArrays]
+    check_rank_edges(header, rank, edges, arrays, index, steps)       # one rank's rules
+    check_plan_edges(plan.ranks)                                      # step-wide: both sides agree
+    needs = export_needs(arrays_by_id, order, sent=sent_needs(edges, rank),
+                         remote=remote_imports(edges, rank))          # plan.window_exports
+    held = held_bytes(edges, rank, num_phases)                        # what received exports occupy
+    moved = transfer_bytes(edges, rank, num_phases)                   # what the rank sends or receives
 
 A sharing window whose importer runs on another rank than its exporter is a `CrossEdge`, listed in
 both ranks' `RankPlan.cross_edges` with a step-wide id. The importer's Microbatch names the
 exporter in `import_microbatch` (rows) and / or `state_imports` (states) as for a local window; the
-edge says what travels and when:
+edge says what travels and when. The rules one rank can check alone (`check_rank_edges`; the fast
+slice check `plan.slice_check` and the oracle `plan.validator` both run them):
 
-- rows and states: exactly `plan.window_exports.reads_of(importer, its own needs, exporter)`,
-  what the importer and, transitively, its own importers (local ones, and remote ones through the
-  importer's outgoing edges) read of the exporter, per kind (ATTN: K/V; CONV: conv inputs; KERNEL:
-  q/k/v/g/beta of replay rows) plus the fp32 states. The importer's rank decides it alone;
+- a lock-step plan (phases name when tensors travel); edges in increasing id >= 0;
+- exporter_rank != importer_rank, both in [0, world_size), this rank one of them; the microbatch
+  of this rank's side is one of its microbatches, the other side's is not; at most one edge per
+  (exporter, importer);
+- rows and states int32, sorted, distinct, >= 0. On the exporter's rank: rows among the
+  exporter's `export_rows`, states among its `export_states`. On the importer's rank: exactly
+  `plan.window_exports.import_needs(importer, its own needs)[exporter]`, what the importer and,
+  transitively, its own importers (local ones, and remote ones through the importer's outgoing
+  edges) read of the exporter, per kind (ATTN: K/V; CONV: conv inputs; KERNEL: q/k/v/g/beta of
+  replay rows) plus every fp32 state it imports from it;
 - phases: the exports travel at the end of `send_phase` (>= the exporter's FORWARD phase, < the
   importer's), their gradients at the end of `grad_phase` (>= the importer's BACKWARD phase, < the
-  exporter's BACKWARD phase). Each side checks its half;
-- bytes: `RowSizes.export_bytes` of the row and state counts (PlanParams.memory), each way.
+  exporter's BACKWARD phase), send_phase < grad_phase < P; in a lock-step plan step i runs in
+  phase i, each rank checks its side;
+- bytes: `edge_bytes`, the memory model of the rows and states (PlanParams.memory), each way.
+
+Step-wide (`check_plan_edges`): every edge is listed, identically, by exactly its two ranks, and
+the ids are 0..E-1.
 
 Memory (plan.memory_model): the exporter's open window is what it is for a local importer (its
 full activations, or when recomputed its exports, those the remote importers read included:
-`outgoing_needs`); the importer's rank holds the received tensors, `bytes`, in every phase p with
+`sent_needs`); the importer's rank holds the received tensors, `bytes`, in every phase p with
 send_phase < p <= grad_phase (`held_bytes`), whatever it runs then.
 
 Cost (PlanStats, plan.phases): the exports cost `bytes x CostModel.transfer_byte` to both ranks in
 `send_phase`, and their gradients the same in `grad_phase` (`transfer_bytes`): a lock-step phase
 lasts as long as its slowest rank's step plus its transfers.
 
-Used by the planner's builder, the oracle validator (`plan.validator`, which adds the step-wide
-rules: each edge identical on both ranks, ids 0..E-1) and the fast slice check. Numpy only.
+Used by the planner's builder, the oracle validator, the fast slice check and the trainer
+(`trainer/cross_rank.py`). Numpy only.
 
-Legend: E edges of a rank, P phases.
+Legend: E edges of a rank, P phases, n rows of one kind, q states of an edge.
 """
 from __future__ import annotations
 
@@ -41,16 +54,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto.arrays import unpack
-from proto.harts.v1 import plan_pb2
 from plan.decode import MicrobatchArrays, PlanValidationError
 from plan.memory_model import RowSizes
-from plan.window_exports import ATTN, CONV, KERNEL, KINDS, ExportNeeds, export_needs, reads_of
+from plan.window_exports import ATTN, CONV, KERNEL, KINDS, ExportNeeds, export_needs, import_needs
+from proto.arrays import unpack
+from proto.harts.v1 import plan_pb2
 
-__all__ = ["CrossEdgeArrays", "check_rank_edges", "decode_edges", "edge_bytes", "held_bytes", "outgoing_needs",
-           "remote_exporters", "transfer_bytes"]
+__all__ = ["CrossEdgeArrays", "check_plan_edges", "check_rank_edges", "decode_edges", "edge_bytes", "held_bytes",
+           "remote_imports", "sent_needs", "transfer_bytes"]
 
-#: CrossEdge row fields per export kind (plan.window_exports.KINDS).
+#: CrossEdge field of each export kind's rows (plan.window_exports.KINDS).
 ROW_FIELDS = {ATTN: "attn_rows", CONV: "conv_rows", KERNEL: "kernel_rows"}
 
 
@@ -58,26 +71,61 @@ def _fail(where: str, msg: str):
     raise PlanValidationError(f"{where}: {msg}")
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, frozen=True)
 class CrossEdgeArrays:
-    """One decoded CrossEdge (see plan.proto)."""
+    """One decoded `CrossEdge`."""
 
     id: int
     exporter: int
+    """Global microbatch id of the exporter."""
     exporter_rank: int
     importer: int
+    """Global microbatch id of the importer."""
     importer_rank: int
     rows: dict[str, np.ndarray]
-    """kind -> int64 sorted unique extended rows of the exporter (attn_rows, conv_rows, kernel_rows)."""
+    """kind (ATTN, CONV, KERNEL) -> int64 [n] sorted extended rows of the exporter."""
     states: np.ndarray
-    """int64 sorted unique ids in the exporter's state table."""
+    """int64 [q] sorted ids in the exporter's state table."""
     send_phase: int
     grad_phase: int
     bytes: int
 
+    @property
+    def where(self) -> str:
+        return f"cross edge {self.id} (microbatch {self.exporter} on rank {self.exporter_rank} -> " \
+               f"microbatch {self.importer} on rank {self.importer_rank})"
+
+    @property
     def needs(self) -> ExportNeeds:
-        """The edge's rows and states as the exporter's needs (`plan.window_exports.ExportNeeds`)."""
+        """What the importer reads of the exporter over this edge, as `plan.window_exports` counts it."""
         return ExportNeeds(rows=dict(self.rows), states=self.states)
+
+    def peer(self, rank: int) -> int:
+        """The other side's rank, seen from `rank`."""
+        return self.importer_rank if rank == self.exporter_rank else self.exporter_rank
+
+
+def decode_edges(rank: plan_pb2.RankPlan) -> list[CrossEdgeArrays]:
+    """Unpack a rank's cross edges (array lengths only; `check_rank_edges` checks the rest).
+
+    Raises:
+        PlanValidationError: a row or state field that is not int32 bytes, naming the edge.
+    """
+    out = []
+    for i, e in enumerate(rank.cross_edges):
+        w = f"rank {rank.rank}.cross_edges[{i}]"
+
+        def arr(name: str) -> np.ndarray:
+            try:
+                return unpack(getattr(e, name), "int32", name=f"{w}.{name}").astype(np.int64)
+            except ValueError as exc:
+                raise PlanValidationError(str(exc)) from None
+
+        out.append(CrossEdgeArrays(
+            id=int(e.id), exporter=int(e.exporter), exporter_rank=int(e.exporter_rank), importer=int(e.importer),
+            importer_rank=int(e.importer_rank), rows={k: arr(f) for k, f in ROW_FIELDS.items()}, states=arr("states"),
+            send_phase=int(e.send_phase), grad_phase=int(e.grad_phase), bytes=int(e.bytes)))
+    return out
 
 
 def edge_bytes(sizes: RowSizes, needs: ExportNeeds) -> int:
@@ -86,63 +134,20 @@ def edge_bytes(sizes: RowSizes, needs: ExportNeeds) -> int:
                                   int(needs.rows[KERNEL].shape[0]), int(needs.states.shape[0])))
 
 
-def _sorted_unique(where: str, a: np.ndarray) -> np.ndarray:
-    a = a.astype(np.int64)
-    if a.shape[0] and (a[0] < 0 or (np.diff(a) <= 0).any()):
-        _fail(where, "expected sorted, distinct, non-negative ids")
-    return a
-
-
-def decode_edges(rank: plan_pb2.RankPlan, world_size: int, num_phases: int) -> list[CrossEdgeArrays]:
-    """Decode one rank's cross_edges with the checks that need nothing else: ids increasing,
-    ranks in [0, world_size), distinct and one of them this rank, rows and states sorted and
-    distinct, phases in [0, num_phases) with send_phase < grad_phase, bytes >= 0.
-
-    Raises:
-        PlanValidationError: naming the edge and field, e.g. "rank 1.cross_edges[0].send_phase: ...".
-    """
-    out: list[CrossEdgeArrays] = []
-    last = -1
-    for j, e in enumerate(rank.cross_edges):
-        w = f"rank {rank.rank}.cross_edges[{j}]"
-        if e.id <= last:
-            _fail(f"{w}.id", f"expected ids increasing and >= 0 within a rank, got {e.id} after {last}")
-        last = e.id
-        for name in ("exporter_rank", "importer_rank"):
-            if not 0 <= getattr(e, name) < world_size:
-                _fail(f"{w}.{name}", f"expected a rank in [0, {world_size}), got {getattr(e, name)}")
-        if e.exporter_rank == e.importer_rank:
-            _fail(f"{w}.importer_rank", f"expected a rank other than the exporter's ({e.exporter_rank}), got {e.importer_rank}")
-        if rank.rank not in (e.exporter_rank, e.importer_rank):
-            _fail(w, f"expected rank {rank.rank} to be the exporter's or the importer's rank, got {e.exporter_rank} -> {e.importer_rank}")
-        if e.exporter < 0 or e.importer < 0 or e.exporter == e.importer:
-            _fail(w, f"expected two distinct microbatch ids >= 0, got exporter {e.exporter}, importer {e.importer}")
-        if not 0 <= e.send_phase < e.grad_phase < num_phases:
-            _fail(f"{w}.send_phase", f"expected 0 <= send_phase < grad_phase < {num_phases} (phases of the step), "
-                  f"got {e.send_phase} and {e.grad_phase}")
-        if e.bytes < 0:
-            _fail(f"{w}.bytes", f"expected >= 0, got {e.bytes}")
-        rows = {k: _sorted_unique(f"{w}.{f}", unpack(getattr(e, f), "int32")) for k, f in ROW_FIELDS.items()}
-        out.append(CrossEdgeArrays(
-            id=int(e.id), exporter=int(e.exporter), exporter_rank=int(e.exporter_rank), importer=int(e.importer),
-            importer_rank=int(e.importer_rank), rows=rows, states=_sorted_unique(f"{w}.states", unpack(e.states, "int32")),
-            send_phase=int(e.send_phase), grad_phase=int(e.grad_phase), bytes=int(e.bytes)))
-    return out
-
-
-def outgoing_needs(edges: list[CrossEdgeArrays], rank: int) -> dict[int, list[ExportNeeds]]:
+def sent_needs(edges: list[CrossEdgeArrays], rank: int) -> dict[int, list[ExportNeeds]]:
     """Exporter id -> what importers on other ranks read of it, for the edges this rank exports
-    (`plan.window_exports.export_needs(..., remote=...)`)."""
+    (`plan.window_exports.export_needs(..., sent=...)`)."""
     out: dict[int, list[ExportNeeds]] = {}
     for e in edges:
         if e.exporter_rank == rank:
-            out.setdefault(e.exporter, []).append(e.needs())
+            out.setdefault(e.exporter, []).append(e.needs)
     return out
 
 
-def remote_exporters(edges: list[CrossEdgeArrays], rank: int) -> set[int]:
-    """Ids of the exporters on other ranks that this rank's microbatches import from."""
-    return {e.exporter for e in edges if e.importer_rank == rank}
+def remote_imports(edges: list[CrossEdgeArrays], rank: int) -> set[tuple[int, int]]:
+    """(exporter id, importer id) of the edges this rank imports over: imports another rank's
+    exporter provides (`plan.window_exports.export_needs(..., remote=...)`)."""
+    return {(e.exporter, e.importer) for e in edges if e.importer_rank == rank}
 
 
 def held_bytes(edges: list[CrossEdgeArrays], rank: int, num_phases: int) -> np.ndarray:
@@ -167,74 +172,129 @@ def transfer_bytes(edges: list[CrossEdgeArrays], rank: int, num_phases: int) -> 
     return out
 
 
-def check_rank_edges(where: str, rank: int, edges: list[CrossEdgeArrays], mbs: dict[int, MicrobatchArrays],
-                     order: list[int], fwd_phase: dict[int, int], bwd_phase: dict[int, int], sizes: RowSizes) -> None:
-    """The rules of one rank's edges that its own data decides (module docstring).
+def _sorted_subset(where: str, name: str, values: np.ndarray, of: np.ndarray, what: str) -> None:
+    """`values` strictly increasing, >= 0 and all in `of`."""
+    if values.shape[0] and (values[0] < 0 or (np.diff(values) <= 0).any()):
+        _fail(f"{where}.{name}", "expected sorted, distinct ids >= 0")
+    missing = values[~np.isin(values, of)]
+    if missing.shape[0]:
+        _fail(f"{where}.{name}", f"expected {what}, got {int(missing[0])}")
+
+
+def check_rank_edges(header: plan_pb2.PlanHeader, rank: int, edges: list[CrossEdgeArrays],
+                     arrays: list[MicrobatchArrays], index: dict[int, int], steps: list[tuple[int, int]]) -> None:
+    """The one-rank rules of the module docstring for one rank's edges.
 
     Args:
-        where: e.g. "rank 3", for the messages.
-        rank: the rank; edges: its `decode_edges`.
-        mbs: its decoded microbatches by id; order: their ids in forward order.
-        fwd_phase / bwd_phase: microbatch id -> phase of its FORWARD / BACKWARD step.
-        sizes: the plan's memory-model sizes (PlanParams.memory).
+        rank: this rank.
+        edges: its `decode_edges`.
+        arrays: its decoded microbatches (RankPlan order); index: microbatch id -> position there.
+        steps: (kind, microbatch index or -1) per step; step i runs in phase i. Every import from
+            another rank has its edge (the callers' execution-order rules check that first).
 
     Raises:
-        PlanValidationError: the first violated rule, naming the edge and field.
+        PlanValidationError: the first violated rule, naming the edge and field, e.g.
+            "rank 1.cross_edges[0].send_phase: expected < 4 (the importer's FORWARD phase), got 4".
     """
-    incoming: dict[tuple[int, int], int] = {}
-    for j, e in enumerate(edges):
-        w = f"{where}.cross_edges[{j}]"
-        if e.exporter_rank == rank:
-            x = mbs.get(e.exporter)
-            if x is None:
-                _fail(f"{w}.exporter", f"expected a microbatch of rank {rank}, got {e.exporter}")
-            n_ext = x.num_rows + x.num_imports
-            listed = np.union1d(np.union1d(e.rows[ATTN], e.rows[CONV]), e.rows[KERNEL])
-            if listed.shape[0] and (listed[-1] >= n_ext or not np.isin(listed, x.export_rows).all()):
-                bad = int(listed[~np.isin(listed, x.export_rows) | (listed >= n_ext)][0])
-                _fail(f"{w}.attn_rows", f"row {bad} is not an extended row of microbatch {e.exporter} listed in its export_rows")
-            if e.states.shape[0] and not np.isin(e.states, x.export_states).all():
-                bad = int(e.states[~np.isin(e.states, x.export_states)][0])
-                _fail(f"{w}.states", f"state {bad} is not in microbatch {e.exporter}'s export_states")
-            if e.send_phase < fwd_phase[e.exporter]:
-                _fail(f"{w}.send_phase", f"expected >= {fwd_phase[e.exporter]} (the exporter's FORWARD phase), got {e.send_phase}")
-            if e.grad_phase >= bwd_phase[e.exporter]:
-                _fail(f"{w}.grad_phase", f"expected < {bwd_phase[e.exporter]} (the exporter's BACKWARD phase), got {e.grad_phase}")
-        else:
-            if e.importer not in mbs:
-                _fail(f"{w}.importer", f"expected a microbatch of rank {rank}, got {e.importer}")
-            if e.exporter in mbs:
-                _fail(f"{w}.exporter", f"expected a microbatch of rank {e.exporter_rank}, got {e.exporter}, which runs on rank {rank}")
-            if (e.importer, e.exporter) in incoming:
-                _fail(w, f"a second edge from microbatch {e.exporter} to {e.importer} (edge {incoming[e.importer, e.exporter]})")
-            incoming[e.importer, e.exporter] = e.id
-            if e.send_phase >= fwd_phase[e.importer]:
-                _fail(f"{w}.send_phase", f"expected < {fwd_phase[e.importer]} (the importer's FORWARD phase), got {e.send_phase}")
-            if e.grad_phase < bwd_phase[e.importer]:
-                _fail(f"{w}.grad_phase", f"expected >= {bwd_phase[e.importer]} (the importer's BACKWARD phase), got {e.grad_phase}")
-        if e.bytes != edge_bytes(sizes, e.needs()):
-            _fail(f"{w}.bytes", f"expected {edge_bytes(sizes, e.needs())} (its rows and states under the memory model), got {e.bytes}")
-    for m in order:  # every import from another rank has its edge
-        mb = mbs[m]
-        for x in set(mb.import_microbatch.tolist()) | set(mb.state_import_microbatch.tolist()):
-            if x not in mbs and (m, x) not in incoming:
-                _fail(f"microbatch {m}.import_microbatch", f"imports from microbatch {x}, which is neither on rank {rank} "
-                      f"nor the exporter of one of its cross_edges")
-    if not incoming:
+    if not edges:
         return
-    needs = export_needs(mbs, order, remote=outgoing_needs(edges, rank), external=remote_exporters(edges, rank))
-    for j, e in enumerate(edges):
+    params = header.params
+    if not params.lockstep:
+        _fail(f"rank {rank}.cross_edges", f"expected none in a free plan (windows cross ranks only in lock-step "
+                                          f"plans), got {len(edges)}")
+    P, W = len(steps), params.world_size
+    try:
+        sizes = RowSizes.from_proto(params.memory)
+    except ValueError as exc:
+        raise PlanValidationError(f"header.params.memory: expected the memory model's byte sizes ({exc})") from None
+    phase_of: dict[tuple[int, int], int] = {}  # (kind, microbatch index) -> its phase
+    for p, (kind, k) in enumerate(steps):
+        phase_of[kind, k] = p
+    fwd, bwd = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
+    last = -1
+    incoming: dict[tuple[int, int], int] = {}
+    for i, e in enumerate(edges):
+        w = f"rank {rank}.cross_edges[{i}]"
+        if e.id <= last:
+            _fail(f"{w}.id", f"expected ids increasing and >= 0 within a rank, got {e.id} after {last}")
+        last = e.id
+        for name in ("exporter_rank", "importer_rank"):
+            if not 0 <= getattr(e, name) < W:
+                _fail(f"{w}.{name}", f"expected a rank in [0, {W}), got {getattr(e, name)}")
+        if e.exporter_rank == e.importer_rank:
+            _fail(f"{w}.importer_rank", f"expected two different ranks, a rank other than the exporter's "
+                                        f"({e.exporter_rank}), got {e.importer_rank}")
+        if rank not in (e.exporter_rank, e.importer_rank):
+            _fail(w, f"expected rank {rank} to be its exporter's or its importer's rank, got "
+                     f"{e.exporter_rank} -> {e.importer_rank}")
+        if not 0 <= e.send_phase < e.grad_phase < P:
+            _fail(f"{w}.send_phase", f"expected 0 <= send_phase < grad_phase < {P} (phases of the step), "
+                                     f"got {e.send_phase} and {e.grad_phase}")
+        side, here, there = ("exporter", e.exporter, e.importer) if rank == e.exporter_rank else \
+            ("importer", e.importer, e.exporter)
+        if here not in index:
+            _fail(f"{w}.{side}", f"expected a microbatch of rank {rank}, got {here}")
+        if there in index:
+            other = "importer" if side == "exporter" else "exporter"
+            _fail(f"{w}.{other}", f"expected a microbatch of rank {e.peer(rank)}, got {there}, which runs on rank {rank}")
+        a = arrays[index[here]]
+        f_here, b_here = phase_of[fwd, index[here]], phase_of[bwd, index[here]]
+        if side == "exporter":
+            rows_of = np.asarray(a.export_rows, np.int64)
+            for k in KINDS:
+                _sorted_subset(w, ROW_FIELDS[k], e.rows[k], rows_of, f"rows of microbatch {a.id}'s export_rows")
+            _sorted_subset(w, "states", e.states, np.asarray(a.export_states, np.int64),
+                           f"states of microbatch {a.id}'s export_states")
+            if e.send_phase < f_here:
+                _fail(f"{w}.send_phase", f"expected >= {f_here} (the exporter's FORWARD phase), got {e.send_phase}")
+            if e.grad_phase >= b_here:
+                _fail(f"{w}.grad_phase", f"expected < {b_here} (the exporter's BACKWARD phase), got {e.grad_phase}")
+        else:
+            if (e.importer, e.exporter) in incoming:
+                _fail(w, f"a second edge from microbatch {e.exporter} to {e.importer} "
+                         f"(edge {incoming[e.importer, e.exporter]})")
+            incoming[e.importer, e.exporter] = e.id
+            imported = np.asarray(a.import_row[a.import_microbatch == e.exporter], np.int64)
+            for k in KINDS:
+                _sorted_subset(w, ROW_FIELDS[k], e.rows[k], imported,
+                               f"rows microbatch {a.id} imports from microbatch {e.exporter}")
+            states = np.asarray(a.state_import_state[a.state_import_microbatch == e.exporter], np.int64)
+            _sorted_subset(w, "states", e.states, states, f"states microbatch {a.id} imports from microbatch {e.exporter}")
+            unsent = states[~np.isin(states, e.states)]
+            if unsent.shape[0]:
+                _fail(f"{w}.states", f"expected every state microbatch {a.id} imports from microbatch {e.exporter}, "
+                                     f"state {int(unsent[0])} is missing")
+            if e.send_phase >= f_here:
+                _fail(f"{w}.send_phase", f"expected < {f_here} (the importer's FORWARD phase), got {e.send_phase}")
+            if e.grad_phase < b_here:
+                _fail(f"{w}.grad_phase", f"expected >= {b_here} (the importer's BACKWARD phase), got {e.grad_phase}")
+        want = edge_bytes(sizes, e.needs)
+        if e.bytes != want:
+            _fail(f"{w}.bytes", f"expected {want} (the memory model of its rows and states), got {e.bytes}")
+    if incoming:
+        _check_reads(rank, edges, arrays, index, steps)
+
+
+def _check_reads(rank: int, edges: list[CrossEdgeArrays], arrays: list[MicrobatchArrays], index: dict[int, int],
+                 steps: list[tuple[int, int]]) -> None:
+    """The importer side's rows are exactly what the importer and its importers read (its states
+    are every state it imports from the exporter, checked with the edge)."""
+    by_id = {a.id: a for a in arrays}
+    order = [arrays[k].id for kind, k in steps if kind == plan_pb2.ExecStep.FORWARD and k >= 0]
+    needs = export_needs(by_id, order, sent=sent_needs(edges, rank), remote=remote_imports(edges, rank))
+    reads: dict[int, dict[int, ExportNeeds]] = {}
+    for i, e in enumerate(edges):
         if e.importer_rank != rank:
             continue
-        want = reads_of(mbs[e.importer], needs.get(e.importer), e.exporter)
+        if e.importer not in reads:
+            reads[e.importer] = import_needs(by_id[e.importer], needs.get(e.importer))
+        want = reads[e.importer].get(e.exporter, ExportNeeds())
+        w = f"rank {rank}.cross_edges[{i}]"
         for k in KINDS:
             if not np.array_equal(e.rows[k], want.rows[k]):
-                _fail(f"{where}.cross_edges[{j}].{ROW_FIELDS[k]}", f"expected the {want.rows[k].shape[0]} rows of "
-                      f"microbatch {e.exporter} that microbatch {e.importer} and its importers read, got {e.rows[k].shape[0]} "
-                      f"rows ({_first_difference(e.rows[k], want.rows[k])})")
-        if not np.array_equal(e.states, want.states):
-            _fail(f"{where}.cross_edges[{j}].states", f"expected the states {want.states.tolist()[:8]} microbatch {e.importer} "
-                  f"imports from {e.exporter}, got {e.states.tolist()[:8]}")
+                _fail(f"{w}.{ROW_FIELDS[k]}", f"expected the {want.rows[k].shape[0]} rows of microbatch {e.exporter} "
+                      f"that microbatch {e.importer} and its importers read, got {e.rows[k].shape[0]} rows "
+                      f"({_first_difference(e.rows[k], want.rows[k])})")
 
 
 def _first_difference(got: np.ndarray, want: np.ndarray) -> str:
@@ -242,3 +302,33 @@ def _first_difference(got: np.ndarray, want: np.ndarray) -> str:
     if extra.shape[0]:
         return f"row {int(extra[0])} is not read"
     return f"row {int(np.setdiff1d(want, got)[0])} is missing"
+
+
+def check_plan_edges(ranks: list[plan_pb2.RankPlan]) -> None:
+    """Step-wide: every edge is listed, identically, by exactly its two ranks, and edge ids are
+    0..E-1 (each rank's own rules: `check_rank_edges`).
+
+    Raises:
+        PlanValidationError: naming the edge.
+    """
+    seen: dict[int, tuple[int, bytes]] = {}
+    for r in ranks:
+        for e in r.cross_edges:
+            body = e.SerializeToString(deterministic=True)
+            if e.id in seen:
+                first, other = seen[e.id]
+                if first < 0:
+                    _fail(f"cross edge {e.id}", f"expected it on two ranks, rank {r.rank} lists it a third time")
+                if body != other:
+                    _fail(f"cross edge {e.id}", f"ranks {first} and {r.rank} list it differently")
+                seen[e.id] = (-1, body)  # listed twice: done
+                if {first, r.rank} != {e.exporter_rank, e.importer_rank}:
+                    _fail(f"cross edge {e.id}", f"expected it on ranks {e.exporter_rank} and {e.importer_rank}, "
+                                                f"got ranks {first} and {r.rank}")
+            else:
+                seen[e.id] = (r.rank, body)
+    once = sorted(i for i, (r, _) in seen.items() if r >= 0)
+    if once:
+        _fail(f"cross edge {once[0]}", "expected it on its exporter's and its importer's rank, got one rank only")
+    if sorted(seen) != list(range(len(seen))):
+        _fail("cross_edges", f"expected edge ids 0..{len(seen) - 1}, got {sorted(seen)[:8]}")

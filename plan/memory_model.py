@@ -351,15 +351,16 @@ def live_bytes_of(sizes: RowSizes, mb: MicrobatchArrays, local_counts: dict[str,
 
 
 def rank_live_bytes(sizes: RowSizes, mbs: dict[int, MicrobatchArrays], steps: list[tuple[bool, int]], *,
-                    remote: dict | None = None, external=(), held=None) -> tuple[list[int], int]:
+                    sent: dict | None = None, remote=(), held=None) -> tuple[list[int], int]:
     """Live bytes of a rank at each of its execution steps, and their maximum.
 
     Args:
         mbs: the rank's decoded microbatches by id.
         steps: (is_forward, microbatch id) in execution order, properly nested (depth-first).
-        remote, external: windows across ranks (plan.cross_edges): exporter id -> what importers
-            on other ranks read of it (`outgoing_needs`; a recomputed exporter keeps those exports
-            too), and the exporters on other ranks this rank imports from (`remote_exporters`).
+        sent, remote: windows across ranks (plan.cross_edges), as `export_needs` takes them:
+            exporter id -> what importers on other ranks read of it (`sent_needs`; a recomputed
+            exporter keeps those exports too), and the (exporter, importer) pairs whose exporter
+            is on another rank (`remote_imports`).
         held: int [len(steps)] bytes of received exports the rank holds at each step
             (`plan.cross_edges.held_bytes` at the step's phase); None: none.
 
@@ -369,7 +370,7 @@ def rank_live_bytes(sizes: RowSizes, mbs: dict[int, MicrobatchArrays], steps: li
         open once m closes), plus the received exports held then.
     """
     order = [m for fwd, m in steps if fwd]
-    needs = export_needs(mbs, order, remote=remote, external=external)
+    needs = export_needs(mbs, order, sent=sent, remote=remote)
     window: dict[int, int] = {}
     full: dict[int, int] = {}
     for m, mb in mbs.items():

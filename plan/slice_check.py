@@ -21,7 +21,10 @@ adds, each in time linear in the slice:
   sequence and read (LOCAL) only by strictly later calls; every state exported;
 - windows: every import names a microbatch of this rank that is open (forwarded, not yet
   backwarded) when the importer runs, an extended row or state that exporter lists in
-  `export_rows` / `export_states`;
+  `export_rows` / `export_states`, or an exporter on another rank that a cross edge names;
+- windows across ranks (`RankPlan.cross_edges`, `plan.cross_edges`): lock-step plans only,
+  ranks, rows and states within the exporter's exports and the importer's imports, send and
+  gradient phases ordered against this rank's own steps, bytes of the memory model;
 - execution order: each microbatch forwarded once then backwarded once, properly nested; in a
   lock-step plan exactly one step per phase of header.lockstep_phases, of its kind, stand-ins
   paired and real BACKWARDs in the phase their `recompute` flag names (`plan.phases`);
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from proto.harts.v1 import plan_pb2
+from plan.cross_edges import CrossEdgeArrays, check_rank_edges, decode_edges, remote_imports
 from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from plan.header import check_header
 from plan.phases import check_rank_phases, lockstep_phases
@@ -73,6 +77,8 @@ class DecodedSlice:
     """ExecStep.standin of every step (0 on real steps and in free plans)."""
     phases: np.ndarray
     """uint8 [P] header.lockstep_phases (empty in a free plan): steps[i] runs in phase i."""
+    edges: list[CrossEdgeArrays]
+    """The rank's windows across ranks (RankPlan.cross_edges, increasing id; none in a free plan)."""
 
     def by_id(self) -> dict[int, MicrobatchArrays]:
         return {a.id: a for a in self.microbatches}
@@ -115,9 +121,11 @@ def check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> DecodedS
     steps = [(int(s.kind), int(s.microbatch)) for s in rank.steps] or [
         (k, i) for i in range(len(arrays)) for k in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD)]
     standins = standins or [0] * len(steps)
-    _check_order(arrays, index, steps, where, skip_standins=bool(params.lockstep))
+    edges = decode_edges(rank)
+    _check_order(arrays, index, steps, where, skip_standins=bool(params.lockstep), remote=remote_imports(edges, rank.rank))
+    check_rank_edges(header, int(rank.rank), edges, arrays, index, steps)
     return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps, standins=standins,
-                        phases=phases)
+                        phases=phases, edges=edges)
 
 
 def _check_microbatch(a: MicrobatchArrays, params: plan_pb2.PlanParams, n_trees: int) -> None:
@@ -197,9 +205,10 @@ _CALL_RULES = {
 
 
 def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: list[tuple[int, int]], where: str,
-                 *, skip_standins: bool = False) -> None:
-    """Forward once then backward once, properly nested; imports only from open windows (stand-ins,
-    index -1, skipped in a lock-step plan)."""
+                 *, skip_standins: bool = False, remote: set[tuple[int, int]] = frozenset()) -> None:
+    """Forward once then backward once, properly nested; imports only from open windows or, for the
+    (exporter, importer) pairs in `remote`, from another rank (stand-ins, index -1, skipped in a
+    lock-step plan)."""
     M = len(arrays)
     state = np.zeros(M, np.int8)  # 0 not run, 1 open, 2 done
     stack: list[int] = []
@@ -213,7 +222,7 @@ def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: l
         if kind == plan_pb2.ExecStep.FORWARD:
             if state[k]:
                 _fail(f"{where}.steps[{i}]", f"microbatch {a.id} forwarded twice")
-            _check_imports(a, arrays, index, state, listed)
+            _check_imports(a, arrays, index, state, listed, remote)
             state[k] = 1
             stack.append(k)
         else:
@@ -228,10 +237,12 @@ def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: l
 
 
 def _check_imports(a: MicrobatchArrays, arrays: list[MicrobatchArrays], index: dict[int, int], state: np.ndarray,
-                   listed: dict[tuple[int, str], np.ndarray]) -> None:
+                   listed: dict[tuple[int, str], np.ndarray], remote: set[tuple[int, int]]) -> None:
     w = a.where
     for e in exporters(a.import_microbatch, a.state_import_microbatch).tolist():
         k = index.get(e, -1)
+        if k < 0 and (e, a.id) in remote:  # a window across ranks: its edge's rules (plan.cross_edges)
+            continue
         if k < 0 or state[k] != 1:
             _fail(w, f"imports from microbatch {e}, which is not an open window on this rank")
         ex = arrays[k]

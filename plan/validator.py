@@ -42,8 +42,8 @@ import numpy as np
 
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-from plan.cross_edges import (CrossEdgeArrays, check_rank_edges, decode_edges, held_bytes, outgoing_needs,
-                              remote_exporters, transfer_bytes)
+from plan.cross_edges import (CrossEdgeArrays, check_plan_edges, check_rank_edges, decode_edges, held_bytes,
+                              remote_imports, sent_needs, transfer_bytes)
 from plan.memory_model import RowSizes, rank_live_bytes
 from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from plan.header import check_header
@@ -409,8 +409,7 @@ def _check_live_memory(where: str, params: plan_pb2.PlanParams, rank: plan_pb2.R
     real = [(i, s) for i, s in enumerate(rank.steps) if s.microbatch >= 0]  # stand-ins hold no activations
     held = held_bytes(edges, rank.rank, len(rank.steps))[[i for i, _ in real]] if edges else None
     live, peak = rank_live_bytes(sizes, arrays, [(s.kind == plan_pb2.ExecStep.FORWARD, ids[s.microbatch]) for _, s in real],
-                                 remote=outgoing_needs(edges, rank.rank), external=remote_exporters(edges, rank.rank),
-                                 held=held)
+                                 sent=sent_needs(edges, rank.rank), remote=remote_imports(edges, rank.rank), held=held)
     budget = params.memory.memory_bytes
     for (i, _), x in zip(real, live):
         if x > budget:
@@ -450,11 +449,8 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan
         for i, step in enumerate(rank.steps):
             if step.standin:
                 _fail(f"{where}.steps[{i}]", f"expected standin 0 in a free plan (params.lockstep false), got {step.standin}")
-        if len(rank.cross_edges):
-            _fail(f"{where}.cross_edges", f"expected none in a free plan (windows cross ranks only in lock-step plans), "
-                  f"got {len(rank.cross_edges)}")
-    edges = decode_edges(rank, params.world_size, phases.shape[0]) if params.lockstep else []
-    remote = remote_exporters(edges, rank.rank)
+    edges = decode_edges(rank)
+    remote = remote_imports(edges, rank.rank)
     seen_f: dict[int, int] = {}
     seen_b: dict[int, int] = {}
     stack: list[int] = []
@@ -470,7 +466,7 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan
                 _fail(f"{where}.steps[{i}]", f"microbatch {m} forwarded twice")
             seen_f[m] = i
             for e in set(mbs[m].import_mb.tolist()) | {s.microbatch for s in mbs[m].msg.state_imports}:
-                if e not in stack and not (e in remote and e not in mbs):  # another rank's: its cross edge says when
+                if e not in stack and not ((e, m) in remote and e not in mbs):  # another rank's: its edge says when
                     _fail(f"{where}.steps[{i}]", f"microbatch {m} imports from {e}, which is not an open window here")
             stack.append(m)
             order.append(m)
@@ -484,9 +480,9 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan
     for m in ids:
         if m not in seen_f or m not in seen_b:
             _fail(f"{where}.steps", f"microbatch {m} is not forwarded and backwarded exactly once")
-    if edges:  # in a lock-step plan the step index is the phase
-        check_rank_edges(where, rank.rank, edges, {m: mb.arrays for m, mb in mbs.items()}, order, seen_f, seen_b,
-                         _memory_sizes(params))
+    # in a lock-step plan the step index is the phase
+    check_rank_edges(header, rank.rank, edges, [mbs[m].arrays for m in ids], {m: i for i, m in enumerate(ids)},
+                     [(s.kind, s.microbatch) for s in rank.steps])
     peak = _check_live_memory(where, params, rank, ids, mbs, edges)
     return mbs, order, peak, edges
 
@@ -532,7 +528,7 @@ def validate_slice(slice_: plan_pb2.PlanSlice) -> None:
     """
     check_header(slice_.header)
     mbs, order, _, edges = _check_rank(slice_.header, slice_.rank)
-    remote = remote_exporters(edges, slice_.rank.rank)
+    remote = {x for x, _ in remote_imports(edges, slice_.rank.rank)}
     alone: list[int] = []
     for m in order:
         mb = mbs[m]
@@ -634,25 +630,11 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
 
 def _check_cross_edges(plan: plan_pb2.Plan, edges: list[CrossEdgeArrays]) -> None:
     """Step-wide rules of windows across ranks: every edge listed identically by its exporter's
-    and its importer's rank, ids 0..E-1, and the statistics that count them."""
-    by_id: dict[int, plan_pb2.CrossEdge] = {}
-    for rank in plan.ranks:
-        for j, e in enumerate(rank.cross_edges):
-            other = e.importer_rank if rank.rank == e.exporter_rank else e.exporter_rank
-            if e.id in by_id:
-                if by_id[e.id].SerializeToString(deterministic=True) != e.SerializeToString(deterministic=True):
-                    _fail(f"rank {rank.rank}.cross_edges[{j}]", f"edge {e.id} differs from the one rank {other} lists")
-                continue
-            by_id[e.id] = e
+    and its importer's rank, ids 0..E-1 (`plan.cross_edges.check_plan_edges`), and the statistics
+    that count them."""
+    check_plan_edges(list(plan.ranks))
+    by_id = {e.id: e for e in edges}
     E = len(by_id)
-    if sorted(by_id) != list(range(E)):
-        _fail("cross_edges", f"expected edge ids 0..{E - 1} in the step, got {sorted(by_id)[:8]}")
-    listed = {(rank.rank, e.id) for rank in plan.ranks for e in rank.cross_edges}
-    for e in by_id.values():
-        for r in (e.exporter_rank, e.importer_rank):
-            if (r, e.id) not in listed:
-                _fail(f"rank {r}.cross_edges", f"expected edge {e.id} ({e.exporter} on rank {e.exporter_rank} -> "
-                      f"{e.importer} on rank {e.importer_rank}) in both ranks' lists")
     st = plan.header.stats
     moved = np.zeros(len(plan.ranks), np.int64)
     for e in by_id.values():
@@ -689,13 +671,28 @@ def _check_costs(plan: plan_pb2.Plan, all_mbs: dict[int, "_MB"]) -> None:
         _fail("header.stats.makespan", f"expected the largest rank cost (with its transfers) {top}, got {st.makespan}")
     # a rank computes the longest trajectory's rows unless windows cross ranks; a lock-step plan's
     # phases run them in sequence either way
-    step = st.lockstep_makespan if plan.header.params.lockstep else top
+    step = _lockstep_makespan(plan, lockstep_phases(plan.header)) if plan.header.params.lockstep else top
     if st.makespan_lower_bound < sum(costs) / W * (1 - 1e-9) or st.makespan_lower_bound > step * (1 + 1e-9) + 1e-9:
         _fail("header.stats.makespan_lower_bound", f"expected between total / world_size = {sum(costs) / W} and the "
               f"{'lock-step makespan' if plan.header.params.lockstep else 'makespan'} {step}, got {st.makespan_lower_bound}")
     want = top / st.makespan_lower_bound if st.makespan_lower_bound > 0 else 1.0
     if abs(st.makespan_ratio - want) > 1e-9 * max(1.0, want):
         _fail("header.stats.makespan_ratio", f"expected makespan / makespan_lower_bound = {want}, got {st.makespan_ratio}")
+
+
+def _lockstep_makespan(plan: plan_pb2.Plan, phases: np.ndarray) -> float:
+    """The sum over phases of the slowest rank's step cost, its transfers included (plan.phases)."""
+    slowest = np.zeros(phases.shape[0], np.float64)
+    tb = plan.header.params.cost_model.transfer_byte
+    for rank in plan.ranks:
+        cost = np.zeros(phases.shape[0], np.float64)
+        for i, (step, phase) in enumerate(zip(rank.steps, phases.tolist())):
+            if step.microbatch >= 0:
+                cost[i] = step_cost(phase, rank.microbatches[step.microbatch].cost)
+        if len(rank.cross_edges):
+            cost += tb * transfer_bytes(decode_edges(rank), rank.rank, phases.shape[0])
+        slowest = np.maximum(slowest, cost)
+    return float(slowest.sum())
 
 
 def _check_lockstep_stats(plan: plan_pb2.Plan) -> None:
@@ -714,17 +711,7 @@ def _check_lockstep_stats(plan: plan_pb2.Plan) -> None:
     if st.lockstep_phases != phases.shape[0] or got != counts:
         _fail("header.stats.lockstep_phases", f"expected {phases.shape[0]} phases ({counts} forward, backward, recompute), "
               f"got {st.lockstep_phases} ({got})")
-    slowest = np.zeros(phases.shape[0], np.float64)
-    tb = plan.header.params.cost_model.transfer_byte
-    for rank in plan.ranks:
-        cost = np.zeros(phases.shape[0], np.float64)
-        for i, (step, phase) in enumerate(zip(rank.steps, phases.tolist())):
-            if step.microbatch >= 0:
-                cost[i] = step_cost(phase, rank.microbatches[step.microbatch].cost)
-        if len(rank.cross_edges):
-            cost += tb * transfer_bytes(decode_edges(rank, len(plan.ranks), phases.shape[0]), rank.rank, phases.shape[0])
-        slowest = np.maximum(slowest, cost)
-    want = float(slowest.sum())
+    want = _lockstep_makespan(plan, phases)
     if abs(st.lockstep_makespan - want) > 1e-9 * max(1.0, want):
         _fail("header.stats.lockstep_makespan", f"expected the sum over phases of the slowest rank's step cost (with its "
               f"transfers) {want}, "

@@ -4,8 +4,9 @@ world carries the `integration` marker (`make test-fast` deselects it), read fro
 A test needs the marker when its body, a module-level helper it calls, or a fixture it requests
 (at any depth, in its module or a conftest) names `ServerProcess` or `start_serve`, spawns
 processes through a multiprocessing context (`ctx.Process(...)`, `mp.spawn(...)`) or runs
-`torch.distributed.run` / `torchrun` (a command-line argument of a call). The marker may sit on the test, its class, or the module's
-`pytestmark`.
+`torch.distributed.run` / `torchrun` (a command-line argument of a call), or calls a shared helper
+that starts a multi-process world (`tests.dist_helpers.spawn_ranks`). The marker may sit on the
+test, its class, or the module's `pytestmark`.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
-#: names whose use starts the planner service as a process
-SERVICE_NAMES = {"ServerProcess", "start_serve"}
+#: names whose use starts the planner service or a multi-process world (shared test helpers included)
+SERVICE_NAMES = {"ServerProcess", "start_serve", "spawn_ranks"}
 #: string constants that launch torchrun
 TORCHRUN = {"torch.distributed.run", "torchrun"}
 
@@ -130,9 +131,11 @@ def test_the_check_sees_fixtures_helpers_and_marks(tmp_path):
         "def _world():\n    ctx = mp.get_context('spawn')\n    return [ctx.Process(target=print) for _ in range(2)]\n"
         "def test_through_fixtures(server):\n    pass\n"
         "def test_through_a_helper():\n    _world()\n"
+        "def test_through_the_shared_helper():\n    spawn_ranks(print, 2, ())\n"
         "def test_torchrun():\n    run(['-m', 'torch.distributed.run'])\n"
         "@pytest.mark.integration\ndef test_marked(server):\n    pass\n"
         "class TestGroup:\n    pytestmark = pytest.mark.integration\n    def test_in_class(self, server):\n        pass\n"
         "def test_plain():\n    assert ['-m', 'torch.distributed.run'] == cmd('torchrun --nproc_per_node')\n")
     got = unmarked_integration_tests(tmp_path / "tests")
-    assert got == [f"tests/test_planted.py::{n}" for n in ("test_through_fixtures", "test_through_a_helper", "test_torchrun")]
+    assert got == [f"tests/test_planted.py::{n}" for n in ("test_through_fixtures", "test_through_a_helper",
+                                                                 "test_through_the_shared_helper", "test_torchrun")]

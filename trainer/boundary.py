@@ -17,6 +17,12 @@ export from that table; `states(name)` and `export_states(name, table)` do the s
 The forward's outputs therefore include its exports, and nothing outside the returned values is
 changed: a recomputed forward over the same imports returns the same exports.
 
+`export_layout(config, dtype)` lists every export name with its kind, per-row shape and dtype in
+the canonical order of a window across ranks (proto `CrossEdge`): per layer, K then V of a
+softmax-attention layer, the conv inputs, q, k, v, g, beta and the states of a linear-attention
+layer. Activations travel in the compute dtype, g and the states in `compute_dtype` (fp32 for a
+bf16 or fp32 model): the dtypes the forward computes them in.
+
 Legend: R rows, n rows of one kind, l layer index.
 """
 from __future__ import annotations
@@ -25,6 +31,8 @@ from collections.abc import Mapping
 
 import torch
 
+from kernels.dtypes import compute_dtype
+from plan.memory_model import FULL
 from plan.window_exports import ATTN, CONV, KERNEL
 from trainer.layout import WindowIO
 
@@ -36,6 +44,29 @@ _KIND = {"conv": CONV, "q": KERNEL, "k": KERNEL, "v": KERNEL, "g": KERNEL, "beta
 def kind_of(name: str) -> str:
     """The kind ("attn", "conv", "kernel" or "state") of an export name "{layer}.{tensor}"."""
     return _KIND[name.split(".", 1)[1]]
+
+
+def export_layout(cfg, dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
+    """(name, kind, per-row shape, dtype) of every export of a model, in the canonical order of a
+    window across ranks (module docstring).
+
+    Args:
+        cfg: the model's `trainer.models.ModelConfig`.
+        dtype: the activations' dtype (the compute dtype: FSDP2's param_dtype under mixed precision).
+    """
+    acc = compute_dtype(dtype)
+    Hk, Hv, Kd, Vd = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    out = []
+    for layer, kind in enumerate(cfg.layer_types):
+        if kind == FULL:
+            kv = (cfg.num_key_value_heads, cfg.head_dim)
+            out += [(f"{layer}.attn_k", ATTN, kv, dtype), (f"{layer}.attn_v", ATTN, kv, dtype)]
+        else:
+            out += [(f"{layer}.conv", CONV, (2 * Hk * Kd + Hv * Vd,), dtype), (f"{layer}.q", KERNEL, (Hk, Kd), dtype),
+                    (f"{layer}.k", KERNEL, (Hk, Kd), dtype), (f"{layer}.v", KERNEL, (Hv, Vd), dtype),
+                    (f"{layer}.g", KERNEL, (Hv,), acc), (f"{layer}.beta", KERNEL, (Hv,), dtype),
+                    (f"{layer}.state", STATE, (Hv, Kd, Vd), acc)]
+    return out
 
 
 class Boundary:

@@ -32,7 +32,7 @@ device memory):
   then holds its shards (1/W of parameters, gradients and AdamW state), plus at most the gathered
   root, one gathered block with its unsharded gradients and the block prefetched next. These
   collectives pair the same unit on every rank only if every rank runs a step of the same kind
-  at the same time: that is what a lock-step plan's phases guarantee (`trainer.lockstep`; the
+  at the same time: that is what a lock-step plan's phases guarantee (`plan.phases`, checked by `plan.slice_check`; the
   executor's `reach_all_units` makes every backward touch every unit, and forwards without a
   graph gather exactly as forwards with one). A free plan is refused before any collective.
 - Units gathered for the whole step (reshard=False, any plan). Ranks run different numbers of

@@ -21,7 +21,10 @@ current one trains), runs it with the executor and reduces the gradients: with
 and reduce-scatters after every backward, on lock-step plans only (a free plan is refused with
 an error naming the field); otherwise units stay gathered and gradients are SUM-reduced once, in
 the rank's last backward (a rank without microbatches runs a zero-loss stand-in so that it takes
-part in the collectives). Then it clips, sets the scheduled learning rate, steps AdamW and logs
+part in the collectives). Windows across ranks of a lock-step plan (cross edges) exchange their
+exports and gradients point to point at the end of their phases (`trainer.cross_rank`), every
+wait bounded by `parallelism.p2p_timeout_s`. At start rank 0 prints the per-rank memory report of
+`plan.cluster_memory` (shards, gathered units, activations left, whether it fits). Then it clips, sets the scheduled learning rate, steps AdamW and logs
 one metrics line from rank 0 (`trainer.metrics` lists the keys, `peak_param_grad_bytes` among
 them; JSONL and TensorBoard). The plan's world size must equal torchrun's, and its chunk size,
 conv kernel and vocabulary the model's.
@@ -153,10 +156,11 @@ def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
 
     from harts_client.client import PlannerClient
     from trainer import checkpoint
+    from trainer.cross_rank import P2PTransport
     from trainer.executor import Executor, ExecutorConfig
     from trainer.optim import make_optimizer
     from trainer.param_memory import ParamGradGauge
-    from trainer.parallelize import GradSync, full_param_grad_bytes
+    from trainer.parallelize import GradSync, full_param_grad_bytes, param_dtype_of
 
     torch.manual_seed(cfg.job.seed)
     resume_from = _resume_path(cfg, checkpoint) if cfg.checkpoint.resume else None
@@ -166,9 +170,11 @@ def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
     opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     fsdp = cfg.parallelism.data_parallel == "fsdp"
     ex_cfg = dict(to_dict(cfg.executor), objective=cfg.objective, want_entropies=cfg.metrics.entropy,
-                  reach_all_units=fsdp)
+                  reach_all_units=fsdp, activation_dtype=param_dtype_of(cfg.parallelism, ctx.device) if fsdp else None)
+    # windows across ranks of lock-step plans: batched point-to-point, every wait bounded
+    transport = P2PTransport(cfg.parallelism.p2p_timeout_s) if ctx.world_size > 1 else None
     run = _Run(cfg=cfg, ctx=ctx, stop=stop, model=model, params=params, opt=opt, reshard=reshard,
-               executor=Executor(model, ExecutorConfig(**ex_cfg)),
+               executor=Executor(model, ExecutorConfig(**ex_cfg), transport=transport),
                stand_in=Executor(model, ExecutorConfig(**ex_cfg, validate="none")),
                sync=GradSync(model, ctx, every_backward=reshard),
                gauge=ParamGradGauge(model, enabled=cfg.metrics.param_grad_bytes), full_bytes=full_param_grad_bytes(model),
@@ -200,7 +206,7 @@ def _build_model(cfg: TrainerConfig, ctx, *, init: bool):
         mcfg = model_config(cfg.model.name)
         full = full_param_grad_bytes(meta_model(mcfg))
         reshard = resolve_reshard(cfg.parallelism, full, ctx.device)
-        _log_model_memory(cfg, ctx, full, reshard)
+        _log_model_memory(cfg, ctx, mcfg, full, reshard)
         if cfg.parallelism.data_parallel == "fsdp":
             mesh = make_mesh(cfg.parallelism, ctx)
             model = build_model(cfg.model.name, seed=cfg.job.seed, device=ctx.device, fill=init,
@@ -213,20 +219,40 @@ def _build_model(cfg: TrainerConfig, ctx, *, init: bool):
     return model, reshard
 
 
-def _log_model_memory(cfg: TrainerConfig, ctx, full_bytes: int, reshard: bool) -> None:
-    """One start-up line: the full parameters plus gradients, what a rank holds of them, the schedule.
-
-    The seam for the per-rank memory report of `plan` (`harts plan --device-memory-gb`: shards,
-    gathered units, activations, fits or not): once it lands, its figures are printed here.
-    """
+def _log_model_memory(cfg: TrainerConfig, ctx, mcfg, full_bytes: int, reshard: bool) -> None:
+    """Start-up lines on rank 0: the full parameters plus gradients and the schedule, then (FSDP2) the
+    per-rank memory report of `plan.cluster_memory` for this model, world size, compute dtype and
+    device memory (shards, gathered units, what is left for activations, whether it fits)."""
     if not ctx.is_main:
         return
+    from plan.cluster_memory import memory_report
+    from trainer.parallelize import param_dtype_of
+
     W, gib = ctx.world_size, float(1 << 30)
     fsdp = cfg.parallelism.data_parallel == "fsdp"
     log.info("model %s: full parameters + gradients %.3f GiB; per rank %s; parallelism.reshard_after_forward=%s%s",
              cfg.model.name, full_bytes / gib,
              f"{full_bytes / W / gib:.3f} GiB of shards" if fsdp else "a full replica",
              str(reshard).lower(), " (lock-step plans)" if reshard else "")
+    if not fsdp:
+        return
+    dtype = str(param_dtype_of(cfg.parallelism, ctx.device)).removeprefix("torch.")
+    memory_gb, source = _device_memory_gb(cfg.parallelism, ctx.device)
+    report = memory_report(mcfg.to_hf_dict(), W, dtype=dtype, device_memory_gb=memory_gb, lockstep=reshard,
+                           model_name=cfg.model.name)
+    log.info("memory per rank (plan.cluster_memory, device memory %.1f GiB: %s):\n%s", memory_gb, source,
+             "\n".join(report.lines()))
+
+
+def _device_memory_gb(par, device) -> tuple[float, str]:
+    """(memory of one device in GiB, where the figure comes from) for the memory report."""
+    if par.device_memory_gb:
+        return par.device_memory_gb, "parallelism.device_memory_gb"
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory / (1 << 30), f"{device} total memory"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / (1 << 30), "host memory (CPU ranks)"
 
 
 def _fetch(run: _Run, i: int):
@@ -296,6 +322,7 @@ def _train_step(plan, i: int, run: _Run) -> tuple[dict, bool]:
     Returns:
         (metrics reduced over ranks, whether any rank has seen SIGTERM).
     """
+    from trainer.cross_rank import CrossRankError
     from trainer.optim import lr_at, set_lr
     from trainer.parallelize import grad_norm_and_clip, participation_slice, run_slice, scale_grads
 
@@ -325,7 +352,7 @@ def _train_step(plan, i: int, run: _Run) -> tuple[dict, bool]:
             runner, work = run.stand_in, participation_slice(plan, conv_kernel=run.model.config.linear_conv_kernel_dim)
         try:
             res = run_slice(runner, work, run.sync)  # forward + backward of every microbatch
-        except ValueError as exc:
+        except (ValueError, CrossRankError) as exc:
             raise TrainError(f"step {sid!r}: {exc}") from None
         run.sync.finish_step(run.params)
         run.gauge.sample()

@@ -62,12 +62,12 @@ from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import pack as pk
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-from plan.cross_edges import CrossEdgeArrays, edge_bytes, held_bytes, outgoing_needs, remote_exporters, transfer_bytes
+from plan.cross_edges import CrossEdgeArrays, edge_bytes, held_bytes, remote_imports, sent_needs, transfer_bytes
 from plan.memory_model import rank_live_bytes
 from plan.phases import PHASE_BACKWARD, PHASE_FORWARD, phase_counts, step_cost
 from plan.decode import LinearCallArrays, MicrobatchArrays
 from plan.seal import PLAN_VERSION
-from plan.window_exports import ATTN, CONV, KERNEL, export_needs, reads_of
+from plan.window_exports import ATTN, CONV, KERNEL, export_needs, import_needs
 
 _KERNEL_NAMES = ("token_index", "expand_ranges", "local_segments", "local_rows_layout", "ext_parent_depth",
                  "sorted_union", "attn_ranges", "conv_ancestors", "subtree_occurrence", "row_occurrence", "lp_grouped")
@@ -599,7 +599,7 @@ def _cross_edges(plan: plan_pb2.Plan, cfg: PlanConfig, arrays: dict[int, Microba
                  topo: list[int]) -> list[CrossEdgeArrays]:
     """Windows across ranks (plan.cross_edges): one CrossEdge per (exporter, importer) on different
     ranks, with the rows and states the importer and its own importers read of the exporter
-    (`plan.window_exports.reads_of` over the step's export needs), sent at the end of the phase
+    (`plan.window_exports.import_needs` over the step's export needs), sent at the end of the phase
     before the importer's FORWARD, their gradients at the end of the importer's BACKWARD phase
     (so the importer holds the received exports exactly while its window is open); ids in order of
     (importer, exporter), written to both ranks' cross_edges. Empty in a plan without them."""
@@ -619,8 +619,11 @@ def _cross_edges(plan: plan_pb2.Plan, cfg: PlanConfig, arrays: dict[int, Microba
                 phase_of[kind, m] = i
     needs = export_needs(arrays, topo)  # every exporter's needs, its importers on every rank included
     edges = []
+    reads: dict[int, dict] = {}
     for i, x in sorted(pairs):
-        nd = reads_of(arrays[i], needs.get(i), x)
+        if i not in reads:
+            reads[i] = import_needs(arrays[i], needs.get(i))
+        nd = reads[i][x]
         edges.append(CrossEdgeArrays(
             id=len(edges), exporter=x, exporter_rank=rank_of[x], importer=i, importer_rank=rank_of[i], rows=nd.rows,
             states=nd.states, send_phase=phase_of["F", i] - 1, grad_phase=phase_of["B", i], bytes=edge_bytes(cfg.sizes, nd)))
@@ -684,7 +687,7 @@ def _fill_steps(plan: plan_pb2.Plan, cfg: PlanConfig, steps, rank_order: list[li
         if edges:
             held = held_bytes(edges, r, len(steps[r]))[[i for i, (_, m) in enumerate(steps[r]) if m >= 0]]
             _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real,
-                                           remote=outgoing_needs(edges, r), external=remote_exporters(edges, r), held=held)
+                                           sent=sent_needs(edges, r), remote=remote_imports(edges, r), held=held)
         else:
             _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real)
         peak = max(peak, rank_peak)

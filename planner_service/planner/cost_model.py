@@ -14,13 +14,16 @@ executor timings, so that costs are seconds of the measured trainer. Without a f
 coefficient but `row` is 0: costs are computed rows.
 
 Windows across ranks (lock-step plans, plan/cross_edges.py) add a fifth coefficient outside the
-microbatch cost: `transfer_byte`, the cost of one byte an edge sends (exports one way, their
-gradients the other), charged to both ranks in the phase that moves it. Without one it is
-`row x DEFAULT_TRANSFER_ROWS_PER_BYTE`: a byte costs that fraction of a computed row.
+microbatch cost: `transfer_byte`, the cost of one byte an edge sends (CrossEdge.bytes: exports one
+way, their gradients the other), charged to both ranks in the phase that moves it
+(PlanParams.cost_model.transfer_byte). `harts calibrate` measures it as the inverse bandwidth of
+the trainer's point-to-point backend in seconds per byte; not measured (no file, a file without
+it, `harts calibrate --transfer-backend none`) it is `row x DEFAULT_TRANSFER_ROWS_PER_BYTE`: a
+byte costs that fraction of a computed row.
 
 The JSON file (FORMAT):
     {"format": "harts.cost_model.v1", "coefficients": {"row": ..., "attention": ...,
-     "linear_call": ..., "logprob_row": ..., "transfer_byte": ...}, "source": "...", "fit": {...}}
+     "linear_call": ..., "logprob_row": ...}, "transfer_byte": ..., "source": "...", "fit": {...}}
 ("transfer_byte" optional).
 """
 from __future__ import annotations
@@ -56,8 +59,8 @@ class CostModel:
     logprob_row: float = 0.0
     """Cost per distinct log-prob row (lm head and loss)."""
     transfer_byte: float | None = None
-    """Cost of one byte a window across ranks sends (plan.proto CostModel.transfer_byte); None:
-    row x DEFAULT_TRANSFER_ROWS_PER_BYTE."""
+    """Cost of one byte a window across ranks sends (plan.proto CostModel.transfer_byte; seconds
+    per byte when measured); None (not measured): row x DEFAULT_TRANSFER_ROWS_PER_BYTE."""
     source: str = "rows"
     """Where the coefficients come from (reports)."""
     fit: dict = field(default_factory=dict, compare=False, hash=False)
@@ -101,8 +104,8 @@ class CostModel:
         msg.source = self.source
 
     def to_dict(self) -> dict:
-        coef = {n: float(getattr(self, n)) for n in FEATURES} | {"transfer_byte": float(self.transfer_byte)}
-        return {"format": FORMAT, "coefficients": coef, "source": self.source, "fit": self.fit}
+        return {"format": FORMAT, "coefficients": {n: float(getattr(self, n)) for n in FEATURES},
+                "transfer_byte": float(self.transfer_byte), "source": self.source, "fit": self.fit}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -116,20 +119,21 @@ class CostModel:
         coef = d.get("coefficients")
         if not isinstance(coef, dict):
             raise ValueError("cost model coefficients: expected an object of the four coefficients")
-        keys = FEATURES + ("transfer_byte",)
-        unknown = sorted(set(coef) - set(keys))
+        unknown = sorted(set(coef) - set(FEATURES))
         if unknown:
-            raise ValueError(f"cost model coefficients: expected keys from {', '.join(keys)}, got {', '.join(unknown)}")
+            raise ValueError(f"cost model coefficients: expected keys from {', '.join(FEATURES)}, got {', '.join(unknown)}")
         vals = {}
-        for n in keys:
-            if n not in coef and n == "transfer_byte":
-                continue
+        for n in FEATURES:
             v = coef.get(n, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"cost model {n}: expected a number, got {v!r}")
             vals[n] = float(v)
+        transfer = d.get("transfer_byte")
+        if transfer is not None and (isinstance(transfer, bool) or not isinstance(transfer, (int, float))):
+            raise ValueError(f"cost model transfer_byte: expected a number, got {transfer!r}")
         fit = d.get("fit") or {}
-        return cls(**vals, source=str(d.get("source", "file")), fit=fit if isinstance(fit, dict) else {})
+        return cls(**vals, transfer_byte=None if transfer is None else float(transfer), source=str(d.get("source", "file")),
+                   fit=fit if isinstance(fit, dict) else {})
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":

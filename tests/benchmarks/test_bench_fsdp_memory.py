@@ -3,15 +3,15 @@ itself is the benchmark's, `python -m benchmarks.bench_fsdp_memory`)."""
 from __future__ import annotations
 
 from benchmarks.bench_fsdp_memory import make_plan, markdown
-from trainer.lockstep import lockstep_steps
+from plan.slice_check import check_rank
 
 
 def test_the_plan_without_windows_padded_with_standins_is_lock_step():
     plan = make_plan(4, 2)
     assert plan.header.params.lockstep and len({len(r.steps) for r in plan.ranks}) == 1
     for r in plan.ranks:
-        steps = lockstep_steps(plan.header, r, recompute=lambda i: r.microbatches[i].recompute)
-        assert sum(s.index < 0 for s in steps) == 2 * (len(steps) // 2 - len(r.microbatches))
+        steps = check_rank(plan.header, r).steps
+        assert sum(i < 0 for _, i in steps) == 2 * (len(steps) // 2 - len(r.microbatches))
 
 
 def test_markdown_names_both_schedules_and_the_goal():

@@ -53,13 +53,13 @@ def test_accepts_a_window_across_ranks_and_its_slices():
     validate_plan(plan, f)
     for r in range(2):
         validate_slice(slice_plan(plan, r))
-    (e,) = decode_edges(plan.ranks[1], 2, 4)
+    (e,) = decode_edges(plan.ranks[1])
     assert (e.exporter, e.exporter_rank, e.importer, e.importer_rank, e.send_phase, e.grad_phase) == (0, 0, 1, 1, 0, 2)
     assert plan.ranks[0].cross_edges[0] == plan.ranks[1].cross_edges[0]
     imports = unpack(plan.ranks[1].microbatches[0].import_row, "int32")
     assert e.rows[ATTN].tolist() == sorted(imports.tolist())  # every imported row is an attention ancestor
     # the conv inputs of the K-1 = 3 rows above each of its two attach points (102 for 103 and 201, 7 for 301)
-    assert e.rows[CONV].shape[0] == 5 and e.bytes == edge_bytes(SIZES, e.needs()) > 0
+    assert e.rows[CONV].shape[0] == 5 and e.bytes == edge_bytes(SIZES, e.needs) > 0
     st = plan.header.stats
     assert (st.cross_edges, st.exchanged_bytes, st.max_rank_exchanged_bytes) == (1, 2 * e.bytes, 2 * e.bytes)
     tb = plan.header.params.cost_model.transfer_byte
@@ -93,7 +93,7 @@ def test_rejects_rows_the_importer_does_not_read_exactly():
         e.bytes -= SIZES.state_bytes
 
     if len(unpack(plan.ranks[1].cross_edges[0].states, "int32")):
-        _rejects(_edit(plan, no_state), r"cross_edges\[0\].states: expected the states")
+        _rejects(_edit(plan, no_state), r"cross_edges\[0\].states: expected every state")
 
 
 def test_rejects_phases_out_of_order():
@@ -112,14 +112,14 @@ def test_rejects_phases_out_of_order():
 
 def test_rejects_wrong_bytes_ranks_and_ids():
     f, plan = _crossing_plan()
-    _rejects(_edit(plan, lambda e: setattr(e, "bytes", e.bytes + 1)), r"cross_edges\[0\].bytes: expected \d+ \(its rows and states")
+    _rejects(_edit(plan, lambda e: setattr(e, "bytes", e.bytes + 1)), r"cross_edges\[0\].bytes: expected \d+ \(the memory model of its rows and states")
     f, plan = _crossing_plan()
-    _rejects(_edit(plan, lambda e: setattr(e, "importer_rank", 0)), r"importer_rank: expected a rank other than the exporter's")
+    _rejects(_edit(plan, lambda e: setattr(e, "importer_rank", 0)), r"importer_rank: expected two different ranks, a rank other than the exporter's")
     f, plan = _crossing_plan()
-    _rejects(_edit(plan, lambda e: setattr(e, "id", 1), ranks=(1,)), r"expected edge 0 .* in both ranks' lists")
+    _rejects(_edit(plan, lambda e: setattr(e, "id", 1), ranks=(1,)), r"cross edge 0: expected it on its exporter's and its importer's rank, got one rank only")
     f, plan = _crossing_plan()
     del plan.ranks[0].cross_edges[0]
-    _rejects(plan, r"rank 0.cross_edges: expected edge 0 \(0 on rank 0 -> 1 on rank 1\) in both ranks' lists")
+    _rejects(plan, r"cross edge 0: expected it on its exporter's and its importer's rank, got one rank only")
     f, plan = _crossing_plan()
     for r in range(2):
         del plan.ranks[r].cross_edges[0]
@@ -159,17 +159,17 @@ def test_memory_counts_what_an_importer_holds_and_what_an_exporter_keeps():
     np.testing.assert_array_equal(held_bytes([edge], 0, 6), np.zeros(6))
     np.testing.assert_array_equal(transfer_bytes([edge], 0, 6), [0, 7, 0, 0, 7, 0])
     np.testing.assert_array_equal(transfer_bytes([edge], 1, 6), transfer_bytes([edge], 0, 6))
-    assert edge_bytes(SIZES, edge.needs()) == 5 * 4 + 3 * 2 + 20
+    assert edge_bytes(SIZES, edge.needs) == 5 * 4 + 3 * 2 + 20
     # the exporter rank of the hand-built plan: a recomputed exporter keeps what the remote importer reads
     f, plan = _crossing_plan()
     from plan.decode import decode_microbatch
 
     mb0 = decode_microbatch(plan.ranks[0].microbatches[0], plan.header.params)
     mb0.recompute = True
-    (e,) = decode_edges(plan.ranks[0], 2, 4)
+    (e,) = decode_edges(plan.ranks[0])
     steps = [(True, 0), (False, 0)]
     alone = rank_live_bytes(SIZES, {0: mb0}, steps)[1]
-    assert rank_live_bytes(SIZES, {0: mb0}, steps, remote={0: [e.needs()]})[1] == alone  # nothing opens above it
+    assert rank_live_bytes(SIZES, {0: mb0}, steps, sent={0: [e.needs]})[1] == alone  # nothing opens above it
     live, _ = rank_live_bytes(SIZES, {0: mb0}, steps, held=[3, 5])
     assert live == [alone + 3, alone + 5]
     assert ExportNeeds().local_counts(0) == {ATTN: 0, CONV: 0, KERNEL: 0}

@@ -72,7 +72,7 @@ def test_crossing_plans_validate_and_import_their_prefix_instead_of_computing_it
         P = st.lockstep_phases
         moved = 0
         for rp in plan.ranks:
-            for e in decode_edges(rp, cfg.world_size, P):
+            for e in decode_edges(rp):
                 if rp.rank != e.importer_rank:
                     continue
                 edges += 1

@@ -114,8 +114,14 @@ class ParallelismConfig:
     reshard_memory_fraction: float = 0.5
     """The fraction of device memory above which reshard_after_forward = none means true."""
     device_memory_gb: float = 0.0
-    """Memory of one device in GiB for the reshard_after_forward default (0: the CUDA device's own;
-    on the CPU 0 means unknown, and none means false)."""
+    """Memory of one device in GiB for the reshard_after_forward default and the start-up memory
+    report (0: the CUDA device's own; on the CPU 0 means unknown: none means false, and the
+    report uses the host's memory)."""
+    p2p_timeout_s: float = 600.0
+    """Longest wait, in seconds, for the point-to-point transfers of windows across ranks at the
+    end of a phase (lock-step plans with cross edges): a peer that died or hangs makes the rank
+    fail with an error naming the phase, the edge and the peer. The wait includes the peer's
+    step of that phase, so keep it above the slowest phase."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -131,6 +137,8 @@ class ParallelismConfig:
             raise ValueError(f"reshard_memory_fraction: expected in (0, 1], got {self.reshard_memory_fraction}")
         if self.device_memory_gb < 0:
             raise ValueError(f"device_memory_gb: expected >= 0 (0: the device's own), got {self.device_memory_gb}")
+        if not self.p2p_timeout_s > 0:
+            raise ValueError(f"p2p_timeout_s: expected > 0 seconds, got {self.p2p_timeout_s}")
 
 
 #: the gated delta rule's backends (`kernels.gated_delta_rule.BACKENDS`) and the tree-attention
