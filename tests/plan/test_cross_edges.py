@@ -172,4 +172,11 @@ def test_memory_counts_what_an_importer_holds_and_what_an_exporter_keeps():
     assert rank_live_bytes(SIZES, {0: mb0}, steps, sent={0: [e.needs]})[1] == alone  # nothing opens above it
     live, _ = rank_live_bytes(SIZES, {0: mb0}, steps, held=[3, 5])
     assert live == [alone + 3, alone + 5]
+    # the importer's rank: its import from the other rank is the edge's (remote), what it received is held
+    mb1 = decode_microbatch(plan.ranks[1].microbatches[0], plan.header.params)
+    steps = [(True, mb1.id), (False, mb1.id)]
+    with pytest.raises(ValueError, match="imported from but not in the forward order"):
+        rank_live_bytes(SIZES, {mb1.id: mb1}, steps)  # without the edge the exporter is missing
+    live, _ = rank_live_bytes(SIZES, {mb1.id: mb1}, steps, remote={(e.exporter, mb1.id)}, held=[e.bytes] * 2)
+    assert live == [SIZES.full_bytes(mb1.num_rows + mb1.replay_tokens) + e.bytes] * 2
     assert ExportNeeds().local_counts(0) == {ATTN: 0, CONV: 0, KERNEL: 0}
