@@ -20,7 +20,9 @@ replay rows and weighs attention by depth).
 Modes: default CPU scale (a few minutes on 2 cores); `--quick` (tiny inputs, for tests);
 `--full`: planning only, at full scale (tens of millions of expanded tokens per workload), plus
 the placement table (issue 12: makespan ratio and compression over W in {8, 32, 64} and
-B in {16k, 32k, 64k} for the three schemes, `run_placement`; issue 20: each cell's lockstep_ratio).
+B in {16k, 32k, 64k} for the three schemes, `run_placement`; issue 20: each cell's lockstep_ratio;
+issue 24: the lock-step plan with and without windows across ranks, the bytes they exchange per
+step and the duplicated activations they save).
 """
 from __future__ import annotations
 
@@ -397,6 +399,10 @@ PLACEMENT_GRID = {"full": ((8, 32, 64), (16384, 32768, 65536), 64), "quick": ((2
 
 #: issue 20's goal for the lock-step plan of every cell (lockstep_makespan / makespan)
 LOCKSTEP_TARGET = 1.10
+#: issue 24's goal for the lock-step plans with windows across ranks at W >= 32: compression / ideal
+#: at least this, at a step (lock-step makespan) at most CROSS_GOAL_RATIO x the lower bound
+CROSS_GOAL_COMPRESSION = 0.95
+CROSS_GOAL_RATIO = 1.05
 #: a second placement per cell that accepts a makespan up to this factor above the lower bound
 #: (PlanConfig.makespan_slack) to duplicate less: the trade-off between the two targets
 PLACEMENT_LOOSE_SLACK = 1.25
@@ -407,8 +413,11 @@ def run_placement(cfg: SuiteConfig) -> dict:
     the default planner (sharing windows, computed-rows cost model) over the grid of ranks and
     microbatch budgets; one plan per cell, timed in wall and CPU seconds, plus the same cell
     planned with makespan_slack = PLACEMENT_LOOSE_SLACK (its ratio and compression only) and as a
-    lock-step plan (its lockstep_ratio and phases), and upper bounds on the compression any
-    placement reaches (`placement_bound.compression_bound`)."""
+    lock-step plan (its lockstep_ratio and phases; with windows across ranks allowed, the two plans
+    `plan_step` compared: compression, makespan ratio and step over the lower bound of each, the
+    bytes the crossing one exchanges per step against the duplicated rows' activation bytes it
+    saves), and upper bounds on the compression any placement reaches
+    (`placement_bound.compression_bound`)."""
     from benchmarks.placement_bound import compression_bound, placement_specs
 
     plan_step = _optional("planner_service.planner", "plan_step")
@@ -432,6 +441,8 @@ def run_placement(cfg: SuiteConfig) -> dict:
                 st = plan.header.stats
                 target = 1.05 if trees >= 2 * W else 1.25
                 vs_ideal = st.compression_achieved / st.compression_ideal
+                with_x, without_x = lock.with_cross_edges, lock.without_cross_edges
+                row_bytes = plan.header.params.memory.activation_row_bytes
                 rows.append({
                     "workload": name, "world_size": W, "microbatch_tokens": B, "trees_per_rank": trees / W,
                     "expanded_tokens": int(st.expanded_tokens), "makespan_ratio": float(st.makespan_ratio),
@@ -451,11 +462,37 @@ def run_placement(cfg: SuiteConfig) -> dict:
                     "lockstep_ratio": float(lock.lockstep_ratio), "lockstep_met": lock.lockstep_ratio <= LOCKSTEP_TARGET,
                     "lockstep_vs_free": lock.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0,
                     "lockstep_phases": int(lock.lockstep_phases),
+                    # windows across ranks (issue 24): the lock-step plan's edges, and the two plans it was chosen from
+                    "cross_edges": int(lock.cross_edges), "lockstep_plan_seconds": float(lock.plan_seconds),
+                    "lockstep_compression_vs_ideal": lock.compression_achieved / lock.compression_ideal,
+                    "lockstep_step_vs_bound": lock.lockstep_makespan / lock.makespan_lower_bound,
+                    **_crossing_columns(with_x, without_x, lock.compression_ideal, row_bytes, W),
                 })
                 log.info("bench placement: %s W=%d B=%d: makespan ratio %.3f, compression %.3f of ideal, lock-step ratio "
                          "%.3f, %.2f s", name, W, B, st.makespan_ratio, vs_ideal, lock.lockstep_ratio, wall)
         del forest, w
     return {"mode": _mode(cfg), "chunk_size": chunk, "rows": rows}
+
+
+def _crossing_columns(with_x, without_x, ideal: float, row_bytes: int, world: int) -> dict:
+    """The placement table's columns of the two lock-step plans compared (PlanStats.with_cross_edges,
+    without_cross_edges): compression / ideal, makespan ratio and step / lower bound of each, the
+    crossing plan's exchanged bytes and the activation bytes of the duplicated rows it saves, and
+    issue 24's goal on the plan with crossing windows (W >= 32)."""
+    if not without_x.lockstep_makespan:
+        return {}
+    out = {}
+    for tag, c in (("crossing", with_x), ("local", without_x)):
+        out[f"{tag}_compression_vs_ideal"] = c.compression_achieved / ideal if c.lockstep_makespan else None
+        out[f"{tag}_makespan_ratio"] = c.makespan_ratio if c.lockstep_makespan else None
+        out[f"{tag}_step_vs_bound"] = c.lockstep_makespan / c.makespan_lower_bound if c.lockstep_makespan else None
+    if with_x.lockstep_makespan:
+        out["exchanged_gib"] = with_x.exchanged_bytes / 2**30
+        out["saved_activation_gib"] = (without_x.duplicated_tokens - with_x.duplicated_tokens) * row_bytes / 2**30
+        if world >= 32:
+            out["crossing_goal_met"] = (out["crossing_compression_vs_ideal"] >= CROSS_GOAL_COMPRESSION
+                                        and out["crossing_step_vs_bound"] <= CROSS_GOAL_RATIO)
+    return out
 
 
 PLACEMENT_COLUMNS = (
@@ -466,7 +503,14 @@ PLACEMENT_COLUMNS = (
     ("loose_compression_vs_ideal", f"compression / ideal, slack {PLACEMENT_LOOSE_SLACK}"),
     ("bound_at_makespan", "bound at this makespan"), ("bound_at_target", "bound at the ratio target"),
     ("lockstep_ratio", "lockstep_ratio"), ("lockstep_vs_free", "lock-step / free makespan"),
-    ("lockstep_phases", "lock-step phases"),
+    ("lockstep_phases", "lock-step phases"), ("lockstep_plan_seconds", "lock-step plan s (wall)"),
+    ("cross_edges", "lock-step cross edges"),
+    ("lockstep_compression_vs_ideal", "lock-step compression / ideal"), ("lockstep_step_vs_bound", "lock-step step / bound"),
+    ("crossing_compression_vs_ideal", "with crossing: compression / ideal"), ("crossing_makespan_ratio", "with crossing: ratio"),
+    ("crossing_step_vs_bound", "with crossing: step / bound"),
+    ("local_compression_vs_ideal", "without: compression / ideal"), ("local_makespan_ratio", "without: ratio"),
+    ("local_step_vs_bound", "without: step / bound"),
+    ("exchanged_gib", "exchanged GiB / step"), ("saved_activation_gib", "saved duplicated activations GiB"),
 )
 
 
@@ -487,8 +531,15 @@ def placement_table(rows: list[dict]) -> str:
                 cells.append(f"{v:.2f}")
             elif key == "lockstep_ratio":
                 cells.append("" if v is None else f"{v:.3f}" + ("" if r["lockstep_met"] else f" (> {LOCKSTEP_TARGET:.2f})"))
-            elif key.startswith(("loose_", "bound_", "lockstep_vs")):
+            elif key == "crossing_step_vs_bound" and "crossing_goal_met" in r and v is not None:
+                cells.append(f"{v:.3f}" + ("" if v <= CROSS_GOAL_RATIO else f" (> {CROSS_GOAL_RATIO})"))
+            elif key == "crossing_compression_vs_ideal" and "crossing_goal_met" in r and v is not None:
+                cells.append(f"{v:.3f}" + ("" if v >= CROSS_GOAL_COMPRESSION else f" (< {CROSS_GOAL_COMPRESSION})"))
+            elif key.startswith(("loose_", "bound_", "lockstep_vs", "lockstep_compression", "lockstep_step", "crossing_",
+                                 "local_")):
                 cells.append("" if v is None else f"{v:.3f}")
+            elif key.endswith("_gib"):
+                cells.append("" if v is None else f"{v:.1f}")
             else:
                 cells.append(_fmt(v))
         lines.append("| " + " | ".join(cells) + " |")
@@ -760,7 +811,14 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
                     "the cell with lockstep=True (one global sequence of phases, DESIGN §5.7; forward 1/3 and backward "
                     f"2/3 of a microbatch's cost, a phase as long as its slowest rank): lockstep_ratio = lock-step "
                     f"makespan / that plan's makespan (target <= {LOCKSTEP_TARGET}), and the same over the free plan's "
-                    "makespan.", "",
+                    "makespan. The lock-step plan may give windows across ranks (issue 24: a tree's shared prefix "
+                    "imported from the rank that computes it); the planner builds it with and without them and keeps "
+                    "the crossing one only where its step (lock-step makespan) is shorter, or at most 1% longer with "
+                    "fewer duplicated rows: 'lock-step cross edges' and the next two columns are the chosen plan's, then "
+                    "both candidates' compression / ideal, makespan ratio and step / lower bound, the bytes the crossing "
+                    "candidate exchanges per step (exports and their gradients) and the activations of the duplicated "
+                    f"rows it saves; goal at W >= 32: >= {CROSS_GOAL_COMPRESSION} of ideal at a step <= "
+                    f"{CROSS_GOAL_RATIO} x the bound.", "",
                     placement_table(placement)]
     summary += ["", "## Benchmarks", "", "| benchmark | status | seconds | details |", "|---|---|---|---|"]
     for name, entry in doc["benchmarks"].items():

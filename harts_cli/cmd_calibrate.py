@@ -19,7 +19,8 @@ NCCL between two GPUs), the path windows across ranks take (`trainer.cross_rank.
 two local processes bounce uint8 buffers of 1 KiB up to `--transfer-max-mb` MiB, and a least
 squares line through the one-way times (half the round trip, the fastest of the repeats) gives
 `transfer_byte` = seconds per byte (its inverse, the bandwidth, and the latency are reported).
-`--transfer-backend none` skips it (transfer_byte 0: not measured).
+`--transfer-backend none` skips it (not measured: the cost model's default, row x
+DEFAULT_TRANSFER_ROWS_PER_BYTE).
 
 Prints one JSON object (the fit report); with -o writes the cost model file (format
 `harts.cost_model.v1`, the report under "fit") that `harts plan --cost-model`, `harts serve
@@ -320,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
         report["transfer"] = transfer
         log.info("calibrate: %s: %.3g GB/s, latency %.3g ms", backend, transfer["bandwidth_gb_s"],
                  1e3 * transfer["latency_seconds"])
-    cm = CostModel(**dict(zip(FEATURES, (float(c) for c in coef))), transfer_byte=transfer.get("transfer_byte", 0.0),
+    cm = CostModel(**dict(zip(FEATURES, (float(c) for c in coef))), transfer_byte=transfer.get("transfer_byte"),
                    source=f"harts calibrate --model {args.model} ({args.device}, {args.backend}, C={args.chunk_size})",
                    fit=report)
     out = {"coefficients": dict(zip(FEATURES, coef.tolist())), "transfer_byte": cm.transfer_byte, **report}

@@ -24,14 +24,21 @@ model's shards and gathered units (without --model: 8 x B rows); `--cost-model` 
 by `harts calibrate` that placement balances with.
 
 `--lockstep` plans one global sequence of phases that every rank runs in step (DESIGN §5.7: for
-trainers that gather parameters per forward and backward, FSDP2 with reshard_after_forward).
+trainers that gather parameters per forward and backward, FSDP2 with reshard_after_forward). A
+lock-step plan may then give windows across ranks (a tree split over ranks imports its shared
+prefix from the rank that computes it, plan.proto CrossEdge) where that shortens the step or
+duplicates less at an equal one; `--no-cross-rank-windows` is the ablation that keeps every window
+on its rank.
 
 Prints one JSON object on stdout: the plan's PlanStats (unique_tokens, expanded_tokens,
 computed_tokens, replay_tokens, duplicated_tokens, compression_ideal, compression_achieved,
 microbatches, linear_attention_calls, rank_costs, imbalance, peak_live_tokens, peak_live_bytes,
 makespan, makespan_lower_bound, makespan_ratio, plan_seconds, windows; with --lockstep also
 lockstep_phases, lockstep_forward_phases, lockstep_backward_phases, lockstep_recompute_phases,
-lockstep_makespan, lockstep_ratio) plus `validated`, `memory_model` (the model whose sizes
+lockstep_makespan, lockstep_ratio, and the windows across ranks: cross_edges, exchanged_bytes,
+max_rank_exchanged_bytes, with_cross_edges and without_cross_edges (the two plans compared:
+compression_achieved, makespan_ratio, lockstep_makespan, duplicated_tokens, cross_edges,
+exchanged_bytes, makespan, makespan_lower_bound)) plus `validated`, `memory_model` (the model whose sizes
 peak_live_bytes counts), `memory_budget` (memory_tokens, memory_bytes and where they come from),
 with --model `memory_report` (the report above for this topology), for a lock-step plan
 `collectives` (all-gather and reduce-scatter bytes per rank and step from its phase counts) and,
@@ -62,8 +69,11 @@ REPORT_FIELDS = (
 #: ... and those of a lock-step plan (--lockstep).
 LOCKSTEP_FIELDS = (
     "lockstep_phases", "lockstep_forward_phases", "lockstep_backward_phases", "lockstep_recompute_phases",
-    "lockstep_makespan", "lockstep_ratio",
+    "lockstep_makespan", "lockstep_ratio", "cross_edges", "exchanged_bytes", "max_rank_exchanged_bytes",
 )
+#: PlanCandidate fields of with_cross_edges / without_cross_edges (lock-step plans with cross_rank_windows).
+CANDIDATE_FIELDS = ("compression_achieved", "makespan_ratio", "lockstep_makespan", "duplicated_tokens", "cross_edges",
+                    "exchanged_bytes", "makespan", "makespan_lower_bound")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lockstep", action="store_true",
                         help="lock-step phases: every rank runs one step of the same kind per phase (FSDP2 resharding "
                              "after forward); the report adds the phase counts, lockstep_makespan and lockstep_ratio")
+    parser.add_argument("--no-cross-rank-windows", action="store_true",
+                        help="with --lockstep: keep every sharing window on its rank (the ablation of windows across "
+                             "ranks, which import a tree's shared prefix from the rank that computes it)")
     parser.add_argument("--python", action="store_true", help="plain-Python partitioner and builder kernels (reference)")
     parser.add_argument("--all-ranks", action="store_true", help="print every rank's cost, not only min and max")
     parser.add_argument("-o", "--output", help="write the serialised harts.v1.Plan here")
@@ -157,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         replay=not args.no_replay,
         all_positions=args.all_positions,
         lockstep=args.lockstep,
+        cross_rank_windows=not args.no_cross_rank_windows,
         dtype=args.dtype or "float32",
         **extra,
     )
@@ -171,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
     validate_plan(plan, forest if cfg.sharing else expand_forest(forest))
     st = plan.header.stats
     report = {name: getattr(st, name) for name in REPORT_FIELDS + (LOCKSTEP_FIELDS if cfg.lockstep else ())}
+    for name in ("with_cross_edges", "without_cross_edges"):
+        if st.HasField(name):
+            report[name] = {f: getattr(getattr(st, name), f) for f in CANDIDATE_FIELDS}
     report["rank_costs"] = list(st.rank_costs)
     if len(st.rank_costs) > 16 and not args.all_ranks:
         report["rank_costs"] = {"min": min(st.rank_costs), "max": max(st.rank_costs), "ranks": len(st.rank_costs)}
@@ -199,6 +216,12 @@ def run(args: argparse.Namespace) -> int:
         log.info("lock-step: %d phases (%d forward, %d backward, %d recompute), lockstep_ratio %.3f",
                  st.lockstep_phases, st.lockstep_forward_phases, st.lockstep_backward_phases,
                  st.lockstep_recompute_phases, st.lockstep_ratio)
+        if st.HasField("with_cross_edges"):
+            x, b = st.with_cross_edges, st.without_cross_edges
+            log.info("windows across ranks: %d edges, %.2f GiB exchanged per step; lock-step makespan %.0f with them "
+                     "(compression %.3f), %.0f without (compression %.3f): planned %s", x.cross_edges,
+                     x.exchanged_bytes / GIB, x.lockstep_makespan, x.compression_achieved, b.lockstep_makespan,
+                     b.compression_achieved, "with them" if st.cross_edges else "without them")
     if args.output:
         plan.header.stats.plan_seconds = 0.0
         with open(args.output, "wb") as fh:

@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lockstep", action="store_true",
                    help="plan lock-step phases (trainers that gather parameters per forward and backward: FSDP2 "
                         "with parallelism.reshard_after_forward)")
+    g.add_argument("--no-cross-rank-windows", action="store_true",
+                   help="with --lockstep: keep every sharing window on its rank (ablation of windows across ranks)")
     p.add_argument("--cost-model", default=None, help="cost model JSON from `harts calibrate` for topologies that name none")
     p.add_argument("--model", default=None,
                    help="trainer model (config.json path or named config) for topologies that name none")
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             world_size=args.world_size, microbatch_tokens=args.microbatch_tokens,
             memory_tokens=args.memory_tokens, chunk_size=args.chunk_size,
             no_windows=args.no_windows, no_sharing=args.no_sharing, dtype=args.dtype, lockstep=args.lockstep,
+            no_cross_rank_windows=args.no_cross_rank_windows,
         )
     cache = int(args.cache_mb * 1024 * 1024)
     cfg = ServiceConfig(

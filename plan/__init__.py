@@ -8,5 +8,5 @@ FastAPI or gRPC. Modules: `seal` (deterministic bytes + SHA-256), `decode` (boun
 stand-ins and their costs), `slice_check` with
 `slice_kernels` (the fast check a trainer runs), `validator` (the independent oracle, written from
 the contract), `memory_model` (bytes of live activations), `window_exports` (what an exporter keeps),
-`cross_edges` (windows across ranks: decoded edges and their rules).
+`cross_edges` (windows across ranks: decoded edges, their rules, bytes, what moves when).
 """

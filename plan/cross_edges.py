@@ -1,32 +1,52 @@
-"""Windows across ranks (DESIGN §5.7, proto `CrossEdge`): decoded edges and the rules of one rank's edges.
+"""Windows across ranks (DESIGN §5.7, plan.proto `CrossEdge`): decoded edges, their rules, bytes,
+what moves when.
 
-    edges = decode_edges(rank)                                   # [CrossEdgeArrays], bounds-checked
-    check_rank_edges(header, rank, edges, arrays, index, steps)  # PlanValidationError naming the edge
+    edges = decode_edges(rank_plan)                                   # [CrossEdgeArrays]
+    check_rank_edges(header, rank, edges, arrays, index, steps)       # one rank's rules
+    check_plan_edges(plan.ranks)                                      # step-wide: both sides agree
+    needs = export_needs(arrays_by_id, order, sent=sent_needs(edges, rank),
+                         remote=remote_imports(edges, rank))          # plan.window_exports
+    held = held_bytes(edges, rank, num_phases)                        # what received exports occupy
+    moved = transfer_bytes(edges, rank, num_phases)                   # what the rank sends or receives
 
-A cross edge is a sharing window whose importer runs on another rank than its exporter. Both
-ranks list it in `RankPlan.cross_edges`; the exporter's rank sends the exported tensors of the
-edge's rows and states at the end of its step of phase `send_phase`, the importer's rank sends
-their gradients back at the end of `grad_phase`. The rules one rank can check alone (the slice
-check runs them, `plan.slice_check`; the oracle validator can run them per rank):
+A sharing window whose importer runs on another rank than its exporter is a `CrossEdge`, listed in
+both ranks' `RankPlan.cross_edges` with a step-wide id. The importer's Microbatch names the
+exporter in `import_microbatch` (rows) and / or `state_imports` (states) as for a local window; the
+edge says what travels and when. The rules one rank can check alone (`check_rank_edges`; the fast
+slice check `plan.slice_check` and the oracle `plan.validator` both run them):
 
-- a lock-step plan (phases name when tensors travel); edges in increasing id, each id once;
+- a lock-step plan (phases name when tensors travel); edges in increasing id >= 0;
 - exporter_rank != importer_rank, both in [0, world_size), this rank one of them; the microbatch
-  of this rank's side is one of its microbatches, the other side's is not;
+  of this rank's side is one of its microbatches, the other side's is not; at most one edge per
+  (exporter, importer);
 - rows and states int32, sorted, distinct, >= 0. On the exporter's rank: rows among the
-  exporter's `export_rows`, states among its `export_states`. On the importer's rank: rows among
-  the rows the importer imports from that exporter (`import_row` where `import_microbatch` is the
-  exporter), states among its state imports from it, and every state import from it on the edge;
-- phases: the exporter's FORWARD phase <= send_phase < the importer's FORWARD phase, the
-  importer's BACKWARD phase <= grad_phase < the exporter's BACKWARD phase (each rank checks its
-  side; in a lock-step plan step i runs in phase i);
-- bytes: the plan's memory model of the edge's rows and states (`edge_bytes`).
+  exporter's `export_rows`, states among its `export_states`. On the importer's rank: exactly
+  `plan.window_exports.import_needs(importer, its own needs)[exporter]`, what the importer and,
+  transitively, its own importers (local ones, and remote ones through the importer's outgoing
+  edges) read of the exporter, per kind (ATTN: K/V; CONV: conv inputs; KERNEL: q/k/v/g/beta of
+  replay rows) plus every fp32 state it imports from it;
+- phases: the exports travel at the end of `send_phase` (>= the exporter's FORWARD phase, < the
+  importer's), their gradients at the end of `grad_phase` (>= the importer's BACKWARD phase, < the
+  exporter's BACKWARD phase), send_phase < grad_phase < P; in a lock-step plan step i runs in
+  phase i, each rank checks its side;
+- bytes: `edge_bytes`, the memory model of the rows and states (PlanParams.memory), each way.
 
-Which rows each kind must carry (the importer's consumers, `plan.window_exports`) is what the
-trainer's layout checks when it builds the importer (an import missing from the edge is an error
-naming both microbatches). Step-wide rules (both ranks list the same edge) need the whole plan:
-`check_plan_edges`.
+Step-wide (`check_plan_edges`): every edge is listed, identically, by exactly its two ranks, and
+the ids are 0..E-1.
 
-Legend: n rows of one kind, q states of the edge.
+Memory (plan.memory_model): the exporter's open window is what it is for a local importer (its
+full activations, or when recomputed its exports, those the remote importers read included:
+`sent_needs`); the importer's rank holds the received tensors, `bytes`, in every phase p with
+send_phase < p <= grad_phase (`held_bytes`), whatever it runs then.
+
+Cost (PlanStats, plan.phases): the exports cost `bytes x CostModel.transfer_byte` to both ranks in
+`send_phase`, and their gradients the same in `grad_phase` (`transfer_bytes`): a lock-step phase
+lasts as long as its slowest rank's step plus its transfers.
+
+Used by the planner's builder, the oracle validator, the fast slice check and the trainer
+(`trainer/cross_rank.py`). Numpy only.
+
+Legend: E edges of a rank, P phases, n rows of one kind, q states of an edge.
 """
 from __future__ import annotations
 
@@ -35,13 +55,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from plan.decode import MicrobatchArrays, PlanValidationError
-from plan.window_exports import ATTN, CONV, KERNEL, KINDS, ExportNeeds
+from plan.memory_model import RowSizes
+from plan.window_exports import ATTN, CONV, KERNEL, KINDS, ExportNeeds, export_needs, import_needs
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 
-__all__ = ["CrossEdgeArrays", "check_plan_edges", "check_rank_edges", "decode_edges", "edge_bytes"]
+__all__ = ["CrossEdgeArrays", "check_plan_edges", "check_rank_edges", "decode_edges", "edge_bytes", "held_bytes",
+           "remote_imports", "sent_needs", "transfer_bytes"]
 
-#: CrossEdge field of each export kind's rows
+#: CrossEdge field of each export kind's rows (plan.window_exports.KINDS).
 ROW_FIELDS = {ATTN: "attn_rows", CONV: "conv_rows", KERNEL: "kernel_rows"}
 
 
@@ -106,10 +128,48 @@ def decode_edges(rank: plan_pb2.RankPlan) -> list[CrossEdgeArrays]:
     return out
 
 
-def edge_bytes(memory: plan_pb2.MemoryModel, rows: dict[str, np.ndarray], states: np.ndarray) -> int:
-    """Bytes an edge sends each way under the plan's memory model (CrossEdge.bytes)."""
-    return (rows[ATTN].shape[0] * memory.attn_row_bytes + rows[CONV].shape[0] * memory.conv_row_bytes
-            + rows[KERNEL].shape[0] * memory.kernel_row_bytes + states.shape[0] * memory.state_bytes)
+def edge_bytes(sizes: RowSizes, needs: ExportNeeds) -> int:
+    """Bytes an edge with these rows and states sends each way (CrossEdge.bytes)."""
+    return int(sizes.export_bytes(int(needs.rows[ATTN].shape[0]), int(needs.rows[CONV].shape[0]),
+                                  int(needs.rows[KERNEL].shape[0]), int(needs.states.shape[0])))
+
+
+def sent_needs(edges: list[CrossEdgeArrays], rank: int) -> dict[int, list[ExportNeeds]]:
+    """Exporter id -> what importers on other ranks read of it, for the edges this rank exports
+    (`plan.window_exports.export_needs(..., sent=...)`)."""
+    out: dict[int, list[ExportNeeds]] = {}
+    for e in edges:
+        if e.exporter_rank == rank:
+            out.setdefault(e.exporter, []).append(e.needs)
+    return out
+
+
+def remote_imports(edges: list[CrossEdgeArrays], rank: int) -> set[tuple[int, int]]:
+    """(exporter id, importer id) of the edges this rank imports over: imports another rank's
+    exporter provides (`plan.window_exports.export_needs(..., remote=...)`)."""
+    return {(e.exporter, e.importer) for e in edges if e.importer_rank == rank}
+
+
+def held_bytes(edges: list[CrossEdgeArrays], rank: int, num_phases: int) -> np.ndarray:
+    """int64 [P] bytes of received exports the rank holds in each phase: an edge it imports holds
+    `bytes` in phases send_phase < p <= grad_phase."""
+    out = np.zeros(num_phases + 1, np.int64)
+    for e in edges:
+        if e.importer_rank == rank:
+            out[e.send_phase + 1] += e.bytes
+            out[e.grad_phase + 1] -= e.bytes
+    return np.cumsum(out)[:num_phases]
+
+
+def transfer_bytes(edges: list[CrossEdgeArrays], rank: int, num_phases: int) -> np.ndarray:
+    """int64 [P] bytes the rank sends or receives at the end of each phase: every edge of the rank
+    moves `bytes` in its send_phase (exports) and again in its grad_phase (their gradients)."""
+    out = np.zeros(num_phases, np.int64)
+    for e in edges:
+        if rank in (e.exporter_rank, e.importer_rank):
+            out[e.send_phase] += e.bytes
+            out[e.grad_phase] += e.bytes
+    return out
 
 
 def _sorted_subset(where: str, name: str, values: np.ndarray, of: np.ndarray, what: str) -> None:
@@ -123,49 +183,63 @@ def _sorted_subset(where: str, name: str, values: np.ndarray, of: np.ndarray, wh
 
 def check_rank_edges(header: plan_pb2.PlanHeader, rank: int, edges: list[CrossEdgeArrays],
                      arrays: list[MicrobatchArrays], index: dict[int, int], steps: list[tuple[int, int]]) -> None:
-    """The rules of the module docstring for one rank's edges.
+    """The one-rank rules of the module docstring for one rank's edges.
 
     Args:
         rank: this rank.
         edges: its `decode_edges`.
         arrays: its decoded microbatches (RankPlan order); index: microbatch id -> position there.
-        steps: (kind, microbatch index or -1) per step; step i runs in phase i.
+        steps: (kind, microbatch index or -1) per step; step i runs in phase i. Every import from
+            another rank has its edge (the callers' execution-order rules check that first).
 
     Raises:
-        PlanValidationError: the first violated rule, naming the edge.
+        PlanValidationError: the first violated rule, naming the edge and field, e.g.
+            "rank 1.cross_edges[0].send_phase: expected < 4 (the importer's FORWARD phase), got 4".
     """
     if not edges:
         return
     params = header.params
     if not params.lockstep:
-        _fail(f"rank {rank}.cross_edges", f"expected none in a free plan (params.lockstep false), got {len(edges)}")
+        _fail(f"rank {rank}.cross_edges", f"expected none in a free plan (windows cross ranks only in lock-step "
+                                          f"plans), got {len(edges)}")
     P, W = len(steps), params.world_size
+    try:
+        sizes = RowSizes.from_proto(params.memory)
+    except ValueError as exc:
+        raise PlanValidationError(f"header.params.memory: expected the memory model's byte sizes ({exc})") from None
     phase_of: dict[tuple[int, int], int] = {}  # (kind, microbatch index) -> its phase
     for p, (kind, k) in enumerate(steps):
         phase_of[kind, k] = p
     fwd, bwd = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
     last = -1
+    incoming: dict[tuple[int, int], int] = {}
     for i, e in enumerate(edges):
-        w = f"rank {rank}.cross_edges[{i}] ({e.where})"
+        w = f"rank {rank}.cross_edges[{i}]"
         if e.id <= last:
-            _fail(w, f"expected edges in increasing id, got id {e.id} after {last}")
+            _fail(f"{w}.id", f"expected ids increasing and >= 0 within a rank, got {e.id} after {last}")
         last = e.id
-        if e.exporter_rank == e.importer_rank or not (0 <= e.exporter_rank < W and 0 <= e.importer_rank < W):
-            _fail(w, f"expected two different ranks in [0, {W}), got exporter_rank {e.exporter_rank}, "
-                     f"importer_rank {e.importer_rank}")
+        for name in ("exporter_rank", "importer_rank"):
+            if not 0 <= getattr(e, name) < W:
+                _fail(f"{w}.{name}", f"expected a rank in [0, {W}), got {getattr(e, name)}")
+        if e.exporter_rank == e.importer_rank:
+            _fail(f"{w}.importer_rank", f"expected two different ranks, a rank other than the exporter's "
+                                        f"({e.exporter_rank}), got {e.importer_rank}")
         if rank not in (e.exporter_rank, e.importer_rank):
-            _fail(w, f"expected rank {rank} to be its exporter's or its importer's rank")
-        for name, p in (("send_phase", e.send_phase), ("grad_phase", e.grad_phase)):
-            if not 0 <= p < P:
-                _fail(f"{w}.{name}", f"expected a phase in [0, {P}), got {p}")
-        here, there = (e.exporter, e.importer) if rank == e.exporter_rank else (e.importer, e.exporter)
+            _fail(w, f"expected rank {rank} to be its exporter's or its importer's rank, got "
+                     f"{e.exporter_rank} -> {e.importer_rank}")
+        if not 0 <= e.send_phase < e.grad_phase < P:
+            _fail(f"{w}.send_phase", f"expected 0 <= send_phase < grad_phase < {P} (phases of the step), "
+                                     f"got {e.send_phase} and {e.grad_phase}")
+        side, here, there = ("exporter", e.exporter, e.importer) if rank == e.exporter_rank else \
+            ("importer", e.importer, e.exporter)
         if here not in index:
-            _fail(w, f"expected microbatch {here} on rank {rank}, it is not one of its microbatches")
+            _fail(f"{w}.{side}", f"expected a microbatch of rank {rank}, got {here}")
         if there in index:
-            _fail(w, f"expected microbatch {there} on rank {e.peer(rank)}, got one of rank {rank}'s microbatches")
+            other = "importer" if side == "exporter" else "exporter"
+            _fail(f"{w}.{other}", f"expected a microbatch of rank {e.peer(rank)}, got {there}, which runs on rank {rank}")
         a = arrays[index[here]]
         f_here, b_here = phase_of[fwd, index[here]], phase_of[bwd, index[here]]
-        if rank == e.exporter_rank:
+        if side == "exporter":
             rows_of = np.asarray(a.export_rows, np.int64)
             for k in KINDS:
                 _sorted_subset(w, ROW_FIELDS[k], e.rows[k], rows_of, f"rows of microbatch {a.id}'s export_rows")
@@ -176,6 +250,10 @@ def check_rank_edges(header: plan_pb2.PlanHeader, rank: int, edges: list[CrossEd
             if e.grad_phase >= b_here:
                 _fail(f"{w}.grad_phase", f"expected < {b_here} (the exporter's BACKWARD phase), got {e.grad_phase}")
         else:
+            if (e.importer, e.exporter) in incoming:
+                _fail(w, f"a second edge from microbatch {e.exporter} to {e.importer} "
+                         f"(edge {incoming[e.importer, e.exporter]})")
+            incoming[e.importer, e.exporter] = e.id
             imported = np.asarray(a.import_row[a.import_microbatch == e.exporter], np.int64)
             for k in KINDS:
                 _sorted_subset(w, ROW_FIELDS[k], e.rows[k], imported,
@@ -190,14 +268,45 @@ def check_rank_edges(header: plan_pb2.PlanHeader, rank: int, edges: list[CrossEd
                 _fail(f"{w}.send_phase", f"expected < {f_here} (the importer's FORWARD phase), got {e.send_phase}")
             if e.grad_phase < b_here:
                 _fail(f"{w}.grad_phase", f"expected >= {b_here} (the importer's BACKWARD phase), got {e.grad_phase}")
-        want = edge_bytes(params.memory, e.rows, e.states)
+        want = edge_bytes(sizes, e.needs)
         if e.bytes != want:
             _fail(f"{w}.bytes", f"expected {want} (the memory model of its rows and states), got {e.bytes}")
+    if incoming:
+        _check_reads(rank, edges, arrays, index, steps)
+
+
+def _check_reads(rank: int, edges: list[CrossEdgeArrays], arrays: list[MicrobatchArrays], index: dict[int, int],
+                 steps: list[tuple[int, int]]) -> None:
+    """The importer side's rows are exactly what the importer and its importers read (its states
+    are every state it imports from the exporter, checked with the edge)."""
+    by_id = {a.id: a for a in arrays}
+    order = [arrays[k].id for kind, k in steps if kind == plan_pb2.ExecStep.FORWARD and k >= 0]
+    needs = export_needs(by_id, order, sent=sent_needs(edges, rank), remote=remote_imports(edges, rank))
+    reads: dict[int, dict[int, ExportNeeds]] = {}
+    for i, e in enumerate(edges):
+        if e.importer_rank != rank:
+            continue
+        if e.importer not in reads:
+            reads[e.importer] = import_needs(by_id[e.importer], needs.get(e.importer))
+        want = reads[e.importer].get(e.exporter, ExportNeeds())
+        w = f"rank {rank}.cross_edges[{i}]"
+        for k in KINDS:
+            if not np.array_equal(e.rows[k], want.rows[k]):
+                _fail(f"{w}.{ROW_FIELDS[k]}", f"expected the {want.rows[k].shape[0]} rows of microbatch {e.exporter} "
+                      f"that microbatch {e.importer} and its importers read, got {e.rows[k].shape[0]} rows "
+                      f"({_first_difference(e.rows[k], want.rows[k])})")
+
+
+def _first_difference(got: np.ndarray, want: np.ndarray) -> str:
+    extra = np.setdiff1d(got, want)
+    if extra.shape[0]:
+        return f"row {int(extra[0])} is not read"
+    return f"row {int(np.setdiff1d(want, got)[0])} is missing"
 
 
 def check_plan_edges(ranks: list[plan_pb2.RankPlan]) -> None:
     """Step-wide: every edge is listed, identically, by exactly its two ranks, and edge ids are
-    0..n-1 (each rank's own rules: `check_rank_edges`).
+    0..E-1 (each rank's own rules: `check_rank_edges`).
 
     Raises:
         PlanValidationError: naming the edge.

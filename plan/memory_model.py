@@ -20,7 +20,9 @@ trainer keeps exactly what is counted here (the executor contract of issue 10):
   beta (fp32) of its KERNEL rows, and every fp32 state it exports.
 
 While microbatch m runs (forward or backward), a rank holds m's full activations plus the live
-bytes of every open window below which m runs. The budget is `PlanParams.memory.memory_bytes` =
+bytes of every open window below which m runs, plus, with windows across ranks (plan.cross_edges),
+the exports it has received and not yet answered with their gradients; an exporter's window stays
+open for its remote importers exactly as for local ones. The budget is `PlanParams.memory.memory_bytes` =
 memory_tokens x activation_row_bytes: M stays a user-facing token count ("M rows of full
 activations") and is checked in bytes everywhere.
 
@@ -348,20 +350,27 @@ def live_bytes_of(sizes: RowSizes, mb: MicrobatchArrays, local_counts: dict[str,
     return full, sizes.export_bytes(c[ATTN], c[CONV], c[KERNEL], int(num_states))
 
 
-def rank_live_bytes(sizes: RowSizes, mbs: dict[int, MicrobatchArrays], steps: list[tuple[bool, int]]) -> tuple[list[int], int]:
+def rank_live_bytes(sizes: RowSizes, mbs: dict[int, MicrobatchArrays], steps: list[tuple[bool, int]], *,
+                    sent: dict | None = None, remote=(), held=None) -> tuple[list[int], int]:
     """Live bytes of a rank at each of its execution steps, and their maximum.
 
     Args:
         mbs: the rank's decoded microbatches by id.
         steps: (is_forward, microbatch id) in execution order, properly nested (depth-first).
+        sent, remote: windows across ranks (plan.cross_edges), as `export_needs` takes them:
+            exporter id -> what importers on other ranks read of it (`sent_needs`; a recomputed
+            exporter keeps those exports too), and the (exporter, importer) pairs whose exporter
+            is on another rank (`remote_imports`).
+        held: int [len(steps)] bytes of received exports the rank holds at each step
+            (`plan.cross_edges.held_bytes` at the step's phase); None: none.
 
     Returns:
         (live bytes per step, peak). At a step of microbatch m: m's full activations plus the live
         bytes of every other open window (forward: those opened before m; backward: those still
-        open once m closes).
+        open once m closes), plus the received exports held then.
     """
     order = [m for fwd, m in steps if fwd]
-    needs = export_needs(mbs, order)
+    needs = export_needs(mbs, order, sent=sent, remote=remote)
     window: dict[int, int] = {}
     full: dict[int, int] = {}
     for m, mb in mbs.items():
@@ -371,14 +380,15 @@ def rank_live_bytes(sizes: RowSizes, mbs: dict[int, MicrobatchArrays], steps: li
     out: list[int] = []
     stack: list[int] = []
     open_bytes = 0
-    for fwd, m in steps:
+    for j, (fwd, m) in enumerate(steps):
+        extra = int(held[j]) if held is not None else 0
         if fwd:
-            out.append(open_bytes + full[m])
+            out.append(open_bytes + full[m] + extra)
             stack.append(m)
             open_bytes += window[m]
         else:
             if stack and stack[-1] == m:
                 stack.pop()
                 open_bytes -= window[m]
-            out.append(open_bytes + full[m])
+            out.append(open_bytes + full[m] + extra)
     return out, max(out, default=0)

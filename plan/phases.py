@@ -15,8 +15,10 @@ rank, FORWARD first. Real steps keep the window rules of a free plan (checked el
 
 Cost model of a phase (PlanStats.lockstep_makespan): a microbatch of cost c (Microbatch.cost)
 costs FORWARD_SHARE x c forward (with or without graph) and the rest backward; a recompute
-BACKWARD costs c (forward and backward); a stand-in costs 0. A phase lasts as long as its slowest
-rank, so lockstep_makespan = sum over phases of the largest step cost of any rank.
+BACKWARD costs c (forward and backward); a stand-in costs 0; a rank's cross edges add
+CostModel.transfer_byte x the bytes it moves in the phase (plan.cross_edges.transfer_bytes). A
+phase lasts as long as its slowest rank, so lockstep_makespan = sum over phases of the largest
+step cost of any rank.
 
 Shared by the planner (the report), the fast slice check and the oracle validator, like
 `plan.header`.

@@ -30,7 +30,7 @@ def slice_plan(plan: plan_pb2.Plan, rank: int) -> plan_pb2.PlanSlice:
     """The (unsealed) slice of `plan` for `rank`: its rank plan and a header restricted to it.
 
     The slice's size depends on its own rank's work only, not on the world size or the rest of
-    the step: `stats.rank_costs` holds its own rank's cost; the trajectory table (ids, lengths,
+    the step: `stats.rank_costs` (and `rank_transfer_costs`) hold its own rank's cost; the trajectory table (ids, lengths,
     per-trajectory normalisers) and the tree table list only the trajectories and trees its
     microbatches refer to, `lp_traj` and `seg_tree` index those local tables, and
     `header.trajectory_index` / `tree_index` map them back to the step's (`local_tables`).
@@ -48,6 +48,9 @@ def slice_plan(plan: plan_pb2.Plan, rank: int) -> plan_pb2.PlanSlice:
     del h.stats.rank_costs[:]
     if rank < len(src.stats.rank_costs):
         h.stats.rank_costs.append(src.stats.rank_costs[rank])
+    del h.stats.rank_transfer_costs[:]
+    if rank < len(src.stats.rank_transfer_costs):
+        h.stats.rank_transfer_costs.append(src.stats.rank_transfer_costs[rank])
     out.rank.CopyFrom(plan.ranks[rank])
     mbs = out.rank.microbatches
     trajs = _local_table(mbs, "lp_traj")

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from proto.harts.v1 import plan_pb2
-from plan.cross_edges import CrossEdgeArrays, check_rank_edges, decode_edges
+from plan.cross_edges import CrossEdgeArrays, check_rank_edges, decode_edges, remote_imports
 from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from plan.header import check_header
 from plan.phases import check_rank_phases, lockstep_phases
@@ -122,8 +122,7 @@ def check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> DecodedS
         (k, i) for i in range(len(arrays)) for k in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD)]
     standins = standins or [0] * len(steps)
     edges = decode_edges(rank)
-    remote = {(e.exporter, e.importer) for e in edges if e.importer_rank == rank.rank}
-    _check_order(arrays, index, steps, where, skip_standins=bool(params.lockstep), remote=remote)
+    _check_order(arrays, index, steps, where, skip_standins=bool(params.lockstep), remote=remote_imports(edges, rank.rank))
     check_rank_edges(header, int(rank.rank), edges, arrays, index, steps)
     return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps, standins=standins,
                         phases=phases, edges=edges)

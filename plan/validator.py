@@ -20,10 +20,19 @@ header.lockstep_phases, of the phase's kind, with the stand-in pairing and recom
 `plan.phases`, so every rank has the same phase count and kinds; the lock-step statistics follow
 from the steps. Stand-ins are skipped by the window-order and memory rules.
 
+Windows across ranks (lock-step plans, RankPlan.cross_edges): every rank's edges pass the
+one-rank rules of `plan.cross_edges` (rows and states exactly what the importer and its own
+importers read, phase order, bytes); the whole plan lists each edge identically on both of its
+ranks with ids 0..E-1, its statistics count them, and rows resolve across ranks by forward phase
+(an exporter before its importers), so token chains, ancestry and states are checked through the
+edge as through a local window. `validate_slice` cannot see the other rank: it checks the
+one-rank rules and leaves the rows that come from there to `validate_plan`.
+
 Live memory (what must fit params.memory.memory_bytes): `plan.memory_model.rank_live_bytes`, the
 function the planner uses: while microbatch m runs, its full activations plus, for every open window
 below which it runs, that window's full activations, or, when it is marked `recompute`, only the
-export tensors of its own rows that `plan.window_exports.export_needs` lists.
+export tensors of its own rows that `plan.window_exports.export_needs` lists (those its remote
+importers read included), plus the exports it has received over cross edges and not yet answered.
 
 Legend: R local rows, I imported rows, S segments, P log-prob entries, K conv kernel, C chunk size.
 """
@@ -33,6 +42,8 @@ import numpy as np
 
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
+from plan.cross_edges import (CrossEdgeArrays, check_plan_edges, check_rank_edges, decode_edges, held_bytes,
+                              remote_imports, sent_needs, transfer_bytes)
 from plan.memory_model import RowSizes, rank_live_bytes
 from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from plan.header import check_header
@@ -191,7 +202,8 @@ class _Step:
             for e in np.unique(e_all).tolist():
                 sel = np.flatnonzero(e_all == e)
                 if e not in self.pred:
-                    _fail(f"{mb.where}.import_microbatch[{int(sel[0])}]", f"exporter {e} is not an earlier microbatch of this rank")
+                    _fail(f"{mb.where}.import_microbatch[{int(sel[0])}]", f"exporter {e} is not an earlier microbatch "
+                          f"of this rank (nor the exporter of a cross edge forwarded in an earlier phase)")
                 rows = r_all[sel]
                 n_ext = self.pred[e].shape[0]
                 bad = np.flatnonzero(rows >= n_ext)
@@ -340,7 +352,8 @@ def _check_linear(mb: _MB, st: _Step, params: plan_pb2.PlanParams, states_of: di
                 imp = mb.msg.state_imports[src.state]
                 table = states_of.get(imp.microbatch)
                 if table is None or imp.state not in table:
-                    _fail(f"{w}.state_imports[{src.state}]", f"microbatch {imp.microbatch} does not export state {imp.state} earlier on this rank")
+                    _fail(f"{w}.state_imports[{src.state}]", f"microbatch {imp.microbatch} does not export state {imp.state} "
+                          f"earlier (on this rank, or across a cross edge)")
                 if imp.state not in set(st.mbs[imp.microbatch].export_states.tolist()):
                     _fail(f"{w}.state_imports[{src.state}]", f"state {imp.state} is not in microbatch {imp.microbatch}'s export_states")
                 e_depth, e_ident = table[imp.state]
@@ -387,12 +400,16 @@ def _memory_sizes(params: plan_pb2.PlanParams) -> RowSizes:
 
 
 def _check_live_memory(where: str, params: plan_pb2.PlanParams, rank: plan_pb2.RankPlan, ids: list[int],
-                       mbs: dict[int, "_MB"]) -> int:
-    """Live window stack at every step under the memory model (plan.memory_model); returns the peak bytes."""
+                       mbs: dict[int, "_MB"], edges: list[CrossEdgeArrays]) -> int:
+    """Live window stack at every step under the memory model (plan.memory_model), with the
+    exporters' remote needs and the received exports of cross edges (plan.cross_edges); returns
+    the peak bytes."""
     sizes = _memory_sizes(params)
     arrays = {m: mb.arrays for m, mb in mbs.items()}
     real = [(i, s) for i, s in enumerate(rank.steps) if s.microbatch >= 0]  # stand-ins hold no activations
-    live, peak = rank_live_bytes(sizes, arrays, [(s.kind == plan_pb2.ExecStep.FORWARD, ids[s.microbatch]) for _, s in real])
+    held = held_bytes(edges, rank.rank, len(rank.steps))[[i for i, _ in real]] if edges else None
+    live, peak = rank_live_bytes(sizes, arrays, [(s.kind == plan_pb2.ExecStep.FORWARD, ids[s.microbatch]) for _, s in real],
+                                 sent=sent_needs(edges, rank.rank), remote=remote_imports(edges, rank.rank), held=held)
     budget = params.memory.memory_bytes
     for (i, _), x in zip(real, live):
         if x > budget:
@@ -400,7 +417,13 @@ def _check_live_memory(where: str, params: plan_pb2.PlanParams, rank: plan_pb2.R
     return peak
 
 
-def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[dict[int, _MB], _Step, int]:
+def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan
+                ) -> tuple[dict[int, _MB], list[int], int, list[CrossEdgeArrays]]:
+    """One rank's tables, execution order, live memory and the one-rank rules of its cross edges.
+
+    Returns:
+        (its microbatches by id, their ids in forward order, its peak live bytes, its decoded edges).
+    """
     params = header.params
     where = f"rank {rank.rank}"
     mbs: dict[int, _MB] = {}
@@ -418,13 +441,16 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
     # Execution order: each microbatch forward once then backward once, properly nested; in a
     # lock-step plan one step per phase of the phase's kind, stand-ins paired (plan.phases).
     ids = [mb.id for mb in rank.microbatches]
+    phases = lockstep_phases(header)
     if params.lockstep:
-        check_rank_phases(where, lockstep_phases(header), [(s.kind, s.microbatch, s.standin) for s in rank.steps],
+        check_rank_phases(where, phases, [(s.kind, s.microbatch, s.standin) for s in rank.steps],
                           [mb.recompute for mb in rank.microbatches])
     else:
         for i, step in enumerate(rank.steps):
             if step.standin:
                 _fail(f"{where}.steps[{i}]", f"expected standin 0 in a free plan (params.lockstep false), got {step.standin}")
+    edges = decode_edges(rank)
+    remote = remote_imports(edges, rank.rank)
     seen_f: dict[int, int] = {}
     seen_b: dict[int, int] = {}
     stack: list[int] = []
@@ -440,7 +466,7 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
                 _fail(f"{where}.steps[{i}]", f"microbatch {m} forwarded twice")
             seen_f[m] = i
             for e in set(mbs[m].import_mb.tolist()) | {s.microbatch for s in mbs[m].msg.state_imports}:
-                if e not in stack:
+                if e not in stack and not ((e, m) in remote and e not in mbs):  # another rank's: its edge says when
                     _fail(f"{where}.steps[{i}]", f"microbatch {m} imports from {e}, which is not an open window here")
             stack.append(m)
             order.append(m)
@@ -454,9 +480,18 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
     for m in ids:
         if m not in seen_f or m not in seen_b:
             _fail(f"{where}.steps", f"microbatch {m} is not forwarded and backwarded exactly once")
-    peak = _check_live_memory(where, params, rank, ids, mbs)
-    st = _Step(mbs)
-    states_of: dict[int, dict[int, tuple[int, int]]] = {}
+    # in a lock-step plan the step index is the phase
+    check_rank_edges(header, rank.rank, edges, [mbs[m].arrays for m in ids], {m: i for i, m in enumerate(ids)},
+                     [(s.kind, s.microbatch) for s in rank.steps])
+    peak = _check_live_memory(where, params, rank, ids, mbs, edges)
+    return mbs, order, peak, edges
+
+
+def _check_rows(header: plan_pb2.PlanHeader, mbs: dict[int, _MB], order: list[int], st: _Step,
+                states_of: dict[int, dict[int, tuple[int, int]]]) -> None:
+    """Resolve the microbatches of `order` (exporters first) and check what depends on their
+    rows: ancestry, linear-attention schedules, the log-prob map's rows, export rows."""
+    params = header.params
     for m in order:
         st.resolve(m, order)
         _check_ancestry(mbs[m], st.pred[m], params.conv_kernel)
@@ -478,17 +513,31 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
         rows = mb.export_rows
         if rows.shape[0] and ((rows < 0) | (rows >= mb.R + mb.I)).any():
             _fail(f"{mb.where}.export_rows", f"expected extended rows in [0, {mb.R + mb.I})")
-    return mbs, st, peak
 
 
 def validate_slice(slice_: plan_pb2.PlanSlice) -> None:
-    """Check one rank's slice: tables, ancestry, schedule, imports, budgets and execution order.
+    """Check one rank's slice: tables, ancestry, schedule, imports, budgets, execution order and
+    the one-rank rules of its cross edges (plan.cross_edges).
+
+    A microbatch whose rows come, directly or through its window ancestors, from another rank
+    (a cross edge) cannot have its token chains, ancestry and states checked without that rank:
+    validate_plan checks them.
 
     Raises:
         PlanValidationError: the first violated rule, naming the microbatch and field.
     """
     check_header(slice_.header)
-    _check_rank(slice_.header, slice_.rank)
+    mbs, order, _, edges = _check_rank(slice_.header, slice_.rank)
+    remote = {x for x, _ in remote_imports(edges, slice_.rank.rank)}
+    alone: list[int] = []
+    for m in order:
+        mb = mbs[m]
+        sources = set(mb.import_mb.tolist()) | {s.microbatch for s in mb.msg.state_imports}
+        if sources & remote:
+            remote.add(m)  # its importers depend on another rank too
+        else:
+            alone.append(m)
+    _check_rows(slice_.header, mbs, alone, _Step(mbs), {})
 
 
 def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
@@ -511,21 +560,32 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
     if len(plan.ranks) != p.world_size:
         _fail("ranks", f"expected {p.world_size} rank plans, got {len(plan.ranks)}")
     all_mbs: dict[int, _MB] = {}
-    steps: dict[int, _Step] = {}
     peak = 0
+    forward: list[tuple[int, int, int]] = []  # (forward step = phase in a lock-step plan, rank, microbatch)
+    edges: list[CrossEdgeArrays] = []
     for i, rank in enumerate(plan.ranks):
         if rank.rank != i:
             _fail(f"ranks[{i}].rank", f"expected {i}, got {rank.rank}")
-        mbs, st, rank_peak = _check_rank(header, rank)
+        mbs, order, rank_peak, rank_edges = _check_rank(header, rank)
         peak = max(peak, rank_peak)
+        edges += rank_edges
         for m, mb in mbs.items():
             if m in all_mbs:
                 _fail(f"microbatch {m}", "placed on more than one rank")
             all_mbs[m] = mb
-            steps[m] = st
+        ids = [mb.id for mb in rank.microbatches]
+        forward += [(j, i, ids[s.microbatch]) for j, s in enumerate(rank.steps)
+                    if s.microbatch >= 0 and s.kind == plan_pb2.ExecStep.FORWARD]
     M = len(all_mbs)
     if sorted(all_mbs) != list(range(M)):
         _fail("ranks", f"expected microbatch ids 0..{M - 1}, got {sorted(all_mbs)[:5]}...")
+    _check_cross_edges(plan, edges)
+    # Rows resolve exporters first: rank by rank in a free plan, by forward phase in a lock-step
+    # plan (a cross edge's exporter forwards in an earlier phase than its importer).
+    order = [m for _, _, m in (sorted(forward) if p.lockstep else sorted(forward, key=lambda x: (x[1], x[0])))]
+    st_all = _Step(all_mbs)
+    _check_rows(header, all_mbs, order, st_all, {})
+    steps = {m: st_all for m in all_mbs}
     # Kept tokens: each forest identity once over non-duplicated rows.
     kept = [steps[m].ident[m][: mb.R][mb.row_dup == 0] for m, mb in all_mbs.items()]
     kept_all = np.concatenate(kept) if kept else np.zeros(0, np.int64)
@@ -568,22 +628,71 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
             _fail("ranks", f"expected {int(expect)} distinct forest tokens kept, got {kept_all.shape[0]}")
 
 
+def _check_cross_edges(plan: plan_pb2.Plan, edges: list[CrossEdgeArrays]) -> None:
+    """Step-wide rules of windows across ranks: every edge listed identically by its exporter's
+    and its importer's rank, ids 0..E-1 (`plan.cross_edges.check_plan_edges`), and the statistics
+    that count them."""
+    check_plan_edges(list(plan.ranks))
+    by_id = {e.id: e for e in edges}
+    E = len(by_id)
+    st = plan.header.stats
+    moved = np.zeros(len(plan.ranks), np.int64)
+    for e in by_id.values():
+        moved[[e.exporter_rank, e.importer_rank]] += 2 * e.bytes
+    want = (E, 2 * sum(e.bytes for e in by_id.values()), int(moved.max()) if E else 0)
+    got = (st.cross_edges, st.exchanged_bytes, st.max_rank_exchanged_bytes)
+    if got != want:
+        _fail("header.stats.cross_edges", f"expected (cross_edges, exchanged_bytes, max_rank_exchanged_bytes) = {want} "
+              f"from the edges, got {got}")
+
+
+def _rank_transfer(plan: plan_pb2.Plan) -> list[float]:
+    """transfer_byte x the bytes each rank sends plus receives over its cross edges."""
+    tb = plan.header.params.cost_model.transfer_byte
+    return [tb * sum(2 * e.bytes for e in rank.cross_edges) for rank in plan.ranks]
+
+
 def _check_costs(plan: plan_pb2.Plan, all_mbs: dict[int, "_MB"]) -> None:
-    """rank_costs sum their microbatches' costs; the makespan statistics follow from them."""
+    """rank_costs sum their microbatches' costs, rank_transfer_costs price their cross edges; the
+    makespan statistics follow from both."""
     st, W = plan.header.stats, len(plan.ranks)
     costs = [sum(mb.cost for mb in rank.microbatches) for rank in plan.ranks]
     if len(st.rank_costs) != W or any(abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(st.rank_costs, costs)):
         _fail("header.stats.rank_costs", f"expected the sums of each rank's microbatch costs {costs[:4]}..., got {list(st.rank_costs)[:4]}...")
     if any(mb.msg.cost < 0 for mb in all_mbs.values()):
         _fail("microbatch cost", "expected costs >= 0")
-    top = max(costs, default=0.0)
+    transfer = _rank_transfer(plan)
+    got = list(st.rank_transfer_costs) or [0.0] * W
+    if len(got) != W or any(abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(got, transfer)):
+        _fail("header.stats.rank_transfer_costs", f"expected transfer_byte x each rank's exchanged bytes {transfer[:4]}..., "
+              f"got {list(st.rank_transfer_costs)[:4]}...")
+    top = max((c + t for c, t in zip(costs, transfer)), default=0.0)
     if abs(st.makespan - top) > 1e-9 * max(1.0, top):
-        _fail("header.stats.makespan", f"expected the largest rank cost {top}, got {st.makespan}")
-    if st.makespan_lower_bound < sum(costs) / W * (1 - 1e-9) or st.makespan_lower_bound > top * (1 + 1e-9) + 1e-9:
-        _fail("header.stats.makespan_lower_bound", f"expected between total / world_size = {sum(costs) / W} and the makespan {top}, got {st.makespan_lower_bound}")
+        _fail("header.stats.makespan", f"expected the largest rank cost (with its transfers) {top}, got {st.makespan}")
+    # a rank computes the longest trajectory's rows unless windows cross ranks; a lock-step plan's
+    # phases run them in sequence either way
+    step = _lockstep_makespan(plan, lockstep_phases(plan.header)) if plan.header.params.lockstep else top
+    if st.makespan_lower_bound < sum(costs) / W * (1 - 1e-9) or st.makespan_lower_bound > step * (1 + 1e-9) + 1e-9:
+        _fail("header.stats.makespan_lower_bound", f"expected between total / world_size = {sum(costs) / W} and the "
+              f"{'lock-step makespan' if plan.header.params.lockstep else 'makespan'} {step}, got {st.makespan_lower_bound}")
     want = top / st.makespan_lower_bound if st.makespan_lower_bound > 0 else 1.0
     if abs(st.makespan_ratio - want) > 1e-9 * max(1.0, want):
         _fail("header.stats.makespan_ratio", f"expected makespan / makespan_lower_bound = {want}, got {st.makespan_ratio}")
+
+
+def _lockstep_makespan(plan: plan_pb2.Plan, phases: np.ndarray) -> float:
+    """The sum over phases of the slowest rank's step cost, its transfers included (plan.phases)."""
+    slowest = np.zeros(phases.shape[0], np.float64)
+    tb = plan.header.params.cost_model.transfer_byte
+    for rank in plan.ranks:
+        cost = np.zeros(phases.shape[0], np.float64)
+        for i, (step, phase) in enumerate(zip(rank.steps, phases.tolist())):
+            if step.microbatch >= 0:
+                cost[i] = step_cost(phase, rank.microbatches[step.microbatch].cost)
+        if len(rank.cross_edges):
+            cost += tb * transfer_bytes(decode_edges(rank), rank.rank, phases.shape[0])
+        slowest = np.maximum(slowest, cost)
+    return float(slowest.sum())
 
 
 def _check_lockstep_stats(plan: plan_pb2.Plan) -> None:
@@ -602,14 +711,10 @@ def _check_lockstep_stats(plan: plan_pb2.Plan) -> None:
     if st.lockstep_phases != phases.shape[0] or got != counts:
         _fail("header.stats.lockstep_phases", f"expected {phases.shape[0]} phases ({counts} forward, backward, recompute), "
               f"got {st.lockstep_phases} ({got})")
-    slowest = np.zeros(phases.shape[0], np.float64)
-    for rank in plan.ranks:
-        for i, (step, phase) in enumerate(zip(rank.steps, phases.tolist())):
-            if step.microbatch >= 0:
-                slowest[i] = max(slowest[i], step_cost(phase, rank.microbatches[step.microbatch].cost))
-    want = float(slowest.sum())
+    want = _lockstep_makespan(plan, phases)
     if abs(st.lockstep_makespan - want) > 1e-9 * max(1.0, want):
-        _fail("header.stats.lockstep_makespan", f"expected the sum over phases of the slowest rank's step cost {want}, "
+        _fail("header.stats.lockstep_makespan", f"expected the sum over phases of the slowest rank's step cost (with its "
+              f"transfers) {want}, "
               f"got {st.lockstep_makespan}")
     ratio = want / st.makespan if st.makespan > 0 else 1.0
     if abs(st.lockstep_ratio - ratio) > 1e-9 * max(1.0, ratio):

@@ -84,9 +84,11 @@ def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int], *,
         mbs: decoded microbatches of one rank, by id.
         order: their ids in forward order (an exporter before its importers).
         sent: windows across ranks whose exporter is here: exporter id -> what each of its
-            importers on other ranks reads (`plan.cross_edges.CrossEdgeArrays.needs`).
+            importers on other ranks reads (`plan.cross_edges.sent_needs`); those reads count
+            like a local importer's.
         remote: windows across ranks whose importer is here: (exporter id, importer id) pairs
-            whose imports another rank's exporter provides (left out here).
+            whose imports another rank's exporter provides (`plan.cross_edges.remote_imports`;
+            left out here).
     Returns:
         {exporter id: ExportNeeds} for every microbatch of this rank that something imports from.
     """

@@ -329,6 +329,7 @@ async def submit_rollouts(
     no_sharing: bool = Query(False),
     no_windows: bool = Query(False),
     lockstep: bool = Query(False, description="Plan lock-step phases (see Topology.lockstep)"),
+    no_cross_rank_windows: bool = Query(False, description="With lockstep: keep windows on their rank (see Topology)"),
     core: PlannerCore = Depends(_core),
 ) -> SubmitResponse:
     """Store a step's rollouts: validated whole, idempotent by batch_id and content.
@@ -350,6 +351,7 @@ async def submit_rollouts(
         topology = planner_pb2.Topology(
             world_size=world_size, microbatch_tokens=microbatch_tokens, memory_tokens=memory_tokens,
             chunk_size=chunk_size, no_sharing=no_sharing, no_windows=no_windows, lockstep=lockstep,
+            no_cross_rank_windows=no_cross_rank_windows,
         )
     resp = await core.submit_async(body, fmt, topology)
     return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate)

@@ -49,6 +49,8 @@ class Topology(BaseModel):
     lockstep: bool = Field(False, description="Plan lock-step phases (DESIGN §5.7): every rank runs one step of the "
                            "same kind per phase, so that trainers which gather parameters per forward and backward "
                            "(FSDP2 with parallelism.reshard_after_forward) pair their collectives")
+    no_cross_rank_windows: bool = Field(False, description="With lockstep: keep every sharing window on its rank "
+                                        "(the ablation of windows across ranks, plan.proto CrossEdge)")
 
     def to_proto(self) -> planner_pb2.Topology:
         return planner_pb2.Topology(**self.model_dump())

@@ -172,6 +172,7 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
             model_config=extra.get("model"),
             dtype=topo.dtype or "float32",
             lockstep=topo.lockstep,
+            cross_rank_windows=not topo.no_cross_rank_windows,
             **({"cost_model": extra["cost_model"]} if "cost_model" in extra else {}),
         )
         row_bytes = cfg.sizes.activation_row_bytes
@@ -200,4 +201,5 @@ def normalized_topology(cfg: PlanConfig) -> planner_pb2.Topology:
         dtype=cfg.dtype,
         cost_model=cfg.cost_model.to_json() if cfg.cost_model != CostModel() else "",
         lockstep=cfg.lockstep,
+        no_cross_rank_windows=not cfg.cross_rank_windows,
     )

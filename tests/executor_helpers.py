@@ -314,18 +314,45 @@ def lockstep_plan(plan: plan_pb2.Plan) -> plan_pb2.Plan:
 
 
 def _lockstep_stats(plan: plan_pb2.Plan) -> None:
-    """PlanStats.lockstep_* of a lock-step plan, by `plan.phases`' cost model (what the validator checks)."""
+    """PlanStats.lockstep_* of a lock-step plan, by `plan.phases`' cost model, and the statistics
+    of its cross edges (what the validator checks)."""
+    from plan.cross_edges import decode_edges, held_bytes, remote_imports, sent_needs, transfer_bytes
+    from plan.decode import decode_microbatch
+    from plan.memory_model import RowSizes, rank_live_bytes
     from plan.phases import lockstep_phases, phase_counts, step_cost
 
     phases = lockstep_phases(plan.header)
     st = plan.header.stats
     st.lockstep_phases = phases.shape[0]
     st.lockstep_forward_phases, st.lockstep_backward_phases, st.lockstep_recompute_phases = phase_counts(phases)
+    tb = plan.header.params.cost_model.transfer_byte
     slowest = np.zeros(phases.shape[0])
     for r in plan.ranks:
+        cost = np.zeros(phases.shape[0])
         for i, (s, phase) in enumerate(zip(r.steps, phases.tolist())):
             if s.microbatch >= 0:
-                slowest[i] = max(slowest[i], step_cost(phase, r.microbatches[s.microbatch].cost))
+                cost[i] = step_cost(phase, r.microbatches[s.microbatch].cost)
+        slowest = np.maximum(slowest, cost + tb * transfer_bytes(decode_edges(r), r.rank, phases.shape[0]))
+    edges = {e.id: e for r in plan.ranks for e in r.cross_edges}
+    moved = [sum(2 * e.bytes for e in r.cross_edges) for r in plan.ranks]
+    st.cross_edges, st.exchanged_bytes = len(edges), 2 * sum(e.bytes for e in edges.values())
+    st.max_rank_exchanged_bytes = max(moved) if edges else 0
+    if len(st.rank_transfer_costs) or tb:
+        del st.rank_transfer_costs[:]
+        st.rank_transfer_costs.extend(tb * x for x in moved)
+    sizes, peak = RowSizes.from_proto(plan.header.params.memory), 0  # microbatches may have moved between ranks
+    for r in plan.ranks:
+        edges, real = decode_edges(r), [i for i, s in enumerate(r.steps) if s.microbatch >= 0]
+        arrays = {mb.id: decode_microbatch(mb, plan.header.params) for mb in r.microbatches}
+        steps = [(r.steps[i].kind == plan_pb2.ExecStep.FORWARD, r.microbatches[r.steps[i].microbatch].id) for i in real]
+        peak = max(peak, rank_live_bytes(sizes, arrays, steps, sent=sent_needs(edges, r.rank), remote=remote_imports(edges, r.rank),
+                                         held=held_bytes(edges, r.rank, len(r.steps))[real])[1])
+    st.peak_live_bytes, st.peak_live_tokens = peak, sizes.tokens(peak)
+    del st.rank_costs[:]
+    st.rank_costs.extend(float(sum(mb.cost for mb in r.microbatches)) for r in plan.ranks)
+    transfer = list(st.rank_transfer_costs) or [0.0] * len(plan.ranks)
+    st.makespan = max(c + t for c, t in zip(st.rank_costs, transfer))
+    st.makespan_ratio = st.makespan / st.makespan_lower_bound if st.makespan_lower_bound > 0 else 1.0
     st.lockstep_makespan = float(slowest.sum())
     st.lockstep_ratio = st.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0
 
@@ -348,8 +375,9 @@ def cross_rank_plan(plan: plan_pb2.Plan, importer: int, dst: int, rng: np.random
     FORWARD and the importer's, its gradients back between the importer's BACKWARD and the
     exporter's (`rng` picks them; None: the last and the first possible phase).
     """
-    from plan.cross_edges import decode_edges, edge_bytes
+    from plan.cross_edges import decode_edges, edge_bytes, remote_imports, sent_needs
     from plan.decode import decode_microbatch
+    from plan.memory_model import RowSizes
     from plan.window_exports import export_needs, import_needs
 
     F, B = plan_pb2.PHASE_FORWARD, plan_pb2.PHASE_BACKWARD
@@ -372,11 +400,7 @@ def cross_rank_plan(plan: plan_pb2.Plan, importer: int, dst: int, rng: np.random
     arrays = {mb.id: decode_microbatch(mb, params) for mb in src.microbatches}
     order = [ids[i] for k, i, _ in steps if i >= 0 and k == plan_pb2.ExecStep.FORWARD]
     edges = decode_edges(src)
-    sent: dict[int, list] = {}
-    for e in edges:
-        if e.exporter_rank == src.rank:
-            sent.setdefault(e.exporter, []).append(e.needs)
-    needs = export_needs(arrays, order, sent=sent, remote={(e.exporter, e.importer) for e in edges if e.importer_rank == src.rank})
+    needs = export_needs(arrays, order, sent=sent_needs(edges, src.rank), remote=remote_imports(edges, src.rank))
     pairs = []  # (exporter outside the block, importer inside, what it reads)
     for x in sorted(moved):
         for e, nd in import_needs(arrays[x], needs.get(x)).items():
@@ -436,7 +460,6 @@ def cross_rank_plan(plan: plan_pb2.Plan, importer: int, dst: int, rng: np.random
         idx = {m.id: j for j, m in enumerate(rank.microbatches)}[mb_id]
         return next(p for p, s in enumerate(rank.steps) if s.microbatch == idx and s.kind == kind)
 
-    _lockstep_stats(out)
     first = max((e.id for r in out.ranks for e in r.cross_edges), default=-1) + 1
     fwd, bwd = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
     for n, (e, x, nd) in enumerate(pairs):
@@ -449,9 +472,10 @@ def cross_rank_plan(plan: plan_pb2.Plan, importer: int, dst: int, rng: np.random
             id=first + n, exporter=e, exporter_rank=src.rank, importer=x, importer_rank=dst,
             attn_rows=pack(nd.rows["attn"], "int32"), conv_rows=pack(nd.rows["conv"], "int32"),
             kernel_rows=pack(nd.rows["kernel"], "int32"), states=pack(nd.states, "int32"),
-            send_phase=send, grad_phase=grad, bytes=edge_bytes(params.memory, nd.rows, nd.states))
+            send_phase=send, grad_phase=grad, bytes=edge_bytes(RowSizes.from_proto(params.memory), nd))
         src.cross_edges.add().CopyFrom(edge)
         dst_rank.cross_edges.add().CopyFrom(edge)
+    _lockstep_stats(out)
     return out
 
 

@@ -63,7 +63,7 @@ import torch
 
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-from plan.cross_edges import check_plan_edges, decode_edges
+from plan.cross_edges import check_plan_edges, decode_edges, remote_imports, sent_needs
 from plan.decode import BACKWARD, FORWARD, MicrobatchArrays, decode_microbatch, rank_plans, rank_steps
 from plan.header import check_header
 from plan.slice_check import DecodedSlice, check_rank
@@ -337,12 +337,8 @@ class _RankWalk:
         self.steps = [(kind, i, k) for (kind, i), k in zip(d.steps, d.standins)]
         self.phases = d.phases
         order = [self.ids[i] for kind, i, _ in self.steps if kind == FORWARD and i >= 0]
-        sent: dict[int, list] = {}
-        for e in d.edges:
-            if e.exporter_rank == d.rank:
-                sent.setdefault(e.exporter, []).append(e.needs)
-        remote = {(e.exporter, e.importer) for e in d.edges if e.importer_rank == d.rank}
-        self.needs = export_needs(self.arrays, order, sent=sent, remote=remote)
+        self.needs = export_needs(self.arrays, order, sent=sent_needs(d.edges, d.rank),
+                                  remote=remote_imports(d.edges, d.rank))
         self.edges = RankEdges(d.rank, d.edges, self.needs, ex.export_layout, ex.device) if d.edges else None
         self.open: dict[int, _Open] = {}
         self.standins: dict[int, _Open] = {}

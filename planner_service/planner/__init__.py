@@ -5,11 +5,22 @@
     plan = plan_step(forest, PlanConfig(world_size=8, microbatch_tokens=16384))
 
 `plan_step` = `partition` (levels 1-2, `partition.py`; with `cfg.lockstep` the phases of
-`lockstep.py`) + `build_plan` (`build.py`) + the wall time of both in `PlanStats.plan_seconds`. With `cfg.sharing=False` it plans the trajectory-expanded
-baseline: every trajectory its own tree (`expand_forest`), standard packing, the same builder.
+`lockstep.py`) + `build_plan` (`build.py`) + the wall time of both in `PlanStats.plan_seconds`.
+With `cfg.sharing=False` it plans the trajectory-expanded baseline: every trajectory its own tree
+(`expand_forest`), standard packing, the same builder.
+
+With windows across ranks allowed (`cfg.crossing`: a lock-step plan with cross_rank_windows) it
+builds the plan whose placement duplicates root paths (windows stay on their rank) and the plans
+with windows across ranks: that plan's schedule with the duplicated rows imported where windows
+enclose each other (`crossing.import_duplicates`), and the partitioner's crossing candidates
+(`partition.crossing_partitions`: a tree's shared prefix imported from the rank keeping its root).
+The best of the latter (shortest lock-step makespan, then fewest duplicated rows) replaces the
+first only where it shortens the step or duplicates fewer rows at a step at most
+CROSS_EQUAL_MAKESPAN longer; PlanStats.with_cross_edges / without_cross_edges report both.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -21,16 +32,21 @@ from planner_service.forest import Forest
 from planner_service.planner.build import build_plan
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.cost_model import CostModel
-from planner_service.planner.partition import expand_forest, partition, partition_with_report
+from planner_service.planner.crossing import import_duplicates
+from planner_service.planner.partition import crossing_partitions, expand_forest, partition, partition_with_report
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.harts.v1 import plan_pb2
 
 __all__ = [
-    "MicrobatchSpec", "Partition", "PlanConfig", "PlanningError", "build_plan", "expand_forest",
+    "MicrobatchSpec", "Partition", "PlanConfig", "PlanningError", "build_plan", "crossing_partitions", "expand_forest",
     "partition", "partition_with_report", "plan_step", "warmup",
 ]
 
 log = logging.getLogger(__name__)
+
+#: Two lock-step makespans within this fraction count as equal: a plan with windows across ranks
+#: that duplicates fewer rows is kept at up to (1 + CROSS_EQUAL_MAKESPAN) x the other's step.
+CROSS_EQUAL_MAKESPAN = 0.01
 
 
 def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_pb2.Plan:
@@ -48,8 +64,10 @@ def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_p
     """
     t0 = time.perf_counter()
     source = forest if cfg.sharing else expand_forest(forest)
-    part = partition(source, cfg, impl=impl)
-    plan = build_plan(source, cfg, part, impl=impl)
+    if cfg.crossing:
+        plan = _plan_crossing(source, cfg, impl)
+    else:
+        plan = build_plan(source, cfg, partition(source, cfg, impl=impl), impl=impl)
     plan.header.stats.plan_seconds = time.perf_counter() - t0
     st = plan.header.stats
     if st.peak_live_bytes > cfg.memory_bytes:  # the partitioner's estimate bounds the exact stack
@@ -63,6 +81,58 @@ def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_p
         forest.batch_id, st.microbatches, st.compression_achieved, st.compression_ideal, st.imbalance, st.plan_seconds,
     )
     return plan
+
+
+def _plan_crossing(source: Forest, cfg: PlanConfig, impl: str) -> plan_pb2.Plan:
+    """The plan without windows across ranks, or the best plan with them where it is better
+    (module docstring)."""
+    plans: dict[bool, plan_pb2.Plan] = {}
+    errors: list[PlanningError] = []
+    candidates: list[Partition] = []
+    try:
+        base = partition(source, dataclasses.replace(cfg, cross_rank_windows=False), impl=impl)
+        plans[False] = build_plan(source, cfg, base, impl=impl)
+        kept = import_duplicates(source, base)  # the same schedule, duplicated rows imported where it allows
+        if kept is not None:
+            candidates.append(kept)
+    except PlanningError as exc:  # a budget the duplicating placement cannot meet
+        errors.append(exc)
+    try:
+        candidates += [part for _, part, _ in crossing_partitions(source, cfg, impl=impl)]
+    except PlanningError as exc:  # no candidate fits the budgets or finishes its order
+        errors.append(exc)
+        log.debug("plan %s with windows across ranks: %s", source.batch_id, exc)
+    for part in candidates:
+        plan = build_plan(source, cfg, part, impl=impl)
+        if plan.header.stats.peak_live_bytes > cfg.memory_bytes:  # what it receives does not fit
+            continue
+        best = plans.get(True)
+        if best is None or _step_key(plan) < _step_key(best):
+            plans[True] = plan
+    if not plans:
+        raise errors[0]
+    base, cross = plans.get(False), plans.get(True)
+    if base is None or cross is None:
+        return base or cross
+    b, x = base.header.stats, cross.header.stats
+    use = x.cross_edges > 0 and (
+        x.lockstep_makespan < b.lockstep_makespan
+        or (x.lockstep_makespan <= (1 + CROSS_EQUAL_MAKESPAN) * b.lockstep_makespan and x.duplicated_tokens < b.duplicated_tokens))
+    plan = cross if use else base
+    for msg, st in ((plan.header.stats.with_cross_edges, x), (plan.header.stats.without_cross_edges, b)):
+        for name in ("compression_achieved", "makespan_ratio", "lockstep_makespan", "duplicated_tokens", "cross_edges",
+                     "exchanged_bytes", "makespan", "makespan_lower_bound"):
+            setattr(msg, name, getattr(st, name))
+    log.debug("plan %s: %s windows across ranks (lock-step makespan %.0f with %d edges, %.0f without)", source.batch_id,
+              "with" if use else "without", x.lockstep_makespan, x.cross_edges, b.lockstep_makespan)
+    return plan
+
+
+def _step_key(plan: plan_pb2.Plan) -> tuple[float, int]:
+    """Order of the plans with windows across ranks: the shortest lock-step step, then the fewest
+    duplicated rows."""
+    st = plan.header.stats
+    return st.lockstep_makespan, st.duplicated_tokens
 
 
 def _tiny_forest() -> Forest:

@@ -10,7 +10,9 @@ report. `PlanStats.plan_seconds` is left to `plan_step`.
 windows), `_context` (root paths and what window children need), `_lay_out` (rows of every
 microbatch), `_windows` (imports and exports), `_schedules` (linear-attention calls),
 `_state_sources` (every sequence's initial state), `_logprob_map`, `_rank_orders` (execution
-steps), `_serialise` (one wire microbatch), and `_fill_steps` / `_fill_stats`.
+steps), `_serialise` (one wire microbatch), `_cross_edges` (windows across ranks, lock-step plans
+with cfg.crossing: a window parent or a state's exporter on another rank) and `_fill_steps` /
+`_fill_stats`.
 
 The passes over tokens, rows, sequences and log-prob entries are Numba kernels over flat arrays
 (`build_kernels.py`, `min_calls.py`, `linear_calls_codec.py`), picked once per plan as a namespace
@@ -32,7 +34,10 @@ linear-attention calls and distinct log-prob rows. The makespan statistics compa
 rank cost with max(total / W, the longest trajectory computed alone).
 
 Live memory (PlanStats.peak_live_bytes): plan.memory_model.rank_live_bytes over the decoded
-microbatches, the same function the validator checks with.
+microbatches, the same function the validator checks with (with windows across ranks: the
+exporters' remote needs and the exports an importer holds, plan.cross_edges). Transfers:
+CostModel.transfer_byte x each rank's exchanged bytes in PlanStats.rank_transfer_costs (added to
+the makespan) and, per phase, in lockstep_makespan.
 
 Legend: N_u forest tokens, N_e expanded positions, T trajectories, R local rows, I imported rows,
 S local segments, K conv kernel, C chunk size.
@@ -57,10 +62,12 @@ from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import pack as pk
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
+from plan.cross_edges import CrossEdgeArrays, edge_bytes, held_bytes, remote_imports, sent_needs, transfer_bytes
 from plan.memory_model import rank_live_bytes
 from plan.phases import PHASE_BACKWARD, PHASE_FORWARD, phase_counts, step_cost
 from plan.decode import LinearCallArrays, MicrobatchArrays
 from plan.seal import PLAN_VERSION
+from plan.window_exports import ATTN, CONV, KERNEL, export_needs, import_needs
 
 _KERNEL_NAMES = ("token_index", "expand_ranges", "local_segments", "local_rows_layout", "ext_parent_depth",
                  "sorted_union", "attn_ranges", "conv_ancestors", "subtree_occurrence", "row_occurrence", "lp_grouped")
@@ -319,10 +326,11 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, impl: s
             msg = plan.ranks[r].microbatches.add()
             arrays[m] = _serialise(msg, layouts[m], forest, cfg, k, ext[m], sources[m], lp, occ_seg)
             mbs[m] = msg
-    rank_costs, peak = _fill_steps(plan, cfg, steps, rank_order, mbs, arrays)
-    _fill_stats(plan.header.stats, forest, cfg, layouts, mbs, rank_costs, peak)
+    edges = _cross_edges(plan, cfg, arrays, steps, topo)
+    rank_costs, peak = _fill_steps(plan, cfg, steps, rank_order, mbs, arrays, edges)
+    _fill_stats(plan.header.stats, forest, cfg, layouts, mbs, rank_costs, peak, edges)
     if phases is not None:
-        _fill_lockstep_stats(plan, phases)
+        _fill_lockstep_stats(plan, phases, edges)
     return plan
 
 
@@ -358,10 +366,10 @@ def _check_layouts(forest: Forest, cfg: PlanConfig, partition: Partition, k: Sim
     for m, sp in enumerate(specs):
         if sp.parent >= 0 and sp.shared and not cfg.windows:
             raise PlanningError(f"partition.microbatches[{m}].shared: expected False with windows off, got True")
-        if sp.parent >= 0 and sp.shared and specs[sp.parent].rank != sp.rank:
+        if sp.parent >= 0 and sp.shared and specs[sp.parent].rank != sp.rank and not cfg.crossing:
             raise PlanningError(
                 f"partition.microbatches[{m}].rank: expected {specs[sp.parent].rank} (a sharing window stays on "
-                f"its parent's rank), got {sp.rank}"
+                f"its parent's rank without cross_rank_windows in a lock-step plan), got {sp.rank}"
             )
     return layouts, kept_mb, topo
 
@@ -587,6 +595,48 @@ def _serialise(msg: plan_pb2.Microbatch, L: _Layout, forest: Forest, cfg: PlanCo
                    ex_state, n_calls, seg_tree, {name: lp.columns[col][a:b] for name, _, col in lp.fields})
 
 
+def _cross_edges(plan: plan_pb2.Plan, cfg: PlanConfig, arrays: dict[int, MicrobatchArrays], steps,
+                 topo: list[int]) -> list[CrossEdgeArrays]:
+    """Windows across ranks (plan.cross_edges): one CrossEdge per (exporter, importer) on different
+    ranks, with the rows and states the importer and its own importers read of the exporter
+    (`plan.window_exports.import_needs` over the step's export needs), sent at the end of the phase
+    before the importer's FORWARD, their gradients at the end of the importer's BACKWARD phase
+    (so the importer holds the received exports exactly while its window is open); ids in order of
+    (importer, exporter), written to both ranks' cross_edges. Empty in a plan without them."""
+    rank_of = {m: r for r, rs in enumerate(steps) for _, m in rs if m >= 0}
+    pairs = []
+    for m in topo:
+        a = arrays[m]
+        for x in sorted(set(a.import_microbatch.tolist()) | set(a.state_import_microbatch.tolist())):
+            if rank_of[x] != rank_of[m]:
+                pairs.append((m, x))
+    if not pairs:
+        return []
+    phase_of: dict[tuple[str, int], int] = {}
+    for rs in steps:
+        for i, (kind, m) in enumerate(rs):
+            if m >= 0:
+                phase_of[kind, m] = i
+    needs = export_needs(arrays, topo)  # every exporter's needs, its importers on every rank included
+    edges = []
+    reads: dict[int, dict] = {}
+    for i, x in sorted(pairs):
+        if i not in reads:
+            reads[i] = import_needs(arrays[i], needs.get(i))
+        nd = reads[i][x]
+        edges.append(CrossEdgeArrays(
+            id=len(edges), exporter=x, exporter_rank=rank_of[x], importer=i, importer_rank=rank_of[i], rows=nd.rows,
+            states=nd.states, send_phase=phase_of["F", i] - 1, grad_phase=phase_of["B", i], bytes=edge_bytes(cfg.sizes, nd)))
+    for e in edges:
+        for r in (e.exporter_rank, e.importer_rank):
+            plan.ranks[r].cross_edges.add(
+                id=e.id, exporter=e.exporter, exporter_rank=e.exporter_rank, importer=e.importer,
+                importer_rank=e.importer_rank, attn_rows=pk(e.rows[ATTN], "int32"), conv_rows=pk(e.rows[CONV], "int32"),
+                kernel_rows=pk(e.rows[KERNEL], "int32"), states=pk(e.states, "int32"), send_phase=e.send_phase,
+                grad_phase=e.grad_phase, bytes=e.bytes)
+    return edges
+
+
 def _phases(partition: Partition, cfg: PlanConfig, steps) -> np.ndarray | None:
     """The lock-step phases (uint8 [P]) of a cfg.lockstep partition, after checking that every
     rank has one step per phase of its kind; None for a free plan."""
@@ -605,8 +655,10 @@ def _phases(partition: Partition, cfg: PlanConfig, steps) -> np.ndarray | None:
 
 
 def _fill_steps(plan: plan_pb2.Plan, cfg: PlanConfig, steps, rank_order: list[list[int]],
-                mbs: dict[int, plan_pb2.Microbatch], arrays: dict[int, MicrobatchArrays]) -> tuple[list[float], int]:
-    """Write every rank's execution steps; returns the rank costs and the peak live bytes.
+                mbs: dict[int, plan_pb2.Microbatch], arrays: dict[int, MicrobatchArrays],
+                edges: list[CrossEdgeArrays]) -> tuple[list[float], int]:
+    """Write every rank's execution steps; returns the rank costs and the peak live bytes (with
+    windows across ranks: the exporters' remote needs and the exports an importer holds).
 
     Stand-ins (microbatch -1, lock-step plans) pair up last in, first out: a BACKWARD stand-in in
     a PHASE_BACKWARD phase takes the latest unpaired FORWARD stand-in's graph (a fresh id k > 0
@@ -632,19 +684,28 @@ def _fill_steps(plan: plan_pb2.Plan, cfg: PlanConfig, steps, rank_order: list[li
                 step.standin = unpaired.pop().standin = len(rp.steps)  # unique on the rank, > 0
         rank_costs.append(float(sum(mbs[m].cost for m in rank_order[r])))
         real = [(kind == "F", m) for kind, m in steps[r] if m >= 0]
-        _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real)
+        if edges:
+            held = held_bytes(edges, r, len(steps[r]))[[i for i, (_, m) in enumerate(steps[r]) if m >= 0]]
+            _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real,
+                                           sent=sent_needs(edges, r), remote=remote_imports(edges, r), held=held)
+        else:
+            _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real)
         peak = max(peak, rank_peak)
     return rank_costs, peak
 
 
-def _fill_lockstep_stats(plan: plan_pb2.Plan, phases: np.ndarray) -> None:
-    """PlanStats.lockstep_*: the phases, their makespan (plan.phases' cost model) and the ratio."""
+def _fill_lockstep_stats(plan: plan_pb2.Plan, phases: np.ndarray, edges: list[CrossEdgeArrays]) -> None:
+    """PlanStats.lockstep_*: the phases, their makespan (plan.phases' cost model, each rank's step
+    plus the transfers of its cross edges in the phase) and the ratio."""
     st = plan.header.stats
     cost = np.zeros((len(plan.ranks), phases.shape[0]), np.float64)
+    tb = plan.header.params.cost_model.transfer_byte
     for r, rp in enumerate(plan.ranks):
         for i, (step, phase) in enumerate(zip(rp.steps, phases.tolist())):
             if step.microbatch >= 0:
                 cost[r, i] = step_cost(phase, rp.microbatches[step.microbatch].cost)
+        if edges:
+            cost[r] += tb * transfer_bytes(edges, r, phases.shape[0])
     st.lockstep_phases = int(phases.shape[0])
     st.lockstep_makespan = float(cost.max(axis=0).sum()) if cost.size else 0.0
     st.lockstep_ratio = st.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0
@@ -652,8 +713,10 @@ def _fill_lockstep_stats(plan: plan_pb2.Plan, phases: np.ndarray) -> None:
 
 
 def _fill_stats(st: plan_pb2.PlanStats, forest: Forest, cfg: PlanConfig, layouts: list[_Layout],
-                mbs: dict[int, plan_pb2.Microbatch], rank_costs: list[float], peak: int) -> None:
-    """The plan report (DESIGN §4.2): token counts, compression, costs, makespan, live memory."""
+                mbs: dict[int, plan_pb2.Microbatch], rank_costs: list[float], peak: int,
+                edges: list[CrossEdgeArrays]) -> None:
+    """The plan report (DESIGN §4.2): token counts, compression, costs, makespan, live memory,
+    windows across ranks."""
     st.unique_tokens = forest.unique_tokens
     st.expanded_tokens = forest.expanded_tokens
     st.replay_tokens = sum(x.replay_tokens for x in mbs.values())
@@ -666,7 +729,15 @@ def _fill_stats(st: plan_pb2.PlanStats, forest: Forest, cfg: PlanConfig, layouts
     st.rank_costs.extend(rank_costs)
     mean = float(np.mean(rank_costs)) if rank_costs else 0.0
     st.imbalance = max(rank_costs) / mean if mean > 0 else 1.0
-    st.makespan = max(rank_costs, default=0.0)
+    moved = np.zeros(cfg.world_size, np.int64)
+    for e in edges:
+        moved[[e.exporter_rank, e.importer_rank]] += 2 * e.bytes
+    if cfg.crossing:
+        st.rank_transfer_costs.extend((moved * float(cfg.cost_model.transfer_byte)).tolist())
+    st.cross_edges = len(edges)
+    st.exchanged_bytes = 2 * sum(e.bytes for e in edges)
+    st.max_rank_exchanged_bytes = int(moved.max()) if edges else 0
+    st.makespan = max((c + t for c, t in zip(rank_costs, st.rank_transfer_costs or [0.0] * len(rank_costs))), default=0.0)
     lengths = forest.traj_length()
     longest = float(cfg.cost_model.path_cost(int(lengths.max()))) if lengths.shape[0] else 0.0
     st.makespan_lower_bound = max(sum(rank_costs) / cfg.world_size, longest)
@@ -736,10 +807,11 @@ def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> Non
     p.replay = cfg.replay
     p.logprob_positions = plan_pb2.LOGPROB_POSITIONS_ALL if cfg.all_positions else plan_pb2.LOGPROB_POSITIONS_LOSS
     p.lockstep = cfg.lockstep
+    p.cross_rank_windows = cfg.crossing
     cfg.sizes.fill(p.memory, cfg.memory_tokens)
     p.memory.model = cfg.model_name
     p.memory.dtype = cfg.dtype
-    cfg.cost_model.fill(p.cost_model)
+    cfg.cost_model.fill(p.cost_model, transfer=cfg.crossing)
     n = h.normalizers
     T = forest.num_trajectories
     per_traj = loss_per_trajectory(forest.traj_offset, forest.loss_mask).astype(np.float64)

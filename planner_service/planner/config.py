@@ -53,6 +53,12 @@ class PlanConfig:
     """True: a lock-step plan (DESIGN §5.7, PlanParams.lockstep): one global sequence of phases in
     which every rank runs one step of the same kind (a real one or a stand-in), for trainers that
     gather parameters per forward and backward (FSDP2 with reshard_after_forward)."""
+    cross_rank_windows: bool = True
+    """Lock-step plans with windows and W > 1: the planner may place a window's importer on another
+    rank than its exporter (DESIGN §5.7, plan.proto CrossEdge), a tree split over several ranks
+    then computes its shared prefix once instead of once per rank; it keeps such a plan only where
+    it shortens the step or duplicates less at an equal one (`plan_step`). False (the ablation):
+    windows stay on one rank. Free plans never cross ranks."""
     device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB
     """Memory of one trainer device in GiB (default 141: an H200), for the default memory_tokens."""
     makespan_slack: float = 1.02
@@ -110,6 +116,12 @@ class PlanConfig:
         if not self.model_name:
             self.model_name = ("explicit sizes" if self.row_sizes is not None
                                else "model config" if self.model_config is not None else DEFAULT_MODEL_NAME)
+
+    @property
+    def crossing(self) -> bool:
+        """Whether this plan may carry windows across ranks (cross_rank_windows in a lock-step,
+        windowed, shared plan of W > 1)."""
+        return self.cross_rank_windows and self.lockstep and self.windows and self.sharing and self.world_size > 1
 
     @property
     def memory_bytes(self) -> int:

@@ -13,14 +13,18 @@ Coefficients are non-negative; `harts calibrate` fits them (non-negative least s
 executor timings, so that costs are seconds of the measured trainer. Without a file every
 coefficient but `row` is 0: costs are computed rows.
 
-`transfer_byte` prices a byte sent between ranks by a window across ranks (CrossEdge.bytes, each
-way; PlanParams.cost_model.transfer_byte): `harts calibrate` measures it as the inverse bandwidth
-of the trainer's point-to-point backend in seconds per byte; 0 (no file, or a file without it):
-not measured.
+Windows across ranks (lock-step plans, plan/cross_edges.py) add a fifth coefficient outside the
+microbatch cost: `transfer_byte`, the cost of one byte an edge sends (CrossEdge.bytes: exports one
+way, their gradients the other), charged to both ranks in the phase that moves it
+(PlanParams.cost_model.transfer_byte). `harts calibrate` measures it as the inverse bandwidth of
+the trainer's point-to-point backend in seconds per byte; not measured (no file, a file without
+it, `harts calibrate --transfer-backend none`) it is `row x DEFAULT_TRANSFER_ROWS_PER_BYTE`: a
+byte costs that fraction of a computed row.
 
 The JSON file (FORMAT):
     {"format": "harts.cost_model.v1", "coefficients": {"row": ..., "attention": ...,
      "linear_call": ..., "logprob_row": ...}, "transfer_byte": ..., "source": "...", "fit": {...}}
+("transfer_byte" optional).
 """
 from __future__ import annotations
 
@@ -35,6 +39,12 @@ FORMAT = "harts.cost_model.v1"
 #: the feature names, in the order of `features` columns and the JSON coefficients.
 FEATURES = ("row", "attention", "linear_call", "logprob_row")
 
+#: Default cost of one transferred byte in computed rows. A row of the default model
+#: (Qwen3-Next-80B-A3B, ~3B active parameters: ~1.8e10 FLOP forward and backward) takes ~45 us on
+#: an H200 at ~40% of its 989 TFLOP/s; a 200 Gb/s link per GPU (the middle of the usual 100-400
+#: Gb/s InfiniBand or RoCE) moves a byte in 0.04 ns: 0.04 ns / 45 us = 8.9e-7 rows, rounded up.
+DEFAULT_TRANSFER_ROWS_PER_BYTE = 1e-6
+
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class CostModel:
@@ -48,8 +58,9 @@ class CostModel:
     """Cost per sequential linear-attention call of a microbatch."""
     logprob_row: float = 0.0
     """Cost per distinct log-prob row (lm head and loss)."""
-    transfer_byte: float = 0.0
-    """Cost per byte a window across ranks sends (seconds per byte when measured; 0: not measured)."""
+    transfer_byte: float | None = None
+    """Cost of one byte a window across ranks sends (plan.proto CostModel.transfer_byte; seconds
+    per byte when measured); None (not measured): row x DEFAULT_TRANSFER_ROWS_PER_BYTE."""
     source: str = "rows"
     """Where the coefficients come from (reports)."""
     fit: dict = field(default_factory=dict, compare=False, hash=False)
@@ -60,10 +71,13 @@ class CostModel:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"cost model {name}: expected a finite coefficient >= 0, got {v!r}")
-        if not (isinstance(self.transfer_byte, (int, float)) and math.isfinite(self.transfer_byte) and self.transfer_byte >= 0):
-            raise ValueError(f"cost model transfer_byte: expected a finite cost >= 0, got {self.transfer_byte!r}")
         if self.row + self.attention + self.linear_call + self.logprob_row <= 0:
             raise ValueError("cost model: expected a coefficient > 0 (a cost that grows with the work), got all 0")
+        if self.transfer_byte is None:
+            object.__setattr__(self, "transfer_byte", self.row * DEFAULT_TRANSFER_ROWS_PER_BYTE)
+        v = self.transfer_byte
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"cost model transfer_byte: expected a finite cost >= 0 per byte, got {v!r}")
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -80,11 +94,13 @@ class CostModel:
         length = np.asarray(length, np.float64)
         return self.row * length + self.attention * length * (length + 1) / 2 + self.linear_call * (length > 0)
 
-    def fill(self, msg) -> None:
-        """Write the coefficients into a `plan_pb2.CostModel`."""
+    def fill(self, msg, *, transfer: bool = False) -> None:
+        """Write the coefficients into a `plan_pb2.CostModel`; `transfer_byte` only with `transfer`
+        (plans that may carry windows across ranks; 0 in the others)."""
         for name in FEATURES:
             setattr(msg, name, float(getattr(self, name)))
-        msg.transfer_byte = float(self.transfer_byte)
+        if transfer:
+            msg.transfer_byte = float(self.transfer_byte)
         msg.source = self.source
 
     def to_dict(self) -> dict:
@@ -112,11 +128,11 @@ class CostModel:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"cost model {n}: expected a number, got {v!r}")
             vals[n] = float(v)
-        transfer = d.get("transfer_byte", 0.0)
-        if isinstance(transfer, bool) or not isinstance(transfer, (int, float)):
+        transfer = d.get("transfer_byte")
+        if transfer is not None and (isinstance(transfer, bool) or not isinstance(transfer, (int, float))):
             raise ValueError(f"cost model transfer_byte: expected a number, got {transfer!r}")
         fit = d.get("fit") or {}
-        return cls(**vals, transfer_byte=float(transfer), source=str(d.get("source", "file")),
+        return cls(**vals, transfer_byte=None if transfer is None else float(transfer), source=str(d.get("source", "file")),
                    fit=fit if isinstance(fit, dict) else {})
 
     @classmethod

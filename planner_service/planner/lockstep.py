@@ -27,6 +27,12 @@ line up in kind and in cost. Two parts:
   costs at most VOLUNTARY_SLACK x the phase's slowest forced recompute and its remaining work
   stays below the slowest rank's: it saves a BACKWARD phase of its own later.
 
+Windows across ranks (a window parent on another rank, plan.proto CrossEdge): such a microbatch
+becomes available on its own rank once its parent has forwarded (so in a later phase), starts a
+stack there, and its parent closes only after it has (a later phase); the exports it receives are
+in its `full`, `win` and `exports` bytes (the partitioner adds them). An order in which every rank
+waits for another stalls: `schedule` returns None.
+
 `align_phases_ref` is the plain-Python twin. The partitioner tries a few microbatch counts and
 every combination of p, `rec_open` and `small_fill`, and keeps the shortest lock-step makespan.
 
@@ -193,9 +199,14 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
     M = mb_rank.shape[0]
     W = world_size
     share = FORWARD_SHARE
-    off, kids = children_csr(wparent)
+    off, kids = children_csr(wparent)  # every dependent, on any rank
+    lparent = wparent.copy()  # the window parent on the same rank (a window across ranks starts a local stack)
+    for m in range(M):
+        if wparent[m] >= 0 and mb_rank[wparent[m]] != mb_rank[m]:
+            lparent[m] = -1
+    loff, lkids = children_csr(lparent)
     sub = priority
-    need, need_rec = _subtree_needs(off, kids, full, win, exports)
+    need, need_rec = _subtree_needs(loff, lkids, full, win, exports)
     count = np.zeros(W + 1, np.int64)
     rem = np.zeros(W, np.float64)
     for m in range(M):
@@ -219,7 +230,7 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
     opened = np.zeros(M, np.bool_)
     is_rec = forced.copy()
     rec_act = np.zeros(W, np.bool_)
-    next_kid = off[:-1].copy()
+    next_kid = loff[:-1].copy()
     open_bytes = np.zeros(W, np.int64)
     pool = np.zeros(W, np.int64)
     phases = np.empty(3 * M + 1, np.int8)
@@ -247,7 +258,7 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
                 ssize[r] = _heap_pop(small, count[r], ssize[r], neg_need)
             m, rec_act[r] = _pick_forward(
                 heap[count[r]] if hsize[r] > 0 else -1, small[count[r]] if ssize[r] > 0 else -1,
-                stack[count[r] + sp[r] - 1] if sp[r] > 0 else -1, off, kids, next_kid, opened, need, need_rec,
+                stack[count[r] + sp[r] - 1] if sp[r] > 0 else -1, loff, lkids, next_kid, opened, need, need_rec,
                 open_bytes[r], budget, rec_open and rem[r] + share * cost[heap[count[r]]] <= crit if hsize[r] > 0 else False,
                 small_fill)
             if m >= 0:
@@ -270,6 +281,8 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
                 c[2, r] = cost[t]
         kind = _phase_kind(act, weight, pool)
         phase_cost = 0.0
+        if kind < 0 and (act >= 0).sum() == 0:  # every rank waits for another: a schedule this order cannot finish
+            break
         if kind < 0:  # nothing can run: an all-stand-in FORWARD phase pairs later BACKWARD stand-ins
             phases[P] = 0
             for r in range(W):
@@ -292,9 +305,10 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
             base = count[r]
             if kind == 0:
                 opened[m] = True
-                for i in range(off[m], off[m + 1]):
-                    hsize[r] = _heap_push(heap, base, hsize[r], kids[i], sub)
-                    ssize[r] = _heap_push(small, base, ssize[r], kids[i], neg_need)
+                for i in range(off[m], off[m + 1]):  # its dependents become available on their ranks
+                    rk = mb_rank[kids[i]]
+                    hsize[rk] = _heap_push(heap, count[rk], hsize[rk], kids[i], sub)
+                    ssize[rk] = _heap_push(small, count[rk], ssize[rk], kids[i], neg_need)
                 stack[base + sp[r]] = m
                 sp[r] += 1
                 rem[r] -= share * cost[m]
@@ -326,12 +340,13 @@ def align_phases_ref(mb_rank, wparent, cost, priority, forced, full, win, export
     for m in range(M):
         if wparent[m] >= 0:
             kids[int(wparent[m])].append(m)
+    local = [[k for k in kids[m] if mb_rank[k] == mb_rank[m]] for m in range(M)]
     sub = [float(x) for x in priority]
     need = [int(x) for x in full]
     need_rec = [int(x) for x in full]
     for m in reversed(range(M)):
-        need[m] = max(int(full[m]), int(win[m]) + max((need[k] for k in kids[m]), default=0))
-        need_rec[m] = max(int(full[m]), int(exports[m]) + max((need_rec[k] for k in kids[m]), default=0))
+        need[m] = max(int(full[m]), int(win[m]) + max((need[k] for k in local[m]), default=0))
+        need_rec[m] = max(int(full[m]), int(exports[m]) + max((need_rec[k] for k in local[m]), default=0))
     rem = [0.0] * W
     for m in range(M):
         rem[int(mb_rank[m])] += share * cost[m] + (cost[m] if forced[m] else (1.0 - share) * cost[m])
@@ -370,7 +385,7 @@ def align_phases_ref(mb_rank, wparent, cost, priority, forced, full, win, export
                 elif rec_open and open_bytes[r] + need_rec[h] <= budget and rem[r] + share * cost[h] <= crit:
                     m, rec_act[r] = h, True
             if m is None and stacks[r]:
-                waiting = [k for k in kids[stacks[r][-1]] if not opened[k]]
+                waiting = [k for k in local[stacks[r][-1]] if not opened[k]]
                 if waiting:
                     m = waiting[0]
                     rec_act[r] = open_bytes[r] + need[m] > budget
@@ -397,6 +412,8 @@ def align_phases_ref(mb_rank, wparent, cost, priority, forced, full, win, export
                 score += weight[r]
             if able and paired and (best < 0 or score > best_score):
                 best, best_score = kind, score
+        if best < 0 and not any(a is not None for kind in acts for a in acts[kind]):
+            break  # every rank waits for another
         if best < 0:
             phases.append(0)
             pool = [x + 1 for x in pool]
@@ -415,8 +432,8 @@ def align_phases_ref(mb_rank, wparent, cost, priority, forced, full, win, export
             if kind == 0:
                 opened[m] = True
                 for k in kids[m]:
-                    heapq.heappush(heaps[r], (-sub[k], k))
-                    heapq.heappush(smalls[r], (need[k], k))
+                    heapq.heappush(heaps[int(mb_rank[k])], (-sub[k], k))
+                    heapq.heappush(smalls[int(mb_rank[k])], (need[k], k))
                 stacks[r].append(m)
                 rem[r] -= share * cost[m]
                 if rec_act[r] and not is_rec[m]:
@@ -454,16 +471,22 @@ class Schedule:
 
 
 def schedule(align, mb_rank, wparent, cost, priority, forced, full, win, exports, budget: int, world_size: int,
-             power: int, rec_open: bool, small_fill: bool) -> Schedule:
-    """Align the phases (`align`: align_phases or its twin) and lay out every rank's steps."""
+             power: int, rec_open: bool, small_fill: bool) -> Schedule | None:
+    """Align the phases (`align`: align_phases or its twin) and lay out every rank's steps.
+
+    Returns None when the order stalls with every rank waiting for another (possible only with
+    windows across ranks, whose importer and exporter wait for each other's phases)."""
     M = mb_rank.shape[0]
     phases, step_phase, step_mb, voluntary, makespan = align(
         np.asarray(mb_rank, np.int64), np.asarray(wparent, np.int64), np.asarray(cost, np.float64),
         np.asarray(priority, np.float64),
         np.asarray(forced, np.bool_), np.asarray(full, np.int64), np.asarray(win, np.int64),
         np.asarray(exports, np.int64), int(budget), world_size, power, VOLUNTARY_SLACK, rec_open, small_fill)
-    if step_mb.shape[0] != 2 * M:  # the phase bound 3M + 1 cannot be reached (see align_phases)
-        raise AssertionError(f"lock-step alignment placed {step_mb.shape[0]} of {2 * M} steps in {phases.shape[0]} phases")
+    if step_mb.shape[0] != 2 * M:
+        wp, rk = np.asarray(wparent), np.asarray(mb_rank)
+        if not ((wp >= 0) & (rk[np.maximum(wp, 0)] != rk)).any():  # the phase bound 3M + 1 holds (align_phases)
+            raise AssertionError(f"lock-step alignment placed {step_mb.shape[0]} of {2 * M} steps in {phases.shape[0]} phases")
+        return None
     P = phases.shape[0]
     grid = np.full((world_size, P), -1, np.int64)
     grid[np.asarray(mb_rank)[step_mb], step_phase] = step_mb

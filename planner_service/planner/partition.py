@@ -30,6 +30,18 @@ recomputed, and the order is one global sequence of phases (`lockstep.align_phas
 where a rank has nothing of a phase's kind): of a few microbatch counts and aligner variants, the
 shortest lock-step makespan.
 
+Windows across ranks (`crossing_partitions`, cfg.crossing: lock-step plans with
+cross_rank_windows; plan.proto CrossEdge): `_crossing_forests` takes the duplicating placement, moves
+every unit above a depth (its tree's root segment, or a fraction of B: CROSS_PREFIXES) that
+another rank needs (a tree's shared prefix) to the rank keeping the tree's root, and drops the other ranks' duplicated copies of it:
+what hung below them now has a unit parent on another rank. Level 1 cuts pieces there, and keeps
+the units that travel in pieces of their own, packed apart, so the microbatches exporting them are
+thin and open first; level 2 counts what an importer receives in its live bytes; the aligner makes
+a microbatch whose parent runs on another rank available once that parent has forwarded. Deeper
+imports are not tried: a lock-step importer forwards only after its exporter's phase and the
+exporter closes only after it, so every level of exporters adds a phase pair to the step.
+`plan_step` builds the candidates and keeps one only where it pays.
+
 Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`, `lockstep.py`);
 `impl="ref"` runs the whole partitioner on them (tests compare both; the benchmark times both).
 
@@ -57,7 +69,7 @@ import planner_service.planner.placement_ref as placement_ref
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
 from planner_service.planner.config import PlanConfig
-from planner_service.planner.placement_search import place_units, unit_costs
+from planner_service.planner.placement_search import UnitCosts, place_units, unit_costs
 from planner_service.planner.spec import MicrobatchSpec, Partition
 
 log = logging.getLogger(__name__)
@@ -161,6 +173,8 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
         return Partition(microbatches=[], rank_steps=[[] for _ in range(W)]), empty
     if not cfg.windows:
         _check_paths_fit(forest, cfg.microbatch_tokens)
+    if cfg.crossing:
+        return crossing_partitions(forest, cfg, impl=impl)[0][1:]
     rf = _rank_forests(k, forest, cfg)
     if cfg.lockstep:
         return _assemble(k, cfg, rf, *_lockstep(k, cfg, rf))
@@ -173,13 +187,56 @@ def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba
 #: Lock-step plans try every rank at most (the fewest microbatches any rank needs at B) + each of
 #: these microbatches, with equal counts per rank (`lockstep.equal_count_caps`).
 LOCKSTEP_EXTRA_MICROBATCHES = (0, 1, 2)
+#: Windows across ranks: the shared prefix imported lies above each tree's root segment (None:
+#: what all its trajectories share) or above these fractions of B (deeper imports wait longer: a
+#: lock-step importer forwards after its exporter's phase and closes before it), each with a
+#: placement that counts that prefix as duplicated or as free.
+CROSS_PREFIXES = (None, 1 / 8, 1 / 4)
+
+
+def crossing_partitions(forest: Forest, cfg: PlanConfig, *, impl: str = "numba"
+                        ) -> list[tuple[float, Partition, PartitionReport]]:
+    """Lock-step partitions whose windows may cross ranks (cfg.crossing), one per candidate: the
+    rank forests of `_crossing_forests` for every prefix of CROSS_PREFIXES and both placements, each with its lock-step schedule (`_lockstep`). Returns (the schedule's
+    lock-step makespan estimate, partition, report) of every candidate that fits the budgets and
+    whose order finishes, shortest first; `plan_step` builds them and compares the plans with the plan
+    without windows across ranks.
+
+    Raises:
+        PlanningError: no candidate does.
+    """
+    if impl not in _KERNELS:
+        raise ValueError(f"impl: expected one of {sorted(_KERNELS)}, got {impl!r}")
+    if not cfg.crossing:
+        raise ValueError("cfg: expected a lock-step plan with cross_rank_windows, windows, sharing and world_size > 1")
+    k = _KERNELS[impl]
+    out, error = [], None
+    for prefix, free_prefix in itertools.product(CROSS_PREFIXES, (True, False)):
+        depth = -1 if prefix is None else int(prefix * cfg.microbatch_tokens)
+        rf = _rank_forests(k, forest, cfg, (depth, free_prefix))
+        try:
+            got = _lockstep(k, cfg, rf)
+        except PlanningError as exc:
+            error = error or exc
+            continue
+        out.append((got[3].makespan, got[3].phases.shape[0], len(out), *_assemble(k, cfg, rf, *got)))
+    if not out:
+        raise error
+    return [(x[0], x[3], x[4]) for x in sorted(out, key=lambda x: x[:3])]
 
 
 def _lockstep(k, cfg: PlanConfig, rf: _RankForests):
     """Level 1 with about equal microbatch counts and sizes per rank, level 2 with the fewest
     recomputed windows, and the phases aligned (`lockstep.align_phases`): of the candidate
     counts and rank weightings, the schedule with the shortest lock-step makespan (then the
-    fewest phases). Returns (level 1, edge rows, level 2, schedule) for `_assemble`."""
+    fewest phases); with windows across ranks also level 1 at B (fewer microbatches: shorter
+    chains of windows across ranks), and each importer's received exports in its live bytes and
+    their transfer in its cost. Returns (level 1, edge rows, level 2, schedule) for `_assemble`.
+
+    Raises:
+        PlanningError: with windows across ranks, when no order finishes (ranks waiting for each
+            other), or a budget level 2 cannot meet.
+    """
     W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
     first = _level1(k, cfg, rf)
     candidates = [first]
@@ -191,6 +248,8 @@ def _lockstep(k, cfg: PlanConfig, rf: _RankForests):
 
         candidates = [_level1(k, cfg, rf, lockstep.equal_count_caps(counts, W, B, C, n0 + extra))
                       for extra in LOCKSTEP_EXTRA_MICROBATCHES]
+        if rf.crossing:
+            candidates.append(first)
     best = None
     for l1 in candidates:
         e = _edge_rows(k, cfg, rf, l1)
@@ -199,13 +258,23 @@ def _lockstep(k, cfg: PlanConfig, rf: _RankForests):
         full = cfg.sizes.full_bytes(l2.rows)
         win = np.where(l2.recompute, l2.exports, full)
         cost = l2.rows.astype(np.float64) * cfg.cost_model.row
+        if rf.crossing:  # an importer across ranks holds what it receives, and both ranks pay for moving it
+            full, win, exports = full + l2.imp, win + l2.imp, l2.exports + l2.imp
+            cost = cost + 2.0 * float(cfg.cost_model.transfer_byte) * l2.imp
+        else:
+            exports = l2.exports
         sub = np.asarray(k.subtree_costs(l1.mb_parent, l2.shared, cost))  # open the costliest window subtree first
         for power, rec_open, small_fill in itertools.product(lockstep.WEIGHT_POWERS, (False, True), (False, True)):
-            sch = lockstep.schedule(k.align_phases, l2.mb_rank, wparent, cost, sub, l2.recompute, full, win, l2.exports,
+            sch = lockstep.schedule(k.align_phases, l2.mb_rank, wparent, cost, sub, l2.recompute, full, win, exports,
                                     cfg.memory_bytes, W, power, rec_open, small_fill)
+            if sch is None:  # stalled: importers and exporters across ranks waiting for each other
+                continue
             key = (sch.makespan, sch.phases.shape[0])
             if best is None or key < best[0]:
                 best = (key, l1, e, l2, sch)
+    if best is None:
+        raise PlanningError("cross_rank_windows: no lock-step order of this placement finishes (ranks wait for each "
+                            "other's windows across ranks); plan with cross_rank_windows off")
     _, l1, e, l2, sch = best
     l2.recompute |= sch.voluntary
     log.debug("lock-step: %d microbatches, %d phases, estimated lock-step makespan %.0f", l1.num_microbatches,
@@ -236,13 +305,19 @@ class _RankForests:
     """float64 [W] placement's cost per rank (closure costs); None without placement."""
     lower_bound: float
     """Placement's makespan lower bound (0 without placement and W > 1)."""
+    crossing: bool = False
+    """Windows across ranks (`_crossing_forests`): unit_parent may lie in another rank's forest
+    (a piece boundary whose window crosses ranks); the arrays are then not in one preorder."""
 
 
-def _rank_forests(k, forest: Forest, cfg: PlanConfig) -> _RankForests:
-    """Units (level1.build_units) and, with windows and W > 1, their placement on ranks."""
+def _rank_forests(k, forest: Forest, cfg: PlanConfig, crossing: tuple[int, bool] | None = None) -> _RankForests:
+    """Units (level1.build_units) and, with windows and W > 1, their placement on ranks; with
+    `crossing` (prefix depth, free prefix) the rank forests of `_crossing_forests`."""
     W, C = cfg.world_size, cfg.chunk_size
     g_seg, g_off, g_len, g_depth, g_parent = k.build_units(forest.seg_parent, forest.seg_length, forest.seg_depth, C)
     U = g_parent.shape[0]
+    if crossing is not None:
+        return _crossing_forests(k, forest, cfg, (g_seg, g_off, g_len, g_depth, g_parent), *crossing)
     if not cfg.windows or W == 1:
         # one forest: every unit kept where it is, nothing duplicated by placement
         lower_bound = 0.0
@@ -258,6 +333,50 @@ def _rank_forests(k, forest: Forest, cfg: PlanConfig) -> _RankForests:
     return _RankForests(unit_seg=g_seg[ru_unit], unit_off=g_off[ru_unit], unit_len=g_len[ru_unit],
                         unit_depth=g_depth[ru_unit], unit_parent=ru_parent, unit_rank=ru_rank, dup=ru_dup, load=load,
                         lower_bound=lower_bound)
+
+
+def _crossing_forests(k, forest: Forest, cfg: PlanConfig, units, prefix_depth: int, free_prefix: bool) -> _RankForests:
+    """Rank forests whose shared prefix crosses ranks (`crossing_partitions`): the placement of
+    `placement_search.place_units` (with `free_prefix`, duplicating a unit above prefix_depth
+    costs nothing there: it will be imported; prefix_depth < 0: the end of each tree's root
+    segment), then every unit above prefix_depth that another rank needs (the shared prefix)
+    moves to the rank keeping its tree's root, and the other ranks drop their duplicated copies
+    of it: what hangs below imports it across ranks (a unit parent on another rank). Deeper
+    shared units stay duplicated as before."""
+    W = cfg.world_size
+    g_seg, g_off, g_len, g_depth, g_parent = units
+    U = g_parent.shape[0]
+    uc = unit_costs(k, forest, cfg, g_seg, g_off, g_len, g_depth, g_parent)
+    lower_bound = max(float(uc.w.sum()) / W, float((uc.ctx + uc.w).max()))
+    top = np.asarray(k.piece_roots(g_parent, np.zeros(U, np.bool_)))  # the tree root of every unit
+    if prefix_depth < 0:  # each tree's root segment: what all its trajectories share
+        above = g_depth < forest.seg_length[g_seg[top]]
+    else:
+        above = g_depth < prefix_depth
+    placed = uc
+    if free_prefix:
+        w_dup = np.where(above, 0.0, uc.w_dup)
+        placed = UnitCosts(w=uc.w, w_dup=w_dup, rc=uc.rc, ctx=np.asarray(k.context_costs(g_parent, w_dup)))
+    unit_rank, _ = place_units(k, cfg, g_parent, placed)
+    ru_unit, _, ru_dup, _ = k.rank_closure(g_parent, unit_rank, W)
+    prefix = np.zeros(U, np.bool_)
+    prefix[ru_unit[ru_dup]] = True  # some other rank needs it
+    prefix &= above
+    unit_rank = np.where(prefix, unit_rank[top], unit_rank)
+    ru_unit, ru_rank, ru_dup, ru_parent = k.rank_closure(g_parent, unit_rank, W)
+    load = np.asarray(k.closure_costs(ru_unit, ru_rank, ru_dup, ru_parent, uc.w, uc.w_dup, uc.rc, W)[0])
+    keep = ~ru_dup | ~prefix[ru_unit]  # a duplicated copy of the prefix is imported instead
+    kept_at = np.full(U, -1, np.int64)
+    kept_at[ru_unit[~ru_dup]] = np.flatnonzero(~ru_dup)
+    par = ru_parent.copy()
+    lost = (par >= 0) & ~keep[np.maximum(par, 0)]
+    par[lost] = kept_at[ru_unit[par[lost]]]  # the kept copy of the parent unit, on its keeper's rank
+    new_index = np.cumsum(keep) - 1
+    par = np.where(par >= 0, new_index[np.maximum(par, 0)], -1)[keep]
+    sel = ru_unit[keep]
+    return _RankForests(unit_seg=g_seg[sel], unit_off=g_off[sel], unit_len=g_len[sel], unit_depth=g_depth[sel],
+                        unit_parent=par, unit_rank=ru_rank[keep], dup=ru_dup[keep], load=load, lower_bound=lower_bound,
+                        crossing=True)
 
 
 @dataclass(slots=True)
@@ -296,7 +415,14 @@ def _level1(k, cfg: PlanConfig, rf: _RankForests, caps: np.ndarray | None = None
     dup_only = not cfg.windows
     unit_parent, unit_depth = rf.unit_parent, rf.unit_depth
     budget = np.full(unit_parent.shape[0], B, np.int64) if caps is None else caps[rf.unit_rank]
-    force = rf.dup & (unit_parent >= 0) & ~rf.dup[np.maximum(unit_parent, 0)]
+    has_up = unit_parent >= 0
+    force = rf.dup & has_up & ~rf.dup[np.maximum(unit_parent, 0)]
+    prefix = None
+    if rf.crossing:  # a piece never spans two ranks, nor the shared prefix and what hangs below it
+        up = np.maximum(unit_parent, 0)
+        across = has_up & (rf.unit_rank[up] != rf.unit_rank)
+        prefix = _exported_prefix(unit_parent, across)
+        force |= across | (has_up & prefix[up] & ~prefix)
     cut, resid, bad = k.cut_pieces(unit_parent, rf.unit_len, unit_depth, C, budget, dup_only, cfg.replay, force)
     if bad >= 0:  # only reachable without windows, and _check_paths_fit rules it out
         raise PlanningError(f"microbatch_tokens: unit {bad} cannot fit {B} rows; raise microbatch_tokens")
@@ -313,7 +439,9 @@ def _level1(k, cfg: PlanConfig, rf: _RankForests, caps: np.ndarray | None = None
     ppar = np.where(has_anchor, np.searchsorted(pieces, root[np.maximum(anchor, 0)]), -1)
     root_key = rf.unit_rank[pieces]
     piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, piece_cap, root_key,
-                                            balance_cap=B if caps is not None else 0)
+                                            balance_cap=B if caps is not None else 0,
+                                            rank=root_key if rf.crossing else None, world_size=W,
+                                            prefix=prefix[pieces] if rf.crossing else None)
     if dup_only and W > 1 and M % W:
         root_cap = _balanced_root_cap(k, *root_items, n_root, M, W, B)
         piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, np.full(pieces.shape[0], root_cap), root_key)
@@ -346,6 +474,10 @@ class _EdgeRows:
     """int64 [M] computed rows with a shared edge (or none)."""
     rows_dup: np.ndarray
     """int64 [M] computed rows with a duplicated edge."""
+    tails: np.ndarray
+    """int64 [M] replay rows its piece roots import (shared edge)."""
+    anchored: np.ndarray
+    """int64 [M] its pieces that hang below another microbatch."""
 
 
 def _edge_rows(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1) -> _EdgeRows:
@@ -358,8 +490,9 @@ def _edge_rows(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1) -> _EdgeRows:
     kept = np.bincount(l1.unit_mb, weights=np.where(rf.dup, 0, rf.unit_len), minlength=M).astype(np.int64)
     own_dup = np.bincount(l1.unit_mb, weights=np.where(rf.dup, rf.unit_len, 0), minlength=M).astype(np.int64)
     ctx, ctx_replay = k.context_cost(roots_off, roots, rf.unit_parent, rf.unit_len, rf.unit_depth, cfg.chunk_size, cfg.replay)
+    anchored = np.bincount(piece_mb, weights=rf.unit_parent[l1.pieces] >= 0, minlength=M).astype(np.int64)
     return _EdgeRows(roots_off=roots_off, roots=roots, kept=kept, own_dup=own_dup, ctx=ctx,
-                     rows_shared=internal + tails, rows_dup=internal + ctx + ctx_replay)
+                     rows_shared=internal + tails, rows_dup=internal + ctx + ctx_replay, tails=tails, anchored=anchored)
 
 
 @dataclass(slots=True)
@@ -380,6 +513,9 @@ class _Level2:
     """int64 [M] bytes each microbatch keeps as a recomputed open window."""
     load: np.ndarray
     """float64 [W] estimated cost per rank."""
+    imp: np.ndarray
+    """int64 [M] bytes of the exports a microbatch whose window crosses ranks receives and holds
+    while it is open (an upper bound of its CrossEdge.bytes; 0 for the others)."""
 
 
 def _level2(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, *, minimal_recompute: bool = False
@@ -403,13 +539,20 @@ def _level2(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, *, 
         mb_rank = l1.mb_home
     else:  # every microbatch independent: longest processing time first over computed rows
         mb_rank = _lpt(k, W, np.arange(M, dtype=np.int64), rows_now())[0]
+    crossing = has_parent & (mb_rank[np.maximum(mb_parent, 0)] != mb_rank)  # only with rf.crossing
+    received = cfg.sizes.export_bytes(e.ctx, np.minimum(e.ctx, (cfg.conv_kernel - 1) * e.anchored), e.tails, e.anchored)
+
+    def imp_now() -> np.ndarray:
+        return np.where(shared & crossing, received, 0).astype(np.int64)
+
     recompute = np.zeros(M, np.bool_)
     est = _Exports(k, cfg, e.roots_off, e.roots, rf.unit_parent, rf.unit_len, rf.unit_depth, l1.unit_mb, mb_parent)
-    live = _fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now, minimal=minimal_recompute)
+    live = _fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now, minimal=minimal_recompute,
+                       crossing=crossing, imp_now=imp_now)
     rows = rows_now()
     load = rf.load if rf.load is not None else np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
     return _Level2(shared=shared, mb_rank=mb_rank, recompute=recompute, rows=rows, live=live,
-                   exports=est.bytes(shared, rows)[1], load=load)
+                   exports=est.bytes(shared, rows)[1], load=load, imp=imp_now())
 
 
 def _assemble(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, l2: _Level2,
@@ -449,6 +592,17 @@ def _assemble(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, l
                      phases=None if sch is None else sch.phases), report
 
 
+def _exported_prefix(unit_parent: np.ndarray, across: np.ndarray) -> np.ndarray:
+    """bool [n] units on the root path above a window across ranks (their rows travel)."""
+    out = np.zeros(unit_parent.shape[0], np.bool_)
+    for u in np.flatnonzero(across).tolist():
+        a = int(unit_parent[u])
+        while a >= 0 and not out[a]:
+            out[a] = True
+            a = int(unit_parent[a])
+    return out
+
+
 def _check_paths_fit(forest: Forest, budget: int) -> None:
     lengths = forest.traj_length()
     if lengths.size and int(lengths.max()) > budget:
@@ -461,14 +615,16 @@ def _check_paths_fit(forest: Forest, budget: int) -> None:
 
 
 def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: np.ndarray, root_key: np.ndarray, *,
-          balance_cap: int = 0):
+          balance_cap: int = 0, rank: np.ndarray | None = None, world_size: int = 1, prefix: np.ndarray | None = None):
     """Microbatch of every piece: first fit decreasing, level by level down the piece forest.
 
     Root pieces with the same `root_key` (the rank forest they belong to) are packed together
     (bins of their `root_cap`, int64 [K], equal within a rank forest). The pieces hanging below
     one microbatch's pieces are packed together (without windows: below one anchor unit, so that
-    they share one duplicated context). Parents get smaller ids. With `balance_cap` > 0 (lock-step plans) every group's pieces are then spread
-    over its bins longest first onto the least loaded (`level1.balance_bins`, within that cap).
+    they share one duplicated context); with windows across ranks (`rank`: int64 [K] the rank of
+    every piece) those of each rank apart. Parents get smaller ids. With `balance_cap` > 0
+    (lock-step plans) every group's pieces are then spread over its bins longest first onto the
+    least loaded (`level1.balance_bins`, within that cap).
 
     Returns:
         piece_mb int64 [K], number of microbatches, number of root microbatches, and the root
@@ -492,8 +648,12 @@ def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: np.ndarray, r
             key = np.asarray(root_key, np.int64)[idx]
         elif dup_only:
             key = anchor[idx]
+        elif rank is not None:
+            key = piece_mb[ppar[idx]] * world_size + rank[idx]
         else:
             key = piece_mb[ppar[idx]]
+        if prefix is not None:
+            key = 2 * key + prefix[idx]
         sort = np.lexsort((idx, -size[idx], ~opens, key))
         order = idx[sort]
         skey = key[sort]
@@ -572,13 +732,16 @@ class _Exports:
         return sizes.full_bytes(rows), sizes.export_bytes(attn, conv, kern, states)
 
 
-def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, rows_now, *, minimal: bool = False):
+def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, rows_now, *, minimal: bool = False,
+                crossing: np.ndarray | None = None, imp_now=None):
     """Keep every live window stack within M (bytes): mark recomputation where it saves memory,
     then duplicate edges (deepest first along a violating stack). Returns live int64 [M] bytes.
 
     A violating stack marks every window on it; with `minimal` (lock-step plans, where each
     recomputed window's backward needs a PHASE_RECOMPUTE) only the root-most ones that cover its
-    excess.
+    excess. With windows across ranks (`crossing`: bool [M] the parent runs on another rank), a
+    stack is a rank's: it starts at a microbatch whose window crosses ranks, which holds the
+    exports it receives (`imp_now()`, int64 [M]) while it runs and while it is open.
 
     Raises:
         PlanningError: a microbatch whose own activations plus the exports of its open windows,
@@ -587,20 +750,31 @@ def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, ro
     """
     budget = cfg.memory_bytes
     sizes = cfg.sizes
+    M = mb_parent.shape[0]
+    crossing = np.zeros(M, np.bool_) if crossing is None else crossing
+
+    def local() -> np.ndarray:  # window edges inside one rank's stack
+        return shared & ~crossing
 
     def live_now():
         full, exports = est.bytes(shared, rows_now())
-        return k.live_stack(mb_parent, shared, full, np.where(recompute, exports, full))[0], full, exports
+        imp = imp_now() if imp_now is not None else 0
+        return k.live_stack(mb_parent, local(), full + imp, np.where(recompute, exports, full) + imp)[0], full, exports
+
+    def chain_of(m: int) -> list[int]:  # the open windows below which m runs on its rank, nearest first
+        chain = []
+        c = m
+        on = local()
+        while mb_parent[c] >= 0 and on[c]:
+            c = int(mb_parent[c])
+            chain.append(c)
+        return chain
 
     live, full, exports = live_now()
     if (live <= budget).all():
         return live
     for m in np.flatnonzero(live > budget).tolist():
-        chain = []  # the open windows below which m runs, nearest first
-        c = m
-        while mb_parent[c] >= 0 and shared[c]:
-            c = int(mb_parent[c])
-            chain.append(c)
+        chain = chain_of(m)
         if not minimal:
             for c in chain:
                 recompute[c] = exports[c] < full[c]
@@ -619,8 +793,9 @@ def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, ro
     while (live > budget).any():
         changed = False
         for m in np.flatnonzero(live > budget).tolist():
+            on = local()
             c = m
-            while mb_parent[c] >= 0 and shared[c]:
+            while mb_parent[c] >= 0 and on[c]:
                 if can_dup[c]:
                     shared[c] = False
                     changed = True
@@ -630,11 +805,7 @@ def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, ro
                 break
         if not changed:
             worst = int(np.argmax(live))
-            chain = []
-            c = worst
-            while mb_parent[c] >= 0 and shared[c]:
-                c = int(mb_parent[c])
-                chain.append(c)
+            chain = chain_of(worst)
             held = int(live[worst] - full[worst])
             raise PlanningError(
                 f"memory_tokens: microbatch {worst} holds {int(live[worst])} bytes ({sizes.tokens(int(live[worst]))} "

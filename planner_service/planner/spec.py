@@ -22,7 +22,9 @@ class MicrobatchSpec:
     chunk-aligned depths."""
     parent: int = -1
     """Microbatch whose rows precede this one's piece roots on their paths; -1 when every piece
-    starts at a forest root. All non-root pieces of a microbatch hang below the same parent."""
+    starts at a forest root. All non-root pieces of a microbatch hang below the same parent. A
+    sharing window's parent runs on the same rank, or, in a lock-step plan with cross_rank_windows
+    (PlanConfig.crossing), on another one: a window across ranks (plan.proto CrossEdge)."""
     shared: bool = False
     """With a parent: True imports the ancestors from the parent (sharing window); False
     duplicates the whole root-to-piece path as context rows (occurrence 0, no loss terms)."""

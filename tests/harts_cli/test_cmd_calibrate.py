@@ -10,7 +10,7 @@ import pytest
 
 from harts_cli.cmd_calibrate import SHAPES, fit_report, plan_features, synthetic_batch
 from harts_cli.main import main
-from planner_service.planner.cost_model import FEATURES, CostModel, nnls
+from planner_service.planner.cost_model import DEFAULT_TRANSFER_ROWS_PER_BYTE, FEATURES, CostModel, nnls
 
 
 def test_nnls_matches_the_best_nonnegative_subset_fit():
@@ -66,7 +66,7 @@ def _calibrate(capsys, out, *extra: str) -> tuple[dict, CostModel]:
 def test_calibrate_writes_a_cost_model_that_plan_accepts(tmp_path, capsys):
     out = tmp_path / "cost.json"
     report, cm = _calibrate(capsys, out, "--samples", "6", "--max-rows", "256", "--transfer-backend", "none")
-    assert cm.transfer_byte == 0.0 and "transfer" not in report  # not measured
+    assert cm.transfer_byte == pytest.approx(cm.row * DEFAULT_TRANSFER_ROWS_PER_BYTE) and "transfer" not in report  # not measured
     assert all(getattr(cm, n) >= 0 for n in FEATURES) and sum(getattr(cm, n) for n in FEATURES) > 0
     assert cm.fit["samples"] == 6 and cm.fit["held_out"] == 2 and "r2" in report and "max_rel_error" in report
     assert cm.source.startswith("harts calibrate --model tiny")
@@ -90,7 +90,7 @@ def test_calibrate_measures_the_point_to_point_bandwidth_into_transfer_byte(tmp_
     from proto.harts.v1 import plan_pb2
 
     msg = plan_pb2.CostModel()
-    cm.fill(msg)
+    cm.fill(msg, transfer=True)
     assert msg.transfer_byte == cm.transfer_byte  # what a plan made with this file carries
 
 

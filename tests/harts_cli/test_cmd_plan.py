@@ -166,3 +166,19 @@ def test_plan_lockstep_reports_the_phases(capsys, tmp_path, batch):
     assert report["lockstep_ratio"] == pytest.approx(report["lockstep_makespan"] / report["makespan"])
     assert main(args[:-3]) == 0  # a free plan's report names no phases
     assert "lockstep_phases" not in json.loads(capsys.readouterr().out)
+
+
+def test_plan_lockstep_compares_windows_across_ranks_unless_told_not_to(capsys, tmp_path, batch):
+    out = tmp_path / "plan.bin"
+    args = ["plan", str(batch), "--world-size", "3", "--microbatch-tokens", "32", "--chunk-size", "8", "--lockstep",
+            "-o", str(out)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    assert plan.header.params.cross_rank_windows and report["cross_edges"] == plan.header.stats.cross_edges
+    assert report["without_cross_edges"]["lockstep_makespan"] > 0 and report["without_cross_edges"]["cross_edges"] == 0
+    assert main(args + ["--no-cross-rank-windows"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    assert not plan.header.params.cross_rank_windows and report["cross_edges"] == 0
+    assert "with_cross_edges" not in report and not any(r.cross_edges for r in plan.ranks)

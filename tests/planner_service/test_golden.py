@@ -71,3 +71,33 @@ def test_golden_loss_curve():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = [train_step(ex, plan, opt).loss for _ in range(4)]
     _check("loss_curve_tiny.json", {f"step_{i}": float(v) for i, v in enumerate(losses)}, rel=1e-4)
+
+
+def test_golden_lockstep_plans_without_cross_rank_windows():
+    """cross_rank_windows=False gives the lock-step plans of before windows across ranks, byte for
+    byte (sha256 of each plan, recorded at b17554c)."""
+    import numpy as np
+
+    from planner_service.errors import PlanningError
+    from planner_service.planner import PlanConfig, plan_step
+    from tests.builder_helpers import forest_from_trajectories, random_trajectories
+
+    cases = [dict(world_size=2, microbatch_tokens=32), dict(world_size=3, microbatch_tokens=48, memory_tokens=96),
+             dict(world_size=4, microbatch_tokens=64), dict(world_size=6, microbatch_tokens=32),
+             dict(world_size=8, microbatch_tokens=48)]
+    got = {}
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        trajs, tree_of = random_trajectories(rng, n=int(rng.integers(4, 24)), max_len=96, vocab=6,
+                                             trees=int(rng.integers(1, 5)), chunk=8)
+        forest = forest_from_trajectories(trajs, tree_of=tree_of, seed=seed)
+        for case in cases:
+            key = f"seed{seed}-" + "-".join(f"{k}{v}" for k, v in case.items())
+            try:
+                plan = plan_step(forest, PlanConfig(chunk_size=8, lockstep=True, cross_rank_windows=False, **case))
+            except PlanningError:
+                got[key] = "PlanningError"
+                continue
+            plan.header.stats.plan_seconds = 0.0
+            got[key] = hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest()
+    _check("lockstep_plans_sha256.json", got)

@@ -102,7 +102,7 @@ CASES = [
 def test_lockstep_plans_validate_and_run_the_free_work(case):
     for seed in range(4):
         f = _forest(seed)
-        cfg = PlanConfig(chunk_size=8, lockstep=True, **case)
+        cfg = PlanConfig(chunk_size=8, lockstep=True, cross_rank_windows=False, **case)  # windows across ranks: test_cross_edges.py
         try:
             part = partition(f, cfg)
         except PlanningError:  # a budget this forest cannot meet (the free plan raises the same)
@@ -184,7 +184,7 @@ def test_equal_count_caps_finds_the_smallest_capacity_per_rank():
 
 def test_builder_rejects_inconsistent_lockstep_partitions():
     f = _forest(3)
-    cfg = PlanConfig(chunk_size=8, microbatch_tokens=32, world_size=2, lockstep=True)
+    cfg = PlanConfig(chunk_size=8, microbatch_tokens=32, world_size=2, lockstep=True, cross_rank_windows=False)
     part = partition(f, cfg)
     with pytest.raises(PlanningError, match="expected the phases of a lock-step plan"):
         build_plan(f, cfg, dataclasses.replace(part, phases=None))

@@ -68,5 +68,9 @@ def test_lockstep_reaches_the_plan_config_over_json_and_grpc_and_the_service_def
     from planner_service.service_config import normalized_topology
 
     assert normalized_topology(topology_to_config(proto)).lockstep  # kept with the step, compared for idempotency
+    # windows across ranks are on by default for lock-step plans; no_cross_rank_windows is the ablation
+    assert topology_to_config(proto).cross_rank_windows and not normalized_topology(topology_to_config(proto)).no_cross_rank_windows
+    off = Topology.model_validate_json(json.dumps({**TOPOLOGY, "lockstep": True, "no_cross_rank_windows": True})).to_proto()
+    assert not topology_to_config(off).cross_rank_windows and normalized_topology(topology_to_config(off)).no_cross_rank_windows
     cfg = ServiceConfig(db_path=":memory:", default_topology=planner_pb2.Topology(world_size=2, lockstep=True))
     assert topology_to_config(cfg.default_topology).lockstep

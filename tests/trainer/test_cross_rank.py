@@ -7,10 +7,13 @@ cross edges. The step is the same, so its gradients must equal those of the plan
 windows: in one process (every rank here, `LocalTransport`) and on 2 and 4 gloo ranks with FSDP2
 parameters sharded through the step (`P2PTransport`), relative difference <= 1e-6. The slice check
 refuses broken edges naming them; a rank whose peer dies or hangs mid-exchange fails with an
-error naming the phase, the edge and the peer instead of waiting forever.
+error naming the phase, the edge and the peer instead of waiting forever. End to end, the
+planner's own crossing plan (a tree split over 2 ranks, its prefix computed once) passes the
+validator and runs on 2 gloo ranks with the gradients of the one-process step.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from harts_client.synthetic import generate
 from plan.decode import PlanValidationError
 from plan.slice_check import check_rank
+from plan.validator import validate_plan
 from planner_service.ingest import forest_from_json
 from planner_service.planner import PlanConfig, plan_step
 from proto.arrays import pack, unpack
@@ -45,7 +49,7 @@ def _lockstep(world: int, memory_tokens: int | None = None, *, lockstep: bool = 
     doc = generate(scheme=scheme, tasks=tasks, seed=seed, scale=0.01, turns=(2, 3), old_logprobs=True)
     return plan_step(forest_from_json(doc), PlanConfig(
         chunk_size=C, microbatch_tokens=64, world_size=world, memory_tokens=memory_tokens or memory, lockstep=lockstep,
-        model_config=build_model("tiny", seed=0).config.to_hf_dict(), model_name="tiny"))
+        model_config=build_model("tiny", seed=0).config.to_hf_dict(), model_name="tiny", cross_rank_windows=False))
 
 
 def _crossing(plan: plan_pb2.Plan, edges: int, seed: int = 0) -> plan_pb2.Plan:
@@ -82,8 +86,8 @@ def _shape(plan: plan_pb2.Plan) -> dict:
 
 def _executor(model, **kw) -> Executor:
     transport = kw.pop("transport", None)
-    return Executor(model, ExecutorConfig(chunk_size=C, objective=OBJECTIVE, aux_loss_coef=0.01, check_recompute=True, **kw),
-                    transport=transport)
+    cfg = {"chunk_size": C, "objective": OBJECTIVE, "aux_loss_coef": 0.01, "check_recompute": True} | kw
+    return Executor(model, ExecutorConfig(**cfg), transport=transport)
 
 
 def _one_process(plan, **kw) -> tuple[dict[str, np.ndarray], float]:
@@ -106,6 +110,7 @@ def test_crossing_windows_in_one_process_equal_the_plan_without_them(world, memo
         assert shape["kept exporters"]
     for r in crossing.ranks:
         check_rank(crossing.header, r)
+    validate_plan(crossing)
     want, loss = _one_process(plan)
     got, got_loss = _one_process(crossing, reach_all_units=True)
     rel = rel_grad_diff(got, want)
@@ -313,3 +318,49 @@ def test_a_peer_lost_mid_exchange_fails_the_rank_naming_phase_edge_and_peer(mode
     assert re.search(rf"phase {phases} \(PHASE_\w+\), cross edge {e.id} \(microbatch {e.exporter} -> {e.importer}\): "
                      rf"rank 0 (sending|receiving) (exports|gradients) (to|from) rank 1", msg), msg
     assert re.search(cause, msg) and "is rank 1 alive" in msg, msg
+
+
+# ---- the planner's own windows across ranks, end to end
+
+
+def _planner_crossing() -> tuple:
+    """(forest, the planner's lock-step plan with windows across ranks, the same step planned
+    without them) for 2 ranks: one percall tree (200 distinct tokens) split over both ranks, B =
+    64 rows and a live budget of 96 row-equivalents, where `plan_step` prefers the crossing plan
+    (the tree's prefix computed once, imported by the other rank)."""
+    doc = generate(scheme="percall", tasks=1, seed=0, scale=0.01, turns=(2, 3), old_logprobs=True)
+    forest = forest_from_json(doc)
+    cfg = PlanConfig(chunk_size=C, microbatch_tokens=64, world_size=2, memory_tokens=96, lockstep=True,
+                     model_config=build_model("tiny", seed=0).config.to_hf_dict(), model_name="tiny")
+    return forest, plan_step(forest, cfg), plan_step(forest, dataclasses.replace(cfg, cross_rank_windows=False))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_planners_crossing_windows_on_two_gloo_ranks_equal_the_one_process_step():
+    """Not hand-built: the planner chooses and writes the cross edges, the validator and the slice
+    check accept them, and 2 gloo ranks with FSDP2 running them have the loss and gradients of the
+    one-process step of the same plan. That step is the batch's: without the MoE load-balancing
+    loss (a microbatch's own statistics, DESIGN §5.4, so it depends on the partition) it equals
+    the one-process step of the batch planned without windows across ranks."""
+    from plan.seal import slice_plan
+    from plan.validator import validate_slice
+
+    forest, crossing, base = _planner_crossing()
+    st = crossing.header.stats
+    assert crossing.header.params.cross_rank_windows and st.cross_edges >= 1 and _edges(crossing) == st.cross_edges
+    assert st.duplicated_tokens < base.header.stats.duplicated_tokens and not base.header.stats.cross_edges
+    validate_plan(crossing, forest)
+    for r in range(2):
+        validate_slice(slice_plan(crossing, r))
+        check_rank(crossing.header, crossing.ranks[r])
+    batch, batch_loss = _one_process(base, aux_loss_coef=0.0)
+    got, got_loss = _one_process(crossing, aux_loss_coef=0.0, reach_all_units=True)  # both ranks here (LocalTransport)
+    rel = rel_grad_diff(got, batch)
+    print(f"the planner's crossing plan vs the plan without crossing windows, one process: {rel:.3g}")
+    assert rel <= 1e-6 and abs(got_loss - batch_loss) <= 1e-6 * max(1.0, abs(batch_loss))
+    want, loss = _one_process(crossing, reach_all_units=True)
+    out = _spawn(2, crossing, "fsdp", 2)
+    assert_ranks_match(out, want, loss, f"the planner's plan, 2 ranks ({_shape(crossing)})")
+    posted = {r: sum(out[r]["batches"]) for r in range(2)}
+    assert posted == {r: 2 * st.cross_edges for r in range(2)}, posted  # exports and gradients of every edge

@@ -24,7 +24,7 @@ PHASE_BACKWARD: PhaseKind
 PHASE_RECOMPUTE: PhaseKind
 
 class PlanParams(_message.Message):
-    __slots__ = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "vocab_size", "sharing", "windows", "replay", "logprob_positions", "memory", "cost_model", "lockstep")
+    __slots__ = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "conv_kernel", "vocab_size", "sharing", "windows", "replay", "logprob_positions", "memory", "cost_model", "lockstep", "cross_rank_windows")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class PlanParams(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     COST_MODEL_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_FIELD_NUMBER: _ClassVar[int]
+    CROSS_RANK_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     microbatch_tokens: int
     memory_tokens: int
@@ -51,7 +52,8 @@ class PlanParams(_message.Message):
     memory: MemoryModel
     cost_model: CostModel
     lockstep: bool
-    def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., conv_kernel: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sharing: _Optional[bool] = ..., windows: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ..., memory: _Optional[_Union[MemoryModel, _Mapping]] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., lockstep: _Optional[bool] = ...) -> None: ...
+    cross_rank_windows: bool
+    def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., conv_kernel: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sharing: _Optional[bool] = ..., windows: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ..., memory: _Optional[_Union[MemoryModel, _Mapping]] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., lockstep: _Optional[bool] = ..., cross_rank_windows: _Optional[bool] = ...) -> None: ...
 
 class MemoryModel(_message.Message):
     __slots__ = ("activation_row_bytes", "attn_row_bytes", "conv_row_bytes", "kernel_row_bytes", "state_bytes", "memory_bytes", "model", "dtype")
@@ -284,7 +286,7 @@ class Normalizers(_message.Message):
     def __init__(self, total_loss_tokens: _Optional[float] = ..., num_trajectories: _Optional[int] = ..., traj_loss_tokens: _Optional[bytes] = ..., traj_weight: _Optional[bytes] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan", "lockstep_phases", "lockstep_makespan", "lockstep_ratio", "lockstep_forward_phases", "lockstep_backward_phases", "lockstep_recompute_phases")
+    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan", "lockstep_phases", "lockstep_makespan", "lockstep_ratio", "lockstep_forward_phases", "lockstep_backward_phases", "lockstep_recompute_phases", "cross_edges", "exchanged_bytes", "max_rank_exchanged_bytes", "rank_transfer_costs", "with_cross_edges", "without_cross_edges")
     UNIQUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPANDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +311,12 @@ class PlanStats(_message.Message):
     LOCKSTEP_FORWARD_PHASES_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_BACKWARD_PHASES_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_RECOMPUTE_PHASES_FIELD_NUMBER: _ClassVar[int]
+    CROSS_EDGES_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANK_EXCHANGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_TRANSFER_COSTS_FIELD_NUMBER: _ClassVar[int]
+    WITH_CROSS_EDGES_FIELD_NUMBER: _ClassVar[int]
+    WITHOUT_CROSS_EDGES_FIELD_NUMBER: _ClassVar[int]
     unique_tokens: int
     expanded_tokens: int
     computed_tokens: int
@@ -333,7 +341,33 @@ class PlanStats(_message.Message):
     lockstep_forward_phases: int
     lockstep_backward_phases: int
     lockstep_recompute_phases: int
-    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ..., lockstep_phases: _Optional[int] = ..., lockstep_makespan: _Optional[float] = ..., lockstep_ratio: _Optional[float] = ..., lockstep_forward_phases: _Optional[int] = ..., lockstep_backward_phases: _Optional[int] = ..., lockstep_recompute_phases: _Optional[int] = ...) -> None: ...
+    cross_edges: int
+    exchanged_bytes: int
+    max_rank_exchanged_bytes: int
+    rank_transfer_costs: _containers.RepeatedScalarFieldContainer[float]
+    with_cross_edges: PlanCandidate
+    without_cross_edges: PlanCandidate
+    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ..., lockstep_phases: _Optional[int] = ..., lockstep_makespan: _Optional[float] = ..., lockstep_ratio: _Optional[float] = ..., lockstep_forward_phases: _Optional[int] = ..., lockstep_backward_phases: _Optional[int] = ..., lockstep_recompute_phases: _Optional[int] = ..., cross_edges: _Optional[int] = ..., exchanged_bytes: _Optional[int] = ..., max_rank_exchanged_bytes: _Optional[int] = ..., rank_transfer_costs: _Optional[_Iterable[float]] = ..., with_cross_edges: _Optional[_Union[PlanCandidate, _Mapping]] = ..., without_cross_edges: _Optional[_Union[PlanCandidate, _Mapping]] = ...) -> None: ...
+
+class PlanCandidate(_message.Message):
+    __slots__ = ("compression_achieved", "makespan_ratio", "lockstep_makespan", "duplicated_tokens", "cross_edges", "exchanged_bytes", "makespan", "makespan_lower_bound")
+    COMPRESSION_ACHIEVED_FIELD_NUMBER: _ClassVar[int]
+    MAKESPAN_RATIO_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_MAKESPAN_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CROSS_EDGES_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAKESPAN_FIELD_NUMBER: _ClassVar[int]
+    MAKESPAN_LOWER_BOUND_FIELD_NUMBER: _ClassVar[int]
+    compression_achieved: float
+    makespan_ratio: float
+    lockstep_makespan: float
+    duplicated_tokens: int
+    cross_edges: int
+    exchanged_bytes: int
+    makespan: float
+    makespan_lower_bound: float
+    def __init__(self, compression_achieved: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., lockstep_makespan: _Optional[float] = ..., duplicated_tokens: _Optional[int] = ..., cross_edges: _Optional[int] = ..., exchanged_bytes: _Optional[int] = ..., makespan: _Optional[float] = ..., makespan_lower_bound: _Optional[float] = ...) -> None: ...
 
 class PlanHeader(_message.Message):
     __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids", "trajectory_index", "tree_index", "local_tables", "policy_version", "trajectory_rewards", "lockstep_phases")
