@@ -621,6 +621,8 @@ def _command(cfg: SuiteConfig) -> str:
         parts.append("--full")
     if not cfg.trainer:
         parts.append("--no-trainer")
+    if not cfg.reference_planner:
+        parts.append("--no-reference")
     parts += [f"--only {n}" for n in cfg.only]
     return " ".join(parts)
 
