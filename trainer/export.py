@@ -25,9 +25,12 @@ from trainer.models.config import NAMED_CONFIGS, ModelConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["hf_state_dict", "write_hf_dir", "export_checkpoint", "model_config_of_meta", "prune", "LATEST", "META"]
+__all__ = ["hf_state_dict", "write_hf_dir", "TOKENIZER_FILES", "export_checkpoint", "model_config_of_meta", "prune", "LATEST", "META"]
 
 LATEST = "latest"
+#: files an export copies from the model directory it started from (`write_hf_dir(files_from=...)`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "generation_config.json")
 META = "harts.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -61,18 +64,24 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
+    tmp.chmod(0o644)
     os.replace(tmp, path)
 
 
 def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
-                 max_shard_bytes: int = 2 << 30, meta: dict | None = None) -> Path:
-    """Write config.json, sharded safetensors and harts.json into `out` (created; replaced if present).
+                 max_shard_bytes: int = 2 << 30, meta: dict | None = None, files_from: str | Path | None = None) -> Path:
+    """Write config.json, sharded safetensors, harts.json, generation_config.json and the tokenizer
+    into `out` (created; replaced if present), every file mode 0644 (readable by the generators' user).
 
     Args:
         state: our full (unsharded) state dict, e.g. `Qwen3NextForRL.state_dict()`.
         dtype: dtype of the written floating-point weights.
         max_shard_bytes: size limit of one .safetensors shard (a larger tensor gets a shard of its own).
         meta: extra fields of harts.json (policy_version, step_ids, ...).
+        files_from: the model directory the run started from: its tokenizer files and
+            generation_config.json (`TOKENIZER_FILES`) are copied. Without a generation_config.json
+            there, one is written for plain sampling (temperature 1, no top-k / top-p: the
+            distribution the trainer's log-probs describe).
     Side effects: writes into a sibling temporary directory, then renames it to `out`.
     """
     from safetensors.torch import save_file
@@ -105,6 +114,16 @@ def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConf
     hf["torch_dtype"] = hf["dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(hf, indent=1))
     (tmp / META).write_text(json.dumps({"format": "harts.export.v1", **(meta or {})}, indent=1))
+    src = Path(files_from) if files_from is not None else None
+    for name in TOKENIZER_FILES:
+        if src is not None and (src / name).is_file():
+            shutil.copyfile(src / name, tmp / name)
+    if not (tmp / "generation_config.json").is_file():
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}, indent=1))
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    tmp.chmod(0o755)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -164,6 +183,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype =
     cfg = model_config_of_meta(meta)
     model = Qwen3NextForRL(cfg)
     checkpoint.load(path, model=model)
+    spec = meta.get("model")
     return write_hf_dir(out, model.state_dict(), cfg, dtype=dtype, max_shard_bytes=max_shard_bytes,
                         meta={"policy_version": int(meta["step"]), "step_ids": meta.get("step_ids", []),
-                              "checkpoint": str(path.resolve())})
+                              "checkpoint": str(path.resolve())},
+                        files_from=spec if spec and Path(spec).is_dir() else None)
