@@ -212,7 +212,8 @@ class _Walk(Walk):
             if first[0] != has:
                 raise Stop(g_key + (RANK[name],), f"{path}.{name}",
                            f"expected {name} on every trajectory or on none ({first[1]} "
-                           f"{'has' if first[0] else 'has none'}), got {'a list' if has else 'none'}")
+                           f"{'has' if first[0] else 'has none'}), got "
+                           f"{'a list' if values is not None else 'values on its tree nodes' if has else 'none'}")
             if values is not None:
                 self.per_position(name, values, g, g_key, path, length)
         adv = self.value(obj, "advantage")

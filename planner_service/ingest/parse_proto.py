@@ -110,7 +110,8 @@ class _Walk(Walk):
             if first[0] != has:
                 raise Stop(key + (RANK[name],), f"{path}.{name}",
                            f"expected {name} on every trajectory or on none ({first[1]} "
-                           f"{'has' if first[0] else 'has none'}), got {'some' if has else 'none'}")
+                           f"{'has' if first[0] else 'has none'}), got "
+                           f"{'some' if data else 'values on its tree nodes' if has else 'none'}")
             if data:
                 self.per_position(name, data, key, path, length)
         if traj.advantages:

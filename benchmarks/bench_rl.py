@@ -1,0 +1,242 @@
+"""RL benchmark: one run of `examples/rl_tiny.toml`, trained on trees and, on the same rollouts, expanded.
+
+Run: `.venv/bin/python -m benchmarks.bench_rl [--quick] [--steps 50] [--out benchmarks/results]`
+(progress on stderr, one JSON object on stdout; with --out also `rl.md`, `rl.json` and the figure
+there). `harts bench --only rl` runs it inside the suite (figure in benchmarks/results).
+
+In one process, side by side (so that machine load weighs on both alike), one rank: the policy
+is warm-started as `harts rl` does (`harts_cli.rl.warmstart`); then every step the generator (the
+transformers engine on the tree model's newest export, staleness 1 like `harts rl`: batch n + 1 is
+sampled with the weights after step n - 1) plays the task as trees, and the same recorded batch
+trains two copies of the policy that start from the same weights: one on the tree plan (sharing
+windows), one on the trajectory-expanded plan (`PlanConfig(sharing=False)`). Both apply the
+trainer's step exactly (`trainer.parallelize.grad_norm_and_clip`, `trainer.optim.lr_at`, AdamW,
+the config's objective). Reported per step: loss and grad norm of both (and their relative
+difference: Invariant E over a whole run, fp32 on the CPU, target <= 1e-6), the reward, the
+compression, and the seconds of each training step; overall the wall-clock ratio (expanded
+training seconds / tree training seconds). `--quick`: 5 steps on a smaller batch (the tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("bench_rl")
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "rl_tiny.toml"
+RESULTS = Path(__file__).resolve().parent / "results"
+FIGURE = "rl_tree_vs_expanded.png"
+
+
+class _Policy:
+    """One copy of the policy with the trainer's step (world size 1)."""
+
+    def __init__(self, warm: Path, tcfg, chunk_size: int):
+        from trainer.distributed import DistContext
+        from trainer.executor import Executor, ExecutorConfig
+        from trainer.models import load_model
+        from trainer.optim import make_optimizer
+
+        self.model = load_model(warm)
+        self.tcfg, self.ctx = tcfg, DistContext()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = tcfg.optimizer
+        self.opt = make_optimizer(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        self.executor = Executor(self.model, ExecutorConfig(chunk_size=chunk_size, objective=tcfg.objective,
+                                                            aux_loss_coef=tcfg.executor.aux_loss_coef,
+                                                            attention_backend=tcfg.executor.attention_backend))
+
+    def step(self, plan, i: int) -> dict:
+        from trainer.optim import lr_at, set_lr
+        from trainer.parallelize import grad_norm_and_clip
+
+        ls, c = self.tcfg.lr_schedule, self.tcfg
+        lr = lr_at(i, lr=c.optimizer.lr, total_steps=c.job.steps, warmup_steps=ls.warmup_steps, decay=ls.decay,
+                   decay_steps=ls.decay_steps, min_lr_ratio=ls.min_lr_ratio)
+        t0 = time.perf_counter()
+        set_lr(self.opt, lr)
+        res = self.executor.run_step(plan)
+        grad_norm = grad_norm_and_clip(self.params, c.optimizer.max_grad_norm, self.ctx, sharded=False)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"loss": res.loss, "grad_norm": float(grad_norm), "seconds": time.perf_counter() - t0,
+                "computed_tokens": res.computed_tokens, "expanded_tokens": res.expanded_tokens}
+
+
+def _rel(a: float, b: float) -> float:
+    m = max(abs(a), abs(b))
+    return abs(a - b) / m if m > 0 else 0.0
+
+
+def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = None, config: Path = CONFIG) -> dict:
+    """Run the benchmark; returns the per-step rows and the summary (see the module docstring)."""
+    import torch
+
+    from harts_cli.rl.config import load_rl_config
+    from harts_cli.rl.warmstart import warm_start
+    from harts_client.engines import make_engine
+    from harts_client.tasks import make_task
+    from harts_client.tokenizer import ByteTokenizer
+    from harts_client.tree_sampling import sample_batch, to_batch
+    from planner_service.ingest import forest_from_json
+    from planner_service.planner import PlanConfig, plan_step
+    from trainer.config import TrainerConfig
+    from trainer.export import point_latest, write_hf_dir
+
+    steps = steps or (5 if quick else 50)
+    cfg = load_rl_config(config, steps=steps, nproc=1)
+    if quick:
+        cfg.warmup.steps, cfg.sampling.tasks_per_step = 10, 4
+    tcfg = TrainerConfig.from_dict(cfg.trainer_doc(planner_url="http://unused", model_dir=Path("."), out=Path(".")))
+    task = make_task(cfg.task.name, **cfg.task.options)
+    tok = ByteTokenizer()
+    torch.manual_seed(cfg.run.seed)
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
+        tmp = Path(tmp)
+        t0 = time.perf_counter()
+        warm, _ = warm_start(cfg, task, tok, tmp / "warmstart", tokenizer_files=tok.hf_files())
+        warm_seconds = time.perf_counter() - t0
+        tree, expanded = _Policy(warm, tcfg, cfg.plan.chunk_size), _Policy(warm, tcfg, cfg.plan.chunk_size)
+        exports = tmp / "hf"
+        exports.mkdir()
+        write_hf_dir(exports / "step-00000000", tree.model.state_dict(), tree.model.config, dtype=torch.float32,
+                     meta={"policy_version": 0}, files_from=warm)
+        point_latest(exports, "step-00000000")
+        engine = make_engine("transformers", str(exports))
+        mc = tree.model.config
+        common = dict(world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
+                      conv_kernel=mc.linear_conv_kernel_dim, model_config=mc.to_hf_dict())
+        longest_budget = cfg.plan.microbatch_tokens
+
+        def sample(s: int) -> tuple[dict, float]:
+            engine.reload()
+            seed = cfg.run.seed * 100_003 + s
+            insts = task.instances("train", cfg.sampling.tasks_per_step, seed=seed)
+            groups = sample_batch(engine, task, tok, insts, cfg.sampling.sampling(), seed=seed, id_prefix=f"s{s}/")
+            doc = to_batch(groups, f"rl-{s}", vocab_size=mc.vocab_size, policy_version=engine.policy_version).to_json("tree")
+            return doc, float(np.mean([r for g in groups for r in g.rewards]))
+
+        pending = sample(0)
+        rows = []
+        for s in range(steps):
+            doc, reward = pending
+            if s + 1 < steps:
+                pending = sample(s + 1)  # staleness 1: batch s + 1 comes from the weights before step s
+            forest = forest_from_json(doc)
+            longest = int(forest.traj_length().max())
+            tree_plan = plan_step(forest, PlanConfig(**common, windows=not cfg.plan.no_windows))
+            exp_plan = plan_step(forest, PlanConfig(**{**common, "microbatch_tokens": max(longest_budget, longest)},
+                                                    sharing=False, windows=False))
+            a, b = tree.step(tree_plan, s), expanded.step(exp_plan, s)
+            write_hf_dir(exports / f"step-{s + 1:08d}", tree.model.state_dict(), mc, dtype=torch.float32,
+                         meta={"policy_version": s + 1}, files_from=warm)
+            point_latest(exports, f"step-{s + 1:08d}")
+            row = {"step": s + 1, "reward_mean": reward, "tree_loss": a["loss"], "expanded_loss": b["loss"],
+                   "tree_grad_norm": a["grad_norm"], "expanded_grad_norm": b["grad_norm"],
+                   "loss_rel_diff": _rel(a["loss"], b["loss"]), "grad_norm_rel_diff": _rel(a["grad_norm"], b["grad_norm"]),
+                   "compression": a["expanded_tokens"] / max(a["computed_tokens"], 1),
+                   "tree_seconds": a["seconds"], "expanded_seconds": b["seconds"]}
+            rows.append(row)
+            log.info("step %d/%d: reward %.3f | loss %+.6f / %+.6f (rel %.1e) | grad norm %.5f / %.5f (rel %.1e) | "
+                     "%.2fx compression, %.2f s tree / %.2f s expanded", s + 1, steps, reward, a["loss"], b["loss"],
+                     row["loss_rel_diff"], a["grad_norm"], b["grad_norm"], row["grad_norm_rel_diff"], row["compression"],
+                     a["seconds"], b["seconds"])
+    tree_s, exp_s = sum(r["tree_seconds"] for r in rows), sum(r["expanded_seconds"] for r in rows)
+    r = [row["reward_mean"] for row in rows]
+    result = {
+        "settings": {"config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
+                     "steps": steps, "tasks_per_step": cfg.sampling.tasks_per_step, "branching": cfg.sampling.branching,
+                     "model": cfg.model.name, "warm_start_steps": cfg.warmup.steps, "quick": quick,
+                     "threads": torch.get_num_threads()},
+        "loss_max_rel_diff": max(row["loss_rel_diff"] for row in rows),
+        "grad_norm_max_rel_diff": max(row["grad_norm_rel_diff"] for row in rows),
+        "tree_train_seconds": tree_s, "expanded_train_seconds": exp_s, "wall_clock_ratio": exp_s / tree_s,
+        "compression_mean": float(np.mean([row["compression"] for row in rows])),
+        "reward_first10": float(np.mean(r[:10])), "reward_last10": float(np.mean(r[-10:])),
+        "warm_start_seconds": warm_seconds, "rows": rows,
+    }
+    out_dir = Path(out_dir) if out_dir is not None else (Path(tempfile.mkdtemp(prefix="bench-rl-")) if quick else RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["figure"] = str(_figure(rows, out_dir / FIGURE))
+    return result
+
+
+def _figure(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(4, 1, figsize=(7, 9), sharex=True)
+    axes[0].plot(steps, [r["reward_mean"] for r in rows], "o-", ms=3, color="C2")
+    axes[0].set_ylabel("reward_mean")
+    axes[0].set_title("harts rl (examples/rl_tiny.toml): the same rollouts trained as trees and expanded")
+    for ax, key in zip(axes[1:3], ("loss", "grad_norm")):
+        ax.plot(steps, [r[f"tree_{key}"] for r in rows], "o-", ms=4, label="tree (sharing windows)")
+        ax.plot(steps, [r[f"expanded_{key}"] for r in rows], "x--", ms=5, label="trajectory-expanded")
+        ax.set_ylabel(key)
+        ax.legend(fontsize=8)
+    axes[3].semilogy(steps, [max(r["loss_rel_diff"], 1e-17) for r in rows], "o-", ms=3, label="loss")
+    axes[3].semilogy(steps, [max(r["grad_norm_rel_diff"], 1e-17) for r in rows], "x-", ms=3, label="grad norm")
+    axes[3].axhline(1e-6, color="k", lw=0.8, ls=":", label="1e-6")
+    axes[3].set_ylabel("relative difference")
+    axes[3].set_xlabel("step")
+    axes[3].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def result_markdown(result: dict) -> str:
+    s = result["settings"]
+    out = ["# RL: the same run on trees and trajectory-expanded", "",
+           f"Command: `.venv/bin/python -m benchmarks.bench_rl --out benchmarks/results` (settings: {json.dumps(s)}). "
+           "One process, one rank, the tree and the expanded copy trained side by side on the same recorded batches.", "",
+           f"- loss: max relative difference {result['loss_max_rel_diff']:.2e} over {s['steps']} steps; "
+           f"grad norm: {result['grad_norm_max_rel_diff']:.2e} (target <= 1e-6, fp32 CPU)",
+           f"- training wall clock: tree {result['tree_train_seconds']:.1f} s, expanded {result['expanded_train_seconds']:.1f} s: "
+           f"**{result['wall_clock_ratio']:.2f}x** (mean compression {result['compression_mean']:.2f}x; shared machine)",
+           f"- reward_mean: first 10 steps {result['reward_first10']:.3f}, last 10 {result['reward_last10']:.3f}",
+           f"- figure: [{FIGURE}]({FIGURE})", "",
+           "| step | reward | tree loss | expanded loss | rel diff | tree grad norm | expanded grad norm | rel diff | compression | tree s | expanded s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        out.append(f"| {r['step']} | {r['reward_mean']:.3f} | {r['tree_loss']:.8f} | {r['expanded_loss']:.8f} | "
+                   f"{r['loss_rel_diff']:.1e} | {r['tree_grad_norm']:.7f} | {r['expanded_grad_norm']:.7f} | "
+                   f"{r['grad_norm_rel_diff']:.1e} | {r['compression']:.2f} | {r['tree_seconds']:.2f} | {r['expanded_seconds']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="5 steps on a smaller batch (smoke run)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default 50, quick 5)")
+    p.add_argument("--out", type=Path, default=None, help="write rl.md, rl.json and the figure into this folder")
+    p.add_argument("--config", type=Path, default=CONFIG, help="harts rl config (default examples/rl_tiny.toml)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    import torch
+
+    torch.set_num_threads(1)
+    result = run(quick=args.quick, steps=args.steps, out_dir=args.out, config=args.config)
+    if args.out:
+        (args.out / "rl.json").write_text(json.dumps(result, indent=1))
+        (args.out / "rl.md").write_text(result_markdown(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
