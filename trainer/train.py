@@ -276,7 +276,7 @@ def _train_step(plan, i: int, cfg: TrainerConfig, ctx, executor, stand_in, sync,
         out["advantage_mean"], out["advantage_std"] = moments(an, asum, asq)
         out["advantage_min"], out["advantage_max"] = mins[0], maxes[0]
     out.update(stat_metrics(stat_sums, stat_max, stat_min))
-    out.update(reward_metrics(plan.header))
+    out.update(reward_metrics(plan.header, gather=lambda v: all_reduce_values(v, ctx, "max")))
     if version is not None:
         out.update(batch_policy_version=version, staleness=staleness, staleness_scale=factor)
     return out, stopping > 0
