@@ -11,10 +11,13 @@ sampled with the weights after step n - 1) plays the task as trees, and the same
 trains two copies of the policy that start from the same weights: one on the tree plan (sharing
 windows), one on the trajectory-expanded plan (`PlanConfig(sharing=False)`). Both apply the
 trainer's step exactly (`trainer.parallelize.grad_norm_and_clip`, `trainer.optim.lr_at`, AdamW,
-the config's objective). Reported per step: loss and grad norm of both (and their relative
-difference: Invariant E over a whole run, fp32 on the CPU, target <= 1e-6), the reward, the
+the config's objective). A third copy trains the expanded plan repacked (the whole batch in one
+microbatch): the reassociation the expanded run shows when its batch is repacked is Invariant E's
+yardstick (DESIGN §2). Reported per step: loss and grad norm of each (relative differences tree
+vs expanded, target <= 1e-6 in fp32 on the CPU, and repacked vs expanded), the reward, the
 compression, and the seconds of each training step; overall the wall-clock ratio (expanded
 training seconds / tree training seconds). `--quick`: 5 steps on a smaller batch (the tests).
+Also the wire size of a 32 x 8 batch of the warm-started policy in each rollout form (`wire_sizes`).
 """
 from __future__ import annotations
 
@@ -71,6 +74,50 @@ class _Policy:
                 "computed_tokens": res.computed_tokens, "expanded_tokens": res.expanded_tokens}
 
 
+def _per_trajectory_form(doc: dict, *, flat: bool = False) -> dict:
+    """The same batch with every node field moved onto the trajectories at full path length (the
+    explicit-tree form before the compact one); `flat`: as flat trajectories (full token lists)."""
+    out = {k: v for k, v in doc.items() if k != "trees"}
+    out["trees"], flat_trajs = [], []
+    for tree in doc.get("trees", []):
+        by_id = {n["id"]: n for n in tree["nodes"]}
+        names = [k for k in ("loss_mask", "old_logprobs", "ref_logprobs") if k in tree["nodes"][0]]
+        trajs = []
+        for t in tree["trajectories"]:
+            path, node = [], by_id[t["node"]]
+            while True:
+                path.insert(0, node)
+                if node["parent"] is None:
+                    break
+                node = by_id[node["parent"]]
+            trajs.append({**t, **{k: [x for n in path for x in n[k]] for k in names}})
+            if flat:
+                flat_trajs.append({"id": t["id"], "tree_id": tree["id"], "tokens": [x for n in path for x in n["tokens"]],
+                                   **{k: v for k, v in trajs[-1].items() if k not in ("id", "node")}})
+        nodes = [{k: v for k, v in n.items() if k not in names} for n in tree["nodes"]]
+        out["trees"].append({"id": tree["id"], "nodes": nodes, "trajectories": trajs})
+    if flat:
+        del out["trees"]
+        out["trajectories"] = flat_trajs
+    return out
+
+
+def wire_sizes(batch) -> dict:
+    """Bytes per expanded token of one batch (a RolloutBatchBuilder) in each form, JSON (compact
+    separators, as PlannerClient sends it) and protobuf."""
+    from planner_service.ingest import forest_from_json, json_to_proto
+
+    compact = batch.to_json("tree")
+    expanded = forest_from_json(compact).expanded_tokens
+    docs = {"flat": _per_trajectory_form(compact, flat=True), "tree_per_trajectory": _per_trajectory_form(compact)}
+    forms = {**{name: (doc, json_to_proto(doc)) for name, doc in docs.items()}, "tree_compact": (compact, batch.to_proto("tree"))}
+    out = {"expanded_tokens": expanded, "trajectories": len(batch.trajectories) + sum(len(t.trajectories) for t in batch.trees)}
+    for name, (doc, msg) in forms.items():
+        out[f"{name}_json_bytes_per_token"] = len(json.dumps(doc, separators=(",", ":"))) / expanded
+        out[f"{name}_proto_bytes_per_token"] = len(msg.SerializeToString()) / expanded
+    return out
+
+
 def _rel(a: float, b: float) -> float:
     m = max(abs(a), abs(b))
     return abs(a - b) / m if m > 0 else 0.0
@@ -94,7 +141,7 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
     steps = steps or (5 if quick else 50)
     cfg = load_rl_config(config, steps=steps, nproc=1)
     if quick:
-        cfg.warmup.steps, cfg.sampling.tasks_per_step = 10, 4
+        cfg.warmup.steps, cfg.sampling.tasks_per_step = 30, 4  # 30: the policy knows the format (non-zero rewards)
     tcfg = TrainerConfig.from_dict(cfg.trainer_doc(planner_url="http://unused", model_dir=Path("."), out=Path(".")))
     task = make_task(cfg.task.name, **cfg.task.options)
     tok = ByteTokenizer()
@@ -104,7 +151,7 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
         t0 = time.perf_counter()
         warm, _ = warm_start(cfg, task, tok, tmp / "warmstart", tokenizer_files=tok.hf_files())
         warm_seconds = time.perf_counter() - t0
-        tree, expanded = _Policy(warm, tcfg, cfg.plan.chunk_size), _Policy(warm, tcfg, cfg.plan.chunk_size)
+        tree, expanded, repacked = (_Policy(warm, tcfg, cfg.plan.chunk_size) for _ in range(3))
         exports = tmp / "hf"
         exports.mkdir()
         write_hf_dir(exports / "step-00000000", tree.model.state_dict(), tree.model.config, dtype=torch.float32,
@@ -124,6 +171,11 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
             doc = to_batch(groups, f"rl-{s}", vocab_size=mc.vocab_size, policy_version=engine.policy_version).to_json("tree")
             return doc, float(np.mean([r for g in groups for r in g.rewards]))
 
+        wire_cfg = cfg.sampling.sampling()
+        wire_insts = task.instances("train", 32, seed=999_999)
+        wire_groups = sample_batch(engine, task, tok, wire_insts, wire_cfg, seed=999_999)
+        wire = wire_sizes(to_batch(wire_groups, "wire", vocab_size=mc.vocab_size, policy_version=0))
+        log.info("wire: %s", json.dumps({k: round(v, 2) for k, v in wire.items()}))
         pending = sample(0)
         rows = []
         for s in range(steps):
@@ -135,13 +187,17 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
             tree_plan = plan_step(forest, PlanConfig(**common, windows=not cfg.plan.no_windows))
             exp_plan = plan_step(forest, PlanConfig(**{**common, "microbatch_tokens": max(longest_budget, longest)},
                                                     sharing=False, windows=False))
-            a, b = tree.step(tree_plan, s), expanded.step(exp_plan, s)
+            one_plan = plan_step(forest, PlanConfig(**{**common, "microbatch_tokens": forest.expanded_tokens},
+                                                    sharing=False, windows=False))
+            a, b, c = tree.step(tree_plan, s), expanded.step(exp_plan, s), repacked.step(one_plan, s)
             write_hf_dir(exports / f"step-{s + 1:08d}", tree.model.state_dict(), mc, dtype=torch.float32,
                          meta={"policy_version": s + 1}, files_from=warm)
             point_latest(exports, f"step-{s + 1:08d}")
             row = {"step": s + 1, "reward_mean": reward, "tree_loss": a["loss"], "expanded_loss": b["loss"],
                    "tree_grad_norm": a["grad_norm"], "expanded_grad_norm": b["grad_norm"],
                    "loss_rel_diff": _rel(a["loss"], b["loss"]), "grad_norm_rel_diff": _rel(a["grad_norm"], b["grad_norm"]),
+                   "repack_loss_rel_diff": _rel(c["loss"], b["loss"]),
+                   "repack_grad_norm_rel_diff": _rel(c["grad_norm"], b["grad_norm"]),
                    "compression": a["expanded_tokens"] / max(a["computed_tokens"], 1),
                    "tree_seconds": a["seconds"], "expanded_seconds": b["seconds"]}
             rows.append(row)
@@ -158,10 +214,12 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
                      "threads": torch.get_num_threads()},
         "loss_max_rel_diff": max(row["loss_rel_diff"] for row in rows),
         "grad_norm_max_rel_diff": max(row["grad_norm_rel_diff"] for row in rows),
+        "repack_loss_max_rel_diff": max(row["repack_loss_rel_diff"] for row in rows),
+        "repack_grad_norm_max_rel_diff": max(row["repack_grad_norm_rel_diff"] for row in rows),
         "tree_train_seconds": tree_s, "expanded_train_seconds": exp_s, "wall_clock_ratio": exp_s / tree_s,
         "compression_mean": float(np.mean([row["compression"] for row in rows])),
         "reward_first10": float(np.mean(r[:10])), "reward_last10": float(np.mean(r[-10:])),
-        "warm_start_seconds": warm_seconds, "rows": rows,
+        "warm_start_seconds": warm_seconds, "wire": wire, "rows": rows,
     }
     out_dir = Path(out_dir) if out_dir is not None else (Path(tempfile.mkdtemp(prefix="bench-rl-")) if quick else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,8 +243,12 @@ def _figure(rows: list[dict], path: Path) -> Path:
         ax.plot(steps, [r[f"expanded_{key}"] for r in rows], "x--", ms=5, label="trajectory-expanded")
         ax.set_ylabel(key)
         ax.legend(fontsize=8)
-    axes[3].semilogy(steps, [max(r["loss_rel_diff"], 1e-17) for r in rows], "o-", ms=3, label="loss")
-    axes[3].semilogy(steps, [max(r["grad_norm_rel_diff"], 1e-17) for r in rows], "x-", ms=3, label="grad norm")
+    floor = 1e-10  # a difference of exactly 0 is drawn at the bottom
+    axes[3].semilogy(steps, [max(r["loss_rel_diff"], floor) for r in rows], "o-", ms=3, label="loss: tree vs expanded")
+    axes[3].semilogy(steps, [max(r["grad_norm_rel_diff"], floor) for r in rows], "x-", ms=3,
+                     label="grad norm: tree vs expanded")
+    axes[3].semilogy(steps, [max(r["repack_grad_norm_rel_diff"], floor) for r in rows], ":", color="0.5",
+                     label="grad norm: expanded vs expanded repacked")
     axes[3].axhline(1e-6, color="k", lw=0.8, ls=":", label="1e-6")
     axes[3].set_ylabel("relative difference")
     axes[3].set_xlabel("step")
@@ -204,13 +266,23 @@ def result_markdown(result: dict) -> str:
     out = ["# RL: the same run on trees and trajectory-expanded", "",
            f"Command: `.venv/bin/python -m benchmarks.bench_rl --out benchmarks/results` (settings: {json.dumps(s)}). "
            "One process, one rank, the tree and the expanded copy trained side by side on the same recorded batches.", "",
-           f"- loss: max relative difference {result['loss_max_rel_diff']:.2e} over {s['steps']} steps; "
-           f"grad norm: {result['grad_norm_max_rel_diff']:.2e} (target <= 1e-6, fp32 CPU)",
+           f"- tree vs expanded, max relative difference over {s['steps']} steps: loss {result['loss_max_rel_diff']:.2e}, "
+           f"grad norm {result['grad_norm_max_rel_diff']:.2e} (target <= 1e-6, fp32 CPU)",
+           f"- the expanded run against itself repacked (one microbatch per step; Invariant E's yardstick): loss "
+           f"{result['repack_loss_max_rel_diff']:.2e}, grad norm {result['repack_grad_norm_max_rel_diff']:.2e}",
            f"- training wall clock: tree {result['tree_train_seconds']:.1f} s, expanded {result['expanded_train_seconds']:.1f} s: "
            f"**{result['wall_clock_ratio']:.2f}x** (mean compression {result['compression_mean']:.2f}x; shared machine)",
            f"- reward_mean: first 10 steps {result['reward_first10']:.3f}, last 10 {result['reward_last10']:.3f}",
            f"- figure: [{FIGURE}]({FIGURE})", "",
-           "| step | reward | tree loss | expanded loss | rel diff | tree grad norm | expanded grad norm | rel diff | compression | tree s | expanded s |",
+           f"Wire size of a {result['wire']['trajectories']}-trajectory batch (32 instances x 8, sampled by the warm-started "
+           f"policy; {result['wire']['expanded_tokens']:,} expanded tokens), bytes per expanded token:", "",
+           "| form | JSON | protobuf |", "|---|---|---|"]
+    for name, label in (("flat", "flat trajectories"), ("tree_per_trajectory", "explicit trees, per-trajectory fields"),
+                        ("tree_compact", "explicit trees, per-token fields on the nodes (compact)")):
+        w = result["wire"]
+        out.append(f"| {label} | {w[name + '_json_bytes_per_token']:.2f} | {w[name + '_proto_bytes_per_token']:.2f} |")
+    out += ["",
+            "| step | reward | tree loss | expanded loss | rel diff | tree grad norm | expanded grad norm | rel diff | compression | tree s | expanded s |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         out.append(f"| {r['step']} | {r['reward_mean']:.3f} | {r['tree_loss']:.8f} | {r['expanded_loss']:.8f} | "

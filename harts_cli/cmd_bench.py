@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-NAMES = ("workloads", "forest", "planner", "trainer", "service", "kernels")
+NAMES = ("workloads", "forest", "planner", "trainer", "service", "kernels", "rl")
 
 
 def _names(text: str) -> list[str]:

@@ -104,6 +104,12 @@ class _Part:
     logprobs: list[float] | None
 
 
+def _f32(values) -> list[float]:
+    """Floats as the float32 numbers the wire carries, spelled shortest in JSON (`-0.6931472`, not
+    `-0.6931471824645996`): lossless for the float32 arrays ingest builds."""
+    return [float(str(v)) for v in np.asarray(values, np.float32)]
+
+
 class Trajectory:
     """One rollout as a sequence of parts: the prompt, then completions and observations in turn.
 
@@ -131,7 +137,7 @@ class Trajectory:
         """Tokens the policy sampled (loss tokens) with their log-probs under the sampling policy."""
         if logprobs is not None and len(logprobs) != len(token_ids):
             raise ValueError(f"{self.id}: logprobs: expected {len(token_ids)} values (one per token), got {len(logprobs)}")
-        self.parts.append(_Part([int(t) for t in token_ids], True, None if logprobs is None else [float(x) for x in logprobs]))
+        self.parts.append(_Part([int(t) for t in token_ids], True, None if logprobs is None else _f32(logprobs)))
         return self
 
     def add_observation(self, token_ids: list[int]) -> "Trajectory":
@@ -207,7 +213,7 @@ class RolloutTree:
             raise ValueError(f"tree {self.id}: logprobs: expected {len(token_ids)} values, got {len(logprobs)}")
         nid = len(self.nodes)
         self.nodes.append({"id": nid, "parent": parent, "tokens": [int(t) for t in token_ids]})
-        part = _Part([int(t) for t in token_ids], policy, None if logprobs is None else [float(x) for x in logprobs])
+        part = _Part([int(t) for t in token_ids], policy, None if logprobs is None else _f32(logprobs))
         self._path[nid] = ([] if parent is None else self._path[parent]) + [part]
         return nid
 
@@ -233,8 +239,8 @@ def grpo_advantages(trajectories: list[Trajectory], *, scale_by_std: bool = True
         a = r - r.mean()
         if scale_by_std:
             a = a / (r.std() + eps)
-        for t, v in zip(members, a.tolist()):
-            t.advantage = float(v)
+        for t, v in zip(members, _f32(a)):
+            t.advantage = v
 
 
 def supports_policy_version() -> bool:

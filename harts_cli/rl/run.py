@@ -197,7 +197,8 @@ class _Loop:
                  self.evals[version], len(insts), time.perf_counter() - t0)
 
     def eval_due(self, version: int) -> bool:
-        every = self.cfg.eval.every
+        """Whether `version` is evaluated (a replay evaluates nothing: it has no generator)."""
+        every = self.cfg.eval.every if self.replay is None else 0
         return bool(every) and (version % every == 0 or version == self.cfg.run.steps)
 
     def pending_evals(self) -> None:

@@ -120,3 +120,19 @@ def test_explicit_tree_from_a_tree_search_generator(server):
     with PlannerClient(server.http_url) as c:
         st = batch.submit(c, world_size=1, chunk_size=16, microbatch_tokens=64, no_windows=True)["status"]
     assert (st["trajectories"], st["unique_tokens"], st["expanded_tokens"]) == (2, 10, 17)
+
+
+@pytest.mark.integration
+def test_example_generator_plans_lock_step_phases_when_asked(server):
+    from planner_service import http_api
+
+    if "lockstep" not in http_api.Topology.model_fields:
+        pytest.skip("the HTTP topology has no lockstep field on this branch (the service wires it)")
+    out = subprocess.run([sys.executable, "examples/generator_submit.py", "--url", server.http_url, "--steps", "1",
+                          "--batch-prefix", "lockstep-", "--world-size", "2", "--lockstep"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "synthetic" in out.stderr
+    with PlannerClient(server.http_url) as c:
+        assert c.status("lockstep-0")["topology"]["lockstep"] is True
+        assert c.fetch_plan("lockstep-0", 0, timeout=30).header.params.lockstep
