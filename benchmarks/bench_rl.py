@@ -7,17 +7,23 @@ there). `harts bench --only rl` runs it inside the suite (figure in benchmarks/r
 In one process, side by side (so that machine load weighs on both alike), one rank: the policy
 is warm-started as `harts rl` does (`harts_cli.rl.warmstart`); then every step the generator (the
 transformers engine on the tree model's newest export, staleness 1 like `harts rl`: batch n + 1 is
-sampled with the weights after step n - 1) plays the task as trees, and the same recorded batch
-trains two copies of the policy that start from the same weights: one on the tree plan (sharing
-windows), one on the trajectory-expanded plan (`PlanConfig(sharing=False)`). Both apply the
-trainer's step exactly (`trainer.parallelize.grad_norm_and_clip`, `trainer.optim.lr_at`, AdamW,
-the config's objective). A third copy trains the expanded plan repacked (the whole batch in one
-microbatch): the reassociation the expanded run shows when its batch is repacked is Invariant E's
-yardstick (DESIGN §2). Reported per step: loss and grad norm of each (relative differences tree
-vs expanded, target <= 1e-6 in fp32 on the CPU, and repacked vs expanded), the reward, the
-compression, and the seconds of each training step; overall the wall-clock ratio (expanded
-training seconds / tree training seconds). `--quick`: 5 steps on a smaller batch (the tests).
-Also the wire size of a 32 x 8 batch of the warm-started policy in each rollout form (`wire_sizes`).
+sampled with the weights after step n - 1) plays the task as trees, and the tree run trains on the
+tree plan (sharing windows) with the trainer's step (`trainer.parallelize.grad_norm_and_clip`,
+`trainer.optim.lr_at`, AdamW, the config's objective). The same recorded batch is also run:
+
+- on the tree run's weights of the step (same weights): the trajectory-expanded plan
+  (`PlanConfig(sharing=False)`) and the expanded plan repacked into one microbatch; their loss and
+  grad norm against the tree run's are Invariant E over a real run (target <= 1e-6 relative in
+  fp32 on the CPU), the repacked one is its yardstick (the reassociation the expanded run has anyway);
+- by copies that train on their own from the same warm start, expanded and expanded repacked: their
+  curves overlay the tree run's, but their rounding differences grow step over step (two fp32
+  runs of Adam drift apart whatever computes them; the repacked copy shows the same growth).
+
+Reported per step: losses, grad norms, their relative differences, the reward, the compression,
+the seconds of the tree and the expanded training step (side by side); overall the wall-clock
+ratio (expanded training seconds / tree training seconds). `--quick`: 5 steps on a smaller batch
+(the tests). Also the wire size of a 32 x 8 batch of the warm-started policy in each rollout form
+(`wire_sizes`).
 """
 from __future__ import annotations
 
@@ -57,7 +63,8 @@ class _Policy:
                                                             aux_loss_coef=tcfg.executor.aux_loss_coef,
                                                             attention_backend=tcfg.executor.attention_backend))
 
-    def step(self, plan, i: int) -> dict:
+    def step(self, plan, i: int, *, update: bool = True) -> dict:
+        """Loss and grad norm of `plan` on the current weights; with `update`, then the optimizer step."""
         from trainer.optim import lr_at, set_lr
         from trainer.parallelize import grad_norm_and_clip
 
@@ -68,7 +75,8 @@ class _Policy:
         set_lr(self.opt, lr)
         res = self.executor.run_step(plan)
         grad_norm = grad_norm_and_clip(self.params, c.optimizer.max_grad_norm, self.ctx, sharded=False)
-        self.opt.step()
+        if update:
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return {"loss": res.loss, "grad_norm": float(grad_norm), "seconds": time.perf_counter() - t0,
                 "computed_tokens": res.computed_tokens, "expanded_tokens": res.expanded_tokens}
@@ -151,7 +159,7 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
         t0 = time.perf_counter()
         warm, _ = warm_start(cfg, task, tok, tmp / "warmstart", tokenizer_files=tok.hf_files())
         warm_seconds = time.perf_counter() - t0
-        tree, expanded, repacked = (_Policy(warm, tcfg, cfg.plan.chunk_size) for _ in range(3))
+        tree, expanded, repacked, anchor = (_Policy(warm, tcfg, cfg.plan.chunk_size) for _ in range(4))
         exports = tmp / "hf"
         exports.mkdir()
         write_hf_dir(exports / "step-00000000", tree.model.state_dict(), tree.model.config, dtype=torch.float32,
@@ -189,22 +197,31 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
                                                     sharing=False, windows=False))
             one_plan = plan_step(forest, PlanConfig(**{**common, "microbatch_tokens": forest.expanded_tokens},
                                                     sharing=False, windows=False))
+            anchor.model.load_state_dict(tree.model.state_dict())  # anchored: the tree run's weights of this step
+            ae, ar = anchor.step(exp_plan, s, update=False), anchor.step(one_plan, s, update=False)
             a, b, c = tree.step(tree_plan, s), expanded.step(exp_plan, s), repacked.step(one_plan, s)
             write_hf_dir(exports / f"step-{s + 1:08d}", tree.model.state_dict(), mc, dtype=torch.float32,
                          meta={"policy_version": s + 1}, files_from=warm)
             point_latest(exports, f"step-{s + 1:08d}")
-            row = {"step": s + 1, "reward_mean": reward, "tree_loss": a["loss"], "expanded_loss": b["loss"],
-                   "tree_grad_norm": a["grad_norm"], "expanded_grad_norm": b["grad_norm"],
+            row = {"step": s + 1, "reward_mean": reward, "tree_loss": a["loss"], "tree_grad_norm": a["grad_norm"],
+                   "anchored_expanded_loss": ae["loss"], "anchored_expanded_grad_norm": ae["grad_norm"],
+                   "expanded_loss": b["loss"], "expanded_grad_norm": b["grad_norm"],
+                   "anchored_loss_rel_diff": _rel(a["loss"], ae["loss"]),
+                   "anchored_grad_norm_rel_diff": _rel(a["grad_norm"], ae["grad_norm"]),
+                   "anchored_repack_loss_rel_diff": _rel(ar["loss"], ae["loss"]),
+                   "anchored_repack_grad_norm_rel_diff": _rel(ar["grad_norm"], ae["grad_norm"]),
                    "loss_rel_diff": _rel(a["loss"], b["loss"]), "grad_norm_rel_diff": _rel(a["grad_norm"], b["grad_norm"]),
                    "repack_loss_rel_diff": _rel(c["loss"], b["loss"]),
                    "repack_grad_norm_rel_diff": _rel(c["grad_norm"], b["grad_norm"]),
                    "compression": a["expanded_tokens"] / max(a["computed_tokens"], 1),
                    "tree_seconds": a["seconds"], "expanded_seconds": b["seconds"]}
             rows.append(row)
-            log.info("step %d/%d: reward %.3f | loss %+.6f / %+.6f (rel %.1e) | grad norm %.5f / %.5f (rel %.1e) | "
-                     "%.2fx compression, %.2f s tree / %.2f s expanded", s + 1, steps, reward, a["loss"], b["loss"],
-                     row["loss_rel_diff"], a["grad_norm"], b["grad_norm"], row["grad_norm_rel_diff"], row["compression"],
-                     a["seconds"], b["seconds"])
+            log.info("step %d/%d: reward %.3f | same weights: loss rel %.1e, grad norm rel %.1e (repacked %.1e) | "
+                     "free-running: loss rel %.1e, grad norm rel %.1e (repacked %.1e) | %.2fx compression, "
+                     "%.2f s tree / %.2f s expanded", s + 1, steps, reward, row["anchored_loss_rel_diff"],
+                     row["anchored_grad_norm_rel_diff"], row["anchored_repack_grad_norm_rel_diff"], row["loss_rel_diff"],
+                     row["grad_norm_rel_diff"], row["repack_grad_norm_rel_diff"], row["compression"], a["seconds"],
+                     b["seconds"])
     tree_s, exp_s = sum(r["tree_seconds"] for r in rows), sum(r["expanded_seconds"] for r in rows)
     r = [row["reward_mean"] for row in rows]
     result = {
@@ -212,6 +229,10 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
                      "steps": steps, "tasks_per_step": cfg.sampling.tasks_per_step, "branching": cfg.sampling.branching,
                      "model": cfg.model.name, "warm_start_steps": cfg.warmup.steps, "quick": quick,
                      "threads": torch.get_num_threads()},
+        "anchored_loss_max_rel_diff": max(row["anchored_loss_rel_diff"] for row in rows),
+        "anchored_grad_norm_max_rel_diff": max(row["anchored_grad_norm_rel_diff"] for row in rows),
+        "anchored_repack_loss_max_rel_diff": max(row["anchored_repack_loss_rel_diff"] for row in rows),
+        "anchored_repack_grad_norm_max_rel_diff": max(row["anchored_repack_grad_norm_rel_diff"] for row in rows),
         "loss_max_rel_diff": max(row["loss_rel_diff"] for row in rows),
         "grad_norm_max_rel_diff": max(row["grad_norm_rel_diff"] for row in rows),
         "repack_loss_max_rel_diff": max(row["repack_loss_rel_diff"] for row in rows),
@@ -234,25 +255,31 @@ def _figure(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(4, 1, figsize=(7, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(7.5, 10), sharex=True)
     axes[0].plot(steps, [r["reward_mean"] for r in rows], "o-", ms=3, color="C2")
     axes[0].set_ylabel("reward_mean")
     axes[0].set_title("harts rl (examples/rl_tiny.toml): the same rollouts trained as trees and expanded")
     for ax, key in zip(axes[1:3], ("loss", "grad_norm")):
         ax.plot(steps, [r[f"tree_{key}"] for r in rows], "o-", ms=4, label="tree (sharing windows)")
-        ax.plot(steps, [r[f"expanded_{key}"] for r in rows], "x--", ms=5, label="trajectory-expanded")
+        ax.plot(steps, [r[f"anchored_expanded_{key}"] for r in rows], "x", ms=6, label="expanded, on the tree run's weights")
+        ax.plot(steps, [r[f"expanded_{key}"] for r in rows], "--", lw=1, label="expanded, trained on its own")
         ax.set_ylabel(key)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     floor = 1e-10  # a difference of exactly 0 is drawn at the bottom
-    axes[3].semilogy(steps, [max(r["loss_rel_diff"], floor) for r in rows], "o-", ms=3, label="loss: tree vs expanded")
-    axes[3].semilogy(steps, [max(r["grad_norm_rel_diff"], floor) for r in rows], "x-", ms=3,
-                     label="grad norm: tree vs expanded")
-    axes[3].semilogy(steps, [max(r["repack_grad_norm_rel_diff"], floor) for r in rows], ":", color="0.5",
-                     label="grad norm: expanded vs expanded repacked")
-    axes[3].axhline(1e-6, color="k", lw=0.8, ls=":", label="1e-6")
-    axes[3].set_ylabel("relative difference")
-    axes[3].set_xlabel("step")
-    axes[3].legend(fontsize=8)
+    ax = axes[3]
+    ax.semilogy(steps, [max(r["anchored_loss_rel_diff"], floor) for r in rows], "o-", ms=3, label="loss, same weights")
+    ax.semilogy(steps, [max(r["anchored_grad_norm_rel_diff"], floor) for r in rows], "x-", ms=3,
+                label="grad norm, same weights")
+    ax.semilogy(steps, [max(r["anchored_repack_grad_norm_rel_diff"], floor) for r in rows], ":", color="0.4",
+                label="grad norm, same weights: expanded vs expanded repacked")
+    ax.semilogy(steps, [max(r["grad_norm_rel_diff"], floor) for r in rows], "-", color="C3", lw=1,
+                label="grad norm, each trained on its own")
+    ax.semilogy(steps, [max(r["repack_grad_norm_rel_diff"], floor) for r in rows], ":", color="C3",
+                label="grad norm, each on its own: expanded vs repacked")
+    ax.axhline(1e-6, color="k", lw=0.8, ls="--", label="1e-6")
+    ax.set_ylabel("relative difference to expanded")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=6, ncol=2)
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -266,9 +293,14 @@ def result_markdown(result: dict) -> str:
     out = ["# RL: the same run on trees and trajectory-expanded", "",
            f"Command: `.venv/bin/python -m benchmarks.bench_rl --out benchmarks/results` (settings: {json.dumps(s)}). "
            "One process, one rank, the tree and the expanded copy trained side by side on the same recorded batches.", "",
-           f"- tree vs expanded, max relative difference over {s['steps']} steps: loss {result['loss_max_rel_diff']:.2e}, "
-           f"grad norm {result['grad_norm_max_rel_diff']:.2e} (target <= 1e-6, fp32 CPU)",
-           f"- the expanded run against itself repacked (one microbatch per step; Invariant E's yardstick): loss "
+           f"- tree vs expanded on the same weights (every step: the tree run's weights), max relative difference over "
+           f"{s['steps']} steps: loss {result['anchored_loss_max_rel_diff']:.2e}, grad norm "
+           f"{result['anchored_grad_norm_max_rel_diff']:.2e} (target <= 1e-6, fp32 CPU); the expanded plan against itself "
+           f"repacked into one microbatch: loss {result['anchored_repack_loss_max_rel_diff']:.2e}, grad norm "
+           f"{result['anchored_repack_grad_norm_max_rel_diff']:.2e} (the reassociation both carry)",
+           f"- each trained on its own from the same warm start (the rounding differences grow step over step, as "
+           f"between any two fp32 runs): loss {result['loss_max_rel_diff']:.2e}, grad norm "
+           f"{result['grad_norm_max_rel_diff']:.2e}; the expanded run against itself repacked, likewise: loss "
            f"{result['repack_loss_max_rel_diff']:.2e}, grad norm {result['repack_grad_norm_max_rel_diff']:.2e}",
            f"- training wall clock: tree {result['tree_train_seconds']:.1f} s, expanded {result['expanded_train_seconds']:.1f} s: "
            f"**{result['wall_clock_ratio']:.2f}x** (mean compression {result['compression_mean']:.2f}x; shared machine)",
@@ -282,12 +314,16 @@ def result_markdown(result: dict) -> str:
         w = result["wire"]
         out.append(f"| {label} | {w[name + '_json_bytes_per_token']:.2f} | {w[name + '_proto_bytes_per_token']:.2f} |")
     out += ["",
-            "| step | reward | tree loss | expanded loss | rel diff | tree grad norm | expanded grad norm | rel diff | compression | tree s | expanded s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "Per step (same weights: the expanded plan on the tree run's weights of the step; own: the expanded copy "
+            "trained on its own):", "",
+            "| step | reward | tree loss | expanded loss, same weights | rel diff | tree grad norm | expanded grad norm, "
+            "same weights | rel diff | grad norm rel diff, own | compression | tree s | expanded s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        out.append(f"| {r['step']} | {r['reward_mean']:.3f} | {r['tree_loss']:.8f} | {r['expanded_loss']:.8f} | "
-                   f"{r['loss_rel_diff']:.1e} | {r['tree_grad_norm']:.7f} | {r['expanded_grad_norm']:.7f} | "
-                   f"{r['grad_norm_rel_diff']:.1e} | {r['compression']:.2f} | {r['tree_seconds']:.2f} | {r['expanded_seconds']:.2f} |")
+        out.append(f"| {r['step']} | {r['reward_mean']:.3f} | {r['tree_loss']:.8f} | {r['anchored_expanded_loss']:.8f} | "
+                   f"{r['anchored_loss_rel_diff']:.1e} | {r['tree_grad_norm']:.7f} | {r['anchored_expanded_grad_norm']:.7f} | "
+                   f"{r['anchored_grad_norm_rel_diff']:.1e} | {r['grad_norm_rel_diff']:.1e} | {r['compression']:.2f} | "
+                   f"{r['tree_seconds']:.2f} | {r['expanded_seconds']:.2f} |")
     return "\n".join(out) + "\n"
 
 

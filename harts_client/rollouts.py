@@ -201,9 +201,11 @@ class RolloutTree:
         self.trajectories: list[tuple[str, int, dict]] = []
 
     def node(self, parent: int | None, token_ids: list[int], *, logprobs: list[float] | None = None,
-             policy: bool | None = None) -> int:
+             policy: bool | None = None, observation: list[int] = ()) -> int:
         """Add a node continuing `parent` (None: a root); returns its id. `policy` (default: whether
-        log-probs are given) marks sampled tokens (loss) versus context."""
+        log-probs are given) marks sampled tokens (loss) versus context; `observation`: context
+        tokens that follow them in the same node (the tool's answer to a sampled turn: one node
+        per turn instead of two)."""
         if parent is not None and parent not in self._path:
             raise ValueError(f"tree {self.id}: parent: expected an existing node id, got {parent}")
         if not token_ids:
@@ -212,9 +214,11 @@ class RolloutTree:
         if logprobs is not None and len(logprobs) != len(token_ids):
             raise ValueError(f"tree {self.id}: logprobs: expected {len(token_ids)} values, got {len(logprobs)}")
         nid = len(self.nodes)
-        self.nodes.append({"id": nid, "parent": parent, "tokens": [int(t) for t in token_ids]})
-        part = _Part([int(t) for t in token_ids], policy, None if logprobs is None else _f32(logprobs))
-        self._path[nid] = ([] if parent is None else self._path[parent]) + [part]
+        self.nodes.append({"id": nid, "parent": parent, "tokens": [int(t) for t in [*token_ids, *observation]]})
+        parts = [_Part([int(t) for t in token_ids], policy, None if logprobs is None else _f32(logprobs))]
+        if len(observation):
+            parts.append(_Part([int(t) for t in observation], False, None))
+        self._path[nid] = ([] if parent is None else self._path[parent]) + parts
         return nid
 
     def trajectory(self, id: str, node: int, *, advantage: float | list[float] = 0.0, reward: float = 0.0,

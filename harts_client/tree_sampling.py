@@ -8,10 +8,11 @@
 Per task instance one explicit `RolloutTree`: the prompt is the root; at policy turn t every open
 branch samples `branching[t]` completions (1 after the list ends), so the k samples of a turn share
 everything before it (prompt, earlier turns, tool observations) and the tree holds each of those
-tokens once. A completion is a node of policy tokens with the engine's log-probs (the policy's
-real sampling log-probs, the PPO old log-probs); the task's observation (`Task.observe`) is a
-context node below it, and the next turn samples from there. A branch ends when the task says
-so, when the policy did not finish its turn within `max_new_tokens`, or after `Task.max_turns`.
+tokens once. A completion and the task's observation after it (`Task.observe`) are one node: the
+policy tokens with the engine's log-probs (the policy's real sampling log-probs, the PPO old
+log-probs; loss mask 1), then the observation (context, mask 0); the next turn samples from there.
+A branch ends when the task says so, when the policy did not finish its turn within
+`max_new_tokens`, or after `Task.max_turns`.
 Samples of a turn that equal a sibling's (the same ids after the same context) are one node with
 one log-prob per token, so the tree holds each distinct token once; branches continue from it
 separately. Every leaf is a trajectory (equal episodes are equal trajectories, each counted);
@@ -95,7 +96,7 @@ def sample_batch(engine, task: Task, tokenizer, instances: list, cfg: SamplingCo
         root = tree.node(None, prompt, policy=False)
         groups.append(SampledGroup(inst, prompt, tree, [], []))
         frontier.append(_Open(g, root, prompt, []))
-    seen: dict[tuple[int, int, tuple[int, ...]], tuple[Turn, int, int | None]] = {}
+    seen: dict[tuple[int, int, tuple[int, ...]], tuple[Turn, int]] = {}
     for t in range(task.max_turns):
         if not frontier:
             break
@@ -108,22 +109,20 @@ def sample_batch(engine, task: Task, tokenizer, instances: list, cfg: SamplingCo
             for c in completions:
                 key = (o.group, o.node, tuple(c.token_ids))
                 if key in seen:  # a sample equal to a sibling's: the same node (the same context, log-probs, tool answer)
-                    turn, node, child = seen[key]
+                    turn, node = seen[key]
                 else:
-                    node = group.tree.node(o.node, c.token_ids, logprobs=c.logprobs)
                     turn = Turn(list(c.token_ids), list(c.logprobs), tokenizer.decode(c.token_ids))
                     obs = task.observe(group.instance, [u.text for u in o.turns] + [turn.text]) if c.finished else None
-                    child = None
                     if obs is not None:
                         turn.observation, turn.observation_ids = obs, tokenizer.encode(obs)
-                        child = group.tree.node(node, turn.observation_ids, policy=False)
-                    seen[key] = (turn, node, child)
+                    node = group.tree.node(o.node, c.token_ids, logprobs=c.logprobs, observation=turn.observation_ids)
+                    seen[key] = (turn, node)
                 turns = o.turns + [turn]
-                if child is None:
+                if turn.observation is None:
                     group.episodes.append(Episode(group.instance, group.prompt_ids, turns))
                     group.tree.trajectory(f"{group.tree.id}/{len(group.episodes) - 1}", node, group_id=group.tree.id)
                 else:
-                    nxt.append(_Open(o.group, child, o.context + turn.token_ids + turn.observation_ids, turns))
+                    nxt.append(_Open(o.group, node, o.context + turn.token_ids + turn.observation_ids, turns))
         frontier = nxt
     for group in groups:
         trajs = [d["traj"] for _, _, d in group.tree.trajectories]

@@ -21,7 +21,10 @@ compression; OUT/summary.json has the reward of the first and the last 10 steps 
 
 A replay (`replay=DIR`) skips the warm start and the generator: it trains DIR's warm start on
 DIR's recorded batches (planned with this config: `plan.no_sharing` gives the expanded baseline)
-and compares loss and grad norm per step with DIR's metrics (OUT/replay.json, OUT/replay.png).
+and compares loss and grad norm per step with DIR's metrics ("trained_on_its_own": rounding
+differences of two fp32 runs grow step over step), then recomputes every step on DIR's own
+weights of that step (`harts_cli.rl.anchored`: "same_weights", Invariant E along the run);
+OUT/replay.json, OUT/replay.png.
 """
 from __future__ import annotations
 
@@ -387,14 +390,20 @@ def run_rl(cfg: RLConfig, *, replay: Path | None = None) -> dict:
         title = f"harts rl: {cfg.task.name}, {cfg.model.name}, {cfg.run.nproc} ranks" + (", expanded" if cfg.plan.no_sharing else "")
         summary["plot"] = str(plot_run(loop.written, out / "rl.png", title=title, warm_eval=loop.evals.get(0)))
     if replay is not None:
+        from harts_cli.rl.anchored import recompute_steps
+
         recorded = [json.loads(x) for x in (replay / "metrics.jsonl").read_text().splitlines() if x.strip()]
         summary["replay_of"] = str(replay)
         summary["comparison"] = compare_curves(recorded, loop.written)
+        log.info("replay: trained on its own: %s", json.dumps(summary["comparison"]))
+        summary["same_weights"] = compare_curves(recorded, recompute_steps(replay, cfg, steps=cfg.run.steps))
+        log.info("replay: on the recorded run's weights of every step: %s", json.dumps(summary["same_weights"]))
         if cfg.metrics.plot:
             rec_label = "recorded run" + (" (expanded)" if json.loads((replay / "rl.json").read_text())["plan"]["no_sharing"] else " (tree)")
             summary["replay_plot"] = str(plot_replay(recorded[: len(loop.written)], loop.written, out / "replay.png",
                                                      labels=(rec_label, "replay" + (" (expanded)" if cfg.plan.no_sharing else " (tree)")),
                                                      title="same rollouts, same seeds"))
-        (out / "replay.json").write_text(json.dumps(summary["comparison"], indent=1))
+        (out / "replay.json").write_text(json.dumps({"trained_on_its_own": summary["comparison"],
+                                                     "same_weights": summary["same_weights"]}, indent=1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
