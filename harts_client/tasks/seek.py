@@ -1,15 +1,15 @@
 """Walk to a hidden number with a compass tool: a verifiable multi-turn task small policies learn by RL.
 
     Find the hidden number 0-9. Move with 'up' or 'down'.     prompt, with the tool's first reading:
-    at 5: higher
+    at 5: above
     up<eos>                                                   policy turn 1: a tool call (a move)
-    at 6: higher                                              observation: position and direction
+    at 6: above                                               observation: position and direction
     up<eos>
     at 7: found                                               the episode ends (reward 1.0)
 
 An instance is a hidden integer in [0, size) and a start position (the middle of the range, or
 uniform with `random_start`), never equal. Each policy turn calls the tool with `up` or `down`; it
-moves one step (clipped to the range) and answers with the new position and `higher` / `lower`
+moves one step (clipped to the range) and answers with the new position and `above` / `below`
 (where the hidden number lies) or `found`; anything else is answered `invalid` and does not move.
 The episode ends at `found` or after `max_turns` moves; the reward is 1.0 when the number was
 found and 0.0 otherwise. A policy that follows the compass finds every number (with the default
@@ -77,7 +77,7 @@ class SeekTask:
     def _reading(self, instance: Target, position: int) -> str:
         if position == instance.number:
             return f"at {position}: found"
-        return f"at {position}: {'higher' if instance.number > position else 'lower'}"
+        return f"at {position}: {'above' if instance.number > position else 'below'}"
 
     def prompt(self, instance: Target) -> str:
         return (f"Find the hidden number 0-{self.size - 1}. Move with 'up' or 'down'.\n"

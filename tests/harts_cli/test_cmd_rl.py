@@ -46,7 +46,7 @@ def test_example_config_loads_and_fills_the_trainer_ranks_config(tmp_path):
     from trainer.config import TrainerConfig
 
     cfg = load_rl_config(EXAMPLE, steps=7, out=str(tmp_path / "x"))
-    assert cfg.run.steps == 7 and cfg.run.nproc == 2 and cfg.task.name == "seek" and cfg.trainer["optimizer"]["lr"] == 1e-3
+    assert cfg.run.steps == 7 and cfg.run.nproc == 2 and cfg.task.name == "seek" and cfg.trainer["optimizer"]["lr"] == 2e-3
     doc = cfg.trainer_doc(planner_url="http://127.0.0.1:9", model_dir=tmp_path / "w", out=tmp_path)
     t = TrainerConfig.from_dict(doc)
     assert (t.job.steps, t.checkpoint.export_every, t.staleness.max_staleness, t.executor.chunk_size) == (7, 1, 1, 16)

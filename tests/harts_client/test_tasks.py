@@ -27,20 +27,20 @@ def test_seek_tool_answers_and_rewards():
     task = make_task("seek", size=10)
     inst = task.instances("train", 1, seed=0)[0]
     assert inst.start == 5 and inst.number != 5 and task.max_turns == 9
-    assert task.prompt(inst).endswith(f"at 5: {'higher' if inst.number > 5 else 'lower'}\n")
+    assert task.prompt(inst).endswith(f"at 5: {'above' if inst.number > 5 else 'below'}\n")
     toward = "up" if inst.number > 5 else "down"
     assert task.observe(inst, ["sideways"]) == "invalid\n"
     if abs(inst.number - 5) > 1:
         assert task.observe(inst, [toward]).startswith(f"at {5 + (1 if toward == 'up' else -1)}: ")
     # following the compass finds every number, from every start
-    compass = lambda obs: "up" if obs[-1].rstrip().endswith("higher") else "down"  # noqa: E731
+    compass = lambda obs: "up" if obs[-1].rstrip().endswith("above") else "down"  # noqa: E731
     for rs in (False, True):
         t = make_task("seek", size=10, random_start=rs)
         insts = t.instances("eval", 50, seed=3)
         assert all(t.reward(_play(t, i, compass)) == 1.0 for i in insts)
         assert all(i.number != i.start for i in insts)
     # moving away never finds it within the turn budget when the number is far enough
-    away = lambda obs: "down" if obs[-1].rstrip().endswith("higher") else "up"  # noqa: E731
+    away = lambda obs: "down" if obs[-1].rstrip().endswith("above") else "up"  # noqa: E731
     far = [i for i in task.instances("train", 40, seed=1) if abs(i.number - 5) > 1]
     assert far and all(task.reward(_play(task, i, away)) == 0.0 for i in far)
 
