@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.harts-installed
 
-.PHONY: venv demo rl test bench proto clean
+.PHONY: venv demo rl test test-fast bench proto clean
 
 venv: $(STAMP)
 
@@ -23,9 +23,13 @@ demo: venv
 rl: venv
 	$(VENV)/bin/harts rl --config examples/rl_tiny.toml
 
-## test: the whole suite (unit, exactness, service and 2-rank torchrun integration tests)
+## test: the whole suite (unit, exactness, service and 2-rank torchrun integration tests); what CI runs
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+## test-fast: everything but the `slow` and `integration` tiers (a few minutes at most on 2 cores)
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not integration" $(PYTEST_ARGS)
 
 ## bench: benchmark suite; writes benchmarks/results/*.md and plots
 bench: venv

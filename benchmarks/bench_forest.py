@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 
 import numpy as np
+
+from harts_client.timing import repeat, timed
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,6 @@ def workload(*, trajectories: int, length: int, prefix: int, vocab: int = 151_93
     return {"batch_id": "bench-forest", "vocab_size": vocab, "trajectories": trajs}
 
 
-def _median_seconds(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def run(quick: bool = False, reps: int = 3) -> dict:
     """Run the benchmark; returns the figures (seconds, sizes)."""
     from planner_service.ingest import forest_from_json, forest_from_proto, json_to_proto, warmup
@@ -58,9 +50,8 @@ def run(quick: bool = False, reps: int = 3) -> dict:
     if quick:
         shape = dict(trajectories=16, length=4_096, prefix=2_048)
         reps = 1
-    t0 = time.perf_counter()
-    warmup()
-    log.info("numba warm-up: %.3f s", time.perf_counter() - t0)
+    _, seconds = timed(warmup)
+    log.info("numba warm-up: %.3f s", seconds)
     doc = workload(**shape)
     json_bytes = json.dumps(doc).encode()
     proto_bytes = json_to_proto(doc).SerializeToString()
@@ -78,15 +69,15 @@ def run(quick: bool = False, reps: int = 3) -> dict:
         "proto_python_s": lambda: forest_from_proto(proto_bytes, numba=False),
     }
     for name, fn in cases.items():
-        out[name] = _median_seconds(fn, reps if "numba" in name else 1)
+        out[name] = repeat(fn, reps if "numba" in name else 1).median()
         log.info("%-15s %.3f s", name, out[name])
 
     lengths = np.full(shape["trajectories"], shape["length"], np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = np.concatenate([np.asarray(t["tokens"], np.int32) for t in doc["trajectories"]])
     tree = np.zeros(shape["trajectories"], np.int32)
-    out["radix_numba_s"] = _median_seconds(lambda: radix_forest(tokens, offsets, tree, 1), reps)
-    out["radix_python_s"] = _median_seconds(lambda: radix_forest_reference(tokens, offsets, tree, 1), 1)
+    out["radix_numba_s"] = repeat(lambda: radix_forest(tokens, offsets, tree, 1), reps).median()
+    out["radix_python_s"] = repeat(lambda: radix_forest_reference(tokens, offsets, tree, 1), 1).median()
     log.info("radix merge alone: numba %.4f s, python %.3f s", out["radix_numba_s"], out["radix_python_s"])
     out["target_met"] = max(out["json_numba_s"], out["proto_numba_s"]) < 1.0
     return out

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from harts_client.timing import repeat
 from kernels.gated_delta_rule import chunk_gated_delta_rule
 
 #: (sequences, length, heads, K = V, chunk) of run(): CUDA full / CUDA quick / CPU full / CPU quick
@@ -50,20 +51,9 @@ CPU_GDN_SHAPES = [("T=2k H=4", 2048, 4, 4, 32)]
 CPU_TREE_SHAPES = [("P=256 B=4 L=128", 256, 4, 128, 4, 2, 32)]
 
 
-def median_seconds(fn, device: str, reps: int) -> float:
-    """Median seconds of fn() over reps runs after two warm-ups."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+def _median_seconds(fn, device: str, reps: int) -> float:
+    """Median wall seconds of fn() over reps runs after two warm-ups (synchronised on CUDA)."""
+    return repeat(fn, reps, warmup=2, sync=torch.cuda.synchronize if device == "cuda" else None).median("wall")
 
 
 def measure(*, seqs: int, seq_len: int, heads: int, dim: int, chunk: int, reps: int, device: str | None = None) -> dict:
@@ -97,7 +87,7 @@ def measure(*, seqs: int, seq_len: int, heads: int, dim: int, chunk: int, reps: 
     out = {"device": device, "dtype": str(dtype).removeprefix("torch."), "N": N, "L": L, "T": T, "H": H, "K": D, "C": C, "rows": []}
     for backend in ["ref", "triton"] if device == "cuda" else ["ref"]:
         with torch.no_grad():
-            s = median_seconds(lambda: call(backend, *inputs), device, reps)
+            s = _median_seconds(lambda: call(backend, *inputs), device, reps)
         out["rows"].append({"backend": backend, "pass": "forward", "ms": s * 1e3, "tokens_per_s": T / s})
         leaves = [x.detach().requires_grad_(True) for x in inputs]
 
@@ -105,7 +95,7 @@ def measure(*, seqs: int, seq_len: int, heads: int, dim: int, chunk: int, reps: 
             o, st = call(backend, *leaves)
             torch.autograd.grad([o, st], leaves, [torch.ones_like(o), torch.ones_like(st)])
 
-        s = median_seconds(fwd_bwd, device, reps)
+        s = _median_seconds(fwd_bwd, device, reps)
         out["rows"].append({"backend": backend, "pass": "forward+backward", "ms": s * 1e3, "tokens_per_s": T / s})
     if device == "cuda":
         with torch.no_grad():
@@ -179,14 +169,14 @@ def gdn_rows(name: str, T: int, N: int, H: int, D: int, *, device: str, reps: in
             inputs = [x[n] for n in ("q", "k", "v", "g", "beta", "h0")]
             with torch.no_grad():
                 outs[backend] = fn(*inputs)[0].float()
-                row["forward_ms"] = median_seconds(lambda: fn(*inputs), device, reps) * 1e3
+                row["forward_ms"] = _median_seconds(lambda: fn(*inputs), device, reps) * 1e3
             leaves = [t.detach().requires_grad_(True) for t in inputs]
 
             def fwd_bwd():
                 o, st = fn(*leaves)
                 torch.autograd.grad([o, st], leaves, [do, torch.ones_like(st)])
 
-            row["fwd_bwd_ms"] = median_seconds(fwd_bwd, device, reps) * 1e3
+            row["fwd_bwd_ms"] = _median_seconds(fwd_bwd, device, reps) * 1e3
         except Exception as exc:  # one failing backend must not hide the others' numbers
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)

@@ -24,6 +24,10 @@ subprocess: the body read, its Forest built) against the body size, then the ste
 the full-scale suite (8 ranks, B = 65,536, C = 64, windows) and its validation: the independent
 `validate_plan` (whole plan) against `plan.slice_check.check_slice` (every rank slice) and the
 planning seconds (planning and each slice check: the fastest of 3 runs). The numbers of issue 16 before this work are in `BEFORE`.
+`slice_check_scaling`: the slice check's CPU seconds per computed row on a slice 8x larger than
+another (about 1: linear).
+The `windows` step is also planned lock-step (`lockstep`: its planning time over the free plan's,
+its phases and lockstep_ratio).
 
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
 """
@@ -33,10 +37,10 @@ import argparse
 import json
 import logging
 import sys
-import time
 
 import numpy as np
 
+from harts_client.timing import repeat, timed
 from planner_service.forest import Forest
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.partition import expand_forest, partition_with_report
@@ -124,13 +128,10 @@ def intrinsic_replay(forest: Forest, chunk: int) -> int:
     return int((np.maximum(kids - 1, 0) * (end % chunk)).sum())
 
 
-def _time(fn, repeat: int = 3) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+def _time(fn, runs: int = 3) -> tuple[float, object]:
+    """(fastest wall seconds of `runs` calls, the last result)."""
+    r = repeat(fn, runs)
+    return r.fastest().wall, r.result
 
 
 def _subforest(forest: Forest, n_trees: int) -> Forest:
@@ -171,13 +172,12 @@ def _quality(forest: Forest, cfg: PlanConfig, report) -> dict:
 def run(quick: bool = False) -> dict:
     """Synthesise the forest, time the partitioner (Numba vs reference) and plan_step, report quality."""
     n_trees = 60 if quick else 650
-    t0 = time.perf_counter()
-    forest = synth_forest(n_trees=n_trees, segments_per_tree=80, seed=0)
+    forest, seconds = timed(synth_forest, n_trees=n_trees, segments_per_tree=80, seed=0)
     largest = int(np.bincount(forest.seg_tree, weights=forest.seg_length).max())
     log.info(
         "forest: %d trees, %d segments, %d trajectories, %d distinct / %d expanded tokens, largest tree %d (%.1fs)",
         n_trees, forest.num_segments, forest.num_trajectories, forest.unique_tokens, forest.expanded_tokens,
-        largest, time.perf_counter() - t0,
+        largest, seconds,
     )
     out: dict = {"forest": forest.stats() | {"largest_tree": largest}, "configs": {}}
     W = 8
@@ -200,18 +200,16 @@ def run(quick: bool = False) -> dict:
     ref_trees = n_trees  # the partitioner alone against its reference, on the whole forest
     sub = _subforest(forest, ref_trees)
     t_numba, _ = _time(lambda: partition_with_report(sub, cfg))
-    t_ref, _ = _time(lambda: partition_with_report(sub, cfg, impl="ref"), repeat=1)
+    t_ref, _ = _time(lambda: partition_with_report(sub, cfg, impl="ref"), runs=1)
     out["reference"] = {
         "trees": ref_trees, "unique_tokens": sub.unique_tokens, "segments": sub.num_segments,
         "numba_seconds": round(t_numba, 4), "ref_seconds": round(t_ref, 3), "speedup": round(t_ref / t_numba, 1),
     }
     log.info("reference on %d trees: %s", ref_trees, out["reference"])
 
-    t0 = time.perf_counter()
-    expanded = expand_forest(forest)
-    t_expand = time.perf_counter() - t0
+    expanded, t_expand = timed(expand_forest, forest)
     base_cfg = PlanConfig(world_size=W, microbatch_tokens=b_pack, chunk_size=64, sharing=False)
-    secs, (part, report) = _time(lambda: partition_with_report(expanded, base_cfg), repeat=1)
+    secs, (part, report) = _time(lambda: partition_with_report(expanded, base_cfg), runs=1)
     out["expanded_baseline"] = {
         "expand_seconds": round(t_expand, 3), "partition_seconds": round(secs, 3),
         "microbatches": len(part.microbatches), "imbalance": round(report.imbalance, 4),
@@ -240,7 +238,7 @@ def run(quick: bool = False) -> dict:
         for name in ("pack", "windows"):
             cfg = configs[name]
             plan_step(_subforest(forest, 3), cfg)
-            secs, plan = _time(lambda: plan_step(forest, cfg), repeat=2)
+            secs, plan = _time(lambda: plan_step(forest, cfg), runs=2)
             st = plan.header.stats
             out["configs"][name]["plan_step_seconds"] = round(secs, 3)
             out["configs"][name]["plan_stats"] = {
@@ -252,19 +250,60 @@ def run(quick: bool = False) -> dict:
         # whole plan_step (partition + build) against its plain-Python reference (the partitioner's
         # and the builder's twins) on the same input: the full forest, the reference timed once
         cfg = configs["windows"]
-        t_numba, plan = _time(lambda: plan_step(forest, cfg), repeat=3)
-        t_ref, plan_ref = _time(lambda: plan_step(forest, cfg, impl="ref"), repeat=1)
+        t_numba, plan = _time(lambda: plan_step(forest, cfg), runs=3)
+        t_ref, plan_ref = _time(lambda: plan_step(forest, cfg, impl="ref"), runs=1)
         plan.header.stats.plan_seconds = plan_ref.header.stats.plan_seconds = 0.0
         same = plan.SerializeToString(deterministic=True) == plan_ref.SerializeToString(deterministic=True)
-        t0 = time.perf_counter()
-        validate_plan(plan, forest)
-        t_validate = time.perf_counter() - t0
+        _, t_validate = timed(validate_plan, plan, forest)
         out["plan_step_reference"] = {
             "config": "windows", "unique_tokens": forest.unique_tokens, "expanded_tokens": forest.expanded_tokens,
             "segments": forest.num_segments, "numba_seconds": round(t_numba, 3), "ref_seconds": round(t_ref, 3),
             "speedup": round(t_ref / t_numba, 1), "identical_plans": same, "validate_seconds": round(t_validate, 3),
         }
         log.info("plan_step reference: %s", out["plan_step_reference"])
+        # the same step as a lock-step plan (DESIGN §5.7): its extra planning time and its phases
+        lock_cfg = PlanConfig(world_size=W, microbatch_tokens=cfg.microbatch_tokens, chunk_size=64, lockstep=True)
+        t_lock, lock = _time(lambda: plan_step(forest, lock_cfg), runs=2)
+        st = lock.header.stats
+        out["lockstep"] = {
+            "config": "windows", "plan_step_seconds": round(t_lock, 3), "over_free": round(t_lock / t_numba, 2),
+            "lockstep_phases": st.lockstep_phases, "lockstep_ratio": round(st.lockstep_ratio, 4),
+            "microbatches": st.microbatches,
+        }
+        log.info("plan_step lock-step: %s", out["lockstep"])
+        out["slice_check_scaling"] = slice_check_scaling(quick)
+    return out
+
+
+def slice_check_scaling(quick: bool = False, factor: int = 8) -> dict:
+    """The fast slice check's time against the size of the slice: one-rank plans (C = 16, B = 1,024)
+    of n and `factor` x n trajectories under one 300-token prompt; CPU seconds of the fastest of 3
+    checks per plan, per computed row. `per_row_ratio` = (large s/row) / (small s/row): about 1 is
+    linear, `factor` would be quadratic (this was the wall-clock test "8x the slice in well under
+    16x the time", which failed under load)."""
+    from plan import slice_kernels
+    from plan.seal import slice_plan
+    from plan.slice_check import check_slice
+    from planner_service.ingest import forest_from_json
+    from planner_service.planner import plan_step
+
+    def slice_of(n: int):
+        rng = np.random.default_rng(5)
+        prompt = rng.integers(0, 50, 300).tolist()
+        trajs = [{"id": f"t{i}", "tree_id": "task", "tokens": prompt + rng.integers(0, 50, int(rng.integers(50, 400))).tolist()}
+                 for i in range(n)]
+        forest = forest_from_json(json.dumps({"batch_id": f"scaling-{n}", "vocab_size": 50, "trajectories": trajs}))
+        return slice_plan(plan_step(forest, PlanConfig(chunk_size=16, microbatch_tokens=1024)), 0)
+
+    slice_kernels.warmup()
+    out = {}
+    for name, n in (("small", 10 if quick else 20), ("large", (10 if quick else 20) * factor)):
+        sl = slice_of(n)
+        rows = sum(m.num_rows + m.replay_tokens for m in sl.rank.microbatches)
+        cpu = repeat(lambda: check_slice(sl), 3, warmup=1).fastest("cpu").cpu
+        out[name] = {"trajectories": n, "rows": rows, "cpu_seconds": round(cpu, 6), "us_per_row": round(1e6 * cpu / rows, 4)}
+    out["per_row_ratio"] = round(out["large"]["us_per_row"] / out["small"]["us_per_row"], 3)
+    log.info("slice check scaling: %s", out)
     return out
 
 
@@ -294,15 +333,11 @@ print(len(body), base, hwm(), time.perf_counter() - t0, time.process_time() - c0
 """
 
 
-def _cpu_and_wall(fn, repeat: int = 1) -> tuple[float, float, object]:
-    """(CPU s, wall s, result) of the fastest of `repeat` runs (the machine is shared)."""
-    best = None
-    for _ in range(repeat):
-        c0, t0 = time.process_time(), time.perf_counter()
-        out = fn()
-        run = (time.process_time() - c0, time.perf_counter() - t0, out)
-        best = run if best is None or run[0] < best[0] else best
-    return best
+def _cpu_and_wall(fn, runs: int = 1) -> tuple[float, float, object]:
+    """(CPU s, wall s, result) of the fastest of `runs` calls by CPU seconds (the machine is shared)."""
+    r = repeat(fn, runs)
+    best = r.fastest("cpu")
+    return best.cpu, best.wall, r.result
 
 
 def ingest_and_validation(batch: str | None = None, quick: bool = False) -> dict:
@@ -357,14 +392,14 @@ def ingest_and_validation(batch: str | None = None, quick: bool = False) -> dict
         }
         log.info("JSON ingest peak memory: %s", out["json_peak_memory"])
         pcfg = PlanConfig(world_size=8, microbatch_tokens=65536, chunk_size=64)
-        cpu, wall, plan = _cpu_and_wall(lambda: plan_step(forest, pcfg), repeat=3)
+        cpu, wall, plan = _cpu_and_wall(lambda: plan_step(forest, pcfg), runs=3)
         out["plan"] = {"config": "W=8 B=65536 C=64 windows", "cpu_seconds": round(cpu, 3), "wall_seconds": round(wall, 3),
                        "microbatches": plan.header.stats.microbatches, "windows": plan.header.stats.windows}
         cpu, wall, _ = _cpu_and_wall(lambda: validate_plan(plan, forest))
         out["validate_plan"] = {"cpu_seconds": round(cpu, 3), "wall_seconds": round(wall, 3),
                                 "over_planning_cpu": round(cpu / out["plan"]["cpu_seconds"], 3)}
         slices = [slice_plan(plan, r) for r in range(pcfg.world_size)]
-        per_rank = [_cpu_and_wall(lambda sl=sl: check_slice(sl), repeat=3)[:2] for sl in slices]
+        per_rank = [_cpu_and_wall(lambda sl=sl: check_slice(sl), runs=3)[:2] for sl in slices]
         rows = [sum(m.num_rows + m.replay_tokens for m in sl.rank.microbatches) for sl in slices]
         total_rows = max(sum(rows), 1)
         share = [out["plan"]["cpu_seconds"] * r / total_rows for r in rows]  # planning cost of each slice

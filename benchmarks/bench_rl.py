@@ -5,7 +5,7 @@ Run: `.venv/bin/python -m benchmarks.bench_rl [--quick] [--steps 50] [--out benc
 there). `harts bench --only rl` runs it inside the suite (figure in benchmarks/results).
 
 In one process, side by side (so that machine load weighs on both alike), one rank: the policy
-is warm-started as `harts rl` does (`harts_cli.rl.warmstart`); then every step the generator (the
+is warm-started as `harts rl` does (`trainer.rl.warmstart`); then every step the generator (the
 transformers engine on the tree model's newest export, staleness 1 like `harts rl`: batch n + 1 is
 sampled with the weights after step n - 1) plays the task as trees, and the tree run trains on the
 tree plan (sharing windows) with the trainer's step (`trainer.parallelize.grad_norm_and_clip`,
@@ -135,29 +135,34 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
     """Run the benchmark; returns the per-step rows and the summary (see the module docstring)."""
     import torch
 
-    from harts_cli.rl.config import load_rl_config
-    from harts_cli.rl.warmstart import warm_start
     from harts_client.engines import make_engine
     from harts_client.tasks import make_task
     from harts_client.tokenizer import ByteTokenizer
     from harts_client.tree_sampling import sample_batch, to_batch
     from planner_service.ingest import forest_from_json
     from planner_service.planner import PlanConfig, plan_step
-    from trainer.config import TrainerConfig
+    from trainer.config import config_from_dict
     from trainer.export import point_latest, write_hf_dir
+    from trainer.rl.config import load_rl_config
+    from trainer.rl.warmstart import warm_start
 
     steps = steps or (5 if quick else 50)
     cfg = load_rl_config(config, steps=steps, nproc=1)
     if quick:
         cfg.warmup.steps, cfg.sampling.tasks_per_step = 30, 4  # 30: the policy knows the format (non-zero rewards)
-    tcfg = TrainerConfig.from_dict(cfg.trainer_doc(planner_url="http://unused", model_dir=Path("."), out=Path(".")))
+    tcfg = config_from_dict(cfg.trainer_doc(planner_url="http://unused", model_dir=Path("."), out=Path(".")))
     task = make_task(cfg.task.name, **cfg.task.options)
     tok = ByteTokenizer()
     torch.manual_seed(cfg.run.seed)
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
-        warm, _ = warm_start(cfg, task, tok, tmp / "warmstart", tokenizer_files=tok.hf_files())
+        def plan_batch(doc: dict, mc):  # as harts_cli.rl.run.plan_batch (the benchmarks do not import the CLI)
+            return plan_step(forest_from_json(doc), PlanConfig(
+                world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
+                conv_kernel=mc.linear_conv_kernel_dim, model_config=mc.to_hf_dict(), windows=not cfg.plan.no_windows))
+
+        warm, _ = warm_start(cfg, task, tok, tmp / "warmstart", plan_batch=plan_batch, tokenizer_files=tok.hf_files())
         warm_seconds = time.perf_counter() - t0
         tree, expanded, repacked, anchor = (_Policy(warm, tcfg, cfg.plan.chunk_size) for _ in range(4))
         exports = tmp / "hf"

@@ -32,6 +32,7 @@ import httpx
 import numpy as np
 
 from harts_client.synthetic import generate
+from harts_client.timing import Stopwatch, timed
 from planner_service.ingest import json_to_proto
 from planner_service.server import ServerProcess
 from plan.seal import open_sealed
@@ -59,18 +60,15 @@ def _submit_all(url: str, bodies: list[bytes], generators: int, params: dict | N
     def worker(mine: list[bytes]) -> None:
         with httpx.Client(base_url=url, timeout=300) as c:
             for body in mine:
-                t0 = time.perf_counter()
-                r = c.post("/v1/steps", content=body, headers=PROTOBUF, params=params or {})
-                dt = time.perf_counter() - t0
+                r, dt = timed(c.post, "/v1/steps", content=body, headers=PROTOBUF, params=params or {})
                 if r.status_code != 200:
                     raise RuntimeError(f"submit failed: {r.status_code} {r.text[:300]}")
                 with lock:
                     latencies.append(dt)
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(generators) as pool:
+    with Stopwatch() as sw, ThreadPoolExecutor(generators) as pool:
         list(pool.map(worker, chunks))
-    return time.perf_counter() - t0, latencies
+    return sw.wall, latencies
 
 
 async def _poll_pipeline(url: str, steps: list[str], world: int, trainers: int, timeout: float) -> dict:
@@ -126,9 +124,8 @@ def _poller(url: str, targets: list[tuple[str, int]], picks: list[int], barrier,
         barrier.wait()
         for i in picks:
             step, rank = targets[i]
-            t0 = time.perf_counter()
-            r = client.get(f"/v1/steps/{step}/ranks/{rank}/plan")
-            lat.append(time.perf_counter() - t0)
+            r, dt = timed(client.get, f"/v1/steps/{step}/ranks/{rank}/plan")
+            lat.append(dt)
             if r.status_code != 200:
                 lat.append(float("nan"))
     out.put(lat)
@@ -206,12 +203,12 @@ def run(quick: bool = False) -> dict:
             steps = [f"pipe-{i}" for i in range(n_pipe)]
             print(f"[bench_service] pipeline: {n_pipe} steps x {world} ranks, {gens} generators, {trainers} trainers",
                   file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            sub = threading.Thread(target=_submit_all, args=(url, pipe_bodies, gens, topo))
-            sub.start()
-            pipeline = asyncio.run(_poll_pipeline(url, steps, world, trainers, timeout=120))
-            sub.join()
-            pipeline["seconds"] = round(time.perf_counter() - t0, 3)
+            with Stopwatch() as sw:
+                sub = threading.Thread(target=_submit_all, args=(url, pipe_bodies, gens, topo))
+                sub.start()
+                pipeline = asyncio.run(_poll_pipeline(url, steps, world, trainers, timeout=120))
+                sub.join()
+            pipeline["seconds"] = round(sw.wall, 3)
             pipeline["steps_per_s"] = round(n_pipe / pipeline["seconds"], 2)
             print(f"[bench_service] pipeline: {pipeline}", file=sys.stderr, flush=True)
 

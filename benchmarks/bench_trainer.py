@@ -39,11 +39,12 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from harts_client.timing import repeat
 
 log = logging.getLogger("bench_trainer")
 
@@ -74,16 +75,9 @@ def _subset(doc: dict, max_tokens: int, seed: int) -> dict:
 
 def _timed_steps(step, steps: int) -> tuple[float, float, int]:
     """(fastest CPU seconds, its wall seconds, peak saved bytes) of `steps` calls after a warm-up."""
-    best = (float("inf"), 0.0)
-    peak = 0
-    for i in range(steps + 1):
-        c0, w0 = time.process_time(), time.perf_counter()
-        saved = step()
-        cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-        peak = max(peak, saved)
-        if i and cpu < best[0]:
-            best = (cpu, wall)
-    return best[0], best[1], peak
+    peaks: list[int] = []
+    best = repeat(lambda: peaks.append(step()), steps, warmup=1).fastest("cpu")
+    return best.cpu, best.wall, max(peaks)
 
 
 def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microbatch_tokens: int, model_name: str,

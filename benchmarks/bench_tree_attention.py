@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_kernels import median_seconds
+from harts_client.timing import repeat
 from kernels.tree_attention import TreeLayout, prepare_tree_layout, tree_attention
 
 
@@ -80,6 +80,7 @@ def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, devi
                                                is_causal=True, scale=scale)
         return o.transpose(1, 2).reshape(B * S, H, D)
 
+    sync = torch.cuda.synchronize if device == "cuda" else None
     calls = {}
     if device == "cuda":
         expanded = expanded_layout(B, S, device)
@@ -99,14 +100,14 @@ def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, devi
         inputs = (q_RHD, k_RHD, v_RHD) if kind == "tree" else (qe, ke, ve)
         try:
             with torch.no_grad():
-                fwd = median_seconds(lambda: fn(*inputs), device, reps)
+                fwd = repeat(lambda: fn(*inputs), reps, warmup=2, sync=sync).median()
             leaves = [x.detach().requires_grad_(True) for x in inputs]
 
             def fwd_bwd():
                 o = fn(*leaves)
                 torch.autograd.grad(o, leaves, torch.ones_like(o))
 
-            both = median_seconds(fwd_bwd, device, reps)
+            both = repeat(fwd_bwd, reps, warmup=2, sync=sync).median()
             rows.append({"backend": name, "rows": n_rows, "forward_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
         except Exception as exc:  # one failing backend must not hide the others' numbers
             rows.append({"backend": name, "rows": n_rows, "error": f"{type(exc).__name__}: {exc}"[:300]})

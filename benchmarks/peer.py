@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 import weakref
 
 import torch
+
+from harts_client.timing import Stopwatch
 
 
 class SavedTensorBytes:
@@ -116,20 +117,20 @@ class TransformersPeer:
             (wall seconds, process CPU seconds, peak saved-for-backward bytes of one trajectory).
         """
         n_loss = sum(sum(m[1:]) for m in loss_masks) if loss_masks else sum(len(t) - 1 for t in trajectories)
-        w0, c0 = time.perf_counter(), time.process_time()
         peak = 0
-        for i, toks in enumerate(trajectories):
-            ids = torch.tensor(toks, dtype=torch.long)[None]
-            mask = torch.tensor(loss_masks[i][1:] if loss_masks else [1] * (len(toks) - 1), dtype=torch.float32)
-            with SavedTensorBytes(self.model) as gauge:
-                logits_LV = self.model(input_ids=ids).logits[0, :-1].float()
-                logprob = torch.log_softmax(logits_LV, -1).gather(1, ids[0, 1:, None])[:, 0]
-                loss = -(logprob * mask).sum() / max(n_loss, 1)
-                peak = max(peak, gauge.peak)
-                loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - w0, time.process_time() - c0, peak
+        with Stopwatch() as sw:
+            for i, toks in enumerate(trajectories):
+                ids = torch.tensor(toks, dtype=torch.long)[None]
+                mask = torch.tensor(loss_masks[i][1:] if loss_masks else [1] * (len(toks) - 1), dtype=torch.float32)
+                with SavedTensorBytes(self.model) as gauge:
+                    logits_LV = self.model(input_ids=ids).logits[0, :-1].float()
+                    logprob = torch.log_softmax(logits_LV, -1).gather(1, ids[0, 1:, None])[:, 0]
+                    loss = -(logprob * mask).sum() / max(n_loss, 1)
+                    peak = max(peak, gauge.peak)
+                    loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return sw.wall, sw.cpu, peak
 
     @torch.no_grad()
     def logprobs(self, trajectories: list[list[int]]) -> tuple[float, float, list[torch.Tensor]]:
@@ -138,10 +139,10 @@ class TransformersPeer:
         Returns:
             (wall seconds, process CPU seconds, the log-probs of every trajectory).
         """
-        w0, c0 = time.perf_counter(), time.process_time()
         out = []
-        for toks in trajectories:
-            ids = torch.tensor(toks, dtype=torch.long)[None]
-            logits_LV = self.model(input_ids=ids).logits[0, :-1].float()
-            out.append(torch.log_softmax(logits_LV, -1).gather(1, ids[0, 1:, None])[:, 0])
-        return time.perf_counter() - w0, time.process_time() - c0, out
+        with Stopwatch() as sw:
+            for toks in trajectories:
+                ids = torch.tensor(toks, dtype=torch.long)[None]
+                logits_LV = self.model(input_ids=ids).logits[0, :-1].float()
+                out.append(torch.log_softmax(logits_LV, -1).gather(1, ids[0, 1:, None])[:, 0])
+        return sw.wall, sw.cpu, out

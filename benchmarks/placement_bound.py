@@ -104,9 +104,19 @@ def compression_bound(forest: Forest, capacity: float) -> float:
     return n / (n + duplication_lower_bound(forest, capacity))
 
 
+def placement_specs(*, quick: bool = False) -> list[tuple[str, dict]]:
+    """The workloads of the placement table (`harts bench --full`) and of `run`: few large trees
+    (issue 12's measurements)."""
+    if quick:
+        return [(f"{scheme} (2 tasks)", dict(scheme=scheme, tasks=2, seed=1, scale=0.01, turns=(10, 14)))
+                for scheme in ("percall", "group", "tree")]
+    return [("percall (8 tasks)", dict(scheme="percall", tasks=8, seed=1)),
+            ("group (16 tasks)", dict(scheme="group", tasks=16, seed=0)),
+            ("tree (8 tasks)", dict(scheme="tree", tasks=8, seed=0))]
+
+
 def run(worlds=(8, 32, 64), budget: int = 65536, chunk: int = 64, slacks=(1.0, 1.25)) -> list[dict]:
     """Per placement workload and W: the planner's ratio and compression beside the bounds."""
-    from benchmarks.suite import placement_specs
     from harts_client.synthetic import WorkloadConfig, generate_workload
     from planner_service.ingest import forest_from_json
     from planner_service.planner import PlanConfig, plan_step, warmup

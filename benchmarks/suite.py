@@ -20,10 +20,11 @@ replay rows and weighs attention by depth).
 Modes: default CPU scale (a few minutes on 2 cores); `--quick` (tiny inputs, for tests);
 `--full`: planning only, at full scale (tens of millions of expanded tokens per workload), plus
 the placement table (issue 12: makespan ratio and compression over W in {8, 32, 64} and
-B in {16k, 32k, 64k} for the three schemes, `run_placement`).
+B in {16k, 32k, 64k} for the three schemes, `run_placement`; issue 20: each cell's lockstep_ratio).
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import logging
@@ -40,8 +41,9 @@ from pathlib import Path
 import numpy as np
 
 from harts_client.synthetic import WorkloadConfig, generate_workload
+from harts_client.timing import Stopwatch, timed
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("benchmarks.suite")  # also when run as __main__ (harts bench)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -173,12 +175,6 @@ def _optional(module: str, attr: str):
     return getattr(mod, attr, None)
 
 
-def _timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
-
-
 def _plan_stats(plan) -> dict:
     s = plan.header.stats
     return {
@@ -203,7 +199,7 @@ def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig, row: dict | None = No
     """
     row = {"workload": spec.name} if row is None else row
     wcfg = WorkloadConfig(**spec.gen)
-    w, row["gen_seconds"] = _timed(generate_workload, wcfg)
+    w, row["gen_seconds"] = timed(generate_workload, wcfg)
     row.update({k: v for k, v in w.stats().items() if k in ("trajectories", "unique_tokens", "expanded_tokens", "compression_ideal", "max_trajectory_tokens")})
     log.info("bench workloads: %s: %d trajectories, %d expanded / %d unique tokens (ideal %.2fx)",
              spec.name, row["trajectories"], row["expanded_tokens"], row["unique_tokens"], row["compression_ideal"])
@@ -213,7 +209,7 @@ def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig, row: dict | None = No
         row["skipped"] = "ingest (planner_service.ingest.forest_from_json) not present yet"
         return row
     doc = w.dumps("tree")
-    forest, row["ingest_seconds"] = _timed(forest_from_json, doc)
+    forest, row["ingest_seconds"] = timed(forest_from_json, doc)
     del doc
     if (forest.unique_tokens, forest.expanded_tokens) != (w.unique_tokens, w.expanded_tokens):
         raise AssertionError(
@@ -235,7 +231,7 @@ def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig, row: dict | None = No
         model_config = NAMED_CONFIGS["tiny" if cfg.quick else cfg.model]().to_hf_dict()
     pcfg = PlanConfig(world_size=spec.world_size, microbatch_tokens=spec.microbatch_tokens, chunk_size=spec.chunk_size,
                       windows=spec.windows, model_config=model_config)
-    plan, row["planner_seconds"] = _timed(plan_step, forest, pcfg)
+    plan, row["planner_seconds"] = timed(plan_step, forest, pcfg)
     st = _plan_stats(plan)
     row.update(
         computed_tokens=st["computed_tokens"],
@@ -250,7 +246,7 @@ def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig, row: dict | None = No
              spec.name, row["planner_seconds"], row["computed_per_unique"], row["linear_attention_calls"])
     if cfg.reference_planner and w.unique_tokens <= cfg.reference_max_tokens:
         try:
-            ref, row["planner_ref_seconds"] = _timed(plan_step, forest, pcfg, impl="ref")
+            ref, row["planner_ref_seconds"] = timed(plan_step, forest, pcfg, impl="ref")
         except TypeError as exc:  # plan_step without a reference switch
             row["planner_ref_note"] = f"no reference planner entry point ({exc})"
         else:
@@ -261,7 +257,7 @@ def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig, row: dict | None = No
         row["planner_ref_note"] = f"reference not timed above {cfg.reference_max_tokens} distinct tokens"
     # the baseline packs whole trajectories (standard sequence packing): B raised to the longest
     longest = int(forest.traj_length().max())
-    expanded, row["planner_expanded_seconds"] = _timed(plan_step, forest, _replace(
+    expanded, row["planner_expanded_seconds"] = timed(plan_step, forest, _replace(
         pcfg, PlanConfig, sharing=False, windows=False, microbatch_tokens=max(spec.microbatch_tokens, longest), memory_tokens=0))
     row["linear_attention_calls_expanded"] = _plan_stats(expanded)["linear_attention_calls"]
     if cfg.trainer and not cfg.full:
@@ -325,17 +321,17 @@ def _measure_trainer(plan, expanded, row: dict, cfg: SuiteConfig, forest) -> dic
     try:
         for step in range(first, steps + 1):
             for name, p in (("tree", plan), ("expanded", expanded), ("transformers", None)):
-                c0 = time.process_time()
-                if p is None:
-                    (_, _, peak), dt = _timed(peer.train_step, [x for x, _ in peer_trajs], [m for _, m in peer_trajs])
-                else:
-                    with SavedTensorBytes(model) as gauge:
-                        _, dt = _timed(train_step, ex, p, opt)
-                    peak = gauge.peak
+                with Stopwatch() as sw:
+                    if p is None:
+                        peak = peer.train_step([x for x, _ in peer_trajs], [m for _, m in peer_trajs])[2]
+                    else:
+                        with SavedTensorBytes(model) as gauge:
+                            train_step(ex, p, opt)
+                        peak = gauge.peak
                 saved[name] = max(saved[name], peak)
                 if step:  # step 0 warms up allocators and caches
-                    wall[name].append(dt)
-                    cpu[name].append(time.process_time() - c0)
+                    wall[name].append(sw.wall)
+                    cpu[name].append(sw.cpu)
             log.info("bench workloads: %s: trainer step %d/%d%s", row["workload"], step, steps,
                      f" (tree {wall['tree'][-1]:.2f} s, expanded {wall['expanded'][-1]:.2f} s wall)" if step else " (warm-up)")
         used_threads = torch.get_num_threads()
@@ -400,16 +396,8 @@ def run_workloads(cfg: SuiteConfig) -> dict:
 PLACEMENT_GRID = {"full": ((8, 32, 64), (16384, 32768, 65536), 64), "quick": ((2, 4), (256, 512), 16)}
 
 
-def placement_specs(*, quick: bool = False) -> list[tuple[str, dict]]:
-    """The placement table's workloads: few large trees (issue 12's measurements)."""
-    if quick:
-        return [(f"{scheme} (2 tasks)", dict(scheme=scheme, tasks=2, seed=1, scale=0.01, turns=(10, 14)))
-                for scheme in ("percall", "group", "tree")]
-    return [("percall (8 tasks)", dict(scheme="percall", tasks=8, seed=1)),
-            ("group (16 tasks)", dict(scheme="group", tasks=16, seed=0)),
-            ("tree (8 tasks)", dict(scheme="tree", tasks=8, seed=0))]
-
-
+#: issue 20's goal for the lock-step plan of every cell (lockstep_makespan / makespan)
+LOCKSTEP_TARGET = 1.10
 #: a second placement per cell that accepts a makespan up to this factor above the lower bound
 #: (PlanConfig.makespan_slack) to duplicate less: the trade-off between the two targets
 PLACEMENT_LOOSE_SLACK = 1.25
@@ -419,9 +407,10 @@ def run_placement(cfg: SuiteConfig) -> dict:
     """Makespan ratio (max rank cost / max(total / W, longest trajectory)) and compression of
     the default planner (sharing windows, computed-rows cost model) over the grid of ranks and
     microbatch budgets; one plan per cell, timed in wall and CPU seconds, plus the same cell
-    planned with makespan_slack = PLACEMENT_LOOSE_SLACK (its ratio and compression only), and
-    upper bounds on the compression any placement reaches (`placement_bound.compression_bound`)."""
-    from benchmarks.placement_bound import compression_bound
+    planned with makespan_slack = PLACEMENT_LOOSE_SLACK (its ratio and compression only) and as a
+    lock-step plan (its lockstep_ratio and phases), and upper bounds on the compression any
+    placement reaches (`placement_bound.compression_bound`)."""
+    from benchmarks.placement_bound import compression_bound, placement_specs
 
     plan_step = _optional("planner_service.planner", "plan_step")
     PlanConfig = _optional("planner_service.planner", "PlanConfig")
@@ -440,6 +429,7 @@ def run_placement(cfg: SuiteConfig) -> dict:
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 loose = plan_step(forest, PlanConfig(world_size=W, microbatch_tokens=B, chunk_size=chunk,
                                                      makespan_slack=PLACEMENT_LOOSE_SLACK)).header.stats
+                lock = plan_step(forest, PlanConfig(world_size=W, microbatch_tokens=B, chunk_size=chunk, lockstep=True)).header.stats
                 st = plan.header.stats
                 target = 1.05 if trees >= 2 * W else 1.25
                 vs_ideal = st.compression_achieved / st.compression_ideal
@@ -457,9 +447,14 @@ def run_placement(cfg: SuiteConfig) -> dict:
                     # plan's makespan, and anywhere the ratio target is met
                     "bound_at_makespan": compression_bound(forest, st.makespan),
                     "bound_at_target": compression_bound(forest, target * st.makespan_lower_bound),
+                    # the same cell as a lock-step plan (DESIGN §5.7): its phases' makespan over its free
+                    # makespan, and over this (free) plan's
+                    "lockstep_ratio": float(lock.lockstep_ratio), "lockstep_met": lock.lockstep_ratio <= LOCKSTEP_TARGET,
+                    "lockstep_vs_free": lock.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0,
+                    "lockstep_phases": int(lock.lockstep_phases),
                 })
-                log.info("bench placement: %s W=%d B=%d: makespan ratio %.3f, compression %.3f of ideal, %.2f s",
-                         name, W, B, st.makespan_ratio, vs_ideal, wall)
+                log.info("bench placement: %s W=%d B=%d: makespan ratio %.3f, compression %.3f of ideal, lock-step ratio "
+                         "%.3f, %.2f s", name, W, B, st.makespan_ratio, vs_ideal, lock.lockstep_ratio, wall)
         del forest, w
     return {"mode": _mode(cfg), "chunk_size": chunk, "rows": rows}
 
@@ -471,6 +466,8 @@ PLACEMENT_COLUMNS = (
     ("plan_cpu_seconds", "plan s (CPU)"), ("loose_makespan_ratio", f"ratio, slack {PLACEMENT_LOOSE_SLACK}"),
     ("loose_compression_vs_ideal", f"compression / ideal, slack {PLACEMENT_LOOSE_SLACK}"),
     ("bound_at_makespan", "bound at this makespan"), ("bound_at_target", "bound at the ratio target"),
+    ("lockstep_ratio", "lockstep_ratio"), ("lockstep_vs_free", "lock-step / free makespan"),
+    ("lockstep_phases", "lock-step phases"),
 )
 
 
@@ -489,7 +486,9 @@ def placement_table(rows: list[dict]) -> str:
                 cells.append(f"<= {v}")
             elif key == "trees_per_rank":
                 cells.append(f"{v:.2f}")
-            elif key.startswith(("loose_", "bound_")):
+            elif key == "lockstep_ratio":
+                cells.append("" if v is None else f"{v:.3f}" + ("" if r["lockstep_met"] else f" (> {LOCKSTEP_TARGET:.2f})"))
+            elif key.startswith(("loose_", "bound_", "lockstep_vs")):
                 cells.append("" if v is None else f"{v:.3f}")
             else:
                 cells.append(_fmt(v))
@@ -520,7 +519,7 @@ def run_module(name: str, cfg: SuiteConfig) -> dict:
         return {"status": "skipped", "reason": f"{module} needs {exc.name}, which is not present yet"}
     if not callable(getattr(mod, "run", None)):
         return {"status": "skipped", "reason": f"{module} has no run(quick) function"}
-    result, seconds = _timed(mod.run, quick=cfg.quick)
+    result, seconds = timed(mod.run, quick=cfg.quick)
     return {"status": "ok", "seconds": seconds, "result": result}
 
 
@@ -758,7 +757,11 @@ def write_results(doc: dict, cfg: SuiteConfig) -> list[Path]:
                     f"two slack columns plan the same cell with makespan_slack {PLACEMENT_LOOSE_SLACK} (a longer step for "
                     "less duplication). The bounds are the highest compression / ideal any placement can reach "
                     "(benchmarks/placement_bound.py: every rank computes the root path of what it keeps) with no rank "
-                    "above this plan's makespan, and with the makespan ratio at its target.", "",
+                    "above this plan's makespan, and with the makespan ratio at its target. The lock-step columns plan "
+                    "the cell with lockstep=True (one global sequence of phases, DESIGN §5.7; forward 1/3 and backward "
+                    f"2/3 of a microbatch's cost, a phase as long as its slowest rank): lockstep_ratio = lock-step "
+                    f"makespan / that plan's makespan (target <= {LOCKSTEP_TARGET}), and the same over the free plan's "
+                    "makespan.", "",
                     placement_table(placement)]
     summary += ["", "## Benchmarks", "", "| benchmark | status | seconds | details |", "|---|---|---|---|"]
     for name, entry in doc["benchmarks"].items():
@@ -840,17 +843,57 @@ def write_plots(rows: list[dict], out: Path, suffix: str = "") -> list[Path]:
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.suite [--quick|--full] [--only NAME ...] [--out DIR]`."""
-    import argparse
+def _names(text: str) -> list[str]:
+    out = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in out if n not in NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected names from {', '.join(NAMES)}, got {', '.join(bad)}")
+    return out
 
-    from harts_cli import cmd_bench
 
+def parser() -> argparse.ArgumentParser:
+    """The suite's command line (`harts bench` forwards its arguments here unchanged)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__.split("\n\n")[0])
-    cmd_bench.add_arguments(p)
-    args = p.parse_args(argv)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="tiny inputs everywhere (seconds; used by the tests)")
+    mode.add_argument("--full", action="store_true",
+                      help="planning only, at full scale (tens of millions of expanded tokens per workload)")
+    p.add_argument("--only", type=_names, action="append", default=[], metavar="NAME[,NAME]",
+                   help=f"run only these benchmarks (repeatable): {', '.join(NAMES)}")
+    p.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--trainer-steps", type=int, default=None, help="timed optimizer steps per execution mode (default 5, --quick 1)")
+    p.add_argument("--no-trainer", action="store_true", help="skip the tree vs expanded update-throughput timing")
+    p.add_argument("--trainer-threads", type=int, default=1,
+                   help="torch intra-op threads while the trainer is timed (default 1: CPU seconds then count work, "
+                        "not OpenMP workers spinning; 0: torch's default)")
+    p.add_argument("--model", default="small",
+                   help="named model config of the throughput timing (small: 4.7M parameters; tiny: 0.33M, overhead-bound; --quick uses tiny)")
+    p.add_argument("--no-reference", action="store_true", help="do not time the plain-Python reference planner")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.suite [--quick|--full] [--only NAME ...] [--out DIR]`: run the suite, print
+    one JSON object (each benchmark's status and seconds, the results directory); exit 1 when a
+    benchmark failed, 2 on bad arguments."""
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return cmd_bench.run(args)
+    try:
+        cfg = SuiteConfig(
+            out_dir=args.out or RESULTS_DIR, quick=args.quick, full=args.full,
+            only=tuple(n for group in args.only for n in group), trainer_steps=args.trainer_steps,
+            reference_planner=not args.no_reference, trainer=not args.no_trainer, model=args.model,
+            trainer_threads=args.trainer_threads,
+        )
+    except ValueError as exc:
+        print(f"python -m benchmarks.suite: error: {exc}", file=sys.stderr)
+        return 2
+    doc = run_suite(cfg)
+    summary = {name: {"status": e["status"], "seconds": round(e["seconds"], 2), **({"reason": e["reason"]} if "reason" in e else {}),
+                      **({"error": e["error"]} if "error" in e else {})}
+               for name, e in doc["benchmarks"].items()}
+    print(json.dumps({"mode": doc["mode"], "out": str(cfg.out_dir), "benchmarks": summary}))
+    return 1 if any(e["status"] == "failed" for e in doc["benchmarks"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@ microbatches' costs. Non-negative least squares fits the coefficients on all but
 batches; on those the report gives R^2 and the largest relative error of the predicted step time.
 The step overhead is reported but not part of the cost model (it is the same on every rank).
 
+Then it measures the trainer's point-to-point backend (`--transfer-backend`: gloo on the CPU,
+NCCL between two GPUs), the path windows across ranks take (`trainer.cross_rank.P2PTransport`):
+two local processes bounce uint8 buffers of 1 KiB up to `--transfer-max-mb` MiB, and a least
+squares line through the one-way times (half the round trip, the fastest of the repeats) gives
+`transfer_byte` = seconds per byte (its inverse, the bandwidth, and the latency are reported).
+`--transfer-backend none` skips it (transfer_byte 0: not measured).
+
 Prints one JSON object (the fit report); with -o writes the cost model file (format
 `harts.cost_model.v1`, the report under "fit") that `harts plan --cost-model`, `harts serve
 --cost-model` and a topology's `cost_model` accept.
@@ -26,6 +33,8 @@ import logging
 import time
 
 import numpy as np
+
+from harts_client.timing import repeat
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="ref", help="kernel backend of the chunked gated delta rule (ref on CPU)")
     p.add_argument("--device", default="cpu", help="torch device of the model")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches and the weights")
+    p.add_argument("--transfer-backend", default="auto", choices=("auto", "gloo", "nccl", "none"),
+                   help="backend whose point-to-point bandwidth gives transfer_byte (auto: gloo on the CPU, "
+                        "nccl with --device cuda; none: skip)")
+    p.add_argument("--transfer-max-mb", type=float, default=64.0,
+                   help="largest buffer of the bandwidth measurement in MiB (default 64)")
     p.add_argument("-o", "--output", help="write the cost model JSON here")
 
 
@@ -106,6 +120,99 @@ def plan_features(plan) -> np.ndarray:
     return total
 
 
+#: smallest buffer of the bandwidth measurement
+TRANSFER_MIN_BYTES = 1 << 10
+
+
+def _bounce(rank: int, port: int, backend: str, sizes: list[int], repeats: int, out) -> None:
+    """One of the two measuring processes: rank 0 sends each buffer to rank 1, which sends it back
+    (through `P2PTransport`, as the trainer does); rank 0 puts the fastest round trip per size on `out`."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from plan.cross_edges import CrossEdgeArrays
+    from trainer.cross_rank import P2PTransport, Transfer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    try:
+        transport, best = P2PTransport(timeout_s=120.0), []
+        edge = CrossEdgeArrays(id=0, exporter=0, exporter_rank=0, importer=1, importer_rank=1, rows={},
+                               states=np.zeros(0, np.int64), send_phase=0, grad_phase=1, bytes=0)
+        for n in sizes:
+            buf = torch.zeros(n, dtype=torch.uint8, device=device)
+            times = []
+            for _ in range(repeats + 1):  # the first round warms the connection and the allocator
+                t0 = time.perf_counter()
+                for grad in (False, True):  # there and back
+                    transport.run(int(grad), [Transfer(edge=edge, grad=grad, rank=rank, peer=1 - rank,
+                                                       send=(rank == 0) != grad, buf=buf)])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t0)
+            best.append(min(times[1:]))
+        if rank == 0:
+            out.put(best)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_transfer(backend: str, max_bytes: int, repeats: int = 3) -> dict:
+    """Point-to-point bandwidth of `backend` between two local processes (module docstring).
+
+    Returns:
+        {"transfer_byte": seconds per byte, "bandwidth_gb_s", "latency_seconds", "backend",
+         "sizes", "one_way_seconds"}.
+    Raises:
+        ValueError: max_bytes below 64 KiB, or NCCL without two CUDA devices.
+    """
+    import queue
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if max_bytes < 64 * TRANSFER_MIN_BYTES:
+        raise ValueError(f"--transfer-max-mb: expected >= 0.0625 (64 KiB), got {max_bytes / (1 << 20):g}")
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        raise ValueError(f"--transfer-backend nccl: expected two CUDA devices, got {torch.cuda.device_count()}; "
+                         "use --transfer-backend gloo or none")
+    sizes = []
+    n = TRANSFER_MIN_BYTES
+    while n <= max_bytes:
+        sizes.append(n)
+        n *= 4
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_bounce, args=(r, port, backend, sizes, repeats, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rtt = out.get(timeout=600)
+    except queue.Empty:
+        raise ValueError(f"--transfer-backend {backend}: the measuring processes reported nothing in 600 s "
+                         f"(exit codes {[p.exitcode for p in procs]}); see their errors above") from None
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.exitcode is None:
+                p.kill()
+    one_way = np.array(rtt) / 2
+    slope, latency = np.polyfit(np.array(sizes, np.float64), one_way, 1)
+    slope = max(float(slope), 1e-15)
+    return {"transfer_byte": slope, "bandwidth_gb_s": 1e-9 / slope, "latency_seconds": float(latency),
+            "backend": backend, "sizes": sizes, "one_way_seconds": one_way.tolist()}
+
+
 def fit_report(X: np.ndarray, t: np.ndarray, train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, float, dict]:
     """NNLS fit of step seconds t [n] = step overhead + X [n, 4] @ coefficients on the `train`
     rows, and its metrics on the held-out `test` rows.
@@ -151,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--samples: expected >= 4 (a fit and a held-out set), got {args.samples}")
     if not 0 < args.held_out < 1:
         raise ValueError(f"--held-out: expected a fraction in (0, 1), got {args.held_out}")
+    backend = args.transfer_backend if args.transfer_backend != "auto" else ("gloo" if args.device == "cpu" else "nccl")
+    if backend != "none" and args.transfer_max_mb * (1 << 20) < 64 * TRANSFER_MIN_BYTES:
+        raise ValueError(f"--transfer-max-mb: expected >= 0.0625 (64 KiB), got {args.transfer_max_mb:g}")
     t_start = time.perf_counter()
     ingest.warmup()
     warmup()
@@ -161,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     # CPU: this process's CPU seconds (on a shared machine other processes only add wall time);
     # an accelerator: wall seconds after a synchronize
-    clock = time.process_time if args.device == "cpu" else time.perf_counter
+    clock, sync = ("cpu", None) if args.device == "cpu" else ("wall", torch.cuda.synchronize)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,14 +287,8 @@ def run(args: argparse.Namespace) -> int:
             plan = plan_step(forest, PlanConfig(world_size=1, microbatch_tokens=budget, chunk_size=args.chunk_size,
                                                 conv_kernel=model.config.linear_conv_kernel_dim,
                                                 model_config=model.config.to_hf_dict()))
-            best = np.inf
-            for rep in range(args.repeats + 1):
-                t0 = clock()
-                ex.run_step(plan)
-                if args.device != "cpu":
-                    torch.cuda.synchronize()
-                if rep:  # the first run warms caches and allocators
-                    best = min(best, clock() - t0)
+            # the warm-up run warms caches and allocators
+            best = repeat(lambda: ex.run_step(plan), args.repeats, warmup=1, sync=sync).fastest(clock).on(clock)
             model.zero_grad(set_to_none=True)
             X.append(plan_features(plan))
             t.append(best)
@@ -209,10 +313,17 @@ def run(args: argparse.Namespace) -> int:
         "feature_ranges": {name: [float(X[:, j].min()), float(X[:, j].max())] for j, name in enumerate(FEATURES)},
         "seconds_range": [float(t.min()), float(t.max())], "calibration_seconds": time.perf_counter() - t_start,
     })
-    cm = CostModel(**dict(zip(FEATURES, (float(c) for c in coef))),
+    transfer = {}
+    if backend != "none":
+        log.info("calibrate: point-to-point bandwidth on %s (1 KiB .. %g MiB)", backend, args.transfer_max_mb)
+        transfer = measure_transfer(backend, int(args.transfer_max_mb * (1 << 20)), repeats=args.repeats)
+        report["transfer"] = transfer
+        log.info("calibrate: %s: %.3g GB/s, latency %.3g ms", backend, transfer["bandwidth_gb_s"],
+                 1e3 * transfer["latency_seconds"])
+    cm = CostModel(**dict(zip(FEATURES, (float(c) for c in coef))), transfer_byte=transfer.get("transfer_byte", 0.0),
                    source=f"harts calibrate --model {args.model} ({args.device}, {args.backend}, C={args.chunk_size})",
                    fit=report)
-    out = {"coefficients": dict(zip(FEATURES, coef.tolist())), **report}
+    out = {"coefficients": dict(zip(FEATURES, coef.tolist())), "transfer_byte": cm.transfer_byte, **report}
     if args.output:
         with open(args.output, "w") as fh:
             fh.write(cm.to_json() + "\n")

@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import pathlib
-import time
 
 log = logging.getLogger("harts.demo")
 
@@ -43,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from harts_client.synthetic import generate
+    from harts_client.timing import timed
     from planner_service.core import PlannerCore, ServiceConfig
     from proto.harts.v1 import planner_pb2
     from plan.seal import open_sealed
@@ -80,9 +80,7 @@ def run(args: argparse.Namespace) -> int:
                 core.submit(json.dumps(doc).encode(), "json")
                 status = core.plan(step_id, topology)
                 plan_slice = open_sealed(core.fetch(step_id, 0))
-                t0 = time.perf_counter()
-                res = train_step(executor, plan_slice, optimizer)
-                seconds = time.perf_counter() - t0
+                res, seconds = timed(train_step, executor, plan_slice, optimizer)
                 stats = status.stats
                 row = {
                     "step": step, "loss": res.loss, "trajectories": len(doc["trajectories"]),

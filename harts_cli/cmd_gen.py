@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import sys
-import time
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from harts_client.synthetic import WorkloadConfig, generate_workload
+    from harts_client.timing import timed
 
     cfg = WorkloadConfig(
         scheme=args.scheme, tasks=args.tasks, seed=args.seed, scale=args.scale, vocab_size=args.vocab_size,
@@ -75,11 +75,10 @@ def run(args: argparse.Namespace) -> int:
         reasoning_tokens=args.reasoning_tokens, max_tokens_per_trajectory=args.max_tokens_per_trajectory,
         old_logprobs=args.old_logprobs, batch_id=args.batch_id,
     )
-    t0 = time.perf_counter()
-    w = generate_workload(cfg)
+    w, seconds = timed(generate_workload, cfg)
     stats = w.stats()
     log.info("gen: %d trajectories, %d expanded tokens generated in %.2f s; writing %s",
-             stats["trajectories"], stats["expanded_tokens"], time.perf_counter() - t0, args.output)
+             stats["trajectories"], stats["expanded_tokens"], seconds, args.output)
     if args.output == "-":
         try:
             w.write_json(sys.stdout, args.form)

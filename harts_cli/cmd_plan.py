@@ -1,20 +1,41 @@
-"""Plan a rollout batch for a trainer topology and print the plan report.
+"""Plan a rollout batch for a trainer topology and print the plan report; or, without a batch,
+print the per-rank memory report of a model on a cluster.
 
     harts plan rollouts.json --world-size 8 --microbatch-tokens 16384 --chunk-size 64 -o plan.bin
     harts plan rollouts.json --world-size 64 --microbatch-tokens 16384 --model config.json --cost-model cost.json
     harts plan batch.pb --world-size 2 --microbatch-tokens 4096 --no-sharing     # expanded baseline
     cat rollouts.json | harts plan - --world-size 1
+    harts plan --model qwen3-next-80b-a3b --world-size 64 [--device-memory-gb 141]   # memory report
+
+Memory report (no batch; plan/cluster_memory.py): per rank, the fp32 parameter shards (the master
+weights), gradient shards and AdamW state of FSDP2 over W ranks, the gathered units (the root and
+the largest decoder blocks, per forward and backward as lock-step plans run them), the live window
+stack's activations (--memory-tokens rows, default what the device leaves) and a 10% margin, and
+whether that fits the device with room for one microbatch of --microbatch-tokens rows; then the
+peak of a free schedule, which keeps every unit gathered for the whole step. Default dtype there:
+bfloat16 (CUDA). `--json` prints both reports as one JSON object.
 
 Sharing windows are on (`--no-windows` is the ablation that duplicates every cut edge's prefix).
-`--model` names the trainer's model (a config.json path or a named config such as `tiny`) so that
-the live window stack is checked in its bytes (plan/memory_model.py; default: Qwen3-Next-80B-A3B
-in fp32); `--cost-model` is a file written by `harts calibrate` that placement balances with.
+`--model` names the trainer's model (a config.json path or a named config: `qwen3-next-80b-a3b`,
+`hybrid-moe-124b`, or a trainer config such as `tiny`) so that the live window stack is checked in
+its bytes (plan/memory_model.py; default: Qwen3-Next-80B-A3B's sizes in fp32) and, unless
+--memory-tokens is given, the budget M is what a device of --device-memory-gb leaves after that
+model's shards and gathered units (without --model: 8 x B rows); `--cost-model` is a file written
+by `harts calibrate` that placement balances with.
+
+`--lockstep` plans one global sequence of phases that every rank runs in step (DESIGN §5.7: for
+trainers that gather parameters per forward and backward, FSDP2 with reshard_after_forward).
 
 Prints one JSON object on stdout: the plan's PlanStats (unique_tokens, expanded_tokens,
 computed_tokens, replay_tokens, duplicated_tokens, compression_ideal, compression_achieved,
 microbatches, linear_attention_calls, rank_costs, imbalance, peak_live_tokens, peak_live_bytes,
-makespan, makespan_lower_bound, makespan_ratio, plan_seconds, windows) plus `validated` and, with
--o, `output`. With more than 16 ranks `rank_costs` is summarised (min, max) unless --all-ranks. The plan is checked with the independent
+makespan, makespan_lower_bound, makespan_ratio, plan_seconds, windows; with --lockstep also
+lockstep_phases, lockstep_forward_phases, lockstep_backward_phases, lockstep_recompute_phases,
+lockstep_makespan, lockstep_ratio) plus `validated`, `memory_model` (the model whose sizes
+peak_live_bytes counts), `memory_budget` (memory_tokens, memory_bytes and where they come from),
+with --model `memory_report` (the report above for this topology), for a lock-step plan
+`collectives` (all-gather and reduce-scatter bytes per rank and step from its phase counts) and,
+with -o, `output`. With more than 16 ranks `rank_costs` is summarised (min, max) unless --all-ranks. The plan is checked with the independent
 validator before it is written. `-o` writes the `harts.v1.Plan` serialised deterministically with
 `plan_seconds` zeroed, so that the same batch and settings always give the same bytes (the timing
 is in the printed report). Settings that cannot be satisfied exit with code 2 and a message that
@@ -25,9 +46,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 
 from harts_cli.inputs import add_input_arguments, load_forest
+from harts_client.timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +59,33 @@ REPORT_FIELDS = (
     "rank_costs", "imbalance", "peak_live_tokens", "peak_live_bytes", "makespan", "makespan_lower_bound",
     "makespan_ratio", "plan_seconds", "windows",
 )
+#: ... and those of a lock-step plan (--lockstep).
+LOCKSTEP_FIELDS = (
+    "lockstep_phases", "lockstep_forward_phases", "lockstep_backward_phases", "lockstep_recompute_phases",
+    "lockstep_makespan", "lockstep_ratio",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_input_arguments(parser)
+    add_input_arguments(parser, optional=True)
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel trainer ranks W")
     parser.add_argument("--microbatch-tokens", type=int, default=4096,
                         help="token budget B per microbatch (computed rows: kept + replay + duplicated)")
     parser.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size C (the kernel's)")
     parser.add_argument("--memory-tokens", type=int, default=0,
-                        help="live window-stack budget M per rank in rows of full activations of --model (default 8 x B)")
+                        help="live window-stack budget M per rank in rows of full activations of --model (default: "
+                             "what --device-memory-gb leaves after the model's shards and gathered units; 8 x B without --model)")
+    parser.add_argument("--device-memory-gb", type=float, default=None,
+                        help="memory of one trainer device in GiB (default: plan.cluster_memory.DEFAULT_DEVICE_MEMORY_GB, "
+                             "141 for an H200)")
     parser.add_argument("--conv-kernel", type=int, default=0, help="short-convolution kernel size K (default: --model's, else 4)")
     parser.add_argument("--model", default=None,
-                        help="trainer model for the memory model: a config.json path or a named config (default: Qwen3-Next-80B-A3B)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="trainer dtype for the memory model")
+                        help="trainer model for the memory model: a config.json path or a named config (qwen3-next-80b-a3b, "
+                             "hybrid-moe-124b, tiny, small, ...; default: Qwen3-Next-80B-A3B)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="trainer compute dtype for the memory model (default: float32 when planning, bfloat16 for "
+                             "the memory report alone)")
+    parser.add_argument("--json", action="store_true", help="memory report alone: print it as one JSON object")
     parser.add_argument("--cost-model", default=None, help="cost model JSON from `harts calibrate` (default: computed rows)")
     parser.add_argument("--makespan-slack", type=float, default=None,
                         help="placement accepts a makespan this factor above its lower bound to duplicate less (default 1.02)")
@@ -63,15 +97,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ablation: hand over states at unaligned branch depths instead of replaying")
     parser.add_argument("--all-positions", action="store_true",
                         help="a log-prob entry for every position, not only loss positions")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="lock-step phases: every rank runs one step of the same kind per phase (FSDP2 resharding "
+                             "after forward); the report adds the phase counts, lockstep_makespan and lockstep_ratio")
     parser.add_argument("--python", action="store_true", help="plain-Python partitioner and builder kernels (reference)")
     parser.add_argument("--all-ranks", action="store_true", help="print every rank's cost, not only min and max")
     parser.add_argument("-o", "--output", help="write the serialised harts.v1.Plan here")
 
 
+def memory_only(args: argparse.Namespace) -> int:
+    """The memory report of --model (default Qwen3-Next-80B-A3B) on --world-size ranks, no batch."""
+    from harts_cli.model_arg import resolve_model
+    from plan.cluster_memory import DEFAULT_DEVICE_MEMORY_GB, GIB, memory_report
+
+    name, config = resolve_model(args.model or "qwen3-next-80b-a3b")
+    kw = dict(dtype=args.dtype or "bfloat16", device_memory_gb=args.device_memory_gb or DEFAULT_DEVICE_MEMORY_GB,
+              memory_tokens=args.memory_tokens,
+              microbatch_tokens=args.microbatch_tokens, chunk_size=args.chunk_size, model_name=name)
+    lockstep = memory_report(config, args.world_size, lockstep=True, **kw)
+    free = memory_report(config, args.world_size, lockstep=False, **kw)
+    if args.json:
+        print(json.dumps({"lockstep": lockstep.to_dict(), "free_schedule": free.to_dict()}))
+        return 0
+    print("\n".join(lockstep.lines()))
+    print(f"free schedule (every unit gathered for the whole step): gathered units {free.gathered_bytes / GIB:.2f} GiB, "
+          f"peak with margin {(free.peak_bytes + free.margin_bytes) / GIB:.2f} GiB: {'fits' if free.fits else 'does NOT fit'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.input is None:
+        return memory_only(args)
     from planner_service import ingest
     from planner_service.planner import PlanConfig, expand_forest, plan_step, warmup
     from planner_service.planner.cost_model import CostModel
+    from plan.cluster_memory import GIB, PhaseCounts, collective_bytes, memory_report
+    from plan.named_models import NAMED_MODELS
     from plan.validator import validate_plan
 
     extra = {}
@@ -83,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         extra["cost_model"] = CostModel.load(args.cost_model)
     if args.makespan_slack is not None:
         extra["makespan_slack"] = args.makespan_slack
+    if args.device_memory_gb is not None:
+        extra["device_memory_gb"] = args.device_memory_gb
     cfg = PlanConfig(
         world_size=args.world_size,
         microbatch_tokens=args.microbatch_tokens,
@@ -93,27 +156,49 @@ def run(args: argparse.Namespace) -> int:
         windows=not args.no_windows,
         replay=not args.no_replay,
         all_positions=args.all_positions,
-        dtype=args.dtype,
+        lockstep=args.lockstep,
+        dtype=args.dtype or "float32",
         **extra,
     )
-    t0 = time.perf_counter()
-    ingest.warmup()
-    warmup()
-    log.debug("numba warm-up %.3f s", time.perf_counter() - t0)
+    with Stopwatch() as sw:
+        ingest.warmup()
+        warmup()
+    log.debug("numba warm-up %.3f s", sw.wall)
     forest = load_forest(args.input, args.format)
     log.info("forest: %d trajectories, %d segments, %d distinct tokens", forest.num_trajectories,
              forest.num_segments, forest.unique_tokens)
     plan = plan_step(forest, cfg, impl="ref" if args.python else "numba")
     validate_plan(plan, forest if cfg.sharing else expand_forest(forest))
     st = plan.header.stats
-    report = {name: getattr(st, name) for name in REPORT_FIELDS}
+    report = {name: getattr(st, name) for name in REPORT_FIELDS + (LOCKSTEP_FIELDS if cfg.lockstep else ())}
     report["rank_costs"] = list(st.rank_costs)
     if len(st.rank_costs) > 16 and not args.all_ranks:
         report["rank_costs"] = {"min": min(st.rank_costs), "max": max(st.rank_costs), "ranks": len(st.rank_costs)}
     report["validated"] = True
+    report["memory_model"] = plan.header.params.memory.model
+    report["memory_budget"] = {"memory_tokens": cfg.memory_tokens, "memory_bytes": cfg.memory_bytes, "source": cfg.memory_source}
+    log.info("memory budget M: %d rows (%s)", cfg.memory_tokens, cfg.memory_source)
+    if args.model:
+        mem = memory_report(cfg.model_config, cfg.world_size, dtype=cfg.dtype, device_memory_gb=cfg.device_memory_gb,
+                            lockstep=cfg.lockstep, memory_tokens=cfg.memory_tokens, microbatch_tokens=cfg.microbatch_tokens,
+                            chunk_size=cfg.chunk_size, model_name=cfg.model_name)
+        report["memory_report"] = mem.to_dict()
+        for line in mem.lines():
+            log.info("%s", line)
+    phases = PhaseCounts.of(plan.header)
+    if phases is not None:
+        coll = collective_bytes(cfg.model_config or NAMED_MODELS["qwen3-next-80b-a3b"](), cfg.world_size, dtype=cfg.dtype,
+                                phases=phases)
+        report["collectives"] = coll.to_dict()
+        log.info("collectives per rank and step: all-gather %.2f GiB, reduce-scatter %.2f GiB (%s)",
+                 coll.all_gather_bytes / GIB, coll.reduce_scatter_bytes / GIB, coll.formula)
     log.info("plan: %d microbatches on %d ranks, compression %.3f of %.3f, imbalance %.3f, %.3f s",
              st.microbatches, cfg.world_size, st.compression_achieved, st.compression_ideal, st.imbalance,
              st.plan_seconds)
+    if cfg.lockstep:
+        log.info("lock-step: %d phases (%d forward, %d backward, %d recompute), lockstep_ratio %.3f",
+                 st.lockstep_phases, st.lockstep_forward_phases, st.lockstep_backward_phases,
+                 st.lockstep_recompute_phases, st.lockstep_ratio)
     if args.output:
         plan.header.stats.plan_seconds = 0.0
         with open(args.output, "wb") as fh:

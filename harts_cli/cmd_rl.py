@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harts_cli.rl.config import load_rl_config
+    from trainer.rl.config import load_rl_config
     from harts_cli.rl.run import RLError, run_rl
 
     out = args.out

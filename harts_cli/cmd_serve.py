@@ -1,12 +1,14 @@
 """Run the planner service: HTTP (FastAPI, /docs) and gRPC (harts.v1.Planner) in one process.
 
     harts serve --host 127.0.0.1 --http-port 8000 --grpc-port 50051 --db harts.db [--token T]
+    harts serve --db postgresql://harts@db:5432/harts ...   # replicas sharing one database
 
-With --world-size (and optionally the other budget flags) every submission is planned at once for
-that default topology. The token may also come from the HARTS_TOKEN environment variable.
-`--cost-model F` (from `harts calibrate`) and `--model CFG` (a config.json path or a named config)
-apply to every topology that names none: placement balances with that cost model and the memory
-model sizes open windows from that model.
+With --world-size (and optionally the other budget flags, --lockstep included) every submission is
+planned at once for that default topology. With a PostgreSQL --db, any number of replicas serve
+the same steps (clients take their URLs separated by commas). The token may also come from the
+HARTS_TOKEN environment variable. `--cost-model F` (from `harts calibrate`) and `--model CFG` (a
+config.json path or a named config) apply to every topology that names none: placement balances
+with that cost model and the memory model sizes open windows from that model.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free port)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
-    p.add_argument("--db", default="harts.db", help="SQLite database file (WAL mode)")
+    p.add_argument("--db", default="harts.db",
+                   help="SQLite database file (WAL mode), or a postgresql://user[:password]@host[:port]/dbname URL "
+                        "that several replicas share (each step is planned once; long-polls wake on every replica)")
     p.add_argument("--token", default=os.environ.get("HARTS_TOKEN") or None,
                    help="bearer token required on every non-health endpoint (default: $HARTS_TOKEN)")
     p.add_argument("--max-request-mb", type=float, default=1024.0, help="largest request body in MiB (413 above; default 1024, ingest's body limit)")
@@ -34,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ablation: duplicate prefixes instead of opening sharing windows")
     g.add_argument("--no-sharing", action="store_true", help="plan the trajectory-expanded baseline")
     g.add_argument("--dtype", default="", choices=("", "float32", "bfloat16"), help="trainer dtype for the memory model")
+    g.add_argument("--lockstep", action="store_true",
+                   help="plan lock-step phases (trainers that gather parameters per forward and backward: FSDP2 "
+                        "with parallelism.reshard_after_forward)")
     p.add_argument("--cost-model", default=None, help="cost model JSON from `harts calibrate` for topologies that name none")
     p.add_argument("--model", default=None,
                    help="trainer model (config.json path or named config) for topologies that name none")
@@ -41,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait", type=float, default=60.0, help="longest long-poll wait in seconds")
     p.add_argument("--synchronous", default="FULL", choices=["NORMAL", "FULL"],
                    help="SQLite synchronous mode (FULL: durable across power loss)")
+    p.add_argument("--min-free-mb", type=float, default=64.0,
+                   help="SQLite: disk space (MiB) that writes leave free; below it writes get 503 and the service is "
+                        "not ready, so a full disk recovers as soon as space is freed (default 64; 0: none)")
     p.add_argument("--cache-mb", type=float, default=256.0,
                    help="MiB of sealed plan slices kept in memory, and again of submitted forests (default 256)")
     r = p.add_argument_group("retention (deleted steps lose their rollouts and plans; the file is compacted)")
@@ -52,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "version so that deletions shrink the file; needs free disk space of twice its size)")
     c = p.add_argument_group("connections (each transport)")
     c.add_argument("--max-connections", type=int, default=1000,
-                   help="open connections at most; a new one closes the longest-waiting idle or half-sent "
-                        "HTTP connection, or gets 503 when all are busy (default 1000)")
+                   help="open connections at most; a new one closes the longest-waiting half-sent or idle "
+                        "HTTP connection (never one that has just opened), or gets 503 when all are busy "
+                        "(default 1000)")
     c.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds to send a request's headers (gRPC: the connection handshake); 408 after (default 10)")
     c.add_argument("--body-timeout", type=float, default=30.0,
@@ -83,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         default = planner_pb2.Topology(
             world_size=args.world_size, microbatch_tokens=args.microbatch_tokens,
             memory_tokens=args.memory_tokens, chunk_size=args.chunk_size,
-            no_windows=args.no_windows, no_sharing=args.no_sharing, dtype=args.dtype,
+            no_windows=args.no_windows, no_sharing=args.no_sharing, dtype=args.dtype, lockstep=args.lockstep,
         )
     cache = int(args.cache_mb * 1024 * 1024)
     cfg = ServiceConfig(
@@ -97,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         plan_workers=args.plan_workers,
         max_wait_seconds=args.max_wait,
         synchronous=args.synchronous,
+        min_free_bytes=int(args.min_free_mb * 1024 * 1024),
         slice_cache_bytes=cache,
         forest_cache_bytes=cache,
         retain_steps=args.retain_steps,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 
 from harts_cli.inputs import add_input_arguments, read_input
+from harts_client.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +31,11 @@ def run(args: argparse.Namespace) -> int:
 
     data, fmt = read_input(args.input, args.format)
     limits = Limits() if args.max_tokens is None else Limits(max_tokens=args.max_tokens)
-    t0 = time.perf_counter()
-    warmup()
-    log.debug("numba warm-up %.3f s", time.perf_counter() - t0)
+    _, seconds = timed(warmup)
+    log.debug("numba warm-up %.3f s", seconds)
     log.info("read %d bytes (%s) from %s", len(data), fmt, args.input)
-    t0 = time.perf_counter()
     build = forest_from_proto if fmt == "pb" else forest_from_json
-    forest = build(data, limits, numba=not args.python)
-    seconds = time.perf_counter() - t0
+    forest, seconds = timed(build, data, limits, numba=not args.python)
     stats = forest.stats()
     stats["build_seconds"] = round(seconds, 6)
     log.info("forest: %d trajectories, %d segments, compression %.2fx in %.3f s",

@@ -5,9 +5,11 @@ import argparse
 import sys
 
 
-def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    """The positional `input` and `--format`, shared by tree, plan, logprobs and verify."""
-    parser.add_argument("input", help="rollout batch: a .json file, a .pb file (protobuf RolloutBatch) or - for stdin")
+def add_input_arguments(parser: argparse.ArgumentParser, *, optional: bool = False) -> None:
+    """The positional `input` and `--format`, shared by tree, plan, logprobs and verify (`optional`:
+    the command also runs without a batch)."""
+    parser.add_argument("input", nargs="?" if optional else None,
+                        help="rollout batch: a .json file, a .pb file (protobuf RolloutBatch) or - for stdin")
     parser.add_argument("--format", choices=("auto", "json", "pb"), default="auto",
                         help="input format; auto: .pb files are protobuf, everything else JSON")
 

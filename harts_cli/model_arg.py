@@ -1,12 +1,16 @@
-"""`--model CFG` of the planning commands: a named trainer config or a Qwen3-Next config.json path.
+"""`--model CFG` of the planning commands: a named config or a Qwen3-Next config.json path.
 
-The planner never imports the trainer; the CLI resolves a name (trainer.models.config.NAMED_CONFIGS,
-e.g. `tiny`, `small`) into the config.json dict the memory model reads (plan/memory_model.py).
+The planner never imports the trainer; the CLI resolves a name into the config.json dict the
+memory model reads (plan/memory_model.py, plan/cluster_memory.py): the full-size models of
+`plan.named_models` (`qwen3-next-80b-a3b`, `hybrid-moe-124b`; torch-free), else a trainer config
+(`trainer.models.config.NAMED_CONFIGS`: `tiny`, `small`, ...; importing the trainer imports torch).
 """
 from __future__ import annotations
 
 import json
 import os
+
+from plan.named_models import NAMED_MODELS
 
 
 def resolve_model(spec: str) -> tuple[str, dict]:
@@ -23,8 +27,11 @@ def resolve_model(spec: str) -> tuple[str, dict]:
                 return path, json.load(fh)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"--model {spec}: expected a config.json document, got invalid JSON ({exc})") from None
+    if spec in NAMED_MODELS:
+        return spec, NAMED_MODELS[spec]()
     from trainer.models.config import NAMED_CONFIGS
 
     if spec not in NAMED_CONFIGS:
-        raise ValueError(f"--model: expected a config.json path or one of {', '.join(sorted(NAMED_CONFIGS))}, got {spec!r}")
+        names = ", ".join(sorted([*NAMED_MODELS, *NAMED_CONFIGS]))
+        raise ValueError(f"--model: expected a config.json path or one of {names}, got {spec!r}")
     return spec, NAMED_CONFIGS[spec]().to_hf_dict()

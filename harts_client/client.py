@@ -1,16 +1,24 @@
 """HTTP client of the planner service, for rollout generators and trainer ranks.
 
-It depends on the wire contract (`proto/`) only, never on `planner_service`. Connection errors
-and 5xx answers are retried with exponential backoff and jitter (at least the `Retry-After` of a
-503); 4xx answers raise `PlannerError` at once (they will not get better). Retries never outlast
-the caller's deadline: the client's `timeout` bounds every call, retries included, and
-`fetch_plan(timeout=...)` bounds the whole long-poll. Fetched plan slices are verified with
-`plan.seal.open_sealed`, against the `X-Harts-Checksum` header, and against what was asked
-for (step id, rank, and the trainer's world size when given); a corrupted or misdirected slice is
-fetched again, then refused.
+It depends on the wire contract (`proto/`) and `plan/` only, never on `planner_service`.
+
+Outages: connection errors and 5xx answers are retried with capped exponential backoff and
+jitter (at least the `Retry-After` of a 503) until the caller's deadline, so a client waits out a
+planner restart: the client's `timeout` bounds every call, retries included, `fetch_plan(timeout=
+...)` bounds the whole long-poll, and `retry_seconds` lets a long-poll ride out an outage of that
+length even past its timeout (trainers: `planner.retry_seconds`). A call that gives up says
+"no answer from <url> for N s". 4xx answers raise `PlannerError` at once (they will not get better).
+
+Replicas: the client takes several planner URLs (a list, or one string with commas) of replicas
+that share one database; a connection error or 5xx moves it to the next one at once, and it
+stays with the one that answers. Backoff starts when every URL has failed in a row.
+
+Fetched plan slices are verified with `plan.seal.open_sealed`, against the `X-Harts-Checksum`
+header, and against what was asked for (step id, rank, and the trainer's world size when given);
+a corrupted or misdirected slice is fetched again, then refused.
 
     from harts_client.client import PlannerClient
-    client = PlannerClient("http://planner:8000", token=os.environ.get("HARTS_TOKEN"))
+    client = PlannerClient("http://planner-a:8000,http://planner-b:8000", token=os.environ.get("HARTS_TOKEN"))
     client.submit(doc, world_size=2, microbatch_tokens=4096)       # generator
     slice_ = client.fetch_plan("step-0", rank, timeout=600)        # trainer rank: long-polls
 
@@ -29,6 +37,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -40,12 +49,14 @@ from plan.seal import ChecksumError, open_sealed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlannerClient", "PlannerError", "RetryPolicy", "ChecksumError", "WrongSliceError"]
+__all__ = ["PlannerClient", "PlannerError", "RetryPolicy", "ChecksumError", "WrongSliceError", "planner_urls"]
 
 PROTOBUF = "application/x-protobuf"
 _MAX_RETRY_AFTER_S = 30.0
 _ANSWER_MARGIN_S = 0.5
 """A long-poll asks the server to answer this long before the caller's deadline."""
+_BAD_SLICE_ATTEMPTS = 8
+"""Fetches of a corrupted or misdirected slice at most, when the retry policy sets no cap."""
 
 
 class PlannerError(Exception):
@@ -73,8 +84,8 @@ class WrongSliceError(ChecksumError):
 class RetryPolicy:
     """Retries of transient failures (connection errors, 5xx, corrupted plan slices)."""
 
-    attempts: int = 8
-    """Tries per call at most, the first included (>= 1); a call also stops at its deadline."""
+    attempts: int = 0
+    """Tries per call at most, the first included; 0: no cap, a call retries until its deadline."""
     backoff_s: float = 0.1
     """Sleep before the first retry; doubles each time."""
     max_backoff_s: float = 5.0
@@ -83,8 +94,8 @@ class RetryPolicy:
     """Each sleep is scaled by a uniform factor in [1 - jitter, 1 + jitter]."""
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"attempts: expected >= 1, got {self.attempts}")
+        if self.attempts < 0:
+            raise ValueError(f"attempts: expected >= 0 (0: until the deadline), got {self.attempts}")
         if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
             raise ValueError(f"backoff_s: expected 0 <= backoff_s <= max_backoff_s, got {self.backoff_s}, {self.max_backoff_s}")
         if not 0 <= self.jitter < 1:
@@ -96,24 +107,51 @@ class RetryPolicy:
         return base * random.uniform(1 - self.jitter, 1 + self.jitter)
 
 
+def planner_urls(url: str | Sequence[str]) -> list[str]:
+    """Base URLs from a list or a comma-separated string, trailing slashes dropped; ValueError
+    when there is none."""
+    parts = url.split(",") if isinstance(url, str) else list(url)
+    urls = [u.strip().rstrip("/") for u in parts if u.strip()]
+    if not urls:
+        raise ValueError(f"url: expected one or more planner base URLs such as http://127.0.0.1:8000, got {url!r}")
+    bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(f"url: expected http:// or https:// URLs, got {bad[0]!r}")
+    return urls
+
+
 class PlannerClient:
     """Synchronous client of the planner's HTTP API.
 
     Args:
-        url: base URL, e.g. http://127.0.0.1:8000.
+        url: base URL, e.g. http://127.0.0.1:8000, or several (a list, or commas) of replicas
+            that share one database: the client fails over between them.
         token: bearer token (None: no Authorization header).
         timeout: seconds a call may take in all, retries and their sleeps included (each operation
             can override it; `fetch_plan` has its own).
         retry: retry policy for transient failures.
+        retry_seconds: longest outage (no answer from any URL) a long-poll rides out, even past
+            its timeout; None: only until the call's deadline.
         transport: httpx transport override (tests inject failures with it).
     """
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
-                 retry: RetryPolicy | None = None, transport: httpx.BaseTransport | None = None):
+    def __init__(self, url: str | Sequence[str], *, token: str | None = None, timeout: float = 30.0,
+                 retry: RetryPolicy | None = None, retry_seconds: float | None = None,
+                 transport: httpx.BaseTransport | None = None):
+        if retry_seconds is not None and not (retry_seconds >= 0 and math.isfinite(retry_seconds)):
+            raise ValueError(f"retry_seconds: expected a finite number >= 0 or None, got {retry_seconds!r}")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.urls = planner_urls(url)
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
+        self.retry_seconds = retry_seconds
+        self._current = 0
+        self._http = httpx.Client(headers=headers, timeout=timeout, transport=transport)
+
+    @property
+    def url(self) -> str:
+        """The base URL the client talks to now (the last one that answered)."""
+        return self.urls[self._current]
 
     def close(self) -> None:
         self._http.close()
@@ -128,17 +166,21 @@ class PlannerClient:
 
     def _request(self, method: str, path: str, *, deadline: float | None = None, wait: float = 0.0,
                  **kw) -> httpx.Response:
-        """One call with retries on connection errors and 5xx, until `deadline` (time.monotonic();
-        default: `timeout` from now); raises PlannerError on 4xx, and on 5xx or no answer when the
-        attempts or the time run out. `wait` is a long-poll's server-side wait (not retried on top)."""
+        """One call, retried on connection errors and 5xx (the next URL at once, then with backoff
+        once every URL has failed in a row) until `deadline` (time.monotonic(); default: `timeout`
+        from now) or the policy's attempts; raises PlannerError on 4xx, and on 5xx or no answer
+        when the attempts or the time run out. `wait` is a long-poll's server-side wait (not
+        retried on top)."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
         last: Exception | None = None
         pause = 0.0
-        attempt = 0
-        while attempt < self.retry.attempts:
-            if attempt:
-                pause = max(pause, self.retry.delay(attempt))
+        attempt = failed_in_row = 0
+        cap = self.retry.attempts
+        while not cap or attempt < cap:
+            if failed_in_row and failed_in_row % len(self.urls) == 0:
+                pause = max(pause, self.retry.delay(failed_in_row // len(self.urls)))
                 if time.monotonic() + pause >= deadline:
                     break
                 time.sleep(pause)
@@ -146,39 +188,54 @@ class PlannerClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            base = self.url
             try:
-                resp = self._http.request(method, path, timeout=min(self.timeout + wait, remaining), **kw)
+                resp = self._http.request(method, base + path, timeout=min(self.timeout + wait, remaining), **kw)
             except httpx.TransportError as exc:
                 last, pause = exc, 0.0
-                log.warning("%s %s: %s (attempt %d/%d)", method, path, type(exc).__name__, attempt, self.retry.attempts)
+                failed_in_row += 1
+                self._failover()
+                log.warning("%s %s%s: %s (attempt %d)", method, base, path, type(exc).__name__, attempt)
                 continue
             if resp.status_code >= 500:
                 last, pause = _error_of(resp), _retry_after(resp)
-                log.warning("%s %s: %s (attempt %d/%d)", method, path, last, attempt, self.retry.attempts)
+                failed_in_row += 1
+                self._failover()
+                log.warning("%s %s%s: %s (attempt %d)", method, base, path, last, attempt)
                 continue
             if resp.status_code >= 400:
                 raise _error_of(resp)
             return resp
         if isinstance(last, PlannerError):
             raise last
-        why = f"after {attempt} attempt(s)" if attempt >= self.retry.attempts else "before the deadline"
-        raise PlannerError(0, "UNAVAILABLE", f"{method} {path}: no answer {why} ({last!r})")
+        where = ", ".join(self.urls)
+        raise PlannerError(0, "UNAVAILABLE", f"{method} {path}: no answer from {where} for "
+                           f"{time.monotonic() - start:.0f} s ({attempt} attempt(s); last: {last!r})")
+
+    def _failover(self) -> None:
+        self._current = (self._current + 1) % len(self.urls)
 
     # ---- operations
 
     def healthy(self) -> bool:
-        """True when /readyz answers 200 (one try, no retries)."""
-        try:
-            return self._http.get("/readyz", timeout=min(self.timeout, 5.0)).status_code == 200
-        except httpx.TransportError:
-            return False
+        """True when /readyz of some URL answers 200 (one try each, no retries); the client then
+        talks to that one."""
+        for i in range(len(self.urls)):
+            k = (self._current + i) % len(self.urls)
+            try:
+                if self._http.get(self.urls[k] + "/readyz", timeout=min(self.timeout, 5.0)).status_code == 200:
+                    self._current = k
+                    return True
+            except httpx.TransportError:
+                pass
+        return False
 
     def wait_ready(self, timeout: float = 120.0, interval: float = 0.5) -> None:
-        """Block until the service is ready; TimeoutError after `timeout` seconds."""
+        """Block until the service (one of its URLs) is ready; TimeoutError after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"planner at {self._http.base_url} not ready after {timeout} s")
+                raise TimeoutError(f"planner at {', '.join(self.urls)} not ready after {timeout} s")
             time.sleep(interval)
 
     def _deadline(self, timeout: float | None) -> float:
@@ -248,14 +305,18 @@ class PlannerClient:
             if remaining <= 0:
                 raise TimeoutError(f"plan of step {step_id!r} rank {rank} not ready after {timeout} s")
             wait = max(0.0, min(poll, remaining - _ANSWER_MARGIN_S))
+            # an outage may run past the plan's deadline by up to retry_seconds
+            ride = max(deadline, time.monotonic() + self.retry_seconds) if self.retry_seconds is not None else deadline
             try:
-                resp = self._request("GET", path, params={"wait": wait}, deadline=deadline, wait=wait)
+                resp = self._request("GET", path, params={"wait": wait}, deadline=ride, wait=wait)
             except PlannerError as exc:
                 not_ready = exc.code == "DEADLINE_EXCEEDED" or (exc.code == "NOT_FOUND" and not exc.message.startswith("rank:"))
                 if exc.status == 404 and not_ready:
                     continue
-                if exc.status in (0, 503) and time.monotonic() >= deadline:
-                    raise TimeoutError(f"plan of step {step_id!r} rank {rank}: no answer within {timeout} s "
+                if exc.status == 0:
+                    raise TimeoutError(f"plan of step {step_id!r} rank {rank}: {exc.message}") from None
+                if exc.status == 503 and time.monotonic() >= deadline:
+                    raise TimeoutError(f"plan of step {step_id!r} rank {rank}: no plan within {timeout} s "
                                        f"(last: {exc})") from None
                 if exc.status == 503:
                     continue  # storage fault or connection limit: keep polling until the deadline
@@ -271,9 +332,10 @@ class PlannerClient:
                 if isinstance(exc, WrongSliceError) and exc.final:
                     raise
                 bad += 1
-                log.warning("step %s rank %d: %s (attempt %d/%d)", step_id, rank, exc, bad, self.retry.attempts)
+                cap = self.retry.attempts or _BAD_SLICE_ATTEMPTS
+                log.warning("step %s rank %d: %s (attempt %d/%d)", step_id, rank, exc, bad, cap)
                 pause = self.retry.delay(bad)
-                if bad >= self.retry.attempts or time.monotonic() + pause >= deadline:
+                if bad >= cap or time.monotonic() + pause >= deadline:
                     raise
                 time.sleep(pause)
                 continue
@@ -286,7 +348,10 @@ class PlannerClient:
 
 
 def _seg(step_id: str) -> str:
-    """A step id as one URL path segment (ids may hold any character but '/')."""
+    """A step id as one URL path segment (ids may hold any character but '/'; the service refuses
+    '.' and '..', which a URL cannot carry as a segment)."""
+    if step_id in ("", ".", ".."):
+        raise ValueError(f"step_id: expected an id other than '', '.' and '..', got {step_id!r}")
     return quote(step_id, safe="")
 
 
@@ -297,8 +362,9 @@ def _check_slice(slice_: plan_pb2.PlanSlice, step_id: str, rank: int, world_size
                               f"rank {got_rank}")
     planned = slice_.header.params.world_size
     if world_size is not None and planned != world_size:
-        err = WrongSliceError(f"step {step_id!r} is planned for world_size {planned}, this trainer runs {world_size} "
-                              "ranks; plan the step for this topology")
+        err = WrongSliceError(f"step {step_id!r} is planned for world_size {planned}, but this trainer runs {world_size} "
+                              f"rank(s); launch torchrun with --nproc_per_node={planned} (x nodes) or plan the step "
+                              "for this topology")
         err.final = True
         raise err
 
@@ -322,7 +388,8 @@ def _error_of(resp: httpx.Response) -> PlannerError:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harts_client.client", description="Planner service client.")
-    p.add_argument("--url", default=os.environ.get("HARTS_PLANNER_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--url", default=os.environ.get("HARTS_PLANNER_URL", "http://127.0.0.1:8000"),
+                   help="planner base URL; several replicas' URLs separated by commas (failover)")
     p.add_argument("--token", default=os.environ.get("HARTS_TOKEN") or None)
     p.add_argument("--wait-ready", type=float, default=120.0, help="seconds to wait for the service first")
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -4,7 +4,9 @@ model and the window exports (DESIGN §4.4, §5.5).
 Both sides import it (`planner_service` builds and validates plans with it, `trainer` checks and
 decodes the slices it runs); it imports only `proto` (the wire), numpy and numba, never torch,
 FastAPI or gRPC. Modules: `seal` (deterministic bytes + SHA-256), `decode` (bounds-checked arrays,
-`rank_plans`/`rank_steps`), `header` (the step-wide header rules), `slice_check` with
+`rank_plans`/`rank_steps`), `header` (the step-wide header rules), `phases` (lock-step phases,
+stand-ins and their costs), `slice_check` with
 `slice_kernels` (the fast check a trainer runs), `validator` (the independent oracle, written from
-the contract), `memory_model` (bytes of live activations), `window_exports` (what an exporter keeps).
+the contract), `memory_model` (bytes of live activations), `window_exports` (what an exporter keeps),
+`cross_edges` (windows across ranks: decoded edges and their rules).
 """

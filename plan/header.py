@@ -1,4 +1,4 @@
-"""The step-wide header rules of a plan or slice (version, parameters, trajectory table, normalisers).
+"""The step-wide header rules of a plan or slice (version, parameters, phases, trajectory table, normalisers).
 
 Shared by the fast slice check (`plan.slice_check`) and the oracle validator (`plan.validator`),
 so that neither imports the other.
@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from plan.decode import PlanValidationError
+from plan.phases import lockstep_phases
 from plan.seal import PLAN_VERSION
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
@@ -20,7 +21,8 @@ def _fail(where: str, msg: str) -> None:
 
 
 def check_header(header: plan_pb2.PlanHeader) -> None:
-    """Check the step-wide header of a plan or slice: version, parameters, trajectory table, normalisers."""
+    """Check the step-wide header of a plan or slice: version, parameters, trajectory table,
+    normalisers, lock-step phases (plan.phases.lockstep_phases)."""
     if header.version != PLAN_VERSION:
         _fail("header.version", f"expected {PLAN_VERSION!r}, got {header.version!r}")
     p = header.params
@@ -29,6 +31,7 @@ def check_header(header: plan_pb2.PlanHeader) -> None:
         _fail("header.params.chunk_size", f"expected a power of two, got {c}")
     if p.conv_kernel < 1 or p.vocab_size < 1 or p.world_size < 1:
         _fail("header.params", "expected conv_kernel, vocab_size and world_size >= 1")
+    lockstep_phases(header)
     T = len(header.trajectory_ids)
     try:
         lengths = unpack(header.trajectory_lengths, "int32", name="header.trajectory_lengths")

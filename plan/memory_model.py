@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from plan.decode import MicrobatchArrays
+from plan.named_models import qwen3_next_80b_a3b
 from plan.window_exports import ATTN, CONV, KERNEL, export_needs
 
 LINEAR = "linear_attention"
@@ -170,16 +171,9 @@ class ModelDims:
 
     @classmethod
     def default(cls) -> "ModelDims":
-        """Qwen3-Next-80B-A3B (the published `config.json`): 48 layers, 3 Gated DeltaNet per gated
-        attention layer, D = 2048, 512 experts top-10; the model class HARTS targets."""
-        return cls.from_hf_config({
-            "hidden_size": 2048, "num_hidden_layers": 48, "full_attention_interval": 4, "vocab_size": 151936,
-            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
-            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "intermediate_size": 5120,
-            "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-            "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1,
-        })
+        """Qwen3-Next-80B-A3B (the published `config.json`, `plan.named_models`): 48 layers, 3 Gated
+        DeltaNet per gated attention layer, D = 2048, 512 experts top-10; the model class HARTS targets."""
+        return cls.from_hf_config(qwen3_next_80b_a3b())
 
 
 def saved_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int = 64) -> dict[str, float]:

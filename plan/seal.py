@@ -34,7 +34,7 @@ def slice_plan(plan: plan_pb2.Plan, rank: int) -> plan_pb2.PlanSlice:
     per-trajectory normalisers) and the tree table list only the trajectories and trees its
     microbatches refer to, `lp_traj` and `seg_tree` index those local tables, and
     `header.trajectory_index` / `tree_index` map them back to the step's (`local_tables`).
-    Step-wide scalars (normalisers' totals, params, the other stats) are kept.
+    Step-wide scalars (normalisers' totals, params, the other stats) and the lock-step phases are kept.
     """
     if not 0 <= rank < len(plan.ranks):
         raise ValueError(f"rank: expected 0 <= rank < {len(plan.ranks)}, got {rank}")
@@ -43,6 +43,7 @@ def slice_plan(plan: plan_pb2.Plan, rank: int) -> plan_pb2.PlanSlice:
     h = out.header
     h.version, h.step_id = src.version, src.step_id
     h.params.CopyFrom(src.params)
+    h.lockstep_phases = src.lockstep_phases  # every rank runs every phase
     h.stats.CopyFrom(src.stats)
     del h.stats.rank_costs[:]
     if rank < len(src.stats.rank_costs):

@@ -21,8 +21,13 @@ adds, each in time linear in the slice:
   sequence and read (LOCAL) only by strictly later calls; every state exported;
 - windows: every import names a microbatch of this rank that is open (forwarded, not yet
   backwarded) when the importer runs, an extended row or state that exporter lists in
-  `export_rows` / `export_states`;
-- execution order: each microbatch forwarded once then backwarded once, properly nested;
+  `export_rows` / `export_states`, or an exporter on another rank that a cross edge names;
+- windows across ranks (`RankPlan.cross_edges`, `plan.cross_edges`): lock-step plans only,
+  ranks, rows and states within the exporter's exports and the importer's imports, send and
+  gradient phases ordered against this rank's own steps, bytes of the memory model;
+- execution order: each microbatch forwarded once then backwarded once, properly nested; in a
+  lock-step plan exactly one step per phase of header.lockstep_phases, of its kind, stand-ins
+  paired and real BACKWARDs in the phase their `recompute` flag names (`plan.phases`);
 - log-prob map: rows kept (not duplicated context) at depth `position - 1`, loss positions only
   in a loss-positions plan.
 
@@ -41,8 +46,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from proto.harts.v1 import plan_pb2
+from plan.cross_edges import CrossEdgeArrays, check_rank_edges, decode_edges
 from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from plan.header import check_header
+from plan.phases import check_rank_phases, lockstep_phases
 from plan.slice_kernels import (
     CHILD_DEPTH, DEPTH_STEP, DUPLICATED, EXPORT_DEPTH, EXPORTED_TWICE, LOCAL_STATE_UNEXPORTED, NEGATIVE_DEPTH, OCCURRENCE,
     PARENT, REPLAY_TOO_LONG, REPLAY_WITHOUT_REPLAY, START_NOT_REPLAY_DEPTH, START_NOT_ROW_DEPTH, START_UNALIGNED, TILING,
@@ -64,7 +71,14 @@ class DecodedSlice:
     microbatches: list[MicrobatchArrays]
     """In `RankPlan.microbatches` order (what ExecStep.microbatch indexes)."""
     steps: list[tuple[int, int]]
-    """(kind, index into `microbatches`) per execution step: ExecStep.FORWARD / BACKWARD."""
+    """(kind, index into `microbatches`) per execution step: ExecStep.FORWARD / BACKWARD; index
+    -1 for a stand-in of a lock-step plan."""
+    standins: list[int]
+    """ExecStep.standin of every step (0 on real steps and in free plans)."""
+    phases: np.ndarray
+    """uint8 [P] header.lockstep_phases (empty in a free plan): steps[i] runs in phase i."""
+    edges: list[CrossEdgeArrays]
+    """The rank's windows across ranks (RankPlan.cross_edges, increasing id; none in a free plan)."""
 
     def by_id(self) -> dict[int, MicrobatchArrays]:
         return {a.id: a for a in self.microbatches}
@@ -95,10 +109,24 @@ def check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> DecodedS
         _check_microbatch(a, params, len(header.tree_ids))
         index[mb.id] = len(arrays)
         arrays.append(a)
+    where = f"rank {rank.rank}"
+    phases = lockstep_phases(header)
+    standins = [int(s.standin) for s in rank.steps]
+    if params.lockstep:  # one step per phase, before the order rules index the real ones
+        check_rank_phases(where, phases, [(int(s.kind), int(s.microbatch), int(s.standin)) for s in rank.steps],
+                          [a.recompute for a in arrays])
+    elif any(standins):
+        i = next(i for i, k in enumerate(standins) if k)
+        _fail(f"{where}.steps[{i}]", f"expected standin 0 in a free plan (params.lockstep false), got {standins[i]}")
     steps = [(int(s.kind), int(s.microbatch)) for s in rank.steps] or [
         (k, i) for i in range(len(arrays)) for k in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD)]
-    _check_order(arrays, index, steps, f"rank {rank.rank}")
-    return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps)
+    standins = standins or [0] * len(steps)
+    edges = decode_edges(rank)
+    remote = {(e.exporter, e.importer) for e in edges if e.importer_rank == rank.rank}
+    _check_order(arrays, index, steps, where, skip_standins=bool(params.lockstep), remote=remote)
+    check_rank_edges(header, int(rank.rank), edges, arrays, index, steps)
+    return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps, standins=standins,
+                        phases=phases, edges=edges)
 
 
 def _check_microbatch(a: MicrobatchArrays, params: plan_pb2.PlanParams, n_trees: int) -> None:
@@ -177,20 +205,25 @@ _CALL_RULES = {
 }
 
 
-def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: list[tuple[int, int]], where: str) -> None:
-    """Forward once then backward once, properly nested; imports only from open windows."""
+def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: list[tuple[int, int]], where: str,
+                 *, skip_standins: bool = False, remote: set[tuple[int, int]] = frozenset()) -> None:
+    """Forward once then backward once, properly nested; imports only from open windows or, for the
+    (exporter, importer) pairs in `remote`, from another rank (stand-ins, index -1, skipped in a
+    lock-step plan)."""
     M = len(arrays)
     state = np.zeros(M, np.int8)  # 0 not run, 1 open, 2 done
     stack: list[int] = []
     listed: dict[tuple[int, str], np.ndarray] = {}  # (exporter, "rows" / "states") -> its export mask
     for i, (kind, k) in enumerate(steps):
+        if skip_standins and k == -1:
+            continue
         if not 0 <= k < M:
             _fail(f"{where}.steps[{i}]", f"expected an index < {M}, got {k}")
         a = arrays[k]
         if kind == plan_pb2.ExecStep.FORWARD:
             if state[k]:
                 _fail(f"{where}.steps[{i}]", f"microbatch {a.id} forwarded twice")
-            _check_imports(a, arrays, index, state, listed)
+            _check_imports(a, arrays, index, state, listed, remote)
             state[k] = 1
             stack.append(k)
         else:
@@ -205,10 +238,12 @@ def _check_order(arrays: list[MicrobatchArrays], index: dict[int, int], steps: l
 
 
 def _check_imports(a: MicrobatchArrays, arrays: list[MicrobatchArrays], index: dict[int, int], state: np.ndarray,
-                   listed: dict[tuple[int, str], np.ndarray]) -> None:
+                   listed: dict[tuple[int, str], np.ndarray], remote: set[tuple[int, int]]) -> None:
     w = a.where
     for e in exporters(a.import_microbatch, a.state_import_microbatch).tolist():
         k = index.get(e, -1)
+        if k < 0 and (e, a.id) in remote:  # a window across ranks: its edge's rules (plan.cross_edges)
+            continue
         if k < 0 or state[k] != 1:
             _fail(w, f"imports from microbatch {e}, which is not an open window on this rank")
         ex = arrays[k]

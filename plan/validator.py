@@ -15,6 +15,11 @@ the plan keeps every distinct token of the batch. Token chains are compared thro
 polynomial prefix hashes (wrap-around arithmetic), so a mismatch can only slip through by a hash
 collision.
 
+Lock-step plans (params.lockstep): every rank has exactly one step per phase of
+header.lockstep_phases, of the phase's kind, with the stand-in pairing and recompute rules of
+`plan.phases`, so every rank has the same phase count and kinds; the lock-step statistics follow
+from the steps. Stand-ins are skipped by the window-order and memory rules.
+
 Live memory (what must fit params.memory.memory_bytes): `plan.memory_model.rank_live_bytes`, the
 function the planner uses: while microbatch m runs, its full activations plus, for every open window
 below which it runs, that window's full activations, or, when it is marked `recompute`, only the
@@ -31,6 +36,7 @@ from proto.harts.v1 import plan_pb2
 from plan.memory_model import RowSizes, rank_live_bytes
 from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from plan.header import check_header
+from plan.phases import check_rank_phases, lockstep_phases, phase_counts, step_cost
 
 _HASH_BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
 _HASH_INV = pow(_HASH_BASE, -1, 1 << 64)
@@ -385,10 +391,10 @@ def _check_live_memory(where: str, params: plan_pb2.PlanParams, rank: plan_pb2.R
     """Live window stack at every step under the memory model (plan.memory_model); returns the peak bytes."""
     sizes = _memory_sizes(params)
     arrays = {m: mb.arrays for m, mb in mbs.items()}
-    steps = [(s.kind == plan_pb2.ExecStep.FORWARD, ids[s.microbatch]) for s in rank.steps]
-    live, peak = rank_live_bytes(sizes, arrays, steps)
+    real = [(i, s) for i, s in enumerate(rank.steps) if s.microbatch >= 0]  # stand-ins hold no activations
+    live, peak = rank_live_bytes(sizes, arrays, [(s.kind == plan_pb2.ExecStep.FORWARD, ids[s.microbatch]) for _, s in real])
     budget = params.memory.memory_bytes
-    for i, x in enumerate(live):
+    for (i, _), x in zip(real, live):
         if x > budget:
             _fail(f"{where}.steps[{i}]", f"live window stack {x} bytes ({sizes.tokens(x)} row-equivalents) exceeds memory_bytes {budget} (memory_tokens {params.memory_tokens})")
     return peak
@@ -409,13 +415,23 @@ def _check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> tuple[d
             _fail(f"microbatch {mb.id}.duplicated_tokens", f"expected {int(mbs[mb.id].row_dup.sum())}, got {mb.duplicated_tokens}")
         if mbs[mb.id].I and not params.windows:
             _fail(f"microbatch {mb.id}.import_row", "expected no imports with windows off")
-    # Execution order: each microbatch forward once then backward once, properly nested.
+    # Execution order: each microbatch forward once then backward once, properly nested; in a
+    # lock-step plan one step per phase of the phase's kind, stand-ins paired (plan.phases).
     ids = [mb.id for mb in rank.microbatches]
+    if params.lockstep:
+        check_rank_phases(where, lockstep_phases(header), [(s.kind, s.microbatch, s.standin) for s in rank.steps],
+                          [mb.recompute for mb in rank.microbatches])
+    else:
+        for i, step in enumerate(rank.steps):
+            if step.standin:
+                _fail(f"{where}.steps[{i}]", f"expected standin 0 in a free plan (params.lockstep false), got {step.standin}")
     seen_f: dict[int, int] = {}
     seen_b: dict[int, int] = {}
     stack: list[int] = []
     order: list[int] = []
     for i, step in enumerate(rank.steps):
+        if params.lockstep and step.microbatch == -1:
+            continue
         if not 0 <= step.microbatch < len(ids):
             _fail(f"{where}.steps[{i}]", f"expected an index < {len(ids)}, got {step.microbatch}")
         m = ids[step.microbatch]
@@ -529,6 +545,7 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
     if st.peak_live_tokens != _memory_sizes(p).tokens(peak):
         _fail("header.stats.peak_live_tokens", f"expected {_memory_sizes(p).tokens(peak)} (peak_live_bytes in row-equivalents), got {st.peak_live_tokens}")
     _check_costs(plan, all_mbs)
+    _check_lockstep_stats(plan)
     windows = sum(1 for mb in all_mbs.values() if mb.I)
     if st.windows != windows:
         _fail("header.stats.windows", f"expected {windows} (microbatches with imports), got {st.windows}")
@@ -569,10 +586,34 @@ def _check_costs(plan: plan_pb2.Plan, all_mbs: dict[int, "_MB"]) -> None:
         _fail("header.stats.makespan_ratio", f"expected makespan / makespan_lower_bound = {want}, got {st.makespan_ratio}")
 
 
-def _prefix_hashes(tokens: np.ndarray) -> np.ndarray:
-    """uint64 [L] prefix hash H of tokens[:i+1] for every i."""
-    with np.errstate(over="ignore"):
-        return np.cumsum(_hash_terms(tokens, np.arange(tokens.shape[0])), dtype=np.uint64)
+def _check_lockstep_stats(plan: plan_pb2.Plan) -> None:
+    """PlanStats.lockstep_*: the phase counts, and the makespan and ratio of plan.phases' cost
+    model over the ranks' steps (all 0 in a free plan)."""
+    st = plan.header.stats
+    phases = lockstep_phases(plan.header)
+    if not plan.header.params.lockstep:
+        got = (st.lockstep_phases, st.lockstep_makespan, st.lockstep_ratio, st.lockstep_forward_phases,
+               st.lockstep_backward_phases, st.lockstep_recompute_phases)
+        if any(got):
+            _fail("header.stats.lockstep_phases", f"expected no lock-step statistics in a free plan, got {got}")
+        return
+    counts = phase_counts(phases)
+    got = (st.lockstep_forward_phases, st.lockstep_backward_phases, st.lockstep_recompute_phases)
+    if st.lockstep_phases != phases.shape[0] or got != counts:
+        _fail("header.stats.lockstep_phases", f"expected {phases.shape[0]} phases ({counts} forward, backward, recompute), "
+              f"got {st.lockstep_phases} ({got})")
+    slowest = np.zeros(phases.shape[0], np.float64)
+    for rank in plan.ranks:
+        for i, (step, phase) in enumerate(zip(rank.steps, phases.tolist())):
+            if step.microbatch >= 0:
+                slowest[i] = max(slowest[i], step_cost(phase, rank.microbatches[step.microbatch].cost))
+    want = float(slowest.sum())
+    if abs(st.lockstep_makespan - want) > 1e-9 * max(1.0, want):
+        _fail("header.stats.lockstep_makespan", f"expected the sum over phases of the slowest rank's step cost {want}, "
+              f"got {st.lockstep_makespan}")
+    ratio = want / st.makespan if st.makespan > 0 else 1.0
+    if abs(st.lockstep_ratio - ratio) > 1e-9 * max(1.0, ratio):
+        _fail("header.stats.lockstep_ratio", f"expected lockstep_makespan / makespan = {ratio}, got {st.lockstep_ratio}")
 
 
 def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], forest_like) -> None:

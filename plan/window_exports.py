@@ -1,6 +1,7 @@
 """What each sharing-window parent must export, per kind of tensor (DESIGN §5.5).
 
     needs = export_needs(arrays_by_id, forward_order)   # {exporter id: ExportNeeds}
+    import_needs(child, needs.get(child.id))            # {exporter id: what this child reads of it}
 
 A window child reads its imported (extended) rows through three consumers, each needing another
 per-layer tensor of the exporter:
@@ -14,12 +15,16 @@ exported at all: with a real model the conv inputs and kernel inputs are 8x the 
 row, and only the last K-1 rows above a child's roots and its replay rows need them.
 
 The trainer exports exactly these tensors; the planner's and the validator's memory accounting of
-recomputed windows counts exactly these rows (one rule, one module).
+recomputed windows counts exactly these rows (one rule, one module). A window across ranks
+(`plan.cross_edges`) carries exactly what its importer reads of its exporter (`import_needs`):
+the exporter's rank counts it in the exporter's needs (`sent`), the importer's rank leaves the
+remote exporter out (`remote`).
 
 Legend: R local rows, I imported rows.
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,36 +75,67 @@ def used_imports(mb: MicrobatchArrays, own: ExportNeeds | None) -> dict[str, np.
     return used
 
 
-def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int]) -> dict[int, ExportNeeds]:
+def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int], *,
+                 sent: Mapping[int, list[ExportNeeds]] | None = None,
+                 remote: Collection[tuple[int, int]] = ()) -> dict[int, ExportNeeds]:
     """Per exporter, the rows and states its importers read (see the module docstring).
 
     Args:
         mbs: decoded microbatches of one rank, by id.
         order: their ids in forward order (an exporter before its importers).
+        sent: windows across ranks whose exporter is here: exporter id -> what each of its
+            importers on other ranks reads (`plan.cross_edges.CrossEdgeArrays.needs`).
+        remote: windows across ranks whose importer is here: (exporter id, importer id) pairs
+            whose imports another rank's exporter provides (left out here).
     Returns:
-        {exporter id: ExportNeeds} for every microbatch that something imports from.
+        {exporter id: ExportNeeds} for every microbatch of this rank that something imports from.
     """
     needs: dict[int, ExportNeeds] = {}
     parts: dict[int, dict[str, list[np.ndarray]]] = {}
     states: dict[int, list[np.ndarray]] = {}
+
+    def add(e: int, nd: ExportNeeds) -> None:
+        d = parts.setdefault(e, {k: [] for k in KINDS})
+        for k in KINDS:
+            d[k].append(nd.rows[k])
+        states.setdefault(e, []).append(nd.states)
+
+    for e, theirs in (sent or {}).items():
+        for nd in theirs:
+            add(e, nd)
     for m in reversed(order):  # importers first: their needs are complete when they are visited
         mb = mbs[m]
         own = None
         if m in parts:
             own = needs[m] = _finish(parts.pop(m), states.pop(m, []))
-        if mb.num_imports:
-            used = used_imports(mb, own)
-            for e in _distinct(mb.import_microbatch):
-                sel = mb.import_microbatch == e
-                d = parts.setdefault(e, {k: [] for k in KINDS})
-                for k in KINDS:
-                    d[k].append(mb.import_row[sel & used[k]].astype(np.int64))
-        for e in _distinct(mb.state_import_microbatch):
-            parts.setdefault(e, {k: [] for k in KINDS})
-            states.setdefault(e, []).append(mb.state_import_state[mb.state_import_microbatch == e].astype(np.int64))
+        for e, nd in _import_parts(mb, own):
+            if (e, m) not in remote:
+                add(e, nd)
     if parts:
         raise ValueError(f"order: microbatches {sorted(parts)} are imported from but not in the forward order")
     return needs
+
+
+def import_needs(mb: MicrobatchArrays, own: ExportNeeds | None) -> dict[int, ExportNeeds]:
+    """Per exporter of `mb`, what mb reads of it (mb's share of that exporter's `export_needs`;
+    with `own` = mb's own needs, the rows it re-exports to its importers included): what a window
+    across ranks from that exporter to mb carries (rows and states sorted and distinct)."""
+    return {e: _finish({k: [nd.rows[k]] for k in KINDS}, [nd.states]) for e, nd in _import_parts(mb, own)}
+
+
+def _import_parts(mb: MicrobatchArrays, own: ExportNeeds | None):
+    """(exporter id, ExportNeeds of mb's reads from it) per exporter of mb (rows unsorted, possibly repeated)."""
+    used = used_imports(mb, own) if mb.num_imports else None
+    row_exporters = _distinct(mb.import_microbatch)
+    state_exporters = _distinct(mb.state_import_microbatch)
+    for e in sorted(set(row_exporters) | set(state_exporters)):
+        nd = ExportNeeds()
+        if used is not None and e in row_exporters:
+            sel = mb.import_microbatch == e
+            nd.rows = {k: mb.import_row[sel & used[k]].astype(np.int64) for k in KINDS}
+        if e in state_exporters:
+            nd.states = mb.state_import_state[mb.state_import_microbatch == e].astype(np.int64)
+        yield e, nd
 
 
 def _distinct(a: np.ndarray) -> list[int]:

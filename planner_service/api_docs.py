@@ -99,6 +99,10 @@ TOPOLOGY_EXAMPLES = {
         "summary": "Two trainer ranks, 4,096-token microbatches joined by sharing windows",
         "value": {"world_size": 2, "microbatch_tokens": 4096, "chunk_size": 64},
     },
+    "lockstep": {
+        "summary": "Four FSDP2 ranks that gather parameters per forward and backward: lock-step phases",
+        "value": {"world_size": 4, "microbatch_tokens": 4096, "lockstep": True},
+    },
     "defaults": {
         "summary": "Eight ranks, every other budget at the service default",
         "value": {"world_size": 8},

@@ -61,10 +61,20 @@ class ByteLRU(Generic[K, V]):
             self._on_size(total)
 
     def pop(self, key: K) -> None:
+        self._pop([key])
+
+    def pop_where(self, match: Callable[[K], bool]) -> None:
+        """Drop every entry whose key matches (a walk over the keys: for rare invalidations)."""
         with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.nbytes -= old[1]
+            keys = [k for k in self._items if match(k)]
+        self._pop(keys)
+
+    def _pop(self, keys: list[K]) -> None:
+        with self._lock:
+            for key in keys:
+                old = self._items.pop(key, None)
+                if old is not None:
+                    self.nbytes -= old[1]
             total = self.nbytes
         if self._on_size is not None:
             self._on_size(total)

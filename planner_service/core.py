@@ -9,7 +9,8 @@ Flow of a step:
                      configured, plan in the background planning pool
     plan(step)    -> PlanConfig from the topology -> planner.plan_step -> seal one slice per rank
                      -> Store.save_plan (one transaction) -> wake long-polling fetches
-    fetch(step,r) -> the stored sealed bytes, verbatim (cached in memory once read)
+    fetch(step,r) -> the stored sealed bytes, exactly (restored from their compressed stored form,
+                     cached in memory once read)
     delete(step)  -> the step, its body and its slices leave the database and the caches
 
 Blocking work (ingest, SQLite, planning) never runs on the event loop: the async methods hand it to
@@ -38,7 +39,7 @@ from google.protobuf.message import DecodeError
 
 from planner_service import ingest
 from planner_service.cache import ByteLRU
-from planner_service.digest import forest_digest
+from planner_service.digest import DIGEST_VERSION, forest_digest
 from planner_service.errors import (
     ConflictError,
     HartsError,
@@ -47,24 +48,30 @@ from planner_service.errors import (
     NotReadyError,
     PlanningError,
     StorageError,
+    Unavailable,
     ValidationError,
 )
 from planner_service.forest import Forest
 from planner_service.maintenance import Maintenance
 from planner_service.metrics import Metrics
 from planner_service.planner.config import PlanConfig
+from planner_service.wire_errors import wire_error
 from planner_service.service_config import (
     DEFAULT_MICROBATCH_TOKENS,
     MAX_WORLD_SIZE,
     ServiceConfig,
+    check_step_id,
     normalized_topology,
     topology_to_config,
 )
-from planner_service.store import FAILED, PLANNED, SUBMITTED, StepRecord, Store
+from planner_service.store import FAILED, PLANNED, SUBMITTED, StepRecord, open_store
 from proto.harts.v1 import plan_pb2, planner_pb2, rollouts_pb2
 from plan.seal import seal, slice_plan
 
 log = logging.getLogger(__name__)
+
+_SHARED_POLL_S = 2.0
+"""Longest wait of a long-poll between two looks at a shared (PostgreSQL) store."""
 
 __all__ = ["ServiceConfig", "PlannerCore", "topology_to_config", "MAX_WORLD_SIZE", "DEFAULT_MICROBATCH_TOKENS"]
 
@@ -93,23 +100,32 @@ class PlannerCore:
         self.metrics = metrics or Metrics()
         self._guard = threading.Lock()
         self._step_locks: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-        self._slices: ByteLRU[str, list[bytes]] = ByteLRU(
-            cfg.slice_cache_bytes, lambda s: sum(map(len, s)), self.metrics.cache_bytes.labels("slices").set)
-        self._forests: ByteLRU[str, Forest] = ByteLRU(
+        # (step, rank) -> sealed bytes: a miss reads (and decompresses) that rank's slice only
+        self._slices: ByteLRU[tuple[str, int], bytes] = ByteLRU(
+            cfg.slice_cache_bytes, len, self.metrics.cache_bytes.labels("slices").set)
+        self._forests: ByteLRU[tuple[str, str], Forest] = ByteLRU(
             cfg.forest_cache_bytes, _forest_bytes, self.metrics.cache_bytes.labels("forests").set)
         self._listeners: dict[str, set[Callable[[], None]]] = {}
         self._readiness_listeners: list[Callable[[bool, str], None]] = []
-        # plans whose outcome could not be stored (storage fault): step -> (error, topology)
-        self._unstored: dict[str, tuple[str, planner_pb2.Topology]] = {}
+        # plans whose outcome could not be stored (storage fault): step -> (error, topology, bytes
+        # the plan needs on the disk, 0 when another fault stopped it)
+        self._unstored: dict[str, tuple[str, planner_pb2.Topology, int]] = {}
+        # steps handed to the planning pool and not finished: resuming skips them
+        self._queued: set[str] = set()
         self._started = False
         self._closing = False
         self._fault_logged = 0.0
-        self.store = Store(cfg.db_path, synchronous=cfg.synchronous, on_fault=self._storage_changed)
+        self.store = open_store(cfg.db_path, synchronous=cfg.synchronous, min_free_bytes=cfg.min_free_bytes,
+                                on_fault=self._storage_changed)
         self._storage_healthy = self.store.fault is None
         self.metrics.storage_ok.set(0 if self.store.fault else 1)
         self.metrics.steps_waiting.set_function(self._count_unplanned)
         self._plan_pool = ThreadPoolExecutor(max_workers=cfg.plan_workers, thread_name_prefix="harts-plan")
-        self._maintenance = Maintenance(self)
+        self._maintenance = Maintenance(
+            self.store, probe_seconds=cfg.storage_probe_seconds, retain_steps=cfg.retain_steps,
+            max_age_seconds=cfg.max_age_seconds, resume=self.resume_pending,
+            resume_every=cfg.resume_seconds if self.store.shared else 0.0,
+            delete=lambda step_id: self.delete(step_id, cause="retention"))
 
     # ---- lifecycle and readiness
 
@@ -131,6 +147,7 @@ class PlannerCore:
             self.resume_pending()
         elif time.monotonic() - self._fault_logged > 1.0:  # not just logged by _storage_changed
             log.warning("storage fault, not ready until it clears: %s", fault)
+        self.store.listen(self._step_changed)
         self._started = True
         self._maintenance.start(resume=fault is not None)
         self._readiness_changed()
@@ -160,9 +177,14 @@ class PlannerCore:
             fn(*state)
 
     def stop_serving(self) -> None:
-        """Report not ready from now on (the transports drain); `close` releases everything."""
+        """Report not ready from now on (the transports drain) and answer waiting long-polls at
+        once (503: they retry, on another replica if they know one); `close` releases everything."""
         self._closing = True
         self._readiness_changed()
+        with self._guard:
+            waiting = [fn for fns in self._listeners.values() for fn in fns]
+        for fn in waiting:
+            fn()
 
     def close(self) -> None:
         self.stop_serving()
@@ -196,16 +218,50 @@ class PlannerCore:
             return math.nan
 
     def resume_pending(self) -> None:
-        """Plan again every step whose planning was interrupted or could not be stored."""
+        """Plan again every step whose planning was interrupted (here, or on a replica that died:
+        one whose planning lock nobody holds) or could not be stored; a plan that did not fit on
+        the disk waits until it does."""
         todo: dict[str, planner_pb2.Topology] = {}
         for rec in self.store.pending():
             todo[rec.step_id] = planner_pb2.Topology.FromString(rec.topology)
+        free = self.store.free_bytes()
         with self._guard:
-            for step_id, (_, topo) in self._unstored.items():
+            for step_id, (_, topo, need) in self._unstored.items():
+                if need and free is not None and free - need < self.store.min_free_bytes:
+                    todo.pop(step_id, None)
+                    continue
                 todo.setdefault(step_id, topo)
         for step_id, topo in todo.items():
-            log.info("resuming the plan of step %s", step_id)
-            self._plan_pool.submit(self._plan_background, step_id, topo)
+            if self._queue_plan(step_id, topo, resumed=True):
+                log.info("resuming the plan of step %s", step_id)
+
+    def _queue_plan(self, step_id: str, topology: planner_pb2.Topology, *, resumed: bool = False) -> bool:
+        """Hand a step to the planning pool unless it is there already. Returns whether it was queued."""
+        with self._guard:
+            if step_id in self._queued or self._closing:
+                return False
+            self._queued.add(step_id)
+        try:
+            self._plan_pool.submit(self._plan_background, step_id, topology, resumed)
+        except RuntimeError:  # the pool shut down meanwhile
+            with self._guard:
+                self._queued.discard(step_id)
+            return False
+        return True
+
+    def _step_changed(self, event: str, step_id: str) -> None:
+        """A replica (maybe this one) committed `event` for a step: wake its long-polls; a deleted
+        step leaves the caches. After a reconnect of the listener every waiter looks again."""
+        if event == "deleted":
+            self._slices.pop_where(lambda key: key[0] == step_id)
+            self._forests.pop_where(lambda key: key[0] == step_id)
+        if event == "reconnected":
+            with self._guard:
+                waiting = [fn for fns in self._listeners.values() for fn in fns]
+            for fn in waiting:
+                fn()
+            return
+        self._notify(step_id)
 
     # ---- submit
 
@@ -242,7 +298,7 @@ class PlannerCore:
             try:
                 batch.ParseFromString(body)  # bytes or bytearray, without a copy
             except DecodeError:
-                raise ValidationError("body", "expected a serialised harts.v1.RolloutBatch, got bytes that do not parse") from None
+                raise wire_error(rollouts_pb2.RolloutBatch, body, "body") from None
             forest = ingest.forest_from_proto(batch, self.cfg.limits)
             del batch
         else:
@@ -261,8 +317,7 @@ class PlannerCore:
 
     def _store_forest(self, forest: Forest, fmt: str, body: bytes | bytearray,
                       topology: planner_pb2.Topology | None) -> planner_pb2.SubmitRolloutsResponse:
-        if "/" in forest.batch_id:
-            raise ValidationError("batch_id", f"expected no '/' (a step id is one URL path segment), got {forest.batch_id!r}")
+        check_step_id(forest.batch_id, "batch_id")
         if topology is not None and topology.ByteSize() == 0:
             topology = None
         topology = topology if topology is not None else self.cfg.default_topology
@@ -293,23 +348,24 @@ class PlannerCore:
         self.metrics.submissions.labels("duplicate" if duplicate else "new").inc()
         if not duplicate:
             self.metrics.ingest_bytes.labels(fmt).inc(len(body))
-            self._forests.put(rec.step_id, forest)
+            self._forests.put((rec.step_id, digest), forest)
             if topo_cfg is not None:
-                self._plan_pool.submit(self._plan_background, rec.step_id, normalized_topology(topo_cfg))
+                self._queue_plan(rec.step_id, normalized_topology(topo_cfg))
             self._notify(rec.step_id)
             if self.cfg.retain_steps:
                 self._maintenance.wake()
         elif topo_cfg is not None and rec.state == SUBMITTED and rec.topology is None:
             self.store.request_plan(rec.step_id, normalized_topology(topo_cfg).SerializeToString(deterministic=True))
-            self._plan_pool.submit(self._plan_background, rec.step_id, normalized_topology(topo_cfg))
+            self._queue_plan(rec.step_id, normalized_topology(topo_cfg))
         return planner_pb2.SubmitRolloutsResponse(status=self._status(rec), duplicate=duplicate)
 
     def _same_content(self, old: StepRecord, digest: str) -> bool:
         if old.body_sha256 == digest:
             return True
-        if old.body_sha256.startswith(("json:", "proto:")):
-            # a row of an earlier version keyed by its body bytes: digest what it stored
-            return forest_digest(self._forest(old.step_id)) == digest
+        if not old.body_sha256.startswith(DIGEST_VERSION + ":"):
+            # a row of an earlier version (keyed by its body bytes, or by a digest that left out
+            # some fields): digest what it stored
+            return forest_digest(self._forest(old.step_id, old.body_sha256)) == digest
         return False
 
     # ---- plan
@@ -326,8 +382,10 @@ class PlannerCore:
                 lock = self._step_locks[step_id] = threading.Lock()
             return lock
 
-    def _forest(self, step_id: str) -> Forest:
-        forest = self._forests.get(step_id)
+    def _forest(self, step_id: str, digest: str) -> Forest:
+        """The forest of a stored step, keyed by its content digest too (a step deleted and
+        submitted again, maybe on another replica, never finds the old forest)."""
+        forest = self._forests.get((step_id, digest))
         if forest is not None:
             return forest
         fmt, body = self.store.body(step_id)
@@ -335,15 +393,17 @@ class PlannerCore:
             forest = ingest.forest_from_json(body, self.cfg.limits)
         else:
             forest = ingest.forest_from_proto(body, self.cfg.limits)
-        self._forests.put(step_id, forest)
+        self._forests.put((step_id, digest), forest)
         return forest
 
-    def plan(self, step_id: str, topology: planner_pb2.Topology) -> planner_pb2.StepStatus:
+    def plan(self, step_id: str, topology: planner_pb2.Topology, *, resumed: bool = False) -> planner_pb2.StepStatus:
         """Plan a stored step for a topology and store its sealed slices.
 
         Idempotent: a step already planned for the same (normalised) topology returns its status;
         a planned step is never re-planned for another topology (its slices may be in use), and
-        a step whose planning failed can be planned again.
+        a step whose planning failed can be planned again. Planning a step is exclusive across the
+        replicas of a shared store: a request waits for a plan in progress elsewhere, a resumed
+        plan (`resumed`) leaves it to that replica.
 
         Raises:
             NotFoundError: unknown step. ValidationError: bad topology.
@@ -351,10 +411,11 @@ class PlannerCore:
             StorageError: the outcome could not be stored; the step shows as failed with this
                 error and is planned again when the storage recovers.
         """
+        check_step_id(step_id, "step_id")
         cfg = self._config(topology)
         topo = normalized_topology(cfg)
         want = topo.SerializeToString(deterministic=True)
-        with self._step_lock(step_id):
+        with self._step_lock(step_id), self.store.plan_lock(step_id, wait=not resumed) as mine:
             rec = self.store.get(step_id)
             if rec.state == PLANNED:
                 if rec.topology == want:
@@ -363,22 +424,28 @@ class PlannerCore:
                     f"topology: step {step_id!r} is already planned for another topology; submit the "
                     "rollouts under a new batch_id to plan them differently"
                 )
+            with self._guard:
+                unstored = step_id in self._unstored
+            if not mine or (resumed and rec.state != SUBMITTED and not unstored):
+                return self._status(rec)  # another replica plans it, or its planning failed
             try:
-                rec = self._plan_locked(step_id, cfg, want)
+                rec = self._plan_locked(rec, cfg, want)
             except StorageError as exc:
-                msg = f"{exc.message}; the step is planned again when the storage recovers"
+                later = "when the disk has room for it" if exc.need else "when the storage recovers"
+                msg = f"{exc.message}; the step is planned again {later}"
                 with self._guard:
-                    self._unstored[step_id] = (msg, topo)
+                    self._unstored[step_id] = (msg, topo, exc.need)
                 self._notify(step_id)
-                raise StorageError(msg) from None
+                raise StorageError(msg, need=exc.need) from None
             with self._guard:
                 self._unstored.pop(step_id, None)
         self._notify(step_id)
         return self._status(rec)
 
-    def _plan_locked(self, step_id: str, cfg: PlanConfig, want: bytes) -> StepRecord:
+    def _plan_locked(self, rec: StepRecord, cfg: PlanConfig, want: bytes) -> StepRecord:
+        step_id = rec.step_id
         self.store.request_plan(step_id, want)
-        forest = self._forest(step_id)
+        forest = self._forest(step_id, rec.body_sha256)
         t0 = time.perf_counter()
         try:
             plan = _planner().plan_step(forest, cfg)
@@ -402,7 +469,8 @@ class PlannerCore:
         slices = self._seal_all(plan, cfg.world_size)
         self.store.save_plan(step_id, topology=want, stats=plan.header.stats.SerializeToString(deterministic=True),
                              slices=slices)
-        self._slices.put(step_id, slices)
+        for r, data in enumerate(slices):
+            self._slices.put((step_id, r), data)
         st = plan.header.stats
         self.metrics.plans.labels("planned").inc()
         self.metrics.plan_seconds.observe(seconds)
@@ -418,15 +486,18 @@ class PlannerCore:
             raise AssertionError(f"planner returned {len(plan.ranks)} ranks for world_size {world_size}")
         return [seal(slice_plan(plan, r)) for r in range(world_size)]
 
-    def _plan_background(self, step_id: str, topology: planner_pb2.Topology) -> None:
+    def _plan_background(self, step_id: str, topology: planner_pb2.Topology, resumed: bool) -> None:
         try:
-            self.plan(step_id, topology)
+            self.plan(step_id, topology, resumed=resumed)
         except NotFoundError:
             log.info("step %s was deleted before it was planned", step_id)
         except HartsError as exc:
             log.warning("step %s not planned: %s", step_id, exc.message)
         except Exception:  # logged with its traceback by plan()
             pass
+        finally:
+            with self._guard:
+                self._queued.discard(step_id)
 
     # ---- fetch
 
@@ -438,11 +509,12 @@ class PlannerCore:
             PlanningError: planning failed (the status says why). StorageError: the plan could
             not be stored or read (retry; it is planned again when the storage recovers).
         """
+        check_step_id(step_id, "step_id")
         if rank < 0:
             raise ValidationError("rank", f"expected >= 0, got {rank}")
-        slices = self._slices.get(step_id)
-        if slices is not None and rank < len(slices):
-            return slices[rank]
+        cached = self._slices.get((step_id, rank))
+        if cached is not None:
+            return cached
         rec = self.store.get(step_id)
         if rec.state != PLANNED:
             with self._guard:
@@ -455,11 +527,11 @@ class PlannerCore:
             raise NotReadyError(f"step {step_id!r} is not planned yet; retry, or long-poll with a wait")
         if rank >= rec.world_size:
             raise NotFoundError(f"rank: expected 0 <= rank < {rec.world_size} (the step's world_size), got {rank}")
-        slices = [self.store.slice(step_id, r) for r in range(rec.world_size)]
-        if any(s is None for s in slices):
+        data = self.store.slice(step_id, rank)
+        if data is None:
             raise NotFoundError(f"step_id: no step {step_id!r} (deleted while it was read)")
-        self._slices.put(step_id, slices)
-        return slices[rank]
+        self._slices.put((step_id, rank), data)
+        return data
 
     async def fetch_async(self, step_id: str, rank: int, wait: float = 0.0) -> bytes:
         """`fetch` with long-poll: wait up to `wait` seconds (clipped to max_wait_seconds) for the
@@ -468,9 +540,10 @@ class PlannerCore:
         wait = float(wait)
         if not (wait >= 0 and math.isfinite(wait)):
             raise ValidationError("wait_seconds", f"expected a finite number of seconds >= 0, got {wait!r}")
-        slices = self._slices.get(step_id)
-        if slices is not None and 0 <= rank < len(slices):
-            return slices[rank]
+        check_step_id(step_id, "step_id")
+        cached = self._slices.get((step_id, rank))
+        if cached is not None:
+            return cached
         wait = min(wait, self.cfg.max_wait_seconds)
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
@@ -491,10 +564,15 @@ class PlannerCore:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         raise
+                    if self._closing:
+                        raise Unavailable("the service is stopping; retry (on another replica, if there is one)") from None
                 self.metrics.fetch_waiters.inc()
                 try:
-                    # a storage fault is not announced when it clears: look again every second
+                    # a storage fault is not announced when it clears: look again every second;
+                    # a shared store's notifications may be missed while its listener reconnects
                     timeout = min(remaining, 1.0) if self.store.fault else remaining
+                    if self.store.shared:
+                        timeout = min(timeout, _SHARED_POLL_S)
                     await asyncio.wait_for(event.wait(), timeout)
                 except TimeoutError:
                     pass
@@ -533,12 +611,13 @@ class PlannerCore:
         Raises:
             NotFoundError: unknown step. StorageError: the database cannot be written.
         """
+        check_step_id(step_id, "step_id")
         with self._step_lock(step_id):
             st = self._status(self.store.get(step_id))
             if not self.store.delete(step_id):
                 raise NotFoundError(f"step_id: no step {step_id!r}")
-            self._slices.pop(step_id)
-            self._forests.pop(step_id)
+            self._slices.pop_where(lambda key: key[0] == step_id)
+            self._forests.pop_where(lambda key: key[0] == step_id)
             with self._guard:
                 self._unstored.pop(step_id, None)
         self.metrics.steps_deleted.labels(cause).inc()
@@ -573,6 +652,7 @@ class PlannerCore:
         return st
 
     def status(self, step_id: str) -> planner_pb2.StepStatus:
+        check_step_id(step_id, "step_id")
         return self._status(self.store.get(step_id))
 
     def list_steps(self, limit: int = 0) -> list[planner_pb2.StepStatus]:

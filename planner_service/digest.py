@@ -18,8 +18,8 @@ from planner_service.forest import Forest
 
 __all__ = ["forest_digest", "DIGEST_VERSION"]
 
-DIGEST_VERSION = "content-v1"
-"""Prefix of every digest; change it whenever the hashed fields change."""
+DIGEST_VERSION = "content-v2"
+"""Prefix of every digest; change it whenever the hashed fields change (v2: policy_version)."""
 
 _ARRAYS = ("tokens", "seg_parent", "seg_offset", "seg_length", "seg_depth", "seg_tree", "traj_seg", "traj_offset",
            "loss_mask", "advantages", "old_logprobs", "ref_logprobs", "reward", "weight")
@@ -27,7 +27,8 @@ _STRINGS = ("tree_ids", "traj_ids", "group_ids")
 
 
 def forest_digest(forest: Forest) -> str:
-    """`content-v1:<hex SHA-256>` of everything a plan and a training step can depend on."""
+    """`content-v2:<hex SHA-256>` of everything a plan and a training step can depend on (the
+    policy_version included: the trainer's staleness bound reads it from the plan)."""
     h = hashlib.sha256()
 
     def put(tag: str, data: bytes) -> None:
@@ -37,6 +38,7 @@ def forest_digest(forest: Forest) -> str:
 
     put("batch_id", _text(forest.batch_id))
     put("vocab_size", int(forest.vocab_size).to_bytes(8, "little", signed=True))
+    put("policy_version", b"none" if forest.policy_version is None else int(forest.policy_version).to_bytes(8, "little"))
     for name in _ARRAYS:
         arr = getattr(forest, name)
         if arr is None:

@@ -54,9 +54,19 @@ class AuthError(HartsError):
 class StorageError(HartsError):
     """The database cannot be read or written (disk full, read-only or deleted file, I/O error).
 
-    Transient from the client's point of view: nothing was stored, readiness is off, and the
-    service retries by itself; the message names the database and SQLite's reason.
+    Transient from the client's point of view: nothing was stored, readiness is off (unless only
+    this write did not fit), and the service retries by itself; the message names the database and
+    the reason. `need`: bytes a write that did not fit on the disk wants (0: another fault).
     """
+
+    def __init__(self, message: str, *, need: int = 0):
+        super().__init__(message)
+        self.need = need
+
+
+class Unavailable(HartsError):
+    """The service cannot answer now (it is stopping); the client retries, on another replica
+    if it knows one."""
 
 
 #: error type -> (HTTP status, gRPC status code name). Most specific first.
@@ -69,6 +79,7 @@ STATUS: list[tuple[type[HartsError], int, str]] = [
     (NotReadyError, 404, "DEADLINE_EXCEEDED"),
     (AuthError, 401, "UNAUTHENTICATED"),
     (StorageError, 503, "UNAVAILABLE"),
+    (Unavailable, 503, "UNAVAILABLE"),
     (HartsError, 500, "INTERNAL"),
 ]
 

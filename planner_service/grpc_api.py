@@ -22,7 +22,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from planner_service.core import PlannerCore
-from planner_service.errors import INTERNAL, AuthError, HartsError, ValidationError, status_of
+from planner_service.errors import INTERNAL, AuthError, HartsError, status_of
+from planner_service.wire_errors import wire_error
 from proto.harts.v1 import planner_pb2
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,12 @@ class _Planner:
 
 def _parse(cls, raw: bytes):
     """Request message from its bytes; parsed in the handler (after auth) so that a malformed
-    request is INVALID_ARGUMENT rather than gRPC's own INTERNAL deserialisation error."""
+    request is INVALID_ARGUMENT rather than gRPC's own INTERNAL deserialisation error, naming the
+    string field that is not UTF-8 when that is why (`batch.trajectories[2].id`)."""
     try:
         return cls.FromString(raw)
     except DecodeError:
-        raise ValidationError("request", f"expected a serialised {cls.DESCRIPTOR.full_name}, got bytes that do not parse") from None
+        raise wire_error(cls, raw, "request") from None
 
 
 def _verbatim(data: bytes) -> bytes:

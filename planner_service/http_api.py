@@ -18,6 +18,11 @@ Routes (all under /v1 need `Authorization: Bearer <token>` when a token is confi
 Every error body is `{"error": {"code", "message", "field"}}`; the status code comes from
 `planner_service.errors.STATUS` (503s carry `Retry-After`). No exception text other than a
 HartsError's message reaches a client, and a client that disconnects is not an error.
+
+The JSON bodies are the pydantic models of `http_models.py`. The token is checked by an ASGI
+middleware (`_TokenGate`) before routing, so an unauthenticated request is answered 401 before
+any of its body is read; request bodies are read with the size limit (`_read_body`), the plan
+request's topology included.
 """
 from __future__ import annotations
 
@@ -25,17 +30,29 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import Literal
 
-from fastapi import Depends, FastAPI, Path, Query, Request
+import pydantic
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from planner_service.api_docs import ROLLOUT_EXAMPLES, TOPOLOGY_EXAMPLES, add_docs
+from planner_service.http_models import (
+    INT32,
+    INT64,
+    ErrorBody,
+    ErrorDetail,
+    Health,
+    RolloutBatchDoc,
+    StepList,
+    StepStatus,
+    SubmitResponse,
+    Topology,
+    status_model,
+)
 from planner_service.core import MAX_WORLD_SIZE, PlannerCore
 from planner_service.errors import (
     INTERNAL,
@@ -44,6 +61,7 @@ from planner_service.errors import (
     HartsError,
     LimitError,
     StorageError,
+    Unavailable,
     ValidationError,
     status_of,
 )
@@ -52,175 +70,12 @@ from proto.harts.v1 import plan_pb2, planner_pb2
 
 log = logging.getLogger(__name__)
 
-__all__ = ["create_app", "PROTOBUF", "slice_checksum"]
+__all__ = ["create_app", "router", "PROTOBUF", "slice_checksum"]
 
 PROTOBUF = "application/x-protobuf"
 _PROTO_TYPES = {PROTOBUF, "application/protobuf", "application/vnd.google.protobuf", "application/octet-stream"}
-_INT32 = 2**31 - 1
-_INT64 = 2**63 - 1
-
-# ---- models (OpenAPI and response bodies)
-
-
-class ErrorDetail(BaseModel):
-    code: str = Field(description="gRPC-style code name, e.g. INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS")
-    message: str = Field(description="What is wrong and, where possible, how to fix it")
-    field: str | None = Field(None, description="Path of the first offending field, e.g. trajectories[3].loss_mask")
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-class Topology(BaseModel):
-    """Trainer topology and budgets a step is planned for."""
-
-    # strict: "2", 2.0 or true are not a world size (a typo in a generator, not a number to coerce)
-    model_config = ConfigDict(extra="forbid", strict=True,
-                              json_schema_extra={"examples": [e["value"] for e in TOPOLOGY_EXAMPLES.values()]})
-    world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="Number of data-parallel trainer ranks")
-    microbatch_tokens: int = Field(0, ge=0, le=_INT32, description="Token budget per microbatch; 0: the service "
-                                   "default (`harts serve --microbatch-tokens`, 4096 unless set), as over gRPC")
-    memory_tokens: int = Field(0, ge=0, le=_INT64, description="Live-activation budget per rank; 0: 8 x microbatch_tokens")
-    chunk_size: int = Field(0, ge=0, le=_INT32, description="Linear-attention chunk size (power of two); 0: service default")
-    no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
-    no_windows: bool = Field(False, description="Duplicate prefixes instead of opening sharing windows")
-    model: str = Field("", max_length=1 << 20, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
-    dtype: str = Field("", description="Trainer dtype for the memory model (float32, bfloat16); empty: float32")
-    cost_model: str = Field("", max_length=1 << 20, description="Cost model JSON written by `harts calibrate`; empty: service default")
-
-    def to_proto(self) -> planner_pb2.Topology:
-        return planner_pb2.Topology(**self.model_dump())
-
-
-class PlanStats(BaseModel):
-    unique_tokens: int
-    expanded_tokens: int
-    computed_tokens: int
-    replay_tokens: int
-    duplicated_tokens: int
-    compression_ideal: float
-    compression_achieved: float
-    microbatches: int
-    linear_attention_calls: int
-    rank_costs: list[float]
-    imbalance: float
-    peak_live_tokens: int
-    plan_seconds: float
-    windows: int
-    peak_live_bytes: int = 0
-    makespan: float = 0.0
-    makespan_lower_bound: float = 0.0
-    makespan_ratio: float = 0.0
-
-
-class StepStatus(BaseModel):
-    step_id: str
-    state: Literal["submitted", "planned", "failed"]
-    trajectories: int
-    unique_tokens: int
-    expanded_tokens: int
-    stats: PlanStats | None = Field(None, description="Present once planned")
-    topology: Topology | None = Field(None, description="Requested (submitted), planned or attempted (failed) topology")
-    error: str | None = Field(None, description="Why planning failed")
-    submitted_at: float = Field(description="Unix seconds")
-    planned_at: float | None = Field(None, description="Unix seconds")
-
-
-class SubmitResponse(BaseModel):
-    status: StepStatus
-    duplicate: bool = Field(description="True when the batch_id was already stored with the same content "
-                            "(however it was serialised)")
-
-
-class StepList(BaseModel):
-    steps: list[StepStatus]
-
-
-class Health(BaseModel):
-    status: Literal["ok", "starting", "unavailable", "stopping"]
-    reason: str | None = Field(None, description="Why the service is not ready (e.g. the storage fault)")
-
-
-# The rollout document (docs/rollouts.md). Documentation only: the body is validated by
-# planner_service.ingest, which names the first offending field.
-class _TrajectoryFieldsDoc(BaseModel):
-    """Per-position arrays (the trajectory's length) and per-trajectory scalars of both forms."""
-
-    loss_mask: list[Literal[0, 1]] | None = None
-    old_logprobs: list[float] | None = None
-    ref_logprobs: list[float] | None = None
-    advantage: float | list[float] = 0.0
-    reward: float = 0.0
-    group_id: str | None = None
-    weight: float | None = Field(None, ge=0)
-
-
-class TrajectoryDoc(_TrajectoryFieldsDoc):
-    id: str
-    tree_id: str | None = None
-    tokens: list[int] = Field(min_length=1)
-
-
-class TreeNodeDoc(BaseModel):
-    id: int
-    parent: int | None = None
-    tokens: list[int] = Field(min_length=1)
-
-
-class TreeTrajectoryDoc(_TrajectoryFieldsDoc):
-    id: str
-    node: int
-
-
-class TreeDoc(BaseModel):
-    id: str
-    nodes: list[TreeNodeDoc]
-    trajectories: list[TreeTrajectoryDoc]
-
-
-class RolloutBatchDoc(BaseModel):
-    """One training step's rollouts (docs/rollouts.md); flat and explicit-tree forms may be mixed."""
-
-    batch_id: str = Field(min_length=1, pattern="^[^/]+$", description="Idempotency key of the step (no '/': "
-                          "it is a URL path segment); the same content under the same id is a duplicate")
-    vocab_size: int = Field(ge=1, le=_INT32)
-    trajectories: list[TrajectoryDoc] = []
-    trees: list[TreeDoc] = []
-    policy_version: int | None = Field(default=None, ge=0, le=(1 << 63) - 1,
-                                       description="Version of the policy that sampled the batch (staleness bound)")
-
-
-_STATE = {
-    planner_pb2.STEP_STATE_SUBMITTED: "submitted",
-    planner_pb2.STEP_STATE_PLANNED: "planned",
-    planner_pb2.STEP_STATE_FAILED: "failed",
-}
-
-
-def status_model(st: planner_pb2.StepStatus) -> StepStatus:
-    """JSON view of a StepStatus message."""
-    stats = None
-    if st.HasField("stats"):
-        s = st.stats
-        stats = PlanStats(**{f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields if f.name != "rank_costs"},
-                          rank_costs=list(s.rank_costs))
-    topo = None
-    if st.HasField("topology"):
-        topo = Topology.model_construct(**{f.name: getattr(st.topology, f.name) for f in st.topology.DESCRIPTOR.fields})
-    return StepStatus(
-        step_id=st.step_id,
-        state=_STATE[st.state],
-        trajectories=st.trajectories,
-        unique_tokens=st.unique_tokens,
-        expanded_tokens=st.expanded_tokens,
-        stats=stats,
-        topology=topo,
-        error=st.error or None,
-        submitted_at=st.submitted_at,
-        planned_at=st.planned_at or None,
-    )
-
+_TOPOLOGY_BYTES = 4 * 1024 * 1024
+"""Largest plan request body: a topology with its model and cost-model documents (1 MiB each)."""
 
 def slice_checksum(data: bytes) -> str:
     """The checksum field of sealed PlanSlice bytes.
@@ -327,6 +182,272 @@ class _Measure:
             self.metrics.requests.labels("http", op, str(status)).inc()
 
 
+def _needs_token(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/v1" or path == "/metrics"
+
+
+class _TokenGate:
+    """ASGI middleware: 401 for a request under /v1 or /metrics without the configured bearer
+    token, before routing reads any of its body."""
+
+    def __init__(self, app, token: str | None):
+        self.app, self.token = app, token.encode() if token is not None else None
+
+    async def __call__(self, scope, receive, send):
+        if self.token is None or scope["type"] != "http" or not _needs_token(scope["path"]):
+            return await self.app(scope, receive, send)
+        got = b""
+        for key, value in scope["headers"]:
+            if key == b"authorization":
+                got = value
+        scheme, _, cred = got.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(cred.strip(), self.token):
+            return await self.app(scope, receive, send)
+        resp = _error_response(401, "UNAUTHENTICATED", "Authorization: expected 'Bearer <token>' with the service's token",
+                               headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
+def _core(request: Request) -> PlannerCore:
+    """The service core of the application serving `request` (set by `create_app`)."""
+    return request.app.state.core
+
+
+_bearer = HTTPBearer(auto_error=False, description="Bearer token configured with `harts serve --token`")
+
+
+async def _bearer_scheme(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    """Declares the bearer scheme of a route in the OpenAPI document; `_TokenGate` has checked
+    the token before the route runs."""
+
+
+_AUTH = [Depends(_bearer_scheme)]
+
+router = APIRouter()
+"""Every route of the service; `create_app` mounts it on an application bound to one core."""
+
+# ---- error handlers (registered by create_app)
+
+
+async def _harts_error(request: Request, exc: HartsError):
+    status, code = status_of(exc)
+    headers = None
+    if isinstance(exc, AuthError):
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+    if status >= 500 and not isinstance(exc, (StorageError, Unavailable)):  # the core logs a storage fault once
+        log.error("%s %s: %s", request.method, request.url.path, exc.message)
+    return _error_response(status, code, exc.message, getattr(exc, "field", None) or None, headers)
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect):
+    # nobody is left to answer: the response is dropped; 499 (client closed) is what metrics see
+    log.debug("%s %s: the client disconnected", request.method, request.url.path)
+    return Response(status_code=499)
+
+
+async def _request_invalid(request: Request, exc: RequestValidationError):
+    errs = exc.errors()
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    field = ".".join(str(p) for p in first.get("loc", ()))
+    return _error_response(422, "INVALID_ARGUMENT", f"{field}: {first.get('msg', 'invalid')}", field or None)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    code = {404: "NOT_FOUND", 405: "UNIMPLEMENTED"}.get(exc.status_code, "INVALID_ARGUMENT")
+    return _error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
+
+
+async def _internal(request: Request, exc: Exception):
+    log.exception("%s %s failed", request.method, request.url.path)
+    return _error_response(INTERNAL[0], INTERNAL[1], "internal error; the service log has the details")
+
+
+_HANDLERS = ((HartsError, _harts_error), (ClientDisconnect, _client_gone), (RequestValidationError, _request_invalid),
+             (StarletteHTTPException, _http_error), (Exception, _internal))
+
+# ---- health and metrics
+
+
+@router.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["health"], name="healthz")
+async def healthz() -> Health:
+    """Liveness: the process answers."""
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Health, response_model_exclude_none=True, tags=["health"], name="readyz",
+            responses={503: {"model": Health, "description": "Starting, stopping, or the database cannot be "
+                             "written (`reason` says why)"}})
+async def readyz(core: PlannerCore = Depends(_core)):
+    """Readiness: Numba code compiled, interrupted plans resumed, and the database writable."""
+    ready, reason = core.readiness()
+    if ready:
+        return Health(status="ok")
+    status = "starting" if reason.startswith("starting") else "stopping" if reason == "stopping" else "unavailable"
+    return JSONResponse(Health(status=status, reason=reason).model_dump(exclude_none=True), status_code=503,
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+@router.get("/metrics", tags=["health"], name="metrics", dependencies=_AUTH, response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                             "description": "Prometheus text format"}, **_responses(401)})
+async def metrics(core: PlannerCore = Depends(_core)):
+    """Prometheus metrics: request counts and latency, ingest bytes, plan seconds, compression, waiting steps."""
+    return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---- steps
+
+
+@router.post(
+    "/v1/steps",
+    response_model=SubmitResponse,
+    tags=["steps"],
+    name="submit_rollouts",
+    dependencies=_AUTH,
+    responses=_responses(400, 401, 408, 409, 413, 422, 503),
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "The rollout document (docs/rollouts.md) as JSON, or a serialised "
+            "harts.v1.RolloutBatch with Content-Type: application/x-protobuf.",
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/RolloutBatchDoc"},
+                                     "examples": ROLLOUT_EXAMPLES},
+                PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
+            },
+        }
+    },
+)
+async def submit_rollouts(
+    request: Request,
+    world_size: int | None = Query(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks"),
+    microbatch_tokens: int = Query(0, ge=0, le=INT32, description="0: the service default"),
+    memory_tokens: int = Query(0, ge=0, le=INT64),
+    chunk_size: int = Query(0, ge=0, le=INT32),
+    no_sharing: bool = Query(False),
+    no_windows: bool = Query(False),
+    lockstep: bool = Query(False, description="Plan lock-step phases (see Topology.lockstep)"),
+    core: PlannerCore = Depends(_core),
+) -> SubmitResponse:
+    """Store a step's rollouts: validated whole, idempotent by batch_id and content.
+
+    The same batch_id with the same content (in any JSON spelling, or as protobuf) is a
+    duplicate; with other content, a conflict (409). With `world_size` (or a service default
+    topology) the step is planned at once, in the background; trainers long-poll their slice.
+    """
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype in _PROTO_TYPES:
+        fmt = "proto"
+    elif ctype in ("application/json", "text/json", "") or ctype.endswith("+json"):
+        fmt = "json"
+    else:
+        raise ValidationError("Content-Type", f"expected application/json or {PROTOBUF}, got {ctype!r}")
+    body = await _read_body(request, core.cfg.max_request_bytes)
+    topology = None
+    if world_size is not None:
+        topology = planner_pb2.Topology(
+            world_size=world_size, microbatch_tokens=microbatch_tokens, memory_tokens=memory_tokens,
+            chunk_size=chunk_size, no_sharing=no_sharing, no_windows=no_windows, lockstep=lockstep,
+        )
+    resp = await core.submit_async(body, fmt, topology)
+    return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate)
+
+
+@router.post("/v1/steps/{step_id}/plan", response_model=StepStatus, tags=["steps"], name="plan_step",
+             dependencies=_AUTH, responses=_responses(400, 401, 404, 409, 413, 422, 503),
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/Topology"}, "examples": TOPOLOGY_EXAMPLES}}}})
+async def plan_step(request: Request, step_id: str = Path(min_length=1),
+                    core: PlannerCore = Depends(_core)) -> StepStatus:
+    """Plan (or, after a failure, re-plan) a stored step; idempotent for the same topology."""
+    body = await _read_body(request, min(core.cfg.max_request_bytes, _TOPOLOGY_BYTES))
+    try:
+        topology = Topology.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(["body", *(str(p) for p in first.get("loc", ()))])
+        if first.get("type") == "json_invalid":
+            raise ValidationError("body", f"expected a JSON topology object, got invalid JSON ({first.get('msg')})") from None
+        raise ValidationError(field, first.get("msg", "invalid")) from None
+    return status_model(await core.plan_async(step_id, topology.to_proto()))
+
+
+@router.get(
+    "/v1/steps/{step_id}/ranks/{rank}/plan",
+    tags=["steps"],
+    name="fetch_plan",
+    dependencies=_AUTH,
+    response_class=Response,
+    responses={
+        200: {
+            "content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}},
+            "description": "Sealed harts.v1.PlanSlice bytes, identical on every retry; the "
+            "X-Harts-Checksum header repeats its checksum",
+            "headers": {"X-Harts-Checksum": {"schema": {"type": "string"}, "description": "hex SHA-256"}},
+        },
+        **_responses(400, 401, 404, 422, 503),
+    },
+)
+async def fetch_plan(
+    request: Request,
+    step_id: str = Path(min_length=1),
+    rank: int = Path(ge=0, le=65535),
+    wait: float = Query(0.0, ge=0.0, le=3600.0, description="Long-poll: seconds to wait for the plan"),
+    core: PlannerCore = Depends(_core),
+):
+    """One rank's plan slice; with `wait` the request returns as soon as the step is planned."""
+    if wait > 0:
+        data = await _unless_disconnected(request, core.fetch_async(step_id, rank, wait))
+    else:
+        data = await core.fetch_async(step_id, rank, wait)
+    return Response(data, media_type=PROTOBUF, headers={"X-Harts-Checksum": slice_checksum(data)})
+
+
+@router.get("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="get_status",
+            dependencies=_AUTH, responses=_responses(401, 404, 503))
+async def get_status(step_id: str = Path(min_length=1), core: PlannerCore = Depends(_core)) -> StepStatus:
+    """State, token counts, topology and (once planned) the plan report of a step."""
+    return status_model(await core.status_async(step_id))
+
+
+@router.delete("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="delete_step",
+               dependencies=_AUTH, responses=_responses(401, 404, 503))
+async def delete_step(step_id: str = Path(min_length=1), core: PlannerCore = Depends(_core)) -> StepStatus:
+    """Delete a step with its rollouts and plan (a plan in progress finishes first); returns the
+    step as it was. Its batch_id may then be submitted again, as a new step. `harts serve
+    --retain-steps / --max-age` delete old steps automatically."""
+    return status_model(await core.delete_async(step_id))
+
+
+@router.get("/v1/steps", response_model=StepList, tags=["steps"], name="list_steps",
+            dependencies=_AUTH, responses=_responses(401, 422, 503))
+async def list_steps(limit: int = Query(0, ge=0, le=INT32, description="At most this many (0: default)"),
+                     core: PlannerCore = Depends(_core)) -> StepList:
+    """Steps, newest submission first."""
+    return StepList(steps=[status_model(s) for s in await core.list_steps_async(limit)])
+
+
+def _openapi_with_rollout_schema(app: FastAPI):
+    """`app.openapi` that adds the rollout document's schema (documentation only: ingest validates
+    the body) under components/schemas/RolloutBatchDoc, once."""
+    batch_schema = RolloutBatchDoc.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = batch_schema.pop("$defs", {})
+    generate = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = generate()
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            comps.update(defs)
+            comps["RolloutBatchDoc"] = batch_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def create_app(core: PlannerCore) -> FastAPI:
     """The FastAPI application of one service instance (core owned by the caller)."""
     app = FastAPI(
@@ -341,207 +462,10 @@ def create_app(core: PlannerCore) -> FastAPI:
     )
     add_docs(app)
     app.state.core = core
-    bearer = HTTPBearer(auto_error=False, description="Bearer token configured with `harts serve --token`")
-    token = core.cfg.token
-
-    async def require_token(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if token is None:
-            return
-        if creds is None or creds.scheme.lower() != "bearer" or not hmac.compare_digest(
-            creds.credentials.encode(), token.encode()
-        ):
-            raise AuthError("Authorization: expected 'Bearer <token>' with the service's token")
-
-    auth = [Depends(require_token)]
-
-    @app.exception_handler(HartsError)
-    async def _harts_error(request: Request, exc: HartsError):
-        status, code = status_of(exc)
-        headers = None
-        if isinstance(exc, AuthError):
-            headers = {"WWW-Authenticate": "Bearer"}
-        elif status == 503:
-            headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-        if status >= 500 and not isinstance(exc, StorageError):  # the core logs a storage fault once
-            log.error("%s %s: %s", request.method, request.url.path, exc.message)
-        return _error_response(status, code, exc.message, getattr(exc, "field", None) or None, headers)
-
-    @app.exception_handler(ClientDisconnect)
-    async def _client_gone(request: Request, exc: ClientDisconnect):
-        # nobody is left to answer: the response is dropped; 499 (client closed) is what metrics see
-        log.debug("%s %s: the client disconnected", request.method, request.url.path)
-        return Response(status_code=499)
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_invalid(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        field = ".".join(str(p) for p in first.get("loc", ()))
-        return _error_response(422, "INVALID_ARGUMENT", f"{field}: {first.get('msg', 'invalid')}", field or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        code = {404: "NOT_FOUND", 405: "UNIMPLEMENTED"}.get(exc.status_code, "INVALID_ARGUMENT")
-        return _error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.exception("%s %s failed", request.method, request.url.path)
-        return _error_response(INTERNAL[0], INTERNAL[1], "internal error; the service log has the details")
-
+    for exc_type, handler in _HANDLERS:
+        app.add_exception_handler(exc_type, handler)
+    app.add_middleware(_TokenGate, token=core.cfg.token)
     app.add_middleware(_Measure, metrics=core.metrics)
-
-    # ---- health and metrics
-
-    @app.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["health"], name="healthz")
-    async def healthz() -> Health:
-        """Liveness: the process answers."""
-        return Health(status="ok")
-
-    @app.get("/readyz", response_model=Health, response_model_exclude_none=True, tags=["health"], name="readyz",
-             responses={503: {"model": Health, "description": "Starting, stopping, or the database cannot be "
-                              "written (`reason` says why)"}})
-    async def readyz():
-        """Readiness: Numba code compiled, interrupted plans resumed, and the database writable."""
-        ready, reason = core.readiness()
-        if ready:
-            return Health(status="ok")
-        status = "starting" if reason.startswith("starting") else "stopping" if reason == "stopping" else "unavailable"
-        return JSONResponse(Health(status=status, reason=reason).model_dump(exclude_none=True), status_code=503,
-                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-
-    @app.get("/metrics", tags=["health"], name="metrics", dependencies=auth, response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
-                              "description": "Prometheus text format"}, **_responses(401)})
-    async def metrics():
-        """Prometheus metrics: request counts and latency, ingest bytes, plan seconds, compression, waiting steps."""
-        return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    # ---- steps
-
-    batch_schema = RolloutBatchDoc.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = batch_schema.pop("$defs", {})
-
-    @app.post(
-        "/v1/steps",
-        response_model=SubmitResponse,
-        tags=["steps"],
-        name="submit_rollouts",
-        dependencies=auth,
-        responses=_responses(400, 401, 408, 409, 413, 422, 503),
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "description": "The rollout document (docs/rollouts.md) as JSON, or a serialised "
-                "harts.v1.RolloutBatch with Content-Type: application/x-protobuf.",
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/RolloutBatchDoc"},
-                                         "examples": ROLLOUT_EXAMPLES},
-                    PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
-                },
-            }
-        },
-    )
-    async def submit_rollouts(
-        request: Request,
-        world_size: int | None = Query(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks"),
-        microbatch_tokens: int = Query(0, ge=0, le=_INT32, description="0: the service default"),
-        memory_tokens: int = Query(0, ge=0, le=_INT64),
-        chunk_size: int = Query(0, ge=0, le=_INT32),
-        no_sharing: bool = Query(False),
-        no_windows: bool = Query(False),
-    ) -> SubmitResponse:
-        """Store a step's rollouts: validated whole, idempotent by batch_id and content.
-
-        The same batch_id with the same content (in any JSON spelling, or as protobuf) is a
-        duplicate; with other content, a conflict (409). With `world_size` (or a service default
-        topology) the step is planned at once, in the background; trainers long-poll their slice.
-        """
-        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-        if ctype in _PROTO_TYPES:
-            fmt = "proto"
-        elif ctype in ("application/json", "text/json", "") or ctype.endswith("+json"):
-            fmt = "json"
-        else:
-            raise ValidationError("Content-Type", f"expected application/json or {PROTOBUF}, got {ctype!r}")
-        body = await _read_body(request, core.cfg.max_request_bytes)
-        topology = None
-        if world_size is not None:
-            topology = planner_pb2.Topology(
-                world_size=world_size, microbatch_tokens=microbatch_tokens, memory_tokens=memory_tokens,
-                chunk_size=chunk_size, no_sharing=no_sharing, no_windows=no_windows,
-            )
-        resp = await core.submit_async(body, fmt, topology)
-        return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate)
-
-    app.openapi_schema = None
-    _orig_openapi = app.openapi
-
-    def openapi():
-        if app.openapi_schema is None:
-            schema = _orig_openapi()
-            comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            comps.update(defs)
-            comps["RolloutBatchDoc"] = batch_schema
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-    @app.post("/v1/steps/{step_id}/plan", response_model=StepStatus, tags=["steps"], name="plan_step",
-              dependencies=auth, responses=_responses(400, 401, 404, 409, 422, 503),
-              openapi_extra={"requestBody": {"content": {"application/json": {"examples": TOPOLOGY_EXAMPLES}}}})
-    async def plan_step(topology: Topology, step_id: str = Path(min_length=1)) -> StepStatus:
-        """Plan (or, after a failure, re-plan) a stored step; idempotent for the same topology."""
-        return status_model(await core.plan_async(step_id, topology.to_proto()))
-
-    @app.get(
-        "/v1/steps/{step_id}/ranks/{rank}/plan",
-        tags=["steps"],
-        name="fetch_plan",
-        dependencies=auth,
-        response_class=Response,
-        responses={
-            200: {
-                "content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}},
-                "description": "Sealed harts.v1.PlanSlice bytes, identical on every retry; the "
-                "X-Harts-Checksum header repeats its checksum",
-                "headers": {"X-Harts-Checksum": {"schema": {"type": "string"}, "description": "hex SHA-256"}},
-            },
-            **_responses(400, 401, 404, 422, 503),
-        },
-    )
-    async def fetch_plan(
-        request: Request,
-        step_id: str = Path(min_length=1),
-        rank: int = Path(ge=0, le=65535),
-        wait: float = Query(0.0, ge=0.0, le=3600.0, description="Long-poll: seconds to wait for the plan"),
-    ):
-        """One rank's plan slice; with `wait` the request returns as soon as the step is planned."""
-        if wait > 0:
-            data = await _unless_disconnected(request, core.fetch_async(step_id, rank, wait))
-        else:
-            data = await core.fetch_async(step_id, rank, wait)
-        return Response(data, media_type=PROTOBUF, headers={"X-Harts-Checksum": slice_checksum(data)})
-
-    @app.get("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="get_status",
-             dependencies=auth, responses=_responses(401, 404, 503))
-    async def get_status(step_id: str = Path(min_length=1)) -> StepStatus:
-        """State, token counts, topology and (once planned) the plan report of a step."""
-        return status_model(await core.status_async(step_id))
-
-    @app.delete("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="delete_step",
-                dependencies=auth, responses=_responses(401, 404, 503))
-    async def delete_step(step_id: str = Path(min_length=1)) -> StepStatus:
-        """Delete a step with its rollouts and plan (a plan in progress finishes first); returns the
-        step as it was. Its batch_id may then be submitted again, as a new step. `harts serve
-        --retain-steps / --max-age` delete old steps automatically."""
-        return status_model(await core.delete_async(step_id))
-
-    @app.get("/v1/steps", response_model=StepList, tags=["steps"], name="list_steps",
-             dependencies=auth, responses=_responses(401, 422, 503))
-    async def list_steps(limit: int = Query(0, ge=0, le=_INT32, description="At most this many (0: default)")) -> StepList:
-        """Steps, newest submission first."""
-        return StepList(steps=[status_model(s) for s in await core.list_steps_async(limit)])
-
+    app.include_router(router)
+    app.openapi = _openapi_with_rollout_schema(app)
     return app

@@ -12,10 +12,17 @@ timers) bounds what one connection can hold:
   two pieces of it, else 408 (when no response has started) and close;
 - idle timeout: a keep-alive connection without a new request for `idle_timeout` seconds is
   closed (uvicorn's `timeout_keep_alive`);
-- at most `max_connections` open connections: one more closes the connection that has waited
-  longest for its headers or sat idle the longest, else the upload that has received nothing for
-  the longest time (at least `_STALLED_S`); when every connection is busy with a request, the new
-  one is answered 503 (Retry-After) and closed.
+- at most `max_connections` open connections: one more closes, in this order, the connection
+  that has held half-sent headers the longest (a slowloris), the one that sat idle the longest,
+  the one that connected longest ago without sending a byte (at least `_STALLED_S` ago), else
+  the upload that has received nothing for the longest time (at least `_STALLED_S`). A connection
+  that has just opened is never the victim: the server accepts connections in bursts and reads
+  them after, so an attacker who reconnects every evicted connection at once would otherwise
+  evict new legitimate connections before their (complete) requests were read. While such young
+  connections (or uploads that received data just now) are open, a new one is admitted over the
+  bound (by at most `_OVERFLOW`), and the bound is restored as connections show what they are
+  (half-sent ones are closed). When every connection is busy with a request, the new one is
+  answered 503 (Retry-After) and closed.
 
 The guard logs the first closing at once and then at most one summary line a minute;
 `harts_http_connections_closed_total{reason}` counts every one (header_timeout, body_timeout,
@@ -42,8 +49,12 @@ log = logging.getLogger(__name__)
 __all__ = ["ConnectionLimits", "ConnectionGuard", "GuardedH11Protocol"]
 
 _LOG_EVERY_S = 60.0
+_OVERFLOW = 128
+"""Connections admitted over the bound while the ones just opened may still turn out half-sent
+(one accept burst: the server's file-descriptor budget keeps room for it)."""
 _STALLED_S = 1.0
-"""An upload without data for this long may be closed to admit a new connection."""
+"""An upload without data, or a connection without a byte, for this long may be closed to admit
+a new connection."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -88,9 +99,11 @@ class ConnectionGuard:
         self.limits = limits
         self.metrics = metrics
         self.open = 0
-        # evictable connections, least recently active first: waiting for headers or idle, and uploads
-        self._waiting: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
+        # evictable connections by kind, least recently active first (eviction order)
+        self._evictable: dict[str, OrderedDict[GuardedH11Protocol, float]] = {
+            kind: OrderedDict() for kind in ("half_sent", "idle", "fresh")}
         self._uploading: OrderedDict[GuardedH11Protocol, float] = OrderedDict()
+        self._evicting = 0  # evicted, not closed yet: no longer counted against the bound
         self._pending: Counter[str] = Counter()
         self._last_log = -math.inf
 
@@ -102,37 +115,52 @@ class ConnectionGuard:
         """Count a new connection; False when it must be refused (all others busy)."""
         self.open += 1
         self._gauge()
-        if self.open <= self.limits.max_connections:
+        if self.open - self._evicting <= self.limits.max_connections or self._evict_one(proto):
             return True
-        while self._waiting:
-            victim, _ = self._waiting.popitem(last=False)
-            if victim is not proto and victim.evict():
-                self.note("evicted")
-                return True
+        # no victim now, but connections that opened or sent body data just now may turn out to
+        # be half-sent or stalled: admit this one for the moment (within one accept burst over the bound)
+        young = bool(self._evictable["fresh"]) or bool(self._uploading)
+        return young and self.open - self._evicting <= self.limits.max_connections + _OVERFLOW
+
+    def rebalance(self, proto: GuardedH11Protocol) -> None:
+        """Close victims while more than max_connections are open (`proto` just changed phase)."""
+        while self.open - self._evicting > self.limits.max_connections and self._evict_one(proto):
+            pass
+
+    def _evict_one(self, proto: GuardedH11Protocol) -> bool:
+        """Close one evictable connection other than `proto` (module docstring's order)."""
         now = time.monotonic()
-        while self._uploading:
-            victim, last_data = next(iter(self._uploading.items()))
-            if now - last_data < _STALLED_S:
-                break
-            del self._uploading[victim]
-            if victim is not proto and victim.evict():
-                self.note("evicted")
-                return True
+        pools = [(kind, pool) for kind, pool in self._evictable.items()] + [("uploading", self._uploading)]
+        for kind, pool in pools:
+            while True:
+                victim = next((v for v in pool if v is not proto), None)  # the oldest but `proto`
+                if victim is None or (kind in ("fresh", "uploading") and now - pool[victim] < _STALLED_S):
+                    break
+                del pool[victim]
+                if victim.evict():  # False: it is closing already
+                    self._evicting += 1
+                    self.note("evicted")
+                    return True
         return False
 
     def closed(self, proto: GuardedH11Protocol) -> None:
         self.open -= 1
-        self._waiting.pop(proto, None)
+        if proto.evicted:
+            self._evicting -= 1
+        for waiting in self._evictable.values():
+            waiting.pop(proto, None)
         self._uploading.pop(proto, None)
         self._gauge()
 
     def waiting(self, proto: GuardedH11Protocol, kind: str | None) -> None:
-        """Mark a connection as evictable, most recently active last: kind "waiting" (for headers,
-        or idle), "uploading" (receiving a body), or None (busy: not evictable)."""
-        self._waiting.pop(proto, None)
+        """Mark a connection as evictable, most recently active last: kind "half_sent" (part of
+        its headers), "idle" (keep-alive between requests), "fresh" (connected, nothing sent),
+        "uploading" (receiving a body), or None (busy: not evictable)."""
+        for waiting in self._evictable.values():
+            waiting.pop(proto, None)
         self._uploading.pop(proto, None)
-        if kind == "waiting":
-            self._waiting[proto] = None
+        if kind in self._evictable:
+            self._evictable[kind][proto] = time.monotonic()
         elif kind == "uploading":
             self._uploading[proto] = time.monotonic()
 
@@ -168,6 +196,7 @@ class GuardedH11Protocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._phase = ""
         self._partial = False  # bytes of a request whose headers are not complete yet
+        self.evicted = False
 
     # ---- asyncio.Protocol
 
@@ -219,6 +248,9 @@ class GuardedH11Protocol(H11Protocol):
         if phase in ("body", "busy"):
             self._partial = False
         if phase == self._phase and not (phase == "body" and data_arrived):
+            if phase == "header" and data_arrived:
+                self._guard.waiting(self, "half_sent")  # the header timer keeps running
+                self._guard.rebalance(self)
             return
         self._phase = phase
         self._cancel_timer()
@@ -227,7 +259,12 @@ class GuardedH11Protocol(H11Protocol):
             self._timer = self.loop.call_later(lim.header_timeout, self._expired)
         elif phase == "body":
             self._timer = self.loop.call_later(lim.body_timeout, self._expired)
-        self._guard.waiting(self, "waiting" if phase in ("header", "idle") else "uploading" if phase == "body" else None)
+        if phase == "header":
+            kind = "half_sent" if self._partial else "fresh"
+        else:
+            kind = {"idle": "idle", "body": "uploading"}.get(phase)
+        self._guard.waiting(self, kind)
+        self._guard.rebalance(self)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -262,6 +299,7 @@ class GuardedH11Protocol(H11Protocol):
         """Close this waiting connection to admit a new one; False if it is already closing."""
         if self.transport is None or self.transport.is_closing():
             return False
+        self.evicted = True
         self._cancel_timer()
         why = f"closed to admit another connection (at most {self._guard.limits.max_connections} are open)"
         cycle = self.cycle
@@ -276,6 +314,21 @@ class GuardedH11Protocol(H11Protocol):
         else:
             self.transport.close()
         return True
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not an HTTP/1.1 request, with the service's JSON
+        error body: 431 for a request line and headers over h11's limit (a 1 MB step id)."""
+        pending, _ = self.conn.trailing_data
+        limit = self.conn._max_incomplete_event_size
+        if len(pending) > limit:
+            response = _raw_response(431, "Request Header Fields Too Large", "INVALID_ARGUMENT",
+                                     f"request line and headers: expected at most {limit} bytes, got more (a step "
+                                     "id is at most 512 characters)")
+        else:
+            response = _raw_response(400, "Bad Request", "INVALID_ARGUMENT", "expected an HTTP/1.1 request, got "
+                                     "bytes that do not parse as one")
+        self._phase = "closed"
+        self._close_with(response)
 
     def _close_with(self, response: bytes) -> None:
         self._cancel_timer()

@@ -1,8 +1,10 @@
 """The service's background upkeep: storage probes, plans resumed after a fault, retention, compaction.
 
 One daemon thread per `PlannerCore`. Each round it probes the database (every
-`storage_probe_seconds` while healthy, every second during a fault, at once when a fault starts);
-while the database is healthy it resumes the plans a fault interrupted, deletes what the retention
+`storage_probe_seconds` while healthy, writing nothing; every second during a fault, at once when
+a fault starts); while the database is healthy it resumes the plans a fault interrupted or that
+waited for disk space (after every probe; with a shared store every `resume_every` seconds too,
+which picks up the plans of a replica that died), deletes what the retention
 policy drops (`retain_steps`: keep the newest N; `max_age_seconds`: keep the younger ones) and
 compacts the file after deletions. `wake` starts a round early (a submission under a count policy,
 a deletion, a fault).
@@ -12,12 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from planner_service.errors import NotFoundError, StorageError
-
-if TYPE_CHECKING:
-    from planner_service.core import PlannerCore
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +24,29 @@ __all__ = ["Maintenance"]
 
 
 class Maintenance:
-    """Background upkeep of one core (module docstring).
+    """Background upkeep of one store (module docstring).
 
     Args:
-        core: the service core; its `cfg` holds the policies.
+        store: the database it probes, prunes and compacts.
+        probe_seconds: probe interval while the database is healthy.
+        retain_steps: keep only the newest this many steps (0: no count limit).
+        max_age_seconds: delete steps submitted longer ago (0: no age limit).
+        resume: plans the steps whose planning a fault interrupted (called from this thread).
+        delete: deletes one step the retention policy drops, with its caches (NotFoundError when
+            it is gone already).
+        resume_every: also resume this often (seconds; 0: only after a fault): a shared store's
+            replicas pick up the plans of a replica that died.
     """
 
-    def __init__(self, core: PlannerCore):
-        self.core = core
+    def __init__(self, store, *, probe_seconds: float, retain_steps: int, max_age_seconds: float,
+                 resume: Callable[[], None], delete: Callable[[str], object], resume_every: float = 0.0):
+        self.store = store
+        self.probe_seconds = probe_seconds
+        self.retain_steps = retain_steps
+        self.max_age_seconds = max_age_seconds
+        self._resume_plans = resume
+        self._delete = delete
+        self.resume_every = resume_every
         self._wake = threading.Event()
         self._stop = False
         self._resume = False
@@ -65,11 +79,14 @@ class Maintenance:
         self._wake.set()
 
     def _run(self) -> None:
-        store, cfg = self.core.store, self.core.cfg
-        last_probe = time.monotonic()
+        store = self.store
+        last_probe = last_resume = time.monotonic()
         while not self._stop:
-            interval = 1.0 if store.fault else cfg.storage_probe_seconds
-            self._wake.wait(max(0.0, last_probe + interval - time.monotonic()))
+            interval = 1.0 if store.fault else self.probe_seconds
+            until = last_probe + interval
+            if self.resume_every:
+                until = min(until, last_resume + self.resume_every)
+            self._wake.wait(max(0.0, until - time.monotonic()))
             self._wake.clear()
             if self._stop:
                 return
@@ -78,9 +95,11 @@ class Maintenance:
                     last_probe = time.monotonic()
                     if store.probe() is not None:
                         continue
-                if self._resume:
+                    self._resume = True  # plans that waited for the disk may fit now
+                if self._resume or (self.resume_every and time.monotonic() - last_resume >= self.resume_every):
                     self._resume = False
-                    self.core.resume_pending()
+                    last_resume = time.monotonic()
+                    self._resume_plans()
                 self._retain()
                 self._compact()
             except StorageError:
@@ -89,15 +108,14 @@ class Maintenance:
                 log.exception("maintenance round failed")
 
     def _retain(self) -> None:
-        cfg = self.core.cfg
-        before = time.time() - cfg.max_age_seconds if cfg.max_age_seconds else 0.0
-        if not (cfg.retain_steps or before):
+        before = time.time() - self.max_age_seconds if self.max_age_seconds else 0.0
+        if not (self.retain_steps or before):
             return
-        doomed = self.core.store.expired(keep=cfg.retain_steps, before=before)
+        doomed = self.store.expired(keep=self.retain_steps, before=before)
         deleted = 0
         for step_id in doomed:
             try:
-                self.core.delete(step_id, cause="retention")
+                self._delete(step_id)
                 deleted += 1
             except NotFoundError:
                 pass
@@ -108,6 +126,5 @@ class Maintenance:
         with self._lock:
             pending, self._deleted = self._deleted, 0
         if pending:
-            store = self.core.store
-            freed = store.compact()
-            log.info("compacted %s after %d deletion(s): %d bytes freed", store.path, pending, freed)
+            freed = self.store.compact()
+            log.info("compacted %s after %d deletion(s): %d bytes freed", self.store.path, pending, freed)

@@ -11,7 +11,8 @@ line that tests and scripts wait for:
 
     harts serve: ready http=http://HOST:PORT grpc=HOST:PORT
 
-Ports may be 0 (the lines then name the ports the OS chose). SIGINT/SIGTERM stop both servers.
+Ports may be 0 (the lines then name the ports the OS chose). SIGINT/SIGTERM stop both servers:
+long-polls waiting for a plan answer 503 at once (their clients retry), then the ports close.
 
 Connection hardening: the HTTP side runs `http_guard.GuardedH11Protocol` (header, body and idle
 timeouts, a bound on open connections); gRPC gets the same bounds as channel arguments (handshake
@@ -57,6 +58,20 @@ _RESERVED_FDS = 128
 _BACKLOG = 128
 """Listen backlog of the HTTP socket: also how many connections asyncio accepts in one burst,
 before the guard's evictions have closed theirs (so it is kept free under the fd limit too)."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that stops the core's long-polls first when it shuts down: waiting
+    fetches answer 503 (clients retry, on another replica if they know one) instead of being
+    cancelled after the graceful timeout ("Cancel N running task(s)")."""
+
+    def __init__(self, config: uvicorn.Config, core: PlannerCore):
+        super().__init__(config)
+        self._core = core
+
+    async def shutdown(self, sockets=None) -> None:
+        self._core.stop_serving()
+        await super().shutdown(sockets)
 
 
 def _hostport(host: str, port: int) -> str:
@@ -158,10 +173,10 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
     sock.bind((host, http_port))
     bound_http = sock.getsockname()[1]
     guard = ConnectionGuard(limits, core.metrics)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         create_app(core), http=guard.protocol(), log_level="warning", access_log=False, lifespan="off",
         timeout_keep_alive=limits.idle_timeout, timeout_graceful_shutdown=5, backlog=_BACKLOG,
-    ))
+    ), core)
     urls = f"http=http://{_hostport(host, bound_http)} grpc={_hostport(host, bound_grpc)}"
     announced = asyncio.Event()
 
@@ -213,10 +228,13 @@ class ServerProcess:
         extra: further `harts serve` arguments.
         log_path: where stdout/stderr go (a temp file by default).
         timeout: seconds `start` waits.
+        http_port, grpc_port: ports to listen on (0: chosen by the OS at each start; a fixed port
+            lets a restarted server keep its URL).
     """
 
     def __init__(self, db: str | Path, *, token: str | None = None, extra: list[str] | None = None,
-                 log_path: str | Path | None = None, timeout: float = 120.0):
+                 log_path: str | Path | None = None, timeout: float = 120.0, http_port: int = 0, grpc_port: int = 0):
+        self.http_port, self.grpc_port = http_port, grpc_port
         self.db = str(db)
         self.token = token
         self.extra = list(extra or [])
@@ -228,20 +246,21 @@ class ServerProcess:
 
     def start(self, *, ready: bool = True) -> "ServerProcess":
         """Start and wait for the ready line (ready=False: only for the ports to accept)."""
-        cmd = [sys.executable, "-m", "harts_cli.main", "serve", "--host", "127.0.0.1", "--http-port", "0",
-               "--grpc-port", "0", "--db", self.db, *self.extra]
+        cmd = [sys.executable, "-m", "harts_cli.main", "serve", "--host", "127.0.0.1", "--http-port", str(self.http_port),
+               "--grpc-port", str(self.grpc_port), "--db", self.db, *self.extra]
         env = dict(os.environ)
         if self.token is not None:
             env["HARTS_TOKEN"] = self.token
         else:
             env.pop("HARTS_TOKEN", None)
-        with open(self.log_path, "wb") as out:
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as out:  # a restart appends to the same log
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          cwd=Path(__file__).resolve().parent.parent)
         pattern = READY_RE if ready else LISTENING_RE
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
+            text = self.log_path.read_bytes()[offset:].decode(errors="replace")
             m = pattern.search(text)
             if m:
                 self.http_url, self.grpc_target = m.group(1), m.group(2)

@@ -16,13 +16,37 @@ from planner_service.planner.config import PlanConfig
 from planner_service.planner.cost_model import CostModel
 from proto.harts.v1 import planner_pb2
 
-__all__ = ["ServiceConfig", "topology_to_config", "normalized_topology", "MAX_WORLD_SIZE", "DEFAULT_MICROBATCH_TOKENS"]
+__all__ = ["ServiceConfig", "topology_to_config", "normalized_topology", "check_step_id", "MAX_WORLD_SIZE",
+           "MAX_STEP_ID_CHARS", "DEFAULT_MICROBATCH_TOKENS"]
 
 MAX_WORLD_SIZE = 4096
 """Largest data-parallel world a step is planned for (one sealed slice per rank)."""
 
 DEFAULT_MICROBATCH_TOKENS = 4096
 """Microbatch token budget of a topology that names none (HTTP and gRPC alike)."""
+
+MAX_STEP_ID_CHARS = 512
+"""Longest step id (batch_id): it is echoed in URLs, errors and gRPC trailers (8 KiB at most)."""
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def check_step_id(step_id: str, field: str) -> None:
+    """Raise ValidationError naming `field` unless `step_id` can be a step id: 1 to 512
+    characters, one URL path segment (no '/', not '.' or '..'), no control characters (NUL
+    included), not only whitespace. The project's client reaches every id that passes."""
+    if len(step_id) > MAX_STEP_ID_CHARS:
+        raise ValidationError(field, f"expected at most {MAX_STEP_ID_CHARS} characters, got {len(step_id)}")
+    if not step_id.strip():
+        raise ValidationError(field, f"expected an id with a visible character, got {step_id!r}")
+    if step_id in (".", ".."):
+        raise ValidationError(field, f"expected an id other than '.' and '..' (URL path segments that name "
+                                     f"no step), got {step_id!r}")
+    if "/" in step_id:
+        raise ValidationError(field, f"expected no '/' (a step id is one URL path segment), got {step_id!r}")
+    bad = next((c for c in step_id if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ValidationError(field, f"expected no control characters, got {bad!r} at character {step_id.index(bad)}")
 
 _MiB = 1024 * 1024
 
@@ -32,7 +56,8 @@ class ServiceConfig:
     """Settings of one service instance."""
 
     db_path: str = "harts.db"
-    """SQLite database file (WAL mode); ":memory:" keeps nothing across restarts."""
+    """SQLite database file (WAL mode; ":memory:" keeps nothing across restarts), or the
+    `postgresql://...` URL of a database that replicas share (`planner_service.store.postgres`)."""
     token: str | None = None
     """Bearer token every non-health request must carry; None disables auth."""
     max_request_bytes: int = 1024 * _MiB  # ingest's Limits.max_body_bytes
@@ -64,7 +89,14 @@ class ServiceConfig:
     max_age_seconds: float = 0.0
     """Delete steps submitted longer ago than this many seconds; 0 keeps them however old."""
     storage_probe_seconds: float = 5.0
-    """How often a healthy database is checked for writability (every second during a fault)."""
+    """How often a healthy database is checked for writability (every second during a fault);
+    the check writes nothing."""
+    min_free_bytes: int = 64 * _MiB
+    """SQLite: writes that would leave less disk space free are refused (503) and the service is
+    not ready while less is free, so a full disk never takes the database's own room to recover."""
+    resume_seconds: float = 1.0
+    """Shared (PostgreSQL) stores: how often a replica looks for plans that a replica which died
+    left unfinished (their planning lock is free) and plans them."""
     vacuum: bool = False
     """VACUUM the database once at start, before the service is ready (converts a database of an
     earlier version to incremental auto-vacuum, so that deletions shrink the file)."""
@@ -92,8 +124,12 @@ class ServiceConfig:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if not (self.max_age_seconds >= 0 and math.isfinite(self.max_age_seconds)):
             raise ValueError(f"max_age_seconds: expected a finite number >= 0 (0: no age limit), got {self.max_age_seconds}")
-        if not (0 < self.storage_probe_seconds and math.isfinite(self.storage_probe_seconds)):
-            raise ValueError(f"storage_probe_seconds: expected a finite number > 0, got {self.storage_probe_seconds}")
+        for name in ("storage_probe_seconds", "resume_seconds"):
+            value = getattr(self, name)
+            if not (0 < value and math.isfinite(value)):
+                raise ValueError(f"{name}: expected a finite number > 0, got {value}")
+        if self.min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes: expected >= 0, got {self.min_free_bytes}")
         if self.default_topology is not None:
             topology_to_config(self.default_topology, conv_kernel=self.conv_kernel, chunk_size=self.default_chunk_size,
                                microbatch_tokens=self.default_microbatch_tokens, cost_model=self.cost_model,
@@ -125,7 +161,7 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
             what = "cost model" if name == "cost_model" else "config.json"
             raise ValidationError(f"topology.{name}", f"expected a {what} JSON document, got one that does not parse: {exc}") from None
     try:
-        return PlanConfig(
+        cfg = PlanConfig(
             world_size=topo.world_size,
             microbatch_tokens=topo.microbatch_tokens or microbatch_tokens,
             memory_tokens=topo.memory_tokens,
@@ -135,13 +171,20 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
             windows=not topo.no_windows,
             model_config=extra.get("model"),
             dtype=topo.dtype or "float32",
+            lockstep=topo.lockstep,
             **({"cost_model": extra["cost_model"]} if "cost_model" in extra else {}),
         )
+        row_bytes = cfg.sizes.activation_row_bytes
     except ValueError as exc:
         name, _, msg = str(exc).partition(": ")
         if msg and name.isidentifier():
             raise ValidationError(f"topology.{name}", msg) from None
         raise ValidationError("topology", str(exc)) from None
+    if cfg.memory_tokens > _INT64_MAX // row_bytes:
+        raise ValidationError("topology.memory_tokens",
+                              f"expected at most {_INT64_MAX // row_bytes} (the plan's int64 byte budget at "
+                              f"{row_bytes} activation bytes per row), got {cfg.memory_tokens}")
+    return cfg
 
 
 def normalized_topology(cfg: PlanConfig) -> planner_pb2.Topology:
@@ -156,4 +199,5 @@ def normalized_topology(cfg: PlanConfig) -> planner_pb2.Topology:
         model=json.dumps(cfg.model_config, sort_keys=True) if cfg.model_config is not None else "",
         dtype=cfg.dtype,
         cost_model=cfg.cost_model.to_json() if cfg.cost_model != CostModel() else "",
+        lockstep=cfg.lockstep,
     )

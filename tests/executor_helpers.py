@@ -9,6 +9,15 @@ segment at its own depth from the parent's end state. Microbatches (`groups`, tr
 lists) without windows: a row shared with an earlier microbatch is duplicated (occurrence 0, no
 log-prob entries); log-prob entries live where the row of token i-1 is kept.
 `sharing=False` gives every trajectory its own tree (the expanded baseline).
+
+`lockstep_plan(plan)` turns any plan (this maker's or the plan builder's, windows and
+recomputation included) into a lock-step plan: one global sequence of phases with stand-ins
+(DESIGN §5.7), aligned greedily here, independently of the planner's phase builder.
+
+`cross_rank_plan(plan, importer, dst)` moves a window's importer, with the block of its rank's
+steps from its FORWARD to its BACKWARD (its own importers, and any window opened above it), to
+another rank of a lock-step plan, and emits the windows across ranks (`CrossEdge`) that the move
+creates: the same step, computed with windows that cross ranks (DESIGN §5.7, issue 24).
 """
 from __future__ import annotations
 
@@ -235,3 +244,217 @@ def make_plan(
             st = rank.steps.add()
             st.kind, st.microbatch = kind, g
     return plan
+
+
+def lockstep_plan(plan: plan_pb2.Plan) -> plan_pb2.Plan:
+    """The same plan as a lock-step plan (DESIGN §5.7), aligned here independently of the planner.
+
+    Every rank keeps its real steps in their order. Phases are chosen greedily: the phase kind most
+    ranks' next steps have (FORWARD first on ties); a rank whose next step is of another kind gets
+    a stand-in: FORWARD 0 (no graph) in a forward phase, BACKWARD 0 (forward and backward) in a
+    recompute phase, and in a backward phase BACKWARD k paired with the rank's latest unpaired
+    FORWARD 0, which becomes FORWARD k. A rank without such a forward makes the helper insert a
+    forward phase first (the rank takes a stand-in there).
+    """
+    F, B, R = plan_pb2.PHASE_FORWARD, plan_pb2.PHASE_BACKWARD, plan_pb2.PHASE_RECOMPUTE
+    out = plan_pb2.Plan()
+    out.CopyFrom(plan)
+    out.header.params.lockstep = True
+    queues = []
+    for r in out.ranks:
+        order = [(s.kind, s.microbatch) for s in r.steps] or [
+            (k, i) for i in range(len(r.microbatches)) for k in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD)]
+        queues.append([(k, i, F if k == plan_pb2.ExecStep.FORWARD else R if r.microbatches[i].recompute else B)
+                       for k, i in order])
+    W = len(queues)
+    steps: list[list[tuple[int, int, int]]] = [[] for _ in range(W)]
+    free: list[list[int]] = [[] for _ in range(W)]
+    next_id = [1] * W
+    phases: list[int] = []
+
+    def standin(r: int, phase: int) -> None:
+        if phase == F:
+            free[r].append(len(steps[r]))
+            steps[r].append((plan_pb2.ExecStep.FORWARD, -1, 0))
+        elif phase == R:
+            steps[r].append((plan_pb2.ExecStep.BACKWARD, -1, 0))
+        else:
+            j, k = free[r].pop(), next_id[r]
+            next_id[r] += 1
+            steps[r][j] = (plan_pb2.ExecStep.FORWARD, -1, k)
+            steps[r].append((plan_pb2.ExecStep.BACKWARD, -1, k))
+
+    def take(r: int, phase: int) -> None:
+        if queues[r] and queues[r][0][2] == phase:
+            kind, i, _ = queues[r].pop(0)
+            steps[r].append((kind, i, 0))
+        else:
+            standin(r, phase)
+
+    while any(queues):
+        nexts = [q[0][2] for q in queues if q]
+        chosen = max((F, B, R), key=lambda k: (nexts.count(k), -k))
+        if chosen == B:
+            needy = [r for r in range(W) if not (queues[r] and queues[r][0][2] == B) and not free[r]]
+            if needy:
+                phases.append(F)
+                for r in range(W):
+                    standin(r, F) if r in needy else take(r, F)
+                continue
+        phases.append(chosen)
+        for r in range(W):
+            take(r, chosen)
+    out.header.lockstep_phases = pack(np.array(phases, np.uint8), "uint8")
+    for r, rank in enumerate(out.ranks):
+        del rank.steps[:]
+        for kind, i, k in steps[r]:
+            rank.steps.add(kind=kind, microbatch=i, standin=k)
+    _lockstep_stats(out)
+    return out
+
+
+def _lockstep_stats(plan: plan_pb2.Plan) -> None:
+    """PlanStats.lockstep_* of a lock-step plan, by `plan.phases`' cost model (what the validator checks)."""
+    from plan.phases import lockstep_phases, phase_counts, step_cost
+
+    phases = lockstep_phases(plan.header)
+    st = plan.header.stats
+    st.lockstep_phases = phases.shape[0]
+    st.lockstep_forward_phases, st.lockstep_backward_phases, st.lockstep_recompute_phases = phase_counts(phases)
+    slowest = np.zeros(phases.shape[0])
+    for r in plan.ranks:
+        for i, (s, phase) in enumerate(zip(r.steps, phases.tolist())):
+            if s.microbatch >= 0:
+                slowest[i] = max(slowest[i], step_cost(phase, r.microbatches[s.microbatch].cost))
+    st.lockstep_makespan = float(slowest.sum())
+    st.lockstep_ratio = st.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0
+
+
+def _standin_id(rank: plan_pb2.RankPlan) -> int:
+    return max((s.standin for s in rank.steps), default=0) + 1
+
+
+def cross_rank_plan(plan: plan_pb2.Plan, importer: int, dst: int, rng: np.random.Generator | None = None) -> plan_pb2.Plan:
+    """`plan` (lock-step) with microbatch `importer` (a window child) and the block of its rank's
+    real steps from its FORWARD to its BACKWARD moved to rank `dst`.
+
+    The block's phases (its real steps only) are inserted right after the importer's BACKWARD
+    phase: rank `dst` runs the block there, every other rank stand-ins (a FORWARD stand-in paired
+    with the BACKWARD of the same microbatch, graph-less FORWARD 0 / RECOMPUTE 0 for a recomputed
+    one); on the importer's old rank the block's steps become the same stand-ins. Every window
+    from a microbatch outside the block (still open on the old rank: it was opened before the
+    block and closes after it) to one inside becomes a `CrossEdge` carrying exactly what the
+    importer reads (`plan.window_exports.import_needs`), sent in a phase between the exporter's
+    FORWARD and the importer's, its gradients back between the importer's BACKWARD and the
+    exporter's (`rng` picks them; None: the last and the first possible phase).
+    """
+    from plan.cross_edges import decode_edges, edge_bytes
+    from plan.decode import decode_microbatch
+    from plan.window_exports import export_needs, import_needs
+
+    F, B = plan_pb2.PHASE_FORWARD, plan_pb2.PHASE_BACKWARD
+    out = plan_pb2.Plan()
+    out.CopyFrom(plan)
+    assert out.header.params.lockstep, "cross_rank_plan needs a lock-step plan"
+    phases = list(np.frombuffer(out.header.lockstep_phases, np.uint8))
+    src = next(r for r in out.ranks if any(mb.id == importer for mb in r.microbatches))
+    dst_rank = out.ranks[dst]
+    assert src.rank != dst, "the importer is on rank dst already"
+    involved = {x for r in out.ranks for e in r.cross_edges for x in (e.exporter, e.importer)}
+    ids = [mb.id for mb in src.microbatches]
+    steps = [(s.kind, s.microbatch, s.standin) for s in src.steps]
+    f0 = next(p for p, (k, i, _) in enumerate(steps) if i >= 0 and ids[i] == importer and k == plan_pb2.ExecStep.FORWARD)
+    b0 = next(p for p, (k, i, _) in enumerate(steps) if i >= 0 and ids[i] == importer and k == plan_pb2.ExecStep.BACKWARD)
+    block = [p for p in range(f0, b0 + 1) if steps[p][1] >= 0]
+    moved = {ids[steps[p][1]] for p in block}
+    assert not moved & involved, "the block holds a microbatch of an existing cross edge"
+    params = out.header.params
+    arrays = {mb.id: decode_microbatch(mb, params) for mb in src.microbatches}
+    order = [ids[i] for k, i, _ in steps if i >= 0 and k == plan_pb2.ExecStep.FORWARD]
+    edges = decode_edges(src)
+    sent: dict[int, list] = {}
+    for e in edges:
+        if e.exporter_rank == src.rank:
+            sent.setdefault(e.exporter, []).append(e.needs)
+    needs = export_needs(arrays, order, sent=sent, remote={(e.exporter, e.importer) for e in edges if e.importer_rank == src.rank})
+    pairs = []  # (exporter outside the block, importer inside, what it reads)
+    for x in sorted(moved):
+        for e, nd in import_needs(arrays[x], needs.get(x)).items():
+            if e not in moved:
+                pairs.append((e, x, nd))
+    assert pairs, f"microbatch {importer} imports from no window outside its block"
+
+    # the block's phases, right after the importer's BACKWARD; stand-ins mirror them elsewhere
+    ins, L = b0 + 1, len(block)
+    kinds = [phases[p] for p in block]
+    new_phases = phases[:ins] + kinds + phases[ins:]
+
+    def mirror(first_id):
+        """Stand-ins for the block's real steps: FORWARD x paired with BACKWARD x."""
+        k, pair, got = first_id, {}, []
+        for p in block:
+            kind, i, _ = steps[p]
+            if phases[p] == F:
+                recompute = src.microbatches[i].recompute
+                pair[i] = 0 if recompute else k
+                k += 0 if recompute else 1
+                got.append((kind, -1, pair[i]))
+            else:
+                got.append((kind, -1, pair.pop(i) if phases[p] == B else 0))
+        return got
+
+    new_index = {}  # moved microbatch id -> index on dst
+    for mb in src.microbatches:
+        if mb.id in moved:
+            new_index[mb.id] = len(dst_rank.microbatches)
+            dst_rank.microbatches.add().CopyFrom(mb)
+    keep = [mb for mb in src.microbatches if mb.id not in moved]
+    src_index = {mb.id: j for j, mb in enumerate(keep)}
+    for r in out.ranks:
+        old = [(s.kind, s.microbatch, s.standin) for s in r.steps]
+        if r.rank == src.rank:
+            standins = dict(zip(block, mirror(_standin_id(r))))
+            old = [standins[p] if p in standins else (k, i if i < 0 else src_index[ids[i]], sid)
+                   for p, (k, i, sid) in enumerate(old)]
+            inserted = mirror(max((s for _, _, s in old), default=0) + 1)
+        elif r.rank == dst:
+            inserted = [(steps[p][0], new_index[ids[steps[p][1]]], 0) for p in block]
+        else:
+            inserted = mirror(_standin_id(r))
+        del r.steps[:]
+        for kind, i, sid in old[:ins] + inserted + old[ins:]:
+            r.steps.add(kind=kind, microbatch=i, standin=sid)
+    del src.microbatches[:]
+    src.microbatches.extend(keep)
+    for r in out.ranks:  # the edges of earlier moves: their phases after the insertion move with it
+        for e in r.cross_edges:
+            e.send_phase += L if e.send_phase >= ins else 0
+            e.grad_phase += L if e.grad_phase >= ins else 0
+    out.header.lockstep_phases = pack(np.array(new_phases, np.uint8), "uint8")
+
+    def phase_of(rank, mb_id, kind):
+        idx = {m.id: j for j, m in enumerate(rank.microbatches)}[mb_id]
+        return next(p for p, s in enumerate(rank.steps) if s.microbatch == idx and s.kind == kind)
+
+    _lockstep_stats(out)
+    first = max((e.id for r in out.ranks for e in r.cross_edges), default=-1) + 1
+    fwd, bwd = plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD
+    for n, (e, x, nd) in enumerate(pairs):
+        lo, hi = phase_of(src, e, fwd), phase_of(dst_rank, x, fwd) - 1
+        glo, ghi = phase_of(dst_rank, x, bwd), phase_of(src, e, bwd) - 1
+        assert lo <= hi and glo <= ghi, (lo, hi, glo, ghi)
+        send = hi if rng is None else int(rng.integers(lo, hi + 1))
+        grad = glo if rng is None else int(rng.integers(glo, ghi + 1))
+        edge = plan_pb2.CrossEdge(
+            id=first + n, exporter=e, exporter_rank=src.rank, importer=x, importer_rank=dst,
+            attn_rows=pack(nd.rows["attn"], "int32"), conv_rows=pack(nd.rows["conv"], "int32"),
+            kernel_rows=pack(nd.rows["kernel"], "int32"), states=pack(nd.states, "int32"),
+            send_phase=send, grad_phase=grad, bytes=edge_bytes(params.memory, nd.rows, nd.states))
+        src.cross_edges.add().CopyFrom(edge)
+        dst_rank.cross_edges.add().CopyFrom(edge)
+    return out
+
+
+def window_importers(plan: plan_pb2.Plan) -> list[tuple[int, int]]:
+    """(rank, microbatch id) of every microbatch that imports from a window, in rank order."""
+    return [(r.rank, mb.id) for r in plan.ranks for mb in r.microbatches if len(mb.import_row) or len(mb.state_imports)]

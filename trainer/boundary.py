@@ -17,12 +17,22 @@ export from that table; `states(name)` and `export_states(name, table)` do the s
 The forward's outputs therefore include its exports, and nothing outside the returned values is
 changed: a recomputed forward over the same imports returns the same exports.
 
+`export_layout(config, dtype)` lists every export name with its kind, per-row shape and dtype in
+the canonical order of a window across ranks (proto `CrossEdge`): per layer, K then V of a
+softmax-attention layer, the conv inputs, q, k, v, g, beta and the states of a linear-attention
+layer. Activations travel in the compute dtype, g and the states in `compute_dtype` (fp32 for a
+bf16 or fp32 model): the dtypes the forward computes them in.
+
 Legend: R rows, n rows of one kind, l layer index.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
+from kernels.dtypes import compute_dtype
+from plan.memory_model import FULL
 from plan.window_exports import ATTN, CONV, KERNEL
 from trainer.layout import WindowIO
 
@@ -36,12 +46,35 @@ def kind_of(name: str) -> str:
     return _KIND[name.split(".", 1)[1]]
 
 
+def export_layout(cfg, dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
+    """(name, kind, per-row shape, dtype) of every export of a model, in the canonical order of a
+    window across ranks (module docstring).
+
+    Args:
+        cfg: the model's `trainer.models.ModelConfig`.
+        dtype: the activations' dtype (the compute dtype: FSDP2's param_dtype under mixed precision).
+    """
+    acc = compute_dtype(dtype)
+    Hk, Hv, Kd, Vd = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    out = []
+    for layer, kind in enumerate(cfg.layer_types):
+        if kind == FULL:
+            kv = (cfg.num_key_value_heads, cfg.head_dim)
+            out += [(f"{layer}.attn_k", ATTN, kv, dtype), (f"{layer}.attn_v", ATTN, kv, dtype)]
+        else:
+            out += [(f"{layer}.conv", CONV, (2 * Hk * Kd + Hv * Vd,), dtype), (f"{layer}.q", KERNEL, (Hk, Kd), dtype),
+                    (f"{layer}.k", KERNEL, (Hk, Kd), dtype), (f"{layer}.v", KERNEL, (Hv, Vd), dtype),
+                    (f"{layer}.g", KERNEL, (Hv,), acc), (f"{layer}.beta", KERNEL, (Hv,), dtype),
+                    (f"{layer}.state", STATE, (Hv, Kd, Vd), acc)]
+    return out
+
+
 class Boundary:
     """Imports in, exports out, for one microbatch forward."""
 
     __slots__ = ("window", "imports", "exports")
 
-    def __init__(self, window: WindowIO, imports: dict[str, torch.Tensor] | None = None):
+    def __init__(self, window: WindowIO, imports: Mapping[str, torch.Tensor] | None = None):
         self.window = window
         self.imports = imports or {}
         """name -> imported tensor (the kind's imported rows, in the layout's order)."""
@@ -78,3 +111,29 @@ class Boundary:
             if missing:
                 raise ValueError(f"boundary: {name} exports states {missing} that no linear call computed")
             self.exports[name] = torch.stack([table[int(i)] for i in ids.tolist()])
+
+
+class Imports(Mapping):
+    """A microbatch's import leaves by name, as the executor hands them to a model forward.
+
+    A read-only mapping that is neither a dict nor a dataclass, on purpose: FSDP2 wraps every
+    tensor requiring grad that it finds in a root module's inputs (dicts and dataclasses included)
+    in its post-backward function, so the root unit's gradient reduce-scatter would run when the
+    imports' gradients are complete instead of in its final callback, as it does on a rank whose
+    microbatch imports nothing. Hidden here, every rank reduces the root at the same point of
+    every backward (lock-step plans pair collectives across ranks, DESIGN §5.7).
+    """
+
+    __slots__ = ("_by_name",)
+
+    def __init__(self, by_name: dict[str, torch.Tensor]):
+        self._by_name = by_name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._by_name[name]
+
+    def __iter__(self):
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)

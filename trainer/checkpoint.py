@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -34,21 +32,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.distributed import DistContext, barrier
+from trainer.step_dirs import LATEST, latest_name, point_latest, prune, step_name, write_atomic
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "load", "latest", "read_meta", "prune", "CheckpointError"]
+__all__ = ["save", "load", "load_model_tensors", "latest", "read_meta", "prune", "CheckpointError"]
 
-LATEST = "latest"
 META = "harts.json"
 
 
 class CheckpointError(Exception):
     """A checkpoint directory that cannot be resumed from."""
-
-
-def _name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def save(ckpt_dir: str | Path, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -58,7 +52,7 @@ def save(ckpt_dir: str | Path, *, step: int, model: torch.nn.Module, optimizer: 
     Side effects: creates `ckpt_dir/step-XXXXXXXX/` and points `ckpt_dir/latest` at it.
     """
     root = Path(ckpt_dir)
-    path = root / _name(step)
+    path = root / step_name(step)
     if ctx.is_main:
         path.mkdir(parents=True, exist_ok=True)
     barrier(ctx)
@@ -71,20 +65,20 @@ def save(ckpt_dir: str | Path, *, step: int, model: torch.nn.Module, optimizer: 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(path), no_dist=not ctx.initialized)
     if ctx.is_main:
-        _write_atomic(path / META, json.dumps({"step": step, **meta}, indent=1))
-        _write_atomic(root / LATEST, path.name + "\n")
+        write_atomic(path / META, json.dumps({"step": step, **meta}, indent=1))
+        point_latest(root, path.name)
     barrier(ctx)
     return path
 
 
 def latest(ckpt_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under `ckpt_dir`, or None when there is none."""
-    pointer = Path(ckpt_dir) / LATEST
-    if not pointer.is_file():
+    name = latest_name(ckpt_dir)
+    if name is None:
         return None
-    path = Path(ckpt_dir) / pointer.read_text().strip()
+    path = Path(ckpt_dir) / name
     if not (path / ".metadata").is_file() or not (path / META).is_file():
-        raise CheckpointError(f"{pointer}: expected a complete checkpoint at {path}, found none")
+        raise CheckpointError(f"{Path(ckpt_dir) / LATEST}: expected a complete checkpoint at {path}, found none")
     return path
 
 
@@ -120,21 +114,16 @@ def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Opt
     return meta
 
 
-def prune(ckpt_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints under `ckpt_dir` (0: keep all); never the one
-    `latest` names. Returns the removed directories. Call on one rank, after `save`."""
-    if keep <= 0:
-        return []
-    root = Path(ckpt_dir)
-    current = latest(root)
-    steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
-    doomed = [p for p in steps[:-keep] if p != current]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed
+def load_model_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Read some of a checkpoint's model tensors by parameter name into `tensors` (full, in this process).
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    Only those tensors are read (`harts export` goes unit by unit).
+    Raises:
+        CheckpointError: a name the checkpoint does not have.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load({"model": tensors}, checkpoint_id=str(path), no_dist=True)
+        except (RuntimeError, KeyError) as exc:  # DCP raises CheckpointException (a RuntimeError) for missing keys
+            raise CheckpointError(f"{path}: expected model tensors {sorted(tensors)[:3]}..., got {exc}") from None

@@ -26,6 +26,24 @@ keeping only its exports; at BACKWARD it re-runs the forward with a graph on the
 (the re-run's exports are the same bits: `check_recompute` asserts it) and backpropagates that.
 Losses, log-probs, expert loads and probes are recorded from the first forward only.
 
+An open window's importers are found by id, never as the top of the stack: a lock-step order may
+open a window above an unrelated open window (still properly nested).
+
+Lock-step plans (DESIGN §5.7; phases and stand-ins checked by `plan.slice_check` with the rules
+of `plan.phases`): each rank has one step per phase; stand-in steps (microbatch -1) run a one-row
+zero-loss microbatch (`trainer.lockstep`) so that every rank issues the same FSDP2 collectives in
+every phase, and every microbatch marked `recompute` re-runs its forward inside its BACKWARD (a
+PHASE_RECOMPUTE phase), exporter or not. With `reach_all_units` every backward also carries an
+exact zero over the final hidden states, so that it reaches every sharded unit.
+
+Windows across ranks (`RankPlan.cross_edges`, `trainer.cross_rank`): a lock-step plan may run a
+window's importer on another rank than its exporter. The exporter's export table then also holds
+the rows its remote importers read; at the end of each phase the rank sends or receives the
+edges of that phase (exports at `send_phase`, their gradients at `grad_phase`) through the
+executor's transport; the importer builds its leaves from what it received exactly as from a
+local window, and the exporter's one BACKWARD includes the gradients that came back. A whole
+Plan with cross edges runs its ranks phase by phase in this process (`LocalTransport`).
+
 Dtypes: values upcast for accuracy (logits, log-probs, router probabilities, the load-balancing
 loss) use `compute_dtype` (at least fp32), so a float64 model (`model.double()`, the oracle of
 `harts verify --f64-reference`) runs in float64 end to end.
@@ -45,12 +63,16 @@ import torch
 
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
+from plan.cross_edges import check_plan_edges, decode_edges
 from plan.decode import BACKWARD, FORWARD, MicrobatchArrays, decode_microbatch, rank_plans, rank_steps
 from plan.header import check_header
-from plan.slice_check import check_rank
+from plan.slice_check import DecodedSlice, check_rank
 from plan.window_exports import export_needs
-from trainer.boundary import kind_of
+from trainer.boundary import Imports, export_layout, kind_of
+from trainer.config.schema import ExecutorSection
+from trainer.cross_rank import LocalTransport, RankEdges, Received
 from trainer.layout import RowLayout, layout_from_arrays
+from trainer.lockstep import standin_microbatch
 from trainer.loss import LossConfig, MicrobatchLoss, expert_load, microbatch_loss
 from trainer.models.qwen3_next import ModelOutput, Qwen3NextForRL, RunOptions
 from trainer.objectives import Normalizers, ObjectiveConfig
@@ -73,20 +95,12 @@ def kernel_backend(name: str):
 
 
 @dataclass(slots=True, kw_only=True)
-class ExecutorConfig:
-    """How the executor runs plans."""
+class ExecutorConfig(ExecutorSection):
+    """How the executor runs plans: the config file's `executor` section (chunk_size, backend,
+    aux_loss_coef, attention_backend; `trainer.config.ExecutorSection`) plus what a caller sets in code."""
 
-    chunk_size: int = 64
-    """Linear-attention kernel chunk size C; plans made for another C are rejected."""
-    backend: str = "ref"
-    """Kernel backend of the chunked gated delta rule ("ref" on CPU, "triton" on GPU)."""
-    attention_backend: str = "auto"
-    """Tree-attention backend (`kernels.tree_attention.BACKENDS`); "auto": "blocked" for a model on the
-    CPU (exact, bitwise batch-invariant), "triton" on a GPU."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The RL loss."""
-    aux_loss_coef: float = 0.0
-    """Weight of the occurrence-weighted load-balancing loss of each microbatch (MoE only)."""
     want_logprobs: bool = False
     """Return per-trajectory log-probs in StepResult.logprobs."""
     want_entropies: bool = False
@@ -99,17 +113,19 @@ class ExecutorConfig:
     "none": decode only (bounds checks)."""
     check_recompute: bool = False
     """Assert that a recomputed forward reproduces its first forward's exports bitwise (tests)."""
+    reach_all_units: bool = False
+    """Add an exact zero, 0 * sum(final hidden states), to every loss that is backpropagated, so
+    that every backward reaches every decoder block and the root: a sharded (FSDP2) unit that a
+    backward does not reach issues none of its collectives there (a window parent whose exports
+    come from early layers only, a microbatch or stand-in without log-prob entries) and the ranks
+    would pair different collectives. The trainer sets it for FSDP2 (`trainer.parallelize`)."""
+    activation_dtype: torch.dtype | None = None
+    """The dtype the model computes activations in (FSDP2's param_dtype under mixed precision);
+    windows across ranks send their exports in it (`trainer.boundary.export_layout`). None: the
+    model's parameter dtype."""
 
     def __post_init__(self) -> None:
-        c = self.chunk_size
-        if c < 1 or c & (c - 1):
-            raise ValueError(f"chunk_size: expected a power of two, got {c}")
-        if self.aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
-        from kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
-
-        if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend: expected auto or one of {tuple(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        ExecutorSection.__post_init__(self)  # zero-argument super() fails in slotted dataclasses
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {self.validate!r}")
 
@@ -135,6 +151,8 @@ class StepResult:
     """Microbatches that imported from a window ancestor."""
     recomputed_microbatches: int = 0
     """Window parents whose forward ran twice (activation recomputation)."""
+    standins: int = 0
+    """Lock-step stand-in steps run (phases where a rank had no real step of the phase's kind)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Sums over microbatches of the objective's `LossTerms.stats` (keys ending in _max / _min:
     max / min), for the trainer's metrics."""
@@ -150,7 +168,8 @@ class StepResult:
             "loss": self.loss, "policy_loss": self.policy_loss, "kl": self.kl, "aux_loss": self.aux_loss,
             "computed_tokens": self.computed_tokens, "expanded_tokens": self.expanded_tokens,
             "microbatches": self.microbatches, "windows": self.windows,
-            "recomputed_microbatches": self.recomputed_microbatches, "seconds": round(self.seconds, 4),
+            "recomputed_microbatches": self.recomputed_microbatches, "standins": self.standins,
+            "seconds": round(self.seconds, 4),
         }
 
 
@@ -163,12 +182,16 @@ def _normalizers(header: plan_pb2.PlanHeader) -> Normalizers:
     )
 
 
-def _decode_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan, mode: str) -> tuple[dict[int, MicrobatchArrays], list[tuple[int, int]]]:
-    """Decoded microbatches by id and the execution steps (kind, index) of one rank."""
-    if mode == "none":
-        return {mb.id: decode_microbatch(mb, header.params) for mb in rank.microbatches}, rank_steps(rank)
-    d = check_rank(header, rank)
-    return d.by_id(), d.steps
+def _decode_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan, mode: str) -> DecodedSlice:
+    """One rank decoded once: checked by `plan.slice_check` (its phases, stand-ins and cross edges
+    included), or with mode "none" only decoded (bounds checks)."""
+    if mode != "none":
+        return check_rank(header, rank)
+    arrays = [decode_microbatch(mb, header.params) for mb in rank.microbatches]
+    steps = rank_steps(rank)
+    return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps,
+                        standins=[int(s.standin) for s in rank.steps] or [0] * len(steps),
+                        phases=unpack(header.lockstep_phases, "uint8"), edges=decode_edges(rank))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -177,12 +200,14 @@ class _Open:
 
     layout: RowLayout
     imports: dict[str, torch.Tensor]
-    """Its import leaves by name (gradients accumulate on them)."""
+    """Its import leaves by name (gradients accumulate on them; empty for a stand-in)."""
     exports: dict[str, torch.Tensor]
     """Its exports by name: with graph, or detached when it will be recomputed."""
     loss: torch.Tensor | None
     """The loss with graph (None when recomputed: the re-run provides it)."""
     recompute: bool
+    sources: dict[int, "_Open | Received"] = field(default_factory=dict)
+    """Exporter id -> where its imports came from (an open window here, or one across ranks)."""
     export_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     """name -> gradient its importers accumulated on the export."""
 
@@ -190,9 +215,16 @@ class _Open:
 class Executor:
     """Runs plans on one model replica."""
 
-    def __init__(self, model: Qwen3NextForRL, cfg: ExecutorConfig | None = None):
+    def __init__(self, model: Qwen3NextForRL, cfg: ExecutorConfig | None = None, *, transport=None):
+        """
+        Args:
+            transport: moves the tensors of windows across ranks of a PlanSlice
+                (`trainer.cross_rank.P2PTransport`); None: a slice with cross edges is refused.
+                A whole Plan runs every rank here and needs none.
+        """
         self.model = model
         self.cfg = cfg or ExecutorConfig()
+        self.transport = transport
         self.device = next(model.parameters()).device
         attention = self.cfg.attention_backend
         if attention == "auto":
@@ -206,6 +238,16 @@ class Executor:
             objective=self.cfg.objective, aux_loss_coef=self.cfg.aux_loss_coef, want_entropy=self.cfg.want_entropies,
             num_experts=self.num_experts if self.moe_layers else 0, top_k=mc.num_experts_per_tok,
         )
+        self._standin_layout: RowLayout | None = None
+        self.export_layout = export_layout(mc, self.cfg.activation_dtype or next(model.parameters()).dtype)
+        """The exports' names, shapes and dtypes in the order windows across ranks send them."""
+
+    def standin_layout(self, params: plan_pb2.PlanParams) -> RowLayout:
+        """The layout of a lock-step stand-in (`trainer.lockstep.standin_microbatch`), made once."""
+        if self._standin_layout is None:
+            a = decode_microbatch(standin_microbatch(conv_kernel=self.model.config.linear_conv_kernel_dim), params)
+            self._standin_layout = layout_from_arrays(a, chunk_size=self.cfg.chunk_size).to(self.device)
+        return self._standin_layout
 
     def check_plan(self, plan) -> None:
         """Reject a plan this model cannot run exactly; raises ValueError naming the field."""
@@ -229,6 +271,8 @@ class Executor:
             before_last_backward: called once, right before the step's last backward (e.g. to
                 re-enable FSDP gradient reduction that was off for the earlier ones).
         Side effects: parameter .grad accumulates the step's gradient; the caller steps the optimizer.
+        A slice with windows across ranks exchanges their tensors with the other ranks through
+        the executor's transport (collective with those ranks).
         """
         t0 = time.perf_counter()
         self.check_plan(plan)
@@ -242,22 +286,35 @@ class Executor:
                 plan_validator.validate_slice(plan)
         elif self.cfg.validate == "check":
             check_header(header)
+        if isinstance(plan, plan_pb2.Plan):
+            check_plan_edges(ranks)
         norm = _normalizers(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
-        run = _StepRun(self, header, norm, backward=backward, total_steps=sum(len(rank_steps(r)) for r in ranks),
-                       before_last_backward=before_last_backward)
-        for rank in ranks:
-            run.rank(rank)
+        walks = [_RankWalk(self, header, r) for r in ranks]
+        run = _StepRun(self, header, norm, backward=backward, walks=walks, before_last_backward=before_last_backward)
+        if any(w.edges is not None for w in walks):
+            transport = LocalTransport() if isinstance(plan, plan_pb2.Plan) else self.transport
+            if transport is None:
+                raise ValueError(f"rank {ranks[0].rank}: the slice has {len(ranks[0].cross_edges)} cross edges (windows "
+                                 "across ranks) but the executor has no transport; run it under torch.distributed "
+                                 "with Executor(..., transport=trainer.cross_rank.P2PTransport(...))")
+            run.phases(transport)
+        else:
+            for w in walks:
+                run.walk(w)
         return run.result(time.perf_counter() - t0)
 
     def forward(self, layout: RowLayout, imports: dict[str, torch.Tensor] | None, norm: Normalizers, *,
                 grad: bool) -> tuple[ModelOutput, MicrobatchLoss]:
         """One microbatch forward and its loss (pure: re-running it gives the same outputs)."""
         with torch.set_grad_enabled(grad):
-            out = self.model(layout, self.run_options, imports, logit_rows=layout.logprobs.rows_U,
-                             capture_linear=self.cfg.capture_linear)
-            return out, microbatch_loss(out, layout, norm, self.loss_cfg)
+            out = self.model(layout, self.run_options, Imports(imports) if imports else None,
+                             logit_rows=layout.logprobs.rows_U, capture_linear=self.cfg.capture_linear)
+            mb_loss = microbatch_loss(out, layout, norm, self.loss_cfg)
+            if grad and self.cfg.reach_all_units:  # + 0.0 exactly: the loss and every gradient keep their bits
+                mb_loss.loss = mb_loss.loss + out.hidden.sum() * 0.0
+            return out, mb_loss
 
 
 def train_step(executor: Executor, plan, optimizer: torch.optim.Optimizer) -> StepResult:
@@ -269,42 +326,103 @@ def train_step(executor: Executor, plan, optimizer: torch.optim.Optimizer) -> St
     return res
 
 
+class _RankWalk:
+    """One rank's part of a step: its decoded slice, its open windows and stand-ins, its cross edges."""
+
+    def __init__(self, ex: Executor, header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan):
+        d = _decode_rank(header, rank, ex.cfg.validate)
+        self.rank = d.rank
+        self.arrays = d.by_id()
+        self.ids = [a.id for a in d.microbatches]
+        self.steps = [(kind, i, k) for (kind, i), k in zip(d.steps, d.standins)]
+        self.phases = d.phases
+        order = [self.ids[i] for kind, i, _ in self.steps if kind == FORWARD and i >= 0]
+        sent: dict[int, list] = {}
+        for e in d.edges:
+            if e.exporter_rank == d.rank:
+                sent.setdefault(e.exporter, []).append(e.needs)
+        remote = {(e.exporter, e.importer) for e in d.edges if e.importer_rank == d.rank}
+        self.needs = export_needs(self.arrays, order, sent=sent, remote=remote)
+        self.edges = RankEdges(d.rank, d.edges, self.needs, ex.export_layout, ex.device) if d.edges else None
+        self.open: dict[int, _Open] = {}
+        self.standins: dict[int, _Open] = {}
+
+    def finish(self) -> None:
+        if self.open:
+            raise ValueError(f"rank {self.rank}: microbatches {sorted(self.open)} were forwarded but never backwarded")
+
+
 class _StepRun:
-    """One step's walk over the ranks' execution orders, with the stack of open windows."""
+    """One step's walk over the ranks' execution orders, with their stacks of open windows."""
 
     def __init__(self, ex: Executor, header: plan_pb2.PlanHeader, norm: Normalizers, *, backward: bool,
-                 total_steps: int, before_last_backward: Callable[[], None] | None):
+                 walks: list[_RankWalk], before_last_backward: Callable[[], None] | None):
         self.ex, self.header, self.norm, self.backward = ex, header, norm, backward
         cfg = ex.cfg
         self.probes = TrajectoryProbes(header, logprobs=cfg.want_logprobs, entropies=cfg.want_entropies,
                                        linear=cfg.capture_linear)
         self.totals = dict(loss=0.0, policy=0.0, kl=0.0, ent=0.0, aux=0.0, loss_tokens=0.0)
         self.stats: dict[str, float] = {}
-        self.computed = self.n_mb = self.windows = self.recomputed = 0
+        self.computed = self.n_mb = self.windows = self.recomputed = self.standins = 0
         self.load = torch.zeros(len(ex.moe_layers), max(ex.num_experts, 1), dtype=torch.float64)
-        self.total_steps, self.steps_done = total_steps, 0
-        self.backwards_left = total_steps // 2 if backward else 0  # every microbatch: one forward, one backward
+        self.walks = walks
+        self.total_steps, self.steps_done = sum(len(w.steps) for w in walks), 0
+        backwards = sum(kind == BACKWARD for w in walks for kind, _, _ in w.steps)
+        self.backwards_left = backwards if backward else 0
         self.before_last_backward = before_last_backward
         self.t0 = self.last_report = time.perf_counter()
 
-    def rank(self, rank: plan_pb2.RankPlan) -> None:
-        arrays, steps = _decode_rank(self.header, rank, self.ex.cfg.validate)
-        ids = [mb.id for mb in rank.microbatches]
-        order = [ids[i] for k, i in steps if k == FORWARD]
-        needs = export_needs(arrays, order)
-        open_: dict[int, _Open] = {}
-        for kind, i in steps:
-            m = ids[i]
-            if kind == FORWARD:
-                open_[m] = self._forward(arrays[m], needs, open_)
-            else:
-                st = open_.pop(m, None)
-                if st is None:
-                    raise ValueError(f"rank {rank.rank}: backward of microbatch {m} without an open forward")
-                self._backward(m, st, open_)
-            self._progress()
-        if open_:
-            raise ValueError(f"rank {rank.rank}: microbatches {sorted(open_)} were forwarded but never backwarded")
+    def walk(self, w: _RankWalk) -> None:
+        """Every step of one rank, in order (a rank without windows across ranks)."""
+        for p in range(len(w.steps)):
+            self.step(w, p)
+        w.finish()
+
+    def phases(self, transport) -> None:
+        """Every rank's step of each phase, then the phase's transfers of windows across ranks (a
+        lock-step plan: step p of every rank runs in phase p)."""
+        kinds = self.walks[0].phases.tolist()
+        for p, kind in enumerate(kinds):
+            for w in self.walks:
+                self.step(w, p)
+            moves = [(w, w.edges.transfers(p, w.open, backward=self.backward)) for w in self.walks if w.edges is not None]
+            transport.run(p, [t for _, ts in moves for t in ts], kind)
+            for w, ts in moves:
+                w.edges.complete(ts, w.open)
+        for w in self.walks:
+            w.finish()
+
+    def step(self, w: _RankWalk, p: int) -> None:
+        """Step p of rank w."""
+        kind, i, standin = w.steps[p]
+        if i < 0:
+            self._standin(kind, standin, w.standins)
+        elif kind == FORWARD:
+            m = w.ids[i]
+            w.open[m] = self._forward(w, w.arrays[m])
+        else:
+            m = w.ids[i]
+            if m not in w.open:
+                raise ValueError(f"rank {w.rank}: backward of microbatch {m} without an open forward")
+            self._backward(m, w.open.pop(m))
+        self._progress()
+
+    def _standin(self, kind: int, standin: int, standins: dict[int, _Open]) -> None:
+        """A lock-step stand-in: the collectives of a real step of its phase, with an exact zero loss."""
+        self.standins += 1
+        if kind == BACKWARD and not self.backward:
+            return
+        if kind == FORWARD:
+            layout = self.ex.standin_layout(self.header.params)
+            keep = bool(standin) and self.backward
+            _, mb_loss = self.ex.forward(layout, None, self.norm, grad=keep)
+            if keep:
+                standins[standin] = _Open(layout=layout, imports={}, exports={}, loss=mb_loss.loss, recompute=False)
+        elif standin:  # PHASE_BACKWARD: through the graph its FORWARD kept
+            self._backward(-1, standins.pop(standin))
+        else:  # PHASE_RECOMPUTE: forward and backward here
+            layout = self.ex.standin_layout(self.header.params)
+            self._backward(-1, _Open(layout=layout, imports={}, exports={}, loss=None, recompute=True))
 
     def _progress(self) -> None:
         """One log line every PROGRESS_SECONDS of a long step."""
@@ -315,11 +433,18 @@ class _StepRun:
             log.info("step %s: %d/%d microbatch steps (forward/backward), %d rows so far, %.0f s",
                      self.header.step_id, self.steps_done, self.total_steps, self.computed, now - self.t0)
 
-    def _forward(self, a: MicrobatchArrays, needs, open_: dict[int, _Open]) -> _Open:
+    def _forward(self, w: _RankWalk, a: MicrobatchArrays) -> _Open:
         ex = self.ex
+        needs = w.needs
+        remote = w.edges.into(a.id) if w.edges is not None else {}
+        if remote:  # the export tables of exporters on other ranks, as this importer receives them
+            needs = {**needs, **remote}
         layout = layout_from_arrays(a, needs, chunk_size=ex.cfg.chunk_size).to(ex.device)
-        imports = self._imports(layout, open_)
-        recompute = bool(a.recompute and self.backward and a.id in needs)
+        sources = self._sources(w, a, layout)
+        imports = self._imports(layout, sources)
+        # A recomputed forward runs without a graph: only a window parent needs it, but in a lock-step
+        # plan every rank re-runs the forwards its phases say (PHASE_RECOMPUTE), exporter or not.
+        recompute = bool(a.recompute and self.backward and (a.id in w.needs or self.header.params.lockstep))
         out, mb_loss = ex.forward(layout, imports, self.norm, grad=self.backward and not recompute)
         self._record(a, layout, out, mb_loss)
         if layout.window.imports_anything:
@@ -328,27 +453,40 @@ class _StepRun:
             self.recomputed += 1
         exports = {k: v.detach() for k, v in out.exports.items()} if not self.backward or recompute else out.exports
         return _Open(layout=layout, imports=imports, exports=exports, loss=None if recompute else mb_loss.loss,
-                     recompute=recompute)
+                     recompute=recompute, sources=sources)
 
-    def _imports(self, layout: RowLayout, open_: dict[int, _Open]) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _sources(w: _RankWalk, a: MicrobatchArrays, layout: RowLayout) -> dict[int, "_Open | Received"]:
+        """Exporter id -> the open window (or the window across ranks) each of a's imports comes from."""
+        received = w.edges.sources(a.id) if w.edges is not None else {}
+        out: dict[int, _Open | Received] = {}
+        for src in layout.window.import_from.values():
+            for e in np.unique(src.exporter).tolist():
+                if e in out:
+                    continue
+                got = received.get(e) if e not in w.open else w.open[e]
+                if got is None:
+                    raise ValueError(f"microbatch {a.id} imports from microbatch {e}, which is not an open window "
+                                     f"on rank {w.rank} and no cross edge brought it")
+                out[e] = got
+        return out
+
+    def _imports(self, layout: RowLayout, sources: dict[int, "_Open | Received"]) -> dict[str, torch.Tensor]:
         """Fresh leaves of the rows and states this microbatch imports, copied from its exporters."""
         w = layout.window
         imports: dict[str, torch.Tensor] = {}
         for kind, src in w.import_from.items():
             exporters = np.unique(src.exporter).tolist()
-            for e in exporters:
-                if e not in open_:
-                    raise ValueError(f"microbatch imports from microbatch {e}, which is not an open window")
-            names = [n for n in open_[exporters[0]].exports if kind_of(n) == kind]
+            names = [n for n in sources[exporters[0]].exports if kind_of(n) == kind]
             for name in names:
                 if len(exporters) == 1:
-                    t = open_[exporters[0]].exports[name].detach().index_select(0, torch.from_numpy(src.position).to(self.ex.device))
+                    t = sources[exporters[0]].exports[name].detach().index_select(0, torch.from_numpy(src.position).to(self.ex.device))
                 else:
                     parts, order = [], []
                     for e in exporters:
                         sel = np.flatnonzero(src.exporter == e)
                         pos = torch.from_numpy(src.position[sel]).to(self.ex.device)
-                        parts.append(open_[e].exports[name].detach().index_select(0, pos))
+                        parts.append(sources[e].exports[name].detach().index_select(0, pos))
                         order.append(sel)
                     inv = np.empty(src.exporter.shape[0], np.int64)
                     inv[np.concatenate(order)] = np.arange(src.exporter.shape[0])
@@ -356,14 +494,14 @@ class _StepRun:
                 imports[name] = t.requires_grad_(self.backward)
         return imports
 
-    def _backward(self, m: int, st: _Open, open_: dict[int, _Open]) -> None:
+    def _backward(self, m: int, st: _Open) -> None:
         if not self.backward:
             return
         ex = self.ex
         loss, exports = st.loss, st.exports
         if st.recompute:
             out, mb_loss = ex.forward(st.layout, st.imports, self.norm, grad=True)
-            if ex.cfg.check_recompute:
+            if ex.cfg.check_recompute and m >= 0:
                 for name, t in st.exports.items():
                     if not torch.equal(out.exports[name].detach(), t):
                         raise AssertionError(f"microbatch {m}: recomputed export {name} differs from the first forward's")
@@ -382,10 +520,11 @@ class _StepRun:
             self.before_last_backward()
         if tensors:
             torch.autograd.backward(tensors, grads)
-        self._hand_back(st, open_)
+        self._hand_back(st)
 
-    def _hand_back(self, st: _Open, open_: dict[int, _Open]) -> None:
-        """Accumulate the gradients of st's import leaves on its exporters' exports."""
+    def _hand_back(self, st: _Open) -> None:
+        """Accumulate the gradients of st's import leaves on its exporters' exports (an open window
+        here, or a window across ranks that sends them back at its grad_phase)."""
         w = st.layout.window
         for name, leaf in st.imports.items():
             if leaf.grad is None:
@@ -395,9 +534,10 @@ class _StepRun:
                 sel = np.flatnonzero(src.exporter == e)
                 g = leaf.grad if sel.shape[0] == src.exporter.shape[0] else leaf.grad.index_select(0, torch.from_numpy(sel).to(leaf.device))
                 pos = torch.from_numpy(src.position[sel]).to(leaf.device)
-                acc = open_[e].export_grads.get(name)
+                target = st.sources[e]
+                acc = target.export_grads.get(name)
                 if acc is None:
-                    acc = open_[e].export_grads[name] = torch.zeros_like(open_[e].exports[name])
+                    acc = target.export_grads[name] = torch.zeros_like(target.exports[name])
                 acc.index_add_(0, pos, g)
 
     def _record(self, a: MicrobatchArrays, layout: RowLayout, out: ModelOutput, mb_loss: MicrobatchLoss) -> None:
@@ -433,7 +573,7 @@ class _StepRun:
             expanded_tokens=int(self.header.stats.expanded_tokens) or int(lengths.sum()),
             loss_tokens=tot["loss_tokens"], microbatches=self.n_mb, seconds=seconds, windows=self.windows,
             recomputed_microbatches=self.recomputed, stats=self.stats,
-            logprobs=logprobs, entropies=entropies, linear_outputs=linear,
+            logprobs=logprobs, entropies=entropies, linear_outputs=linear, standins=self.standins,
         )
 
 

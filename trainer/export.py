@@ -7,9 +7,17 @@ An export is what vLLM / SGLang / transformers load: `config.json` (Qwen3NextCon
 as sharded safetensors (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`) in
 the original Qwen3-Next layout (per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`; a tied lm
 head is not written twice), and `harts.json` with the policy version (= completed trainer steps)
-and the step ids that produced it. The export root's `latest` names the newest export; it is
+and the step ids that produced it, the tokenizer files and `generation_config.json` of the model
+directory the run started from (`TOKENIZER_FILES`; a plain-sampling generation_config.json when it
+has none), every file mode 0644 so that a generator running as another user can read it. The export root's `latest` names the newest export; it is
 written last, atomically, so a generator polling it never sees a half-written directory
-(`harts_client.rollouts.latest_export`). This inverts `trainer.models.loading.load_model`.
+(`harts_client.rollouts.latest_export`, `trainer.step_dirs`). Names and layouts come from
+`trainer.models.state_dict_adapter`, so `trainer.models.loading.load_model` reads an export back.
+
+No process holds the whole model to export it: the trainer all-gathers one FSDP2 unit at a time
+(`export_model`, collective) and `harts export` reads one unit at a time from the DCP checkpoint
+(`export_checkpoint`); the safetensors files are written as the units arrive, so host memory
+holds one unit plus one output file (`max_shard_bytes`).
 """
 from __future__ import annotations
 
@@ -17,71 +25,58 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from trainer.models.config import NAMED_CONFIGS, ModelConfig
+from trainer.models.state_dict_adapter import StateDictAdapter
+from trainer.step_dirs import LATEST, point_latest, prune
 
 log = logging.getLogger(__name__)
 
-__all__ = ["hf_state_dict", "write_hf_dir", "TOKENIZER_FILES", "export_checkpoint", "model_config_of_meta", "prune", "LATEST", "META"]
+__all__ = ["write_hf_dir", "write_hf_units", "export_model", "export_checkpoint", "gathered_units", "unit_names",
+           "model_config_of_meta", "point_latest", "prune", "LATEST", "META", "TOKENIZER_FILES"]
 
-LATEST = "latest"
-#: files an export copies from the model directory it started from (`write_hf_dir(files_from=...)`).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "generation_config.json")
 META = "harts.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our parameter names -> the Qwen3-Next checkpoint names and layouts.
-
-    Stacked experts `experts.gate_up_proj` [E, 2I, D] / `experts.down_proj` [E, D, I] become
-    per-expert `experts.{e}.gate_proj.weight` [I, D], `up_proj.weight` [I, D], `down_proj.weight`
-    [D, I]; with tied embeddings `lm_head.weight` is left out. Every other name is already HF's.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
-            inner = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inner]
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inner:]
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
-        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        else:
-            out[name] = t
-    return out
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.chmod(0o644)
-    os.replace(tmp, path)
+#: files an export copies from the model directory it started from (`write_hf_units(files_from=...)`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "generation_config.json")
+#: generation_config.json of an export whose model directory has none: plain sampling, the
+#: distribution the trainer's log-probs describe (temperature 1, no top-k / top-p).
+PLAIN_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
 def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
                  max_shard_bytes: int = 2 << 30, meta: dict | None = None, files_from: str | Path | None = None) -> Path:
-    """Write config.json, sharded safetensors, harts.json, generation_config.json and the tokenizer
-    into `out` (created; replaced if present), every file mode 0644 (readable by the generators' user).
+    """Write an export (config.json, sharded safetensors, harts.json, generation_config.json, the
+    tokenizer) into `out` from a whole state dict in memory.
 
     Args:
         state: our full (unsharded) state dict, e.g. `Qwen3NextForRL.state_dict()`.
+    See `write_hf_units` for the rest.
+    """
+    return write_hf_units(out, [state], cfg, dtype=dtype, max_shard_bytes=max_shard_bytes, meta=meta,
+                          files_from=files_from)
+
+
+def write_hf_units(out: str | Path, units: Iterable[dict[str, torch.Tensor]], cfg: ModelConfig, *,
+                   dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30, meta: dict | None = None,
+                   files_from: str | Path | None = None) -> Path:
+    """Write config.json, sharded safetensors, harts.json, generation_config.json and the tokenizer
+    into `out` (created; replaced if present), every file mode 0644 (readable by the generators' user),
+    taking our full tensors one unit at a time: host memory holds one unit plus one output file.
+
+    Args:
+        units: our full tensors by name, a group at a time (an FSDP2 unit, or a whole state dict).
         dtype: dtype of the written floating-point weights.
-        max_shard_bytes: size limit of one .safetensors shard (a larger tensor gets a shard of its own).
+        max_shard_bytes: size limit of one .safetensors file (a larger tensor gets a file of its own).
         meta: extra fields of harts.json (policy_version, step_ids, ...).
         files_from: the model directory the run started from: its tokenizer files and
             generation_config.json (`TOKENIZER_FILES`) are copied. Without a generation_config.json
-            there, one is written for plain sampling (temperature 1, no top-k / top-p: the
-            distribution the trainer's log-probs describe).
+            there, `PLAIN_SAMPLING` is written.
     Side effects: writes into a sibling temporary directory, then renames it to `out`.
     """
     from safetensors.torch import save_file
@@ -91,23 +86,33 @@ def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConf
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    tensors = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
-               for k, v in hf_state_dict(state, cfg).items()}
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(tensors):
-        n = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
+    adapter = StateDictAdapter(cfg)
+    files: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            save_file(pending, str(tmp / f"part-{len(files):05d}.safetensors"), metadata={"format": "pt"})
+            files.append(sorted(pending))
+            pending, size = {}, 0
+
+    for unit in units:
+        for name, t in sorted(adapter.to_hf(unit).items()):
+            t = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+            n = t.numel() * t.element_size()
+            if pending and size + n > max_shard_bytes:
+                flush()
+            pending[name] = t
+            size += n
+            total += n
+    flush()
     weight_map = {}
-    for i, names in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: tensors[k] for k in names}, str(tmp / fname), metadata={"format": "pt"})
+    for i, names in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        os.replace(tmp / f"part-{i:05d}.safetensors", tmp / fname)
         weight_map.update({k: fname for k in names})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
     (tmp / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
     hf = cfg.to_hf_dict()
@@ -119,10 +124,9 @@ def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConf
         if src is not None and (src / name).is_file():
             shutil.copyfile(src / name, tmp / name)
     if not (tmp / "generation_config.json").is_file():
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}, indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps(PLAIN_SAMPLING, indent=1))
     for f in tmp.iterdir():
-        f.chmod(0o644)
+        f.chmod(0o644)  # safetensors writes 0600
     tmp.chmod(0o755)
     if out.exists():
         shutil.rmtree(out)
@@ -130,21 +134,43 @@ def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConf
     return out
 
 
-def point_latest(root: str | Path, name: str) -> None:
-    """Point `root/latest` at the export `name` (atomically)."""
-    _write_atomic(Path(root) / LATEST, name + "\n")
+def unit_names(model: torch.nn.Module) -> list[list[str]]:
+    """Our parameter names grouped as the FSDP2 units are: the root's (embeddings, final norm, lm
+    head: what no decoder block holds), then each decoder block's."""
+    blocks = [[] for _ in model.model.layers]
+    root = []
+    for name, _ in model.named_parameters():
+        if name.startswith("model.layers."):
+            blocks[int(name.split(".")[2])].append(name)
+        else:
+            root.append(name)
+    return [root, *blocks]
 
 
-def prune(root: str | Path, keep: int, prefix: str = "step-") -> list[Path]:
-    """Delete all but the newest `keep` `<prefix>XXXXXXXX` directories under root (0: keep all); returns them."""
-    if keep <= 0:
-        return []
-    root = Path(root)
-    dirs = sorted(p for p in root.glob(f"{prefix}*") if p.is_dir() and p.name[len(prefix):].isdigit())
-    doomed = dirs[:-keep]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed
+def gathered_units(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's full parameters one unit at a time (an FSDP2 shard is all-gathered: collective,
+    every rank must consume the iterator)."""
+    params = dict(model.named_parameters())
+    for names in unit_names(model):
+        yield {n: params[n].full_tensor() if hasattr(params[n], "full_tensor") else params[n] for n in names}
+
+
+def export_model(out: str | Path, model: torch.nn.Module, *, write: bool, dtype: torch.dtype = torch.bfloat16,
+                 max_shard_bytes: int = 2 << 30, meta: dict | None = None,
+                 files_from: str | Path | None = None) -> Path | None:
+    """Export a (sharded) training model unit by unit; collective: every rank calls it, `write` on one
+    (`write_hf_units` describes the arguments).
+
+    Returns:
+        the directory written (None where `write` is false).
+    """
+    units = gathered_units(model)
+    if not write:
+        for _ in units:
+            pass
+        return None
+    return write_hf_units(out, units, model.config, dtype=dtype, max_shard_bytes=max_shard_bytes, meta=meta,
+                          files_from=files_from)
 
 
 def model_config_of_meta(meta: dict) -> ModelConfig:
@@ -163,14 +189,15 @@ def model_config_of_meta(meta: dict) -> ModelConfig:
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                       max_shard_bytes: int = 2 << 30) -> Path:
-    """Load a (sharded, any world size) DCP checkpoint in this process and write its HF directory.
+    """Write the HF directory of a (sharded, any world size) DCP checkpoint in this process, reading
+    it unit by unit: host memory holds one unit plus one output file.
 
     `ckpt` is a checkpoint directory (step-XXXXXXXX) or a checkpoint root (its `latest` is used).
     Raises:
         ValueError: not a HARTS checkpoint.
     """
     from trainer import checkpoint
-    from trainer.models.qwen3_next import Qwen3NextForRL
+    from trainer.models.materialize import meta_model
 
     path = Path(ckpt)
     if not (path / ".metadata").is_file():
@@ -181,10 +208,16 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype =
         path = found
     meta = checkpoint.read_meta(path)
     cfg = model_config_of_meta(meta)
-    model = Qwen3NextForRL(cfg)
-    checkpoint.load(path, model=model)
     spec = meta.get("model")
-    return write_hf_dir(out, model.state_dict(), cfg, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                        meta={"policy_version": int(meta["step"]), "step_ids": meta.get("step_ids", []),
-                              "checkpoint": str(path.resolve())},
-                        files_from=spec if spec and Path(spec).is_dir() else None)
+    shapes = {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
+
+    def units() -> Iterator[dict[str, torch.Tensor]]:
+        for names in unit_names(meta_model(cfg)):
+            tensors = {n: torch.empty(shapes[n]) for n in names}
+            checkpoint.load_model_tensors(path, tensors)
+            yield tensors
+
+    return write_hf_units(out, units(), cfg, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                          meta={"policy_version": int(meta["step"]), "step_ids": meta.get("step_ids", []),
+                                "checkpoint": str(path.resolve())},
+                          files_from=spec if spec and Path(spec).is_dir() else None)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.dtypes import compute_dtype
 from trainer.layout import RowLayout
-from trainer.models.qwen3_next import ModelOutput, compute_dtype
+from trainer.models.qwen3_next import ModelOutput
 from trainer.objectives import LossTerms, Normalizers, ObjectiveConfig, policy_loss
 
 

@@ -19,8 +19,10 @@ What a line holds (keys absent when their inputs are: e.g. kl_ref without refere
 | grad_norm, lr | global gradient norm before clipping, learning rate of the step |
 | loss_tokens, expanded_tokens, computed_tokens, compression | token counts (all ranks) and expanded / computed |
 | tokens_per_s, computed_tokens_per_s | expanded and computed tokens per second of the step |
-| microbatches, windows, recomputed_microbatches | plan execution (the last two from an executor that reports them) |
+| microbatches, windows, recomputed_microbatches, standins | plan execution (windows and recomputed from an executor that reports them; standins: lock-step stand-in steps, all ranks) |
 | peak_memory_mib | largest peak over ranks: CUDA max allocated, else the process's max RSS |
+| peak_param_grad_bytes | largest over ranks of the parameter + gradient bytes a rank held at once during the step: shards, gathered units, unsharded gradients (measured at FSDP2's unit hooks, `trainer.param_memory`; 0 with metrics.param_grad_bytes = false) |
+| full_param_grad_bytes | bytes of the full parameters plus full gradients (what one rank held per step before sharding through the step) |
 | policy_version, batch_policy_version, staleness, staleness_scale, skipped | weights version after the step, the batch's, their difference, the gradient factor, 1 for a rejected batch |
 | seconds, wait_seconds, world_size, step, step_id | timing and identity |
 
@@ -143,14 +145,15 @@ class MetricsWriter:
     def __init__(self, cfg, *, is_main: bool, resume_step: int = 0):
         self.jsonl = None
         self.tb = None
+        self._jsonl_path: Path | None = None
+        self._resume_step = resume_step
         if not is_main:
             return
         if cfg.jsonl:
-            path = Path(cfg.jsonl)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if resume_step >= 0 and path.exists():
-                _truncate_after(path, resume_step)
-            self.jsonl = open(path, "a")
+            # opened (and, on resume, cut after the checkpoint's step) by the first write, as
+            # TensorBoard purges on its first event: a run that trains nothing changes neither
+            self._jsonl_path = Path(cfg.jsonl)
+            self._jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -161,6 +164,10 @@ class MetricsWriter:
             self.tb = SummaryWriter(cfg.tensorboard_dir, purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, metrics: dict) -> None:
+        if self.jsonl is None and self._jsonl_path is not None:
+            if self._resume_step >= 0 and self._jsonl_path.exists():
+                _truncate_after(self._jsonl_path, self._resume_step)
+            self.jsonl = open(self._jsonl_path, "a")
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(metrics) + "\n")
             self.jsonl.flush()

@@ -1,32 +1,47 @@
 """Data parallelism of the trainer in one step, `parallelize(model, mesh, cfg)` (DESIGN §5.7).
 
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    model = parallelize(model, mesh, cfg.parallelism)       # FSDP2, or a replica per rank
-    sync = GradSync(model, mesh, cfg.parallelism)
-    sync.begin_step()                                       # FSDP2: no reduction while microbatches run
-    res = run_slice(executor, slice_, sync)                 # enables the reduction before the last backward
+    mesh = make_mesh(cfg.parallelism, ctx)                  # 1-D "dp" DeviceMesh (None for replicate)
+    reshard = resolve_reshard(cfg.parallelism, full_param_grad_bytes(model), ctx.device)
+    model = parallelize(model, mesh, cfg.parallelism, ctx, reshard=reshard)  # FSDP2, or replicas
+    sync = GradSync(model, ctx, every_backward=reshard)
+    res = run_slice(executor, slice_, sync)                 # FSDP2 reduces while the slice runs
     sync.finish_step(params)                                # replicate: the one bucketed SUM all-reduce
 
 "fsdp" (default): FSDP2 `fully_shard` on every decoder block, then on the root, whose unit holds
 what no block owns: the token embeddings, the final norm and the lm head (tied embeddings are one
-Parameter, so one unit by construction). Gradient reduction is off while the rank's microbatches
-run and switched on right before its last backward of the step, so each unit reduce-scatters once
-per step (every microbatch and every sharing window accumulates locally first). The reduction is
-a plain SUM (`set_gradient_divide_factor(1.0)` with SUM-only collectives): the plan's loss
-normalisers are already global (DESIGN §5.6), so the step gradient is the sum of the ranks'
-gradients, as in `trainer.distributed`. Parameters a rank did not touch contribute zeros
+Parameter, so one unit by construction). The reduction is a plain SUM
+(`set_gradient_divide_factor(1.0)` with SUM-only collectives): the plan's loss normalisers are
+already global (DESIGN §5.6), so the step gradient is the sum of the ranks' gradients, as in
+`trainer.distributed`. Parameters a rank did not touch contribute zeros
 (`set_reduce_scatter_unused_params`), so every rank reduces the same tensors and none can hang.
+Prefetching is explicit (block i prefetches block i + 1 in its forward and block i - 1 in its
+backward; the root prefetches the first block in its forward and the last in its backward):
+FSDP2's implicit backward prefetch follows the order of the forwards since the previous
+backward, which differs between ranks whose windows nest differently.
 
-Why the units stay gathered during a step (`reshard_after_forward=False`, no resharding after a
-backward until the last one): FSDP2's collectives must line up across ranks, but ranks run
-different numbers of microbatches (the planner balances cost, not counts) and, with sharding
-windows, forwards and backwards in different orders. Gathering at every forward would pair one
-rank's all-gather of a block with another rank's all-gather of a different block (a hang, or
-worse). Gathered once per step, every rank issues exactly the same collectives: one all-gather
-per unit at its first forward, one reduce-scatter per unit in its last backward, which then
-reshards. Memory during a step is therefore the full parameters plus full-size gradient
-accumulators (the price of reducing once per step); between steps a rank holds only its shards
-of the weights, gradients and AdamW state.
+Two schedules of the collectives, chosen by `parallelism.reshard_after_forward`
+(`resolve_reshard`: by default on when the full parameters plus gradients exceed a fraction of
+device memory):
+
+- Parameters sharded through the step (reshard=True, lock-step plans only). A block is gathered
+  in its pre-forward hook and freed in its post-forward hook, gathered again in its pre-backward
+  hook, and its gradients are reduce-scattered into the sharded fp32 `.grad` in its post-backward
+  hook, after every backward (`set_requires_gradient_sync(True)` throughout: no full-size gradient
+  survives a backward). The root unit is gathered at its forward and freed after its backward, in
+  FSDP2's root final callback (its parameters are needed first thing in the backward). A rank
+  then holds its shards (1/W of parameters, gradients and AdamW state), plus at most the gathered
+  root, one gathered block with its unsharded gradients and the block prefetched next. These
+  collectives pair the same unit on every rank only if every rank runs a step of the same kind
+  at the same time: that is what a lock-step plan's phases guarantee (`plan.phases`, checked by `plan.slice_check`; the
+  executor's `reach_all_units` makes every backward touch every unit, and forwards without a
+  graph gather exactly as forwards with one). A free plan is refused before any collective.
+- Units gathered for the whole step (reshard=False, any plan). Ranks run different numbers of
+  microbatches and, with sharing windows, forwards and backwards in different orders, so every
+  unit is gathered once at its first forward and kept (no collective until the step's last
+  backward): gradient reduction is off while the rank's microbatches run and switched on right
+  before its last backward, which reduce-scatters each unit once and reshards. Memory during a
+  step is the full parameters plus full-size gradient accumulators; between steps a rank holds
+  only its shards of the weights, gradients and AdamW state.
 
 Mixed precision: on CUDA (`param_dtype="auto"`) a `MixedPrecisionPolicy` gathers bfloat16
 parameters for compute and reduce-scatters float32 gradients; master weights, gradients and
@@ -37,13 +52,13 @@ whose float fields (old log-probs, occurrence counts) must keep their precision.
 "replicate": the earlier path: every rank holds the whole model (rank 0's weights broadcast at
 start) and `trainer.distributed.sync_gradients` SUM-all-reduces once after the last backward.
 
-A rank whose slice has no microbatches still takes part in every collective of the step: it runs
-one participation microbatch (`participation_slice`: one row, no log-prob entries, so its loss and
-gradients are exactly zero) through the same executor.
+A rank whose slice of a free plan has no microbatches still takes part in every collective of
+the step: it runs one participation microbatch (`participation_slice`: one row, no log-prob
+entries, so its loss and gradients are exactly zero) through the same executor; in a lock-step
+plan the planner puts such stand-ins into the phases itself.
 
 Assumption about the model (trainer/models/qwen3_next.py): the decoder blocks are
-`model.model.layers`; the lm head may run inside or, as today, right after the root forward
-(`model.logits`): the root unit keeps its parameters gathered from its forward to its backward.
+`model.model.layers`; the lm head runs inside the root forward (`logit_rows`).
 """
 from __future__ import annotations
 
@@ -52,15 +67,15 @@ import logging
 import torch
 import torch.distributed as dist
 
-from proto.arrays import pack
 from proto.harts.v1 import plan_pb2
 from trainer.config import ParallelismConfig
 from trainer.distributed import DistContext, broadcast_parameters, sync_gradients
+from trainer.lockstep import standin_microbatch
 
 log = logging.getLogger(__name__)
 
 __all__ = ["parallelize", "param_dtype_of", "GradSync", "run_slice", "participation_slice", "grad_norm_and_clip",
-           "scale_grads", "is_fsdp", "make_mesh"]
+           "scale_grads", "is_fsdp", "make_mesh", "resolve_reshard", "full_param_grad_bytes"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -81,14 +96,36 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def parallelize(model: torch.nn.Module, mesh, cfg: ParallelismConfig, ctx: DistContext | None = None) -> torch.nn.Module:
+def full_param_grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the full parameters plus full gradients (float32 master weights and gradients)."""
+    return 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def resolve_reshard(cfg: ParallelismConfig, full_bytes: int, device: torch.device) -> bool:
+    """`parallelism.reshard_after_forward` as a bool: none means full parameters plus gradients
+    (`full_bytes`) above `reshard_memory_fraction` of the device memory (`device_memory_gb`, or the
+    CUDA device's own; on the CPU without device_memory_gb: false)."""
+    if cfg.data_parallel != "fsdp":
+        return False
+    if cfg.reshard_after_forward is not None:
+        return cfg.reshard_after_forward
+    memory = cfg.device_memory_gb * (1 << 30)
+    if not memory and device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    return bool(memory) and full_bytes > cfg.reshard_memory_fraction * memory
+
+
+def parallelize(model: torch.nn.Module, mesh, cfg: ParallelismConfig, ctx: DistContext | None = None, *,
+                reshard: bool = False) -> torch.nn.Module:
     """Apply the data parallelism of `cfg` to `model` (in place) and return it.
 
     Args:
-        model: a `Qwen3NextForRL` on its device, float32, the same weights on every rank.
+        model: a `Qwen3NextForRL`, float32, the same weights on every rank ("replicate"), or on the
+            meta device ("fsdp": `trainer.models.materialize` fills the shards afterwards).
         mesh: 1-D DeviceMesh over the data-parallel ranks (FSDP2), or None for "replicate".
         cfg: the parallelism section of the trainer config.
         ctx: this rank's DistContext ("replicate": rank 0's weights are broadcast).
+        reshard: FSDP2 parameters sharded through the step (`resolve_reshard`; see the module docstring).
     Side effects: "fsdp" replaces the parameters by DTensor shards (the model's class becomes
     FSDP's subclass); "replicate" overwrites them with rank 0's.
     """
@@ -98,14 +135,21 @@ def parallelize(model: torch.nn.Module, mesh, cfg: ParallelismConfig, ctx: DistC
         return model
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    device = next(model.parameters()).device
+    device = ctx.device if ctx is not None else next(model.parameters()).device
     mp = MixedPrecisionPolicy(param_dtype=param_dtype_of(cfg, device), reduce_dtype=_DTYPES[cfg.reduce_dtype],
                               cast_forward_inputs=False)
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    # The root unit: embeddings, final norm, lm head. FSDP2 keeps a root's parameters gathered
-    # between its forward and backward, so a lm head applied after the root forward also works.
+    blocks = list(model.model.layers)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root unit: embeddings, final norm, lm head. Left to FSDP2's root default: gathered from its
+    # forward until its backward ends (the head is the first thing a backward needs).
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1: i + 2])
+        block.set_modules_to_backward_prefetch(blocks[i - 1: i] if i else [])
+    if blocks:
+        model.set_modules_to_forward_prefetch(blocks[:1])
+        model.set_modules_to_backward_prefetch(blocks[-1:])
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -115,20 +159,24 @@ def parallelize(model: torch.nn.Module, mesh, cfg: ParallelismConfig, ctx: DistC
 
 
 class GradSync:
-    """When gradients are reduced in a step: FSDP2 before the last backward, replicate after it."""
+    """When gradients are reduced in a step: FSDP2 after every backward (reshard) or in the last
+    one (units gathered for the step), replicate after the last backward."""
 
-    def __init__(self, model: torch.nn.Module, ctx: DistContext):
+    def __init__(self, model: torch.nn.Module, ctx: DistContext, *, every_backward: bool = False):
+        """`every_backward`: FSDP2 reduce-scatters in every backward (parallelize(reshard=True))."""
         self.model = model
         self.ctx = ctx
         self.fsdp = is_fsdp(model)
+        self.per_backward = self.fsdp and every_backward
         self.enabled_at_last_backward = False
 
     def begin_step(self) -> None:
-        """Before the step's first forward: accumulate locally, no communication."""
+        """Before the step's first forward: reshard reduces in every backward; otherwise accumulate
+        locally, no communication until the last backward."""
         self.enabled_at_last_backward = False
         if self.fsdp:
-            self.model.set_requires_gradient_sync(False)
-            self.model.set_reshard_after_backward(False)
+            self.model.set_requires_gradient_sync(self.per_backward)
+            self.model.set_reshard_after_backward(self.per_backward)
 
     def before_last_backward(self) -> None:
         """Right before this rank's last backward of the step: reduce as that backward runs."""
@@ -152,22 +200,14 @@ def run_slice(executor, plan: plan_pb2.PlanSlice, sync: GradSync):
 
 
 def participation_slice(plan: plan_pb2.PlanSlice, *, conv_kernel: int) -> plan_pb2.PlanSlice:
-    """The slice with one stand-in microbatch for a rank that has none: one row (token 0 at depth
-    0, occurrence 0, a duplicated segment), one linear sequence from a zero state and no log-prob
-    entries, so its loss is an exact zero that still runs every FSDP unit forward and backward."""
+    """The slice with one stand-in microbatch for a rank of a free plan that has none
+    (`trainer.lockstep.standin_microbatch`: one row, no log-prob entries, so its loss is an exact
+    zero that still runs every FSDP unit forward and backward)."""
     out = plan_pb2.PlanSlice()
     out.CopyFrom(plan)
     del out.rank.microbatches[:]
     del out.rank.steps[:]
-    one = lambda v: pack([v], "int32")  # noqa: E731
-    mb = out.rank.microbatches.add(
-        id=-1, num_rows=1, tokens=one(0), depth=one(0), occurrence=one(0), seg_start=one(0), seg_length=one(1),
-        seg_parent=one(-1), seg_tree=one(0), seg_forest=one(0), seg_forest_offset=one(0),
-        seg_duplicated=pack([1], "uint8"), conv_ancestors=pack([-1] * max(conv_kernel - 1, 0), "int32"),
-        attn_offsets=pack([0, 0], "int32"), num_states=0,
-    )
-    seq = mb.linear_calls.add().sequences.add(row_start=0, row_end=1, start_depth=0)
-    seq.init_state.kind = plan_pb2.StateSource.ZERO
+    out.rank.microbatches.append(standin_microbatch(conv_kernel=conv_kernel))
     out.rank.steps.add(kind=plan_pb2.ExecStep.FORWARD, microbatch=0)
     out.rank.steps.add(kind=plan_pb2.ExecStep.BACKWARD, microbatch=0)
     return out

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.dtypes import compute_dtype
 from proto.arrays import unpack
 from trainer.layout import RowLayout
-from trainer.models.qwen3_next import compute_dtype
 
 
 class TrajectoryProbes:

@@ -12,20 +12,28 @@ examples/train_tiny_fsdp.toml) overridden by dotted flags (`--section.field valu
 of earlier releases (`--steps`, `--lr`, `--planner-url`, `--checkpoint-dir`, ...) still work.
 
 Step i (0-based) trains the planner step `job.step_ids[i]`, or `<job.step_prefix><i>`. Every rank
-builds the model from `job.seed`, applies `trainer.parallelize` (FSDP2 by default, or
-`--data-parallel replicate`), long-polls its own slice of the step's plan (the next one is
-fetched in the background while the current one trains), runs it with the executor (no
-gradient communication until the rank's last backward; a rank without microbatches runs a
-zero-loss stand-in so that it takes part in the collectives), SUM-reduces gradients once, clips
-them, sets the scheduled learning rate, steps AdamW and logs one metrics line from rank 0
-(`trainer.metrics` lists the keys; JSONL and TensorBoard). The plan's world size must equal
-torchrun's, and its chunk size, conv kernel and vocabulary the model's.
+builds its part of the model on the meta device and fills only its FSDP2 shards (from
+`job.seed`, the same weights at any world size; from a Hugging Face directory; or, resuming, from
+the checkpoint; `--data-parallel replicate` builds full replicas), applies `trainer.parallelize`,
+long-polls its own slice of the step's plan (the next one is fetched in the background while the
+current one trains), runs it with the executor and reduces the gradients: with
+`parallelism.reshard_after_forward` true, FSDP2 gathers each unit per forward and per backward
+and reduce-scatters after every backward, on lock-step plans only (a free plan is refused with
+an error naming the field); otherwise units stay gathered and gradients are SUM-reduced once, in
+the rank's last backward (a rank without microbatches runs a zero-loss stand-in so that it takes
+part in the collectives). Windows across ranks of a lock-step plan (cross edges) exchange their
+exports and gradients point to point at the end of their phases (`trainer.cross_rank`), every
+wait bounded by `parallelism.p2p_timeout_s`. At start rank 0 prints the per-rank memory report of
+`plan.cluster_memory` (shards, gathered units, activations left, whether it fits). Then it clips, sets the scheduled learning rate, steps AdamW and logs
+one metrics line from rank 0 (`trainer.metrics` lists the keys, `peak_param_grad_bytes` among
+them; JSONL and TensorBoard). The plan's world size must equal torchrun's, and its chunk size,
+conv kernel and vocabulary the model's.
 
 Checkpoints (sharded DCP: model, optimizer, step; loadable at any world size) go to
 `checkpoint.dir` every `checkpoint.every` steps and after the last one, keeping the newest
 `checkpoint.keep_last`; `checkpoint.resume` continues from the newest one. Every
 `checkpoint.export_every` steps rank 0 writes a Hugging Face directory for the generators
-(`trainer.export`) carrying the policy version (= completed steps). A batch submitted with a
+(`trainer.export`, gathered one unit at a time) carrying the policy version (= completed steps). A batch submitted with a
 `policy_version` older than `staleness.max_staleness` versions is rejected (skipped) or
 down-weighted (`staleness.mode`); one newer than the trainer's version (negative staleness) is an
 error naming both versions. SIGTERM (on any rank) finishes the current step, checkpoints
@@ -42,6 +50,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from trainer.config import ConfigError, TrainerConfig, add_config_arguments, config_from_namespace, to_dict
 
@@ -87,131 +96,245 @@ def train(cfg: TrainerConfig) -> dict:
     Raises:
         TrainError: planner unreachable, a plan this rank cannot run, a checkpoint of another run.
     """
-    # torch and the model are imported here, not at the top, so that `harts --help` stays fast.
-    import torch
-
-    from trainer import checkpoint
-    from harts_client.client import ChecksumError, PlannerClient, PlannerError, RetryPolicy
     from trainer.distributed import init_distributed, shutdown
-    from trainer.executor import Executor, ExecutorConfig
-    from trainer.metrics import MetricsWriter
-    from trainer.models import build_model
-    from trainer.optim import make_optimizer
-    from trainer.parallelize import GradSync, make_mesh, parallelize
 
     stop = _StopFlag()
     stop.install()
-    fsdp = cfg.parallelism.data_parallel == "fsdp"
-    ctx = init_distributed(single_process_group=fsdp)
-    prefix = f"[rank {ctx.rank}/{ctx.world_size}] "
-    client = None
+    ctx = init_distributed(single_process_group=cfg.parallelism.data_parallel == "fsdp")
+    run = None
     try:
-        torch.manual_seed(cfg.job.seed)
-        try:
-            model = build_model(cfg.model.name, seed=cfg.job.seed).to(ctx.device)
-            model = parallelize(model, make_mesh(cfg.parallelism, ctx), cfg.parallelism, ctx)
-        except ValueError as exc:
-            raise TrainError(str(exc)) from None
-        params = [p for p in model.parameters() if p.requires_grad]
-        o = cfg.optimizer
-        opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        ex_cfg = dict(chunk_size=cfg.executor.chunk_size, backend=cfg.executor.backend, objective=cfg.objective,
-                      attention_backend=cfg.executor.attention_backend,
-                      aux_loss_coef=cfg.executor.aux_loss_coef, want_entropies=cfg.metrics.entropy)
-        executor = Executor(model, ExecutorConfig(**ex_cfg))
-        stand_in = Executor(model, ExecutorConfig(**ex_cfg, validate="none"))
-        sync = GradSync(model, ctx)
-
-        start = _resume(cfg, model, opt, checkpoint) if cfg.checkpoint.resume else 0
-        if start >= cfg.job.steps:
-            log.info("checkpoint already has %d of %d steps; nothing to do", start, cfg.job.steps)
-            return {"step": start}
-
-        client = PlannerClient(cfg.planner.url, token=cfg.planner.token, retry=RetryPolicy(attempts=4, backoff_s=0.2))
-        try:
-            client.wait_ready(cfg.planner.ready_timeout)
-        except TimeoutError:
-            raise TrainError(f"planner at {cfg.planner.url}: not reachable or not ready after {cfg.planner.ready_timeout:g} s "
-                             "(check --planner.url and that `harts serve` is running)") from None
-        if ctx.is_main:
-            log.info("planner %s ready; training steps %d..%d of %d (%s, %d rank(s))", cfg.planner.url, start + 1,
-                     cfg.job.steps, cfg.job.steps, cfg.parallelism.data_parallel, ctx.world_size)
-
-        def fetch(i: int):
-            sid = cfg.step_id(i)
-            timeout = cfg.planner.plan_timeout
-            try:
-                return client.fetch_plan(sid, ctx.rank, timeout=timeout, poll=min(30.0, timeout))
-            except PlannerError as exc:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: the planner answered {exc}") from None
-            except TimeoutError:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: no plan after {timeout:g} s "
-                                 "(was the step submitted and planned?)") from None
-            except ChecksumError as exc:
-                raise TrainError(f"step {sid!r} rank {ctx.rank}: corrupted plan slice: {exc}") from None
-
-        try:
-            writer = MetricsWriter(cfg.metrics, is_main=ctx.is_main, resume_step=start if cfg.checkpoint.resume else -1)
-        except (OSError, ValueError) as exc:
-            raise TrainError(f"metrics: {exc}") from None
-        prefetch = _Prefetch(fetch, start)
-        last: dict = {}
-        try:
-            for i in range(start, cfg.job.steps):
-                sid = cfg.step_id(i)
-                t_wait = time.perf_counter()
-                plan = prefetch.get(i, stop)
-                if plan is None:
-                    log.warning("SIGTERM while waiting for the plan of step %r: exiting after %d completed steps "
-                                "(no new checkpoint)", sid, i)
-                    last["stopped"] = True
-                    break
-                wait_seconds = time.perf_counter() - t_wait
-                if i + 1 < cfg.job.steps:
-                    prefetch.start(i + 1)
-                last, stopping = _train_step(plan, i, cfg, ctx, executor, stand_in, sync, model, params, opt, stop)
-                last["wait_seconds"] = wait_seconds
-                done = i + 1
-                if ctx.is_main:
-                    log.info("step %d/%d %s loss %.6f grad_norm %.4g lr %.3g tokens %d computed / %d expanded (%.2fx) "
-                             "%.3f s %.0f tok/s%s", done, cfg.job.steps, sid, last["loss"], last["grad_norm"], last["lr"],
-                             last["computed_tokens"], last["expanded_tokens"], last["compression"], last["seconds"],
-                             last["tokens_per_s"], " (stale batch rejected)" if last.get("skipped") else "")
-                writer.write(last)
-                _save_and_export(cfg, ctx, model, opt, checkpoint, done, final=done == cfg.job.steps or stopping)
-                if stopping:
-                    if ctx.is_main:
-                        log.warning("SIGTERM: stopped after step %d of %d", done, cfg.job.steps)
-                    break
-        finally:
-            writer.close()
-        return last
+        run = _setup(cfg, ctx, stop)
+        if run.start >= cfg.job.steps:
+            log.info("checkpoint already has %d of %d steps; nothing to do", run.start, cfg.job.steps)
+            return {"step": run.start}
+        return _loop(run)
     except TrainError as exc:
-        raise TrainError(prefix + str(exc)) from None
+        raise TrainError(f"[rank {ctx.rank}/{ctx.world_size}] {exc}") from None
     finally:
         stop.uninstall()
-        if client is not None:
-            client.close()
+        if run is not None:
+            run.close()
         shutdown(ctx)
 
 
-def _train_step(plan, i: int, cfg: TrainerConfig, ctx, executor, stand_in, sync, model, params, opt,
-                stop: "_StopFlag") -> tuple[dict, bool]:
+@dataclass(slots=True, kw_only=True)
+class _Run:
+    """What `_setup` builds for one rank's run: the model and its optimizer, executors, the planner client."""
+
+    cfg: TrainerConfig
+    ctx: object
+    """trainer.distributed.DistContext."""
+    stop: "_StopFlag"
+    model: object
+    params: list
+    opt: object
+    executor: object
+    stand_in: object
+    """The executor of participation stand-ins (no slice check: `participation_slice` builds them)."""
+    sync: object
+    reshard: bool
+    """parallelism.reshard_after_forward, resolved: lock-step plans only."""
+    start: int
+    """Completed steps at start (from a resumed checkpoint)."""
+    gauge: object = None
+    """trainer.param_memory.ParamGradGauge: peak_param_grad_bytes of each step."""
+    full_bytes: int = 0
+    """full_param_grad_bytes: full parameters plus full gradients."""
+    client: object = None
+    writer: object = None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.client is not None:
+            self.client.close()
+
+
+def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
+    """Build this rank's part of the model, make the optimizer and executors, resume, reach the planner."""
+    # torch and the model are imported here, not at the top, so that `harts --help` stays fast.
+    import torch
+
+    from harts_client.client import PlannerClient
+    from trainer import checkpoint
+    from trainer.cross_rank import P2PTransport
+    from trainer.executor import Executor, ExecutorConfig
+    from trainer.optim import make_optimizer
+    from trainer.param_memory import ParamGradGauge
+    from trainer.parallelize import GradSync, full_param_grad_bytes, param_dtype_of
+
+    torch.manual_seed(cfg.job.seed)
+    resume_from = _resume_path(cfg, checkpoint) if cfg.checkpoint.resume else None
+    model, reshard = _build_model(cfg, ctx, init=resume_from is None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    fsdp = cfg.parallelism.data_parallel == "fsdp"
+    ex_cfg = dict(to_dict(cfg.executor), objective=cfg.objective, want_entropies=cfg.metrics.entropy,
+                  reach_all_units=fsdp, activation_dtype=param_dtype_of(cfg.parallelism, ctx.device) if fsdp else None)
+    # windows across ranks of lock-step plans: batched point-to-point, every wait bounded
+    transport = P2PTransport(cfg.parallelism.p2p_timeout_s) if ctx.world_size > 1 else None
+    run = _Run(cfg=cfg, ctx=ctx, stop=stop, model=model, params=params, opt=opt, reshard=reshard,
+               executor=Executor(model, ExecutorConfig(**ex_cfg), transport=transport),
+               stand_in=Executor(model, ExecutorConfig(**ex_cfg, validate="none")),
+               sync=GradSync(model, ctx, every_backward=reshard),
+               gauge=ParamGradGauge(model, enabled=cfg.metrics.param_grad_bytes), full_bytes=full_param_grad_bytes(model),
+               start=_resume(cfg, resume_from, model, opt, checkpoint) if resume_from is not None else 0)
+    if run.start >= cfg.job.steps:
+        return run
+    run.client = PlannerClient(cfg.planner.url, token=cfg.planner.token, retry_seconds=cfg.planner.retry_seconds)
+    try:
+        run.client.wait_ready(cfg.planner.ready_timeout)
+    except TimeoutError:
+        raise TrainError(f"planner at {cfg.planner.url}: not reachable or not ready after {cfg.planner.ready_timeout:g} s "
+                         "(check --planner.url and that `harts serve` is running)") from None
+    if ctx.is_main:
+        log.info("planner %s ready; training steps %d..%d of %d (%s, %d rank(s))", cfg.planner.url, run.start + 1,
+                 cfg.job.steps, cfg.job.steps, cfg.parallelism.data_parallel, ctx.world_size)
+    return run
+
+
+def _build_model(cfg: TrainerConfig, ctx, *, init: bool):
+    """(this rank's model, reshard_after_forward): built on the meta device and sharded before any
+    weight exists, so that no rank materialises the whole model under FSDP2 (`trainer.models.loading`).
+
+    `init`: fill the weights from job.seed or the model directory; False leaves them for a checkpoint.
+    """
+    from trainer.models import build_model, meta_model, model_config
+    from trainer.parallelize import full_param_grad_bytes, make_mesh, parallelize, resolve_reshard
+
+    try:
+        mcfg = model_config(cfg.model.name)
+        full = full_param_grad_bytes(meta_model(mcfg))
+        reshard = resolve_reshard(cfg.parallelism, full, ctx.device)
+        _log_model_memory(cfg, ctx, mcfg, full, reshard)
+        if cfg.parallelism.data_parallel == "fsdp":
+            mesh = make_mesh(cfg.parallelism, ctx)
+            model = build_model(cfg.model.name, seed=cfg.job.seed, device=ctx.device, fill=init,
+                                shard=lambda m: parallelize(m, mesh, cfg.parallelism, ctx, reshard=reshard))
+        else:  # full replicas: every rank builds them, rank 0's weights are broadcast
+            model = build_model(cfg.model.name, seed=cfg.job.seed, device=ctx.device, fill=init)
+            model = parallelize(model, None, cfg.parallelism, ctx)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
+    return model, reshard
+
+
+def _log_model_memory(cfg: TrainerConfig, ctx, mcfg, full_bytes: int, reshard: bool) -> None:
+    """Start-up lines on rank 0: the full parameters plus gradients and the schedule, then (FSDP2) the
+    per-rank memory report of `plan.cluster_memory` for this model, world size, compute dtype and
+    device memory (shards, gathered units, what is left for activations, whether it fits)."""
+    if not ctx.is_main:
+        return
+    from plan.cluster_memory import memory_report
+    from trainer.parallelize import param_dtype_of
+
+    W, gib = ctx.world_size, float(1 << 30)
+    fsdp = cfg.parallelism.data_parallel == "fsdp"
+    log.info("model %s: full parameters + gradients %.3f GiB; per rank %s; parallelism.reshard_after_forward=%s%s",
+             cfg.model.name, full_bytes / gib,
+             f"{full_bytes / W / gib:.3f} GiB of shards" if fsdp else "a full replica",
+             str(reshard).lower(), " (lock-step plans)" if reshard else "")
+    if not fsdp:
+        return
+    dtype = str(param_dtype_of(cfg.parallelism, ctx.device)).removeprefix("torch.")
+    memory_gb, source = _device_memory_gb(cfg.parallelism, ctx.device)
+    report = memory_report(mcfg.to_hf_dict(), W, dtype=dtype, device_memory_gb=memory_gb, lockstep=reshard,
+                           model_name=cfg.model.name)
+    log.info("memory per rank (plan.cluster_memory, device memory %.1f GiB: %s):\n%s", memory_gb, source,
+             "\n".join(report.lines()))
+
+
+def _device_memory_gb(par, device) -> tuple[float, str]:
+    """(memory of one device in GiB, where the figure comes from) for the memory report."""
+    if par.device_memory_gb:
+        return par.device_memory_gb, "parallelism.device_memory_gb"
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory / (1 << 30), f"{device} total memory"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / (1 << 30), "host memory (CPU ranks)"
+
+
+def _fetch(run: _Run, i: int):
+    """Step i's plan slice for this rank (long-poll; checked for this step, rank and world size)."""
+    from harts_client.client import ChecksumError, PlannerError, WrongSliceError
+
+    sid, rank = run.cfg.step_id(i), run.ctx.rank
+    timeout = run.cfg.planner.plan_timeout
+    try:
+        return run.client.fetch_plan(sid, rank, timeout=timeout, poll=min(30.0, timeout), world_size=run.ctx.world_size)
+    except PlannerError as exc:
+        raise TrainError(f"step {sid!r} rank {rank}: the planner answered {exc}") from None
+    except TimeoutError as exc:
+        raise TrainError(f"step {sid!r} rank {rank}: no plan after {timeout:g} s ({exc}; was the step "
+                         "submitted and planned, and is the planner up?)") from None
+    except WrongSliceError as exc:
+        raise TrainError(f"step {sid!r} rank {rank}: {exc}") from None
+    except ChecksumError as exc:
+        raise TrainError(f"step {sid!r} rank {rank}: corrupted plan slice: {exc}") from None
+
+
+def _loop(run: _Run) -> dict:
+    """Steps start..job.steps: fetch (the next plan prefetched while one trains), train, log, save."""
+    from trainer import checkpoint
+    from trainer.metrics import MetricsWriter
+
+    cfg, ctx = run.cfg, run.ctx
+    try:
+        run.writer = MetricsWriter(cfg.metrics, is_main=ctx.is_main,
+                                   resume_step=run.start if cfg.checkpoint.resume else -1)
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"metrics: {exc}") from None
+    prefetch = _Prefetch(lambda i: _fetch(run, i), run.start)
+    last: dict = {}
+    for i in range(run.start, cfg.job.steps):
+        sid = cfg.step_id(i)
+        t_wait = time.perf_counter()
+        plan = prefetch.get(i, run.stop)
+        if plan is None:
+            log.warning("SIGTERM while waiting for the plan of step %r: exiting after %d completed steps "
+                        "(no new checkpoint)", sid, i)
+            last["stopped"] = True
+            break
+        wait_seconds = time.perf_counter() - t_wait
+        if i + 1 < cfg.job.steps:
+            prefetch.start(i + 1)
+        last, stopping = _train_step(plan, i, run)
+        last["wait_seconds"] = wait_seconds
+        done = i + 1
+        if ctx.is_main:
+            log.info("step %d/%d %s loss %.6f grad_norm %.4g lr %.3g tokens %d computed / %d expanded (%.2fx) "
+                     "%.3f s %.0f tok/s%s", done, cfg.job.steps, sid, last["loss"], last["grad_norm"], last["lr"],
+                     last["computed_tokens"], last["expanded_tokens"], last["compression"], last["seconds"],
+                     last["tokens_per_s"], " (stale batch rejected)" if last.get("skipped") else "")
+        run.writer.write(last)
+        _save_and_export(cfg, ctx, run.model, run.opt, checkpoint, done, final=done == cfg.job.steps or stopping)
+        if stopping:
+            if ctx.is_main:
+                log.warning("SIGTERM: stopped after step %d of %d", done, cfg.job.steps)
+            break
+    return last
+
+
+def _train_step(plan, i: int, run: _Run) -> tuple[dict, bool]:
     """One step on this rank: run the slice, SUM-reduce gradients, clip, schedule the lr, AdamW.
 
     Returns:
         (metrics reduced over ranks, whether any rank has seen SIGTERM).
     """
-    from proto.arrays import unpack
-    from trainer.distributed import all_reduce_values
-    from trainer.metrics import STAT_MAX, STAT_MIN, STAT_SUMS, advantage_partials, moments, peak_memory_mib, \
-        reward_metrics, stat_metrics
+    from trainer.cross_rank import CrossRankError
     from trainer.optim import lr_at, set_lr
     from trainer.parallelize import grad_norm_and_clip, participation_slice, run_slice, scale_grads
 
+    cfg, ctx, opt = run.cfg, run.ctx, run.opt
     sid = cfg.step_id(i)
+    lockstep = plan.header.params.lockstep
+    if run.reshard and not lockstep:  # every rank has the same header: all stop here, before any collective
+        raise TrainError(f"step {sid!r}: parallelism.reshard_after_forward is true, which needs a lock-step plan, "
+                         "got a free one; submit the step with topology.lockstep=true (`harts plan --lockstep`, "
+                         "examples/generator_submit.py --lockstep) or set parallelism.reshard_after_forward=false")
     t0 = time.perf_counter()
-    _check_slice(plan, sid, ctx)
     version = batch_policy_version(plan.header)
     if version is not None and version > i:
         raise TrainError(f"step {sid!r}: the batch's policy_version {version} is newer than this trainer's policy "
@@ -227,58 +350,75 @@ def _train_step(plan, i: int, cfg: TrainerConfig, ctx, executor, stand_in, sync,
 
         torch.cuda.reset_peak_memory_stats(ctx.device)
     res, grad_norm, n_mb = None, 0.0, len(plan.rank.microbatches)
+    run.gauge.begin_step()
     if factor > 0:
-        runner, work = executor, plan
-        if not n_mb:  # no microbatches here: a zero-loss stand-in keeps this rank in the collectives
-            runner, work = stand_in, participation_slice(plan, conv_kernel=model.config.linear_conv_kernel_dim)
+        runner, work = run.executor, plan
+        if not n_mb and not lockstep:  # a zero-loss stand-in keeps this rank in the collectives
+            runner, work = run.stand_in, participation_slice(plan, conv_kernel=run.model.config.linear_conv_kernel_dim)
         try:
-            res = run_slice(runner, work, sync)  # forward + backward of every microbatch
-        except ValueError as exc:
+            res = run_slice(runner, work, run.sync)  # forward + backward of every microbatch
+        except (ValueError, CrossRankError) as exc:
             raise TrainError(f"step {sid!r}: {exc}") from None
-        sync.finish_step(params)
-        scale_grads(params, factor)
-        grad_norm = grad_norm_and_clip(params, cfg.optimizer.max_grad_norm, ctx, sharded=sync.fsdp)
+        run.sync.finish_step(run.params)
+        run.gauge.sample()
+        scale_grads(run.params, factor)
+        grad_norm = grad_norm_and_clip(run.params, cfg.optimizer.max_grad_norm, ctx, sharded=run.sync.fsdp)
         opt.step()
     opt.zero_grad(set_to_none=True)
+    out, stopping = _step_metrics(plan, i, run, res if n_mb or lockstep else None, seconds_since=t0)
+    out.update(grad_norm=grad_norm, lr=lr, skipped=int(factor == 0))
+    if factor == 0:
+        out["tokens_per_s"] = 0.0
+    if version is not None:
+        out.update(batch_policy_version=version, staleness=staleness, staleness_scale=factor)
+    return out, stopping
 
-    real = res is not None and n_mb > 0
+
+def _step_metrics(plan, i: int, run: _Run, res, *, seconds_since: float) -> tuple[dict, bool]:
+    """The step's metrics summed / maxed / minned over ranks (collective), and whether any rank stops."""
+    from proto.arrays import unpack
+    from trainer.distributed import all_reduce_values
+    from trainer.metrics import STAT_MAX, STAT_MIN, STAT_SUMS, advantage_partials, moments, peak_memory_mib, \
+        reward_metrics, stat_metrics
+
+    ctx = run.ctx
+    real = res is not None
     stats = res.stats if real else {}
     adv = advantage_partials(plan)
     sums = [res.loss if real else 0.0, res.policy_loss if real else 0.0, res.kl if real else 0.0,
-            res.aux_loss if real else 0.0, res.computed_tokens if real else 0, res.loss_tokens if real else 0.0, n_mb,
-            res.windows if real else 0, res.recomputed_microbatches if real else 0,
-            float(stop.requested), *adv[:3]]
+            res.aux_loss if real else 0.0, res.computed_tokens if real else 0, res.loss_tokens if real else 0.0,
+            len(plan.rank.microbatches), res.windows if real else 0, res.recomputed_microbatches if real else 0,
+            float(run.stop.requested), *adv[:3], res.standins if real else 0]
     sums += [float(stats.get(k, 0.0)) for k in STAT_SUMS] + [float(k in stats) for k in STAT_SUMS]
-    maxes = [adv[3], peak_memory_mib(ctx.device)] + [float(stats.get(k, float("-inf"))) for k in STAT_MAX]
+    maxes = [adv[3], peak_memory_mib(ctx.device), float(run.gauge.peak)] + [
+        float(stats.get(k, float("-inf"))) for k in STAT_MAX]
     mins = [adv[4]] + [float(stats.get(k, float("inf"))) for k in STAT_MIN]
     sums = all_reduce_values(sums, ctx, "sum")
     maxes = all_reduce_values(maxes, ctx, "max")
     mins = all_reduce_values(mins, ctx, "min")
-    loss, policy, kl, aux, computed, loss_tokens, mbs, windows, recomputed, stopping, an, asum, asq = sums[:13]
+    loss, policy, kl, aux, computed, loss_tokens, mbs, windows, recomputed, stopping, an, asum, asq, standins = sums[:14]
     k = len(STAT_SUMS)
-    stat_sums = {key: v for key, v, have in zip(STAT_SUMS, sums[13:13 + k], sums[13 + k:]) if have > 0}
-    stat_max = {key: v for key, v in zip(STAT_MAX, maxes[2:]) if v != float("-inf")}
+    stat_sums = {key: v for key, v, have in zip(STAT_SUMS, sums[14:14 + k], sums[14 + k:]) if have > 0}
+    stat_max = {key: v for key, v in zip(STAT_MAX, maxes[3:]) if v != float("-inf")}
     stat_min = {key: v for key, v in zip(STAT_MIN, mins[1:]) if v != float("inf")}
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - seconds_since
     expanded = int(plan.header.stats.expanded_tokens) or int(
         unpack(plan.header.trajectory_lengths, "int32", name="trajectory_lengths").sum())
     out = {
-        "step": i + 1, "step_id": sid, "policy_version": i + 1, "loss": loss, "policy_loss": policy, "kl": kl,
-        "aux_loss": aux, "grad_norm": grad_norm, "lr": lr, "loss_tokens": loss_tokens,
+        "step": i + 1, "step_id": run.cfg.step_id(i), "policy_version": i + 1, "loss": loss, "policy_loss": policy,
+        "kl": kl, "aux_loss": aux, "grad_norm": 0.0, "lr": 0.0, "loss_tokens": loss_tokens,
         "computed_tokens": int(computed), "expanded_tokens": expanded,
         "compression": expanded / max(computed, 1.0), "microbatches": int(mbs), "windows": int(windows),
-        "recomputed_microbatches": int(recomputed), "seconds": seconds,
-        "tokens_per_s": expanded / seconds if factor > 0 else 0.0,
-        "computed_tokens_per_s": computed / seconds, "peak_memory_mib": maxes[1], "world_size": ctx.world_size,
-        "skipped": int(factor == 0),
+        "recomputed_microbatches": int(recomputed), "standins": int(standins), "seconds": seconds, "tokens_per_s": expanded / seconds,
+        "computed_tokens_per_s": computed / seconds, "peak_memory_mib": maxes[1],
+        "peak_param_grad_bytes": int(maxes[2]), "full_param_grad_bytes": run.full_bytes, "world_size": ctx.world_size,
+        "skipped": 0,
     }
     if an > 0:
         out["advantage_mean"], out["advantage_std"] = moments(an, asum, asq)
         out["advantage_min"], out["advantage_max"] = mins[0], maxes[0]
     out.update(stat_metrics(stat_sums, stat_max, stat_min))
     out.update(reward_metrics(plan.header, gather=lambda v: all_reduce_values(v, ctx, "max")))
-    if version is not None:
-        out.update(batch_policy_version=version, staleness=staleness, staleness_scale=factor)
     return out, stopping > 0
 
 
@@ -296,40 +436,24 @@ def _save_and_export(cfg: TrainerConfig, ctx, model, opt, checkpoint, done: int,
 
 
 def _export(cfg: TrainerConfig, ctx, model, done: int) -> None:
-    """Write `<exports>/step-XXXXXXXX` (HF directory, policy_version = done) from rank 0; collective."""
+    """Write `<exports>/step-XXXXXXXX` (HF directory, policy_version = done) from rank 0, gathering
+    one unit at a time; collective."""
     from pathlib import Path
 
     from trainer.distributed import barrier
-    from trainer.export import DTYPES, point_latest, prune, write_hf_dir
-    from trainer.parallelize import is_fsdp
+    from trainer.export import DTYPES, export_model, point_latest, prune
 
-    if is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        state = model.state_dict()
+    root = Path(cfg.checkpoint.exports)
+    name = f"step-{done:08d}"
+    spec = Path(cfg.model.name)
+    out = export_model(root / name, model, write=ctx.is_main, dtype=DTYPES[cfg.checkpoint.export_dtype],
+                       meta={"policy_version": done, "step_ids": [cfg.step_id(j) for j in range(done)]},
+                       files_from=spec if spec.is_dir() else None)
     if ctx.is_main:
-        root = Path(cfg.checkpoint.exports)
-        name = f"step-{done:08d}"
-        spec = Path(cfg.model.name)
-        out = write_hf_dir(root / name, state, model.config, dtype=DTYPES[cfg.checkpoint.export_dtype],
-                           meta={"policy_version": done, "step_ids": [cfg.step_id(j) for j in range(done)]},
-                           files_from=spec if spec.is_dir() else None)
         point_latest(root, name)
         prune(root, cfg.checkpoint.keep_last_exports)
         log.info("export %s (policy_version %d)", out, done)
     barrier(ctx)
-
-
-def _check_slice(plan, sid: str, ctx) -> None:
-    """The plan must be made for this topology and this rank."""
-    ws = plan.header.params.world_size
-    if ws != ctx.world_size:
-        raise TrainError(f"step {sid!r}: the plan is for world_size={ws}, but this run has {ctx.world_size} "
-                         f"rank(s); launch torchrun with --nproc_per_node={ws} (x nodes) or re-plan the step")
-    if plan.rank.rank != ctx.rank:
-        raise TrainError(f"step {sid!r}: expected the slice of rank {ctx.rank}, got rank {plan.rank.rank}")
 
 
 def _meta(cfg: TrainerConfig, model, done: int) -> dict:
@@ -339,13 +463,20 @@ def _meta(cfg: TrainerConfig, model, done: int) -> dict:
             "lr": cfg.optimizer.lr, "model_config": model.config.to_hf_dict(), "config": config}
 
 
-def _resume(cfg: TrainerConfig, model, opt, checkpoint) -> int:
-    """Load the newest checkpoint; returns the number of completed steps (0 without one)."""
+def _resume_path(cfg: TrainerConfig, checkpoint):
+    """The newest checkpoint of checkpoint.dir, or None (a fresh start)."""
     try:
         path = checkpoint.latest(cfg.checkpoint.dir)
-        if path is None:
-            log.info("--resume: no checkpoint in %s; starting at step 0", cfg.checkpoint.dir)
-            return 0
+    except checkpoint.CheckpointError as exc:
+        raise TrainError(f"--resume: {exc}") from None
+    if path is None:
+        log.info("--resume: no checkpoint in %s; starting at step 0", cfg.checkpoint.dir)
+    return path
+
+
+def _resume(cfg: TrainerConfig, path, model, opt, checkpoint) -> int:
+    """Load the checkpoint at `path` into the (sharded) model and optimizer; returns its completed steps."""
+    try:
         meta = checkpoint.read_meta(path)
         done = int(meta["step"])
         want = [cfg.step_id(i) for i in range(min(done, cfg.job.steps))]

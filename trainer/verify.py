@@ -14,7 +14,7 @@ float64 oracle (`harts verify --f64-reference`): the expanded run is itself an f
 a tree-vs-expanded gradient difference near the target can be the expanded reference's own
 rounding rather than an error of the tree (the tree sums fewer terms). `f64_reference_report`
 compares each fp32 run against the expanded plan run on a float64 copy of the same weights
-(`model.double()` computes in float64 end to end, `trainer.models.qwen3_next.compute_dtype`), with
+(`model.double()` computes in float64 end to end, `kernels.dtypes.compute_dtype`), with
 the same per-parameter relative error and floor as above: max|g - g64| / max(max|g64|, 1% of the
 largest |g64|). It shows whether the tree's difference is bigger than the expanded reference's own
 fp32 error (`grad_rel_err_tree` vs `grad_rel_err_expanded`, and both runs' errors on the parameter

@@ -32,13 +32,13 @@ def recompute_steps(run_dir: Path, cfg, *, steps: int) -> list[dict]:
     """
     from planner_service.ingest import forest_from_json
     from planner_service.planner import PlanConfig, plan_step
-    from trainer.config import TrainerConfig
+    from trainer.config import config_from_dict
     from trainer.distributed import DistContext
     from trainer.executor import Executor, ExecutorConfig
     from trainer.models import load_model
     from trainer.parallelize import grad_norm_and_clip, scale_grads
 
-    tcfg = TrainerConfig.from_dict(cfg.trainer_doc(planner_url="http://unused", model_dir=Path("."), out=run_dir))
+    tcfg = config_from_dict(cfg.trainer_doc(planner_url="http://unused", model_dir=Path("."), out=run_dir))
     recorded = {}
     for text in (run_dir / "metrics.jsonl").read_text().splitlines():
         if text.strip():

@@ -4,7 +4,7 @@
     run_rl(cfg_with_no_sharing, replay=Path("runs/rl_tiny"))         # the same steps, trajectory-expanded
 
 A live run (in OUT = run.out, recreated):
-1. warm start (`harts_cli.rl.warmstart`) -> OUT/warmstart, copied to OUT/hf/step-00000000 (version 0);
+1. warm start (`trainer.rl.warmstart`) -> OUT/warmstart, copied to OUT/hf/step-00000000 (version 0);
 2. the planner: `harts serve` on loopback with its SQLite database OUT/planner.db;
 3. the trainer ranks: `torchrun --nproc_per_node=run.nproc -m trainer.train --config OUT/trainer.yaml`
    (FSDP2 on gloo on the CPU), exporting every step to OUT/hf (the staleness bound is run.max_staleness);
@@ -39,11 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from harts_cli.rl.config import RLConfig
+from trainer.rl.config import RLConfig
 
 log = logging.getLogger("harts.rl")
 
-__all__ = ["run_rl", "RLError", "compare_curves", "reward_rise"]
+__all__ = ["run_rl", "RLError", "compare_curves", "reward_rise", "plan_batch"]
 
 
 class RLError(Exception):
@@ -76,6 +76,20 @@ def compare_curves(a: list[dict], b: list[dict], keys: tuple[str, ...] = ("loss"
         out[f"{key}_max_rel_diff"], out[f"{key}_worst_step"] = worst, at
     out["steps"] = sum(1 for ln in a if ln["step"] in by_step)
     return out
+
+
+def plan_batch(cfg: RLConfig):
+    """`(batch JSON, model config) -> Plan` of one rank with this run's plan section: what the warm
+    start (`trainer.rl.warmstart`) trains on."""
+    from planner_service.ingest import forest_from_json
+    from planner_service.planner import PlanConfig, plan_step
+
+    def plan(doc: dict, mc):
+        return plan_step(forest_from_json(doc), PlanConfig(
+            world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
+            conv_kernel=mc.linear_conv_kernel_dim, model_config=mc.to_hf_dict(), windows=not cfg.plan.no_windows))
+
+    return plan
 
 
 def _tokenizer(cfg: RLConfig):
@@ -345,7 +359,7 @@ def run_rl(cfg: RLConfig, *, replay: Path | None = None) -> dict:
         ValueError: a configuration or folder the run cannot use.
     """
     from harts_cli.rl.sinks import Sinks, plot_replay, plot_run
-    from harts_cli.rl.warmstart import warm_start
+    from trainer.rl.warmstart import warm_start
     from trainer.export import point_latest
 
     out = Path(cfg.run.out).resolve()
@@ -358,8 +372,8 @@ def run_rl(cfg: RLConfig, *, replay: Path | None = None) -> dict:
     t0 = time.perf_counter()
     if replay is None:
         files = loop.tokenizer.hf_files() if hasattr(loop.tokenizer, "hf_files") else {}
-        warm, history = warm_start(cfg, loop.task, loop.tokenizer, out / "warmstart", tokenizer_files=files,
-                                   model_dir=loop.model_dir)
+        warm, history = warm_start(cfg, loop.task, loop.tokenizer, out / "warmstart", plan_batch=plan_batch(cfg),
+                                   tokenizer_files=files, model_dir=loop.model_dir)
         (out / "warmstart.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     else:
         warm = out / "warmstart"

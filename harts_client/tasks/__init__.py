@@ -18,59 +18,11 @@ policy turns of a correct episode for a supervised warm-start.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable
+
+from harts_client.tasks.episode import Episode, RewardFn, Task, Turn
 
 __all__ = ["Turn", "Episode", "Task", "RewardFn", "make_task", "load_reward", "TASKS"]
-
-
-@dataclass(slots=True)
-class Turn:
-    """One policy turn and the observation that followed it."""
-
-    token_ids: list[int]
-    """What the policy sampled (ends with eos when the turn finished within max_new_tokens)."""
-    logprobs: list[float]
-    """Log-prob of each sampled id under the sampling policy."""
-    text: str
-    """The decoded turn (special ids dropped)."""
-    observation: str | None = None
-    """The tool's answer appended after the turn; None after the last turn."""
-    observation_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Episode:
-    """One trajectory of a task instance: the prompt, then policy turns and observations."""
-
-    instance: Any
-    prompt_ids: list[int]
-    turns: list[Turn] = field(default_factory=list)
-
-    @property
-    def texts(self) -> list[str]:
-        return [t.text for t in self.turns]
-
-
-RewardFn = Callable[[Episode], float]
-
-
-class Task(Protocol):
-    """A verifiable multi-turn task (see the module docstring)."""
-
-    name: str
-    max_turns: int
-    """Policy turns after which an episode ends whatever the policy wrote."""
-
-    def instances(self, split: str, count: int, seed: int) -> list[Any]: ...
-
-    def prompt(self, instance: Any) -> str: ...
-
-    def observe(self, instance: Any, turns: list[str]) -> str | None: ...
-
-    def reward(self, episode: Episode) -> float: ...
-
-    def demonstration(self, instance: Any, rng) -> list[str]: ...
 
 
 def _calculator(**kw) -> Task:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harts_client.tasks import Episode
+from harts_client.tasks.episode import Episode
 
 __all__ = ["CalculatorTask", "Instance", "evaluate"]
 

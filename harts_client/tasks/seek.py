@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harts_client.tasks import Episode
+from harts_client.tasks.episode import Episode
 
 __all__ = ["SeekTask", "Target"]
 

@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dtypes import compute_dtype
 from kernels.gated_delta_rule.layout import (
     ChunkLayout,
     build_chunk_layout,
     validate_indices,
     validate_tensors,
 )
-from kernels.gated_delta_rule.recurrent_ref import compute_dtype, prepare_qk
+from kernels.gated_delta_rule.recurrent_ref import prepare_qk
 
 
 def _to_chunks(x_TX: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:

@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dtypes import compute_dtype
 from kernels.gated_delta_rule.layout import validate_inputs
 
 L2NORM_EPS = 1e-6
-
-
-def compute_dtype(*xs: torch.Tensor) -> torch.dtype:
-    """fp32 for every input dtype except float64 (kept, for gradient tests)."""
-    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:

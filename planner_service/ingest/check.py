@@ -1,8 +1,9 @@
 """Vectorised validation of a parsed batch (DESIGN §3), shared by the JSON and protobuf paths.
 
-Decodes every per-position column with one numpy conversion over all its entries, then checks
-element types, token ranges, 0/1 masks and finite float32 values on the concatenated arrays;
-resolves explicit-tree parents, finds cycles and checks root-to-node path lengths. Only the error
+Checks that tree ids are unique (and distinct from the flat trajectories' tree_ids) and node ids
+unique in their tree (the one place: the parsers only record them). Decodes every per-position
+column with one numpy conversion over all its entries, then checks element types, token ranges,
+0/1 masks and finite float32 values on the concatenated arrays; resolves explicit-tree parents, finds cycles and checks root-to-node path lengths. Only the error
 path drops to per-element Python (to describe the offending value). Every problem is offered to
 a `FirstError`; the first one in document order is raised as `ValidationError`.
 """
@@ -162,6 +163,42 @@ class _Checker:
             got = values[i].item()
             self.errors.offer(key + (2,), field, f"expected {expect}, got {got!r} at position {i - int(col.offsets[e])}")
 
+    def ids(self) -> int:
+        """Tree ids: unique, and none also a flat trajectory's tree_id; node ids unique in their
+        tree. Returns the first tree with a bad id (len(tree_ids) when none): the structure checks
+        stop before it, since parents and trajectory nodes cannot be resolved by an ambiguous id."""
+        raw = self.raw
+        bad_tree = len(raw.tree_ids)
+        first_tree: dict[str, int] = {}
+        flat_names: dict[str, int] = {}
+        for j, name in enumerate(raw.flat_tree_name):
+            flat_names.setdefault(name, j)
+        for k, tid in enumerate(raw.tree_ids):
+            if tid in first_tree:
+                why = f"expected a unique tree id, got {tid!r} again (first at trees[{first_tree[tid]}])"
+            elif tid in flat_names:
+                why = (f"expected a tree id distinct from the flat trajectories' tree_ids, got {tid!r} "
+                       f"(trajectories[{flat_names[tid]}].tree_id)")
+            else:
+                first_tree[tid] = k
+                continue
+            self.errors.offer((3, k, 0), f"trees[{k}].id", why)
+            bad_tree = k
+            break
+        if raw.node_id:
+            node_tree = np.asarray(raw.node_tree, np.int64)
+            node_id = np.asarray(raw.node_id, np.int64)
+            order = np.lexsort((node_id, node_tree))  # stable: a repeat sorts after its first occurrence
+            same = (node_tree[order[1:]] == node_tree[order[:-1]]) & (node_id[order[1:]] == node_id[order[:-1]])
+            if same.any():
+                n = int(order[1:][same].min())  # nodes are in document order: the first repeat
+                first = int(np.flatnonzero((node_tree == node_tree[n]) & (node_id == node_id[n]))[0])
+                self.errors.offer(raw.node_key(n) + (0,), f"{raw.node_path(n)}.id",
+                                  f"expected a node id unique in its tree, got {raw.node_id[n]} again "
+                                  f"(first at nodes[{raw.node_index[first]}])")
+                bad_tree = min(bad_tree, raw.node_tree[n])
+        return bad_tree
+
     def trees(self) -> None:
         """Parents, cycles, trajectory nodes and path lengths of the completely parsed trees."""
         node_tree, node_id, depth, lengths = self.tree_nodes()
@@ -271,6 +308,7 @@ def check_batch(raw: RawBatch, limits: Limits) -> RawBatch:
     checker.column(raw.node_tokens, nodes=True)
     for col in raw.node_columns.values():
         checker.column(col, nodes=True)
+    raw.trees_complete = min(raw.trees_complete, checker.ids())
     if raw.trees_complete:
         checker.trees()
     else:

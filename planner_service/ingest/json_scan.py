@@ -86,6 +86,83 @@ def _grow(a, n):
 
 
 @njit(cache=True)
+def _string_end(buf, i, n):
+    """The closing quote of the string opening at buf[i] (n when unterminated), and whether the
+    string holds the escape \\u0000 (a user string could then spell a placeholder)."""
+    nul = False
+    j = i + 1
+    while j < n:
+        d = buf[j]
+        if d == 92:
+            if (j + 5 < n and buf[j + 1] == 117 and buf[j + 2] == 48 and buf[j + 3] == 48
+                    and buf[j + 4] == 48 and buf[j + 5] == 48):
+                nul = True
+            j += 2
+            continue
+        if d == 34:
+            break
+        j += 1
+    return j, nul
+
+
+@njit(cache=True)
+def _flat_list_end(buf, cls, i, n):
+    """The ']' of the list opening at buf[i] when it is a flat list of number text, else -1; and
+    its comma count. Branch-free over the bulk of the text: stops at ']' or at a byte no flat
+    number list has."""
+    k = i + 1
+    commas = 0
+    acc = 0
+    while k < n:
+        d = buf[k]
+        if d == 93:
+            break
+        commas += d == 44
+        acc |= cls[d]
+        if acc & 1:
+            break
+        k += 1
+    if k < n and acc == 2:
+        return k, commas
+    return -1, commas
+
+
+@njit(cache=True)
+def _literal_end(buf, i, n):
+    """The end of the scalar literal (number, true, false, null, NaN, Infinity) or invalid text at
+    buf[i], and whether it holds a run of 19 or more digits (an integer that may not fit int64)."""
+    run = 0
+    long_int = False
+    while i < n:
+        d = buf[i]
+        if d == 32 or d == 10 or d == 13 or d == 9 or d == 44 or d == 58 or d == 93 or d == 125 or d == 91 \
+                or d == 123 or d == 34:
+            break
+        if 48 <= d <= 57:
+            run += 1
+            if run >= 19:
+                long_int = True
+        else:
+            run = 0
+        i += 1
+    return i, long_int
+
+
+@njit(cache=True)
+def _add_candidate(c_field, c_start, c_end, c_count, A, field, start, end, count):
+    """Append candidate A (growing the buffers); returns the buffers."""
+    c_field = _grow(c_field, A)
+    c_start = _grow(c_start, A)
+    c_end = _grow(c_end, A)
+    c_count = _grow(c_count, A)
+    c_field[A] = field
+    c_start[A] = start
+    c_end[A] = end
+    c_count[A] = count
+    return c_field, c_start, c_end, c_count
+
+
+@njit(cache=True)
 def _structure(buf, cls, keys, key_off, max_depth):
     """Find the candidate lists; track nesting.
 
@@ -96,6 +173,8 @@ def _structure(buf, cls, keys, key_off, max_depth):
     """
     n = buf.shape[0]
     D = max_depth + 2
+    # the enclosing containers, 1..depth: kind, current member's FIELDS index and key span,
+    # element index (arrays), whether the next string is a key (objects)
     kind = np.zeros(D, np.int8)
     keyf = np.full(D, -1, np.int64)
     key_a = np.zeros(D, np.int64)
@@ -117,20 +196,9 @@ def _structure(buf, cls, keys, key_off, max_depth):
         c = buf[i]
         if c == 32 or c == 10 or c == 13 or c == 9:
             i += 1
-            continue
-        if c == 34:  # string
-            j = i + 1
-            while j < n:
-                d = buf[j]
-                if d == 92:
-                    if (j + 5 < n and buf[j + 1] == 117 and buf[j + 2] == 48 and buf[j + 3] == 48
-                            and buf[j + 4] == 48 and buf[j + 5] == 48):
-                        nul = True
-                    j += 2
-                    continue
-                if d == 34:
-                    break
-                j += 1
+        elif c == 34:  # string
+            j, has_nul = _string_end(buf, i, n)
+            nul |= has_nul
             if depth >= 1 and kind[depth] == _OBJ and expect_key[depth]:
                 expect_key[depth] = False
                 keyf[depth] = _key_field(buf, i + 1, min(j, n), keys, key_off)
@@ -138,31 +206,12 @@ def _structure(buf, cls, keys, key_off, max_depth):
                 key_b[depth] = min(j, n)
             after_colon = False
             i = j + 1
-            continue
-        if c == 91:  # '['
-            if after_colon and depth >= 1 and kind[depth] == _OBJ and keyf[depth] >= 0:
-                # branch-free body (the bulk of the text): stop at ']' or at a byte no flat list has
-                k = i + 1
-                commas = 0
-                acc = 0
-                while k < n:
-                    d = buf[k]
-                    if d == 93:
-                        break
-                    commas += d == 44
-                    acc |= cls[d]
-                    if acc & 1:
-                        break
-                    k += 1
-                if k < n and acc == 2:
-                    c_field = _grow(c_field, A)
-                    c_start = _grow(c_start, A)
-                    c_end = _grow(c_end, A)
-                    c_count = _grow(c_count, A)
-                    c_field[A] = keyf[depth]
-                    c_start[A] = i
-                    c_end[A] = k + 1
-                    c_count[A] = commas + 1
+        elif c == 91 or c == 123:  # '[' '{'
+            if c == 91 and after_colon and depth >= 1 and kind[depth] == _OBJ and keyf[depth] >= 0:
+                k, commas = _flat_list_end(buf, cls, i, n)
+                if k >= 0:
+                    c_field, c_start, c_end, c_count = _add_candidate(c_field, c_start, c_end, c_count, A,
+                                                                      keyf[depth], i, k + 1, commas + 1)
                     A += 1
                     after_colon = False
                     i = k + 1
@@ -171,30 +220,18 @@ def _structure(buf, cls, keys, key_off, max_depth):
             if depth > max_depth:
                 error_at = i
                 break
-            kind[depth] = _ARR
+            kind[depth] = _ARR if c == 91 else _OBJ
             index[depth] = 0
+            expect_key[depth] = c == 123
             keyf[depth] = -1
             after_colon = False
             i += 1
-            continue
-        if c == 123:  # '{'
-            depth += 1
-            if depth > max_depth:
-                error_at = i
-                break
-            kind[depth] = _OBJ
-            expect_key[depth] = True
-            keyf[depth] = -1
-            after_colon = False
-            i += 1
-            continue
-        if c == 93 or c == 125:  # ']' '}'
+        elif c == 93 or c == 125:  # ']' '}'
             if depth > 0:
                 depth -= 1
             after_colon = False
             i += 1
-            continue
-        if c == 44:  # ','
+        elif c == 44:  # ','
             if depth >= 1:
                 if kind[depth] == _ARR:
                     index[depth] += 1
@@ -203,26 +240,13 @@ def _structure(buf, cls, keys, key_off, max_depth):
                     keyf[depth] = -1
             after_colon = False
             i += 1
-            continue
-        if c == 58:  # ':'
+        elif c == 58:  # ':'
             after_colon = True
             i += 1
-            continue
-        # a scalar literal (number, true, false, null, NaN, Infinity) or invalid text
-        run = 0
-        while i < n:
-            d = buf[i]
-            if d == 32 or d == 10 or d == 13 or d == 9 or d == 44 or d == 58 or d == 93 or d == 125 or d == 91 \
-                    or d == 123 or d == 34:
-                break
-            if 48 <= d <= 57:
-                run += 1
-                if run >= 19:
-                    long_int = True
-            else:
-                run = 0
-            i += 1
-        after_colon = False
+        else:
+            i, long_run = _literal_end(buf, i, n)
+            long_int |= long_run
+            after_colon = False
     return (c_field[:A], c_start[:A], c_end[:A], c_count[:A], nul, long_int, error_at,
             kind[1 : max_depth + 1].copy(), key_a[1 : max_depth + 1].copy(), key_b[1 : max_depth + 1].copy(),
             index[1 : max_depth + 1].copy())

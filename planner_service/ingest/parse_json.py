@@ -58,17 +58,27 @@ def load_document(doc: dict | bytes | bytearray | str, limits: Limits) -> tuple[
                 doc = json.loads(scan.skeleton)  # decodes bytes with "surrogatepass", as before
             except json.JSONDecodeError as exc:
                 raise ValidationError("", f"expected a JSON document, got invalid JSON ({_where(exc, scan, data)})") from None
-            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            except UnicodeDecodeError:
+                # bytes that are not UTF-8 become lone surrogates, so that the walk's text check
+                # names the field holding them
+                text = bytes(scan.skeleton).decode("utf-8", "surrogateescape")
+                try:
+                    doc = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    where = _where(exc, scan, data, errors="surrogateescape")
+                    raise ValidationError("", f"expected a JSON document, got invalid JSON ({where})") from None
+            except (ValueError, RecursionError) as exc:
                 raise ValidationError("", f"expected a JSON document, got invalid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ValidationError("", f"expected a JSON object, got {describe(doc)}")
     return doc, scan
 
 
-def _where(exc: json.JSONDecodeError, scan: ScannedJSON, data) -> str:
-    """The decoder's message with the position in the submitted text (not in the skeleton)."""
+def _where(exc: json.JSONDecodeError, scan: ScannedJSON, data, errors: str = "surrogatepass") -> str:
+    """The decoder's message with the position in the submitted text (not in the skeleton);
+    `errors`: how the skeleton's bytes were decoded."""
     prefix = exc.doc[: exc.pos]
-    byte = len(prefix.encode("utf-8", "surrogatepass")) if isinstance(prefix, str) else exc.pos
+    byte = len(prefix.encode("utf-8", errors)) if isinstance(prefix, str) else exc.pos
     pos = scan.body_offset(byte)
     head = bytes(data[:pos])
     line = head.count(b"\n") + 1
@@ -166,8 +176,11 @@ class _Walk(Walk):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise Stop(key, field, f"expected valid Unicode text, got a lone surrogate {value[exc.start]!r} "
-                                   f"at character {exc.start}") from None
+            ch = value[exc.start]
+            got = f"a lone surrogate {ch!r}"
+            if 0xDC80 <= ord(ch) <= 0xDCFF:  # how load_document decodes bytes that are not UTF-8
+                got += f" (or the byte 0x{ord(ch) - 0xDC00:02x}, which is not UTF-8)"
+            raise Stop(key, field, f"expected valid UTF-8 text, got {got} at character {exc.start}") from None
 
     # -- document --------------------------------------------------------------------------------
     def run(self, doc: dict) -> None:
@@ -185,12 +198,8 @@ class _Walk(Walk):
         self.limits.check("max_trees", len(trees), "trees", "trees")
         for j, traj in enumerate(trajectories):
             self.flat_trajectory(j, traj)
-        flat_names = {}
-        for j, name in enumerate(raw.flat_tree_name):
-            flat_names.setdefault(name, j)
-        seen_trees: dict[str, int] = {}
         for k, tree in enumerate(trees):
-            self.tree(k, tree, flat_names, seen_trees)
+            self.tree(k, tree)
         self.unknown(doc, _TOP, (4,), "")
         if not raw.traj_ids:
             raise Stop((5,), "trajectories", "expected at least one trajectory (flat or in a tree), got none")
@@ -262,26 +271,18 @@ class _Walk(Walk):
         self.common(obj, key, path, len(tokens))
         self.unknown(obj, _FLAT, key, path)
 
-    def tree(self, k: int, obj, flat_names: dict[str, int], seen: dict[str, int]) -> None:
+    def tree(self, k: int, obj) -> None:
         raw = self.raw
         key, path = (3, k), f"trees[{k}]"
         if not isinstance(obj, dict):
             raise Stop(key, path, f"expected an object, got {describe(obj)}")
         tid = self.string(obj, "id", key + (0,), path, required=True)
-        if tid in seen:
-            raise Stop(key + (0,), f"{path}.id", f"expected a unique tree id, got {tid!r} again (first at trees[{seen[tid]}])")
-        if tid in flat_names:
-            raise Stop(key + (0,), f"{path}.id",
-                       f"expected a tree id distinct from the flat trajectories' tree_ids, got {tid!r} "
-                       f"(trajectories[{flat_names[tid]}].tree_id)")
-        seen[tid] = k
-        raw.tree_ids.append(tid)
+        raw.tree_ids.append(tid)  # uniqueness: check.py
         nodes = obj.get("nodes")
         if not isinstance(nodes, list) or not nodes:
             raise Stop(key + (1,), f"{path}.nodes", f"expected a list of at least one node, got {describe(nodes)}")
-        ids: dict[int, int] = {}
         for j, node in enumerate(nodes):
-            self.node(k, j, node, ids)
+            self.node(k, j, node)
         raw.trees_complete = k + 1
         node_fields = self.end_nodes(k)
         trajs = obj.get("trajectories") or []
@@ -297,15 +298,12 @@ class _Walk(Walk):
             self.unknown(traj, _TREE_TRAJ, tkey, tpath)
         self.unknown(obj, _TREE, key, path)
 
-    def node(self, k: int, j: int, obj, ids: dict[int, int]) -> None:
+    def node(self, k: int, j: int, obj) -> None:
         raw = self.raw
         key, path = (3, k, 1, j), f"trees[{k}].nodes[{j}]"
         if not isinstance(obj, dict):
             raise Stop(key, path, f"expected an object, got {describe(obj)}")
         nid = self.integer(obj.get("id"), key + (0,), f"{path}.id", *_INT64)
-        if nid in ids:
-            raise Stop(key + (0,), f"{path}.id", f"expected a node id unique in its tree, got {nid} again (first at nodes[{ids[nid]}])")
-        ids[nid] = j
         parent = obj.get("parent")
         if parent is not None:
             parent = self.integer(parent, key + (1,), f"{path}.parent", *_INT64)

@@ -80,12 +80,8 @@ class _Walk(Walk):
         self.limits.check("max_trees", len(batch.trees), "trees", "trees")
         for j, traj in enumerate(batch.trajectories):
             self.flat_trajectory(j, traj)
-        flat_names = {}
-        for j, name in enumerate(raw.flat_tree_name):
-            flat_names.setdefault(name, j)
-        seen_trees: dict[str, int] = {}
         for k, tree in enumerate(batch.trees):
-            self.tree(k, tree, flat_names, seen_trees)
+            self.tree(k, tree)
         if not raw.traj_ids:
             raise Stop((5,), "trajectories", "expected at least one trajectory (flat or in a tree), got none")
 
@@ -146,27 +142,15 @@ class _Walk(Walk):
         col.raw.append(traj.tokens)
         self.common(traj, key, path, n)
 
-    def tree(self, k: int, tree: rollouts_pb2.RolloutTree, flat_names: dict[str, int], seen: dict[str, int]) -> None:
+    def tree(self, k: int, tree: rollouts_pb2.RolloutTree) -> None:
         raw = self.raw
         key, path = (3, k), f"trees[{k}]"
         tid = self.string(tree.id, key + (0,), f"{path}.id", required=True)
-        if tid in seen:
-            raise Stop(key + (0,), f"{path}.id", f"expected a unique tree id, got {tid!r} again (first at trees[{seen[tid]}])")
-        if tid in flat_names:
-            raise Stop(key + (0,), f"{path}.id",
-                       f"expected a tree id distinct from the flat trajectories' tree_ids, got {tid!r} "
-                       f"(trajectories[{flat_names[tid]}].tree_id)")
-        seen[tid] = k
-        raw.tree_ids.append(tid)
+        raw.tree_ids.append(tid)  # uniqueness: check.py
         if not tree.nodes:
             raise Stop(key + (1,), f"{path}.nodes", "expected a list of at least one node, got list of 0")
-        ids: dict[int, int] = {}
         for j, node in enumerate(tree.nodes):
             nkey, npath = (3, k, 1, j), f"{path}.nodes[{j}]"
-            if node.id in ids:
-                raise Stop(nkey + (0,), f"{npath}.id",
-                           f"expected a node id unique in its tree, got {node.id} again (first at nodes[{ids[node.id]}])")
-            ids[node.id] = j
             n = self.array(node.tokens, "token", nkey + (2,), f"{npath}.tokens", None)
             if n == 0:
                 raise Stop(nkey + (2,), f"{npath}.tokens", "expected at least one token id, got an empty array")

@@ -4,8 +4,8 @@
     warmup()                                   # compile the Numba kernels once, at start-up
     plan = plan_step(forest, PlanConfig(world_size=8, microbatch_tokens=16384))
 
-`plan_step` = `partition` (levels 1-2, `partition.py`) + `build_plan` (`build.py`) + the wall time
-of both in `PlanStats.plan_seconds`. With `cfg.sharing=False` it plans the trajectory-expanded
+`plan_step` = `partition` (levels 1-2, `partition.py`; with `cfg.lockstep` the phases of
+`lockstep.py`) + `build_plan` (`build.py`) + the wall time of both in `PlanStats.plan_seconds`. With `cfg.sharing=False` it plans the trajectory-expanded
 baseline: every trajectory its own tree (`expand_forest`), standard packing, the same builder.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
+import planner_service.planner.placement as placement
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
 from planner_service.planner.build import build_plan
-from planner_service.planner import placement
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.cost_model import CostModel
 from planner_service.planner.partition import expand_forest, partition, partition_with_report
@@ -49,7 +49,7 @@ def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_p
     t0 = time.perf_counter()
     source = forest if cfg.sharing else expand_forest(forest)
     part = partition(source, cfg, impl=impl)
-    plan = build_plan(source, cfg, part, use_numba=impl == "numba")
+    plan = build_plan(source, cfg, part, impl=impl)
     plan.header.stats.plan_seconds = time.perf_counter() - t0
     st = plan.header.stats
     if st.peak_live_bytes > cfg.memory_bytes:  # the partitioner's estimate bounds the exact stack
@@ -96,7 +96,7 @@ def _tiny_forest() -> Forest:
 def warmup() -> float:
     """Compile (or load from the on-disk cache) every Numba kernel of the planner on a tiny input:
     windows, duplication, recomputation, placement across ranks with a full cost model, the
-    expanded baseline and the replay ablation.
+    expanded baseline, the replay ablation and a lock-step plan.
 
     Returns the seconds it took.
     """
@@ -109,6 +109,7 @@ def warmup() -> float:
         PlanConfig(world_size=2, microbatch_tokens=32, chunk_size=8, windows=False),
         PlanConfig(world_size=1, microbatch_tokens=16, chunk_size=4, replay=False),
         PlanConfig(world_size=2, microbatch_tokens=64, chunk_size=8, sharing=False),
+        PlanConfig(world_size=2, microbatch_tokens=16, chunk_size=8, memory_tokens=24, lockstep=True),
     ):
         try:
             plan_step(forest, cfg)

@@ -6,9 +6,16 @@ minimum-call linear-attention schedule (min_calls.py), sharing-window imports/ex
 map with its trajectory-space fields, then the global normalisers, header, execution steps and the
 report. `PlanStats.plan_seconds` is left to `plan_step`.
 
+`build_plan` runs named stages, in order: `_check_layouts` (the partition's tokens, ranks and
+windows), `_context` (root paths and what window children need), `_lay_out` (rows of every
+microbatch), `_windows` (imports and exports), `_schedules` (linear-attention calls),
+`_state_sources` (every sequence's initial state), `_logprob_map`, `_rank_orders` (execution
+steps), `_serialise` (one wire microbatch), and `_fill_steps` / `_fill_stats`.
+
 The passes over tokens, rows, sequences and log-prob entries are Numba kernels over flat arrays
-(`build_kernels.py`, `min_calls.py`); `use_numba=False` runs their plain-Python twins instead, and
-the two modes produce byte-identical plans. What stays here is per-microbatch glue and checks.
+(`build_kernels.py`, `min_calls.py`, `linear_calls_codec.py`), picked once per plan as a namespace
+(`_KERNELS`, like the partitioner's): `impl="ref"` runs their plain-Python twins instead, and the
+two modes produce byte-identical plans. What stays here is per-microbatch glue and checks.
 
 Rows of a microbatch m:
 - kept rows: the forest tokens m keeps (MicrobatchSpec.ranges);
@@ -33,22 +40,36 @@ S local segments, K conv kernel, C chunk size.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 
+import planner_service.planner.build_kernels as bk
+import planner_service.planner.linear_calls_codec as codec
+import planner_service.planner.min_calls as mc
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
-from planner_service.planner import build_kernels as bk
-from planner_service.planner import min_calls as mc
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.cost_model import microbatch_features
 from planner_service.planner.logprob_map import loss_per_trajectory
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import pack as pk
+from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 from plan.memory_model import rank_live_bytes
+from plan.phases import PHASE_BACKWARD, PHASE_FORWARD, phase_counts, step_cost
 from plan.decode import LinearCallArrays, MicrobatchArrays
 from plan.seal import PLAN_VERSION
+
+_KERNEL_NAMES = ("token_index", "expand_ranges", "local_segments", "local_rows_layout", "ext_parent_depth",
+                 "sorted_union", "attn_ranges", "conv_ancestors", "subtree_occurrence", "row_occurrence", "lp_grouped")
+_KERNELS = {
+    "numba": SimpleNamespace(**{n: getattr(bk, n) for n in _KERNEL_NAMES}, pack=partial(mc.pack, use_numba=True),
+                             schedule=mc.schedule, fill_linear_calls=codec.fill_linear_calls),
+    "ref": SimpleNamespace(**{n: getattr(bk, n + "_ref") for n in _KERNEL_NAMES}, pack=partial(mc.pack, use_numba=False),
+                           schedule=mc.schedule_ref, fill_linear_calls=codec.fill_linear_calls_ref),
+}
 
 
 @dataclass(slots=True)
@@ -120,9 +141,9 @@ class _Layout:
 class _TokenIndex:
     """Per forest token: segment, offset, depth, predecessor (flat int32 arrays [N_u])."""
 
-    def __init__(self, forest: Forest, use_numba: bool = True):
-        fn = bk.token_index if use_numba else bk.token_index_ref
-        self.seg, self.off, self.depth, self.pred = fn(forest.seg_parent, forest.seg_offset, forest.seg_length, forest.seg_depth)
+    def __init__(self, forest: Forest, k: SimpleNamespace = _KERNELS["numba"]):
+        self.seg, self.off, self.depth, self.pred = k.token_index(forest.seg_parent, forest.seg_offset, forest.seg_length,
+                                                                  forest.seg_depth)
         self.forest = forest
 
 
@@ -146,7 +167,8 @@ def _topological(specs: list[MicrobatchSpec]) -> list[int]:
     return order
 
 
-def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int, use_numba: bool, what: str = "ranges") -> np.ndarray:
+def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int, k: SimpleNamespace, what: str = "ranges") -> np.ndarray:
+    """int64 forest tokens of `spec.<what>` (kept ranges, or dup_ranges), in range order."""
     rng = np.asarray(getattr(spec, what), np.int64).reshape(-1, 3)
     if rng.shape[0] == 0:
         return np.zeros(0, np.int64)
@@ -157,7 +179,7 @@ def _kept_tokens(forest: Forest, spec: MicrobatchSpec, m: int, use_numba: bool, 
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise PlanningError(f"partition.microbatches[{m}].{what}[{i}]: expected a non-empty range inside its segment, got {rng[i].tolist()}")
-    return (bk.expand_ranges if use_numba else bk.expand_ranges_ref)(forest.seg_offset[s] + a, b - a)
+    return k.expand_ranges(forest.seg_offset[s] + a, b - a)
 
 
 def _path_need(tix: _TokenIndex, toks, need: dict[int, int]) -> None:
@@ -174,73 +196,47 @@ def _path_need(tix: _TokenIndex, toks, need: dict[int, int]) -> None:
             n = int(f.seg_length[s]) if s >= 0 else 0
 
 
-def _need_tokens(forest: Forest, need: dict[int, int], use_numba: bool) -> np.ndarray:
+def _need_tokens(forest: Forest, need: dict[int, int], k: SimpleNamespace) -> np.ndarray:
     """Sorted forest tokens of the prefixes in `need` (forest segment -> prefix length)."""
     if not need:
         return np.zeros(0, np.int64)
     segs = sorted(need)
-    if use_numba:
-        return bk.expand_ranges(forest.seg_offset[np.array(segs, np.int64)], np.array([need[s] for s in segs], np.int64))
-    return bk.expand_ranges_ref([int(forest.seg_offset[s]) for s in segs], [need[s] for s in segs])
+    return k.expand_ranges(forest.seg_offset[np.array(segs, np.int64)], np.array([need[s] for s in segs], np.int64))
 
 
-def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, use_numba: bool, kept_row: np.ndarray) -> None:
+def _lay_out(L: _Layout, tix: _TokenIndex, cfg: PlanConfig, k: SimpleNamespace, kept_row: np.ndarray) -> None:
     """Local forest of one microbatch (kept ranges plus duplicated context), packed; fills
     kept_row[t] (int64 [N_u]) with the local row of every forest token t it keeps."""
     dup_tok = L.dup_tok if L.shared else np.union1d(L.dup_tok, L.ctx_tok)
-    if use_numba:
-        toks = np.concatenate([L.kept_tok, dup_tok])
-        dup = np.concatenate([np.zeros(L.kept_tok.shape[0], np.uint8), np.ones(dup_tok.shape[0], np.uint8)])
-        order = np.argsort(toks, kind="stable")
-        first, lens, sdup, parent, attach, bad = bk.local_segments(
-            toks[order], dup[order], tix.seg, tix.pred, L.ctx_tok, L.shared,
-        )
-    else:
-        rows = sorted([(t, 0) for t in L.kept_tok.tolist()] + [(t, 1) for t in dup_tok.tolist()])
-        first, lens, sdup, parent, attach, bad = bk.local_segments_ref(
-            [t for t, _ in rows], [d for _, d in rows], tix.seg, tix.pred, L.ctx_tok, L.shared,
-        )
+    toks = np.concatenate([L.kept_tok, dup_tok])  # distinct: context and duplicated rows are never kept here
+    dup = np.concatenate([np.zeros(L.kept_tok.shape[0], np.uint8), np.ones(dup_tok.shape[0], np.uint8)])
+    order = np.argsort(toks, kind="stable")
+    first, lens, sdup, parent, attach, bad = k.local_segments(toks[order], dup[order], tix.seg, tix.pred, L.ctx_tok, L.shared)
     if bad >= 0:
         raise PlanningError(
             f"partition.microbatches[{L.mb}]: expected the predecessor of forest token {int(first[bad])} "
             f"(segment {int(tix.seg[first[bad]])}) to be a row of this microbatch or of its context, got none"
         )
-    P = mc.pack(parent, tix.depth[first].astype(np.int32), lens.astype(np.int32), attach, cfg.chunk_size, use_numba=use_numba)
+    P = k.pack(parent, tix.depth[first].astype(np.int32), lens.astype(np.int32), attach, cfg.chunk_size)
     L.packed = P
-    layout_fn = bk.local_rows_layout if use_numba else bk.local_rows_layout_ref
-    L.seg_forest, L.seg_forest_offset, L.seg_dup, L.local_tok = layout_fn(
+    L.seg_forest, L.seg_forest_offset, L.seg_dup, L.local_tok = k.local_rows_layout(
         P["order"], first, sdup, P["row_seg"], P["seg_start"], tix.seg, tix.off, kept_row,
     )
     dup_rows = np.flatnonzero(L.seg_dup[P["row_seg"]] == 1) if L.num_rows else np.zeros(0, np.int64)
-    if use_numba:
-        L.dup_sorted_row = dup_rows[np.argsort(L.local_tok[dup_rows], kind="stable")]
-    else:
-        L.dup_sorted_row = np.array(sorted(dup_rows.tolist(), key=L.local_tok.__getitem__), np.int64)
+    L.dup_sorted_row = dup_rows[np.argsort(L.local_tok[dup_rows], kind="stable")]
     L.dup_sorted_tok = L.local_tok[L.dup_sorted_row]
     L.kept_row = kept_row
 
 
-def _ext_parent_depth(L: _Layout, tix: _TokenIndex, use_numba: bool) -> tuple[np.ndarray, np.ndarray]:
+def _ext_parent_depth(L: _Layout, tix: _TokenIndex, k: SimpleNamespace) -> tuple[np.ndarray, np.ndarray]:
     """int32 [R + I] predecessor extended row and depth of every extended row."""
     imp = L.ctx_tok if L.shared else np.zeros(0, np.int64)
-    fn = bk.ext_parent_depth if use_numba else bk.ext_parent_depth_ref
-    return fn(L.packed["row_parent"], L.packed["row_depth"], imp, tix.pred, tix.depth)
-
-
-def _owner(layouts: list[_Layout], m: int, tok: int) -> tuple[int, int]:
-    """(microbatch, local row) that computes token `tok` for microbatch m: m or a window ancestor."""
-    while True:
-        L = layouts[m]
-        r = int(L.local_rows(np.array([tok]))[0])
-        if r >= 0:
-            return m, r
-        if not L.shared:
-            raise PlanningError(f"microbatch {m}: forest token {tok} is neither a local row nor imported")
-        m = L.spec.parent
+    return k.ext_parent_depth(L.packed["row_parent"], L.packed["row_depth"], imp, tix.pred, tix.depth)
 
 
 def _owners(layouts: list[_Layout], m: int, toks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`_owner` of many tokens at once: (microbatch int64 [n], local row int64 [n])."""
+    """(microbatch, local row) that computes each token for microbatch m: m or a window ancestor
+    (int64 [n] each)."""
     toks = np.asarray(toks, np.int64)
     own = np.full(toks.shape[0], -1, np.int64)
     row = np.full(toks.shape[0], -1, np.int64)
@@ -278,28 +274,71 @@ def _default_steps(specs: list[MicrobatchSpec], world: int) -> list[list[tuple[s
     return steps
 
 
-def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_numba: bool = True) -> plan_pb2.Plan:
-    """Lay out and serialise the plan of one step.
+def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, impl: str = "numba") -> plan_pb2.Plan:
+    """Lay out and serialise the plan of one step (the stages of the module docstring).
 
     Args:
         forest: the step's prefix forest.
         cfg: planner settings (chunk size, conv kernel, replay, log-prob positions, budgets, the
             memory model's sizes and the cost model).
         partition: microbatch membership, edge modes, placement and per-rank order.
-        use_numba: False runs the plain-Python twins of the Numba kernels (tests).
+        impl: "numba" (default) or "ref" (the kernels' plain-Python twins; tests).
 
     Raises:
         PlanningError: the partition does not describe a valid microbatch forest for `forest`.
             (Live stacks over the budget are reported in PlanStats.peak_live_bytes, not raised:
             `plan_step` and the validator enforce the budget.)
     """
+    if impl not in _KERNELS:
+        raise ValueError(f"impl: expected one of {sorted(_KERNELS)}, got {impl!r}")
+    k = _KERNELS[impl]
+    tix = _TokenIndex(forest, k)
+    layouts, kept_mb, topo = _check_layouts(forest, cfg, partition, k)
+    _context(forest, tix, layouts, kept_mb, topo, k)
+    kept_row = np.empty(forest.unique_tokens, np.int64)  # every token is kept once: all filled
+    for m in topo:
+        _lay_out(layouts[m], tix, cfg, k, kept_row)
+    _windows(layouts, topo, k)
+    ext = _schedules(layouts, tix, cfg, topo, k)
+    sources = _state_sources(layouts)
+    lp = _logprob_map(forest, cfg, k, kept_mb, kept_row, len(layouts))
+    steps, rank_order = _rank_orders(partition, cfg)
+    phases = _phases(partition, cfg, steps)
+
+    plan = plan_pb2.Plan()
+    _fill_header(plan.header, forest, cfg)
+    if phases is not None:
+        plan.header.lockstep_phases = pk(phases, "uint8")
+    for r in range(cfg.world_size):
+        plan.ranks.add(rank=r)
+    mbs: dict[int, plan_pb2.Microbatch] = {}
+    arrays: dict[int, MicrobatchArrays] = {}  # what plan.decode would decode, for the memory model
+    occ_seg = k.subtree_occurrence(forest.traj_seg, forest.seg_parent)  # trajectories below each forest segment
+    for r in range(cfg.world_size):
+        for m in rank_order[r]:
+            msg = plan.ranks[r].microbatches.add()
+            arrays[m] = _serialise(msg, layouts[m], forest, cfg, k, ext[m], sources[m], lp, occ_seg)
+            mbs[m] = msg
+    rank_costs, peak = _fill_steps(plan, cfg, steps, rank_order, mbs, arrays)
+    _fill_stats(plan.header.stats, forest, cfg, layouts, mbs, rank_costs, peak)
+    if phases is not None:
+        _fill_lockstep_stats(plan, phases)
+    return plan
+
+
+def _check_layouts(forest: Forest, cfg: PlanConfig, partition: Partition, k: SimpleNamespace
+                   ) -> tuple[list[_Layout], np.ndarray, list[int]]:
+    """One _Layout per microbatch with its kept and duplicated tokens, after checking that the
+    partition keeps every forest token once, places microbatches on existing ranks and keeps
+    sharing windows on one rank.
+
+    Returns:
+        layouts, kept_mb int32 [N_u] (the microbatch keeping each token), topological order.
+    """
     specs = partition.microbatches
-    C, K = cfg.chunk_size, cfg.conv_kernel
-    tix = _TokenIndex(forest, use_numba)
-    M = len(specs)
-    layouts = [_Layout(mb=m, spec=sp, kept_tok=_kept_tokens(forest, sp, m, use_numba)) for m, sp in enumerate(specs)]
+    layouts = [_Layout(mb=m, spec=sp, kept_tok=_kept_tokens(forest, sp, m, k)) for m, sp in enumerate(specs)]
     for L in layouts:
-        dup = _kept_tokens(forest, L.spec, L.mb, use_numba, "dup_ranges")
+        dup = _kept_tokens(forest, L.spec, L.mb, k, "dup_ranges")
         L.dup_tok = np.unique(dup)
         if L.dup_tok.shape[0] != dup.shape[0]:
             raise PlanningError(f"partition.microbatches[{L.mb}].dup_ranges: expected distinct tokens, got a repeat")
@@ -324,9 +363,14 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
                 f"partition.microbatches[{m}].rank: expected {specs[sp.parent].rank} (a sharing window stays on "
                 f"its parent's rank), got {sp.rank}"
             )
+    return layouts, kept_mb, topo
 
-    # Context (children first): root paths of every piece root and what shared children need.
-    needs: list[dict[int, int]] = [dict() for _ in range(M)]
+
+def _context(forest: Forest, tix: _TokenIndex, layouts: list[_Layout], kept_mb: np.ndarray, topo: list[int],
+             k: SimpleNamespace) -> None:
+    """Fill every layout's ctx_tok, children first: the root paths of its piece roots and what
+    its shared children need that it does not hold itself."""
+    needs: list[dict[int, int]] = [dict() for _ in layouts]
     for m in reversed(topo):
         L = layouts[m]
         if L.dup_tok.shape[0] and (kept_mb[L.dup_tok] == m).any():
@@ -335,7 +379,7 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         pred = pred[pred >= 0]
         attach = pred[~L.owns(pred, kept_mb)]
         _path_need(tix, np.unique(attach).tolist(), needs[m])
-        ctx = _need_tokens(forest, needs[m], use_numba)
+        ctx = _need_tokens(forest, needs[m], k)
         L.ctx_tok = ctx[~L.owns(ctx, kept_mb)] if ctx.shape[0] else ctx
         if L.ctx_tok.shape[0] and L.spec.parent < 0:
             raise PlanningError(f"partition.microbatches[{m}]: has pieces below other microbatches' rows, expected a parent")
@@ -346,11 +390,10 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
                 last = np.flatnonzero(np.append(seg[1:] != seg[:-1], True))  # deepest token per segment
                 _path_need(tix, rest[last].tolist(), needs[L.spec.parent])
 
-    kept_row = np.empty(forest.unique_tokens, np.int64)  # every token is kept once: all filled
-    for m in topo:
-        _lay_out(layouts[m], tix, cfg, use_numba, kept_row)
 
-    # Sharing windows: imports from the parent's extended rows.
+def _windows(layouts: list[_Layout], topo: list[int], k: SimpleNamespace) -> None:
+    """Sharing windows: every window child's import rows in its parent's extended rows, and every
+    parent's sorted export rows."""
     for m in topo:
         L = layouts[m]
         if not L.shared:
@@ -363,65 +406,59 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         P.export_parts.append(rows)
     for L in layouts:
         if L.export_parts:
-            if use_numba:
-                L.export_rows = bk.sorted_union(np.concatenate(L.export_parts).astype(np.int64), L.num_rows + L.ctx_tok.shape[0])
-            else:
-                L.export_rows = bk.sorted_union_ref([x for part in L.export_parts for x in part], L.num_rows + L.ctx_tok.shape[0])
+            L.export_rows = k.sorted_union(np.concatenate(L.export_parts).astype(np.int64), L.num_rows + L.ctx_tok.shape[0])
 
+
+def _schedules(layouts: list[_Layout], tix: _TokenIndex, cfg: PlanConfig, topo: list[int], k: SimpleNamespace
+               ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Fill every layout's linear-attention schedule (min_calls.schedule); returns each
+    microbatch's (extended-row parent, depth) int32 [R + I]."""
     # Ablation: states consumed at unaligned depths by window children split the owner's sequence.
     state_after = [np.zeros(L.num_rows, np.uint8) for L in layouts]
     if not cfg.replay:
         for L in layouts:
             if L.shared:
                 pred = tix.pred[L.local_tok[L.packed["seg_start"]]]
-                for x in pred[(pred >= 0) & (L.local_rows(np.maximum(pred, 0)) < 0)].tolist():
-                    o, r = _owner(layouts, L.spec.parent, int(x))
+                hang = pred[(pred >= 0) & (L.local_rows(np.maximum(pred, 0)) < 0)]
+                for o, r in zip(*(x.tolist() for x in _owners(layouts, L.spec.parent, hang))):
                     state_after[o][r] = 1
-
     ext = {}
-    sched_fn = mc.schedule if use_numba else mc.schedule_ref
     for m in topo:
         L = layouts[m]
-        ext_parent, ext_depth = _ext_parent_depth(L, tix, use_numba)
+        ext_parent, ext_depth = _ext_parent_depth(L, tix, k)
         ext[m] = (ext_parent, ext_depth)
         P = L.packed
-        L.sched = sched_fn(
+        L.sched = k.schedule(
             P["seg_start"], P["seg_length"], P["seg_parent"], P["seg_continues"],
-            ext_parent, ext_depth, state_after[m], C, cfg.replay,
+            ext_parent, ext_depth, state_after[m], cfg.chunk_size, cfg.replay,
         )
+    return ext
 
-    # State tables: every sequence's initial state, resolved to the microbatch that computes it.
-    sources: list[tuple[np.ndarray, np.ndarray]] = []  # (kind, state) int32 [Q] per microbatch
-    for m in range(M):
-        L = layouts[m]
+
+def _state_sources(layouts: list[_Layout]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every sequence's initial state, resolved to the microbatch that computes it: (StateSource
+    kind, state) int32 [Q] per microbatch. Local states get ids in order of first use (after any
+    already handed out to importers); imported ones are listed in the importer's state_imports
+    and the exporter's export_states."""
+    sources = []
+    for L in layouts:
         R = L.num_rows
         inits = L.sched[3]
-        Q = inits.shape[0]
         kinds = np.where(inits < 0, plan_pb2.StateSource.ZERO,
                          np.where(inits < R, plan_pb2.StateSource.LOCAL, plan_pb2.StateSource.IMPORTED)).astype(np.int32)
-        sids = np.zeros(Q, np.int32)
-        # local states: ids in order of first use (after any already handed out to other microbatches)
+        sids = np.zeros(inits.shape[0], np.int32)
         loc = np.flatnonzero((inits >= 0) & (inits < R))
-        if use_numba and not L.states and loc.shape[0]:
-            u, first = np.unique(inits[loc], return_index=True)
-            by_first = np.argsort(first, kind="stable")
+        if loc.shape[0]:
+            u, first, inv = np.unique(inits[loc], return_index=True, return_inverse=True)
             ids = np.empty(u.shape[0], np.int64)
-            ids[by_first] = np.arange(u.shape[0])
-            sids[loc] = ids[np.searchsorted(u, inits[loc])]
-            L.states = dict(zip(u[by_first].tolist(), range(u.shape[0])))
-        else:
-            for q in loc.tolist():
-                sids[q] = L.states.setdefault(int(inits[q]), len(L.states))
-        # imported states: resolved to the window ancestor that computes them
+            for j in np.argsort(first, kind="stable").tolist():  # first use order
+                ids[j] = L.states.setdefault(int(u[j]), len(L.states))
+            sids[loc] = ids[inv]
         imp = np.flatnonzero(inits >= R)
         if imp.shape[0]:
-            toks = L.ctx_tok[inits[imp] - R]
-            if use_numba:
-                owners = zip(*(x.tolist() for x in _owners(layouts, L.spec.parent, toks)))
-            else:
-                owners = (_owner(layouts, L.spec.parent, t) for t in toks.tolist())
             imp_index: dict[tuple[int, int], int] = {}
-            for q, (o, r) in zip(imp.tolist(), owners):
+            owners = _owners(layouts, L.spec.parent, L.ctx_tok[inits[imp] - R])
+            for q, o, r in zip(imp.tolist(), *(x.tolist() for x in owners)):
                 O = layouts[o]
                 sid = O.states.setdefault(r, len(O.states))
                 O.export_states.add(sid)
@@ -431,32 +468,43 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
                     L.state_imports.append(key)
                 sids[q] = imp_index[key]
         sources.append((kinds, sids))
+    return sources
 
-    # Log-prob map, grouped by the microbatch keeping each entry's logits row.
-    if use_numba:
-        none = np.zeros(0, np.float32)
-        lp = bk.lp_grouped(
-            forest.traj_offset, forest.traj_seg, forest.seg_parent, forest.seg_offset, forest.seg_depth,
-            forest.seg_length, forest.loss_mask, cfg.all_positions, kept_mb, kept_row, forest.tokens, M,
-            forest.advantages, none if forest.old_logprobs is None else forest.old_logprobs,
-            none if forest.ref_logprobs is None else forest.ref_logprobs,
-        )
-        occ_seg = bk.subtree_occurrence(forest.traj_seg, forest.seg_parent)
-        occ_fn, conv_fn, attn_fn = bk.row_occurrence, bk.conv_ancestors, bk.attn_ranges
-    else:
-        lp = bk.lp_grouped_ref(forest, cfg.all_positions, kept_mb, kept_row, M)
-        # Occurrence: trajectories ending in each forest segment's subtree.
-        occ_seg = bk.subtree_occurrence_ref(forest.traj_seg, forest.seg_parent)
-        occ_fn, conv_fn, attn_fn = bk.row_occurrence_ref, bk.conv_ancestors_ref, bk.attn_ranges_ref
-    lp_bounds = lp[0].tolist()
-    lp_fields = (  # (field, dtype, column of lp)
+
+@dataclass(slots=True)
+class _LogprobMap:
+    """The step's log-prob entries grouped by microbatch (`build_kernels.lp_grouped`)."""
+
+    bounds: list[int]
+    """Entries bounds[m]:bounds[m+1] belong to microbatch m."""
+    columns: tuple
+    """lp_grouped's output: bounds, row, label, traj, pos, loss mask, advantage, old, ref."""
+    fields: tuple
+    """(Microbatch field, dtype, column) of every log-prob field the plan carries."""
+
+
+def _logprob_map(forest: Forest, cfg: PlanConfig, k: SimpleNamespace, kept_mb, kept_row, M: int) -> _LogprobMap:
+    """Log-prob map, grouped by the microbatch keeping each entry's logits row."""
+    none = np.zeros(0, np.float32)
+    lp = k.lp_grouped(
+        forest.traj_offset, forest.traj_seg, forest.seg_parent, forest.seg_offset, forest.seg_depth,
+        forest.seg_length, forest.loss_mask, cfg.all_positions, kept_mb, kept_row, forest.tokens, M,
+        forest.advantages, none if forest.old_logprobs is None else forest.old_logprobs,
+        none if forest.ref_logprobs is None else forest.ref_logprobs,
+    )
+    fields = (
         ("lp_row", "int32", 1), ("lp_label", "int32", 2), ("lp_traj", "int32", 3), ("lp_pos", "int32", 4),
         ("lp_loss_mask", "uint8", 5), ("lp_advantage", "float32", 6),
     ) + (("lp_old_logprob", "float32", 7),) * (forest.old_logprobs is not None) + (
         ("lp_ref_logprob", "float32", 8),) * (forest.ref_logprobs is not None)
+    return _LogprobMap(bounds=lp[0].tolist(), columns=lp, fields=fields)
 
-    plan = plan_pb2.Plan()
-    _fill_header(plan.header, forest, cfg)
+
+def _rank_orders(partition: Partition, cfg: PlanConfig) -> tuple[list[list[tuple[str, int]]], list[list[int]]]:
+    """Every rank's steps (the partition's, else depth-first) and its microbatches in order of
+    first step, after checking that each microbatch has one F and one B step on its own rank."""
+    specs = partition.microbatches
+    M = len(specs)
     steps = partition.rank_steps if any(partition.rank_steps) else _default_steps(specs, cfg.world_size)
     if len(steps) != cfg.world_size:
         raise PlanningError(f"partition.rank_steps: expected {cfg.world_size} ranks, got {len(steps)}")
@@ -465,6 +513,11 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
     for r in range(cfg.world_size):
         order: list[int] = []
         for kind, m in steps[r]:
+            if m == -1:  # a stand-in (checked against the phases in `_phases`)
+                if not cfg.lockstep:
+                    raise PlanningError(f"partition.rank_steps[{r}]: expected no stand-ins (microbatch -1) in a free plan "
+                                        f"(cfg.lockstep false)")
+                continue
             if not 0 <= m < M or specs[m].rank != r:
                 raise PlanningError(f"partition.rank_steps[{r}]: microbatch {m} is not placed on rank {r}")
             if kind not in ("F", "B"):
@@ -475,92 +528,132 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
         rank_order.append(order)
     if (placed != 2).any():
         raise PlanningError(f"partition.rank_steps: microbatch {int(np.flatnonzero(placed != 2)[0])} must have one F and one B step")
+    return steps, rank_order
 
-    mbs: dict[int, plan_pb2.Microbatch] = {}
-    arrays: dict[int, MicrobatchArrays] = {}  # what plan.decode would decode, for the memory model
-    calls_max = 0
-    for r, m in ((r, m) for r in range(cfg.world_size) for m in rank_order[r]):
-        L = layouts[m]
-        P = L.packed
-        R = L.num_rows
-        ext_parent, ext_depth = ext[m]
-        while len(plan.ranks) <= r:
-            plan.ranks.add(rank=len(plan.ranks))
-        msg = plan.ranks[r].microbatches.add(id=m, num_rows=R, recompute=bool(L.spec.recompute))
-        tokens_R = forest.tokens[L.local_tok]
-        occ_R = occ_fn(P["row_seg"], L.seg_forest, L.seg_dup, occ_seg)
-        conv_RJ = conv_fn(ext_parent, R, K)
-        msg.tokens = pk(tokens_R, "int32")
-        msg.depth = pk(P["row_depth"], "int32")
-        msg.occurrence = pk(occ_R, "int32")
-        msg.seg_start = pk(P["seg_start"], "int32")
-        msg.seg_length = pk(P["seg_length"], "int32")
-        msg.seg_parent = pk(P["seg_parent"], "int32")
-        msg.seg_tree = pk(forest.seg_tree[L.seg_forest], "int32")
-        msg.seg_forest = pk(L.seg_forest, "int32")
-        msg.seg_forest_offset = pk(L.seg_forest_offset, "int32")
-        msg.seg_duplicated = pk(L.seg_dup, "uint8")
-        msg.conv_ancestors = pk(conv_RJ, "int32")
-        offs, ranges = attn_fn(P["seg_start"], P["seg_length"], P["seg_parent"], P["row_parent"], ext_parent)
-        msg.attn_offsets = pk(offs, "int32")
-        msg.attn_ranges = pk(ranges, "int32")
 
-        q_start, q_end, q_depth, q_init, q_call, r_off, r_rows, seq_of_row = L.sched
-        n_calls = int(q_call.max()) + 1 if q_call.shape[0] else 0
-        calls_max = max(calls_max, n_calls)
-        # state exports: (sequence, depth, state) of every state this microbatch computes
-        st_rows = np.fromiter(L.states.keys(), np.int64, len(L.states))
-        st_ids = np.fromiter(L.states.values(), np.int64, len(L.states))
-        ex_seq = seq_of_row[st_rows].astype(np.int64)
-        ex_depth = ext_depth[st_rows].astype(np.int64) + 1
-        o = np.lexsort((st_ids, ex_depth, ex_seq))
-        ex_seq, ex_depth, ex_state = ex_seq[o], ex_depth[o], st_ids[o]
-        src_kind, src_state = sources[m]
-        if use_numba:
-            msg.MergeFromString(bk.encode_linear_calls(
-                q_start, q_end, q_depth, q_call, r_off, r_rows, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls,
-            ).tobytes())
-        else:
-            _fill_linear_calls_ref(msg, L.sched, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls)
-        msg.num_states = len(L.states)
+def _serialise(msg: plan_pb2.Microbatch, L: _Layout, forest: Forest, cfg: PlanConfig, k: SimpleNamespace,
+               ext: tuple[np.ndarray, np.ndarray], source: tuple[np.ndarray, np.ndarray], lp: _LogprobMap,
+               occ_seg: np.ndarray) -> MicrobatchArrays:
+    """Write microbatch L into `msg`; returns the MicrobatchArrays that decoding `msg` gives."""
+    P = L.packed
+    R = L.num_rows
+    ext_parent, ext_depth = ext
+    msg.id, msg.num_rows, msg.recompute = L.mb, R, bool(L.spec.recompute)
+    tokens_R = forest.tokens[L.local_tok]
+    occ_R = k.row_occurrence(P["row_seg"], L.seg_forest, L.seg_dup, occ_seg)
+    conv_RJ = k.conv_ancestors(ext_parent, R, cfg.conv_kernel)
+    offs, ranges = k.attn_ranges(P["seg_start"], P["seg_length"], P["seg_parent"], P["row_parent"], ext_parent)
+    seg_tree = forest.seg_tree[L.seg_forest]
+    for name, a, dtype in (
+        ("tokens", tokens_R, "int32"), ("depth", P["row_depth"], "int32"), ("occurrence", occ_R, "int32"),
+        ("seg_start", P["seg_start"], "int32"), ("seg_length", P["seg_length"], "int32"),
+        ("seg_parent", P["seg_parent"], "int32"), ("seg_tree", seg_tree, "int32"), ("seg_forest", L.seg_forest, "int32"),
+        ("seg_forest_offset", L.seg_forest_offset, "int32"), ("seg_duplicated", L.seg_dup, "uint8"),
+        ("conv_ancestors", conv_RJ, "int32"), ("attn_offsets", offs, "int32"), ("attn_ranges", ranges, "int32"),
+    ):
+        setattr(msg, name, pk(a, dtype))
 
-        if L.shared:
-            msg.import_microbatch = pk(np.full(L.ctx_tok.shape[0], L.spec.parent), "int32")
-            msg.import_row = pk(L.import_row, "int32")
-        for o, sid in L.state_imports:
-            msg.state_imports.add(microbatch=o, state=sid)
-        msg.export_rows = pk(L.export_rows, "int32")
-        msg.export_states = pk(sorted(L.export_states), "int32")
+    _, _, _, _, q_call, _, r_rows, seq_of_row = L.sched
+    n_calls = int(q_call.max()) + 1 if q_call.shape[0] else 0
+    # state exports: (sequence, depth, state) of every state this microbatch computes
+    st_rows = np.fromiter(L.states.keys(), np.int64, len(L.states))
+    st_ids = np.fromiter(L.states.values(), np.int64, len(L.states))
+    ex_seq = seq_of_row[st_rows].astype(np.int64)
+    ex_depth = ext_depth[st_rows].astype(np.int64) + 1
+    o = np.lexsort((st_ids, ex_depth, ex_seq))
+    ex_seq, ex_depth, ex_state = ex_seq[o], ex_depth[o], st_ids[o]
+    src_kind, src_state = source
+    k.fill_linear_calls(msg, L.sched, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls)
+    msg.num_states = len(L.states)
 
-        a, b = lp_bounds[m], lp_bounds[m + 1]
-        for name, dtype, col in lp_fields:
-            setattr(msg, name, pk(lp[col][a:b], dtype))
+    if L.shared:
+        msg.import_microbatch = pk(np.full(L.ctx_tok.shape[0], L.spec.parent), "int32")
+        msg.import_row = pk(L.import_row, "int32")
+    for e, sid in L.state_imports:
+        msg.state_imports.add(microbatch=e, state=sid)
+    msg.export_rows = pk(L.export_rows, "int32")
+    msg.export_states = pk(sorted(L.export_states), "int32")
 
-        replay = int(r_rows.shape[0])
-        dup = int(P["seg_length"][L.seg_dup == 1].sum())
-        msg.replay_tokens = replay
-        msg.duplicated_tokens = dup
-        feats = microbatch_features(R, replay, P["row_depth"], ext_depth[r_rows], n_calls, lp[1][a:b])
-        msg.cost = float(cfg.cost_model.cost(*feats))
-        mbs[m] = msg
-        arrays[m] = _arrays(msg, L, P, tokens_R, occ_R, conv_RJ, offs, ranges, src_kind, src_state, ex_seq, ex_depth,
-                            ex_state, n_calls, forest.seg_tree[L.seg_forest], {name: lp[col][a:b] for name, _, col in lp_fields})
+    a, b = lp.bounds[L.mb], lp.bounds[L.mb + 1]
+    for name, dtype, col in lp.fields:
+        setattr(msg, name, pk(lp.columns[col][a:b], dtype))
 
-    while len(plan.ranks) < cfg.world_size:
-        plan.ranks.add(rank=len(plan.ranks))
+    replay = int(r_rows.shape[0])
+    msg.replay_tokens = replay
+    msg.duplicated_tokens = int(P["seg_length"][L.seg_dup == 1].sum())
+    feats = microbatch_features(R, replay, P["row_depth"], ext_depth[r_rows], n_calls, lp.columns[1][a:b])
+    msg.cost = float(cfg.cost_model.cost(*feats))
+    return _arrays(msg, L, P, tokens_R, occ_R, conv_RJ, offs, ranges, src_kind, src_state, ex_seq, ex_depth,
+                   ex_state, n_calls, seg_tree, {name: lp.columns[col][a:b] for name, _, col in lp.fields})
+
+
+def _phases(partition: Partition, cfg: PlanConfig, steps) -> np.ndarray | None:
+    """The lock-step phases (uint8 [P]) of a cfg.lockstep partition, after checking that every
+    rank has one step per phase of its kind; None for a free plan."""
+    if partition.phases is None:
+        if cfg.lockstep and any(steps):
+            raise PlanningError("partition.phases: expected the phases of a lock-step plan (cfg.lockstep), got none")
+        return np.zeros(0, np.uint8) if cfg.lockstep else None
+    if not cfg.lockstep:
+        raise PlanningError("partition.phases: expected none in a free plan (cfg.lockstep false)")
+    phases = np.asarray(partition.phases, np.uint8)
+    want = ["F" if ph == PHASE_FORWARD else "B" for ph in phases.tolist()]
+    for r, rs in enumerate(steps):
+        if [kind for kind, _ in rs] != want:
+            raise PlanningError(f"partition.rank_steps[{r}]: expected one step per phase of partition.phases, of its kind")
+    return phases
+
+
+def _fill_steps(plan: plan_pb2.Plan, cfg: PlanConfig, steps, rank_order: list[list[int]],
+                mbs: dict[int, plan_pb2.Microbatch], arrays: dict[int, MicrobatchArrays]) -> tuple[list[float], int]:
+    """Write every rank's execution steps; returns the rank costs and the peak live bytes.
+
+    Stand-ins (microbatch -1, lock-step plans) pair up last in, first out: a BACKWARD stand-in in
+    a PHASE_BACKWARD phase takes the latest unpaired FORWARD stand-in's graph (a fresh id k > 0
+    for both); other FORWARD stand-ins, and those of PHASE_RECOMPUTE phases, get id 0.
+    """
+    phases = unpack(plan.header.lockstep_phases, "uint8").tolist()
     rank_costs = []
     peak = 0
-    sizes = cfg.sizes
     for r in range(cfg.world_size):
         rp = plan.ranks[r]
         local = {m: i for i, m in enumerate(rank_order[r])}
-        for kind, m in steps[r]:
-            rp.steps.add(kind=plan_pb2.ExecStep.FORWARD if kind == "F" else plan_pb2.ExecStep.BACKWARD, microbatch=local[m])
+        unpaired: list[plan_pb2.ExecStep] = []
+        for i, (kind, m) in enumerate(steps[r]):
+            step = rp.steps.add(kind=plan_pb2.ExecStep.FORWARD if kind == "F" else plan_pb2.ExecStep.BACKWARD,
+                                microbatch=local[m] if m >= 0 else -1)
+            if m >= 0:
+                continue
+            if phases[i] == PHASE_FORWARD:
+                unpaired.append(step)
+            elif phases[i] == PHASE_BACKWARD:
+                if not unpaired:
+                    raise PlanningError(f"partition.rank_steps[{r}][{i}]: a BACKWARD stand-in without an earlier FORWARD stand-in")
+                step.standin = unpaired.pop().standin = len(rp.steps)  # unique on the rank, > 0
         rank_costs.append(float(sum(mbs[m].cost for m in rank_order[r])))
-        _, rank_peak = rank_live_bytes(sizes, {m: arrays[m] for m in rank_order[r]}, [(kind == "F", m) for kind, m in steps[r]])
+        real = [(kind == "F", m) for kind, m in steps[r] if m >= 0]
+        _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real)
         peak = max(peak, rank_peak)
+    return rank_costs, peak
 
+
+def _fill_lockstep_stats(plan: plan_pb2.Plan, phases: np.ndarray) -> None:
+    """PlanStats.lockstep_*: the phases, their makespan (plan.phases' cost model) and the ratio."""
     st = plan.header.stats
+    cost = np.zeros((len(plan.ranks), phases.shape[0]), np.float64)
+    for r, rp in enumerate(plan.ranks):
+        for i, (step, phase) in enumerate(zip(rp.steps, phases.tolist())):
+            if step.microbatch >= 0:
+                cost[r, i] = step_cost(phase, rp.microbatches[step.microbatch].cost)
+    st.lockstep_phases = int(phases.shape[0])
+    st.lockstep_makespan = float(cost.max(axis=0).sum()) if cost.size else 0.0
+    st.lockstep_ratio = st.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0
+    st.lockstep_forward_phases, st.lockstep_backward_phases, st.lockstep_recompute_phases = phase_counts(phases)
+
+
+def _fill_stats(st: plan_pb2.PlanStats, forest: Forest, cfg: PlanConfig, layouts: list[_Layout],
+                mbs: dict[int, plan_pb2.Microbatch], rank_costs: list[float], peak: int) -> None:
+    """The plan report (DESIGN §4.2): token counts, compression, costs, makespan, live memory."""
     st.unique_tokens = forest.unique_tokens
     st.expanded_tokens = forest.expanded_tokens
     st.replay_tokens = sum(x.replay_tokens for x in mbs.values())
@@ -568,8 +661,8 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
     st.computed_tokens = st.unique_tokens + st.replay_tokens + st.duplicated_tokens
     st.compression_ideal = st.expanded_tokens / st.unique_tokens if st.unique_tokens else 0.0
     st.compression_achieved = st.expanded_tokens / st.computed_tokens if st.computed_tokens else 0.0
-    st.microbatches = M
-    st.linear_attention_calls = calls_max
+    st.microbatches = len(layouts)
+    st.linear_attention_calls = max((len(x.linear_calls) for x in mbs.values()), default=0)
     st.rank_costs.extend(rank_costs)
     mean = float(np.mean(rank_costs)) if rank_costs else 0.0
     st.imbalance = max(rank_costs) / mean if mean > 0 else 1.0
@@ -579,9 +672,8 @@ def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, use_num
     st.makespan_lower_bound = max(sum(rank_costs) / cfg.world_size, longest)
     st.makespan_ratio = st.makespan / st.makespan_lower_bound if st.makespan_lower_bound > 0 else 1.0
     st.peak_live_bytes = int(peak)
-    st.peak_live_tokens = sizes.tokens(peak)
+    st.peak_live_tokens = cfg.sizes.tokens(peak)
     st.windows = sum(1 for L in layouts if L.shared and L.ctx_tok.shape[0])
-    return plan
 
 
 def _arrays(msg, L: _Layout, P: dict, tokens_R, occ_R, conv_RJ, offs, ranges, src_kind, src_state, ex_seq, ex_depth,
@@ -629,26 +721,6 @@ def _optional(lp_cols: dict, name: str) -> np.ndarray | None:
     return a if a.shape[0] or not lp_cols["lp_row"].shape[0] else None
 
 
-def _fill_linear_calls_ref(msg, sched, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls: int) -> None:
-    """Plain-Python twin of `build_kernels.encode_linear_calls`: the same calls through the
-    protobuf API."""
-    q_start, q_end, q_depth, _, q_call, r_off, r_rows, _ = sched
-    calls = [plan_pb2.LinearCall() for _ in range(n_calls)]
-    exports: dict[int, list[tuple[int, int]]] = {}
-    for q, depth, sid in zip(ex_seq.tolist(), ex_depth.tolist(), ex_state.tolist()):
-        exports.setdefault(q, []).append((sid, depth))
-    for q in range(len(q_start)):
-        seq = calls[int(q_call[q])].sequences.add(
-            replay_rows=pk(r_rows[r_off[q] : r_off[q + 1]], "int32"),
-            row_start=int(q_start[q]), row_end=int(q_end[q]), start_depth=int(q_depth[q]),
-        )
-        seq.init_state.kind = int(src_kind[q])
-        seq.init_state.state = int(src_state[q])
-        for sid, depth in exports.get(q, []):
-            seq.exports.add(state=sid, depth=depth)
-    msg.linear_calls.extend(calls)
-
-
 def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> None:
     h.version = PLAN_VERSION
     h.step_id = forest.batch_id
@@ -663,6 +735,7 @@ def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> Non
     p.windows = cfg.windows
     p.replay = cfg.replay
     p.logprob_positions = plan_pb2.LOGPROB_POSITIONS_ALL if cfg.all_positions else plan_pb2.LOGPROB_POSITIONS_LOSS
+    p.lockstep = cfg.lockstep
     cfg.sizes.fill(p.memory, cfg.memory_tokens)
     p.memory.model = cfg.model_name
     p.memory.dtype = cfg.dtype

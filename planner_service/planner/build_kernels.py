@@ -1,8 +1,9 @@
 """Numba kernels of the plan builder over flat arrays, each with a plain-Python twin (`*_ref`).
 
-`build.py` calls the kernels with `use_numba=True` and the twins otherwise; the twins loop over
-Python ints and lists (no numpy vector ops) and return the same arrays, so the two builder modes
-give byte-identical plans (tests/planner_service/test_plan_builder.py compares them on seeded random forests).
+`build.py` picks one namespace of kernels per plan (`impl="numba"` or `"ref"`); a twin takes the
+same arguments as its kernel, loops over Python ints and lists (no numpy vector ops) and returns
+the same arrays, so the two builder modes give byte-identical plans
+(tests/planner_service/test_plan_builder.py compares them on seeded random forests).
 
 - `local_segments`: cut a microbatch's sorted rows into local segments and link each to its
   local parent (or to the imported context row it hangs below).
@@ -20,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from planner_service.planner.level1 import group_by
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,24 +610,26 @@ def lp_grouped(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
     return bounds, row[:P], label[:P], traj[:P], pos[:P], mask[:P], adv[:P], old[:P], ref[:P]
 
 
-def lp_grouped_ref(forest, all_positions: bool, kept_mb, kept_row, M: int):
-    """Plain-Python twin of `lp_grouped` (per-microbatch lists; takes the trajectory-space fields
-    from the forest)."""
-    fields = [forest.loss_mask, forest.advantages]
-    fields += [x for x in (forest.old_logprobs, forest.ref_logprobs) if x is not None]
+def lp_grouped_ref(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_length, loss_mask, all_positions,
+                   kept_mb, kept_row, tokens, M, advantages, old_logprobs, ref_logprobs):
+    """Plain-Python twin of `lp_grouped` (per-microbatch lists; every trajectory's path rebuilt
+    from its leaf segment)."""
+    fields = [loss_mask, advantages] + [x for x in (old_logprobs, ref_logprobs) if len(x)]
     n = 4 + len(fields)
     cols: list[list[list]] = [[[] for _ in range(n)] for _ in range(M)]
-    for t in range(forest.num_trajectories):
-        path: list[int] = []
-        for s in forest.path(t):
-            o = int(forest.seg_offset[s])
-            path.extend(range(o, o + int(forest.seg_length[s])))
-        base = int(forest.traj_offset[t])
+    for t in range(len(traj_seg)):
+        segs = []
+        s = int(traj_seg[t])
+        while s >= 0:
+            segs.append(s)
+            s = int(seg_parent[s])
+        path = [x for s in reversed(segs) for x in range(int(seg_offset[s]), int(seg_offset[s]) + int(seg_length[s]))]
+        base = int(traj_offset[t])
         for i in range(1, len(path)):
-            if all_positions or forest.loss_mask[base + i]:
+            if all_positions or loss_mask[base + i]:
                 prev = path[i - 1]
                 c = cols[int(kept_mb[prev])]
-                vals = [int(kept_row[prev]), int(forest.tokens[path[i]]), t, i] + [f[base + i] for f in fields]
+                vals = [int(kept_row[prev]), int(tokens[path[i]]), t, i] + [f[base + i] for f in fields]
                 for col, v in zip(c, vals):
                     col.append(v)
     bounds = [0]
@@ -637,130 +639,10 @@ def lp_grouped_ref(forest, all_positions: bool, kept_mb, kept_row, M: int):
     out = [np.array(bounds, np.int64)] + [np.array(flat[j], np.int32) for j in range(4)]
     out += [np.array(flat[4], np.uint8), np.array(flat[5], np.float32)]
     k = 6
-    for x in (forest.old_logprobs, forest.ref_logprobs):
-        if x is None:
-            out.append(np.zeros(0, np.float32))
-        else:
+    for x in (old_logprobs, ref_logprobs):
+        if len(x):
             out.append(np.array(flat[k], np.float32))
             k += 1
+        else:
+            out.append(np.zeros(0, np.float32))
     return tuple(out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Wire encoding of a microbatch's linear-attention calls (proto/harts/v1/plan.proto).
-
-
-@njit(cache=True)
-def _varint_len(v):
-    u = np.uint64(v)  # negative int32/int64 values take 10 bytes (two's complement)
-    n = 1
-    while u >= np.uint64(128):
-        u >>= np.uint64(7)
-        n += 1
-    return n
-
-
-@njit(cache=True)
-def _put_varint(buf, k, v):
-    u = np.uint64(v)
-    while u >= np.uint64(128):
-        buf[k] = np.uint8((u & np.uint64(127)) | np.uint64(128))
-        u >>= np.uint64(7)
-        k += 1
-    buf[k] = np.uint8(u)
-    return k + 1
-
-
-@njit(cache=True)
-def _field_len(v):
-    """Bytes of an implicit-presence int field (tag < 16) holding v: 0 when v == 0."""
-    return 0 if v == 0 else 1 + _varint_len(v)
-
-
-@njit(cache=True)
-def _put_field(buf, k, tag, v):
-    if v == 0:
-        return k
-    buf[k] = np.uint8(tag)
-    return _put_varint(buf, k + 1, v)
-
-
-@njit(cache=True)
-def _seq_size(q, q_start, q_end, q_depth, r_off, src_kind, src_state, ex_off, ex_depth, ex_state):
-    n_rep = r_off[q + 1] - r_off[q]
-    size = 0
-    if n_rep:
-        size += 1 + _varint_len(4 * n_rep) + 4 * n_rep
-    size += _field_len(q_start[q]) + _field_len(q_end[q]) + _field_len(q_depth[q])
-    init = _field_len(src_kind[q]) + _field_len(src_state[q])
-    size += 1 + _varint_len(init) + init  # init_state is always present
-    for e in range(ex_off[q], ex_off[q + 1]):
-        ex = _field_len(ex_state[e]) + _field_len(ex_depth[e])
-        size += 1 + _varint_len(ex) + ex
-    return size
-
-
-@njit(cache=True)
-def encode_linear_calls(q_start, q_end, q_depth, q_call, r_off, r_rows, src_kind, src_state, ex_seq, ex_depth,
-                        ex_state, n_calls):
-    """Wire bytes of `Microbatch.linear_calls` (field 16): n_calls LinearCall messages, each with
-    its sequences in sequence order (Numba; parse them into the message with MergeFromString).
-
-    Args:
-        q_start, q_end, q_depth, q_call: int32 [Q] sequences (min_calls.schedule); r_off int64
-            [Q+1], r_rows int32 [*] their replay rows.
-        src_kind, src_state: int32 [Q] StateSource of each sequence's initial state.
-        ex_seq, ex_depth, ex_state: int64 [E] state exports, sorted by (sequence, depth, state).
-
-    Returns:
-        uint8 [*] the encoded fields; the same bytes protobuf writes for the same messages.
-    """
-    Q = q_start.shape[0]
-    ex_off = np.zeros(Q + 1, np.int64)
-    for e in range(ex_seq.shape[0]):
-        ex_off[ex_seq[e] + 1] += 1
-    for q in range(Q):
-        ex_off[q + 1] += ex_off[q]
-    seq_size = np.empty(Q, np.int64)
-    call_size = np.zeros(n_calls, np.int64)
-    for q in range(Q):
-        sz = _seq_size(q, q_start, q_end, q_depth, r_off, src_kind, src_state, ex_off, ex_depth, ex_state)
-        seq_size[q] = sz
-        call_size[q_call[q]] += 1 + _varint_len(sz) + sz
-    total = 0
-    for c in range(n_calls):
-        total += 2 + _varint_len(call_size[c]) + call_size[c]
-    # sequences of each call, in sequence order
-    by_call, first = group_by(q_call, n_calls)
-    buf = np.empty(total, np.uint8)
-    k = 0
-    for c in range(n_calls):
-        buf[k] = np.uint8(0x82)  # field 16, length-delimited
-        buf[k + 1] = np.uint8(0x01)
-        k = _put_varint(buf, k + 2, call_size[c])
-        for j in range(first[c], first[c + 1]):
-            q = by_call[j]
-            buf[k] = np.uint8(0x0A)  # LinearCall.sequences
-            k = _put_varint(buf, k + 1, seq_size[q])
-            n_rep = r_off[q + 1] - r_off[q]
-            if n_rep:
-                buf[k] = np.uint8(0x0A)  # replay_rows, little-endian int32
-                k = _put_varint(buf, k + 1, 4 * n_rep)
-                for i in range(r_off[q], r_off[q + 1]):
-                    v = np.uint32(np.int32(r_rows[i]))
-                    for b in range(4):
-                        buf[k] = np.uint8((v >> np.uint32(8 * b)) & np.uint32(255))
-                        k += 1
-            k = _put_field(buf, k, 0x10, q_start[q])
-            k = _put_field(buf, k, 0x18, q_end[q])
-            k = _put_field(buf, k, 0x20, q_depth[q])
-            buf[k] = np.uint8(0x2A)  # init_state
-            k = _put_varint(buf, k + 1, _field_len(src_kind[q]) + _field_len(src_state[q]))
-            k = _put_field(buf, k, 0x08, src_kind[q])
-            k = _put_field(buf, k, 0x10, src_state[q])
-            for e in range(ex_off[q], ex_off[q + 1]):
-                buf[k] = np.uint8(0x32)  # exports
-                k = _put_varint(buf, k + 1, _field_len(ex_state[e]) + _field_len(ex_depth[e]))
-                k = _put_field(buf, k, 0x08, ex_state[e])
-                k = _put_field(buf, k, 0x10, ex_depth[e])
-    return buf

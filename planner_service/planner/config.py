@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner_service.planner.cost_model import CostModel
+from plan.cluster_memory import DEFAULT_DEVICE_MEMORY_GB, default_memory_tokens
 from plan.memory_model import DTYPE_BYTES, ModelDims, RowSizes
 
 #: MemoryModel.model of plans made without a model config.
@@ -20,7 +21,10 @@ class PlanConfig:
     """Token budget B per microbatch: computed rows (kept + replay + duplicated) must fit."""
     memory_tokens: int = 0
     """Live-activation budget M per rank in row-equivalents of full activations (M x the model's
-    activation bytes per row, plan/memory_model.py); 0 means 8 * microbatch_tokens."""
+    activation bytes per row, plan/memory_model.py). 0: with a model_config, what a device of
+    device_memory_gb leaves after that model's FSDP2 shards, gathered units and a margin at this
+    world_size (plan/cluster_memory.py; an error when that holds less than one microbatch); without
+    one, 8 * microbatch_tokens (the default model's sizes, no device to budget for)."""
     chunk_size: int = 64
     """Linear-attention chunk size C; a power of two, equal to the kernel's."""
     conv_kernel: int = 0
@@ -49,12 +53,16 @@ class PlanConfig:
     """True: a lock-step plan (DESIGN §5.7, PlanParams.lockstep): one global sequence of phases in
     which every rank runs one step of the same kind (a real one or a stand-in), for trainers that
     gather parameters per forward and backward (FSDP2 with reshard_after_forward)."""
+    device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB
+    """Memory of one trainer device in GiB (default 141: an H200), for the default memory_tokens."""
     makespan_slack: float = 1.02
     """Placement accepts a makespan up to this factor above its lower bound (max(total cost / W,
     the costliest trajectory)) and, among such placements, duplicates the least; 1.0 minimises
     the makespan whatever it duplicates."""
     sizes: RowSizes = field(init=False, repr=False)
     """The resolved memory-model sizes (from row_sizes, else model_config)."""
+    memory_source: str = field(init=False, repr=False)
+    """Where memory_tokens comes from (given, or how the default was derived)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -66,8 +74,18 @@ class PlanConfig:
             raise ValueError(
                 f"microbatch_tokens: expected >= chunk_size ({c}), got {self.microbatch_tokens}; raise the budget"
             )
-        if self.memory_tokens == 0:
+        if not self.device_memory_gb > 0:
+            raise ValueError(f"device_memory_gb: expected > 0, got {self.device_memory_gb}")
+        if self.memory_tokens:
+            self.memory_source = "memory_tokens (given)"
+        elif self.model_config is None or self.row_sizes is not None:
             self.memory_tokens = 8 * self.microbatch_tokens
+            self.memory_source = "8 x microbatch_tokens (no model config: no device to budget for)"
+        else:
+            self.memory_tokens, self.memory_source = default_memory_tokens(
+                self.model_config, self.world_size, self.microbatch_tokens, dtype=self.dtype,
+                device_memory_gb=self.device_memory_gb, lockstep=self.lockstep, chunk_size=c,
+                model_name=self.model_name)
         if self.memory_tokens < self.microbatch_tokens:
             raise ValueError(
                 f"memory_tokens: expected >= microbatch_tokens ({self.microbatch_tokens}), got {self.memory_tokens}"

@@ -13,9 +13,14 @@ Coefficients are non-negative; `harts calibrate` fits them (non-negative least s
 executor timings, so that costs are seconds of the measured trainer. Without a file every
 coefficient but `row` is 0: costs are computed rows.
 
+`transfer_byte` prices a byte sent between ranks by a window across ranks (CrossEdge.bytes, each
+way; PlanParams.cost_model.transfer_byte): `harts calibrate` measures it as the inverse bandwidth
+of the trainer's point-to-point backend in seconds per byte; 0 (no file, or a file without it):
+not measured.
+
 The JSON file (FORMAT):
     {"format": "harts.cost_model.v1", "coefficients": {"row": ..., "attention": ...,
-     "linear_call": ..., "logprob_row": ...}, "source": "...", "fit": {...}}
+     "linear_call": ..., "logprob_row": ...}, "transfer_byte": ..., "source": "...", "fit": {...}}
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ class CostModel:
     """Cost per sequential linear-attention call of a microbatch."""
     logprob_row: float = 0.0
     """Cost per distinct log-prob row (lm head and loss)."""
+    transfer_byte: float = 0.0
+    """Cost per byte a window across ranks sends (seconds per byte when measured; 0: not measured)."""
     source: str = "rows"
     """Where the coefficients come from (reports)."""
     fit: dict = field(default_factory=dict, compare=False, hash=False)
@@ -53,6 +60,8 @@ class CostModel:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"cost model {name}: expected a finite coefficient >= 0, got {v!r}")
+        if not (isinstance(self.transfer_byte, (int, float)) and math.isfinite(self.transfer_byte) and self.transfer_byte >= 0):
+            raise ValueError(f"cost model transfer_byte: expected a finite cost >= 0, got {self.transfer_byte!r}")
         if self.row + self.attention + self.linear_call + self.logprob_row <= 0:
             raise ValueError("cost model: expected a coefficient > 0 (a cost that grows with the work), got all 0")
 
@@ -75,11 +84,12 @@ class CostModel:
         """Write the coefficients into a `plan_pb2.CostModel`."""
         for name in FEATURES:
             setattr(msg, name, float(getattr(self, name)))
+        msg.transfer_byte = float(self.transfer_byte)
         msg.source = self.source
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "coefficients": {n: float(getattr(self, n)) for n in FEATURES},
-                "source": self.source, "fit": self.fit}
+                "transfer_byte": float(self.transfer_byte), "source": self.source, "fit": self.fit}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -102,8 +112,12 @@ class CostModel:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"cost model {n}: expected a number, got {v!r}")
             vals[n] = float(v)
+        transfer = d.get("transfer_byte", 0.0)
+        if isinstance(transfer, bool) or not isinstance(transfer, (int, float)):
+            raise ValueError(f"cost model transfer_byte: expected a number, got {transfer!r}")
         fit = d.get("fit") or {}
-        return cls(**vals, source=str(d.get("source", "file")), fit=fit if isinstance(fit, dict) else {})
+        return cls(**vals, transfer_byte=float(transfer), source=str(d.get("source", "file")),
+                   fit=fit if isinstance(fit, dict) else {})
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":

@@ -11,9 +11,11 @@ precedes its children). On it:
   the rows the builder adds (bounded replay at unaligned branches inside a piece, and the replay or
   duplicated context a piece root needs), so every piece fits B by construction.
 - `first_fit_decreasing` packs groups of pieces (those that start at forest roots, or hang below
-  one microbatch) into microbatches, first fit over bins kept in a max segment tree: O(n log n).
-- `children_csr`, `group_by`, `piece_roots`: the CSR, counting-sort and part-root helpers the
-  placement and builder kernels share.
+  one microbatch) into microbatches, first fit over bins kept in a max segment tree: O(n log n);
+  `balance_bins` spreads a group's pieces over as many bins longest first onto the least loaded
+  one (lock-step plans, where a phase waits for the largest microbatch of any rank).
+- `children_csr`, `group_by`, `piece_roots`, `stamp_path`: the CSR, counting-sort, part-root and
+  root-path walk helpers the placement, level-2 and builder kernels share.
 
 Plain-Python oracles of each kernel live in `partition_ref.py`.
 
@@ -113,6 +115,29 @@ def group_by(keys: np.ndarray, n: int):
 
 
 @njit(cache=True)
+def stamp_path(parent, a, stamp, key, buf, n):
+    """Walk from node `a` towards its root, stamping nodes with `key` until one already carries it.
+
+    The root-path walk of the context, closure and cost kernels: with one key per microbatch or
+    rank, every node of the union of the walked paths is visited once per key.
+
+    Args:
+        parent: int [*] forest parents (-1 at a root); stamp: int64 [*] scratch, updated.
+        buf: int64 [*] the newly stamped nodes are written to buf[n:], `a` first.
+
+    Returns:
+        (n plus the number of newly stamped nodes, the first node that already carried `key`, or
+        -1 when the walk passed a root).
+    """
+    while a >= 0 and stamp[a] != key:
+        stamp[a] = key
+        buf[n] = a
+        n += 1
+        a = parent[a]
+    return n, a
+
+
+@njit(cache=True)
 def root_cost(depth, parent, chunk, dup, replay):
     """Rows a piece rooted at a unit of `depth` adds besides its own: duplicated context (`dup`) or
     the replay rows [floor(depth/C)*C, depth) it imports (shared)."""
@@ -131,7 +156,8 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay, fo
 
     Args:
         unit_parent, unit_len, unit_depth: int [U] the unit forest (preorder).
-        chunk: chunk size C; budget: B.
+        chunk: chunk size C; budget: int64 [U] the piece capacity at each unit (B, or a lock-step
+            plan's smaller capacity of the unit's rank forest; a piece's units share one).
         dup: piece roots carry their whole root path as context rows (no sharing windows).
         replay: bounded replay at unaligned branches (PlanConfig.replay).
         force: bool [U] units that must root a piece (cut from their parent whatever the sizes).
@@ -160,24 +186,25 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay, fo
         br = (unit_depth[u] + unit_len[u]) % chunk if replay else 0
         rr = root_cost(unit_depth[u], unit_parent[u], chunk, dup, replay)
         extra = (k - 1) * br if k > 1 else 0
-        if total + extra + rr > budget:
+        cap = budget[u]
+        if total + extra + rr > cap:
             keys = np.empty(k, np.int64)
             j = 0
             for i in range(lo, hi):
                 c = kids[i]
                 if not force[c]:
-                    keys[j] = (budget - resid[c]) * n + c
+                    keys[j] = (cap - resid[c]) * n + c
                     j += 1
             order = np.argsort(keys)
             j = 0
-            while total + extra + rr > budget and k > 0:
+            while total + extra + rr > cap and k > 0:
                 c = keys[order[j]] % n
                 cut[c] = True
                 total -= resid[c]
                 k -= 1
                 j += 1
                 extra = (k - 1) * br if k > 1 else 0
-            if total + rr > budget:
+            if total + rr > cap:
                 return cut, resid, np.int64(u)
         resid[u] = total + extra
     return cut, resid, np.int64(-1)
@@ -246,3 +273,62 @@ def first_fit_decreasing(sizes, group_off, caps, opens):
                 used = leaf + 1
         base += used
     return out, base
+
+
+@njit(cache=True)
+def balance_bins(sizes, group_off, bins, cap):
+    """Longest processing time first over the bins first_fit_decreasing opened, group by group:
+    each item (sorted by size descending within its group) onto the least loaded of the group's
+    bins (the lowest on a tie). A group whose balanced bins would exceed `cap`, or whose largest
+    balanced bin would exceed first fit's largest, keeps its bins.
+
+    Args:
+        sizes: int64 [n] item sizes in packing order; group_off: int64 [G+1]; bins: int64 [n]
+            first_fit_decreasing's bins (a group's bins are consecutive); cap: the hard capacity B.
+
+    Returns:
+        int64 [n] bins, each group's numbered in order of their first item.
+    """
+    out = bins.copy()
+    for g in range(group_off.shape[0] - 1):
+        a = group_off[g]
+        b = group_off[g + 1]
+        if b - a < 2:
+            continue
+        lo = bins[a]
+        k = 0
+        for i in range(a, b):
+            lo = min(lo, bins[i])
+            k = max(k, bins[i])
+        k = k - lo + 1
+        if k < 2:
+            continue
+        load = np.zeros(k, np.int64)
+        heap = np.arange(k)  # bin indices, a min-heap on (load, index)
+        fits = True
+        for i in range(a, b):
+            j = heap[0]
+            if load[j] + sizes[i] > cap:
+                fits = False
+                break
+            load[j] += sizes[i]
+            out[i] = lo + j
+            x = 0  # sift the root down
+            while True:
+                c = 2 * x + 1
+                if c >= k:
+                    break
+                if c + 1 < k and (load[heap[c + 1]] < load[heap[c]] or (load[heap[c + 1]] == load[heap[c]] and heap[c + 1] < heap[c])):
+                    c += 1
+                if load[heap[c]] < load[heap[x]] or (load[heap[c]] == load[heap[x]] and heap[c] < heap[x]):
+                    heap[c], heap[x] = heap[x], heap[c]
+                    x = c
+                else:
+                    break
+        ffd_load = np.zeros(k, np.int64)
+        for i in range(a, b):
+            ffd_load[bins[i] - lo] += sizes[i]
+        if not fits or load.max() > ffd_load.max():  # LPT is not always better than first fit
+            for i in range(a, b):
+                out[i] = bins[i]
+    return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from planner_service.planner.level1 import children_csr
+from planner_service.planner.level1 import children_csr, stamp_path
 
 
 @njit(cache=True)
@@ -45,17 +45,13 @@ def context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, chunk, rep
     for m in range(M):
         nv = 0
         for i in range(roots_off[m], roots_off[m + 1]):
-            a = unit_parent[roots[i]]
-            while a >= 0:
-                if stamp[a] == m:
-                    nchild[a] += 1
-                    break
-                stamp[a] = m
-                nchild[a] = 1
-                visited[nv] = a
-                nv += 1
-                ctx[m] += unit_len[a]
-                a = unit_parent[a]
+            first = nv
+            nv, hit = stamp_path(unit_parent, unit_parent[roots[i]], stamp, m, visited, nv)
+            for j in range(first, nv):  # the path's new units: one child on it so far
+                nchild[visited[j]] = 1
+                ctx[m] += unit_len[visited[j]]
+            if hit >= 0:
+                nchild[hit] += 1
         if replay:
             for j in range(nv):
                 a = visited[j]

@@ -23,8 +23,15 @@
    rank depth-first. Without windows every microbatch carries its whole root path and microbatches
    are placed longest-processing-time first over computed rows.
 
-Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`); `impl="ref"` runs
-the whole partitioner on them (tests compare both; the benchmark times both).
+With `cfg.lockstep` (`_lockstep`, DESIGN §5.7) level 1 packs every rank forest into about the
+same number of microbatches of about the same size (`lockstep.equal_count_caps`, then
+`level1.balance_bins`), level 2 marks only the root-most windows a too-deep stack needs as
+recomputed, and the order is one global sequence of phases (`lockstep.align_phases`; stand-ins
+where a rank has nothing of a phase's kind): of a few microbatch counts and aligner variants, the
+shortest lock-step makespan.
+
+Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`, `lockstep.py`);
+`impl="ref"` runs the whole partitioner on them (tests compare both; the benchmark times both).
 
 `expand_forest` builds the trajectory-expanded baseline's forest (cfg.sharing False).
 
@@ -33,6 +40,7 @@ groups, W ranks, T trajectories, P placement parts.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -40,9 +48,14 @@ from types import SimpleNamespace
 import numpy as np
 from numba import njit
 
+import planner_service.planner.level1 as level1
+import planner_service.planner.level2 as level2
+import planner_service.planner.lockstep as lockstep
+import planner_service.planner.partition_ref as partition_ref
+import planner_service.planner.placement as placement
+import planner_service.planner.placement_ref as placement_ref
 from planner_service.errors import PlanningError
 from planner_service.forest import Forest
-from planner_service.planner import level1, level2, partition_ref, placement, placement_ref
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.placement_search import place_units, unit_costs
 from planner_service.planner.spec import MicrobatchSpec, Partition
@@ -55,6 +68,7 @@ _KERNELS = {
         cut_pieces=level1.cut_pieces,
         piece_roots=level1.piece_roots,
         first_fit_decreasing=level1.first_fit_decreasing,
+        balance_bins=level1.balance_bins,
         context_cost=level2.context_cost,
         window_export_counts=level2.window_export_counts,
         window_groups=level2.window_groups,
@@ -62,6 +76,7 @@ _KERNELS = {
         lpt_place=level2.lpt_place,
         live_stack=level2.live_stack,
         dfs_order=level2.dfs_order,
+        align_phases=lockstep.align_phases,
         context_costs=placement.context_costs,
         cut_parts=placement.cut_parts,
         rank_closure=placement.rank_closure,
@@ -75,8 +90,9 @@ _KERNELS = {
     ),
     "ref": SimpleNamespace(
         **{name: getattr(partition_ref, name) for name in (
-            "build_units", "cut_pieces", "piece_roots", "first_fit_decreasing", "context_cost",
+            "build_units", "cut_pieces", "piece_roots", "first_fit_decreasing", "balance_bins", "context_cost",
             "window_export_counts", "window_groups", "subtree_costs", "lpt_place", "live_stack", "dfs_order")},
+        align_phases=lockstep.align_phases_ref,
         **{name: getattr(placement_ref, name) for name in (
             "context_costs", "cut_parts", "rank_closure", "closure_costs", "refine", "lp_row_flags",
             "subtree_sums", "subtree_sizes", "lpt_parts", "placement_costs")},
@@ -130,135 +146,307 @@ def partition(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> Partit
 
 
 def partition_with_report(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> tuple[Partition, PartitionReport]:
-    """`partition` plus the partitioner's estimates."""
+    """`partition` plus the partitioner's estimates: the stages `_rank_forests` (units and
+    placement), `_level1` (pieces and microbatches), `_edge_rows`, `_level2` (edge modes, ranks
+    without windows, the live stack) and `_assemble` (order, specs, report)."""
     if impl not in _KERNELS:
         raise ValueError(f"impl: expected one of {sorted(_KERNELS)}, got {impl!r}")
     k = _KERNELS[impl]
-    W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
+    W = cfg.world_size
     if forest.num_segments == 0:
         empty = PartitionReport(
             rows=np.zeros(0, np.int64), kept=np.zeros(0, np.int64), duplicated=np.zeros(0, np.int64),
             rank_load=np.zeros(W), live=np.zeros(0, np.int64), pieces=0, exports=np.zeros(0, np.int64),
         )
         return Partition(microbatches=[], rank_steps=[[] for _ in range(W)]), empty
-    dup_only = not cfg.windows
-    if dup_only:
-        _check_paths_fit(forest, B)
+    if not cfg.windows:
+        _check_paths_fit(forest, cfg.microbatch_tokens)
+    rf = _rank_forests(k, forest, cfg)
+    if cfg.lockstep:
+        return _assemble(k, cfg, rf, *_lockstep(k, cfg, rf))
+    l1 = _level1(k, cfg, rf)
+    edges = _edge_rows(k, cfg, rf, l1)
+    l2 = _level2(k, cfg, rf, l1, edges)
+    return _assemble(k, cfg, rf, l1, edges, l2)
 
+
+#: Lock-step plans try every rank at most (the fewest microbatches any rank needs at B) + each of
+#: these microbatches, with equal counts per rank (`lockstep.equal_count_caps`).
+LOCKSTEP_EXTRA_MICROBATCHES = (0, 1, 2)
+
+
+def _lockstep(k, cfg: PlanConfig, rf: _RankForests):
+    """Level 1 with about equal microbatch counts and sizes per rank, level 2 with the fewest
+    recomputed windows, and the phases aligned (`lockstep.align_phases`): of the candidate
+    counts and rank weightings, the schedule with the shortest lock-step makespan (then the
+    fewest phases). Returns (level 1, edge rows, level 2, schedule) for `_assemble`."""
+    W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
+    first = _level1(k, cfg, rf)
+    candidates = [first]
+    if cfg.windows and W > 1:
+        n0 = int(np.bincount(first.mb_home, minlength=W).max())
+
+        def counts(caps: np.ndarray) -> np.ndarray:
+            return np.bincount(_level1(k, cfg, rf, caps).mb_home, minlength=W)
+
+        candidates = [_level1(k, cfg, rf, lockstep.equal_count_caps(counts, W, B, C, n0 + extra))
+                      for extra in LOCKSTEP_EXTRA_MICROBATCHES]
+    best = None
+    for l1 in candidates:
+        e = _edge_rows(k, cfg, rf, l1)
+        l2 = _level2(k, cfg, rf, l1, e, minimal_recompute=True)
+        wparent = np.where((l1.mb_parent >= 0) & l2.shared, l1.mb_parent, -1)
+        full = cfg.sizes.full_bytes(l2.rows)
+        win = np.where(l2.recompute, l2.exports, full)
+        cost = l2.rows.astype(np.float64) * cfg.cost_model.row
+        sub = np.asarray(k.subtree_costs(l1.mb_parent, l2.shared, cost))  # open the costliest window subtree first
+        for power, rec_open, small_fill in itertools.product(lockstep.WEIGHT_POWERS, (False, True), (False, True)):
+            sch = lockstep.schedule(k.align_phases, l2.mb_rank, wparent, cost, sub, l2.recompute, full, win, l2.exports,
+                                    cfg.memory_bytes, W, power, rec_open, small_fill)
+            key = (sch.makespan, sch.phases.shape[0])
+            if best is None or key < best[0]:
+                best = (key, l1, e, l2, sch)
+    _, l1, e, l2, sch = best
+    l2.recompute |= sch.voluntary
+    log.debug("lock-step: %d microbatches, %d phases, estimated lock-step makespan %.0f", l1.num_microbatches,
+              sch.phases.shape[0], sch.makespan)
+    return l1, e, l2, sch
+
+
+@dataclass(slots=True)
+class _RankForests:
+    """Every rank's forest of units (`placement.rank_closure`): the units it keeps plus their
+    duplicated ancestors, grouped by rank (n units of all rank forests)."""
+
+    unit_seg: np.ndarray
+    """int32 [n] forest segment of each unit."""
+    unit_off: np.ndarray
+    """int32 [n] its offset inside the segment."""
+    unit_len: np.ndarray
+    """int32 [n] its tokens."""
+    unit_depth: np.ndarray
+    """int64 [n] depth of its first token."""
+    unit_parent: np.ndarray
+    """int64 [n] parent unit in the same rank forest, -1 at a root."""
+    unit_rank: np.ndarray
+    """int64 [n] rank of the forest."""
+    dup: np.ndarray
+    """bool [n] an ancestor kept by another rank (duplicated here)."""
+    load: np.ndarray | None
+    """float64 [W] placement's cost per rank (closure costs); None without placement."""
+    lower_bound: float
+    """Placement's makespan lower bound (0 without placement and W > 1)."""
+
+
+def _rank_forests(k, forest: Forest, cfg: PlanConfig) -> _RankForests:
+    """Units (level1.build_units) and, with windows and W > 1, their placement on ranks."""
+    W, C = cfg.world_size, cfg.chunk_size
     g_seg, g_off, g_len, g_depth, g_parent = k.build_units(forest.seg_parent, forest.seg_length, forest.seg_depth, C)
-    lower_bound = 0.0
-    if dup_only or W == 1:
+    U = g_parent.shape[0]
+    if not cfg.windows or W == 1:
         # one forest: every unit kept where it is, nothing duplicated by placement
-        ru_unit = np.arange(g_parent.shape[0], dtype=np.int64)
-        ru_rank = np.zeros(g_parent.shape[0], np.int64)
-        ru_dup = np.zeros(g_parent.shape[0], np.bool_)
-        ru_parent = g_parent.astype(np.int64)
-        if W == 1 and not dup_only:
+        lower_bound = 0.0
+        if W == 1 and cfg.windows:
             lower_bound = float(unit_costs(k, forest, cfg, g_seg, g_off, g_len, g_depth, g_parent).w.sum())
-    else:
-        uc = unit_costs(k, forest, cfg, g_seg, g_off, g_len, g_depth, g_parent)
-        unit_rank, lower_bound = place_units(k, cfg, g_parent, uc)
-        ru_unit, ru_rank, ru_dup, ru_parent = k.rank_closure(g_parent, unit_rank, W)
-    unit_seg, unit_off = g_seg[ru_unit], g_off[ru_unit]
-    unit_len, unit_depth, unit_parent = g_len[ru_unit], g_depth[ru_unit], ru_parent
+        return _RankForests(unit_seg=g_seg, unit_off=g_off, unit_len=g_len, unit_depth=g_depth,
+                            unit_parent=g_parent.astype(np.int64), unit_rank=np.zeros(U, np.int64),
+                            dup=np.zeros(U, np.bool_), load=None, lower_bound=lower_bound)
+    uc = unit_costs(k, forest, cfg, g_seg, g_off, g_len, g_depth, g_parent)
+    unit_rank, lower_bound = place_units(k, cfg, g_parent, uc)
+    ru_unit, ru_rank, ru_dup, ru_parent = k.rank_closure(g_parent, unit_rank, W)
+    load = np.asarray(k.closure_costs(ru_unit, ru_rank, ru_dup, ru_parent, uc.w, uc.w_dup, uc.rc, W)[0])
+    return _RankForests(unit_seg=g_seg[ru_unit], unit_off=g_off[ru_unit], unit_len=g_len[ru_unit],
+                        unit_depth=g_depth[ru_unit], unit_parent=ru_parent, unit_rank=ru_rank, dup=ru_dup, load=load,
+                        lower_bound=lower_bound)
 
-    # Level 1: pieces and microbatches of every rank forest.
-    force = ru_dup & (ru_parent >= 0) & ~ru_dup[np.maximum(ru_parent, 0)]
-    cut, resid, bad = k.cut_pieces(unit_parent, unit_len, unit_depth, C, B, dup_only, cfg.replay, force)
+
+@dataclass(slots=True)
+class _Level1:
+    """Pieces and microbatches of the rank forests (K pieces, M microbatches)."""
+
+    resid: np.ndarray
+    """int64 [n] rows of each unit's part of its piece (level1.cut_pieces)."""
+    pieces: np.ndarray
+    """int64 [K] root unit of every piece, increasing."""
+    tail: np.ndarray
+    """int64 [K] replay rows a piece root imports (0 at a forest root or without replay)."""
+    piece_mb: np.ndarray
+    """int64 [K] microbatch of each piece."""
+    unit_mb: np.ndarray
+    """int64 [n] microbatch of each unit."""
+    mb_parent: np.ndarray
+    """int64 [M] microbatch the pieces of each one hang below, -1 for forest-root pieces."""
+    mb_home: np.ndarray
+    """int64 [M] rank forest of each microbatch."""
+
+    @property
+    def num_microbatches(self) -> int:
+        return int(self.mb_parent.shape[0])
+
+
+def _level1(k, cfg: PlanConfig, rf: _RankForests, caps: np.ndarray | None = None) -> _Level1:
+    """Cut every rank forest into the fewest pieces that fit B (Kundu-Misra) and pack them into
+    microbatches level by level (`_pack`).
+
+    Args:
+        caps: int64 [W] a smaller piece and microbatch capacity per rank forest (lock-step plans,
+            `_lockstep`); None: B everywhere.
+    """
+    W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
+    dup_only = not cfg.windows
+    unit_parent, unit_depth = rf.unit_parent, rf.unit_depth
+    budget = np.full(unit_parent.shape[0], B, np.int64) if caps is None else caps[rf.unit_rank]
+    force = rf.dup & (unit_parent >= 0) & ~rf.dup[np.maximum(unit_parent, 0)]
+    cut, resid, bad = k.cut_pieces(unit_parent, rf.unit_len, unit_depth, C, budget, dup_only, cfg.replay, force)
     if bad >= 0:  # only reachable without windows, and _check_paths_fit rules it out
         raise PlanningError(f"microbatch_tokens: unit {bad} cannot fit {B} rows; raise microbatch_tokens")
     root = k.piece_roots(unit_parent, cut)
-    U = unit_parent.shape[0]
-    pieces = np.flatnonzero(root == np.arange(U))
+    pieces = np.flatnonzero(root == np.arange(unit_parent.shape[0]))
     anchor = unit_parent[pieces]
     has_anchor = anchor >= 0
     pdepth = unit_depth[pieces]
-    tail = pdepth % C if cfg.replay else np.zeros_like(pdepth)
-    tail = np.where(has_anchor, tail, 0)
+    tail = np.where(has_anchor, pdepth % C if cfg.replay else np.zeros_like(pdepth), 0)
     size = resid[pieces] + tail
-    if dup_only:
-        cap_of = np.where(has_anchor, B - pdepth + tail, B)
-    else:
-        cap_of = np.full(pieces.shape[0], B, np.int64)
+    piece_cap = budget[pieces]
+    cap_of = np.where(has_anchor, piece_cap - pdepth + tail, piece_cap) if dup_only else piece_cap
     assert (size <= cap_of).all(), "a piece larger than its bin: cut_pieces broke its contract"
     ppar = np.where(has_anchor, np.searchsorted(pieces, root[np.maximum(anchor, 0)]), -1)
-    root_key = ru_rank[pieces]
-    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, B, root_key)
+    root_key = rf.unit_rank[pieces]
+    piece_mb, M, n_root, root_items = _pack(k, size, cap_of, ppar, anchor, dup_only, piece_cap, root_key,
+                                            balance_cap=B if caps is not None else 0)
     if dup_only and W > 1 and M % W:
         root_cap = _balanced_root_cap(k, *root_items, n_root, M, W, B)
-        piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, root_cap, root_key)
-    unit_piece = np.searchsorted(pieces, root)
-    unit_mb = piece_mb[unit_piece]
+        piece_mb, M, _, _ = _pack(k, size, cap_of, ppar, anchor, dup_only, np.full(pieces.shape[0], root_cap), root_key)
+    unit_mb = piece_mb[np.searchsorted(pieces, root)]
     mb_parent = np.full(M, -1, np.int64)
     anchored = np.flatnonzero(has_anchor)
     mb_parent[piece_mb[anchored]] = unit_mb[anchor[anchored]]
     assert (mb_parent < np.arange(M)).all()
     mb_home = np.zeros(M, np.int64)
-    mb_home[unit_mb] = ru_rank  # the rank forest of every microbatch
+    mb_home[unit_mb] = rf.unit_rank  # the rank forest of every microbatch
+    return _Level1(resid=resid, pieces=pieces, tail=tail, piece_mb=piece_mb, unit_mb=unit_mb, mb_parent=mb_parent,
+                   mb_home=mb_home)
 
-    # per-microbatch sizes under both edge modes
-    by_mb = np.argsort(piece_mb, kind="stable")
-    roots = pieces[by_mb].astype(np.int64)
+
+@dataclass(slots=True)
+class _EdgeRows:
+    """Rows of every microbatch under both modes of its edge to the parent (M microbatches)."""
+
+    roots_off: np.ndarray
+    """int64 [M+1] microbatch m's piece-root units are roots[roots_off[m]:roots_off[m+1]]."""
+    roots: np.ndarray
+    """int64 [K] piece-root units grouped by microbatch."""
+    kept: np.ndarray
+    """int64 [M] kept tokens."""
+    own_dup: np.ndarray
+    """int64 [M] rows duplicated by placement."""
+    ctx: np.ndarray
+    """int64 [M] duplicated context of a duplicated edge."""
+    rows_shared: np.ndarray
+    """int64 [M] computed rows with a shared edge (or none)."""
+    rows_dup: np.ndarray
+    """int64 [M] computed rows with a duplicated edge."""
+
+
+def _edge_rows(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1) -> _EdgeRows:
+    """Per-microbatch sizes under both edge modes (level2.context_cost)."""
+    M, piece_mb = l1.num_microbatches, l1.piece_mb
+    roots = l1.pieces[np.argsort(piece_mb, kind="stable")].astype(np.int64)
     roots_off = np.r_[0, np.cumsum(np.bincount(piece_mb, minlength=M))].astype(np.int64)
-    internal = np.bincount(piece_mb, weights=resid[pieces], minlength=M).astype(np.int64)
-    tails = np.bincount(piece_mb, weights=tail, minlength=M).astype(np.int64)
-    kept = np.bincount(unit_mb, weights=np.where(ru_dup, 0, unit_len), minlength=M).astype(np.int64)
-    own_dup = np.bincount(unit_mb, weights=np.where(ru_dup, unit_len, 0), minlength=M).astype(np.int64)
-    ctx, ctx_replay = k.context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, C, cfg.replay)
-    rows_shared = internal + tails
-    rows_dup = internal + ctx + ctx_replay
-    has_parent = mb_parent >= 0
-    can_dup = has_parent & (rows_dup <= B)
+    internal = np.bincount(piece_mb, weights=l1.resid[l1.pieces], minlength=M).astype(np.int64)
+    tails = np.bincount(piece_mb, weights=l1.tail, minlength=M).astype(np.int64)
+    kept = np.bincount(l1.unit_mb, weights=np.where(rf.dup, 0, rf.unit_len), minlength=M).astype(np.int64)
+    own_dup = np.bincount(l1.unit_mb, weights=np.where(rf.dup, rf.unit_len, 0), minlength=M).astype(np.int64)
+    ctx, ctx_replay = k.context_cost(roots_off, roots, rf.unit_parent, rf.unit_len, rf.unit_depth, cfg.chunk_size, cfg.replay)
+    return _EdgeRows(roots_off=roots_off, roots=roots, kept=kept, own_dup=own_dup, ctx=ctx,
+                     rows_shared=internal + tails, rows_dup=internal + ctx + ctx_replay)
 
-    # Level 2: edge modes, placement without windows, the live stack, the order.
-    if dup_only:
-        shared = np.zeros(M, np.bool_)
-    else:
-        short = (ctx < C) | (ctx < SHORT_PREFIX_FRACTION * kept)
+
+@dataclass(slots=True)
+class _Level2:
+    """Edge modes, ranks, recomputation and live bytes of the microbatches (M microbatches)."""
+
+    shared: np.ndarray
+    """bool [M] the edge to the parent is a sharing window."""
+    mb_rank: np.ndarray
+    """int64 [M] rank running each microbatch."""
+    recompute: np.ndarray
+    """bool [M] activation recomputation of a window parent."""
+    rows: np.ndarray
+    """int64 [M] computed rows under the chosen edge modes."""
+    live: np.ndarray
+    """int64 [M] live bytes while each microbatch runs."""
+    exports: np.ndarray
+    """int64 [M] bytes each microbatch keeps as a recomputed open window."""
+    load: np.ndarray
+    """float64 [W] estimated cost per rank."""
+
+
+def _level2(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, *, minimal_recompute: bool = False
+            ) -> _Level2:
+    """Edge modes (share, or duplicate a short prefix), ranks without windows (LPT over computed
+    rows), and the live window stacks within M (`_fit_memory`; `minimal_recompute`: lock-step)."""
+    W, C, B = cfg.world_size, cfg.chunk_size, cfg.microbatch_tokens
+    M, mb_parent = l1.num_microbatches, l1.mb_parent
+    has_parent = mb_parent >= 0
+    can_dup = has_parent & (e.rows_dup <= B)
+    if cfg.windows:
+        short = (e.ctx < C) | (e.ctx < SHORT_PREFIX_FRACTION * e.kept)
         shared = has_parent & ~(short & can_dup)
+    else:
+        shared = np.zeros(M, np.bool_)
 
     def rows_now() -> np.ndarray:
-        return np.where(shared | ~has_parent, rows_shared, rows_dup)
+        return np.where(shared | ~has_parent, e.rows_shared, e.rows_dup)
 
-    if dup_only:  # every microbatch independent: longest processing time first over computed rows
+    if cfg.windows:
+        mb_rank = l1.mb_home
+    else:  # every microbatch independent: longest processing time first over computed rows
         mb_rank = _lpt(k, W, np.arange(M, dtype=np.int64), rows_now())[0]
-    else:
-        mb_rank = mb_home
-
     recompute = np.zeros(M, np.bool_)
-    est = _Exports(k, cfg, roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent)
-    live = _fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now)
+    est = _Exports(k, cfg, e.roots_off, e.roots, rf.unit_parent, rf.unit_len, rf.unit_depth, l1.unit_mb, mb_parent)
+    live = _fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now, minimal=minimal_recompute)
     rows = rows_now()
-    exports = est.bytes(shared, rows)[1]
-    load = np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
-    if not dup_only and W > 1:
-        load = np.asarray(k.closure_costs(ru_unit, ru_rank, ru_dup, ru_parent, uc.w, uc.w_dup, uc.rc, W)[0])
+    load = rf.load if rf.load is not None else np.bincount(mb_rank, weights=rows, minlength=W).astype(np.float64)
+    return _Level2(shared=shared, mb_rank=mb_rank, recompute=recompute, rows=rows, live=live,
+                   exports=est.bytes(shared, rows)[1], load=load)
 
-    step_rank, step_kind, step_mb = k.dfs_order(mb_parent, shared, mb_rank, W)
-    rank_steps: list[list[tuple[str, int]]] = [[] for _ in range(W)]
-    for r, kind, m in zip(step_rank.tolist(), step_kind.tolist(), step_mb.tolist()):
-        rank_steps[r].append(("B" if kind else "F", m))
 
-    kept_specs = _specs(unit_seg, unit_off, unit_len, unit_mb, M, ~ru_dup)
-    dup_specs = _specs(unit_seg, unit_off, unit_len, unit_mb, M, ru_dup)
+def _assemble(k, cfg: PlanConfig, rf: _RankForests, l1: _Level1, e: _EdgeRows, l2: _Level2,
+              sch: lockstep.Schedule | None = None) -> tuple[Partition, PartitionReport]:
+    """Every rank's order (depth-first, or the lock-step schedule `sch`), the microbatch specs and
+    the partition report."""
+    W, M = cfg.world_size, l1.num_microbatches
+    if sch is not None:
+        rank_steps = sch.rank_steps
+    else:
+        step_rank, step_kind, step_mb = k.dfs_order(l1.mb_parent, l2.shared, l2.mb_rank, W)
+        rank_steps = [[] for _ in range(W)]
+        for r, kind, m in zip(step_rank.tolist(), step_kind.tolist(), step_mb.tolist()):
+            rank_steps[r].append(("B" if kind else "F", m))
+    kept_specs = _specs(rf.unit_seg, rf.unit_off, rf.unit_len, l1.unit_mb, M, ~rf.dup)
+    dup_specs = _specs(rf.unit_seg, rf.unit_off, rf.unit_len, l1.unit_mb, M, rf.dup)
     microbatches = [
         MicrobatchSpec(
-            ranges=kept_specs[m], dup_ranges=dup_specs[m], parent=int(mb_parent[m]), shared=bool(shared[m]),
-            rank=int(mb_rank[m]), recompute=bool(recompute[m]),
+            ranges=kept_specs[m], dup_ranges=dup_specs[m], parent=int(l1.mb_parent[m]), shared=bool(l2.shared[m]),
+            rank=int(l2.mb_rank[m]), recompute=bool(l2.recompute[m]),
         )
         for m in range(M)
     ]
+    has_parent = l1.mb_parent >= 0
     report = PartitionReport(
-        rows=rows, kept=kept, duplicated=own_dup + np.where(has_parent & ~shared, ctx, 0),
-        rank_load=load, live=live, pieces=int(pieces.shape[0]), exports=exports, lower_bound=lower_bound,
+        rows=l2.rows, kept=e.kept, duplicated=e.own_dup + np.where(has_parent & ~l2.shared, e.ctx, 0),
+        rank_load=l2.load, live=l2.live, pieces=int(l1.pieces.shape[0]), exports=l2.exports,
+        lower_bound=rf.lower_bound,
     )
     log.debug(
         "partition: %d pieces, %d microbatches (%d windows, %d duplicated edges, %d recomputed), "
         "rows %d (%d duplicated by placement), imbalance %.3f, peak live %d bytes",
-        report.pieces, M, int(shared.sum()), int((has_parent & ~shared).sum()), int(recompute.sum()),
-        int(rows.sum()), int(own_dup.sum()), report.imbalance, report.peak_live,
+        report.pieces, M, int(l2.shared.sum()), int((has_parent & ~l2.shared).sum()), int(l2.recompute.sum()),
+        int(l2.rows.sum()), int(e.own_dup.sum()), report.imbalance, report.peak_live,
     )
-    return Partition(microbatches=microbatches, rank_steps=rank_steps), report
+    return Partition(microbatches=microbatches, rank_steps=rank_steps,
+                     phases=None if sch is None else sch.phases), report
 
 
 def _check_paths_fit(forest: Forest, budget: int) -> None:
@@ -272,13 +460,15 @@ def _check_paths_fit(forest: Forest, budget: int) -> None:
         )
 
 
-def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, root_key: np.ndarray):
+def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: np.ndarray, root_key: np.ndarray, *,
+          balance_cap: int = 0):
     """Microbatch of every piece: first fit decreasing, level by level down the piece forest.
 
     Root pieces with the same `root_key` (the rank forest they belong to) are packed together
-    (bins of `root_cap`). The pieces hanging below one microbatch's pieces are packed together
-    (without windows: below one anchor unit, so that they share one duplicated context). Parents
-    get smaller ids.
+    (bins of their `root_cap`, int64 [K], equal within a rank forest). The pieces hanging below
+    one microbatch's pieces are packed together (without windows: below one anchor unit, so that
+    they share one duplicated context). Parents get smaller ids. With `balance_cap` > 0 (lock-step plans) every group's pieces are then spread
+    over its bins longest first onto the least loaded (`level1.balance_bins`, within that cap).
 
     Returns:
         piece_mb int64 [K], number of microbatches, number of root microbatches, and the root
@@ -309,9 +499,11 @@ def _pack(k, size, cap_of, ppar, anchor, dup_only: bool, root_cap: int, root_key
         skey = key[sort]
         starts = np.flatnonzero(np.r_[True, skey[1:] != skey[:-1]])
         group_off = np.r_[starts, order.shape[0]].astype(np.int64)
-        caps = np.full(starts.shape[0], root_cap, np.int64) if L == 0 else cap_of[order][starts].astype(np.int64)
+        caps = (root_cap if L == 0 else cap_of)[order][starts].astype(np.int64)
         sizes = size[order].astype(np.int64)
         bins, nb = k.first_fit_decreasing(sizes, group_off, caps, opens[sort])
+        if balance_cap:
+            bins = k.balance_bins(sizes, group_off, bins, balance_cap)
         piece_mb[order] = M + bins
         M += int(nb)
         if L == 0:
@@ -380,9 +572,13 @@ class _Exports:
         return sizes.full_bytes(rows), sizes.export_bytes(attn, conv, kern, states)
 
 
-def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, rows_now):
+def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, rows_now, *, minimal: bool = False):
     """Keep every live window stack within M (bytes): mark recomputation where it saves memory,
     then duplicate edges (deepest first along a violating stack). Returns live int64 [M] bytes.
+
+    A violating stack marks every window on it; with `minimal` (lock-step plans, where each
+    recomputed window's backward needs a PHASE_RECOMPUTE) only the root-most ones that cover its
+    excess.
 
     Raises:
         PlanningError: a microbatch whose own activations plus the exports of its open windows,
@@ -400,10 +596,22 @@ def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, ro
     if (live <= budget).all():
         return live
     for m in np.flatnonzero(live > budget).tolist():
+        chain = []  # the open windows below which m runs, nearest first
         c = m
         while mb_parent[c] >= 0 and shared[c]:
             c = int(mb_parent[c])
-            recompute[c] = exports[c] < full[c]
+            chain.append(c)
+        if not minimal:
+            for c in chain:
+                recompute[c] = exports[c] < full[c]
+            continue
+        over = int(live[m]) - budget
+        for c in reversed(chain):  # root-most first: one mark covers every stack below it
+            if over <= 0:
+                break
+            if not recompute[c] and exports[c] < full[c]:
+                recompute[c] = True
+                over -= int(full[c] - exports[c])
     live, full, exports = live_now()
     # Enough M without any duplication: under a larger M the violators are a subset of these and
     # their ancestors get the same marks.

@@ -65,9 +65,9 @@ def cut_pieces(unit_parent, unit_len, unit_depth, chunk, budget, dup, replay, fo
         def size(ks):
             return int(unit_len[u]) + sum(resid[c] for c in ks) + max(len(ks) - 1, 0) * branch
 
-        while kept and size(kept) + rr > budget:
+        while kept and size(kept) + rr > budget[u]:
             cut[kept.pop(0)] = True
-        if size(kept) + rr > budget:
+        if size(kept) + rr > budget[u]:
             return np.array(cut, np.bool_), np.array(resid, np.int64), u
         resid[u] = size(kept)
     return np.array(cut, np.bool_), np.array(resid, np.int64), -1
@@ -262,3 +262,30 @@ def window_export_counts(roots_off, roots, unit_parent, unit_len, unit_depth, un
                 if lo < b or lo == 0:
                     break
     return tuple(np.array(out[k], np.int64) for k in ("attn", "conv", "kern", "states"))
+
+
+def balance_bins(sizes, group_off, bins, cap):
+    """See `level1.balance_bins`: the least loaded bin by a scan (lowest index on a tie)."""
+    out = [int(x) for x in bins]
+    for g in range(len(group_off) - 1):
+        a, b = int(group_off[g]), int(group_off[g + 1])
+        if b - a < 2:
+            continue
+        lo, hi = min(out[a:b]), max(out[a:b])
+        load = [0] * (hi - lo + 1)
+        if len(load) < 2:
+            continue
+        assign = []
+        for i in range(a, b):
+            j = min(range(len(load)), key=lambda j: (load[j], j))
+            if load[j] + int(sizes[i]) > cap:
+                assign = None
+                break
+            load[j] += int(sizes[i])
+            assign.append(lo + j)
+        ffd_load = [0] * len(load)
+        for i in range(a, b):
+            ffd_load[int(bins[i]) - lo] += int(sizes[i])
+        if assign is not None and max(load) <= max(ffd_load):
+            out[a:b] = assign
+    return np.array(out, np.int64)

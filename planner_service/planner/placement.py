@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from planner_service.planner.level1 import children_csr, group_by
+from planner_service.planner.level1 import children_csr, group_by, stamp_path
 
 
 @njit(cache=True)
@@ -107,12 +107,10 @@ def rank_closure(unit_parent, unit_rank, world_size):
     mark = np.empty(U, np.int64)
     total = 0
     for r in range(world_size):  # pass 1: sizes
+        m = 0
         for i in range(cnt[r], cnt[r + 1]):
-            a = by_rank[i]
-            while a >= 0 and stamp[a] != r:
-                stamp[a] = r
-                total += 1
-                a = unit_parent[a]
+            m, _ = stamp_path(unit_parent, by_rank[i], stamp, r, mark, m)
+        total += m
     ru_unit = np.empty(total, np.int64)
     ru_rank = np.empty(total, np.int64)
     ru_dup = np.empty(total, np.bool_)
@@ -122,12 +120,7 @@ def rank_closure(unit_parent, unit_rank, world_size):
     for r in range(world_size):
         m = 0
         for i in range(cnt[r], cnt[r + 1]):
-            a = by_rank[i]
-            while a >= 0 and stamp[a] != r:
-                stamp[a] = r
-                mark[m] = a
-                m += 1
-                a = unit_parent[a]
+            m, _ = stamp_path(unit_parent, by_rank[i], stamp, r, mark, m)
         units = np.sort(mark[:m])
         for j in range(m):
             pos[units[j]] = k + j
@@ -188,13 +181,9 @@ def placement_costs(unit_parent, unit_rank, w, w_dup, rc, world_size):
     for r in range(world_size):
         m = 0
         for i in range(cnt[r], cnt[r + 1]):
-            a = by_rank[i]
-            while a >= 0 and stamp[a] != r:
-                stamp[a] = r
-                nkids[a] = 0
-                buf[m] = a
-                m += 1
-                a = unit_parent[a]
+            m, _ = stamp_path(unit_parent, by_rank[i], stamp, r, buf, m)
+        for j in range(m):
+            nkids[buf[j]] = 0
         for j in range(m):
             p = unit_parent[buf[j]]
             if p >= 0:
@@ -219,16 +208,11 @@ def rank_cost(unit_parent, unit_rank, r, w, w_dup, rc, stamp, nkids, buf):
     U = unit_parent.shape[0]
     m = 0
     for u in range(U):
-        if unit_rank[u] != r:
-            continue
-        a = u
-        while a >= 0 and stamp[a] != r:
-            stamp[a] = r
-            nkids[a] = 0
-            buf[m] = a
-            m += 1
-            a = unit_parent[a]
+        if unit_rank[u] == r:
+            m, _ = stamp_path(unit_parent, u, stamp, r, buf, m)
     cost = 0.0
+    for j in range(m):
+        nkids[buf[j]] = 0
     for j in range(m):
         a = buf[j]
         p = unit_parent[a]

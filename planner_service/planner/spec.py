@@ -46,4 +46,7 @@ class Partition:
     """Indexed by global microbatch id."""
     rank_steps: list[list[tuple[str, int]]] = field(default_factory=list)
     """Per rank, ("F" | "B", global microbatch id) in execution order: depth-first over the
-    microbatch forest, forward on entry, backward after every dependent's backward."""
+    microbatch forest, forward on entry, backward after every dependent's backward. In a
+    lock-step partition one entry per phase, microbatch -1 for a stand-in."""
+    phases: np.ndarray | None = None
+    """Lock-step partitions: uint8 [P] PhaseKind of every phase (plan/phases.py); None: free."""

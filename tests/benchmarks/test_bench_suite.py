@@ -24,6 +24,8 @@ def quick_run(tmp_path_factory):
     return r, out, only
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_quick_suite_writes_results(quick_run):
     r, out, only = quick_run
     assert r.returncode in (0, 1), r.stderr  # 1: some benchmark failed, reported in the files
@@ -57,6 +59,7 @@ def test_quick_suite_writes_results(quick_run):
     assert (out / "compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_trainer_throughput_on_a_tiny_workload():
     pytest.importorskip("trainer.executor")
     pytest.importorskip("planner_service.planner")
@@ -169,3 +172,15 @@ def test_bench_trainer_forward_only_modes_against_transformers():
         row["expanded_logprobs_tokens_per_cpu_s"] / row["transformers_logprobs_tokens_per_cpu_s"])
     assert "windows_peak_saved_bytes" not in row  # no backward, no saved activations measured
     assert "| windows / transformers |" in bench_trainer.result_markdown({"workloads": [row], "settings": {}})
+
+
+def test_placement_table_shows_the_lockstep_ratio_of_every_cell():
+    rows = suite.run_placement(suite.SuiteConfig(quick=True))["rows"]
+    worlds, budgets, _ = suite.PLACEMENT_GRID["quick"]
+    assert len(rows) == 3 * len(worlds) * len(budgets)
+    for r in rows:
+        assert r["lockstep_ratio"] >= 1.0 - 1e-9 and r["lockstep_phases"] > 0
+        assert r["lockstep_met"] == (r["lockstep_ratio"] <= suite.LOCKSTEP_TARGET)
+    table = suite.placement_table(rows).splitlines()
+    assert "lockstep_ratio" in table[0]
+    assert all(f"{r['lockstep_ratio']:.3f}" in line for r, line in zip(rows, table[2:]))

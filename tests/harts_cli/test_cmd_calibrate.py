@@ -57,12 +57,16 @@ def test_synthetic_batches_span_the_features():
     assert F[:, 2].max() >= 4 and F[:, 2].min() == 1, "calls must vary"
 
 
+def _calibrate(capsys, out, *extra: str) -> tuple[dict, CostModel]:
+    """A short `harts calibrate` of the tiny model: its printed report and the cost model it wrote."""
+    assert main(["calibrate", "--model", "tiny", "--chunk-size", "16", "--repeats", "1", *extra, "-o", str(out)]) == 0
+    return json.loads(capsys.readouterr().out), CostModel.load(out)
+
+
 def test_calibrate_writes_a_cost_model_that_plan_accepts(tmp_path, capsys):
     out = tmp_path / "cost.json"
-    assert main(["calibrate", "--model", "tiny", "--chunk-size", "16", "--samples", "6", "--max-rows", "256",
-                 "--repeats", "1", "-o", str(out)]) == 0
-    report = json.loads(capsys.readouterr().out)
-    cm = CostModel.load(out)
+    report, cm = _calibrate(capsys, out, "--samples", "6", "--max-rows", "256", "--transfer-backend", "none")
+    assert cm.transfer_byte == 0.0 and "transfer" not in report  # not measured
     assert all(getattr(cm, n) >= 0 for n in FEATURES) and sum(getattr(cm, n) for n in FEATURES) > 0
     assert cm.fit["samples"] == 6 and cm.fit["held_out"] == 2 and "r2" in report and "max_rel_error" in report
     assert cm.source.startswith("harts calibrate --model tiny")
@@ -73,3 +77,33 @@ def test_calibrate_writes_a_cost_model_that_plan_accepts(tmp_path, capsys):
                  "--cost-model", str(out)]) == 0
     plan_report = json.loads(capsys.readouterr().out)
     assert plan_report["makespan"] < 60, "costs are seconds of the calibrated trainer"
+
+
+@pytest.mark.integration
+def test_calibrate_measures_the_point_to_point_bandwidth_into_transfer_byte(tmp_path, capsys):
+    """Two gloo processes bounce buffers through the trainer's P2PTransport: transfer_byte is seconds per byte."""
+    report, cm = _calibrate(capsys, tmp_path / "cost.json", "--samples", "4", "--max-rows", "128", "--transfer-max-mb", "1")
+    t = report["transfer"]
+    assert t["backend"] == "gloo" and t["sizes"][0] == 1024 and t["sizes"][-1] == 1 << 20
+    assert cm.transfer_byte == report["transfer_byte"] == t["transfer_byte"] > 0
+    assert t["bandwidth_gb_s"] == pytest.approx(1e-9 / cm.transfer_byte) and t["latency_seconds"] < 1.0
+    from proto.harts.v1 import plan_pb2
+
+    msg = plan_pb2.CostModel()
+    cm.fill(msg)
+    assert msg.transfer_byte == cm.transfer_byte  # what a plan made with this file carries
+
+
+def test_calibrate_refuses_a_too_small_transfer_measurement():
+    with pytest.raises(ValueError, match=r"--transfer-max-mb: expected >= 0.0625 \(64 KiB\), got 0.01"):
+        _run_calibrate(["--transfer-max-mb", "0.01"])
+
+
+def _run_calibrate(extra: list[str]) -> int:
+    import argparse
+
+    from harts_cli import cmd_calibrate
+
+    p = argparse.ArgumentParser()
+    cmd_calibrate.add_arguments(p)
+    return cmd_calibrate.run(p.parse_args(extra))

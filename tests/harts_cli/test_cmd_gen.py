@@ -14,6 +14,7 @@ def harts(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*HARTS, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["group", "tree", "percall"])
 def test_gen_writes_the_document_and_prints_stats(tmp_path, scheme):
     out = tmp_path / "rollouts.json"
@@ -48,6 +49,7 @@ def test_gen_to_stdout_explicit_trees_and_knobs():
     assert json.loads(r.stderr.strip().splitlines()[-1])["trajectories"] == 9
 
 
+@pytest.mark.slow
 def test_gen_bad_arguments_fail_clearly(tmp_path):
     r = harts("gen", "--scheme", "group", "--tasks", "1", "--scale", "-1", "-o", str(tmp_path / "x.json"))
     assert r.returncode == 2 and "scale: expected" in r.stderr and "Traceback" not in r.stderr

@@ -40,6 +40,7 @@ def batch(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_plan_prints_the_report_and_writes_a_deterministic_plan(tmp_path, batch):
     args = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "64", "--chunk-size", "8"]
     outs = []
@@ -133,3 +134,35 @@ def test_plan_sizes_windows_with_the_named_model_and_balances_with_a_cost_model(
     assert json.loads(capsys.readouterr().out)["peak_live_bytes"] == report["peak_live_bytes"]
     assert main([*args[:-2], "--model", "no-such-model"]) == 2
     assert "--model: expected a config.json path or one of" in capsys.readouterr().err
+
+
+def test_plan_report_names_its_memory_model_and_where_the_budget_comes_from(capsys, batch):
+    base = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "64", "--chunk-size", "8"]
+    assert main(base) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory_model"] == "default: Qwen3-Next-80B-A3B" and "memory_report" not in report
+    assert report["memory_budget"]["memory_tokens"] == 8 * 64 and report["memory_budget"]["source"].startswith("8 x microbatch_tokens")
+    assert main([*base, "--model", "tiny", "--device-memory-gb", "0.5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    budget, mem = report["memory_budget"], report["memory_report"]
+    assert report["memory_model"] == "tiny" and "tiny at W = 2 on 0.5 GiB (float32): device - shards" in budget["source"]
+    assert budget["memory_tokens"] == mem["activation_tokens"] > 8 * 64 and mem["fits"] and mem["world_size"] == 2
+    assert budget["memory_bytes"] == budget["memory_tokens"] * mem["activation_row_bytes"]
+    assert main([*base, "--model", "qwen3-next-80b-a3b"]) == 2  # 80B on 2 ranks: no room for one microbatch
+    assert "memory_tokens: expected the memory model to leave room for one microbatch" in capsys.readouterr().err
+
+
+def test_plan_lockstep_reports_the_phases(capsys, tmp_path, batch):
+    out = tmp_path / "plan.bin"
+    args = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "32", "--chunk-size", "8", "--lockstep",
+            "-o", str(out)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    validate_plan(plan)
+    assert plan.header.params.lockstep and all(len(r.steps) == report["lockstep_phases"] for r in plan.ranks)
+    assert report["lockstep_phases"] == (report["lockstep_forward_phases"] + report["lockstep_backward_phases"]
+                                         + report["lockstep_recompute_phases"]) > 0
+    assert report["lockstep_ratio"] == pytest.approx(report["lockstep_makespan"] / report["makespan"])
+    assert main(args[:-3]) == 0  # a free plan's report names no phases
+    assert "lockstep_phases" not in json.loads(capsys.readouterr().out)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harts_cli.rl.config import RLConfigError, load_rl_config
+from trainer.rl.config import RLConfigError, load_rl_config
 from harts_cli.rl.run import compare_curves, reward_rise
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,12 +43,12 @@ max_grad_norm = 1.0
 
 
 def test_example_config_loads_and_fills_the_trainer_ranks_config(tmp_path):
-    from trainer.config import TrainerConfig
+    from trainer.config import config_from_dict
 
     cfg = load_rl_config(EXAMPLE, steps=7, out=str(tmp_path / "x"))
     assert cfg.run.steps == 7 and cfg.run.nproc == 2 and cfg.task.name == "seek" and cfg.trainer["optimizer"]["lr"] == 2e-3
     doc = cfg.trainer_doc(planner_url="http://127.0.0.1:9", model_dir=tmp_path / "w", out=tmp_path)
-    t = TrainerConfig.from_dict(doc)
+    t = config_from_dict(doc)
     assert (t.job.steps, t.checkpoint.export_every, t.staleness.max_staleness, t.executor.chunk_size) == (7, 1, 1, 16)
     assert t.checkpoint.export_dtype == "float32" and t.model.name == str(tmp_path / "w")
 
@@ -86,7 +86,7 @@ def test_harts_rl_cli_errors_are_one_line(tmp_path):
 
 
 def test_sinks_write_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):
-    from harts_cli.rl.config import MetricsSection
+    from trainer.rl.config import MetricsSection
     from harts_cli.rl.sinks import Sinks, plot_run
 
     calls = []

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from planner_service.ingest import json_to_proto
 
 DOC = {
@@ -37,6 +39,7 @@ def _stats(proc: subprocess.CompletedProcess) -> dict:
     return stats
 
 
+@pytest.mark.slow
 def test_tree_json_file_pb_file_and_stdin(tmp_path: pathlib.Path):
     path = tmp_path / "rollouts.json"
     path.write_text(json.dumps(DOC))

@@ -96,3 +96,44 @@ def test_planner_entry_plans_with_windows_and_keeps_the_ablation(tmp_path):
     out = subprocess.run(["sh", str(ROOT / "docker" / "planner-entry.sh")], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "--no-windows" in out.stdout.split()
     assert "HARTS_NO_WINDOWS" not in (ROOT / "docker-compose.yml").read_text()
+
+
+def test_ports_are_published_on_loopback_unless_asked(compose):
+    services = json.loads(compose("config", "--format", "json").stdout)["services"]
+    for port in services["planner"]["ports"]:
+        assert port["host_ip"] == "127.0.0.1", port  # the demo token is public: not on 0.0.0.0
+
+
+def test_postgres_profile_runs_two_planner_replicas_on_one_database(compose):
+    env = {**compose.env, "HARTS_DB": "postgresql://harts:harts-demo@postgres:5432/harts",
+           "HARTS_PLANNER_URL": "http://planner:8000,http://planner-replica:8000"}
+    out = subprocess.run([shutil.which("docker"), "compose", "-f", str(ROOT / "docker-compose.yml"), "--profile",
+                          "postgres", "config", "--format", "json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    assert {"postgres", "planner", "planner-replica", "generator", "trainer"} <= set(services)
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+    for name in ("planner", "planner-replica"):
+        assert services[name]["environment"]["HARTS_DB"] == env["HARTS_DB"], name
+        assert services[name]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("generator", "trainer"):
+        assert services[name]["environment"]["HARTS_PLANNER_URL"] == env["HARTS_PLANNER_URL"]
+    assert '--db "${HARTS_DB' in (ROOT / "docker" / "planner-entry.sh").read_text()
+
+
+def test_images_install_no_test_packages_and_pin_the_cuda_build():
+    import tomllib
+
+    test_pkgs = [d.split("==")[0] for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["test"]]
+    for name in ("Dockerfile.planner", "Dockerfile.trainer"):
+        text = (ROOT / "docker" / name).read_text()
+        assert "-r requirements.lock" not in text and "-c " in text and "pip check" in text, name
+        assert not any(pkg in text for pkg in test_pkgs), name
+    planner = (ROOT / "docker" / "Dockerfile.planner").read_text()
+    assert "optional-dependencies']['planner']" in planner and "COPY trainer" not in planner
+    cuda = (ROOT / "docker" / "constraints-cuda.txt").read_text().splitlines()
+    pins = [line for line in cuda if line and not line.startswith("#")]
+    assert pins and all("==" in line and "*" not in line for line in pins)
+    assert "constraints-cuda.txt" in (ROOT / "docker" / "Dockerfile.trainer").read_text()

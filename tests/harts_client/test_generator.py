@@ -24,19 +24,61 @@ from harts_client.rollouts import RolloutBatchBuilder, RolloutTree, Trajectory, 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_client_and_generator_api_import_without_torch():
-    code = (
-        "import sys; sys.modules['torch'] = None\n"
-        "import harts_client.client, harts_client.rollouts\n"
-        "from harts_client.rollouts import RolloutBatchBuilder, Trajectory\n"
-        "b = RolloutBatchBuilder('s', vocab_size=16).add(Trajectory('a', [1, 2]).add_completion([3], [-0.5]))\n"
-        "b.to_proto('tree'); b.to_json('flat')\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'planner_service', 'fastapi', 'numba')"
-        " and sys.modules[m] is not None)\n"
-        "assert not bad, bad\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
+#: what a generator host need not have (`pip install 'harts[client]'`): imports of these fail in the child
+BLOCKED = ("torch", "triton", "numba", "llvmlite", "fastapi", "starlette", "uvicorn", "grpc", "transformers")
+
+_ISOLATED = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None  # `import name` now raises ImportError
+import importlib, pkgutil
+import harts_client
+mods = sorted(m.name for m in pkgutil.walk_packages(harts_client.__path__, "harts_client."))
+for name in mods:
+    importlib.import_module(name)
+
+from harts_client.rollouts import RolloutBatchBuilder, Trajectory, grpo_advantages
+from harts_client.synthetic import WorkloadConfig, generate, generate_workload
+from harts_client.timing import repeat
+
+w = generate_workload(WorkloadConfig(scheme="tree", tasks=2, seed=3, scale=0.01, turns=(10, 12), vocab_size=64))
+builder = RolloutBatchBuilder("iso", vocab_size=64)
+for t in range(w.num_trajectories):
+    tokens, mask = w.trajectory(t)
+    cut = int(mask.argmax()) if mask.any() else len(tokens)
+    traj = Trajectory(f"t{{t}}", tokens[:cut].tolist(), group_id="g")
+    traj.add_completion(tokens[cut:].tolist(), [-0.5] * (len(tokens) - cut))
+    builder.add(traj)
+grpo_advantages(builder.trajectories)
+tree_pb, flat_doc = builder.to_proto("tree"), builder.to_json("flat")
+assert len(flat_doc["trajectories"]) == w.num_trajectories
+assert sum(len(x["tokens"]) for x in flat_doc["trajectories"]) == w.expanded_tokens
+doc = generate("group", 1, seed=0, scale=0.01, group_size=3, form="tree")
+assert repeat(lambda: generate("percall", 1, seed=1, scale=0.01), 2).result["trajectories"]
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {heavy!r} and sys.modules[m] is not None)
+assert not loaded, loaded
+print(len(mods), len(tree_pb.SerializeToString()), len(doc["trees"]))
+"""
+
+
+def test_every_client_module_imports_and_generates_without_the_heavy_packages():
+    """The generator install: every harts_client module imports, the synthetic generator and the
+    batch builder run, with torch, numba, FastAPI, gRPC (and what they pull in) unimportable."""
+    heavy = (*BLOCKED, "planner_service", "trainer", "kernels", "benchmarks", "harts_cli")
+    code = _ISOLATED.format(blocked=BLOCKED, heavy=heavy)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    n_modules, pb_bytes, trees = map(int, out.stdout.split())
+    assert n_modules >= 4 and pb_bytes > 0 and trees == 1
+
+
+def test_the_client_extra_is_the_generator_install():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {d.split("==")[0] for d in project["dependencies"]}
+    assert project["optional-dependencies"]["client"] == []  # the base set is the whole generator install
+    assert not base & {*BLOCKED, "torch", "numba", "fastapi", "grpcio"}, base
 
 
 def test_radix_nodes_rebuild_every_path_and_share_prefixes():

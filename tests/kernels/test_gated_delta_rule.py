@@ -358,6 +358,7 @@ def test_unknown_backend_is_rejected():
         run(chunk_gated_delta_rule, x, cu, [], [], 4, backend="cuda")
 
 
+@pytest.mark.slow
 def test_triton_backend_under_interpreter():
     """The Triton kernel's tests, in a subprocess with TRITON_INTERPRET=1 set before triton loads."""
     run_under_interpreter("kernels/test_gated_delta_rule_triton.py")

@@ -183,6 +183,7 @@ def test_layout_plans_are_built_once():
     assert calls == [layout]
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     """The Triton kernels' tests, in a subprocess with TRITON_INTERPRET=1 set before triton loads."""
     run_under_interpreter("kernels/test_tree_attention_triton.py")

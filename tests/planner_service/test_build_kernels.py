@@ -137,7 +137,7 @@ def test_lp_grouped_matches_reference_and_ungrouped_entries(all_positions):
         old = f.old_logprobs if f.old_logprobs is not None else none
         ref = f.ref_logprobs if f.ref_logprobs is not None else none
         got = bk.lp_grouped(*args, f.advantages, old, ref)
-        _eq(got, bk.lp_grouped_ref(f, all_positions, kept_mb, kept_row, M))
+        _eq(got, bk.lp_grouped_ref(*args, f.advantages, old, ref))
         bounds, row, label, traj, pos, mask, adv, old_g, ref_g = got
         g0, traj0, pos0, prev0, tok0 = lp_entries(*args[:8])
         order = np.argsort(kept_mb[prev0], kind="stable")
@@ -199,7 +199,7 @@ def test_pack_rows_layout_and_ext_rows_match_reference():
 
 
 def test_encode_linear_calls_matches_protobuf_api():
-    from planner_service.planner.build import _fill_linear_calls_ref
+    from planner_service.planner.linear_calls_codec import encode_linear_calls, fill_linear_calls_ref
     from proto.harts.v1 import plan_pb2
 
     rng = np.random.default_rng(5)
@@ -217,11 +217,11 @@ def test_encode_linear_calls_matches_protobuf_api():
                                  rng.integers(0, 300, E).tolist())), np.int64).reshape(-1, 3)
         n_calls = int(q_call.max()) + 2 if Q else int(rng.integers(0, 2))
         got = plan_pb2.Microbatch()
-        got.MergeFromString(bk.encode_linear_calls(q_start, q_end, q_depth, q_call, r_off, r_rows, kind, state,
-                                                   ex[:, 0], ex[:, 1], ex[:, 2], n_calls).tobytes())
+        got.MergeFromString(encode_linear_calls(q_start, q_end, q_depth, q_call, r_off, r_rows, kind, state,
+                                                ex[:, 0], ex[:, 1], ex[:, 2], n_calls).tobytes())
         want = plan_pb2.Microbatch()
         sched = (q_start, q_end, q_depth, None, q_call, r_off, r_rows, None)
-        _fill_linear_calls_ref(want, sched, kind, state, ex[:, 0], ex[:, 1], ex[:, 2], n_calls)
+        fill_linear_calls_ref(want, sched, kind, state, ex[:, 0], ex[:, 1], ex[:, 2], n_calls)
         assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
         assert len(got.linear_calls) == n_calls
 

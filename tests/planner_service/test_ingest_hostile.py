@@ -1,6 +1,8 @@
 """Hostile rollout bodies (issue 13, item 2) get a 422 naming the field at submit, and nothing is
 stored: deep nesting, integers beyond float64, lone surrogates in ids, booleans as numbers, and a
-world size spelled as a string. In-process: PlannerCore and the FastAPI app over it."""
+world size spelled as a string; issue 22: bytes that are not UTF-8 in ids (JSON and protobuf),
+batch ids that no URL can carry, and ids past the length bound. In-process: PlannerCore and the
+FastAPI app over it."""
 from __future__ import annotations
 
 import json
@@ -49,7 +51,44 @@ CASES = [
     ("bool-token", lambda: _text(_doc(), {"[1, 2, 3]": "[true, 1, 2]"}), "trajectories[0].tokens", "got boolean true at position 0"),
     ("bool-mask", lambda: _text(_doc(), {"[0, 1, 1]": "[true, false, true]"}), "trajectories[0].loss_mask", "got boolean true at position 0"),
     ("bool-node-token", lambda: _text(_doc(), {"[4, 5]": "[4, false]"}), "trees[0].nodes[0].tokens", "got boolean false at position 1"),
+    ("not-utf8-batch-id", lambda: _text(_doc()).replace(b'"step"', b'"st\xffep"'), "batch_id", "not UTF-8"),
+    ("not-utf8-trajectory-id", lambda: _text(_doc()).replace(b'"id": "a"', b'"id": "\xc3("'), "trajectories[0].id", "not UTF-8"),
+    ("utf8-surrogate-tree-trajectory-id", lambda: _text(_doc()).replace(b'"id": "x"', b'"id": "x\xed\xa0\x80"'),
+     "trees[0].trajectories[0].id", "UTF-8"),
+    ("dot-batch-id", lambda: _text(_doc(), {'"step"': '"."'}), "batch_id", "other than '.' and '..'"),
+    ("dotdot-batch-id", lambda: _text(_doc(), {'"step"': '".."'}), "batch_id", "other than '.' and '..'"),
+    ("nul-batch-id", lambda: _text(_doc(), {'"step"': '"st\\u0000ep"'}), "batch_id", "control characters"),
+    ("blank-batch-id", lambda: _text(_doc(), {'"step"': '" \\t "'}), "batch_id", "visible character"),
+    ("long-batch-id", lambda: _text(_doc(), {'"step"': '"' + "s" * 600 + '"'}), "batch_id", "at most 512 characters"),
 ]
+
+
+PROTO_CASES = [  # the string field, and the value the placeholder stands for
+    ("batch-id", ("batch_id",), "batch_id"),
+    ("trajectory-id", ("trajectories", 0, "id"), "trajectories[0].id"),
+    ("tree-trajectory-id", ("trees", 0, "trajectories", 0, "id"), "trees[0].trajectories[0].id"),
+]
+
+
+@pytest.mark.parametrize("where,field", [c[1:] for c in PROTO_CASES], ids=[c[0] for c in PROTO_CASES])
+def test_protobuf_strings_that_are_not_utf8_name_their_field(service, where, field):
+    from planner_service.ingest import json_to_proto
+
+    core, client = service
+    doc = _doc()
+    obj = doc
+    for part in where[:-1]:
+        obj = obj[part]
+    obj[where[-1]] = "QQQQ"  # a placeholder of the same length as the damaged bytes
+    pb = json_to_proto(doc).SerializeToString()
+    assert pb.count(b"QQQQ") == 1
+    body = pb.replace(b"QQQQ", b"Q\xffQQ")
+    with pytest.raises(ValidationError) as info:
+        core.submit(body, "proto")
+    assert info.value.field == field and "UTF-8" in info.value.message, info.value.message
+    r = client.post("/v1/steps", content=body, headers={"Content-Type": "application/x-protobuf"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+    assert core.list_steps() == []
 
 
 @pytest.fixture(scope="module")

@@ -157,7 +157,8 @@ def test_kundu_misra_gives_the_fewest_pieces(seed):
     ud = np.zeros(n, np.int64)  # additive weights: no replay (replay=False), no context (dup=False)
     want = _brute_min_pieces(parent, weight, budget)
     for impl in (level1, partition_ref):
-        cut, resid, bad = impl.cut_pieces(up, ul, ud, 1 << 20, budget, False, False, np.zeros(n, np.bool_))
+        cut, resid, bad = impl.cut_pieces(up, ul, ud, 1 << 20, np.full(n, budget, np.int64), False, False,
+                                          np.zeros(n, np.bool_))
         assert bad == -1
         roots = np.asarray(impl.piece_roots(up, cut))
         pieces = np.unique(roots)
@@ -199,8 +200,9 @@ def test_cut_pieces_numba_matches_reference(seed, dup, replay):
     rng = np.random.default_rng(seed)
     U = unit_parent.shape[0]
     for force in (np.zeros(U, np.bool_), (unit_parent >= 0) & (rng.random(U) < 0.2)):
-        got = level1.cut_pieces(unit_parent, unit_len, unit_depth, 8, budget, dup, replay, force)
-        want = partition_ref.cut_pieces(unit_parent, unit_len, unit_depth, 8, budget, dup, replay, force)
+        caps = np.full(U, budget, np.int64)
+        got = level1.cut_pieces(unit_parent, unit_len, unit_depth, 8, caps, dup, replay, force)
+        want = partition_ref.cut_pieces(unit_parent, unit_len, unit_depth, 8, caps, dup, replay, force)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
         assert got[2] == want[2]
@@ -573,3 +575,31 @@ def test_window_groups_of_big_trees_stay_apart_when_that_balances_ranks():
     # one rank: the root pieces share microbatches (15 rows each, three per bin)
     part1, _ = partition_with_report(f, PlanConfig(world_size=1, microbatch_tokens=48, chunk_size=8))
     assert len(part1.microbatches) == len(part.microbatches) - 2
+
+
+def test_balance_bins_matches_reference_and_balances_within_the_cap():
+    rng = np.random.default_rng(11)
+    changed = 0
+    for _ in range(40):
+        G = int(rng.integers(1, 5))
+        sizes, offs = [], [0]
+        for _ in range(G):
+            n = int(rng.integers(0, 9))
+            sizes += sorted(rng.integers(1, 40, n).tolist(), reverse=True)
+            offs.append(offs[-1] + n)
+        sizes, group_off = np.array(sizes, np.int64), np.array(offs, np.int64)
+        cap = int(rng.integers(40, 90))
+        ffd, _ = level1.first_fit_decreasing(sizes, group_off, np.full(G, cap, np.int64), np.zeros(sizes.shape[0], np.bool_))
+        got = level1.balance_bins(sizes, group_off, ffd, cap)
+        np.testing.assert_array_equal(got, partition_ref.balance_bins(sizes, group_off, ffd, cap))
+        changed += int((got != ffd).any())
+        for g in range(G):
+            a, b = group_off[g], group_off[g + 1]
+            if b == a:
+                continue
+            assert sorted(set(got[a:b].tolist())) == sorted(set(ffd[a:b].tolist())), "the same bins"
+            load = np.bincount(got[a:b] - got[a:b].min(), weights=sizes[a:b])
+            assert load.max() <= cap
+            ffd_load = np.bincount(ffd[a:b] - ffd[a:b].min(), weights=sizes[a:b])
+            assert load.max() <= ffd_load.max(), "never a larger largest bin than first fit's"
+    assert changed, "some groups are rebalanced"

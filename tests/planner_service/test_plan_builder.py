@@ -211,7 +211,7 @@ def test_random_forests_and_partitions_validate(case):
                 local = (par, unpack(mb.depth, "int32")[start], unpack(mb.seg_length, "int32"), C)
                 assert len(mb.linear_calls) == min_calls(*local) == min_calls_chunk_tree_ref(*local)
         # the Numba kernels and their plain-Python twins give byte-identical plans
-        ref = build_plan(f, cfg, part, use_numba=False)
+        ref = build_plan(f, cfg, part, impl="ref")
         assert ref.SerializeToString(deterministic=True) == plan.SerializeToString(deterministic=True)
 
 

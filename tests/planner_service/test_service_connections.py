@@ -181,3 +181,74 @@ def test_client_disconnects_are_not_errors_and_free_their_long_poll(small):
     time.sleep(0.3)
     log = small.log_text()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_slowloris_that_reconnects_at_once_does_not_evict_legitimate_requests(tmp_path):
+    """Issue 22: half-sent connections re-opened as soon as the guard closes them (here 2x the
+    connection bound) evicted new legitimate connections: /healthz answered 16 of 86 probes."""
+    import json
+    import selectors
+    import threading
+
+    from planner_service.server import ServerProcess
+    from tests.service_helpers import rollout_doc
+
+    srv = ServerProcess(tmp_path / "sl.db", token="sl-token", log_path=tmp_path / "sl.log",
+                        extra=["--max-connections", "64", "--header-timeout", "30"]).start()
+    host, port = srv.http_url.removeprefix("http://").rsplit(":", 1)
+    addr = (host, int(port))
+    stop = threading.Event()
+    reopened = [0]
+
+    def attack() -> None:
+        sel = selectors.DefaultSelector()
+
+        def connect() -> None:
+            try:
+                s = socket.create_connection(addr, timeout=5)
+                s.sendall(PARTIAL_HEADERS)
+                s.setblocking(False)
+                sel.register(s, selectors.EVENT_READ)
+            except OSError:
+                pass
+
+        for _ in range(128):
+            connect()
+        deadline = time.monotonic() + 120
+        while not stop.is_set() and time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=0.1):
+                s = key.fileobj
+                try:
+                    data = s.recv(65536)
+                except OSError:
+                    data = b""
+                if not data:  # closed by the guard: re-open at once
+                    sel.unregister(s)
+                    s.close()
+                    reopened[0] += 1
+                    connect()
+        for key in list(sel.get_map().values()):
+            key.fileobj.close()
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    try:
+        time.sleep(1.0)
+        answered = 0
+        for _ in range(20):
+            got, _ = raw_request(addr, HEALTHZ, timeout=10)
+            answered += status_line(got) == "HTTP/1.1 200 OK"
+        submitted = 0
+        for i in range(10):
+            body = json.dumps(rollout_doc(f"sl-{i}", seed=i)).encode()
+            head = (f"POST /v1/steps HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sl-token\r\nConnection: close\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            got, _ = raw_request(addr, head + body, timeout=20)
+            submitted += status_line(got) == "HTTP/1.1 200 OK"
+        assert reopened[0] > 0  # the guard did evict the attacker's connections meanwhile
+        assert (answered, submitted) == (20, 10)
+    finally:
+        stop.set()
+        attacker.join(30)
+        srv.stop()
+    assert "Traceback" not in srv.log_text()

@@ -39,6 +39,7 @@ def api_schema(tmp_path_factory):
     core.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, known_step",
     [(GenerationMode.POSITIVE, False), (GenerationMode.NEGATIVE, False), (GenerationMode.POSITIVE, True)],

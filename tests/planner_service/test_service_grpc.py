@@ -187,3 +187,44 @@ def test_delete_step(stub, channel):
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# ---- issue 22: the last hostile-audit defects, each from its reproducer
+
+
+def test_a_long_step_id_is_invalid_argument_not_an_oversized_trailer(stub):
+    for call, req in ((stub.GetStatus, planner_pb2.GetStatusRequest(step_id="x" * 9000)),
+                      (stub.FetchPlan, planner_pb2.FetchPlanRequest(step_id="x" * 9000)),
+                      (stub.DeleteStep, planner_pb2.DeleteStepRequest(step_id="x" * 9000))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(req, metadata=AUTH, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "step_id: expected at most 512 characters, got 9000" in err.value.details()
+
+
+def test_ids_that_are_not_utf8_and_huge_memory_budgets_name_their_field(channel, stub):
+    raw_submit = channel.unary_unary("/harts.v1.Planner/SubmitRollouts")
+    req = planner_pb2.SubmitRolloutsRequest(batch=json_to_proto(rollout_doc("g-utf8")))
+    data = req.SerializeToString().replace(b"g-utf8-t3", b"g-utf8-\xff3")
+    with pytest.raises(grpc.RpcError) as err:
+        raw_submit(data, metadata=AUTH, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("harts-field", "batch.trajectories[3].id") in tuple(err.value.trailing_metadata()), err.value.details()
+    raw_status = channel.unary_unary("/harts.v1.Planner/GetStatus")
+    with pytest.raises(grpc.RpcError) as err:
+        raw_status(planner_pb2.GetStatusRequest(step_id="ab").SerializeToString().replace(b"ab", b"a\xc3"),
+                   metadata=AUTH, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("step_id:")
+    huge = planner_pb2.Topology(world_size=2, memory_tokens=2**62)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SubmitRollouts(planner_pb2.SubmitRolloutsRequest(batch=json_to_proto(rollout_doc("g-mem")), topology=huge),
+                            metadata=AUTH, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "topology.memory_tokens" in err.value.details()
+
+
+def test_a_lockstep_topology_is_kept_with_the_step(stub):
+    topo = planner_pb2.Topology(**TOPOLOGY, lockstep=True)
+    st = stub.SubmitRollouts(planner_pb2.SubmitRolloutsRequest(batch=json_to_proto(rollout_doc("g-lock")), topology=topo),
+                             metadata=AUTH, timeout=10).status
+    assert st.topology.lockstep
+    assert stub.GetStatus(planner_pb2.GetStatusRequest(step_id="g-lock"), metadata=AUTH, timeout=5).topology.lockstep

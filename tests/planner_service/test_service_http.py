@@ -216,3 +216,92 @@ def test_delete_a_step(http, server):
 def test_batch_id_with_a_slash_is_rejected(http):
     r = http.post("/v1/steps", json=rollout_doc("team/step-1"))
     assert r.status_code == 422 and r.json()["error"]["field"] == "batch_id"
+
+
+# ---- issue 22: the last hostile-audit defects, each from its reproducer
+
+
+def _head(method: str, path: str, length: int, auth: bool) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: t", "Content-Type: application/json", f"Content-Length: {length}"]
+    if auth:
+        lines.append(f"Authorization: Bearer {TOKEN}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def test_a_plan_request_is_authenticated_and_size_checked_before_its_body_is_read(server, http):
+    from tests.service_helpers import raw_request, status_line
+
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    addr = (host, int(port))
+    # 300 MiB declared, a few bytes sent: the answer comes at once, nothing waits for the rest
+    got, _ = raw_request(addr, _head("POST", "/v1/steps/x/plan", 300 << 20, auth=False) + b'{"world_size"')
+    assert status_line(got).startswith("HTTP/1.1 401"), got[:300]
+    got, _ = raw_request(addr, _head("POST", "/v1/steps/x/plan", 300 << 20, auth=True) + b'{"world_size"')
+    assert status_line(got).startswith("HTTP/1.1 413"), got[:300]
+    # unparseable JSON without the token: 401, not 422
+    r = httpx.post(server.http_url + "/v1/steps/x/plan", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 401
+    r = http.post("/v1/steps/x/plan", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body"
+    r = http.post("/v1/steps/x/plan", json={"world_size": "2"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body.world_size"
+
+
+def test_memory_tokens_over_the_plans_byte_budget_is_422_naming_the_field(http):
+    r = http.post("/v1/steps", json=rollout_doc("s-mem"), params={"world_size": 2, "memory_tokens": 2**62})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "topology.memory_tokens", r.text
+    assert http.get("/v1/steps/s-mem").status_code == 404  # nothing stored
+    assert http.post("/v1/steps", json=rollout_doc("s-mem")).status_code == 200
+    r = http.post("/v1/steps/s-mem/plan", json={"world_size": 2, "memory_tokens": 2**62})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "topology.memory_tokens", r.text
+    assert http.get("/v1/steps/s-mem").json()["state"] == "submitted"  # not marked failed
+
+
+def test_long_and_unreachable_step_ids_get_errors_that_name_them(server, http):
+    from tests.service_helpers import raw_request, status_line
+
+    r = http.get("/v1/steps/" + "x" * 9000)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "step_id" and len(r.text) < 1000
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    got, _ = raw_request((host, int(port)), f"GET /v1/steps/{'x' * (1 << 20)} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+    assert status_line(got).startswith("HTTP/1.1 431"), got[:200]
+    assert b'"code": "INVALID_ARGUMENT"' in got and b"at most 16384 bytes" in got
+    for bad in (".", "..", "\x00", "  "):
+        r = http.post("/v1/steps", json=rollout_doc(bad))
+        assert r.status_code == 422 and r.json()["error"]["field"] == "batch_id", (bad, r.text)
+    assert http.get("/v1/steps/%2E%2E").status_code in (404, 422)  # never a 5xx
+
+
+def test_ids_that_are_not_utf8_name_their_field(http):
+    import json as json_
+
+    body = json_.dumps(rollout_doc("s-utf8")).encode().replace(b'"s-utf8-t1"', b'"s-utf8-\xff1"')
+    r = http.post("/v1/steps", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "trajectories[1].id", r.text
+    assert "UTF-8" in r.json()["error"]["message"]
+    pb = json_to_proto(rollout_doc("s-utf8-pb")).SerializeToString().replace(b"s-utf8-pb-t2", b"s-utf8-pb-\xc3(")
+    r = http.post("/v1/steps", content=pb, headers={"Content-Type": "application/x-protobuf"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "trajectories[2].id", r.text
+
+
+def test_shutdown_answers_waiting_long_polls_instead_of_cancelling_them(tmp_path):
+    import threading
+
+    srv = ServerProcess(tmp_path / "stop.db", token=TOKEN).start()
+    answers: list[int] = []
+
+    def poll() -> None:
+        r = httpx.get(srv.http_url + "/v1/steps/never/ranks/0/plan", params={"wait": 30},
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        answers.append(r.status_code)
+
+    pollers = [threading.Thread(target=poll) for _ in range(2)]
+    for t in pollers:
+        t.start()
+    time.sleep(1.0)
+    srv.stop()  # SIGTERM (uvicorn exits by the re-raised signal)
+    for t in pollers:
+        t.join(30)
+    assert answers == [503, 503]
+    log = srv.log_text()
+    assert "ERROR" not in log and "Cancel" not in log and "Traceback" not in log, log[-2000:]

@@ -91,7 +91,7 @@ def _padded(doc: dict, mib: float) -> bytes:
 
 def test_disk_full_immutable_and_deleted_database(tmpfs):
     db = tmpfs / "harts.db"
-    srv = ServerProcess(db).start()
+    srv = ServerProcess(db, extra=["--min-free-mb", "1"]).start()
     c = httpx.Client(base_url=srv.http_url, timeout=20)
     ct = {"Content-Type": "application/json"}
     try:
@@ -153,12 +153,12 @@ def test_disk_full_immutable_and_deleted_database(tmpfs):
 
 
 def test_unwritable_database_at_start_is_not_ready_until_writable(tmpfs):
-    from planner_service.store import Store
+    from planner_service.store.sqlite import SQLiteStore as Store
 
     db = tmpfs / "ro.db"
     Store(db).close()  # an existing database, then made immutable before the service starts
     _chattr("+i", db)
-    srv = start_serve(db, tmpfs.parent / "ro.log")  # returns once the port accepts, ready or not
+    srv = start_serve(db, tmpfs.parent / "ro.log", extra=["--min-free-mb", "1"])  # returns once the port accepts, ready or not
     try:
         assert "harts serve: not ready: storage" in srv.log_text()
         assert "harts serve: ready" not in srv.log_text()
@@ -172,6 +172,62 @@ def test_unwritable_database_at_start_is_not_ready_until_writable(tmpfs):
         assert _until(lambda: "harts serve: ready" in srv.log_text(), 3)
         r = httpx.post(srv.http_url + "/v1/steps", json=rollout_doc("ro"), timeout=10)
         assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.log_text()
+
+
+# ---- issue 22: a deleted WAL, a disk full at start-up
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+def test_a_wal_deleted_under_the_service_loses_no_acknowledged_batch(tmp_path, stop):
+    db = tmp_path / "wal.db"
+    srv = ServerProcess(db, log_path=tmp_path / "wal.log").start()
+    c = httpx.Client(base_url=srv.http_url, timeout=20)
+    try:
+        for i in range(10):
+            assert c.post("/v1/steps", json=rollout_doc(f"w{i}", seed=i)).status_code == 200
+        Path(f"{db}-wal").unlink()  # the batches since the last checkpoint live only in the open WAL
+        assert _until(lambda: "WAL of" in srv.log_text(), 10)  # the probe notices and checkpoints it
+        for i in range(10, 14):
+            assert c.post("/v1/steps", json=rollout_doc(f"w{i}", seed=i)).status_code == 200
+        assert c.get("/readyz").status_code == 200
+    finally:
+        c.close()
+        srv.kill() if stop == "sigkill" else srv.stop()
+    srv.start()
+    try:
+        with httpx.Client(base_url=srv.http_url, timeout=20) as c:
+            ids = {s["step_id"] for s in c.get("/v1/steps", params={"limit": 100}).json()["steps"]}
+        assert ids == {f"w{i}" for i in range(14)}
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.log_text()
+
+
+def test_a_restart_on_a_full_disk_still_serves_acknowledged_steps(tmpfs):
+    db = tmpfs / "full.db"
+    srv = ServerProcess(db, extra=["--min-free-mb", "1"], log_path=tmpfs.parent / "full.log").start()
+    with httpx.Client(base_url=srv.http_url, timeout=20) as c:
+        assert c.post("/v1/steps", json=rollout_doc("kept"), params=TOPOLOGY).status_code == 200
+        slice_ = c.get("/v1/steps/kept/ranks/1/plan", params={"wait": 10})
+        assert slice_.status_code == 200
+    srv.stop()
+    filler = tmpfs / "filler"
+    _fill(filler)
+    srv.start(ready=False)
+    try:
+        with httpx.Client(base_url=srv.http_url, timeout=20) as c:
+            ready = c.get("/readyz")
+            assert ready.status_code == 503 and "full" in ready.json()["reason"], ready.text
+            assert c.get("/v1/steps/kept").json()["state"] == "planned"  # reads of acknowledged steps
+            assert c.get("/v1/steps/kept/ranks/1/plan").content == slice_.content
+            r = c.post("/v1/steps", json=rollout_doc("new", seed=1))
+            assert r.status_code == 503
+            filler.unlink()
+            assert _until(lambda: c.get("/readyz").status_code == 200, 10)
+            assert c.post("/v1/steps", json=rollout_doc("new", seed=1)).status_code == 200
     finally:
         srv.stop()
     assert "Traceback" not in srv.log_text()

@@ -56,3 +56,17 @@ def test_bad_model_documents_name_the_topology_field(field, value, match):
     with pytest.raises(ValidationError) as err:
         topology_to_config(planner_pb2.Topology(**TOPOLOGY, **{field: value}))
     assert err.value.field == match
+
+
+def test_lockstep_reaches_the_plan_config_over_json_and_grpc_and_the_service_default():
+    from planner_service.http_models import Topology
+
+    assert topology_to_config(planner_pb2.Topology(**TOPOLOGY, lockstep=True)).lockstep
+    assert not topology_to_config(planner_pb2.Topology(**TOPOLOGY)).lockstep
+    proto = Topology.model_validate_json(json.dumps({**TOPOLOGY, "lockstep": True})).to_proto()
+    assert proto.lockstep and topology_to_config(proto).lockstep
+    from planner_service.service_config import normalized_topology
+
+    assert normalized_topology(topology_to_config(proto)).lockstep  # kept with the step, compared for idempotency
+    cfg = ServiceConfig(db_path=":memory:", default_topology=planner_pb2.Topology(world_size=2, lockstep=True))
+    assert topology_to_config(cfg.default_topology).lockstep

@@ -12,7 +12,7 @@ from harts_cli.main import main
 from tests.executor_helpers import make_plan
 from trainer.executor import Executor, ExecutorConfig, StepResult
 from trainer.models import build_model
-from trainer.models.qwen3_next import compute_dtype
+from kernels.dtypes import compute_dtype
 from trainer.objectives import ObjectiveConfig
 from trainer.verify import compare_runs, f64_reference_report, grad_rel_errors, run_and_capture
 
@@ -62,9 +62,10 @@ def test_f64_tree_matches_expanded_to_1e12(spec):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_f64_gradient_matches_central_differences(dtype):
     """A float64 step's gradient is the derivative of its loss: (L(w + hd) - L(w - hd)) / 2h matches
-    <grad, d> to ~3e-11 relative at h = 1e-7 (rounding ~1e-16 / h). A value rounded to fp32
-    anywhere on the path (an fp32 upcast left in a float64 model) puts ~1e-9 noise in L, ~1e-2 in
-    the quotient: the fp32 model shows it. Old log-probs make L the surrogate itself (without them
+    <grad, d> to ~1.5e-9 relative at h = 1e-7 (rounding ~1e-16 |L| / (h |<grad, d>|); the
+    truncation error grows as h^2: 2.5e-8 at h = 1e-6). A value rounded to fp32 anywhere on the path
+    (an fp32 upcast left in a float64 model) puts ~1e-9 noise in L, ~1e-2 in the quotient: the fp32
+    model shows it. Old log-probs make L the surrogate itself (without them
     the ratio is exp(lp - lp.detach()) = 1 in value); wide clips keep it smooth."""
     trajs = _trajs(3)
     rng = np.random.default_rng(4)
@@ -91,7 +92,7 @@ def test_f64_gradient_matches_central_differences(dtype):
 
     err = abs((loss_at(h) - loss_at(-h)) / (2 * h) - slope) / abs(slope)
     if dtype == torch.float64:
-        assert err < 1e-9, err
+        assert err < 1e-8, err
     else:
         assert err > 1e-4, err
 

@@ -80,6 +80,15 @@ def test_writer_creates_the_folder_rank0_only_and_drops_lines_after_the_resumed_
     assert [(m["step"], m["loss"]) for m in lines] == [(1, 0.5), (2, 0.5), (3, 0.25)]
 
 
+def test_a_resumed_run_that_trains_nothing_leaves_the_metrics_file_alone(tmp_path):
+    # issue 22: a run that exits before its first step (a world-size check) truncated 4 lines to 0
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
+    w = MetricsWriter(MetricsConfig(jsonl=str(path)), is_main=True, resume_step=0)
+    w.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize(
     "trainer,batch,cfg,expect",
     [

@@ -122,6 +122,7 @@ def _rel(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["fsdp", "replicate", "fsdp-empty"])
 def test_two_rank_step_equals_the_one_process_step(runs, mode):
     plan, out, one = runs
@@ -136,6 +137,7 @@ def test_two_rank_step_equals_the_one_process_step(runs, mode):
         assert _rel(out[0]["fsdp"]["grads"], out[0]["replicate"]["grads"]) <= 1e-6
 
 
+@pytest.mark.integration
 def test_fsdp_reduces_once_per_unit_and_step_and_the_empty_rank_takes_part(runs):
     plan, out, _ = runs
     for rank in (0, 1):

@@ -108,6 +108,7 @@ def two_ranks():
     return out
 
 
+@pytest.mark.integration
 def test_bucketed_sync_equals_per_tensor_reference_and_the_sum(two_ranks):
     expect = []
     for a, b in zip(_grads(0), _grads(1)):
@@ -121,6 +122,7 @@ def test_bucketed_sync_equals_per_tensor_reference_and_the_sum(two_ranks):
                 assert torch.equal(torch.from_numpy(f), torch.from_numpy(r)) and torch.equal(torch.from_numpy(f), e)
 
 
+@pytest.mark.integration
 def test_broadcast_gives_every_rank_rank0_weights(two_ranks):
     w0, w1 = two_ranks[0]["weights"], two_ranks[1]["weights"]
     expect = build_model("tiny-dense", seed=0).state_dict()
@@ -174,12 +176,62 @@ def test_checkpoint_latest_and_broken_pointer(tmp_path):
         (["--data-parallel", "ddp"], "parallelism.data_parallel: expected one of"),
         (["--lr_schedule.decay", "step"], "lr_schedule.decay: expected one of"),
         (["--objective.clip_high", "wide"], "config: objective.clip_high: expected a number, got 'wide'"),
+        (["--parallelism.reshard_after_forward", "true", "--data-parallel", "replicate"],
+         "parallelism.reshard_after_forward: expected false or none with data_parallel='replicate'"),
+        (["--parallelism.reshard_memory_fraction", "0"], "parallelism.reshard_memory_fraction: expected in (0, 1]"),
     ],
-    ids=["steps", "too-few-ids", "lr", "clip", "resume-without-dir", "every", "aggregation", "dp", "decay", "type"],
+    ids=["steps", "too-few-ids", "lr", "clip", "resume-without-dir", "every", "aggregation", "dp", "decay", "type",
+         "reshard-replicate", "fraction"],
 )
 def test_config_rejects_bad_values_naming_the_dotted_field(flags, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         load_config(None, flags)
+
+
+def test_executor_section_is_the_executor_configs_one_definition():
+    """The config file's executor section and ExecutorConfig share one definition of those fields,
+    and the schema's backend names (spelled out to keep torch out of it) are the kernels'."""
+    from kernels.gated_delta_rule import BACKENDS as KERNELS
+    from kernels.tree_attention import BACKENDS as ATTENTION
+    from trainer.config.schema import ATTENTION_BACKENDS, KERNEL_BACKENDS, ExecutorSection
+    from trainer.executor import ExecutorConfig
+
+    assert issubclass(ExecutorConfig, ExecutorSection)
+    assert set(KERNEL_BACKENDS) == set(KERNELS) and set(ATTENTION_BACKENDS) == {"auto", *ATTENTION}
+    section = load_config(None, ["--executor.chunk_size", "16", "--executor.attention_backend", "ref"]).executor
+    ex = ExecutorConfig(**to_dict(section), validate="none")
+    assert (ex.chunk_size, ex.attention_backend) == (16, "ref")
+    with pytest.raises(ValueError, match="chunk_size: expected a power of two, got 12"):
+        ExecutorConfig(chunk_size=12)
+    with pytest.raises(ValueError, match="validate: expected one of"):
+        ExecutorConfig(validate="some")
+
+
+def test_step_dirs_prune_keeps_the_newest_and_the_one_latest_names(tmp_path):
+    from trainer.step_dirs import latest_name, point_latest, prune, step_name
+
+    for step in (1, 2, 3, 4):
+        (tmp_path / step_name(step)).mkdir()
+    point_latest(tmp_path, step_name(1))
+    assert latest_name(tmp_path) == "step-00000001" and not (tmp_path / "latest.tmp").exists()
+    assert [p.name for p in prune(tmp_path, 2)] == ["step-00000002"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001", "step-00000003", "step-00000004"]
+    assert prune(tmp_path, 0) == []
+
+
+def test_reshard_after_forward_defaults_to_the_device_memory_rule():
+    from trainer.config import ParallelismConfig
+    from trainer.parallelize import resolve_reshard
+
+    cpu, gib = torch.device("cpu"), 1 << 30
+    assert resolve_reshard(ParallelismConfig(), 100 * gib, cpu) is False  # CPU without device_memory_gb
+    assert resolve_reshard(ParallelismConfig(device_memory_gb=141), 80 * gib, cpu) is True  # > 0.5 x 141 GiB
+    assert resolve_reshard(ParallelismConfig(device_memory_gb=141), 60 * gib, cpu) is False
+    assert resolve_reshard(ParallelismConfig(device_memory_gb=141, reshard_memory_fraction=0.25), 40 * gib, cpu) is True
+    assert resolve_reshard(ParallelismConfig(reshard_after_forward=True), 1, cpu) is True
+    assert resolve_reshard(ParallelismConfig(reshard_after_forward=False, device_memory_gb=1), 10 * gib, cpu) is False
+    assert resolve_reshard(ParallelismConfig(data_parallel="replicate"), 10 * gib, cpu) is False
+    assert load_config(None, ["--parallelism.reshard_after_forward", "none"]).parallelism.reshard_after_forward is None
 
 
 def test_step_ids_from_prefix_or_list():

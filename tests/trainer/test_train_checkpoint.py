@@ -1,5 +1,7 @@
-"""Sharded DCP checkpoints across world sizes: FSDP2 on 2 gloo ranks saves after a real step; FSDP2
-on 4 ranks and a plain single process load it and hold the same weights and AdamW state."""
+"""Sharded DCP checkpoints across world sizes: FSDP2 on 2 gloo ranks, parameters sharded through the
+step on a lock-step plan, saves after a real step; FSDP2 on 4 ranks and a plain single process,
+each building only its storage on the meta device (no initialisation), load it and hold the same
+weights and AdamW state."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.executor_helpers import lockstep_plan
 from tests.trainer.test_parallelize import C, _plan
 from proto.harts.v1 import plan_pb2
 from trainer import checkpoint
@@ -42,14 +45,16 @@ def _worker(rank: int, world: int, port: int, path: str, save: bool, plan_bytes:
 
     try:
         ctx = DistContext(rank=rank, world_size=world, initialized=True)
-        cfg = ParallelismConfig(data_parallel="fsdp")
-        model = parallelize(build_model("tiny", seed=SEED if save else 1234), make_mesh(cfg, ctx), cfg, ctx)
+        cfg = ParallelismConfig(data_parallel="fsdp", reshard_after_forward=True)
+        mesh = make_mesh(cfg, ctx)
+        model = build_model("tiny", seed=SEED, fill=save, shard=lambda m: parallelize(m, mesh, cfg, ctx, reshard=True))
         params = list(model.parameters())
         opt = make_optimizer(params, lr=1e-2)
         if save:
             plan = plan_pb2.Plan.FromString(plan_bytes)
-            sync = GradSync(model, ctx)
-            run_slice(Executor(model, ExecutorConfig(chunk_size=C)), plan_pb2.PlanSlice(header=plan.header, rank=plan.ranks[rank]), sync)
+            sync = GradSync(model, ctx, every_backward=True)
+            run_slice(Executor(model, ExecutorConfig(chunk_size=C, reach_all_units=True)),
+                      plan_pb2.PlanSlice(header=plan.header, rank=plan.ranks[rank]), sync)
             sync.finish_step(params)
             opt.step()
             checkpoint.save(path, step=1, model=model, optimizer=opt, meta={"step_ids": ["s"]}, ctx=ctx)
@@ -80,12 +85,12 @@ def _spawn(world: int, path: str, save: bool, plan_bytes: bytes) -> dict:
 @pytest.mark.integration
 def test_fsdp_checkpoint_of_2_ranks_resumes_at_4_ranks_and_in_one_process(tmp_path):
     path = str(tmp_path / "ckpt")
-    saved = _spawn(2, path, True, _plan().SerializeToString())
+    saved = _spawn(2, path, True, lockstep_plan(_plan()).SerializeToString())
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step-00000001").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     fresh = build_model("tiny", seed=SEED)
     assert any(not np.array_equal(saved[f"model/{k}"], v.numpy()) for k, v in fresh.state_dict().items())  # it trained
     at4 = _spawn(4, path, False, b"")
-    model = build_model("tiny", seed=4321)
+    model = build_model("tiny", fill=False)
     opt = make_optimizer(list(model.parameters()), lr=1e-2)
     checkpoint.load(checkpoint.latest(path), model=model, optimizer=opt)
     at1 = _full_state(model, opt)

@@ -1,24 +1,32 @@
-"""Load a Hugging Face Qwen3-Next model directory (config.json + safetensors) into `Qwen3NextForRL`.
+"""Build the model from `--model`: a named config with seeded weights, or a Hugging Face Qwen3-Next directory.
 
-Accepts the original checkpoint layout (per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`,
-what `save_pretrained` writes) and the transformers v5 in-memory layout (`mlp.experts.gate_up_proj`,
-`mlp.experts.down_proj`). Multi-token-prediction weights (`mtp.*`) are ignored.
+    model = build_model("tiny", seed=0)                          # the whole model, in this process
+    model = build_model("path/to/hf", shard=lambda m: parallelize(m, mesh, cfg, ctx, reshard=True),
+                        device=ctx.device)                       # only this rank's FSDP2 shards
+    model = build_model(spec, shard=..., fill=False)             # storage only: a DCP checkpoint loads next
+
+Every build starts on the meta device and materialises only the rows the process keeps
+(`trainer.models.materialize`): seeded weights are the same at every world size, a directory's
+safetensors are read slice by slice, names and layouts (per-expert or stacked experts, tied
+embeddings, `mtp.*` ignored) through `trainer.models.state_dict_adapter.StateDictAdapter`, the one
+mapping `harts export` inverts.
 """
 from __future__ import annotations
 
 import json
 import logging
-import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from trainer.models.config import NAMED_CONFIGS, ModelConfig
+from trainer.models.materialize import hf_rows, materialize, meta_model, seed_rows
 from trainer.models.qwen3_next import Qwen3NextForRL
 
 log = logging.getLogger(__name__)
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+__all__ = ["read_config", "model_config", "build_model", "load_model"]
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:
@@ -37,69 +45,46 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(doc)
 
 
-def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {model_dir}: expected *.safetensors weights, got none")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
+def model_config(spec: str) -> ModelConfig:
+    """The ModelConfig of a `--model` argument (a named config or a checkpoint directory)."""
+    if spec in NAMED_CONFIGS:
+        return NAMED_CONFIGS[spec]()
+    if not Path(spec).is_dir():
+        raise ValueError(f"--model: expected one of {sorted(NAMED_CONFIGS)} or a checkpoint directory, got {spec!r}")
+    return read_config(spec)
 
 
-def _regroup_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> stacked gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
-    out, experts = {}, {}
-    for name, t in raw.items():
-        m = _EXPERT.match(name)
-        if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-        else:
-            out[name] = t
-    for prefix, by_e in experts.items():
-        E = max(by_e) + 1
-        if sorted(by_e) != list(range(E)) or any(len(v) != 3 for v in by_e.values()):
-            raise ValueError(f"{prefix}: expected gate/up/down weights for experts 0..{E - 1}, got an incomplete set")
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]], 0) for e in range(E)])
-        out[f"{prefix}.down_proj"] = torch.stack([by_e[e]["down_proj"] for e in range(E)])
-    return out
+def build_model(spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                shard: Callable[[Qwen3NextForRL], Qwen3NextForRL] | None = None, fill: bool = True) -> Qwen3NextForRL:
+    """`--model` argument: a named config (random weights from `seed`) or a checkpoint directory.
+
+    Args:
+        shard: applied to the meta model before anything is allocated (FSDP2's `parallelize`), so
+            that only this rank's rows are made.
+        fill: False allocates the (sharded) storage uninitialised, for a checkpoint to load into.
+    Raises:
+        ValueError: an unknown name, not a Qwen3-Next checkpoint, missing or unexpected weights,
+            shape mismatches.
+    """
+    hf_dir = None if spec in NAMED_CONFIGS else spec
+    return _build(model_config(spec), hf_dir, seed=seed, dtype=dtype, device=device, shard=shard, fill=fill)
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> Qwen3NextForRL:
-    """Build the model from a checkpoint directory and load every weight.
-
-    Raises:
-        ValueError: not a Qwen3-Next checkpoint, missing or unexpected weights, shape mismatches.
-    """
-    model_dir = Path(model_dir)
-    cfg = read_config(model_dir)
-    model = Qwen3NextForRL(cfg)
-    state = {k: v for k, v in _regroup_experts(_read_tensors(model_dir)).items() if not k.startswith("mtp.")}
-    if cfg.tie_word_embeddings:
-        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
-    want = model.state_dict()
-    missing = sorted(set(want) - set(state))
-    unexpected = sorted(set(state) - set(want))
-    if missing or unexpected:
-        raise ValueError(
-            f"model directory {model_dir}: expected Qwen3-Next weights matching config.json; "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    for k, t in want.items():
-        if tuple(state[k].shape) != tuple(t.shape):
-            raise ValueError(f"{model_dir}: weight {k}: expected shape {list(t.shape)}, got {list(state[k].shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-    return model.to(dtype)
+    """The whole model of a Hugging Face directory in this process."""
+    return _build(read_config(model_dir), str(model_dir), seed=0, dtype=dtype, device="cpu", shard=None, fill=True)
 
 
-def build_model(spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen3NextForRL:
-    """`--model` argument: a named config (random weights from `seed`) or a checkpoint directory."""
-    if spec in NAMED_CONFIGS:
-        model = Qwen3NextForRL(NAMED_CONFIGS[spec]())
-        model.init_weights(seed)
-        return model.to(dtype)
-    if not Path(spec).is_dir():
-        raise ValueError(f"--model: expected one of {sorted(NAMED_CONFIGS)} or a checkpoint directory, got {spec!r}")
-    return load_model(spec, dtype=dtype)
+def _build(cfg: ModelConfig, hf_dir: str | None, *, seed: int, dtype: torch.dtype, device, shard, fill: bool):
+    model = meta_model(cfg)
+    if shard is not None:
+        model = shard(model)
+    if not fill:
+        materialize(model, device, None)
+    elif hf_dir is None:
+        materialize(model, device, seed_rows(cfg, seed=seed))
+    else:
+        expect = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+        with hf_rows(hf_dir, cfg, expect=expect) as rows:
+            materialize(model, device, rows)
+    return model if dtype == torch.float32 else model.to(dtype)

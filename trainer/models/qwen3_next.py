@@ -19,16 +19,17 @@ attention reduces over keys in blocks at fixed depths (`kernels.tree_attention.b
 forward is therefore bitwise equal between a tree run and its expanded run in fp32 on CPU.
 
 Dtypes: where a value is upcast for accuracy (norms, the decay g, the router softmax, RoPE) it goes
-to `compute_dtype(x)` = promote(x.dtype, fp32), never to a hard-coded fp32: fp32 and bf16 models
-compute exactly as before, and a float64 model (`model.double()`) computes in float64 end to end,
-the oracle of `harts verify --f64-reference`.
+to `compute_dtype(x)` = promote(x.dtype, fp32) (`kernels.dtypes`, shared with the kernels), never
+to a hard-coded fp32: fp32 and bf16 models compute exactly as before, and a float64 model
+(`model.double()`) computes in float64 end to end, the oracle of `harts verify --f64-reference`.
 
 Legend: R rows, D hidden, H heads, Hk/Hv linear key/value heads, Kd/Vd linear head dims,
 hd attention head dim, E experts, k top-k, C conv channels, K conv kernel, V vocab.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ from torch import nn
 from plan.window_exports import ATTN, CONV, KERNEL
 from trainer import tree_ops
 from trainer.boundary import Boundary
+from kernels.dtypes import compute_dtype
 from kernels.tree_attention import attention_backend
 from trainer.models.config import FULL, ModelConfig
 
@@ -44,21 +46,17 @@ from trainer.models.config import FULL, ModelConfig
 ROW_TILE = 32
 
 
-def compute_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
-    """The dtype a value is upcast to for accuracy: at least fp32 (fp32 for bf16/fp16/fp32, float64
-    kept), so a float64 model computes in float64 end to end and fp32/bf16 runs are unchanged."""
-    return torch.promote_types(x if isinstance(x, torch.dtype) else x.dtype, torch.float32)
-
-
 def row_linear(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T + b`, batch-invariant: each row's result is independent of the other rows.
 
-    Pads the rows to a multiple of ROW_TILE and runs one batched matmul of [ROW_TILE, I] tiles.
+    Pads the rows to a multiple of ROW_TILE and runs one GEMM over them (the same kernel as a
+    matmul of [ROW_TILE, I] tiles, which torch folds into it); the padded row count keeps the CPU
+    GEMM's blocking independent of R. Without padding the result is the GEMM's output itself.
     """
-    R, I = x_RI.shape
+    R = x_RI.shape[0]
     pad = (-R) % ROW_TILE
-    x_NTI = F.pad(x_RI, (0, 0, 0, pad)).view(-1, ROW_TILE, I)
-    y_RO = torch.matmul(x_NTI, w_OI.t()).reshape(-1, w_OI.shape[0])[:R]
+    y_PO = torch.mm(F.pad(x_RI, (0, 0, 0, pad)) if pad else x_RI.contiguous(), w_OI.t())
+    y_RO = y_PO[:R] if pad else y_PO
     return y_RO if b_O is None else y_RO + b_O
 
 
@@ -120,23 +118,32 @@ class GatedRMSNorm(nn.Module):
         return (out * silu(z.to(compute_dtype(z)))).to(dtype)
 
 
-@dataclass(slots=True, kw_only=True)
 class Capture:
     """What one forward records besides the hidden states (filled per layer, in layer order).
 
     Created by `Qwen3NextForRL.forward` for each call and returned in its `ModelOutput`: the
-    forward has no effect outside its return value, so it can be re-run (recomputation)."""
+    forward has no effect outside its return value, so it can be re-run (recomputation).
 
-    boundary: Boundary
-    """The microbatch's sharing-window imports and exports (`trainer.boundary`)."""
-    linear_outputs: bool = False
-    """Keep each linear-attention layer's kernel output (detached) in `linear`."""
-    linear: dict[int, torch.Tensor] = field(default_factory=dict)
-    """layer -> [R, Hv, Vd] kept kernel outputs."""
-    router_probs: dict[int, torch.Tensor] = field(default_factory=dict)
-    """MoE layer -> [R, E] router softmax in the compute dtype (with graph, for the auxiliary loss)."""
-    router_topk: dict[int, torch.Tensor] = field(default_factory=dict)
-    """MoE layer -> [R, k] selected experts."""
+    A plain class, not a dataclass: it travels into every decoder block's forward, and FSDP2
+    rebuilds a dataclass input that holds tensors requiring grad (`dataclasses.replace`, to wrap
+    them in its post-backward function), so a sharded block would record its router
+    probabilities into a copy the model never reads (the load-balancing loss lost every MoE
+    layer after the first; `tests/trainer/test_lockstep.py` compares it with an unsharded run).
+    """
+
+    __slots__ = ("boundary", "linear_outputs", "linear", "router_probs", "router_topk")
+
+    def __init__(self, *, boundary: Boundary, linear_outputs: bool = False):
+        self.boundary = boundary
+        """The microbatch's sharing-window imports and exports (`trainer.boundary`)."""
+        self.linear_outputs = linear_outputs
+        """Keep each linear-attention layer's kernel output (detached) in `linear`."""
+        self.linear: dict[int, torch.Tensor] = {}
+        """layer -> [R, Hv, Vd] kept kernel outputs."""
+        self.router_probs: dict[int, torch.Tensor] = {}
+        """MoE layer -> [R, E] router softmax in the compute dtype (with graph, for the auxiliary loss)."""
+        self.router_topk: dict[int, torch.Tensor] = {}
+        """MoE layer -> [R, k] selected experts."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -146,7 +153,10 @@ class ModelOutput:
     hidden: torch.Tensor
     """[R, D] final (normed) hidden states."""
     logits: torch.Tensor | None
-    """[U, V] logits of the requested rows (`logit_rows`), None when none were requested."""
+    """[U', V] logits of the requested rows (`logit_rows`, U of them), then U' - U < ROW_TILE padding
+    rows (copies of the last one); None when no rows were requested. The padding makes the lm head
+    one whole-tile GEMM whose output is the GEMM's own tensor, not a view of it: FSDP2 warns that a
+    view returned by a sharded module can lose its pre-backward hook to an in-place op."""
     router_probs: dict[int, torch.Tensor]
     """MoE layer -> [R, E] router softmax (with graph)."""
     router_topk: dict[int, torch.Tensor]
@@ -401,41 +411,41 @@ class Backbone(nn.Module):
 
 
 class Qwen3NextForRL(nn.Module):
-    """The hybrid decoder plus lm head; `forward` maps a layout's rows to final hidden states."""
+    """The hybrid decoder plus lm head; `forward` runs a layout's rows and returns a `ModelOutput`
+    (the final normed hidden states, the logits of the requested rows, MoE routing, window exports)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = RowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the lm head share the embedding matrix when the config ties them (one Parameter)."""
+        if self.config.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_weights(self, seed: int) -> None:
-        """Seeded random initialisation with transformers' Qwen3-Next scheme."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.config.initializer_range
+        """Seeded random initialisation with transformers' Qwen3-Next scheme (`trainer.models.init`:
+        the same weights as any sharded initialisation from `seed`)."""
+        from trainer.models.init import init_rows
+
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("A_log"):
-                    p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log())
-                elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith("norm.weight"):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.copy_(init_rows(name, tuple(p.shape), slice(None), seed=seed, cfg=self.config))
 
-    def forward(self, layout, run: RunOptions, imports: dict[str, torch.Tensor] | None = None, *,
+    def forward(self, layout, run: RunOptions, imports: Mapping[str, torch.Tensor] | None = None, *,
                 logit_rows: torch.Tensor | None = None, capture_linear: bool = False) -> ModelOutput:
         """One microbatch forward over the layout's rows; no effect outside the returned value.
 
         Args:
             layout: the microbatch's `RowLayout`.
             run: kernel options.
-            imports: sharing-window imports by name (`trainer.boundary`), None without windows.
+            imports: sharing-window imports by name, None without windows; under FSDP2 a
+                `trainer.boundary.Imports` (a mapping FSDP2 does not look into: see there).
             logit_rows: long [U] rows whose logits to compute (inside the forward, so that a
-                sharded wrapper holds the head's weights while it runs).
+                sharded wrapper holds the head's weights while it runs); see ModelOutput.logits.
             capture_linear: also return every linear-attention layer's outputs (verification).
         """
         capture = Capture(boundary=Boundary(layout.window, imports), linear_outputs=capture_linear)
@@ -443,32 +453,14 @@ class Qwen3NextForRL(nn.Module):
         for layer in self.model.layers:
             x = layer(x, layout, run, capture)
         h_RD = self.model.norm(x)
-        logits = None if logit_rows is None else self.lm_head(h_RD.index_select(0, logit_rows))
+        logits = None
+        if logit_rows is not None:
+            pad = (-logit_rows.shape[0]) % ROW_TILE
+            rows_U = torch.cat([logit_rows, logit_rows[-1:].expand(pad)]) if pad else logit_rows
+            logits = self.lm_head(h_RD.index_select(0, rows_U))
         return ModelOutput(hidden=h_RD, logits=logits, router_probs=capture.router_probs, router_topk=capture.router_topk,
                            linear=capture.linear, exports=capture.boundary.exports)
 
     def logits(self, h_RD: torch.Tensor) -> torch.Tensor:
         """lm head of hidden states (outside a forward: tests and single-process tools)."""
         return self.lm_head(h_RD)
-
-
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Rough forward matmul FLOPs per row (for reports)."""
-    D = cfg.hidden_size
-    per = 2 * D * cfg.vocab_size
-    for i in range(cfg.num_hidden_layers):
-        if cfg.layer_types[i] == FULL:
-            per += 2 * D * (cfg.num_attention_heads * cfg.head_dim * 3 + 2 * cfg.num_key_value_heads * cfg.head_dim)
-        else:
-            kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            per += 2 * D * (2 * kd + 3 * vd + 2 * cfg.linear_num_value_heads)
-        if cfg.is_moe_layer(i):
-            per += 2 * D * (3 * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 3 * cfg.shared_expert_intermediate_size)
-        else:
-            per += 6 * D * cfg.intermediate_size
-    return float(per)
-

@@ -74,18 +74,20 @@ class MemoryModel(_message.Message):
     def __init__(self, activation_row_bytes: _Optional[int] = ..., attn_row_bytes: _Optional[int] = ..., conv_row_bytes: _Optional[int] = ..., kernel_row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CostModel(_message.Message):
-    __slots__ = ("row", "attention", "linear_call", "logprob_row", "source")
+    __slots__ = ("row", "attention", "linear_call", "logprob_row", "source", "transfer_byte")
     ROW_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     LINEAR_CALL_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_ROW_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTE_FIELD_NUMBER: _ClassVar[int]
     row: float
     attention: float
     linear_call: float
     logprob_row: float
     source: str
-    def __init__(self, row: _Optional[float] = ..., attention: _Optional[float] = ..., linear_call: _Optional[float] = ..., logprob_row: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+    transfer_byte: float
+    def __init__(self, row: _Optional[float] = ..., attention: _Optional[float] = ..., linear_call: _Optional[float] = ..., logprob_row: _Optional[float] = ..., source: _Optional[str] = ..., transfer_byte: _Optional[float] = ...) -> None: ...
 
 class StateSource(_message.Message):
     __slots__ = ("kind", "state")
@@ -230,14 +232,44 @@ class ExecStep(_message.Message):
     def __init__(self, kind: _Optional[_Union[ExecStep.Kind, str]] = ..., microbatch: _Optional[int] = ..., standin: _Optional[int] = ...) -> None: ...
 
 class RankPlan(_message.Message):
-    __slots__ = ("rank", "microbatches", "steps")
+    __slots__ = ("rank", "microbatches", "steps", "cross_edges")
     RANK_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    CROSS_EDGES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     microbatches: _containers.RepeatedCompositeFieldContainer[Microbatch]
     steps: _containers.RepeatedCompositeFieldContainer[ExecStep]
-    def __init__(self, rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[Microbatch, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ExecStep, _Mapping]]] = ...) -> None: ...
+    cross_edges: _containers.RepeatedCompositeFieldContainer[CrossEdge]
+    def __init__(self, rank: _Optional[int] = ..., microbatches: _Optional[_Iterable[_Union[Microbatch, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ExecStep, _Mapping]]] = ..., cross_edges: _Optional[_Iterable[_Union[CrossEdge, _Mapping]]] = ...) -> None: ...
+
+class CrossEdge(_message.Message):
+    __slots__ = ("id", "exporter", "exporter_rank", "importer", "importer_rank", "attn_rows", "conv_rows", "kernel_rows", "states", "send_phase", "grad_phase", "bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_RANK_FIELD_NUMBER: _ClassVar[int]
+    IMPORTER_FIELD_NUMBER: _ClassVar[int]
+    IMPORTER_RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CONV_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    SEND_PHASE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_PHASE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    exporter: int
+    exporter_rank: int
+    importer: int
+    importer_rank: int
+    attn_rows: bytes
+    conv_rows: bytes
+    kernel_rows: bytes
+    states: bytes
+    send_phase: int
+    grad_phase: int
+    bytes: int
+    def __init__(self, id: _Optional[int] = ..., exporter: _Optional[int] = ..., exporter_rank: _Optional[int] = ..., importer: _Optional[int] = ..., importer_rank: _Optional[int] = ..., attn_rows: _Optional[bytes] = ..., conv_rows: _Optional[bytes] = ..., kernel_rows: _Optional[bytes] = ..., states: _Optional[bytes] = ..., send_phase: _Optional[int] = ..., grad_phase: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Normalizers(_message.Message):
     __slots__ = ("total_loss_tokens", "num_trajectories", "traj_loss_tokens", "traj_weight")
@@ -252,7 +284,7 @@ class Normalizers(_message.Message):
     def __init__(self, total_loss_tokens: _Optional[float] = ..., num_trajectories: _Optional[int] = ..., traj_loss_tokens: _Optional[bytes] = ..., traj_weight: _Optional[bytes] = ...) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan", "lockstep_phases", "lockstep_makespan", "lockstep_ratio")
+    __slots__ = ("unique_tokens", "expanded_tokens", "computed_tokens", "replay_tokens", "duplicated_tokens", "compression_ideal", "compression_achieved", "microbatches", "linear_attention_calls", "rank_costs", "imbalance", "peak_live_tokens", "plan_seconds", "windows", "peak_live_bytes", "makespan_lower_bound", "makespan_ratio", "makespan", "lockstep_phases", "lockstep_makespan", "lockstep_ratio", "lockstep_forward_phases", "lockstep_backward_phases", "lockstep_recompute_phases")
     UNIQUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPANDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +306,9 @@ class PlanStats(_message.Message):
     LOCKSTEP_PHASES_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_MAKESPAN_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_FORWARD_PHASES_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_BACKWARD_PHASES_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_RECOMPUTE_PHASES_FIELD_NUMBER: _ClassVar[int]
     unique_tokens: int
     expanded_tokens: int
     computed_tokens: int
@@ -295,7 +330,10 @@ class PlanStats(_message.Message):
     lockstep_phases: int
     lockstep_makespan: float
     lockstep_ratio: float
-    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ..., lockstep_phases: _Optional[int] = ..., lockstep_makespan: _Optional[float] = ..., lockstep_ratio: _Optional[float] = ...) -> None: ...
+    lockstep_forward_phases: int
+    lockstep_backward_phases: int
+    lockstep_recompute_phases: int
+    def __init__(self, unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., duplicated_tokens: _Optional[int] = ..., compression_ideal: _Optional[float] = ..., compression_achieved: _Optional[float] = ..., microbatches: _Optional[int] = ..., linear_attention_calls: _Optional[int] = ..., rank_costs: _Optional[_Iterable[float]] = ..., imbalance: _Optional[float] = ..., peak_live_tokens: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., windows: _Optional[int] = ..., peak_live_bytes: _Optional[int] = ..., makespan_lower_bound: _Optional[float] = ..., makespan_ratio: _Optional[float] = ..., makespan: _Optional[float] = ..., lockstep_phases: _Optional[int] = ..., lockstep_makespan: _Optional[float] = ..., lockstep_ratio: _Optional[float] = ..., lockstep_forward_phases: _Optional[int] = ..., lockstep_backward_phases: _Optional[int] = ..., lockstep_recompute_phases: _Optional[int] = ...) -> None: ...
 
 class PlanHeader(_message.Message):
     __slots__ = ("version", "step_id", "params", "normalizers", "stats", "trajectory_ids", "trajectory_lengths", "tree_ids", "trajectory_index", "tree_index", "local_tables", "policy_version", "trajectory_rewards", "lockstep_phases")

@@ -1,19 +1,22 @@
-"""Durable step store: SQLite in WAL mode.
+"""SQLite step store (WAL mode): the embedded default, one process (`planner_service.store`).
 
-What it keeps per step: the submitted body (the bytes received, JSON or protobuf) and the batch's
-content digest for idempotency, the forest counts, the requested or planned topology, the plan
-state, and every rank's sealed plan slice. Sealed slices are written in the same transaction as
-the PLANNED state, so a crash leaves either no plan or the whole plan; a restart serves the very
-bytes stored before it. Bodies live in their own table, so reading a step's record never walks
-the overflow pages of a large body (databases of earlier versions keep theirs inline).
+Bodies live in their own table, so reading a step's record never walks the overflow pages of a
+large body (databases of earlier versions keep theirs inline).
 
-Storage faults: every SQLite or file-system error becomes a `StorageError` (HTTP 503 / gRPC
-UNAVAILABLE) whose message names the database and SQLite's reason, and puts the store in its
-*fault* state (`fault` is the reason). While faulted, writes are refused at once (reads still go
-to the database) until `probe` succeeds: it checks the file is the one opened (a database deleted
-or replaced while the service runs would take every later write with it) and commits a one-row
-write, reopening the database when that helps (a file that was read-only at start). `on_fault` is
-told of every change (the reason, or None when healthy again).
+Storage faults: while faulted, writes are refused at once (reads still go to the database) until
+`probe` succeeds. A healthy store's probe writes nothing (an idle server leaves the disk alone):
+it checks that the database and its WAL are the files opened, that both are writable, and that
+the disk has `min_free_bytes` free; during a fault it commits a one-row write, reopening the
+database when that helps (a file that was read-only at start). A database deleted or replaced
+under the running service would take every later write with it: writes are refused until a
+restart. A WAL deleted under it (the database file stays) would take every batch acknowledged
+since the last checkpoint: the still-open WAL is checkpointed into the database and a new WAL
+started, before the next write and at the next probe.
+
+Disk space: a write that would leave less than `min_free_bytes` free is refused with a
+`StorageError` (`need` says how much it wants) before SQLite fills the disk; the store is faulted
+(not ready) only while less than `min_free_bytes` is free, so small writes go on when a plan does
+not fit. Opening a database on a full disk still serves reads.
 
 Retention and compaction: `delete` removes a step with its body and slices; `expired` names the
 steps a count or age policy drops; `compact` returns the freed pages to the file system
@@ -33,16 +36,18 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from planner_service.errors import NotFoundError, StorageError
-from proto.harts.v1 import planner_pb2
+from planner_service.store.records import COLUMNS as _COLUMNS
+from planner_service.store.records import NAMES as _NAMES
+from planner_service.store.records import PLANNED, SUBMITTED, FAILED, StepRecord
+from planner_service.store.stored_form import pack_body, pack_slice, unpack
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StepRecord", "Store"]
+__all__ = ["SQLiteStore"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS steps (
@@ -76,55 +81,24 @@ CREATE TABLE IF NOT EXISTS meta (
 );
 """
 
-_COLUMNS = (
-    "step_id, body_sha256, body_format, trajectories, unique_tokens, expanded_tokens, submitted_at, "
-    "state, topology, stats, error, planned_at, world_size"
-)
-_NAMES = [c.strip() for c in _COLUMNS.split(",")]
-
-SUBMITTED = planner_pb2.STEP_STATE_SUBMITTED
-PLANNED = planner_pb2.STEP_STATE_PLANNED
-FAILED = planner_pb2.STEP_STATE_FAILED
-
 #: SQLite errors that mean the storage, not the statement, is at fault (full, read-only, I/O,
 #: locked, corrupt). Integrity and programming errors are bugs and propagate unchanged.
 _FAULTS = (sqlite3.OperationalError, sqlite3.InternalError, OSError)
+
+
+def _ident_of(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _is_fault(exc: BaseException) -> bool:
     return isinstance(exc, _FAULTS) or type(exc) is sqlite3.DatabaseError  # "file is not a database"
 
 
-@dataclass(slots=True, kw_only=True)
-class StepRecord:
-    """One stored step (everything but the body and the slices)."""
-
-    step_id: str
-    """The batch_id of the submitted rollouts."""
-    body_sha256: str
-    """Idempotency key: `content:<hex>`, the batch's content digest (`planner_service.digest`);
-    rows of earlier versions hold `json:<hex>` / `proto:<hex>`, a SHA-256 of the body bytes."""
-    body_format: str
-    """'json' or 'proto'."""
-    trajectories: int
-    unique_tokens: int
-    expanded_tokens: int
-    submitted_at: float
-    """Unix seconds."""
-    state: int
-    """planner_pb2.StepState value."""
-    topology: bytes | None = None
-    """planner_pb2.Topology bytes: requested (SUBMITTED), planned (PLANNED) or attempted (FAILED)."""
-    stats: bytes | None = None
-    """plan_pb2.PlanStats bytes once planned."""
-    error: str = ""
-    """Why planning failed (client-safe text)."""
-    planned_at: float = 0.0
-    world_size: int = 0
-    """Number of stored slices once planned."""
-
-
-class Store:
+class SQLiteStore:
     """SQLite persistence of steps and sealed plan slices.
 
     Opening never raises for a storage fault: the store starts faulted (see the module docstring)
@@ -133,20 +107,29 @@ class Store:
     Args:
         path: database file (created with its folder); ":memory:" for a throwaway store.
         synchronous: SQLite `synchronous` pragma; FULL survives power loss, NORMAL process crashes.
+        min_free_bytes: disk space a write must leave free (0: none; SQLite's own "disk full" then
+            faults the store).
         on_fault: called with the new fault reason (None: healthy again) on every change, with the
             store's lock held: it must not call the store.
     """
 
-    def __init__(self, path: str | Path, *, synchronous: str = "FULL",
+    shared = False
+    """Only this process writes the database (PostgreSQL stores are shared by replicas)."""
+
+    def __init__(self, path: str | Path, *, synchronous: str = "FULL", min_free_bytes: int = 0,
                  on_fault: Callable[[str | None], None] | None = None):
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous: expected OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
+        if min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes: expected >= 0, got {min_free_bytes}")
         self.path = str(path)
+        self.min_free_bytes = int(min_free_bytes)
         self._synchronous = synchronous.upper()
         self._on_fault = on_fault
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         self._ident: tuple[int, int] | None = None
+        self._wal_ident: tuple[int, int] | None = None
         self._inline_bodies = False
         self._gone: str | None = None
         self._vacuum_hint = False
@@ -158,6 +141,9 @@ class Store:
             if not _is_fault(exc):
                 raise
             self.fault = self._reason(exc, "opening")
+            self._db = self._connect_for_reading()
+        if self._db is not None and self.fault is None:
+            self.fault = self._space_fault()
 
     # ---- connection and faults
 
@@ -183,10 +169,62 @@ class Store:
                 if self._ident is not None and ident != self._ident:
                     raise OSError(f"{self.path} is another file than the one opened before")
                 self._ident = ident
+                self._wal_ident = _ident_of(self.path + "-wal")
         except BaseException:
             db.close()
             raise
         return db
+
+    def _connect_for_reading(self) -> sqlite3.Connection | None:
+        """A connection that only reads, for a database that cannot be opened for writing (a full
+        disk, a read-only file): acknowledged steps stay readable while the store is faulted."""
+        if self.path == ":memory:" or not os.path.exists(self.path):
+            return None
+        # read-only needs the -shm (and -wal) to exist or be creatable; after a clean stop they
+        # are gone and the file holds every commit, so on a full disk it is read as immutable
+        modes = ["mode=ro"] + ([] if os.path.exists(self.path + "-wal") else ["immutable=1"])
+        for mode in modes:
+            try:
+                db = sqlite3.connect(f"file:{self.path}?{mode}", uri=True, isolation_level=None,
+                                     check_same_thread=False, timeout=30.0)
+                db.execute("SELECT COUNT(*) FROM steps").fetchone()
+                self._inline_bodies = any(r[1] == "body" for r in db.execute("PRAGMA table_info(steps)"))
+            except sqlite3.Error as exc:
+                log.warning("%s cannot be opened for reading (%s): %s", self.path, mode, exc)
+                continue
+            log.warning("%s opened for reading only until it can be written", self.path)
+            return db
+        return None
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the database's file system (None for ":memory:" or when unknown)."""
+        if self.path == ":memory:":
+            return None
+        try:
+            return shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
+        except OSError:
+            return None
+
+    def _space_fault(self) -> str | None:
+        free = self.free_bytes()
+        if free is None or free >= self.min_free_bytes or not self.min_free_bytes:
+            return None
+        return (f"storage: the disk holding {self.path} is full: {free} bytes free, less than the "
+                f"{self.min_free_bytes} writes must leave (`harts serve --min-free-mb`); free some space")
+
+    def _check_space(self, need: int, what: str) -> None:
+        """Refuse a write of about `need` bytes that would leave less than min_free_bytes free."""
+        if not self.min_free_bytes:
+            return
+        free = self.free_bytes()
+        if free is None or free - need >= self.min_free_bytes:
+            return
+        fault = self._space_fault()
+        if fault is not None:
+            self._set_fault(fault)
+        raise StorageError(f"storage: the disk holding {self.path} is too full for {what}: it needs about {need} "
+                           f"bytes, {free} are free and {self.min_free_bytes} stay free (`harts serve --min-free-mb`)",
+                           need=need)
 
     def _reason(self, exc: BaseException, doing: str) -> str:
         if isinstance(exc, sqlite3.Error):
@@ -228,10 +266,33 @@ class Store:
             self._set_fault(self._gone)
             raise StorageError(self._gone)
         if self.path != ":memory:":
+            self._check_wal()
             for name in (self.path, self.path + "-wal"):
                 if os.path.exists(name) and not os.access(name, os.W_OK):
                     self._set_fault(f"storage: {name} is not writable (read-only or immutable)")
                     raise StorageError(self.fault)
+
+    def _check_wal(self) -> None:
+        """A WAL deleted or replaced under the open connection: checkpoint the one still open into
+        the database (it holds every commit since the last checkpoint) and start a new one."""
+        if self._wal_ident is None or self._db is None or _ident_of(self.path + "-wal") == self._wal_ident:
+            return
+        log.warning("the WAL of %s was deleted or replaced while the service ran: checkpointing the open WAL "
+                    "into the database and starting a new one", self.path)
+        try:
+            busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if busy:
+                raise sqlite3.OperationalError("the checkpoint of the deleted WAL could not finish")
+            self._db.close()
+            self._db = None
+            self._db = self._connect()
+        except BaseException as exc:
+            if not _is_fault(exc):
+                raise
+            self._gone = (f"storage: the WAL of {self.path} was deleted while the service ran and could not be "
+                          f"checkpointed ({exc}); writes are refused; restart the service")
+            self._set_fault(self._gone)
+            raise StorageError(self._gone) from None
 
     @contextmanager
     def _op(self, doing: str, *, write: bool) -> Iterator[sqlite3.Connection]:
@@ -257,16 +318,24 @@ class Store:
                 raise StorageError(self.fault) from None
 
     def probe(self) -> str | None:
-        """Check that the database can be written (one committed row), reopening it if needed.
+        """Check that the database can be written, reopening it if needed.
 
-        Clears the fault when the write succeeds, sets it otherwise. Returns the fault (None: healthy).
+        Healthy: the file checks, the free space and a read, nothing written. Faulted: one
+        committed row. Clears or sets the fault. Returns the fault (None: healthy).
         """
         with self._lock:
             try:
                 self._check_file()
             except StorageError:
                 return self.fault
+            space = self._space_fault()
+            if space is not None:
+                self._set_fault(space)
+                return space
             try:
+                if self.fault is None and self._db is not None:
+                    self._db.execute("SELECT 1 FROM meta LIMIT 1").fetchall()
+                    return None
                 if self._db is None:
                     self._db = self._connect()
                 self._probe_write(self._db)
@@ -304,12 +373,26 @@ class Store:
 
     def close(self) -> None:
         with self._lock:
+            if self._db is not None and self._gone is None and self.path != ":memory:":
+                try:
+                    self._check_wal()
+                except StorageError:
+                    pass
             if self._db is not None:
                 self._db.close()
                 self._db = None
 
     def _row(self, row) -> StepRecord:
-        return StepRecord(**dict(zip(_NAMES, row)))
+        return StepRecord.from_row(row)
+
+    @contextmanager
+    def plan_lock(self, step_id: str, *, wait: bool = True) -> Iterator[bool]:
+        """Planning a step is exclusive across processes: one process owns a SQLite file, and the
+        core's per-step lock serialises its threads. Yields True."""
+        yield True
+
+    def listen(self, fn: Callable[[str, str], None]) -> None:
+        """No other process writes this database: nothing to hear."""
 
     # ---- steps
 
@@ -320,7 +403,9 @@ class Store:
             None when stored; the stored record when the step_id exists (nothing is written then:
             the caller decides whether it is an idempotent retry or a conflict).
         """
+        stored = pack_body(body)
         with self._op("storing a step in", write=True) as db:
+            self._check_space(len(stored), f"step {rec.step_id[:80]!r}")
             db.execute("BEGIN IMMEDIATE")
             row = db.execute(f"SELECT {_COLUMNS} FROM steps WHERE step_id = ?", (rec.step_id,)).fetchone()
             if row is not None:
@@ -329,7 +414,7 @@ class Store:
             names = _COLUMNS + (", body" if self._inline_bodies else "")
             values = [getattr(rec, n) for n in _NAMES] + ([b""] if self._inline_bodies else [])
             db.execute(f"INSERT INTO steps ({names}) VALUES ({', '.join('?' * len(values))})", values)
-            db.execute("INSERT OR REPLACE INTO bodies (step_id, body) VALUES (?, ?)", (rec.step_id, body))
+            db.execute("INSERT OR REPLACE INTO bodies (step_id, body) VALUES (?, ?)", (rec.step_id, stored))
             db.execute("COMMIT")
         return None
 
@@ -352,7 +437,7 @@ class Store:
                 row = db.execute("SELECT body_format, body FROM steps WHERE step_id = ?", (step_id,)).fetchone()
         if row is None or row[1] is None:
             raise NotFoundError(f"step_id: no step {step_id!r}")
-        return row[0], bytes(row[1])
+        return row[0], unpack(row[1])
 
     def list(self, limit: int) -> list[StepRecord]:
         """At most `limit` steps, newest submission first."""
@@ -388,7 +473,9 @@ class Store:
             NotFoundError: the step was deleted meanwhile (nothing is written).
         """
         planned_at = time.time()
+        stored = [pack_slice(s) for s in slices]
         with self._op("storing a plan in", write=True) as db:
+            self._check_space(sum(map(len, stored)), f"the plan of step {step_id[:80]!r}")
             db.execute("BEGIN IMMEDIATE")
             updated = db.execute(
                 "UPDATE steps SET state = ?, topology = ?, stats = ?, error = '', planned_at = ?, world_size = ? "
@@ -400,7 +487,7 @@ class Store:
                 raise NotFoundError(f"step_id: no step {step_id!r} (deleted while it was planned)")
             db.execute("DELETE FROM slices WHERE step_id = ?", (step_id,))
             db.executemany("INSERT INTO slices (step_id, rank, data) VALUES (?, ?, ?)",
-                           [(step_id, r, s) for r, s in enumerate(slices)])
+                           [(step_id, r, s) for r, s in enumerate(stored)])
             db.execute("COMMIT")
         return planned_at
 
@@ -416,7 +503,7 @@ class Store:
         """Sealed slice bytes of one rank, None when absent."""
         with self._op("reading", write=False) as db:
             row = db.execute("SELECT data FROM slices WHERE step_id = ? AND rank = ?", (step_id, int(rank))).fetchone()
-        return None if row is None else bytes(row[0])
+        return None if row is None else unpack(row[0])
 
     # ---- retention and compaction
 

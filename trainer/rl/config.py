@@ -282,10 +282,10 @@ def load_rl_config(path: str | Path | None = None, **overrides) -> RLConfig:
             if name in trainer.get(section, {}):
                 raise RLConfigError(f"trainer.{section}.{name}: set by harts rl (from the run/plan sections); remove it")
     cfg = RLConfig(**kw, trainer={k: dict(v) for k, v in trainer.items()})
-    from trainer.config import ConfigError, TrainerConfig
+    from trainer.config import ConfigError, config_from_dict
 
     try:
-        TrainerConfig.from_dict(cfg.trainer_doc(planner_url="http://127.0.0.1:1", model_dir=Path("."), out=Path(cfg.run.out)),
+        config_from_dict(cfg.trainer_doc(planner_url="http://127.0.0.1:1", model_dir=Path("."), out=Path(cfg.run.out)),
                                 where="trainer")
     except ConfigError as exc:
         raise RLConfigError(f"trainer: {exc}") from None

@@ -1,13 +1,15 @@
 """Supervised warm-start of the policy on a task's demonstrations, in this process.
 
-    path = warm_start(cfg, task, tokenizer, out / "warmstart")    # a Hugging Face directory, version 0
+    path, log = warm_start(cfg, task, tokenizer, out / "warmstart", plan_batch=plan_batch)   # HF directory, version 0
 
 Each step plays `warmup.batch` demonstrated episodes (`Task.demonstration`: the policy turns, the
 tool's observations between them) as flat trajectories without log-probs and with advantage 1:
 the trainer's objective is then on-policy (ratio 1) and its gradient is the token-mean
 cross-entropy of the demonstrated turns (observations and prompts carry no loss). Batches go
-through the same planner and executor as RL (in this process: one rank, no service), so the warm
-start is exactly the trainer's arithmetic. The instances come from the task's train split at
+through the same planner and executor as RL (in this process: one rank, no service; the caller
+passes the planner in as `plan_batch(batch_json, model_config) -> Plan`, e.g. `harts_cli.rl.run`'s
+`plan_batch` on `planner_service.planner.plan_step`), so the warm start is exactly the trainer's
+arithmetic. The instances come from the task's train split at
 seeds above 10**6 (RL steps use seeds below). The result is written as an export
 (`trainer.export.write_hf_dir`, float32, tokenizer files, policy_version 0) that the trainer ranks
 load as their model and the generator samples from first.
@@ -18,6 +20,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -63,19 +66,18 @@ def build_policy(cfg, tokenizer):
     return model
 
 
-def warm_start(cfg, task, tokenizer, out_dir: str | Path, *, tokenizer_files: dict[str, str] | None = None,
+def warm_start(cfg, task, tokenizer, out_dir: str | Path, *, plan_batch: Callable, tokenizer_files: dict[str, str] | None = None,
                model_dir: Path | None = None) -> tuple[Path, list[dict]]:
     """Train the policy on demonstrations and write it to `out_dir`; returns (out_dir, per-step log).
 
     Args:
         cfg: the `RLConfig` (model, warmup, plan, run.seed).
+        plan_batch: `(batch JSON document, trainer.models.config.ModelConfig) -> Plan` of one rank.
         tokenizer_files: {name: text} written beside the weights (the project tokenizer's HF files).
         model_dir: a Hugging Face model directory the policy came from (its tokenizer files are copied).
     """
     import torch
 
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import PlanConfig, plan_step
     from trainer.executor import Executor, ExecutorConfig
     from trainer.export import write_hf_dir
     from trainer.optim import make_optimizer
@@ -83,9 +85,6 @@ def warm_start(cfg, task, tokenizer, out_dir: str | Path, *, tokenizer_files: di
     torch.manual_seed(cfg.run.seed)
     model = build_policy(cfg, tokenizer)
     w = cfg.warmup
-    plan_cfg = PlanConfig(world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
-                          conv_kernel=model.config.linear_conv_kernel_dim, model_config=model.config.to_hf_dict(),
-                          windows=not cfg.plan.no_windows)
     executor = Executor(model, ExecutorConfig(chunk_size=cfg.plan.chunk_size, want_logprobs=True))
     opt = make_optimizer(model.parameters(), lr=w.lr)
     rng = np.random.default_rng([cfg.run.seed, 17])
@@ -94,7 +93,7 @@ def warm_start(cfg, task, tokenizer, out_dir: str | Path, *, tokenizer_files: di
     for step in range(w.steps):
         batch = demonstration_batch(task, tokenizer, f"warmup-{step}", w.batch, WARM_SEED_BASE + step, rng,
                                     model.config.vocab_size)
-        res = executor.run_step(plan_step(forest_from_json(batch.to_json("flat")), plan_cfg))
+        res = executor.run_step(plan_batch(batch.to_json("flat"), model.config))
         opt.step()
         opt.zero_grad(set_to_none=True)
         lp = np.concatenate(list(res.logprobs.values()))  # NaN where a position has no loss term

@@ -1,0 +1,371 @@
+"""Per-rank memory of training a model with FSDP2 on W ranks, and the bytes a step's collectives move.
+
+    report = memory_report(config, world_size=64, dtype="bfloat16", device_memory_gb=141)
+    print("\\n".join(report.lines())); report.fits; report.to_dict()
+    memory_tokens, source = default_memory_tokens(config, world_size=64, microbatch_tokens=2048)
+    coll = collective_bytes(config, world_size=64, dtype="bfloat16", phases=PhaseCounts.of(plan.header))
+
+`config` is a Qwen3-Next `config.json` dict (`plan.named_models`, or a trainer's `to_hf_dict()`).
+FSDP2 units are the decoder blocks and the root (token embeddings, final norm and lm head; one
+matrix when the embeddings are tied), as `trainer/parallelize.py` wraps them. With P_u the
+parameters of unit u, W ranks and e bytes per element of the compute dtype, a rank holds at its peak:
+
+- parameter shards: every parameter's dim-0 slice, ceil(d0 / W) rows (FSDP2 pads dim 0 to a
+  multiple of W), in fp32: FSDP2 keeps the sharded parameters in their storage dtype, so with bf16
+  compute they are the fp32 master weights and the gathered copies are bf16 (no third copy);
+- gradient shards: fp32, the same size (the accumulators gradients are reduce-scattered into);
+- AdamW state: exp_avg and exp_avg_sq in fp32, twice that;
+- gathered units. Lock-step (parameters resharded after forward, DESIGN §5.7): the root stays
+  gathered from its forward to its backward, with its unsharded gradient during the backward; a
+  block is gathered for its forward and again for its backward while FSDP2 prefetches the next
+  one (`prefetch` = 2 blocks at once); in a block's backward its unsharded gradient (e) and the fp32
+  reduce-scatter input (4) exist at once: 2e P_root + (2e + e + 4) max P_block. Free schedule (every
+  unit gathered for the whole step, as before lock-step plans): 2e P_all + 4 max P_u;
+- activations: the live window stack, the planner's budget M (PlanParams.memory.memory_bytes), or
+  whatever the rest leaves;
+- a margin, `margin_fraction` of the device (default 10%): CUDA context, NCCL buffers, allocator
+  fragmentation, the transient fp32 logits of the loss.
+
+Collective bytes per rank and step (ring collectives: a rank receives (W-1)/W of a unit's
+unsharded bytes per all-gather, and sends (W-1)/W of its fp32 gradient per reduce-scatter). A
+lock-step plan of F FORWARD, B BACKWARD and R RECOMPUTE phases (a RECOMPUTE phase re-runs the
+forward inside the backward) gathers every block F + B + 2R times and the root at most F + R times
+(it stays gathered from a forward to its backward), and reduce-scatters every unit B + R times:
+
+    all_gather     = (W-1)/W x e x ((F + B + 2R) P_blocks + (F + R) P_root)
+    reduce_scatter = (W-1)/W x 4 x (B + R) x (P_blocks + P_root)
+
+A free schedule gathers and reduce-scatters every unit once per step.
+
+Byte figures are in GiB (2^30 bytes), as `torch.cuda` reports device memory: an H200's 141 GiB
+(torch sees about 139.8 of it). Torch-free: what the planner, `harts plan` and the trainer share.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+
+from plan.memory_model import DTYPE_BYTES, FULL, LINEAR, ModelDims, RowSizes
+from plan.phases import lockstep_phases, phase_counts
+from proto.harts.v1 import plan_pb2
+
+GIB = 1 << 30
+
+#: a H200's memory in GiB: the planner's and `harts plan`'s default device
+DEFAULT_DEVICE_MEMORY_GB = 141.0
+#: share of the device left unplanned (see the module docstring)
+DEFAULT_MARGIN_FRACTION = 0.10
+#: blocks gathered at once: the one computing and the one FSDP2 prefetches
+PREFETCH_BLOCKS = 2
+#: bytes per element of the sharded parameters, gradients and the reduce-scatter (fp32)
+SHARD_BYTES = 4
+
+
+@dataclass(slots=True, frozen=True)
+class Unit:
+    """One FSDP2 unit: its name and the shapes of its parameters."""
+
+    name: str
+    """"root" or "layers.<i>"."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Every parameter's shape (the trainer's and Hugging Face's layout)."""
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def shard_numel(self, world_size: int) -> int:
+        """Elements of this unit one rank stores: ceil(d0 / W) rows of every parameter."""
+        return sum(-(-s[0] // world_size) * math.prod(s[1:]) for s in self.shapes)
+
+
+def fsdp_units(config: dict) -> list[Unit]:
+    """The FSDP2 units of a Qwen3-Next model: "root" first, then one per decoder block.
+
+    Raises:
+        ValueError: a malformed config (ModelDims.from_hf_config names the key).
+    """
+    d = ModelDims.from_hf_config(config)
+    D, V = d.hidden_size, d.vocab_size
+    bias = bool(config.get("attention_bias", False))
+    tied = bool(config.get("tie_word_embeddings", False))
+    Hk, Hv, Kd, Vd = d.linear_num_key_heads, d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
+    H, Hkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    root = [(V, D), (D,)] + ([] if tied else [(V, D)])
+    units = [Unit("root", tuple(root))]
+    for i, kind in enumerate(d.layer_types):
+        shapes: list[tuple[int, ...]] = [(D,), (D,)]  # input and post-attention norms
+        if kind == LINEAR:
+            conv = 2 * Hk * Kd + Hv * Vd
+            shapes += [(2 * Hk * Kd + 2 * Hv * Vd, D), (2 * Hv, D), (conv, 1, d.linear_conv_kernel_dim), (Hv,), (Hv,),
+                       (Vd,), (D, Hv * Vd)]
+        else:
+            assert kind == FULL
+            shapes += [(2 * H * hd, D), (Hkv * hd, D), (Hkv * hd, D), (D, H * hd), (hd,), (hd,)]
+            if bias:
+                shapes += [(2 * H * hd,), (Hkv * hd,), (Hkv * hd,), (D,)]
+        if d.moe_layers[i]:
+            E, Ie, Is = d.num_experts, d.moe_intermediate_size, d.shared_expert_intermediate_size
+            shapes += [(E, D), (E, 2 * Ie, D), (E, D, Ie)]
+            if Is:
+                shapes += [(Is, D), (Is, D), (D, Is), (1, D)]
+        else:
+            shapes += [(d.intermediate_size, D), (d.intermediate_size, D), (D, d.intermediate_size)]
+        units.append(Unit(f"layers.{i}", tuple(shapes)))
+    return units
+
+
+def _count(n: int) -> str:
+    """A parameter count for reports: 79.67B, 0.33M."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _check(world_size: int, dtype: str, device_memory_gb: float) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size: expected >= 1, got {world_size}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if not device_memory_gb > 0:
+        raise ValueError(f"device_memory_gb: expected > 0, got {device_memory_gb}")
+
+
+def gathered_bytes(units: list[Unit], dtype: str, *, lockstep: bool) -> int:
+    """Peak bytes of gathered parameters and unsharded gradients (module docstring)."""
+    e = DTYPE_BYTES[dtype]
+    root, blocks = units[0].numel, [u.numel for u in units[1:]]
+    if not lockstep:
+        return 2 * e * (root + sum(blocks)) + SHARD_BYTES * max([root, *blocks])
+    return 2 * e * root + (PREFETCH_BLOCKS * e + e + SHARD_BYTES) * max(blocks, default=0)
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class MemoryReport:
+    """What one rank holds at its peak (module docstring); bytes unless named otherwise."""
+
+    model: str
+    """The model's name (a named config, a path, or "model config")."""
+    world_size: int
+    """Ranks W the parameters are sharded over."""
+    dtype: str
+    """Compute dtype: gathered parameters, unsharded gradients and activations."""
+    lockstep: bool
+    """True: units gathered per forward and backward (a lock-step plan); False: for the whole step."""
+    parameters: int
+    """All parameters of the model."""
+    units: int
+    """FSDP2 units: decoder blocks + the root."""
+    root_parameters: int
+    """Parameters of the root unit (embeddings, final norm, lm head)."""
+    largest_block_parameters: int
+    """Parameters of the largest decoder block."""
+    param_shard_bytes: int
+    """fp32 parameter shards (the master weights)."""
+    grad_shard_bytes: int
+    """fp32 gradient shards."""
+    optimizer_shard_bytes: int
+    """AdamW exp_avg and exp_avg_sq shards, fp32."""
+    gathered_bytes: int
+    """Gathered units' parameters and unsharded gradients at the peak."""
+    activation_row_bytes: int
+    """Saved activations of one computed row (plan.memory_model.RowSizes.activation_row_bytes)."""
+    activation_bytes: int
+    """The live window stack: the budget M, or what the rest leaves (see `activation_source`)."""
+    activation_source: str
+    """Where `activation_bytes` comes from."""
+    microbatch_tokens: int
+    """Rows B of one microbatch (0: not checked): M must hold at least one microbatch."""
+    margin_bytes: int
+    """Device memory left unplanned."""
+    device_memory_bytes: int
+    """The device's memory."""
+
+    @property
+    def shard_bytes(self) -> int:
+        """Parameter, gradient and AdamW shards: what stays between steps."""
+        return self.param_shard_bytes + self.grad_shard_bytes + self.optimizer_shard_bytes
+
+    @property
+    def static_bytes(self) -> int:
+        """Shards plus gathered units: everything but the activations."""
+        return self.shard_bytes + self.gathered_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Static bytes plus the activations."""
+        return self.static_bytes + self.activation_bytes
+
+    @property
+    def activation_tokens(self) -> int:
+        """Rows of full activations the activation bytes hold."""
+        return self.activation_bytes // self.activation_row_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Peak plus margin within the device, and room for one microbatch's activations."""
+        return (self.peak_bytes + self.margin_bytes <= self.device_memory_bytes
+                and self.activation_tokens >= self.microbatch_tokens)
+
+    def to_dict(self) -> dict:
+        """Every field and the derived figures, as a JSON-ready dict."""
+        return {**asdict(self), "shard_bytes": self.shard_bytes, "static_bytes": self.static_bytes,
+                "peak_bytes": self.peak_bytes, "activation_tokens": self.activation_tokens, "fits": self.fits}
+
+    def lines(self) -> list[str]:
+        """The report as an aligned text table (GiB)."""
+        g = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
+        sched = ("lock-step: units gathered per forward and backward" if self.lockstep
+                 else "free schedule: every unit gathered for the whole step")
+        e = DTYPE_BYTES[self.dtype]
+        head = (f"{self.model}: {_count(self.parameters)} parameters in {self.units} FSDP2 units, W = {self.world_size}, "
+                f"{self.dtype} compute, {sched}")
+        rows = [
+            ("parameter shards (fp32, the master weights)", self.param_shard_bytes),
+            ("gradient shards (fp32)", self.grad_shard_bytes),
+            ("AdamW state shards (2 x fp32)", self.optimizer_shard_bytes),
+            (f"gathered units (root {_count(self.root_parameters)}, largest block "
+             f"{_count(self.largest_block_parameters)}, {e}-byte)", self.gathered_bytes),
+            (f"activations: {self.activation_tokens:,} rows x {self.activation_row_bytes / 1e6:.2f} MB "
+             f"({self.activation_source})", self.activation_bytes),
+            (f"margin ({self.margin_bytes / self.device_memory_bytes:.0%} of the device)", self.margin_bytes),
+        ]
+        width = max(len(name) for name, _ in rows) + 2
+        out = [head] + [f"  {name:<{width}}{g(n)}" for name, n in rows]
+        total = self.peak_bytes + self.margin_bytes
+        verdict = "fits" if self.fits else "does NOT fit"
+        if self.microbatch_tokens and self.activation_tokens < self.microbatch_tokens:
+            verdict += f" (activations hold {self.activation_tokens:,} rows, a microbatch of B = {self.microbatch_tokens:,} needs more)"
+        elif total > self.device_memory_bytes:
+            verdict += f" ({(total - self.device_memory_bytes) / GIB:.2f} GiB over)"
+        out.append(f"  {'peak per rank, margin included':<{width}}{g(total)}  of {self.device_memory_bytes / GIB:.0f} GiB: {verdict}")
+        return out
+
+
+def memory_report(config: dict, world_size: int, *, dtype: str = "bfloat16",
+                  device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB, lockstep: bool = True, memory_tokens: int = 0,
+                  microbatch_tokens: int = 0, chunk_size: int = 64, margin_fraction: float = DEFAULT_MARGIN_FRACTION,
+                  model_name: str = "") -> MemoryReport:
+    """Per-rank peak memory of training `config` on `world_size` ranks (module docstring).
+
+    Args:
+        config: a Qwen3-Next config.json dict.
+        world_size: ranks W.
+        dtype: compute dtype ("bfloat16" on CUDA, "float32" on the CPU).
+        device_memory_gb: the device's memory in GiB.
+        lockstep: units gathered per forward and backward (True) or for the whole step.
+        memory_tokens: the planner's live budget M in rows of full activations; 0: whatever the
+            device leaves after the shards, the gathered units and the margin.
+        microbatch_tokens: rows B of one microbatch; the report fits only when M holds one.
+        chunk_size: linear-attention chunk size C (the per-row activation bytes depend on it).
+        margin_fraction: share of the device left unplanned.
+        model_name: the name the report gives the model (default: "model config").
+
+    Raises:
+        ValueError: a malformed config or an out-of-range argument, naming it.
+    """
+    _check(world_size, dtype, device_memory_gb)
+    if not 0 <= margin_fraction < 1:
+        raise ValueError(f"margin_fraction: expected in [0, 1), got {margin_fraction}")
+    if memory_tokens < 0 or microbatch_tokens < 0:
+        raise ValueError(f"memory_tokens, microbatch_tokens: expected >= 0, got {memory_tokens}, {microbatch_tokens}")
+    units = fsdp_units(config)
+    shard = sum(u.shard_numel(world_size) for u in units)
+    row = RowSizes.of(ModelDims.from_hf_config(config), dtype, chunk_size).activation_row_bytes
+    device = int(device_memory_gb * GIB)
+    margin = int(margin_fraction * device)
+    gathered = gathered_bytes(units, dtype, lockstep=lockstep)
+    static = 4 * SHARD_BYTES * shard + gathered
+    if memory_tokens:
+        activations, source = memory_tokens * row, "the budget M"
+    else:
+        activations, source = max(0, (device - margin - static) // row * row), "what the device leaves"
+    return MemoryReport(
+        model=model_name or "model config", world_size=world_size, dtype=dtype, lockstep=lockstep,
+        parameters=sum(u.numel for u in units), units=len(units), root_parameters=units[0].numel,
+        largest_block_parameters=max((u.numel for u in units[1:]), default=0),
+        param_shard_bytes=SHARD_BYTES * shard, grad_shard_bytes=SHARD_BYTES * shard,
+        optimizer_shard_bytes=2 * SHARD_BYTES * shard, gathered_bytes=gathered, activation_row_bytes=row,
+        activation_bytes=activations, activation_source=source, microbatch_tokens=microbatch_tokens,
+        margin_bytes=margin, device_memory_bytes=device,
+    )
+
+
+def default_memory_tokens(config: dict, world_size: int, microbatch_tokens: int, **kw) -> tuple[int, str]:
+    """The planner's default live budget M in rows: what the device leaves after the shards, the
+    gathered units and the margin (`memory_report` with memory_tokens = 0; keywords pass through),
+    and a sentence saying so.
+
+    Raises:
+        ValueError: the rest holds less than one microbatch of `microbatch_tokens` rows; the
+            message gives the figures and the remedies.
+    """
+    rep = memory_report(config, world_size, microbatch_tokens=microbatch_tokens, **kw)
+    tokens = rep.activation_tokens
+    source = (f"{rep.model} at W = {world_size} on {rep.device_memory_bytes / GIB:g} GiB ({rep.dtype}): device - shards "
+              f"{rep.shard_bytes / GIB:.1f} - gathered units {rep.gathered_bytes / GIB:.1f} - margin "
+              f"{rep.margin_bytes / GIB:.1f} GiB = {rep.activation_bytes / GIB:.1f} GiB = {tokens:,} rows of "
+              f"{rep.activation_row_bytes / 1e6:.2f} MB")
+    if tokens < microbatch_tokens:
+        raise ValueError(
+            f"memory_tokens: expected the memory model to leave room for one microbatch of {microbatch_tokens} rows, got "
+            f"{tokens} ({source}); lower microbatch_tokens, raise world_size or device_memory_gb, or set memory_tokens")
+    return tokens, source
+
+
+@dataclass(slots=True, frozen=True)
+class PhaseCounts:
+    """Phases of a lock-step plan by kind (PlanHeader.lockstep_phases)."""
+
+    forward: int
+    backward: int
+    recompute: int
+
+    @classmethod
+    def of(cls, header) -> "PhaseCounts | None":
+        """The counts of a `plan_pb2.PlanHeader`; None for a free plan (no phases).
+
+        Raises:
+            PlanValidationError: phase kinds that are not PhaseKind values (`plan.phases`).
+        """
+        if not header.lockstep_phases:
+            return None
+        forward, backward, recompute = phase_counts(lockstep_phases(header))
+        return cls(forward=forward, backward=backward, recompute=recompute)
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class CollectiveBytes:
+    """Bytes one rank moves through FSDP2's collectives in a step (module docstring)."""
+
+    all_gather_bytes: int
+    """Received by all-gathers of parameters (compute dtype)."""
+    reduce_scatter_bytes: int
+    """Sent by reduce-scatters of fp32 gradients."""
+    formula: str
+    """The formula with this plan's numbers."""
+    phases: PhaseCounts | None = field(default=None)
+    """The lock-step phase counts (None: a free schedule)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def collective_bytes(config: dict, world_size: int, *, dtype: str = "bfloat16", phases: PhaseCounts | None = None) -> CollectiveBytes:
+    """All-gather and reduce-scatter bytes per rank and step of a lock-step plan with `phases`, or of
+    a free schedule (every unit once) when `phases` is None (module docstring)."""
+    _check(world_size, dtype, 1.0)
+    units = fsdp_units(config)
+    root, blocks = units[0].numel, sum(u.numel for u in units[1:])
+    e = DTYPE_BYTES[dtype]
+    ring = (world_size - 1) / world_size
+    if phases is None:
+        ag, rs = ring * e * (root + blocks), ring * SHARD_BYTES * (root + blocks)
+        formula = f"free schedule: (W-1)/W x ({e} + 4) bytes x {root + blocks:,} parameters, every unit once"
+    else:
+        F, B, R = phases.forward, phases.backward, phases.recompute
+        ag = ring * e * ((F + B + 2 * R) * blocks + (F + R) * root)
+        rs = ring * SHARD_BYTES * (B + R) * (blocks + root)
+        formula = (f"all-gather (W-1)/W x {e} x ((F + B + 2R) P_blocks + (F + R) P_root), reduce-scatter (W-1)/W x 4 x "
+                   f"(B + R) (P_blocks + P_root); F = {F}, B = {B}, R = {R}, P_blocks = {blocks:,}, P_root = {root:,}, "
+                   f"W = {world_size}")
+    return CollectiveBytes(all_gather_bytes=int(ag), reduce_scatter_bytes=int(rs), formula=formula, phases=phases)

@@ -1,0 +1,185 @@
+"""The JSON bodies of the HTTP API (pydantic models): what OpenAPI documents and responses carry.
+
+`Topology` is also how a plan request's body is validated (strict: "2" is not a world size); the
+rollout document models (`RolloutBatchDoc` and its parts) are documentation only, since ingest
+(`planner_service.ingest`) validates the body and names the first offending field.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner_service.api_docs import TOPOLOGY_EXAMPLES
+from planner_service.service_config import MAX_WORLD_SIZE
+from proto.harts.v1 import planner_pb2
+
+__all__ = ["ErrorDetail", "ErrorBody", "Topology", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
+           "RolloutBatchDoc", "status_model", "INT32", "INT64"]
+
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="gRPC-style code name, e.g. INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS")
+    message: str = Field(description="What is wrong and, where possible, how to fix it")
+    field: str | None = Field(None, description="Path of the first offending field, e.g. trajectories[3].loss_mask")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Topology(BaseModel):
+    """Trainer topology and budgets a step is planned for."""
+
+    # strict: "2", 2.0 or true are not a world size (a typo in a generator, not a number to coerce)
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"examples": [e["value"] for e in TOPOLOGY_EXAMPLES.values()]})
+    world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="Number of data-parallel trainer ranks")
+    microbatch_tokens: int = Field(0, ge=0, le=INT32, description="Token budget per microbatch; 0: the service "
+                                   "default (`harts serve --microbatch-tokens`, 4096 unless set), as over gRPC")
+    memory_tokens: int = Field(0, ge=0, le=INT64, description="Live-activation budget per rank; 0: 8 x microbatch_tokens")
+    chunk_size: int = Field(0, ge=0, le=INT32, description="Linear-attention chunk size (power of two); 0: service default")
+    no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
+    no_windows: bool = Field(False, description="Duplicate prefixes instead of opening sharing windows")
+    model: str = Field("", max_length=1 << 20, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
+    dtype: str = Field("", description="Trainer dtype for the memory model (float32, bfloat16); empty: float32")
+    cost_model: str = Field("", max_length=1 << 20, description="Cost model JSON written by `harts calibrate`; empty: service default")
+    lockstep: bool = Field(False, description="Plan lock-step phases (DESIGN §5.7): every rank runs one step of the "
+                           "same kind per phase, so that trainers which gather parameters per forward and backward "
+                           "(FSDP2 with parallelism.reshard_after_forward) pair their collectives")
+
+    def to_proto(self) -> planner_pb2.Topology:
+        return planner_pb2.Topology(**self.model_dump())
+
+
+class PlanStats(BaseModel):
+    unique_tokens: int
+    expanded_tokens: int
+    computed_tokens: int
+    replay_tokens: int
+    duplicated_tokens: int
+    compression_ideal: float
+    compression_achieved: float
+    microbatches: int
+    linear_attention_calls: int
+    rank_costs: list[float]
+    imbalance: float
+    peak_live_tokens: int
+    plan_seconds: float
+    windows: int
+    peak_live_bytes: int = 0
+    makespan: float = 0.0
+    makespan_lower_bound: float = 0.0
+    makespan_ratio: float = 0.0
+
+
+class StepStatus(BaseModel):
+    step_id: str
+    state: Literal["submitted", "planned", "failed"]
+    trajectories: int
+    unique_tokens: int
+    expanded_tokens: int
+    stats: PlanStats | None = Field(None, description="Present once planned")
+    topology: Topology | None = Field(None, description="Requested (submitted), planned or attempted (failed) topology")
+    error: str | None = Field(None, description="Why planning failed")
+    submitted_at: float = Field(description="Unix seconds")
+    planned_at: float | None = Field(None, description="Unix seconds")
+
+
+class SubmitResponse(BaseModel):
+    status: StepStatus
+    duplicate: bool = Field(description="True when the batch_id was already stored with the same content "
+                            "(however it was serialised)")
+
+
+class StepList(BaseModel):
+    steps: list[StepStatus]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "starting", "unavailable", "stopping"]
+    reason: str | None = Field(None, description="Why the service is not ready (e.g. the storage fault)")
+
+
+# The rollout document (docs/rollouts.md). Documentation only: the body is validated by
+# planner_service.ingest, which names the first offending field.
+class _TrajectoryFieldsDoc(BaseModel):
+    """Per-position arrays (the trajectory's length) and per-trajectory scalars of both forms."""
+
+    loss_mask: list[Literal[0, 1]] | None = None
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    advantage: float | list[float] = 0.0
+    reward: float = 0.0
+    group_id: str | None = None
+    weight: float | None = Field(None, ge=0)
+
+
+class TrajectoryDoc(_TrajectoryFieldsDoc):
+    id: str
+    tree_id: str | None = None
+    tokens: list[int] = Field(min_length=1)
+
+
+class TreeNodeDoc(BaseModel):
+    id: int
+    parent: int | None = None
+    tokens: list[int] = Field(min_length=1)
+
+
+class TreeTrajectoryDoc(_TrajectoryFieldsDoc):
+    id: str
+    node: int
+
+
+class TreeDoc(BaseModel):
+    id: str
+    nodes: list[TreeNodeDoc]
+    trajectories: list[TreeTrajectoryDoc]
+
+
+class RolloutBatchDoc(BaseModel):
+    """One training step's rollouts (docs/rollouts.md); flat and explicit-tree forms may be mixed."""
+
+    batch_id: str = Field(min_length=1, max_length=512, pattern="^[^/]+$",
+                          description="Idempotency key of the step; the same content under the same id is a "
+                          "duplicate. It is a URL path segment: no '/', not '.' or '..', no control characters, "
+                          "not only whitespace")
+    vocab_size: int = Field(ge=1, le=INT32)
+    trajectories: list[TrajectoryDoc] = []
+    trees: list[TreeDoc] = []
+    policy_version: int | None = Field(default=None, ge=0, le=(1 << 63) - 1,
+                                       description="Version of the policy that sampled the batch (staleness bound)")
+
+
+_STATE = {
+    planner_pb2.STEP_STATE_SUBMITTED: "submitted",
+    planner_pb2.STEP_STATE_PLANNED: "planned",
+    planner_pb2.STEP_STATE_FAILED: "failed",
+}
+
+
+def status_model(st: planner_pb2.StepStatus) -> StepStatus:
+    """JSON view of a StepStatus message."""
+    stats = None
+    if st.HasField("stats"):
+        s = st.stats
+        stats = PlanStats(**{f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields if f.name != "rank_costs"},
+                          rank_costs=list(s.rank_costs))
+    topo = None
+    if st.HasField("topology"):
+        topo = Topology.model_construct(**{f.name: getattr(st.topology, f.name) for f in st.topology.DESCRIPTOR.fields})
+    return StepStatus(
+        step_id=st.step_id,
+        state=_STATE[st.state],
+        trajectories=st.trajectories,
+        unique_tokens=st.unique_tokens,
+        expanded_tokens=st.expanded_tokens,
+        stats=stats,
+        topology=topo,
+        error=st.error or None,
+        submitted_at=st.submitted_at,
+        planned_at=st.planned_at or None,
+    )

@@ -1,0 +1,130 @@
+"""Models no rank holds whole: built on the meta device, sharded, then only this rank's rows filled.
+
+    model = meta_model(cfg)                                   # no memory: every parameter on "meta"
+    model = parallelize(model, mesh, cfg.parallelism, ctx)    # FSDP2 shards, still on "meta"
+    materialize(model, ctx.device, seed_rows(cfg, seed=0))    # this rank's rows from a seed ...
+    with hf_rows(model_dir, cfg) as fill:                     # ... or read from a HF directory ...
+        materialize(model, ctx.device, fill)
+    materialize(model, ctx.device, None)                      # ... or left empty for a DCP load
+
+A parameter is a plain tensor (one process, "replicate": every row) or an FSDP2 DTensor sharded
+along dim 0 (`Shard(0)`: rank r of W holds rows [r c, min((r + 1) c, n)), c = ceil(n / W), as
+torch.chunk splits them). `materialize` allocates the rank's storage (`to_empty`) and asks `fill`
+for exactly those rows of each parameter:
+- `seed_rows`: the counter-based initialisation of `trainer.models.init` (the same weights at
+  every world size);
+- `hf_rows`: the rows read straight from safetensors (`safe_open(...).get_slice(name)[a:b]`) through
+  the adapter's names and layouts (`trainer.models.state_dict_adapter`): a rank reads its shard of
+  each tensor and nothing else (for stacked experts, only its experts' tensors);
+- None: a sharded DCP checkpoint (`trainer.checkpoint.load`) overwrites every shard afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from trainer.models.config import ModelConfig
+from trainer.models.init import init_rows
+from trainer.models.qwen3_next import Qwen3NextForRL
+from trainer.models.state_dict_adapter import StateDictAdapter
+
+__all__ = ["meta_model", "materialize", "local_rows", "seed_rows", "hf_rows", "RowFill"]
+
+#: fill(name, global shape, rows) -> the float32 rows of that parameter
+RowFill = Callable[[str, tuple[int, ...], slice], torch.Tensor]
+
+
+def meta_model(cfg: ModelConfig) -> Qwen3NextForRL:
+    """The model with every parameter on the meta device (shapes only)."""
+    with torch.device("meta"):
+        return Qwen3NextForRL(cfg)
+
+
+def local_rows(p: torch.Tensor) -> tuple[slice, torch.Tensor]:
+    """(global rows this rank holds, the local tensor holding them) of a parameter."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return slice(0, p.shape[0] if p.dim() else 1), p
+    assert tuple(p.placements) == (Shard(0),), f"expected FSDP2's Shard(0) placement, got {p.placements}"
+    n, W, r = p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()
+    chunk = -(-n // W)
+    start, stop = min(r * chunk, n), min((r + 1) * chunk, n)
+    local = p.to_local()
+    assert local.shape[0] == stop - start, f"shard of rank {r}: expected {stop - start} rows, got {local.shape[0]}"
+    return slice(start, stop), local
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, device: torch.device | str, fill: RowFill | None) -> torch.nn.Module:
+    """Allocate `model`'s parameters (this rank's shards only) on `device` and fill their rows.
+
+    Side effects: replaces the meta parameters in place (FSDP2 keeps its sharded parameters).
+    Raises:
+        ValueError: `fill` returns rows of another shape (names the parameter).
+    """
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives a plain module's shared parameter two copies (FSDP2 keeps one)
+    if fill is None:
+        return model
+    for name, p in model.named_parameters():
+        rows, local = local_rows(p)
+        if rows.stop <= rows.start:  # a rank past the last row of a small parameter holds none of it
+            continue
+        values = fill(name, tuple(p.shape), rows)
+        if tuple(values.shape) != tuple(local.shape):
+            raise ValueError(f"weight {name} rows {rows.start}..{rows.stop}: expected shape {list(local.shape)}, "
+                             f"got {list(values.shape)}")
+        local.copy_(values)
+    return model
+
+
+def seed_rows(cfg: ModelConfig, *, seed: int) -> RowFill:
+    """Rows of the seeded initialisation (`trainer.models.init.init_rows`)."""
+    return lambda name, shape, rows: init_rows(name, shape, rows, seed=seed, cfg=cfg)
+
+
+@contextlib.contextmanager
+def hf_rows(model_dir: str | Path, cfg: ModelConfig, *, expect: dict[str, tuple[int, ...]]) -> Iterator[RowFill]:
+    """Rows read lazily from the safetensors files of a Hugging Face directory (files open while in use).
+
+    Args:
+        expect: our parameter names -> global shapes (the meta model's): the checkpoint must provide
+            exactly these (missing or unexpected names and wrong shapes are errors).
+    Raises:
+        ValueError: no safetensors, missing or unexpected weights, a shape mismatch.
+    """
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {model_dir}: expected *.safetensors weights, got none")
+    adapter = StateDictAdapter(cfg)
+    with contextlib.ExitStack() as stack:
+        source = {}
+        for f in files:
+            handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            source.update({k: handle.get_slice(k) for k in handle.keys()})
+        have = set(adapter.names_from_hf(source))
+        missing, unexpected = sorted(set(expect) - have), sorted(have - set(expect))
+        if missing or unexpected:
+            raise ValueError(
+                f"model directory {model_dir}: expected Qwen3-Next weights matching config.json; "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        for name in expect:
+            if name in source and tuple(source[name].get_shape()) != tuple(expect[name]):
+                raise ValueError(f"{model_dir}: weight {name}: expected shape {list(expect[name])}, "
+                                 f"got {list(source[name].get_shape())}")
+
+        def fill(name: str, shape: tuple[int, ...], rows: slice) -> torch.Tensor:
+            try:
+                return adapter.read(name, source, rows).to(torch.float32)
+            except ValueError as exc:
+                raise ValueError(f"model directory {model_dir}: {exc}") from None
+
+        yield fill
