@@ -1,6 +1,6 @@
 """RL on the CPU: planner + generator + 2 trainer ranks, the reward rising on a verifiable multi-turn task.
 
-    harts rl --config examples/rl_tiny.toml                    # what `make rl` runs (~10 min on 2 cores)
+    harts rl --config examples/rl_tiny.toml                    # what `make rl` runs (~7 min on 2 cores)
     harts rl --config examples/rl_tiny.toml --steps 10 --out runs/short
     harts rl --config examples/rl_tiny.toml --no-sharing --replay runs/rl_tiny --out runs/rl_tiny-expanded
 
@@ -13,8 +13,9 @@ records them. OUT gets metrics.jsonl (reward_mean, reward_std, compression,
 expanded_tokens_per_s, eval_reward, the trainer's metrics), tb/ (TensorBoard), rl.png, the
 exports, the recorded rollouts and summary.json (reward of the first and last 10 steps, wall time).
 `--replay DIR` trains DIR's warm start on DIR's recorded rollouts instead of generating
-(`--no-sharing`: trajectory-expanded plans) and compares loss and grad norm per step with DIR
-(replay.json, replay.png). Prints the summary as one JSON object on stdout.
+(`--no-sharing`: trajectory-expanded plans) and compares loss and grad norm per step with DIR,
+trained on its own and on DIR's weights of every step (`harts_cli.rl.anchored`; replay.json,
+replay.png). Prints the summary as one JSON object on stdout.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.rl.config import load_rl_config
     from harts_cli.rl.run import RLError, run_rl
+    from trainer.rl.config import load_rl_config
 
     out = args.out
     if out is None and args.replay is not None:
