@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.harts-installed
 
-.PHONY: venv demo test test-fast bench proto clean
+.PHONY: venv demo rl test test-fast bench proto clean
 
 venv: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): requirements.lock pyproject.toml
 ## demo: synthetic agentic rollouts -> planner (in-process, SQLite) -> tree training on the CPU
 demo: venv
 	$(VENV)/bin/harts demo
+
+## rl: RL on the CPU: warm start, planner, generator and 2 trainer ranks; the reward rises (runs/rl_tiny/rl.png)
+rl: venv
+	$(VENV)/bin/harts rl --config examples/rl_tiny.toml
 
 ## test: the whole suite (unit, exactness, service and 2-rank torchrun integration tests); what CI runs
 test: venv

@@ -56,6 +56,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "trainer": ("benchmarks.bench_trainer", "trainer: sharing windows vs no windows vs expanded vs transformers (throughput, memory)"),
     "service": ("benchmarks.bench_service", "service: concurrent submissions and plan polling on loopback"),
     "kernels": ("benchmarks.bench_kernels", "kernels: chunked gated delta rule"),
+    "rl": ("benchmarks.bench_rl", "rl: one harts rl run trained on trees and, on the same rollouts, expanded (curves, wall clock)"),
 }
 #: every benchmark name `--only` accepts, in run order
 NAMES = ("workloads", *MODULES)

@@ -7,15 +7,21 @@
 Each step samples GROUP episodes per task: the policy answers, calls a tool, reads the tool's
 observation and answers again; episodes of one task share the task prompt and branch at every
 turn. Rewards become GRPO advantages, the batch goes to the planner as explicit trees (`--form
-tree`, the shared prompt sent once) or flat trajectories (`--form flat`) and is planned for the
-trainer topology at once.
+tree`: the shared prompt, its loss mask and log-probs sent once) or flat trajectories (`--form
+flat`) and is planned for the trainer topology at once, with sharing windows (`--no-windows`: the
+ablation; `--lockstep`: lock-step phases for trainers that gather parameters per forward and
+backward).
 
-The policy here is a stand-in: `StandInEngine.generate` returns objects shaped like vLLM's
-`RequestOutput` (prompt_token_ids, outputs[i].token_ids, outputs[i].logprobs as
-{token_id: Logprob}) from a seeded random generator, so the example runs anywhere. With a real
-engine, replace it by `vllm.LLM(...).generate(prompts, SamplingParams(n=GROUP, logprobs=0))` (or
-SGLang + `samples_from_sglang`) and reload weights from the trainer's exports
-(`latest_export(--exports)`), whose policy version tags the next batches.
+What is synthetic here: the policy. `StandInEngine` returns objects shaped like vLLM's
+`RequestOutput` (prompt_token_ids, outputs[i].token_ids, outputs[i].logprobs as {token_id:
+Logprob}) from a seeded random generator: the token ids, their log-probs, the tool outputs and
+the rewards are random numbers, not a model's, so the trainer sees importance ratios far from 1
+(clip fraction near 1, large KL) and learns nothing meaningful. The batch format, the planning and
+the training are real. For a real policy on a real task use `harts rl` (harts_client.engines,
+harts_client.tasks, harts_client.tree_sampling), or replace the engine by
+`vllm.LLM(...).generate(prompts, SamplingParams(n=GROUP, logprobs=0))` (or SGLang +
+`samples_from_sglang`) and reload weights from the trainer's exports (`latest_export(--exports)`),
+whose policy version tags the next batches.
 """
 from __future__ import annotations
 
@@ -92,10 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--chunk-size", type=int, default=16)
     p.add_argument("--microbatch-tokens", type=int, default=256)
+    p.add_argument("--no-windows", action="store_true", help="ablation: duplicate prefixes instead of sharing windows")
+    p.add_argument("--lockstep", action="store_true",
+                   help="plan lock-step phases (topology lockstep: trainers that gather parameters per forward/backward)")
     p.add_argument("--exports", default=None, help="trainer export root: tag batches with its latest policy_version")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     engine = StandInEngine(args.seed)
+    print("generator_submit: stand-in engine: token ids, log-probs, tool outputs and rewards are synthetic (seeded "
+          "random); see `harts rl` for a real policy", file=sys.stderr)
+    topology = dict(world_size=args.world_size, chunk_size=args.chunk_size, microbatch_tokens=args.microbatch_tokens,
+                    no_windows=args.no_windows)
     with PlannerClient(args.url, token=args.token) as client:
         client.wait_ready(60)
         for step in range(args.first_step, args.first_step + args.steps):
@@ -103,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             version = found[1] if found else (0 if args.exports else None)
             batch = episode_batch(step, tasks=args.tasks, group=args.group, engine=engine, policy_version=version,
                                   prefix=args.batch_prefix)
-            answer = batch.submit(client, form=args.form, protobuf=args.protobuf, world_size=args.world_size,
-                                  chunk_size=args.chunk_size, microbatch_tokens=args.microbatch_tokens, no_windows=True)
-            st = answer["status"]
+            if args.lockstep:  # the topology travels in the plan request's body, which carries every field
+                batch.submit(client, form=args.form, protobuf=args.protobuf)
+                st = client.plan(batch.batch_id, **topology, lockstep=True)
+            else:
+                st = batch.submit(client, form=args.form, protobuf=args.protobuf, **topology)["status"]
             print(json.dumps({"step_id": st["step_id"], "state": st["state"], "trajectories": st["trajectories"],
                               "expanded_tokens": st["expanded_tokens"], "unique_tokens": st["unique_tokens"]}))
     return 0

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--full", action="store_true",
                       help="planning only, at full scale (tens of millions of expanded tokens per workload)")
     p.add_argument("--only", action="append", default=[], metavar="NAME[,NAME]",
-                   help="run only these benchmarks (repeatable): workloads, forest, planner, trainer, service, kernels")
+                   help="run only these benchmarks (repeatable): workloads, forest, planner, trainer, service, kernels, rl")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--trainer-steps", default=None, help="timed optimizer steps per execution mode (default 5, --quick 1)")
     p.add_argument("--no-trainer", action="store_true", help="skip the tree vs expanded update-throughput timing")

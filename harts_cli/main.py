@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "gen": "generate synthetic agentic rollouts (group, tree or per-call sampling)",
     "bench": "run the benchmark suite and write benchmarks/results",
     "demo": "end-to-end demo: rollouts -> planner -> tree training on the CPU",
+    "rl": "RL on a verifiable multi-turn task: planner + generator + trainer ranks, reward and compression per step",
 }
 
 

@@ -6,5 +6,9 @@ Modules: `client` (the planner's HTTP client: submit, plan, poll, retries within
 `rollouts` (the generator API: trajectories and explicit trees -> a batch, JSON or protobuf, and
 the newest weight export), `synthetic` (synthetic agentic rollouts: group, tree and per-call
 sampling, used by `harts gen`, the demo and the benchmarks), `timing` (the wall/CPU clocks and
-repeat-with-warm-up helpers that `harts calibrate` and the benchmarks share).
+repeat-with-warm-up helpers that `harts calibrate` and the benchmarks share), `engines` (inference
+engines with per-token log-probs: transformers, vLLM; each imports its framework only when built),
+`tokenizer` (the project's byte tokenizer and Hugging Face tokenizer.json), `tasks` (verifiable
+multi-turn tasks with tool observations and rewards) and `tree_sampling` (GRPO tree sampling at
+turn boundaries, what `harts rl` generates with).
 """

@@ -19,7 +19,8 @@ Needs only numpy, protobuf and httpx (no torch): import it in vLLM / SGLang work
 Both input forms of docs/rollouts.md come out of one builder: `form="flat"` sends every
 trajectory's full token list and lets the service merge equal prefixes; `form="tree"` merges them
 here into explicit trees (one per `tree_id`, default the group id) and sends each shared token
-once, which is far smaller for group or tree sampling. A generator that knows its branching (tree
+once, with its loss mask and sampled log-prob on the tree node (the compact form: only the
+advantage, reward and ids are sent per trajectory), which is far smaller for group or tree sampling. A generator that knows its branching (tree
 search) can build the tree directly with `RolloutTree`. Both forms travel as JSON (`to_json`) or
 protobuf (`to_proto`); they describe the same batch and the planner builds the same forest.
 
@@ -103,6 +104,12 @@ class _Part:
     logprobs: list[float] | None
 
 
+def _f32(values) -> list[float]:
+    """Floats as the float32 numbers the wire carries, spelled shortest in JSON (`-0.6931472`, not
+    `-0.6931471824645996`): lossless for the float32 arrays ingest builds."""
+    return [float(str(v)) for v in np.asarray(values, np.float32)]
+
+
 class Trajectory:
     """One rollout as a sequence of parts: the prompt, then completions and observations in turn.
 
@@ -130,7 +137,7 @@ class Trajectory:
         """Tokens the policy sampled (loss tokens) with their log-probs under the sampling policy."""
         if logprobs is not None and len(logprobs) != len(token_ids):
             raise ValueError(f"{self.id}: logprobs: expected {len(token_ids)} values (one per token), got {len(logprobs)}")
-        self.parts.append(_Part([int(t) for t in token_ids], True, None if logprobs is None else [float(x) for x in logprobs]))
+        self.parts.append(_Part([int(t) for t in token_ids], True, None if logprobs is None else _f32(logprobs)))
         return self
 
     def add_observation(self, token_ids: list[int]) -> "Trajectory":
@@ -163,11 +170,14 @@ class Trajectory:
             out += p.logprobs if p.policy else [0.0] * len(p.tokens)
         return out
 
-    def fields(self, with_logprobs: bool) -> dict:
-        """Per-trajectory JSON fields besides id/tokens/node (docs/rollouts.md)."""
-        d: dict = {"loss_mask": self.loss_mask, "reward": float(self.reward), "advantage": self.advantage}
-        if with_logprobs:
-            d["old_logprobs"] = self.old_logprobs()
+    def fields(self, with_logprobs: bool, *, per_position: bool = True) -> dict:
+        """Per-trajectory JSON fields besides id/tokens/node (docs/rollouts.md); `per_position=False`
+        leaves out loss_mask and old_logprobs (a compact tree's nodes carry them)."""
+        d: dict = {"reward": float(self.reward), "advantage": self.advantage}
+        if per_position:
+            d["loss_mask"] = self.loss_mask
+            if with_logprobs:
+                d["old_logprobs"] = self.old_logprobs()
         if self.group_id:
             d["group_id"] = self.group_id
         if self.weight is not None:
@@ -191,9 +201,11 @@ class RolloutTree:
         self.trajectories: list[tuple[str, int, dict]] = []
 
     def node(self, parent: int | None, token_ids: list[int], *, logprobs: list[float] | None = None,
-             policy: bool | None = None) -> int:
+             policy: bool | None = None, observation: list[int] = ()) -> int:
         """Add a node continuing `parent` (None: a root); returns its id. `policy` (default: whether
-        log-probs are given) marks sampled tokens (loss) versus context."""
+        log-probs are given) marks sampled tokens (loss) versus context; `observation`: context
+        tokens that follow them in the same node (the tool's answer to a sampled turn: one node
+        per turn instead of two)."""
         if parent is not None and parent not in self._path:
             raise ValueError(f"tree {self.id}: parent: expected an existing node id, got {parent}")
         if not token_ids:
@@ -202,9 +214,11 @@ class RolloutTree:
         if logprobs is not None and len(logprobs) != len(token_ids):
             raise ValueError(f"tree {self.id}: logprobs: expected {len(token_ids)} values, got {len(logprobs)}")
         nid = len(self.nodes)
-        self.nodes.append({"id": nid, "parent": parent, "tokens": [int(t) for t in token_ids]})
-        part = _Part([int(t) for t in token_ids], policy, None if logprobs is None else [float(x) for x in logprobs])
-        self._path[nid] = ([] if parent is None else self._path[parent]) + [part]
+        self.nodes.append({"id": nid, "parent": parent, "tokens": [int(t) for t in [*token_ids, *observation]]})
+        parts = [_Part([int(t) for t in token_ids], policy, None if logprobs is None else _f32(logprobs))]
+        if len(observation):
+            parts.append(_Part([int(t) for t in observation], False, None))
+        self._path[nid] = ([] if parent is None else self._path[parent]) + parts
         return nid
 
     def trajectory(self, id: str, node: int, *, advantage: float | list[float] = 0.0, reward: float = 0.0,
@@ -229,8 +243,8 @@ def grpo_advantages(trajectories: list[Trajectory], *, scale_by_std: bool = True
         a = r - r.mean()
         if scale_by_std:
             a = a / (r.std() + eps)
-        for t, v in zip(members, a.tolist()):
-            t.advantage = float(v)
+        for t, v in zip(members, _f32(a)):
+            t.advantage = v
 
 
 def supports_policy_version() -> bool:
@@ -297,6 +311,8 @@ class RolloutBatchBuilder:
         doc = self._head()
         trees = [self._tree_json(t.id, t.nodes, [(tid, node, d["traj"]) for tid, node, d in t.trajectories], lp)
                  for t in self.trees]
+        if form == "tree":
+            trees = [_compact(tree, lp) for tree in trees]
         if form == "flat":
             flat = []
             for t in self.trajectories:
@@ -312,7 +328,7 @@ class RolloutBatchBuilder:
                 by_tree.setdefault(t.tree_id or "default", []).append(t)
             for name, members in by_tree.items():
                 nodes, ends = _radix([t.tokens for t in members])
-                trees.append(self._tree_json(name, nodes, [(t.id, end, t) for t, end in zip(members, ends)], lp))
+                trees.append(_compact(self._tree_json(name, nodes, [(t.id, end, t) for t, end in zip(members, ends)], lp), lp))
         if trees:
             doc["trees"] = trees
         return doc
@@ -322,6 +338,7 @@ class RolloutBatchBuilder:
         return {"id": name, "nodes": nodes,
                 "trajectories": [{"id": tid, "node": node, **t.fields(lp)} for tid, node, t in trajs]}
 
+
     def to_proto(self, form: str = "tree") -> rollouts_pb2.RolloutBatch:
         """The protobuf RolloutBatch (arrays as little-endian bytes) of `to_json(form)`."""
         doc = self.to_json(form)
@@ -330,7 +347,8 @@ class RolloutBatchBuilder:
             msg.policy_version = doc["policy_version"]
 
         def fill(m, obj: dict) -> None:
-            m.loss_mask = pack(obj["loss_mask"], "uint8")
+            if "loss_mask" in obj:
+                m.loss_mask = pack(obj["loss_mask"], "uint8")
             if "old_logprobs" in obj:
                 m.old_logprobs = pack(obj["old_logprobs"], "float32")
             adv = obj["advantage"]
@@ -352,6 +370,10 @@ class RolloutBatchBuilder:
                 node = tm.nodes.add(id=n["id"], tokens=pack(n["tokens"], "int32"))
                 if n["parent"] is not None:
                     node.parent = n["parent"]
+                if "loss_mask" in n:
+                    node.loss_mask = pack(n["loss_mask"], "uint8")
+                if "old_logprobs" in n:
+                    node.old_logprobs = pack(n["old_logprobs"], "float32")
             for obj in tree["trajectories"]:
                 fill(tm.trajectories.add(id=obj["id"], node=obj["node"]), obj)
         return msg
@@ -361,6 +383,41 @@ class RolloutBatchBuilder:
         (world_size, microbatch_tokens, chunk_size, no_windows, ...). Returns the service's answer."""
         batch = self.to_proto(form) if protobuf else self.to_json(form)
         return client.submit(batch, **topology)
+
+
+def _compact(tree: dict, with_logprobs: bool) -> dict:
+    """The tree with loss_mask / old_logprobs moved from its trajectories onto its nodes (the compact
+    form: a shared token's mask and sampled log-prob are sent once), when every trajectory through
+    a node agrees on them (always for a RolloutTree; merged trajectories whose shared tokens were
+    sampled separately may differ in the last float bit: that tree keeps the per-trajectory arrays).
+    Nodes on no trajectory's path get context values (mask 0)."""
+    nodes = tree["nodes"]
+    index = {n["id"]: i for i, n in enumerate(nodes)}
+    start = [0] * len(nodes)
+    for i, n in enumerate(nodes):  # parents come before their children in both builders
+        if n["parent"] is not None:
+            p = index[n["parent"]]
+            start[i] = start[p] + len(nodes[p]["tokens"])
+    names = ("loss_mask", "old_logprobs") if with_logprobs else ("loss_mask",)
+    values: list[dict] = [{} for _ in nodes]
+    for traj in tree["trajectories"]:
+        i = index[traj["node"]]
+        while True:
+            a, b = start[i], start[i] + len(nodes[i]["tokens"])
+            for name in names:
+                got = traj[name][a:b]
+                if values[i].setdefault(name, got) != got:
+                    return tree
+            if nodes[i]["parent"] is None:
+                break
+            i = index[nodes[i]["parent"]]
+    out_nodes = []
+    for n, v in zip(nodes, values):
+        length = len(n["tokens"])
+        out_nodes.append({**n, **{name: v.get(name, [0] * length if name == "loss_mask" else [0.0] * length)
+                                  for name in names}})
+    trajs = [{k: v for k, v in t.items() if k not in names} for t in tree["trajectories"]]
+    return {"id": tree["id"], "nodes": out_nodes, "trajectories": trajs}
 
 
 def _radix(paths: list[list[int]]) -> tuple[list[dict], list[int]]:

@@ -7,7 +7,9 @@ An export is what vLLM / SGLang / transformers load: `config.json` (Qwen3NextCon
 as sharded safetensors (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`) in
 the original Qwen3-Next layout (per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`; a tied lm
 head is not written twice), and `harts.json` with the policy version (= completed trainer steps)
-and the step ids that produced it. The export root's `latest` names the newest export; it is
+and the step ids that produced it, the tokenizer files and `generation_config.json` of the model
+directory the run started from (`TOKENIZER_FILES`; a plain-sampling generation_config.json when it
+has none), every file mode 0644 so that a generator running as another user can read it. The export root's `latest` names the newest export; it is
 written last, atomically, so a generator polling it never sees a half-written directory
 (`harts_client.rollouts.latest_export`, `trainer.step_dirs`). Names and layouts come from
 `trainer.models.state_dict_adapter`, so `trainer.models.loading.load_model` reads an export back.
@@ -35,26 +37,36 @@ from trainer.step_dirs import LATEST, point_latest, prune
 log = logging.getLogger(__name__)
 
 __all__ = ["write_hf_dir", "write_hf_units", "export_model", "export_checkpoint", "gathered_units", "unit_names",
-           "model_config_of_meta", "point_latest", "prune", "LATEST", "META"]
+           "model_config_of_meta", "point_latest", "prune", "LATEST", "META", "TOKENIZER_FILES"]
 
 META = "harts.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+#: files an export copies from the model directory it started from (`write_hf_units(files_from=...)`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "generation_config.json")
+#: generation_config.json of an export whose model directory has none: plain sampling, the
+#: distribution the trainer's log-probs describe (temperature 1, no top-k / top-p).
+PLAIN_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
 def write_hf_dir(out: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
-                 max_shard_bytes: int = 2 << 30, meta: dict | None = None) -> Path:
-    """Write config.json, sharded safetensors and harts.json into `out` from a whole state dict in memory.
+                 max_shard_bytes: int = 2 << 30, meta: dict | None = None, files_from: str | Path | None = None) -> Path:
+    """Write an export (config.json, sharded safetensors, harts.json, generation_config.json, the
+    tokenizer) into `out` from a whole state dict in memory.
 
     Args:
         state: our full (unsharded) state dict, e.g. `Qwen3NextForRL.state_dict()`.
     See `write_hf_units` for the rest.
     """
-    return write_hf_units(out, [state], cfg, dtype=dtype, max_shard_bytes=max_shard_bytes, meta=meta)
+    return write_hf_units(out, [state], cfg, dtype=dtype, max_shard_bytes=max_shard_bytes, meta=meta,
+                          files_from=files_from)
 
 
 def write_hf_units(out: str | Path, units: Iterable[dict[str, torch.Tensor]], cfg: ModelConfig, *,
-                   dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30, meta: dict | None = None) -> Path:
-    """Write config.json, sharded safetensors and harts.json into `out` (created; replaced if present),
+                   dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 30, meta: dict | None = None,
+                   files_from: str | Path | None = None) -> Path:
+    """Write config.json, sharded safetensors, harts.json, generation_config.json and the tokenizer
+    into `out` (created; replaced if present), every file mode 0644 (readable by the generators' user),
     taking our full tensors one unit at a time: host memory holds one unit plus one output file.
 
     Args:
@@ -62,6 +74,9 @@ def write_hf_units(out: str | Path, units: Iterable[dict[str, torch.Tensor]], cf
         dtype: dtype of the written floating-point weights.
         max_shard_bytes: size limit of one .safetensors file (a larger tensor gets a file of its own).
         meta: extra fields of harts.json (policy_version, step_ids, ...).
+        files_from: the model directory the run started from: its tokenizer files and
+            generation_config.json (`TOKENIZER_FILES`) are copied. Without a generation_config.json
+            there, `PLAIN_SAMPLING` is written.
     Side effects: writes into a sibling temporary directory, then renames it to `out`.
     """
     from safetensors.torch import save_file
@@ -104,6 +119,15 @@ def write_hf_units(out: str | Path, units: Iterable[dict[str, torch.Tensor]], cf
     hf["torch_dtype"] = hf["dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(hf, indent=1))
     (tmp / META).write_text(json.dumps({"format": "harts.export.v1", **(meta or {})}, indent=1))
+    src = Path(files_from) if files_from is not None else None
+    for name in TOKENIZER_FILES:
+        if src is not None and (src / name).is_file():
+            shutil.copyfile(src / name, tmp / name)
+    if not (tmp / "generation_config.json").is_file():
+        (tmp / "generation_config.json").write_text(json.dumps(PLAIN_SAMPLING, indent=1))
+    for f in tmp.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600
+    tmp.chmod(0o755)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -132,8 +156,10 @@ def gathered_units(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def export_model(out: str | Path, model: torch.nn.Module, *, write: bool, dtype: torch.dtype = torch.bfloat16,
-                 max_shard_bytes: int = 2 << 30, meta: dict | None = None) -> Path | None:
-    """Export a (sharded) training model unit by unit; collective: every rank calls it, `write` on one.
+                 max_shard_bytes: int = 2 << 30, meta: dict | None = None,
+                 files_from: str | Path | None = None) -> Path | None:
+    """Export a (sharded) training model unit by unit; collective: every rank calls it, `write` on one
+    (`write_hf_units` describes the arguments).
 
     Returns:
         the directory written (None where `write` is false).
@@ -143,7 +169,8 @@ def export_model(out: str | Path, model: torch.nn.Module, *, write: bool, dtype:
         for _ in units:
             pass
         return None
-    return write_hf_units(out, units, model.config, dtype=dtype, max_shard_bytes=max_shard_bytes, meta=meta)
+    return write_hf_units(out, units, model.config, dtype=dtype, max_shard_bytes=max_shard_bytes, meta=meta,
+                          files_from=files_from)
 
 
 def model_config_of_meta(meta: dict) -> ModelConfig:
@@ -181,6 +208,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype =
         path = found
     meta = checkpoint.read_meta(path)
     cfg = model_config_of_meta(meta)
+    spec = meta.get("model")
     shapes = {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
 
     def units() -> Iterator[dict[str, torch.Tensor]]:
@@ -191,4 +219,5 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype =
 
     return write_hf_units(out, units(), cfg, dtype=dtype, max_shard_bytes=max_shard_bytes,
                           meta={"policy_version": int(meta["step"]), "step_ids": meta.get("step_ids", []),
-                                "checkpoint": str(path.resolve())})
+                                "checkpoint": str(path.resolve())},
+                          files_from=spec if spec and Path(spec).is_dir() else None)

@@ -15,7 +15,7 @@ What a line holds (keys absent when their inputs are: e.g. kl_ref without refere
 | entropy | mean policy entropy per loss token |
 | ratio_mean, ratio_std, ratio_min, ratio_max | importance ratio exp(logprob - old_logprob) over loss tokens |
 | advantage_mean, advantage_std, advantage_min, advantage_max | advantages of the step's loss tokens |
-| reward_mean, reward_std, reward_min, reward_max | per-trajectory rewards (when the plan carries them) |
+| reward_mean, reward_std, reward_min, reward_max | per-trajectory rewards of the whole step, all ranks (when the plan carries them) |
 | grad_norm, lr | global gradient norm before clipping, learning rate of the step |
 | loss_tokens, expanded_tokens, computed_tokens, compression | token counts (all ranks) and expanded / computed |
 | tokens_per_s, computed_tokens_per_s | expanded and computed tokens per second of the step |
@@ -100,14 +100,28 @@ def advantage_partials(plan) -> list[float]:
     return [n, s, sq, hi, lo]
 
 
-def reward_metrics(header) -> dict[str, float]:
+def reward_metrics(header, gather=None) -> dict[str, float]:
     """Reward statistics of the step's trajectories when the plan header carries them
-    (`PlanHeader.trajectory_rewards`, float32 [T]); {} otherwise."""
+    (`PlanHeader.trajectory_rewards`, float32 [T]); {} otherwise.
+
+    Args:
+        gather: for a rank's plan slice (whose header holds its own trajectories' rewards, at the
+            step-wide indices `trajectory_index`), a max-reduction over ranks of a list of floats
+            (`trainer.distributed.all_reduce_values(..., "max")`): the statistics are then over
+            every trajectory of the step, each counted once, on every rank.
+    """
     from proto.arrays import unpack
 
-    if "trajectory_rewards" not in header.DESCRIPTOR.fields_by_name or not len(header.trajectory_rewards):
+    if "trajectory_rewards" not in header.DESCRIPTOR.fields_by_name:
         return {}
-    r = unpack(header.trajectory_rewards, "float32", name="trajectory_rewards").astype(np.float64)
+    r = unpack(header.trajectory_rewards, "float32", name="trajectory_rewards").astype(np.float64) \
+        if len(header.trajectory_rewards) else np.zeros(0)
+    if gather is not None:
+        full = np.full(int(header.normalizers.num_trajectories), -np.inf)
+        index = unpack(header.trajectory_index, "int32") if len(header.trajectory_index) else np.arange(r.size)
+        full[index] = r
+        r = np.asarray(gather(full.tolist()))
+        r = r[np.isfinite(r)]  # a trajectory without loss tokens is on no rank
     if not r.size:
         return {}
     return {"reward_mean": float(r.mean()), "reward_std": float(r.std()), "reward_min": float(r.min()),

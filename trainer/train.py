@@ -35,7 +35,8 @@ Checkpoints (sharded DCP: model, optimizer, step; loadable at any world size) go
 `checkpoint.export_every` steps rank 0 writes a Hugging Face directory for the generators
 (`trainer.export`, gathered one unit at a time) carrying the policy version (= completed steps). A batch submitted with a
 `policy_version` older than `staleness.max_staleness` versions is rejected (skipped) or
-down-weighted (`staleness.mode`). SIGTERM (on any rank) finishes the current step, checkpoints
+down-weighted (`staleness.mode`); one newer than the trainer's version (negative staleness) is an
+error naming both versions. SIGTERM (on any rank) finishes the current step, checkpoints
 and exits 0 (a rank still waiting for a plan exits at once, keeping the previous checkpoint).
 Errors (bad config, planner unreachable, a plan for another topology, vocabulary or chunk size)
 print one line per rank and exit 1.
@@ -335,6 +336,10 @@ def _train_step(plan, i: int, run: _Run) -> tuple[dict, bool]:
                          "examples/generator_submit.py --lockstep) or set parallelism.reshard_after_forward=false")
     t0 = time.perf_counter()
     version = batch_policy_version(plan.header)
+    if version is not None and version > i:
+        raise TrainError(f"step {sid!r}: the batch's policy_version {version} is newer than this trainer's policy "
+                         f"version {i} (completed steps): expected a batch sampled with version <= {i}; was it "
+                         "sampled from another run's exports, or is the trainer behind its checkpoint?")
     staleness, factor = staleness_scale(i, version, cfg.staleness)
     ls = cfg.lr_schedule
     lr = lr_at(i, lr=cfg.optimizer.lr, total_steps=cfg.job.steps, warmup_steps=ls.warmup_steps, decay=ls.decay,
@@ -413,7 +418,7 @@ def _step_metrics(plan, i: int, run: _Run, res, *, seconds_since: float) -> tupl
         out["advantage_mean"], out["advantage_std"] = moments(an, asum, asq)
         out["advantage_min"], out["advantage_max"] = mins[0], maxes[0]
     out.update(stat_metrics(stat_sums, stat_max, stat_min))
-    out.update(reward_metrics(plan.header))
+    out.update(reward_metrics(plan.header, gather=lambda v: all_reduce_values(v, ctx, "max")))
     return out, stopping > 0
 
 
@@ -440,8 +445,10 @@ def _export(cfg: TrainerConfig, ctx, model, done: int) -> None:
 
     root = Path(cfg.checkpoint.exports)
     name = f"step-{done:08d}"
+    spec = Path(cfg.model.name)
     out = export_model(root / name, model, write=ctx.is_main, dtype=DTYPES[cfg.checkpoint.export_dtype],
-                       meta={"policy_version": done, "step_ids": [cfg.step_id(j) for j in range(done)]})
+                       meta={"policy_version": done, "step_ids": [cfg.step_id(j) for j in range(done)]},
+                       files_from=spec if spec.is_dir() else None)
     if ctx.is_main:
         point_latest(root, name)
         prune(root, cfg.checkpoint.keep_last_exports)

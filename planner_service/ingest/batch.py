@@ -135,6 +135,11 @@ class RawBatch:
     node_id: list[int] = field(default_factory=list)
     node_parent: list[int | None] = field(default_factory=list)
     node_tokens: Column = field(default_factory=lambda: Column("tokens", "token"))
+    node_columns: dict[str, Column] = field(default_factory=dict)
+    """"loss_mask", "old_logprobs", "ref_logprobs" carried by nodes (the compact tree form), owners
+    are node indices; a tree's nodes carry a field on all of them or on none."""
+    tree_node_fields: list[frozenset[str]] = field(default_factory=list)
+    """[K] the per-position fields each explicit tree's nodes carry."""
     stop: Stop | None = None
     """The parsing pass's first problem, if any."""
     # filled by check_batch
@@ -195,6 +200,10 @@ def describe(value) -> str:
     return type(value).__name__
 
 
+#: per-position fields a tree node may carry (the compact explicit-tree form)
+NODE_FIELDS = ("loss_mask", "old_logprobs", "ref_logprobs")
+
+
 class Walk:
     """State of one parsing pass (JSON or protobuf): ids seen so far and running size totals.
 
@@ -205,6 +214,9 @@ class Walk:
         self.raw = raw
         self.limits = limits
         self.seen_traj: dict[str, str] = {}
+        self.tree_fields: dict[int, dict[str, bool]] = {}
+        for name in NODE_FIELDS:
+            raw.node_columns[name] = Column(name, "mask" if name == "loss_mask" else "float")
         self.presence: dict[str, tuple[bool, str]] = {}
         self.total_tokens = 0
         self.total_nodes = 0
@@ -219,6 +231,31 @@ class Walk:
         except Stop as stop:
             self.raw.stop = stop
         return self.raw
+
+    def node_field(self, k: int, j: int, name: str, has: bool, key: tuple, path: str) -> None:
+        """Record whether node j of tree k carries `name`; the tree's first node decides for all."""
+        fields = self.tree_fields.setdefault(k, {})
+        if j == 0:
+            fields[name] = has
+        elif fields.get(name, False) != has:
+            raise Stop(key + (RANK[name],), f"{path}.{name}",
+                       f"expected {name} on every node of trees[{k}] or on none (nodes[0] "
+                       f"{'has it' if fields.get(name) else 'has none'}), got {'a value' if has else 'none'}")
+
+    def end_nodes(self, k: int) -> frozenset[str]:
+        """The fields tree k's nodes carry (after its node list), recorded in the batch."""
+        fields = frozenset(n for n, has in self.tree_fields.get(k, {}).items() if has)
+        self.raw.tree_node_fields.append(fields)
+        return fields
+
+    def tree_field_clash(self, name: str, has: bool, node_fields: frozenset[str] | None, key: tuple, path: str) -> bool:
+        """Whether a tree trajectory has `name` through its tree's nodes; a copy of its own is an error."""
+        if node_fields is None or name not in node_fields:
+            return has
+        if has:
+            raise Stop(key + (RANK[name],), f"{path}.{name}",
+                       f"expected {name} on the nodes of the tree or on its trajectories, got both")
+        return True
 
     def add_trajectory_id(self, tid: str, key: tuple, path: str) -> None:
         """Record a (checked) trajectory id; a repeat or one too many stops the walk."""

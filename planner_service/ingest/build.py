@@ -3,7 +3,8 @@ trajectory-space arrays.
 
 Flat trees come first (in order of first appearance of their tree_id), then explicit trees in
 submission order; trajectories keep submission order (flat ones, then each tree's). Scalar
-advantages are broadcast to every position, a missing loss_mask means all ones, a missing weight 1.0.
+advantages are broadcast to every position, a missing loss_mask means all ones, a missing weight 1.0;
+per-node fields (the compact tree form) are gathered along each trajectory's root-to-node path.
 
 Legend: T trajectories, N_e expanded tokens, S segments.
 """
@@ -13,6 +14,7 @@ import numpy as np
 
 from planner_service.forest import Forest
 from planner_service.ingest.batch import Column, RawBatch
+from planner_service.ingest.check import node_field_positions
 from planner_service.ingest.explicit import explicit_forest
 from planner_service.ingest.json_scan import FIELDS
 from planner_service.ingest.limits import Limits
@@ -36,6 +38,18 @@ def _scatter(out_Ne: np.ndarray, col: Column, traj_offset: np.ndarray) -> None:
     lengths = np.diff(col.offsets)
     shift = np.repeat(traj_offset[owners] - col.offsets[:-1], lengths)
     out_Ne[shift + np.arange(values.shape[0])] = values
+
+
+def _scatter_nodes(out_Ne: np.ndarray, raw: RawBatch, name: str, traj_offset: np.ndarray) -> None:
+    """Write the per-node field `name` (compact trees) over the positions of the trajectories that use it."""
+    col = raw.node_columns[name]
+    if not col.owners:
+        return
+    trajs, positions = node_field_positions(raw, name)
+    lengths = traj_offset[trajs + 1] - traj_offset[trajs]
+    ends = np.cumsum(lengths)
+    target = np.repeat(traj_offset[trajs] - (ends - lengths), lengths) + np.arange(positions.shape[0])
+    out_Ne[target] = col.values[positions].astype(out_Ne.dtype, copy=False)
 
 
 def build_forest(raw: RawBatch, *, numba: bool = True, limits: Limits | None = None) -> Forest:
@@ -98,15 +112,17 @@ def build_forest(raw: RawBatch, *, numba: bool = True, limits: Limits | None = N
     else:
         loss_mask = np.ones(n_e, np.uint8)
         _scatter(loss_mask, mask_col, traj_offset)
+        _scatter_nodes(loss_mask, raw, "loss_mask", traj_offset)
     advantages = np.repeat(np.asarray(raw.adv_scalar, np.float32), traj_len)
     _scatter(advantages, raw.columns["advantage"], traj_offset)
     logprobs = {}
     for name in ("old_logprobs", "ref_logprobs"):
         col = raw.columns[name]
         logprobs[name] = None
-        if col.owners:
+        if col.owners or raw.node_columns[name].owners:
             logprobs[name] = np.empty(n_e, np.float32)
             _scatter(logprobs[name], col, traj_offset)
+            _scatter_nodes(logprobs[name], raw, name, traj_offset)
 
     return Forest(
         batch_id=raw.batch_id,

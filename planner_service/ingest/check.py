@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 
 from planner_service.ingest.batch import Column, FirstError, ListRef, RawBatch, describe
-from planner_service.ingest.explicit import first_cycle, path_depths, resolve_ids
+from planner_service.ingest.explicit import first_cycle, path_depths, path_positions, resolve_ids
 from planner_service.ingest.json_scan import ScannedJSON
 from planner_service.ingest.limits import Limits
 
@@ -283,12 +283,31 @@ class _Checker:
                                   f"root-to-node path), got {int(have[np.searchsorted(sel, e)])}")
 
 
+def node_field_positions(raw: RawBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(trajectories, positions) of the per-node field `name` of a checked batch: the global indices
+    of the explicit trajectories whose trees carry it on their nodes, and, trajectory after
+    trajectory, the index of each of their positions in `raw.node_columns[name].values`."""
+    col = raw.node_columns[name]
+    carried = np.fromiter((name in f for f in raw.tree_node_fields), np.bool_, len(raw.tree_node_fields))
+    x_tree = np.asarray(raw.traj_tree[raw.n_flat:], np.int64)
+    sel = np.flatnonzero(carried[x_tree]) if x_tree.shape[0] and carried.any() else np.zeros(0, np.int64)
+    if not sel.size:
+        return sel, np.zeros(0, np.int64)
+    V = len(raw.node_id)
+    start = np.zeros(V, np.int64)
+    start[np.asarray(col.owners, np.int64)] = col.offsets[:-1]
+    length = np.diff(raw.node_tokens.offsets)
+    return raw.n_flat + sel, path_positions(raw.node_parent_idx, start, length, raw.traj_node_idx[sel])
+
+
 def check_batch(raw: RawBatch, limits: Limits) -> RawBatch:
     """Validate `raw` in place (materialising its columns) or raise the first `ValidationError`."""
     checker = _Checker(raw, limits)
     for col in raw.columns.values():
         checker.column(col)
     checker.column(raw.node_tokens, nodes=True)
+    for col in raw.node_columns.values():
+        checker.column(col, nodes=True)
     raw.trees_complete = min(raw.trees_complete, checker.ids())
     if raw.trees_complete:
         checker.trees()
@@ -299,6 +318,11 @@ def check_batch(raw: RawBatch, limits: Limits) -> RawBatch:
     mask = raw.columns["loss_mask"]
     without = np.ones(raw.traj_len.shape[0], np.bool_)
     without[np.asarray(mask.owners, np.int64)] = False
-    loss = int(mask.values.sum(dtype=np.int64)) + int(raw.traj_len[without].sum()) if mask.owners else int(raw.traj_len.sum())
+    loss = int(mask.values.sum(dtype=np.int64)) if mask.owners else 0
+    if raw.node_columns["loss_mask"].owners:
+        trajs, positions = node_field_positions(raw, "loss_mask")
+        without[trajs] = False
+        loss += int(raw.node_columns["loss_mask"].values[positions].sum(dtype=np.int64))
+    loss += int(raw.traj_len[without].sum())
     limits.check("max_loss_tokens", loss, "loss positions (loss_mask 1, or every position without a loss_mask)")
     return raw

@@ -3,13 +3,13 @@
 Both directions go through a checked `RawBatch`, so only valid batches convert and the two forms
 of one batch build the same Forest (floats travel as float32 either way). Absent optional fields
 stay absent (loss_mask, log-probs, weight); a per-token advantage list is `advantage` in JSON and
-`advantages` in protobuf.
+`advantages` in protobuf; per-node fields of the compact tree form stay on the nodes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from planner_service.ingest.batch import Column, RawBatch
+from planner_service.ingest.batch import NODE_FIELDS, Column, RawBatch
 from proto import arrays
 from proto.harts.v1 import rollouts_pb2
 
@@ -63,10 +63,15 @@ def to_proto(raw: RawBatch) -> rollouts_pb2.RolloutBatch:
         fill(msg, g)
     trees = [out.trees.add(id=tid) for tid in raw.tree_ids]
     nodes = raw.node_tokens
+    node_entries = {name: _entries(raw.node_columns[name], len(raw.node_id)) for name in NODE_FIELDS}
     for n, k in enumerate(raw.node_tree):
         node = trees[k].nodes.add(id=raw.node_id[n], tokens=arrays.pack(_slice(nodes, n), "int32"))
         if raw.node_parent[n] is not None:
             node.parent = raw.node_parent[n]
+        for name, col in raw.node_columns.items():
+            e = int(node_entries[name][n])
+            if e >= 0:
+                setattr(node, name, arrays.pack(_slice(col, e), _DTYPE[col.kind]))
     for g in range(raw.n_flat, T):
         msg = trees[raw.traj_tree[g]].trajectories.add(id=raw.traj_ids[g], node=raw.traj_node_id[g - raw.n_flat])
         fill(msg, g)
@@ -108,8 +113,14 @@ def to_json(raw: RawBatch) -> dict:
         doc["trajectories"] = flat
     trees = [{"id": tid, "nodes": [], "trajectories": []} for tid in raw.tree_ids]
     nodes = raw.node_tokens
+    node_entries = {name: _entries(raw.node_columns[name], len(raw.node_id)) for name in NODE_FIELDS}
     for n, k in enumerate(raw.node_tree):
-        trees[k]["nodes"].append({"id": raw.node_id[n], "parent": raw.node_parent[n], "tokens": _slice(nodes, n).tolist()})
+        node = {"id": raw.node_id[n], "parent": raw.node_parent[n], "tokens": _slice(nodes, n).tolist()}
+        for name, col in raw.node_columns.items():
+            e = int(node_entries[name][n])
+            if e >= 0:
+                node[name] = _slice(col, e).astype(np.uint8 if col.kind == "mask" else np.float32).tolist()
+        trees[k]["nodes"].append(node)
     for g in range(raw.n_flat, T):
         obj = {"id": raw.traj_ids[g], "node": raw.traj_node_id[g - raw.n_flat]}
         obj.update(fields(g))

@@ -86,6 +86,30 @@ def first_cycle(parent_V: np.ndarray, unreached: np.ndarray) -> list[int]:
     return cycle
 
 
+def path_positions(parent_V: np.ndarray, start_V: np.ndarray, length_V: np.ndarray, traj_node: np.ndarray) -> np.ndarray:
+    """int64 [sum of path lengths] where each position of each trajectory lies in node-token space:
+    trajectory after trajectory, its root-to-node path's nodes in order (the compact tree form's
+    per-node arrays, gathered with it, become trajectory-space arrays).
+
+    Args:
+        parent_V: int64 [V] parent node (global index), -1 for roots; acyclic.
+        start_V, length_V: int64 [V] where each node's entries start in the per-node array, and how many.
+        traj_node: int64 [X] last node of each trajectory.
+    """
+    cur = np.asarray(traj_node, np.int64)
+    levels = []
+    while cur.shape[0] and (cur >= 0).any():  # one pass per node level: O(X * longest path in nodes)
+        levels.append(cur)
+        cur = np.where(cur >= 0, parent_V[np.maximum(cur, 0)], -1)
+    if not levels:
+        return np.zeros(0, np.int64)
+    path = np.stack(levels[::-1], 1)  # [X, levels]: -1 before each root, then root ... node
+    nodes = path[path >= 0]
+    lengths = length_V[nodes]
+    ends = np.cumsum(lengths)
+    return np.repeat(start_V[nodes] - (ends - lengths), lengths) + np.arange(int(ends[-1]) if ends.shape[0] else 0)
+
+
 def used_nodes(parent_V: np.ndarray, traj_node: np.ndarray) -> np.ndarray:
     """bool [V]: the nodes on some trajectory's root-to-node path (linear: each node is walked once)."""
     used = np.zeros(parent_V.shape[0], np.bool_)

@@ -18,7 +18,8 @@ import math
 import orjson
 
 from planner_service.errors import ValidationError
-from planner_service.ingest.batch import F32_MAX, RANK, Column, ListRef, RawBatch, Stop, Walk, describe, number_text, printable
+from planner_service.ingest.batch import F32_MAX, NODE_FIELDS, RANK, Column, ListRef, RawBatch, Stop, Walk, describe, \
+    number_text, printable
 from planner_service.ingest.json_scan import PLACEHOLDER, ScannedJSON, scan_json
 from planner_service.ingest.limits import Limits
 
@@ -28,7 +29,7 @@ _FLAT = ("id", "tree_id", "tokens", "loss_mask", "old_logprobs", "ref_logprobs",
 _TREE_TRAJ = ("id", "node", "loss_mask", "old_logprobs", "ref_logprobs", "advantage", "reward", "group_id",
               "weight")
 _TREE = ("id", "nodes", "trajectories")
-_NODE = ("id", "parent", "tokens")
+_NODE = ("id", "parent", "tokens", *NODE_FIELDS)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _INT32_MAX = (1 << 31) - 1
 #: Deepest container nesting accepted in JSON text (a rollout document has 6 levels).
@@ -203,22 +204,26 @@ class _Walk(Walk):
         if not raw.traj_ids:
             raise Stop((5,), "trajectories", "expected at least one trajectory (flat or in a tree), got none")
 
-    def common(self, obj: dict, g_key: tuple, path: str, length: int | None) -> None:
-        """Fields shared by flat and explicit-tree trajectories, after id/tokens/node."""
+    def common(self, obj: dict, g_key: tuple, path: str, length: int | None,
+               node_fields: frozenset[str] | None = None) -> None:
+        """Fields shared by flat and explicit-tree trajectories, after id/tokens/node
+        (`node_fields`: what the trajectory's tree carries on its nodes)."""
         raw = self.raw
         g = len(raw.traj_ids) - 1
         mask = self.array(obj, "loss_mask", g_key, path)
+        self.tree_field_clash("loss_mask", mask is not None, node_fields, g_key, path)
         if mask is not None:
             self.per_position("loss_mask", mask, g, g_key, path, length)
         for name in ("old_logprobs", "ref_logprobs"):
             values = self.array(obj, name, g_key, path)
-            has = values is not None
+            has = self.tree_field_clash(name, values is not None, node_fields, g_key, path)
             first = self.presence.setdefault(name, (has, path))
             if first[0] != has:
                 raise Stop(g_key + (RANK[name],), f"{path}.{name}",
                            f"expected {name} on every trajectory or on none ({first[1]} "
-                           f"{'has' if first[0] else 'has none'}), got {'a list' if has else 'none'}")
-            if has:
+                           f"{'has' if first[0] else 'has none'}), got "
+                           f"{'a list' if values is not None else 'values on its tree nodes' if has else 'none'}")
+            if values is not None:
                 self.per_position(name, values, g, g_key, path, length)
         adv = self.value(obj, "advantage")
         if isinstance(adv, (list, ListRef)):
@@ -279,6 +284,7 @@ class _Walk(Walk):
         for j, node in enumerate(nodes):
             self.node(k, j, node)
         raw.trees_complete = k + 1
+        node_fields = self.end_nodes(k)
         trajs = obj.get("trajectories") or []
         if not isinstance(trajs, list):
             raise Stop(key + (2,), f"{path}.trajectories", f"expected a list, got {describe(trajs)}")
@@ -288,7 +294,7 @@ class _Walk(Walk):
             raw.traj_tree.append(k)
             raw.traj_index.append(j)
             raw.traj_node_id.append(self.integer(traj.get("node"), tkey + (2,), f"{tpath}.node", *_INT64))
-            self.common(traj, tkey, tpath, None)
+            self.common(traj, tkey, tpath, None, node_fields)
             self.unknown(traj, _TREE_TRAJ, tkey, tpath)
         self.unknown(obj, _TREE, key, path)
 
@@ -314,4 +320,14 @@ class _Walk(Walk):
         raw.node_parent.append(parent)
         raw.node_tokens.owners.append(len(raw.node_id) - 1)
         raw.node_tokens.raw.append(tokens)
+        for name in NODE_FIELDS:
+            values = self.array(obj, name, key, path)
+            self.node_field(k, j, name, values is not None, key, path)
+            if values is not None:
+                if len(values) != len(tokens):
+                    raise Stop(key + (RANK[name],), f"{path}.{name}",
+                               f"expected {len(tokens)} values (one per token of the node), got {len(values)}")
+                col = raw.node_columns[name]
+                col.owners.append(len(raw.node_id) - 1)
+                col.raw.append(values)
         self.unknown(obj, _NODE, key, path)

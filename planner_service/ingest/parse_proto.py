@@ -11,7 +11,7 @@ import math
 from google.protobuf.message import DecodeError
 
 from planner_service.errors import ValidationError
-from planner_service.ingest.batch import RANK, Column, RawBatch, Stop, Walk
+from planner_service.ingest.batch import NODE_FIELDS, RANK, Column, RawBatch, Stop, Walk
 from planner_service.ingest.limits import Limits
 from proto.harts.v1 import rollouts_pb2
 
@@ -94,19 +94,21 @@ class _Walk(Walk):
         col.owners.append(len(self.raw.traj_ids) - 1)
         col.raw.append(data)
 
-    def common(self, traj, key: tuple, path: str, length: int | None) -> None:
+    def common(self, traj, key: tuple, path: str, length: int | None, node_fields: frozenset[str] | None = None) -> None:
         raw = self.raw
+        self.tree_field_clash("loss_mask", bool(traj.loss_mask), node_fields, key, path)
         if traj.loss_mask:
             self.per_position("loss_mask", traj.loss_mask, key, path, length)
         for name in ("old_logprobs", "ref_logprobs"):
             data = getattr(traj, name)
-            has = bool(data)
+            has = self.tree_field_clash(name, bool(data), node_fields, key, path)
             first = self.presence.setdefault(name, (has, path))
             if first[0] != has:
                 raise Stop(key + (RANK[name],), f"{path}.{name}",
                            f"expected {name} on every trajectory or on none ({first[1]} "
-                           f"{'has' if first[0] else 'has none'}), got {'some' if has else 'none'}")
-            if has:
+                           f"{'has' if first[0] else 'has none'}), got "
+                           f"{'some' if data else 'values on its tree nodes' if has else 'none'}")
+            if data:
                 self.per_position(name, data, key, path, length)
         if traj.advantages:
             self.per_position("advantage", traj.advantages, key, path, length)
@@ -162,11 +164,20 @@ class _Walk(Walk):
             raw.node_parent.append(node.parent if node.HasField("parent") else None)
             raw.node_tokens.owners.append(len(raw.node_id) - 1)
             raw.node_tokens.raw.append(node.tokens)
+            for name in NODE_FIELDS:
+                data = getattr(node, name)
+                self.node_field(k, j, name, bool(data), nkey, npath)
+                if data:
+                    col = raw.node_columns[name]
+                    self.array(data, col.kind, nkey + (RANK[name],), f"{npath}.{name}", n)
+                    col.owners.append(len(raw.node_id) - 1)
+                    col.raw.append(data)
         raw.trees_complete = k + 1
+        node_fields = self.end_nodes(k)
         for j, traj in enumerate(tree.trajectories):
             tkey, tpath = (3, k, 2, j), f"{path}.trajectories[{j}]"
             self.trajectory_id(traj.id, tkey, tpath)
             raw.traj_tree.append(k)
             raw.traj_index.append(j)
             raw.traj_node_id.append(traj.node)
-            self.common(traj, tkey, tpath, None)
+            self.common(traj, tkey, tpath, None, node_fields)

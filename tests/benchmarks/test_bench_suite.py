@@ -15,9 +15,9 @@ from benchmarks import suite
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    # --no-trainer and no `trainer` module: the CPU executor needs seconds per step, and the module
-    # has its own tests; test_trainer_throughput_on_a_tiny_workload times the headline's measurement.
-    only = [n for n in suite.NAMES if n != "trainer"]
+    # --no-trainer and no `trainer` / `rl` modules: the CPU executor needs seconds per step, and the
+    # modules have their own tests; test_trainer_throughput_on_a_tiny_workload times the headline's measurement.
+    only = [n for n in suite.NAMES if n not in ("trainer", "rl")]
     r = subprocess.run([sys.executable, "-m", "harts_cli.main", "bench", "--quick", "--no-trainer", "--out", str(out),
                         "--only", ",".join(only)],
                        capture_output=True, text=True, timeout=300)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from planner_service.ingest import forest_from_json
 from planner_service.server import ServerProcess
 from proto.arrays import unpack
 from harts_client.client import PlannerClient
@@ -151,7 +152,29 @@ def test_explicit_tree_from_a_tree_search_generator(server):
     tree.trajectory("s1", b2, advantage=-1.0, reward=0.0, group_id="g")
     batch = RolloutBatchBuilder("search-step", vocab_size=256).add_tree(tree)
     doc = batch.to_json()
-    assert doc["trees"][0]["trajectories"][0]["loss_mask"] == [0, 0, 0, 0, 1, 1, 0, 1, 1]
+    nodes = doc["trees"][0]["nodes"]  # the compact form: per-position fields on the nodes, once per token
+    assert [n["loss_mask"] for n in nodes] == [[0, 0, 0, 0], [1, 1], [0], [1, 1], [1]]
+    assert [n["old_logprobs"] for n in nodes][3] == [-0.1, -0.2]
+    assert "loss_mask" not in doc["trees"][0]["trajectories"][0] and "old_logprobs" not in doc["trees"][0]["trajectories"][0]
+    forest = forest_from_json(doc)
+    assert forest.loss_mask[:9].tolist() == [0, 0, 0, 0, 1, 1, 0, 1, 1]
+    assert forest.old_logprobs[:9].tolist() == pytest.approx([0, 0, 0, 0, -0.5, -0.6, 0, -0.1, -0.2])
     with PlannerClient(server.http_url) as c:
         st = batch.submit(c, world_size=1, chunk_size=16, microbatch_tokens=64, no_windows=True)["status"]
     assert (st["trajectories"], st["unique_tokens"], st["expanded_tokens"]) == (2, 10, 17)
+
+
+@pytest.mark.integration
+def test_example_generator_plans_lock_step_phases_when_asked(server):
+    from planner_service import http_api
+
+    if "lockstep" not in http_api.Topology.model_fields:
+        pytest.skip("the HTTP topology has no lockstep field on this branch (the service wires it)")
+    out = subprocess.run([sys.executable, "examples/generator_submit.py", "--url", server.http_url, "--steps", "1",
+                          "--batch-prefix", "lockstep-", "--world-size", "2", "--lockstep"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "synthetic" in out.stderr
+    with PlannerClient(server.http_url) as c:
+        assert c.status("lockstep-0")["topology"]["lockstep"] is True
+        assert c.fetch_plan("lockstep-0", 0, timeout=30).header.params.lockstep

@@ -73,3 +73,29 @@ def test_trainer_rejects_a_batch_staler_than_max_staleness(tmp_path):
     assert (first["staleness"], first["skipped"], first["batch_policy_version"]) == (0, 0, 0)
     assert (second["staleness"], second["skipped"], second["grad_norm"]) == (1, 1, 0.0)
     assert first["reward_max"] == 1.0 and "stale batch rejected" in out.stderr
+
+
+@pytest.mark.integration
+def test_trainer_rejects_a_batch_newer_than_its_policy_naming_both_versions(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from planner_service.server import ServerProcess
+    from harts_client.client import PlannerClient
+
+    root = Path(__file__).resolve().parents[2]
+    srv = ServerProcess(tmp_path / "planner.db").start()
+    try:
+        with PlannerClient(srv.http_url) as c:
+            b = _batch(5)  # claims version 5; a fresh trainer is at version 0
+            b.batch_id = "neg-0"
+            b.submit(c, form="tree", world_size=1, chunk_size=16, microbatch_tokens=64)
+        out = subprocess.run([sys.executable, "-m", "trainer.train", "--planner.url", srv.http_url, "--job.steps", "1",
+                              "--job.step_prefix", "neg-", "--executor.chunk_size", "16"],
+                             cwd=root, capture_output=True, text=True, timeout=120)
+    finally:
+        srv.stop()
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "policy_version 5 is newer than this trainer's policy version 0" in out.stderr
+    assert "Traceback" not in out.stderr

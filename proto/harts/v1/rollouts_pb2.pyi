@@ -33,14 +33,20 @@ class Trajectory(_message.Message):
     def __init__(self, id: _Optional[str] = ..., tree_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., old_logprobs: _Optional[bytes] = ..., ref_logprobs: _Optional[bytes] = ..., advantages: _Optional[bytes] = ..., advantage: _Optional[float] = ..., reward: _Optional[float] = ..., group_id: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class TreeNode(_message.Message):
-    __slots__ = ("id", "parent", "tokens")
+    __slots__ = ("id", "parent", "tokens", "loss_mask", "old_logprobs", "ref_logprobs")
     ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     id: int
     parent: int
     tokens: bytes
-    def __init__(self, id: _Optional[int] = ..., parent: _Optional[int] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+    loss_mask: bytes
+    old_logprobs: bytes
+    ref_logprobs: bytes
+    def __init__(self, id: _Optional[int] = ..., parent: _Optional[int] = ..., tokens: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., old_logprobs: _Optional[bytes] = ..., ref_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class TreeTrajectory(_message.Message):
     __slots__ = ("id", "node", "loss_mask", "old_logprobs", "ref_logprobs", "advantages", "advantage", "reward", "group_id", "weight")

@@ -1,0 +1,423 @@
+"""`harts rl`: the whole RL loop on one machine: planner, generator and trainer ranks.
+
+    run_rl(load_rl_config("examples/rl_tiny.toml"))                 # a live run, recorded
+    run_rl(cfg_with_no_sharing, replay=Path("runs/rl_tiny"))         # the same steps, trajectory-expanded
+
+A live run (in OUT = run.out, recreated):
+1. warm start (`trainer.rl.warmstart`) -> OUT/warmstart, copied to OUT/hf/step-00000000 (version 0);
+2. the planner: `harts serve` on loopback with its SQLite database OUT/planner.db;
+3. the trainer ranks: `torchrun --nproc_per_node=run.nproc -m trainer.train --config OUT/trainer.yaml`
+   (FSDP2 on gloo on the CPU), exporting every step to OUT/hf (the staleness bound is run.max_staleness);
+4. the generator, in this process: for step n it waits for an export of version >= n - max_staleness,
+   loads it (`harts_client.engines`), plays `sampling.tasks_per_step` task instances as trees
+   (`harts_client.tree_sampling`), records the batch (OUT/rollouts/<step id>.json), submits it
+   with the policy version and has it planned for the ranks. With the bound 1 it samples step n + 1
+   while step n trains.
+Every `eval.every` versions (and for the warm start and the final policy) the exported policy plays
+`eval.instances` held-out instances greedily: `eval_reward`. One merged line per trainer step
+(the trainer's metrics, `expanded_tokens_per_s`, the rollout statistics of its batch, eval_reward)
+goes to OUT/metrics.jsonl, OUT/tb and W&B (`harts_cli.rl.sinks`); OUT/rl.png plots reward and
+compression; OUT/summary.json has the reward of the first and the last 10 steps and the wall time.
+
+A replay (`replay=DIR`) skips the warm start and the generator: it trains DIR's warm start on
+DIR's recorded batches (planned with this config: `plan.no_sharing` gives the expanded baseline)
+and compares loss and grad norm per step with DIR's metrics ("trained_on_its_own": rounding
+differences of two fp32 runs grow step over step), then recomputes every step on DIR's own
+weights of that step (`harts_cli.rl.anchored`: "same_weights", Invariant E along the run);
+OUT/replay.json, OUT/replay.png.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from trainer.rl.config import RLConfig
+
+log = logging.getLogger("harts.rl")
+
+__all__ = ["run_rl", "RLError", "compare_curves", "reward_rise", "plan_batch"]
+
+
+class RLError(Exception):
+    """A failure of the run the user can act on (one line, with the log to read)."""
+
+
+def reward_rise(lines: list[dict], window: int = 10) -> dict:
+    """Mean reward_mean of the first and the last `window` steps, and their difference."""
+    r = [ln["reward_mean"] for ln in lines if "reward_mean" in ln]
+    if not r:
+        return {}
+    first, last = float(np.mean(r[:window])), float(np.mean(r[-window:]))
+    return {"reward_first": first, "reward_last": last, "reward_rise": last - first, "window": min(window, len(r))}
+
+
+def compare_curves(a: list[dict], b: list[dict], keys: tuple[str, ...] = ("loss", "grad_norm")) -> dict:
+    """Per key: the largest relative difference |a - b| / max(|a|, |b|) over the steps both have."""
+    by_step = {ln["step"]: ln for ln in b}
+    out: dict = {"steps": 0}
+    for key in keys:
+        worst, at = 0.0, None
+        for ln in a:
+            other = by_step.get(ln["step"])
+            if other is None or key not in ln or key not in other:
+                continue
+            x, y = float(ln[key]), float(other[key])
+            rel = abs(x - y) / max(abs(x), abs(y)) if max(abs(x), abs(y)) > 0 else 0.0
+            if rel >= worst:
+                worst, at = rel, ln["step"]
+        out[f"{key}_max_rel_diff"], out[f"{key}_worst_step"] = worst, at
+    out["steps"] = sum(1 for ln in a if ln["step"] in by_step)
+    return out
+
+
+def plan_batch(cfg: RLConfig):
+    """`(batch JSON, model config) -> Plan` of one rank with this run's plan section: what the warm
+    start (`trainer.rl.warmstart`) trains on."""
+    from planner_service.ingest import forest_from_json
+    from planner_service.planner import PlanConfig, plan_step
+
+    def plan(doc: dict, mc):
+        return plan_step(forest_from_json(doc), PlanConfig(
+            world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
+            conv_kernel=mc.linear_conv_kernel_dim, model_config=mc.to_hf_dict(), windows=not cfg.plan.no_windows))
+
+    return plan
+
+
+def _tokenizer(cfg: RLConfig):
+    from harts_client.tokenizer import ByteTokenizer, load_tokenizer
+
+    path = Path(cfg.model.name)
+    if path.is_dir():
+        try:
+            return load_tokenizer(path), path
+        except ValueError:
+            pass
+    return ByteTokenizer(), None
+
+
+class _TrainerLines:
+    """Reads OUT/trainer.jsonl as the rank-0 trainer appends it."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.lines = path, 0, {}
+
+    def poll(self) -> None:
+        if not self.path.is_file():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            data = f.read()
+        cut = data.rfind("\n") + 1
+        self.offset += len(data[:cut].encode())
+        for line in data[:cut].splitlines():
+            if line.strip():
+                doc = json.loads(line)
+                self.lines[int(doc["step"])] = doc
+
+
+class _Loop:
+    """One run's processes and bookkeeping (see the module docstring)."""
+
+    def __init__(self, cfg: RLConfig, out: Path, replay: Path | None):
+        from harts_client.tasks import load_reward, make_task
+
+        self.cfg, self.out, self.replay = cfg, out, replay
+        self.task = make_task(cfg.task.name, **cfg.task.options)
+        self.reward_fn = load_reward(cfg.task.reward) if cfg.task.reward else None
+        self.tokenizer, self.model_dir = _tokenizer(cfg)
+        self.planner = self.trainer = None
+        self.trainer_log = out / "trainer.log"
+        self.lines = _TrainerLines(out / "trainer.jsonl")
+        self.rollout: dict[int, dict] = {}
+        self.evals: dict[int, float] = {}
+        self.written: list[dict] = []
+        self.sinks = None
+        self.t0 = time.perf_counter()
+
+    # -- processes -----------------------------------------------------------------------------
+    def start(self, warm: Path) -> None:
+        import yaml
+
+        from planner_service.server import ServerProcess
+
+        self.planner = ServerProcess(self.out / "planner.db", log_path=self.out / "planner.log").start()
+        log.info("planner: %s (SQLite %s)", self.planner.http_url, self.out / "planner.db")
+        doc = self.cfg.trainer_doc(planner_url=self.planner.http_url, model_dir=warm, out=self.out)
+        (self.out / "trainer.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.cfg.run.nproc}",
+               "-m", "trainer.train", "--config", str(self.out / "trainer.yaml")]
+        self._trainer_out = open(self.trainer_log, "wb")
+        self.trainer = subprocess.Popen(cmd, stdout=self._trainer_out, stderr=subprocess.STDOUT,
+                                        cwd=Path(__file__).resolve().parents[2], env=dict(os.environ))
+        log.info("trainer: %d rank(s) (torchrun, log %s)", self.cfg.run.nproc, self.trainer_log)
+
+    def check_trainer(self) -> None:
+        code = self.trainer.poll() if self.trainer is not None else None
+        if code not in (None, 0):
+            tail = self.trainer_log.read_text(errors="replace").strip().splitlines()[-12:]
+            raise RLError(f"the trainer ranks exited with {code}; last lines of {self.trainer_log}:\n" + "\n".join(tail))
+
+    def stop(self) -> None:
+        if self.trainer is not None and self.trainer.poll() is None:
+            self.trainer.terminate()
+            try:
+                self.trainer.wait(60)
+            except subprocess.TimeoutExpired:
+                self.trainer.kill()
+                self.trainer.wait()
+        if self.trainer is not None:
+            self._trainer_out.close()
+        if self.planner is not None:
+            self.planner.stop()
+
+    # -- exports and evaluation ----------------------------------------------------------------
+    def version(self) -> int:
+        from harts_client.engines import resolve_model_dir
+
+        return resolve_model_dir(self.out / "hf")[1]
+
+    def wait_version(self, need: int) -> None:
+        deadline = time.monotonic() + self.cfg.run.timeout
+        while self.version() < need:
+            self.check_trainer()
+            self.flush()
+            if time.monotonic() > deadline:
+                raise RLError(f"no export of version >= {need} after {self.cfg.run.timeout:g} s (run.timeout); "
+                              f"see {self.trainer_log}")
+            time.sleep(0.1)
+
+    def evaluate(self, version: int) -> None:
+        from harts_client.engines import make_engine
+        from harts_client.tree_sampling import SamplingConfig, sample_batch
+
+        path = self.out / "hf" / f"step-{version:08d}"
+        if not path.is_dir():
+            log.warning("eval: export %s was pruned (trainer.checkpoint.keep_last_exports); not evaluated", path)
+            self.evals[version] = float("nan")
+            return
+        t0 = time.perf_counter()
+        engine = make_engine(self.cfg.generator.engine, str(path), **self._engine_options())
+        insts = self.task.instances("eval", self.cfg.eval.instances, seed=self.cfg.run.seed)
+        greedy = SamplingConfig(branching=[1], max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0)
+        groups = sample_batch(engine, self.task, self.tokenizer, insts, greedy, seed=0, reward_fn=self.reward_fn)
+        self.evals[version] = float(np.mean([r for g in groups for r in g.rewards]))
+        log.info("eval: policy version %d: eval_reward %.3f on %d held-out instances (greedy, %.1f s)", version,
+                 self.evals[version], len(insts), time.perf_counter() - t0)
+
+    def eval_due(self, version: int) -> bool:
+        """Whether `version` is evaluated (a replay evaluates nothing: it has no generator)."""
+        every = self.cfg.eval.every if self.replay is None else 0
+        return bool(every) and (version % every == 0 or version == self.cfg.run.steps)
+
+    def pending_evals(self) -> None:
+        """Evaluate every due version that is exported and not evaluated yet."""
+        latest = self.version()
+        for v in range(0, latest + 1):
+            if self.eval_due(v) and v not in self.evals:
+                self.evaluate(v)
+
+    def _engine_options(self) -> dict:
+        return {"device": self.cfg.generator.device} if self.cfg.generator.engine == "transformers" else {}
+
+    # -- metrics -----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write every merged line whose parts are all there, in step order."""
+        self.lines.poll()
+        while True:
+            n = len(self.written) + 1
+            line = self.lines.lines.get(n)
+            if line is None or (self.replay is None and n - 1 not in self.rollout):
+                return
+            if self.eval_due(n) and n not in self.evals:
+                return
+            merged = {**line, "expanded_tokens_per_s": line.get("tokens_per_s", 0.0), **self.rollout.get(n - 1, {})}
+            if n in self.evals and np.isfinite(self.evals[n]):
+                merged["eval_reward"] = self.evals[n]
+            self.sinks.write(merged)
+            self.written.append(merged)
+            log.info("step %d/%d: reward %.3f +- %.3f%s | loss %+.5f grad_norm %.4f | compression %.2fx, %.0f expanded "
+                     "tok/s | %.0f s", n, self.cfg.run.steps, merged.get("reward_mean", float("nan")),
+                     merged.get("reward_std", float("nan")),
+                     f" | eval {merged['eval_reward']:.3f}" if "eval_reward" in merged else "",
+                     merged["loss"], merged["grad_norm"], merged["compression"], merged["expanded_tokens_per_s"],
+                     time.perf_counter() - self.t0)
+
+    # -- the generator -------------------------------------------------------------------------
+    def generate(self) -> None:
+        from harts_client.client import PlannerClient
+        from harts_client.engines import make_engine
+        from harts_client.tree_sampling import batch_stats, sample_batch, to_batch
+
+        cfg = self.cfg
+        engine = make_engine(cfg.generator.engine, str(self.out / "hf"), **self._engine_options())
+        vocab = json.loads((self.out / "warmstart" / "config.json").read_text())["vocab_size"]
+        model_json = (self.out / "warmstart" / "config.json").read_text()
+        sampling = cfg.sampling.sampling()
+        with PlannerClient(self.planner.http_url, timeout=120) as client:
+            for s in range(cfg.run.steps):
+                self.wait_version(s - cfg.run.max_staleness)
+                engine.reload()
+                t0 = time.perf_counter()
+                insts = self.task.instances("train", cfg.sampling.tasks_per_step, seed=cfg.run.seed * 100_003 + s)
+                groups = sample_batch(engine, self.task, self.tokenizer, insts, sampling, seed=cfg.run.seed * 100_003 + s,
+                                      reward_fn=self.reward_fn, id_prefix=f"s{s}/")
+                seconds = time.perf_counter() - t0
+                step_id = f"{cfg.run.step_prefix}{s}"
+                batch = to_batch(groups, step_id, vocab_size=vocab, policy_version=engine.policy_version)
+                doc = batch.to_json(cfg.plan.form)
+                (self.out / "rollouts" / f"{step_id}.json").write_text(json.dumps(doc, separators=(",", ":")))
+                body = batch.to_proto(cfg.plan.form) if cfg.plan.protobuf else doc
+                self._submit(client, body, step_id, model_json)
+                stats = batch_stats(groups, seconds)
+                stats["sample_policy_version"] = engine.policy_version
+                stats["wire_bytes"] = len(body.SerializeToString()) if cfg.plan.protobuf else \
+                    len(json.dumps(doc, separators=(",", ":")))
+                self.rollout[s] = stats
+                log.info("generator: batch %s sampled with policy version %d: %d trajectories, reward %.3f, %.1f s",
+                         step_id, engine.policy_version, stats["rollout_trajectories"], stats["rollout_reward_mean"], seconds)
+                self.pending_evals()
+                self.flush()
+
+    def _submit(self, client, body, step_id: str, model_json: str) -> None:
+        p = self.cfg.plan
+        client.submit(body)
+        client.plan(step_id, world_size=self.cfg.run.nproc, microbatch_tokens=p.microbatch_tokens,
+                    chunk_size=p.chunk_size, no_sharing=p.no_sharing, no_windows=p.no_windows, model=model_json)
+
+    def submit_recorded(self) -> None:
+        from harts_client.client import PlannerClient
+
+        model_json = (self.replay / "warmstart" / "config.json").read_text()
+        with PlannerClient(self.planner.http_url, timeout=120) as client:
+            for s in range(self.cfg.run.steps):
+                step_id = f"{self.cfg.run.step_prefix}{s}"
+                doc = json.loads((self.replay / "rollouts" / f"{step_id}.json").read_text())
+                self._submit(client, doc, step_id, model_json)
+        log.info("replay: submitted %d recorded batches of %s (no_sharing=%s)", self.cfg.run.steps, self.replay,
+                 self.cfg.plan.no_sharing)
+
+    def finish(self) -> None:
+        """Wait for the trainer's last step, evaluate the final policy, write the rest."""
+        deadline = time.monotonic() + self.cfg.run.timeout * max(1, self.cfg.run.steps - len(self.written))
+        while self.trainer.poll() is None:
+            self.flush()
+            if self.replay is None:
+                self.pending_evals()
+            if time.monotonic() > deadline:
+                raise RLError(f"the trainer did not finish; see {self.trainer_log}")
+            time.sleep(0.2)
+        self.check_trainer()
+        self.lines.poll()
+        if self.replay is None:
+            self.pending_evals()
+        self.flush()
+        if len(self.written) != self.cfg.run.steps:
+            raise RLError(f"the trainer exited after {len(self.written)} of {self.cfg.run.steps} steps; see {self.trainer_log}")
+
+
+def _prepare(out: Path, replay: Path | None) -> None:
+    if replay is not None and out.resolve() == replay.resolve():
+        raise ValueError(f"--out: expected a folder other than the replayed run {replay}, got the same")
+    if out.exists():
+        if not (out / "summary.json").exists() and any(out.iterdir()) and not (out / "rl.json").exists():
+            raise ValueError(f"run.out: {out} exists and is not a harts rl run folder; choose another --out")
+        shutil.rmtree(out)
+    (out / "rollouts").mkdir(parents=True)
+
+
+def _check_replay(cfg: RLConfig, replay: Path) -> None:
+    """The replayed run must have the trainer sections, seed and chunk size of this config."""
+    path = replay / "rl.json"
+    if not path.is_file() or not (replay / "warmstart").is_dir():
+        raise ValueError(f"--replay {replay}: expected a harts rl run folder (rl.json, warmstart/, rollouts/), got none")
+    rec = json.loads(path.read_text())
+    for section, key in (("run", "seed"), ("run", "nproc"), ("run", "step_prefix"), ("run", "max_staleness"),
+                         ("plan", "chunk_size"), ("trainer", None)):
+        want = rec[section] if key is None else rec[section][key]
+        got = cfg.to_dict()[section] if key is None else cfg.to_dict()[section][key]
+        if want != got:
+            raise ValueError(f"--replay {replay}: {section}{'.' + key if key else ''}: expected the recorded {want!r}, got {got!r}")
+    if cfg.run.steps > rec["run"]["steps"]:
+        raise ValueError(f"--replay {replay}: run.steps: expected at most the {rec['run']['steps']} recorded steps, "
+                         f"got {cfg.run.steps}")
+
+
+def run_rl(cfg: RLConfig, *, replay: Path | None = None) -> dict:
+    """Run (or replay) the loop; returns the summary (also OUT/summary.json).
+
+    Raises:
+        RLError: a process failed or timed out (the message names its log).
+        ValueError: a configuration or folder the run cannot use.
+    """
+    from harts_cli.rl.sinks import Sinks, plot_replay, plot_run
+    from trainer.rl.warmstart import warm_start
+    from trainer.export import point_latest
+
+    out = Path(cfg.run.out).resolve()
+    if replay is not None:
+        replay = replay.resolve()
+        _check_replay(cfg, replay)
+    _prepare(out, replay)
+    (out / "rl.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    loop = _Loop(cfg, out, replay)
+    t0 = time.perf_counter()
+    if replay is None:
+        files = loop.tokenizer.hf_files() if hasattr(loop.tokenizer, "hf_files") else {}
+        warm, history = warm_start(cfg, loop.task, loop.tokenizer, out / "warmstart", plan_batch=plan_batch(cfg),
+                                   tokenizer_files=files, model_dir=loop.model_dir)
+        (out / "warmstart.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    else:
+        warm = out / "warmstart"
+        shutil.copytree(replay / "warmstart", warm)
+    shutil.copytree(warm, out / "hf" / "step-00000000")
+    point_latest(out / "hf", "step-00000000")
+    warm_seconds = time.perf_counter() - t0
+    loop.sinks = Sinks(out, cfg.metrics, config=cfg.to_dict())
+    try:
+        loop.start(warm)
+        if replay is None:
+            loop.generate()
+        else:
+            loop.submit_recorded()
+        loop.finish()
+    finally:
+        loop.stop()
+        loop.sinks.close()
+    wall = time.perf_counter() - t0
+    summary = {"out": str(out), "steps": len(loop.written), "wall_seconds": wall, "warm_start_seconds": warm_seconds,
+               **reward_rise(loop.written)}
+    if 0 in loop.evals:
+        summary["eval_reward_warm_start"] = loop.evals[0]
+    finals = [ln["eval_reward"] for ln in loop.written if "eval_reward" in ln]
+    if finals:
+        summary["eval_reward_final"] = finals[-1]
+    if cfg.metrics.plot:
+        title = f"harts rl: {cfg.task.name}, {cfg.model.name}, {cfg.run.nproc} ranks" + (", expanded" if cfg.plan.no_sharing else "")
+        summary["plot"] = str(plot_run(loop.written, out / "rl.png", title=title, warm_eval=loop.evals.get(0)))
+    if replay is not None:
+        from harts_cli.rl.anchored import recompute_steps
+
+        recorded = [json.loads(x) for x in (replay / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        summary["replay_of"] = str(replay)
+        summary["comparison"] = compare_curves(recorded, loop.written)
+        log.info("replay: trained on its own: %s", json.dumps(summary["comparison"]))
+        summary["same_weights"] = compare_curves(recorded, recompute_steps(replay, cfg, steps=cfg.run.steps))
+        log.info("replay: on the recorded run's weights of every step: %s", json.dumps(summary["same_weights"]))
+        if cfg.metrics.plot:
+            rec_label = "recorded run" + (" (expanded)" if json.loads((replay / "rl.json").read_text())["plan"]["no_sharing"] else " (tree)")
+            summary["replay_plot"] = str(plot_replay(recorded[: len(loop.written)], loop.written, out / "replay.png",
+                                                     labels=(rec_label, "replay" + (" (expanded)" if cfg.plan.no_sharing else " (tree)")),
+                                                     title="same rollouts, same seeds"))
+        (out / "replay.json").write_text(json.dumps({"trained_on_its_own": summary["comparison"],
+                                                     "same_weights": summary["same_weights"]}, indent=1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -1,0 +1,77 @@
+"""The engine contract shared by every inference engine (torch-free)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["Completion", "Engine", "resolve_model_dir", "check_generate_args"]
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sampled completion of a prompt."""
+
+    token_ids: list[int]
+    """Sampled ids; the stop id that ended it is the last one (a policy token like the others)."""
+    logprobs: list[float]
+    """Per sampled id: its log-prob under the sampling distribution (softmax(logits / temperature);
+    the model's own log-probs at temperature 1 and for greedy decoding)."""
+    finished: bool
+    """Ended with a stop id (False: cut at max_new_tokens)."""
+
+
+class Engine(Protocol):
+    """What a generator needs of an inference engine."""
+
+    policy_version: int
+    """Version of the loaded weights (the export's `policy_version`)."""
+    model_dir: Path | None
+    """The directory the weights were loaded from."""
+
+    def reload(self) -> bool:
+        """Load the newest export when it differs from the loaded one; returns whether it did."""
+        ...
+
+    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int,
+                 stop_ids: list[int]) -> list[list[Completion]]:
+        """`n` completions per prompt (temperature 0: greedy, the n are then equal); deterministic in `seed`."""
+        ...
+
+
+def resolve_model_dir(model: str | Path) -> tuple[Path, int]:
+    """(directory, policy_version) of `model`: an export root's newest export (its `latest`), or a
+    model directory itself (version from its harts.json, else 0).
+
+    Raises:
+        ValueError: neither an export root with a `latest` nor a directory with config.json.
+    """
+    root = Path(model)
+    pointer = root / "latest"
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+    elif (root / "config.json").is_file():
+        path = root
+    else:
+        raise ValueError(f"generator.model: expected an export root (with `latest`) or a model directory "
+                         f"(with config.json), got {str(model)!r}")
+    try:
+        meta = json.loads((path / "harts.json").read_text())
+        version = int(meta.get("policy_version", 0))
+    except (OSError, ValueError):
+        version = 0
+    return path, version
+
+
+def check_generate_args(prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float) -> None:
+    """ValueError naming the argument for what no engine can run."""
+    if n < 1:
+        raise ValueError(f"n: expected >= 1, got {n}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature: expected >= 0 (0: greedy), got {temperature}")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompts[{i}]: expected at least one token, got none")
