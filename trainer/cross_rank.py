@@ -161,8 +161,8 @@ class P2PTransport:
         t0 = time.monotonic()
         try:
             works = dist.batch_isend_irecv(ops)
-        except RuntimeError as exc:
-            raise CrossRankError(f"{transfers[0].describe(phase, phase_kind)}: {exc}") from None
+        except RuntimeError as exc:  # gloo may already know that the peer's connection closed
+            raise self._failure(transfers[0], phase, phase_kind, t0, exc) from None
         # one work per operation (gloo), or one for the whole batch (NCCL coalesces): an error names
         # the first transfer its work covers
         owners = transfers if len(works) == len(transfers) else [transfers[0]] * len(works)
@@ -173,11 +173,16 @@ class P2PTransport:
             try:
                 work.wait(timedelta(seconds=left))
             except RuntimeError as exc:
-                waited = time.monotonic() - t0
-                cause = (f"not done after parallelism.p2p_timeout_s = {self.timeout_s:g} s" if waited >= 0.99 * self.timeout_s
-                         else f"failed after {waited:.1f} s")
-                raise CrossRankError(f"{t.describe(phase, phase_kind)}: {cause} (is rank {t.peer} alive and running "
-                                     f"the same plan?): {str(exc).splitlines()[0][:300]}") from None
+                raise self._failure(t, phase, phase_kind, t0, exc) from None
+
+    def _failure(self, t: Transfer, phase: int, phase_kind: int | None, t0: float, exc: RuntimeError) -> CrossRankError:
+        """The one-line error of a transfer that failed or timed out `time.monotonic() - t0` s after
+        its phase's operations were posted."""
+        waited = time.monotonic() - t0
+        cause = (f"not done after parallelism.p2p_timeout_s = {self.timeout_s:g} s" if waited >= 0.99 * self.timeout_s
+                 else f"failed after {waited:.1f} s")
+        return CrossRankError(f"{t.describe(phase, phase_kind)}: {cause} (is rank {t.peer} alive and running "
+                              f"the same plan?): {str(exc).splitlines()[0][:300]}")
 
 
 @dataclass(slots=True, kw_only=True)
