@@ -102,7 +102,12 @@ def _plan_crossing(source: Forest, cfg: PlanConfig, impl: str) -> plan_pb2.Plan:
     except PlanningError as exc:  # no candidate fits the budgets or finishes its order
         errors.append(exc)
         log.debug("plan %s with windows across ranks: %s", source.batch_id, exc)
+    built = set()
     for part in candidates:
+        key = part.digest()
+        if key in built:  # another prefix or placement gave the same partition
+            continue
+        built.add(key)
         plan = build_plan(source, cfg, part, impl=impl)
         if plan.header.stats.peak_live_bytes > cfg.memory_bytes:  # what it receives does not fit
             continue

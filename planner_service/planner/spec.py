@@ -6,6 +6,7 @@ minimum-call linear-attention schedule, imports/exports, the log-prob map and th
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,3 +53,18 @@ class Partition:
     lock-step partition one entry per phase, microbatch -1 for a stand-in."""
     phases: np.ndarray | None = None
     """Lock-step partitions: uint8 [P] PhaseKind of every phase (plan/phases.py); None: free."""
+
+    def digest(self) -> bytes:
+        """SHA-256 of everything the builder reads: equal digests build equal plans (the crossing
+        candidates of different prefixes and placements often coincide)."""
+        h = hashlib.sha256()
+        for mb in self.microbatches:
+            h.update(np.array([mb.parent, mb.shared, mb.rank, mb.recompute, len(mb.ranges), len(mb.dup_ranges)], np.int64).tobytes())
+            h.update(np.ascontiguousarray(mb.ranges, np.int64).tobytes())
+            h.update(np.ascontiguousarray(mb.dup_ranges, np.int64).tobytes())
+        for steps in self.rank_steps:
+            h.update(repr(steps).encode())
+            h.update(b";")
+        if self.phases is not None:
+            h.update(np.ascontiguousarray(self.phases, np.uint8).tobytes())
+        return h.digest()

@@ -258,3 +258,19 @@ def test_import_duplicates_keeps_the_schedule_and_imports_the_enclosed_prompt():
     assert x.lockstep_makespan <= b.lockstep_makespan + moved  # no phase got longer but by its transfers
     f, part = _enclosed_partition(enclosed=False)  # rank 1 opens with rank 0: nothing to import from yet
     assert import_duplicates(f, part) is None
+
+
+def test_equal_candidates_have_one_digest_and_any_decision_changes_it():
+    """plan_step builds each distinct crossing candidate once (Partition.digest)."""
+    forest, cfg = _forest(3), _cfg(2, cross_rank_windows=True)
+    parts = [part for _, part, _ in crossing_partitions(forest, cfg)]
+    part = parts[0]
+    assert dataclasses.replace(part, microbatches=[dataclasses.replace(m) for m in part.microbatches]).digest() == part.digest()
+    changed = [
+        dataclasses.replace(part, microbatches=[dataclasses.replace(part.microbatches[0], recompute=not part.microbatches[0].recompute),
+                                                *part.microbatches[1:]]),
+        dataclasses.replace(part, microbatches=[dataclasses.replace(part.microbatches[0], rank=1 - part.microbatches[0].rank),
+                                                *part.microbatches[1:]]),
+        dataclasses.replace(part, rank_steps=[list(reversed(s)) for s in part.rank_steps]),
+    ]
+    assert len({p.digest() for p in changed} | {part.digest()}) == 4
