@@ -174,3 +174,26 @@ def random_partition(forest: Forest, rng: np.random.Generator, *, chunk: int, wo
         specs.append(MicrobatchSpec(ranges=np.array(ranges[m], np.int64).reshape(-1, 3), parent=pm, shared=shared,
                                     rank=rank, recompute=bool(rng.random() < 0.2)))
     return Partition(microbatches=specs, rank_steps=[])
+
+
+def random_window_forest(rng: np.random.Generator, M: int, W: int, *, crossing: bool = False):
+    """Random window forests of M microbatches on W ranks for the lock-step aligner (ids
+    topological): a window parent on the same rank, or, with `crossing`, on any rank. Returns
+    (mb_rank, wparent, cost, forced, full, win, exports): forced windows are recomputed and live
+    as their exports, the others as their full activations."""
+    mb_rank = rng.integers(0, W, M).astype(np.int64)
+    wparent = np.full(M, -1, np.int64)
+    for m in range(1, M):
+        if crossing:
+            if rng.random() < 0.7:
+                wparent[m] = int(rng.integers(0, m))
+            continue
+        same = np.flatnonzero(mb_rank[:m] == mb_rank[m])
+        if same.shape[0] and rng.random() < 0.7:
+            wparent[m] = int(rng.choice(same))
+    cost = rng.integers(1, 60, M).astype(np.float64)
+    full = (cost * 10).astype(np.int64)
+    exports = rng.integers(0, 20, M).astype(np.int64)
+    forced = (rng.random(M) < 0.2) & np.isin(np.arange(M), wparent)
+    win = np.where(forced, exports, full)
+    return mb_rank, wparent, cost, forced, full, win, exports

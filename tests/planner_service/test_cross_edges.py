@@ -19,7 +19,7 @@ from planner_service.planner.build import build_plan
 from planner_service.planner.cost_model import DEFAULT_TRANSFER_ROWS_PER_BYTE, CostModel
 from planner_service.planner.partition import SHORT_PREFIX_FRACTION
 from proto.arrays import unpack
-from tests.builder_helpers import forest_from_trajectories, random_trajectories
+from tests.builder_helpers import forest_from_trajectories, random_trajectories, random_window_forest
 
 #: memory-model sizes at which moving a row's exports costs a few percent of computing it (the
 #: default model's sizes make crossing pointless on forests of a few hundred rows)
@@ -120,27 +120,12 @@ def test_a_shared_prompt_is_computed_once_across_ranks():
     assert base.duplicated_tokens > 0  # without windows across ranks every rank recomputes its prompt
 
 
-def _random_crossing_forest(rng: np.random.Generator, M: int, W: int):
-    """Random window forests whose parents may run on any rank (ids topological)."""
-    mb_rank = rng.integers(0, W, M).astype(np.int64)
-    wparent = np.full(M, -1, np.int64)
-    for m in range(1, M):
-        if rng.random() < 0.7:
-            wparent[m] = int(rng.integers(0, m))
-    cost = rng.integers(1, 60, M).astype(np.float64)
-    full = (cost * 10).astype(np.int64)
-    exports = rng.integers(0, 20, M).astype(np.int64)
-    forced = (rng.random(M) < 0.2) & np.isin(np.arange(M), wparent)
-    win = np.where(forced, exports, full)
-    return mb_rank, wparent, cost, forced, full, win, exports
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_align_phases_with_dependents_on_other_ranks_matches_reference(seed):
     rng = np.random.default_rng(seed)
     W = int(rng.integers(2, 6))
     M = int(rng.integers(2, 40))
-    mb_rank, wparent, cost, forced, full, win, exports = _random_crossing_forest(rng, M, W)
+    mb_rank, wparent, cost, forced, full, win, exports = random_window_forest(rng, M, W, crossing=True)
     local = np.where((wparent >= 0) & (mb_rank[np.maximum(wparent, 0)] == mb_rank), wparent, -1)
     need = full.copy()
     for m in range(M - 1, -1, -1):

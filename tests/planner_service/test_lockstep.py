@@ -19,23 +19,7 @@ from planner_service.planner.build import build_plan
 from planner_service.planner.partition import partition
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-from tests.builder_helpers import forest_from_trajectories, random_trajectories
-
-
-def _random_microbatch_forest(rng: np.random.Generator, M: int, W: int):
-    """Random window forests on W ranks: ids topological, a window parent on the same rank."""
-    mb_rank = rng.integers(0, W, M).astype(np.int64)
-    wparent = np.full(M, -1, np.int64)
-    for m in range(1, M):
-        same = np.flatnonzero(mb_rank[:m] == mb_rank[m])
-        if same.shape[0] and rng.random() < 0.7:
-            wparent[m] = int(rng.choice(same))
-    cost = rng.integers(1, 60, M).astype(np.float64)
-    full = (cost * 10).astype(np.int64)
-    exports = rng.integers(0, 20, M).astype(np.int64)
-    forced = (rng.random(M) < 0.2) & np.isin(np.arange(M), wparent)
-    win = np.where(forced, exports, full)
-    return mb_rank, wparent, cost, forced, full, win, exports
+from tests.builder_helpers import forest_from_trajectories, random_trajectories, random_window_forest
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -43,7 +27,7 @@ def test_align_phases_matches_reference_and_keeps_window_rules(seed):
     rng = np.random.default_rng(seed)
     W = int(rng.integers(1, 6))
     M = int(rng.integers(1, 40))
-    mb_rank, wparent, cost, forced, full, win, exports = _random_microbatch_forest(rng, M, W)
+    mb_rank, wparent, cost, forced, full, win, exports = random_window_forest(rng, M, W)
     need = full.copy()  # the live bytes of each window subtree's deepest stack (the partitioner keeps it <= M)
     for m in range(M - 1, -1, -1):
         if wparent[m] >= 0:
