@@ -179,8 +179,10 @@ def random_partition(forest: Forest, rng: np.random.Generator, *, chunk: int, wo
 def random_window_forest(rng: np.random.Generator, M: int, W: int, *, crossing: bool = False):
     """Random window forests of M microbatches on W ranks for the lock-step aligner (ids
     topological): a window parent on the same rank, or, with `crossing`, on any rank. Returns
-    (mb_rank, wparent, cost, forced, full, win, exports): forced windows are recomputed and live
-    as their exports, the others as their full activations."""
+    (mb_rank, wparent, cost, forced, full, win, exports, budget, priority): forced windows are
+    recomputed and live as their exports, the others as their full activations; the budget is
+    1-3x the deepest same-rank window stack (the partitioner keeps that stack within M); priority
+    ties are broken by id."""
     mb_rank = rng.integers(0, W, M).astype(np.int64)
     wparent = np.full(M, -1, np.int64)
     for m in range(1, M):
@@ -196,4 +198,23 @@ def random_window_forest(rng: np.random.Generator, M: int, W: int, *, crossing: 
     exports = rng.integers(0, 20, M).astype(np.int64)
     forced = (rng.random(M) < 0.2) & np.isin(np.arange(M), wparent)
     win = np.where(forced, exports, full)
-    return mb_rank, wparent, cost, forced, full, win, exports
+    local = np.where((wparent >= 0) & (mb_rank[np.maximum(wparent, 0)] == mb_rank), wparent, -1)
+    need = full.copy()  # the live bytes of each same-rank window subtree's deepest stack
+    for m in range(M - 1, -1, -1):
+        if local[m] >= 0:
+            need[local[m]] = max(need[local[m]], win[local[m]] + need[m])
+    budget = int(need.max() * rng.uniform(1.0, 3.0))
+    priority = rng.integers(0, 5, M).astype(np.float64)
+    return mb_rank, wparent, cost, forced, full, win, exports, budget, priority
+
+
+def aligned_by_both(args: tuple):
+    """`lockstep.align_phases(*args)` after checking that its plain-Python twin gives the same
+    phases, steps, voluntary recomputes and makespan."""
+    from planner_service.planner import lockstep
+
+    got, want = lockstep.align_phases(*args), lockstep.align_phases_ref(*args)
+    for a, b in zip(got[:4], want[:4]):
+        np.testing.assert_array_equal(a, b)
+    assert got[4] == want[4]
+    return got

@@ -19,7 +19,7 @@ from planner_service.planner.build import build_plan
 from planner_service.planner.cost_model import DEFAULT_TRANSFER_ROWS_PER_BYTE, CostModel
 from planner_service.planner.partition import SHORT_PREFIX_FRACTION
 from proto.arrays import unpack
-from tests.builder_helpers import forest_from_trajectories, random_trajectories, random_window_forest
+from tests.builder_helpers import aligned_by_both, forest_from_trajectories, random_trajectories, random_window_forest
 
 #: memory-model sizes at which moving a row's exports costs a few percent of computing it (the
 #: default model's sizes make crossing pointless on forests of a few hundred rows)
@@ -125,24 +125,12 @@ def test_align_phases_with_dependents_on_other_ranks_matches_reference(seed):
     rng = np.random.default_rng(seed)
     W = int(rng.integers(2, 6))
     M = int(rng.integers(2, 40))
-    mb_rank, wparent, cost, forced, full, win, exports = random_window_forest(rng, M, W, crossing=True)
-    local = np.where((wparent >= 0) & (mb_rank[np.maximum(wparent, 0)] == mb_rank), wparent, -1)
-    need = full.copy()
-    for m in range(M - 1, -1, -1):
-        if local[m] >= 0:
-            need[local[m]] = max(need[local[m]], win[local[m]] + need[m])
-    budget = int(need.max() * rng.uniform(1.0, 3.0))
-    priority = rng.integers(0, 5, M).astype(np.float64)
+    mb_rank, wparent, cost, forced, full, win, exports, budget, priority = random_window_forest(rng, M, W, crossing=True)
     finished = 0
     for power, rec_open, small_fill in itertools.product(lockstep.WEIGHT_POWERS, (False, True), (False, True)):
         args = (mb_rank, wparent, cost, priority, forced, full, win, exports, budget, W, power,
                 lockstep.VOLUNTARY_SLACK, rec_open, small_fill)
-        got = lockstep.align_phases(*args)
-        want = lockstep.align_phases_ref(*args)
-        for a, b in zip(got[:4], want[:4]):
-            np.testing.assert_array_equal(a, b)
-        assert got[4] == want[4]
-        phases, step_phase, step_mb, voluntary, _ = got
+        phases, step_phase, step_mb, voluntary, _ = aligned_by_both(args)
         if step_mb.shape[0] < 2 * M:  # stalled: every rank waits for another
             assert lockstep.schedule(lockstep.align_phases, *args[:10], power, rec_open, small_fill) is None
             continue
@@ -259,3 +247,17 @@ def test_equal_candidates_have_one_digest_and_any_decision_changes_it():
         dataclasses.replace(part, rank_steps=[list(reversed(s)) for s in part.rank_steps]),
     ]
     assert len({p.digest() for p in changed} | {part.digest()}) == 4
+
+
+def test_plan_step_builds_each_distinct_candidate_once(monkeypatch):
+    import planner_service.planner as planner
+
+    forest, cfg = _forest(1), _cfg(2, cross_rank_windows=True)
+    distinct = {part.digest() for _, part, _ in crossing_partitions(forest, cfg)}
+    assert len(distinct) == 1  # this forest's six candidates coincide
+    built = []
+    real = planner.build_plan
+    monkeypatch.setattr(planner, "build_plan", lambda *a, **kw: built.append(a[2].digest()) or real(*a, **kw))
+    plan_step(forest, cfg)
+    candidates = built[1:]  # built[0] is the plan without crossing windows
+    assert len(candidates) == len(set(candidates)) and distinct <= set(candidates)
