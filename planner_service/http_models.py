@@ -14,7 +14,7 @@ from planner_service.api_docs import TOPOLOGY_EXAMPLES
 from planner_service.service_config import MAX_WORLD_SIZE
 from proto.harts.v1 import planner_pb2
 
-__all__ = ["ErrorDetail", "ErrorBody", "Topology", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
+__all__ = ["ErrorDetail", "ErrorBody", "Topology", "PlanCandidate", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
            "RolloutBatchDoc", "status_model", "INT32", "INT64"]
 
 INT32 = 2**31 - 1
@@ -56,7 +56,22 @@ class Topology(BaseModel):
         return planner_pb2.Topology(**self.model_dump())
 
 
+class PlanCandidate(BaseModel):
+    """One of the two lock-step plans the planner compared (plan.proto PlanCandidate)."""
+
+    compression_achieved: float = 0.0
+    makespan_ratio: float = 0.0
+    lockstep_makespan: float = 0.0
+    duplicated_tokens: int = 0
+    cross_edges: int = 0
+    exchanged_bytes: int = 0
+    makespan: float = 0.0
+    makespan_lower_bound: float = 0.0
+
+
 class PlanStats(BaseModel):
+    """The plan report (plan.proto PlanStats; every field, see its comments)."""
+
     unique_tokens: int
     expanded_tokens: int
     computed_tokens: int
@@ -75,6 +90,34 @@ class PlanStats(BaseModel):
     makespan: float = 0.0
     makespan_lower_bound: float = 0.0
     makespan_ratio: float = 0.0
+    lockstep_phases: int = Field(0, description="Lock-step plans: phases of the step (0: a free plan)")
+    lockstep_makespan: float = 0.0
+    lockstep_ratio: float = Field(0.0, description="lockstep_makespan / makespan (the free schedule's)")
+    lockstep_forward_phases: int = 0
+    lockstep_backward_phases: int = 0
+    lockstep_recompute_phases: int = 0
+    cross_edges: int = Field(0, description="Windows across ranks in the plan")
+    exchanged_bytes: int = Field(0, description="Bytes the cross edges move per step (exports and their gradients)")
+    max_rank_exchanged_bytes: int = 0
+    rank_transfer_costs: list[float] = []
+    with_cross_edges: PlanCandidate | None = Field(None, description="The candidate with windows across ranks")
+    without_cross_edges: PlanCandidate | None = Field(None, description="The candidate without them")
+
+
+def _message_fields(msg) -> dict:
+    """A protobuf message's fields by name: repeated ones as lists, set sub-messages as dicts,
+    unset ones left out (the model's default)."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        v = getattr(msg, f.name)
+        if f.is_repeated:
+            out[f.name] = list(v)
+        elif f.message_type is not None:
+            if msg.HasField(f.name):
+                out[f.name] = _message_fields(v)
+        else:
+            out[f.name] = v
+    return out
 
 
 class StepStatus(BaseModel):
@@ -167,9 +210,7 @@ def status_model(st: planner_pb2.StepStatus) -> StepStatus:
     """JSON view of a StepStatus message."""
     stats = None
     if st.HasField("stats"):
-        s = st.stats
-        stats = PlanStats(**{f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields if f.name != "rank_costs"},
-                          rank_costs=list(s.rank_costs))
+        stats = PlanStats(**_message_fields(st.stats))
     topo = None
     if st.HasField("topology"):
         topo = Topology.model_construct(**{f.name: getattr(st.topology, f.name) for f in st.topology.DESCRIPTOR.fields})

@@ -70,6 +70,18 @@ def test_submit_json_plan_at_once_and_fetch_identical_bytes(http):
     assert r.status_code == 404 and "rank" in r.json()["error"]["message"]
 
 
+def test_status_carries_every_plan_statistic(http):
+    from proto.harts.v1 import plan_pb2
+
+    r = http.post("/v1/steps", json=rollout_doc("s-lock"), params={**TOPOLOGY, "lockstep": "true"})
+    assert r.status_code == 200, r.text
+    assert http.get("/v1/steps/s-lock/ranks/0/plan", params={"wait": 10}).status_code == 200
+    st = http.get("/v1/steps/s-lock").json()["stats"]
+    assert set(st) == {f.name for f in plan_pb2.PlanStats.DESCRIPTOR.fields}
+    assert st["lockstep_phases"] > 0 and st["lockstep_ratio"] >= 1.0
+    assert st["lockstep_phases"] == st["lockstep_forward_phases"] + st["lockstep_backward_phases"] + st["lockstep_recompute_phases"]
+
+
 def test_submit_protobuf_is_idempotent_and_conflicts_on_another_body(http):
     doc = rollout_doc("s-pb", seed=3)
     body = json_to_proto(doc).SerializeToString(deterministic=True)
