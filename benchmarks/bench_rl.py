@@ -143,6 +143,7 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
     from planner_service.planner import PlanConfig, plan_step
     from trainer.config import config_from_dict
     from trainer.export import point_latest, write_hf_dir
+    from trainer.step_dirs import step_name
     from trainer.rl.config import load_rl_config
     from trainer.rl.warmstart import warm_start
 
@@ -167,9 +168,9 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
         tree, expanded, repacked, anchor = (_Policy(warm, tcfg, cfg.plan.chunk_size) for _ in range(4))
         exports = tmp / "hf"
         exports.mkdir()
-        write_hf_dir(exports / "step-00000000", tree.model.state_dict(), tree.model.config, dtype=torch.float32,
+        write_hf_dir(exports / step_name(0), tree.model.state_dict(), tree.model.config, dtype=torch.float32,
                      meta={"policy_version": 0}, files_from=warm)
-        point_latest(exports, "step-00000000")
+        point_latest(exports, step_name(0))
         engine = make_engine("transformers", str(exports))
         mc = tree.model.config
         common = dict(world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
@@ -205,9 +206,9 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
             anchor.model.load_state_dict(tree.model.state_dict())  # anchored: the tree run's weights of this step
             ae, ar = anchor.step(exp_plan, s, update=False), anchor.step(one_plan, s, update=False)
             a, b, c = tree.step(tree_plan, s), expanded.step(exp_plan, s), repacked.step(one_plan, s)
-            write_hf_dir(exports / f"step-{s + 1:08d}", tree.model.state_dict(), mc, dtype=torch.float32,
+            write_hf_dir(exports / step_name(s + 1), tree.model.state_dict(), mc, dtype=torch.float32,
                          meta={"policy_version": s + 1}, files_from=warm)
-            point_latest(exports, f"step-{s + 1:08d}")
+            point_latest(exports, step_name(s + 1))
             row = {"step": s + 1, "reward_mean": reward, "tree_loss": a["loss"], "tree_grad_norm": a["grad_norm"],
                    "anchored_expanded_loss": ae["loss"], "anchored_expanded_grad_norm": ae["grad_norm"],
                    "expanded_loss": b["loss"], "expanded_grad_norm": b["grad_norm"],

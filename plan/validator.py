@@ -585,9 +585,8 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
     order = [m for _, _, m in (sorted(forward) if p.lockstep else sorted(forward, key=lambda x: (x[1], x[0])))]
     st_all = _Step(all_mbs)
     _check_rows(header, all_mbs, order, st_all, {})
-    steps = {m: st_all for m in all_mbs}
     # Kept tokens: each forest identity once over non-duplicated rows.
-    kept = [steps[m].ident[m][: mb.R][mb.row_dup == 0] for m, mb in all_mbs.items()]
+    kept = [st_all.ident[m][: mb.R][mb.row_dup == 0] for m, mb in all_mbs.items()]
     kept_all = np.concatenate(kept) if kept else np.zeros(0, np.int64)
     uniq, counts = np.unique(kept_all, return_counts=True)
     if (counts > 1).any():
@@ -610,7 +609,7 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
     if st.windows != windows:
         _fail("header.stats.windows", f"expected {windows} (microbatches with imports), got {st.windows}")
     # Every copy of a forest token (kept or duplicated) carries the same token id and depth.
-    ident = np.concatenate([steps[m].ident[m][: mb.R] for m, mb in all_mbs.items()]) if M else np.zeros(0, np.int64)
+    ident = np.concatenate([st_all.ident[m][: mb.R] for m, mb in all_mbs.items()]) if M else np.zeros(0, np.int64)
     tok_depth = np.concatenate([np.stack([mb.tokens, mb.depth], 1) for mb in all_mbs.values()]) if M else np.zeros((0, 2), np.int32)
     order = np.argsort(ident, kind="stable")
     same = ident[order][1:] == ident[order][:-1]
@@ -621,7 +620,7 @@ def validate_plan(plan: plan_pb2.Plan, forest_like=None) -> None:
     calls = max((len(mb.msg.linear_calls) for mb in all_mbs.values()), default=0)
     if st.linear_attention_calls != calls:
         _fail("header.stats.linear_attention_calls", f"expected {calls}, got {st.linear_attention_calls}")
-    _check_logprobs(header, all_mbs, steps, forest_like)
+    _check_logprobs(header, all_mbs, st_all, forest_like)
     if forest_like is not None:
         expect = getattr(forest_like, "unique_tokens", None)
         if expect is not None and int(expect) != kept_all.shape[0]:
@@ -721,7 +720,7 @@ def _check_lockstep_stats(plan: plan_pb2.Plan) -> None:
         _fail("header.stats.lockstep_ratio", f"expected lockstep_makespan / makespan = {ratio}, got {st.lockstep_ratio}")
 
 
-def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], forest_like) -> None:
+def _check_logprobs(header, all_mbs: dict[int, _MB], st: _Step, forest_like) -> None:
     lengths = unpack(header.trajectory_lengths, "int32").astype(np.int64)
     T = lengths.shape[0]
     parts = [(m, mb) for m, mb in sorted(all_mbs.items()) if mb.P]
@@ -732,7 +731,7 @@ def _check_logprobs(header, all_mbs: dict[int, _MB], steps: dict[int, _Step], fo
         pos = np.concatenate([mb.lp_pos for _, mb in parts]).astype(np.int64)
         label = np.concatenate([mb.lp_label for _, mb in parts]).astype(np.int64)
         mask = np.concatenate([mb.lp_loss_mask for _, mb in parts]).astype(np.int64)
-        row_hash = np.concatenate([steps[m].hash[m][mb.lp_row] for m, mb in parts])
+        row_hash = np.concatenate([st.hash[m][mb.lp_row] for m, mb in parts])
     if ((traj < 0) | (traj >= T)).any():
         _fail("lp_traj", f"expected trajectory indices in [0, {T})")
     if ((pos < 1) | (pos >= lengths[traj] if T else pos >= 0)).any():

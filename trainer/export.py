@@ -209,10 +209,11 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype =
     meta = checkpoint.read_meta(path)
     cfg = model_config_of_meta(meta)
     spec = meta.get("model")
-    shapes = {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
+    skeleton = meta_model(cfg)
+    shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
 
     def units() -> Iterator[dict[str, torch.Tensor]]:
-        for names in unit_names(meta_model(cfg)):
+        for names in unit_names(skeleton):
             tensors = {n: torch.empty(shapes[n]) for n in names}
             checkpoint.load_model_tensors(path, tensors)
             yield tensors

@@ -161,11 +161,11 @@ def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
     from trainer.executor import Executor, ExecutorConfig
     from trainer.optim import make_optimizer
     from trainer.param_memory import ParamGradGauge
-    from trainer.parallelize import GradSync, full_param_grad_bytes, param_dtype_of
+    from trainer.parallelize import GradSync, param_dtype_of
 
     torch.manual_seed(cfg.job.seed)
     resume_from = _resume_path(cfg, checkpoint) if cfg.checkpoint.resume else None
-    model, reshard = _build_model(cfg, ctx, init=resume_from is None)
+    model, reshard, full_bytes = _build_model(cfg, ctx, init=resume_from is None)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
     opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -178,7 +178,7 @@ def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
                executor=Executor(model, ExecutorConfig(**ex_cfg), transport=transport),
                stand_in=Executor(model, ExecutorConfig(**ex_cfg, validate="none")),
                sync=GradSync(model, ctx, every_backward=reshard),
-               gauge=ParamGradGauge(model, enabled=cfg.metrics.param_grad_bytes), full_bytes=full_param_grad_bytes(model),
+               gauge=ParamGradGauge(model, enabled=cfg.metrics.param_grad_bytes), full_bytes=full_bytes,
                start=_resume(cfg, resume_from, model, opt, checkpoint) if resume_from is not None else 0)
     if run.start >= cfg.job.steps:
         return run
@@ -195,8 +195,9 @@ def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
 
 
 def _build_model(cfg: TrainerConfig, ctx, *, init: bool):
-    """(this rank's model, reshard_after_forward): built on the meta device and sharded before any
-    weight exists, so that no rank materialises the whole model under FSDP2 (`trainer.models.loading`).
+    """(this rank's model, reshard_after_forward, full_param_grad_bytes): built on the meta
+    device and sharded before any weight exists, so that no rank materialises the whole model
+    under FSDP2 (`trainer.models.loading`).
 
     `init`: fill the weights from job.seed or the model directory; False leaves them for a checkpoint.
     """
@@ -217,7 +218,7 @@ def _build_model(cfg: TrainerConfig, ctx, *, init: bool):
             model = parallelize(model, None, cfg.parallelism, ctx)
     except ValueError as exc:
         raise TrainError(str(exc)) from None
-    return model, reshard
+    return model, reshard, full
 
 
 def _log_model_memory(cfg: TrainerConfig, ctx, mcfg, full_bytes: int, reshard: bool) -> None:
@@ -442,9 +443,10 @@ def _export(cfg: TrainerConfig, ctx, model, done: int) -> None:
 
     from trainer.distributed import barrier
     from trainer.export import DTYPES, export_model, point_latest, prune
+    from trainer.step_dirs import step_name
 
     root = Path(cfg.checkpoint.exports)
-    name = f"step-{done:08d}"
+    name = step_name(done)
     spec = Path(cfg.model.name)
     out = export_model(root / name, model, write=ctx.is_main, dtype=DTYPES[cfg.checkpoint.export_dtype],
                        meta={"policy_version": done, "step_ids": [cfg.step_id(j) for j in range(done)]},

@@ -19,6 +19,8 @@ import json
 import logging
 from pathlib import Path
 
+from trainer.step_dirs import step_name
+
 log = logging.getLogger("harts.rl")
 
 __all__ = ["recompute_steps"]
@@ -44,7 +46,7 @@ def recompute_steps(run_dir: Path, cfg, *, steps: int) -> list[dict]:
         if text.strip():
             line = json.loads(text)
             recorded[int(line["step"])] = line
-    model = load_model(run_dir / "hf" / "step-00000000")
+    model = load_model(run_dir / "hf" / step_name(0))
     params = [p for p in model.parameters() if p.requires_grad]
     executor = Executor(model, ExecutorConfig(chunk_size=cfg.plan.chunk_size, objective=tcfg.objective,
                                               aux_loss_coef=tcfg.executor.aux_loss_coef,
@@ -53,7 +55,7 @@ def recompute_steps(run_dir: Path, cfg, *, steps: int) -> list[dict]:
     out = []
     for n in range(steps):
         line = recorded.get(n + 1)
-        weights = run_dir / "hf" / f"step-{n:08d}"
+        weights = run_dir / "hf" / step_name(n)
         if line is None or line.get("skipped") or not weights.is_dir():
             continue
         model.load_state_dict(load_model(weights).state_dict())

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.rl.config import RLConfig
+from trainer.step_dirs import step_name
 
 log = logging.getLogger("harts.rl")
 
@@ -199,7 +200,7 @@ class _Loop:
         from harts_client.engines import make_engine
         from harts_client.tree_sampling import SamplingConfig, sample_batch
 
-        path = self.out / "hf" / f"step-{version:08d}"
+        path = self.out / "hf" / step_name(version)
         if not path.is_dir():
             log.warning("eval: export %s was pruned (trainer.checkpoint.keep_last_exports); not evaluated", path)
             self.evals[version] = float("nan")
@@ -259,8 +260,8 @@ class _Loop:
 
         cfg = self.cfg
         engine = make_engine(cfg.generator.engine, str(self.out / "hf"), **self._engine_options())
-        vocab = json.loads((self.out / "warmstart" / "config.json").read_text())["vocab_size"]
         model_json = (self.out / "warmstart" / "config.json").read_text()
+        vocab = json.loads(model_json)["vocab_size"]
         sampling = cfg.sampling.sampling()
         with PlannerClient(self.planner.http_url, timeout=120) as client:
             for s in range(cfg.run.steps):
@@ -274,13 +275,13 @@ class _Loop:
                 step_id = f"{cfg.run.step_prefix}{s}"
                 batch = to_batch(groups, step_id, vocab_size=vocab, policy_version=engine.policy_version)
                 doc = batch.to_json(cfg.plan.form)
-                (self.out / "rollouts" / f"{step_id}.json").write_text(json.dumps(doc, separators=(",", ":")))
+                text = json.dumps(doc, separators=(",", ":"))
+                (self.out / "rollouts" / f"{step_id}.json").write_text(text)
                 body = batch.to_proto(cfg.plan.form) if cfg.plan.protobuf else doc
                 self._submit(client, body, step_id, model_json)
                 stats = batch_stats(groups, seconds)
                 stats["sample_policy_version"] = engine.policy_version
-                stats["wire_bytes"] = len(body.SerializeToString()) if cfg.plan.protobuf else \
-                    len(json.dumps(doc, separators=(",", ":")))
+                stats["wire_bytes"] = len(body.SerializeToString()) if cfg.plan.protobuf else len(text)
                 self.rollout[s] = stats
                 log.info("generator: batch %s sampled with policy version %d: %d trajectories, reward %.3f, %.1f s",
                          step_id, engine.policy_version, stats["rollout_trajectories"], stats["rollout_reward_mean"], seconds)
@@ -378,8 +379,8 @@ def run_rl(cfg: RLConfig, *, replay: Path | None = None) -> dict:
     else:
         warm = out / "warmstart"
         shutil.copytree(replay / "warmstart", warm)
-    shutil.copytree(warm, out / "hf" / "step-00000000")
-    point_latest(out / "hf", "step-00000000")
+    shutil.copytree(warm, out / "hf" / step_name(0))
+    point_latest(out / "hf", step_name(0))
     warm_seconds = time.perf_counter() - t0
     loop.sinks = Sinks(out, cfg.metrics, config=cfg.to_dict())
     try:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from harts_client.rollouts import latest_export
+
 __all__ = ["Completion", "Engine", "resolve_model_dir", "check_generate_args"]
 
 
@@ -47,13 +49,11 @@ def resolve_model_dir(model: str | Path) -> tuple[Path, int]:
     Raises:
         ValueError: neither an export root with a `latest` nor a directory with config.json.
     """
-    root = Path(model)
-    pointer = root / "latest"
-    if pointer.is_file():
-        path = root / pointer.read_text().strip()
-    elif (root / "config.json").is_file():
-        path = root
-    else:
+    newest = latest_export(model)
+    if newest is not None:
+        return newest
+    path = Path(model)
+    if not (path / "config.json").is_file():
         raise ValueError(f"generator.model: expected an export root (with `latest`) or a model directory "
                          f"(with config.json), got {str(model)!r}")
     try:

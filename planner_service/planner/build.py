@@ -684,12 +684,9 @@ def _fill_steps(plan: plan_pb2.Plan, cfg: PlanConfig, steps, rank_order: list[li
                 step.standin = unpaired.pop().standin = len(rp.steps)  # unique on the rank, > 0
         rank_costs.append(float(sum(mbs[m].cost for m in rank_order[r])))
         real = [(kind == "F", m) for kind, m in steps[r] if m >= 0]
-        if edges:
-            held = held_bytes(edges, r, len(steps[r]))[[i for i, (_, m) in enumerate(steps[r]) if m >= 0]]
-            _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real,
-                                           sent=sent_needs(edges, r), remote=remote_imports(edges, r), held=held)
-        else:
-            _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real)
+        held = held_bytes(edges, r, len(steps[r]))[[i for i, (_, m) in enumerate(steps[r]) if m >= 0]] if edges else None
+        _, rank_peak = rank_live_bytes(cfg.sizes, {m: arrays[m] for m in rank_order[r]}, real,
+                                       sent=sent_needs(edges, r), remote=remote_imports(edges, r), held=held)
         peak = max(peak, rank_peak)
     return rank_costs, peak
 
