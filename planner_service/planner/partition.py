@@ -210,10 +210,13 @@ def crossing_partitions(forest: Forest, cfg: PlanConfig, *, impl: str = "numba"
     if not cfg.crossing:
         raise ValueError("cfg: expected a lock-step plan with cross_rank_windows, windows, sharing and world_size > 1")
     k = _KERNELS[impl]
+    units = k.build_units(forest.seg_parent, forest.seg_length, forest.seg_depth, cfg.chunk_size)
+    uc = unit_costs(k, forest, cfg, *units)
+    placements: dict = {}  # the placement without a free prefix is the same for every prefix
     out, error = [], None
     for prefix, free_prefix in itertools.product(CROSS_PREFIXES, (True, False)):
         depth = -1 if prefix is None else int(prefix * cfg.microbatch_tokens)
-        rf = _rank_forests(k, forest, cfg, (depth, free_prefix))
+        rf = _crossing_forests(k, forest, cfg, units, uc, placements, depth, free_prefix)
         try:
             got = _lockstep(k, cfg, rf)
         except PlanningError as exc:
@@ -310,14 +313,11 @@ class _RankForests:
     (a piece boundary whose window crosses ranks); the arrays are then not in one preorder."""
 
 
-def _rank_forests(k, forest: Forest, cfg: PlanConfig, crossing: tuple[int, bool] | None = None) -> _RankForests:
-    """Units (level1.build_units) and, with windows and W > 1, their placement on ranks; with
-    `crossing` (prefix depth, free prefix) the rank forests of `_crossing_forests`."""
+def _rank_forests(k, forest: Forest, cfg: PlanConfig) -> _RankForests:
+    """Units (level1.build_units) and, with windows and W > 1, their placement on ranks."""
     W, C = cfg.world_size, cfg.chunk_size
     g_seg, g_off, g_len, g_depth, g_parent = k.build_units(forest.seg_parent, forest.seg_length, forest.seg_depth, C)
     U = g_parent.shape[0]
-    if crossing is not None:
-        return _crossing_forests(k, forest, cfg, (g_seg, g_off, g_len, g_depth, g_parent), *crossing)
     if not cfg.windows or W == 1:
         # one forest: every unit kept where it is, nothing duplicated by placement
         lower_bound = 0.0
@@ -335,29 +335,33 @@ def _rank_forests(k, forest: Forest, cfg: PlanConfig, crossing: tuple[int, bool]
                         lower_bound=lower_bound)
 
 
-def _crossing_forests(k, forest: Forest, cfg: PlanConfig, units, prefix_depth: int, free_prefix: bool) -> _RankForests:
+def _crossing_forests(k, forest: Forest, cfg: PlanConfig, units, uc: UnitCosts, placements: dict, prefix_depth: int,
+                      free_prefix: bool) -> _RankForests:
     """Rank forests whose shared prefix crosses ranks (`crossing_partitions`): the placement of
     `placement_search.place_units` (with `free_prefix`, duplicating a unit above prefix_depth
     costs nothing there: it will be imported; prefix_depth < 0: the end of each tree's root
     segment), then every unit above prefix_depth that another rank needs (the shared prefix)
     moves to the rank keeping its tree's root, and the other ranks drop their duplicated copies
     of it: what hangs below imports it across ranks (a unit parent on another rank). Deeper
-    shared units stay duplicated as before."""
+    shared units stay duplicated as before. `units` (level1.build_units) and their costs `uc` are
+    the forest's; `placements` keeps the placement without a free prefix across calls."""
     W = cfg.world_size
     g_seg, g_off, g_len, g_depth, g_parent = units
     U = g_parent.shape[0]
-    uc = unit_costs(k, forest, cfg, g_seg, g_off, g_len, g_depth, g_parent)
     lower_bound = max(float(uc.w.sum()) / W, float((uc.ctx + uc.w).max()))
     top = np.asarray(k.piece_roots(g_parent, np.zeros(U, np.bool_)))  # the tree root of every unit
     if prefix_depth < 0:  # each tree's root segment: what all its trajectories share
         above = g_depth < forest.seg_length[g_seg[top]]
     else:
         above = g_depth < prefix_depth
-    placed = uc
     if free_prefix:
         w_dup = np.where(above, 0.0, uc.w_dup)
         placed = UnitCosts(w=uc.w, w_dup=w_dup, rc=uc.rc, ctx=np.asarray(k.context_costs(g_parent, w_dup)))
-    unit_rank, _ = place_units(k, cfg, g_parent, placed)
+        unit_rank, _ = place_units(k, cfg, g_parent, placed)
+    else:
+        if "plain" not in placements:
+            placements["plain"] = place_units(k, cfg, g_parent, uc)[0]
+        unit_rank = placements["plain"]
     ru_unit, _, ru_dup, _ = k.rank_closure(g_parent, unit_rank, W)
     prefix = np.zeros(U, np.bool_)
     prefix[ru_unit[ru_dup]] = True  # some other rank needs it
