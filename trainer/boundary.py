@@ -14,6 +14,7 @@ microbatch imports from its window ancestors and the tensors it exports to its i
 A mixer asks `table(name, local, kind)` for its local tensor extended with the imported rows of
 that kind (the compact table `trainer.layout` indexes) and the boundary records the rows it must
 export from that table; `states(name)` and `export_states(name, table)` do the same for states.
+Each decoder block records into its own `scope()` and returns those exports.
 The forward's outputs therefore include its exports, and nothing outside the returned values is
 changed: a recomputed forward over the same imports returns the same exports.
 
@@ -80,6 +81,12 @@ class Boundary:
         """name -> imported tensor (the kind's imported rows, in the layout's order)."""
         self.exports: dict[str, torch.Tensor] = {}
         """name -> exported tensor (rows `window.export_rows[kind]` of the table), filled by the forward."""
+
+    def scope(self) -> "Boundary":
+        """A boundary with the same window and imports and its own, empty, exports: what one
+        decoder block records, returned by the block rather than written here (a block re-run by
+        activation checkpointing then changes nothing outside it)."""
+        return Boundary(self.window, self.imports)
 
     def table(self, name: str, local: torch.Tensor, kind: str) -> torch.Tensor:
         """`local` [R, ...] followed by the imported rows of `kind`; records the exported rows."""

@@ -52,8 +52,10 @@ Legend: R rows, P log-prob entries, E experts.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,7 +76,8 @@ from trainer.cross_rank import LocalTransport, RankEdges, Received
 from trainer.layout import RowLayout, layout_from_arrays
 from trainer.lockstep import standin_microbatch
 from trainer.loss import LossConfig, MicrobatchLoss, expert_load, microbatch_loss
-from trainer.models.qwen3_next import ModelOutput, Qwen3NextForRL, RunOptions
+from trainer.models.ops import select_ops
+from trainer.models.qwen3_next import CHECKPOINTING, ModelOutput, Qwen3NextForRL, RunOptions
 from trainer.objectives import Normalizers, ObjectiveConfig
 from trainer.probes import TrajectoryProbes
 
@@ -123,11 +126,17 @@ class ExecutorConfig(ExecutorSection):
     """The dtype the model computes activations in (FSDP2's param_dtype under mixed precision);
     windows across ranks send their exports in it (`trainer.boundary.export_layout`). None: the
     model's parameter dtype."""
+    activation_checkpointing: str = "none"
+    """Per decoder block: "none", "full" or "selective" (`trainer.models.qwen3_next.RunOptions`;
+    the trainer sets it from `parallelism.activation_checkpointing`)."""
 
     def __post_init__(self) -> None:
         ExecutorSection.__post_init__(self)  # zero-argument super() fails in slotted dataclasses
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {self.validate!r}")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing: expected one of {CHECKPOINTING}, "
+                             f"got {self.activation_checkpointing!r}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -226,11 +235,20 @@ class Executor:
         self.cfg = cfg or ExecutorConfig()
         self.transport = transport
         self.device = next(model.parameters()).device
+        cuda = self.device.type == "cuda"
         attention = self.cfg.attention_backend
         if attention == "auto":
-            attention = "blocked" if self.device.type == "cpu" else "triton"
-        self.run_options = RunOptions(linear_fn=kernel_backend(self.cfg.backend), chunk_size=self.cfg.chunk_size,
-                                      attention_backend=attention)
+            attention = "triton" if cuda else "blocked"
+        head = self.cfg.head if self.cfg.head != "auto" else ("chunked" if cuda else "full")
+        self.run_options = RunOptions(
+            linear_fn=kernel_backend(self.cfg.backend), chunk_size=self.cfg.chunk_size, attention_backend=attention,
+            ops=select_ops(self.device, batch_invariant=self.cfg.batch_invariant), head=head,
+            head_chunk=self.cfg.head_chunk, checkpointing=self.cfg.activation_checkpointing,
+        )
+        self.deterministic = cuda and self.cfg.deterministic
+        if self.deterministic:
+            # cuBLAS picks a deterministic workspace only when this is set before its handles exist.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         mc = model.config
         self.moe_layers = mc.moe_layers
         self.num_experts = mc.num_experts
@@ -274,6 +292,12 @@ class Executor:
         A slice with windows across ranks exchanges their tensors with the other ranks through
         the executor's transport (collective with those ranks).
         """
+        with deterministic_algorithms(self.deterministic):
+            return self._run_step(plan, backward=backward, zero_grad=zero_grad,
+                                  before_last_backward=before_last_backward)
+
+    def _run_step(self, plan, *, backward: bool, zero_grad: bool,
+                  before_last_backward: Callable[[], None] | None) -> StepResult:
         t0 = time.perf_counter()
         self.check_plan(plan)
         header, ranks = rank_plans(plan)
@@ -309,12 +333,31 @@ class Executor:
                 grad: bool) -> tuple[ModelOutput, MicrobatchLoss]:
         """One microbatch forward and its loss (pure: re-running it gives the same outputs)."""
         with torch.set_grad_enabled(grad):
-            out = self.model(layout, self.run_options, Imports(imports) if imports else None,
-                             logit_rows=layout.logprobs.rows_U, capture_linear=self.cfg.capture_linear)
+            out = self.model(layout, self.run_options, Imports(imports) if imports else None, logprobs=True,
+                             entropy=self.loss_cfg.needs_entropy, capture_linear=self.cfg.capture_linear)
             mb_loss = microbatch_loss(out, layout, norm, self.loss_cfg)
             if grad and self.cfg.reach_all_units:  # + 0.0 exactly: the loss and every gradient keep their bits
                 mb_loss.loss = mb_loss.loss + out.hidden.sum() * 0.0
             return out, mb_loss
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool):
+    """`torch.use_deterministic_algorithms(True)` while the block runs (restored after); nothing when off.
+
+    Torch then runs the deterministic variants of the ops this model uses on CUDA (the backward of
+    index_select and gather, index_add, index_put with accumulate) and raises on any op that has
+    none, so a forgotten nondeterministic op fails loudly instead of changing bits.
+    """
+    if not on:
+        yield
+        return
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def train_step(executor: Executor, plan, optimizer: torch.optim.Optimizer) -> StepResult:
@@ -357,10 +400,11 @@ class _StepRun:
         cfg = ex.cfg
         self.probes = TrajectoryProbes(header, logprobs=cfg.want_logprobs, entropies=cfg.want_entropies,
                                        linear=cfg.capture_linear)
-        self.totals = dict(loss=0.0, policy=0.0, kl=0.0, ent=0.0, aux=0.0, loss_tokens=0.0)
-        self.stats: dict[str, float] = {}
+        zero = torch.zeros((), dtype=torch.float64, device=ex.device)
+        self.totals = dict(loss=zero, policy=zero, kl=zero, ent=zero, aux=zero, loss_tokens=zero)
+        self.stats: dict[str, torch.Tensor] = {}
         self.computed = self.n_mb = self.windows = self.recomputed = self.standins = 0
-        self.load = torch.zeros(len(ex.moe_layers), max(ex.num_experts, 1), dtype=torch.float64)
+        self.load = torch.zeros(len(ex.moe_layers), max(ex.num_experts, 1), dtype=torch.float64, device=ex.device)
         self.walks = walks
         self.total_steps, self.steps_done = sum(len(w.steps) for w in walks), 0
         backwards = sum(kind == BACKWARD for w in walks for kind, _, _ in w.steps)
@@ -537,38 +581,45 @@ class _StepRun:
                 acc.index_add_(0, pos, g)
 
     def _record(self, a: MicrobatchArrays, layout: RowLayout, out: ModelOutput, mb_loss: MicrobatchLoss) -> None:
-        """Step totals, expert loads and probes of one microbatch (from its first forward only)."""
-        t, tot = mb_loss.terms, self.totals
-        tot["loss"] += float(mb_loss.loss.detach())
-        tot["policy"] += float(t.policy)
-        tot["kl"] += float(t.kl)
-        tot["ent"] += float(t.entropy)
-        tot["aux"] += float(mb_loss.aux)
-        tot["loss_tokens"] += float(layout.logprobs.loss_mask.sum())  # one host sync per microbatch, for reports
+        """Step totals, expert loads and probes of one microbatch (from its first forward only),
+        accumulated on the device: nothing is read back until `result`."""
+        t = mb_loss.terms
+        parts = {"loss": mb_loss.loss, "policy": t.policy, "kl": t.kl, "ent": t.entropy, "aux": mb_loss.aux,
+                 "loss_tokens": layout.logprobs.loss_mask.sum()}
+        for k, v in parts.items():
+            self.totals[k] = self.totals[k] + v.detach().double()
         for k, v in (getattr(t, "stats", None) or {}).items():
-            v = float(v)
-            if k.endswith("_max"):
-                self.stats[k] = max(self.stats.get(k, v), v)
+            v = v.detach().double()
+            old = self.stats.get(k)
+            if old is None:
+                self.stats[k] = v
+            elif k.endswith("_max"):
+                self.stats[k] = torch.maximum(old, v)
             elif k.endswith("_min"):
-                self.stats[k] = min(self.stats.get(k, v), v)
+                self.stats[k] = torch.minimum(old, v)
             else:
-                self.stats[k] = self.stats.get(k, 0.0) + v
+                self.stats[k] = old + v
         self.computed += layout.num_rows + a.num_replay_rows
         self.n_mb += 1
         if self.ex.moe_layers:
-            self.load += expert_load(out.router_topk, layout.occurrence, self.ex.moe_layers, self.ex.num_experts)
+            self.load = self.load + expert_load(out.router_topk, layout.occurrence, self.ex.moe_layers, self.ex.num_experts)
         self.probes.add(layout, mb_loss.logprob, mb_loss.entropy, out.linear)
 
     def result(self, seconds: float) -> StepResult:
-        tot = self.totals
+        """The step's figures, read from the device once."""
+        names = list(self.totals) + list(self.stats)
+        values = torch.stack([*self.totals.values(), *self.stats.values()]).tolist()
+        got = dict(zip(names, values))
+        tot = {k: got[k] for k in self.totals}
+        stats = {k: got[k] for k in self.stats}
         lengths = unpack(self.header.trajectory_lengths, "int32", name="header.trajectory_lengths")
         logprobs, entropies, linear = self.probes.per_trajectory()
         return StepResult(
             loss=tot["loss"], policy_loss=tot["policy"], kl=tot["kl"], entropy_bonus=tot["ent"], aux_loss=tot["aux"],
-            expert_load=np.rint(self.load.numpy()).astype(np.int64), computed_tokens=self.computed,
+            expert_load=np.rint(self.load.cpu().numpy()).astype(np.int64), computed_tokens=self.computed,
             expanded_tokens=int(self.header.stats.expanded_tokens) or int(lengths.sum()),
             loss_tokens=tot["loss_tokens"], microbatches=self.n_mb, seconds=seconds, windows=self.windows,
-            recomputed_microbatches=self.recomputed, stats=self.stats,
+            recomputed_microbatches=self.recomputed, stats=stats,
             logprobs=logprobs, entropies=entropies, linear_outputs=linear, standins=self.standins,
         )
 

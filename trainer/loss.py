@@ -1,10 +1,11 @@
 """The loss of one microbatch from what its forward returned (DESIGN §5.4, §5.6).
 
-    out = model(layout, run, imports, logit_rows=layout.logprobs.rows_U)
+    out = model(layout, run, imports, logprobs=True, entropy=cfg.needs_entropy)
     mb_loss = microbatch_loss(out, layout, norm, cfg)        # MicrobatchLoss: loss (with graph), terms, ...
 
-Logits are computed once per distinct row (the forward's `logit_rows`); per trajectory position,
-`logprob = logit[row, label] - lse[row]` through the plan's log-prob map, then the RL objective
+The forward computes the log-probs: logits once per distinct row, per trajectory position
+`logprob = logit[row, label] - lse[row]` through the plan's log-prob map
+(`trainer.models.head`); here the RL objective
 (`trainer.objectives.policy_loss`) in trajectory space with the step-global normalisers, plus the
 occurrence-weighted load-balancing loss of MoE layers. Pure: it reads the forward's outputs and
 the layout only, so a recomputed forward gives the same loss.
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.dtypes import compute_dtype
 from trainer.layout import RowLayout
 from trainer.models.qwen3_next import ModelOutput
 from trainer.objectives import LossTerms, Normalizers, ObjectiveConfig, policy_loss
@@ -38,6 +38,11 @@ class LossConfig:
     top_k: int = 0
     """Experts per token."""
 
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the forward must compute entropies."""
+        return self.want_entropy or self.objective.entropy_coef > 0
+
 
 @dataclass(slots=True, kw_only=True)
 class MicrobatchLoss:
@@ -57,14 +62,11 @@ class MicrobatchLoss:
 def microbatch_loss(out: ModelOutput, layout: RowLayout, norm: Normalizers, cfg: LossConfig) -> MicrobatchLoss:
     """Log-probs through the log-prob map and the loss terms (see the module docstring)."""
     lp = layout.logprobs
-    logits_UV = out.logits
-    logits_UV = logits_UV.to(compute_dtype(logits_UV))
-    lse_U = torch.logsumexp(logits_UV, dim=-1)
-    logprob_P = logits_UV[lp.inv_P, lp.label] - lse_U[lp.inv_P]
-    entropy_P = None
-    if cfg.want_entropy or cfg.objective.entropy_coef > 0:
-        p_UV = torch.softmax(logits_UV, dim=-1)
-        entropy_P = (lse_U - (p_UV * logits_UV).sum(-1))[lp.inv_P]
+    logprob_P, entropy_P = out.logprob, out.entropy
+    if logprob_P is None:
+        raise ValueError("microbatch_loss: expected a forward run with logprobs=True, got no log-probs")
+    if cfg.needs_entropy and entropy_P is None:
+        raise ValueError("microbatch_loss: the objective needs entropies; run the forward with entropy=True")
     terms = policy_loss(
         logprob_P, old_logprob_P=lp.old_logprob, ref_logprob_P=lp.ref_logprob, advantage_P=lp.advantage,
         loss_mask_P=lp.loss_mask, traj_P=lp.traj, entropy_P=entropy_P, norm=norm, cfg=cfg.objective,
@@ -102,10 +104,12 @@ def load_balancing_loss(router_probs: dict[int, torch.Tensor], router_topk: dict
 
 def expert_load(router_topk: dict[int, torch.Tensor], occurrence_R: torch.Tensor, moe_layers: list[int],
                 num_experts: int) -> torch.Tensor:
-    """float64 [MoE layers, E] trajectory-weighted routing counts of one microbatch (host)."""
-    occ = occurrence_R.double().cpu()
-    out = torch.zeros(len(moe_layers), max(num_experts, 1), dtype=torch.float64)
+    """float64 [MoE layers, E] trajectory-weighted routing counts of one microbatch, on its device.
+
+    Sums of integers in float64: exact, so the order of the index_add does not matter."""
+    occ = occurrence_R.double()
+    out = occ.new_zeros(len(moe_layers), max(num_experts, 1))
     for j, layer in enumerate(moe_layers):
-        topk = router_topk[layer].cpu()
+        topk = router_topk[layer]
         out[j].index_add_(0, topk.reshape(-1), occ.repeat_interleave(topk.shape[1]))
     return out

@@ -171,7 +171,8 @@ def _setup(cfg: TrainerConfig, ctx, stop: "_StopFlag") -> _Run:
     opt = make_optimizer(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     fsdp = cfg.parallelism.data_parallel == "fsdp"
     ex_cfg = dict(to_dict(cfg.executor), objective=cfg.objective, want_entropies=cfg.metrics.entropy,
-                  reach_all_units=fsdp, activation_dtype=param_dtype_of(cfg.parallelism, ctx.device) if fsdp else None)
+                  reach_all_units=fsdp, activation_dtype=param_dtype_of(cfg.parallelism, ctx.device) if fsdp else None,
+                  activation_checkpointing=cfg.parallelism.activation_checkpointing)
     # windows across ranks of lock-step plans: batched point-to-point, every wait bounded
     transport = P2PTransport(cfg.parallelism.p2p_timeout_s) if ctx.world_size > 1 else None
     run = _Run(cfg=cfg, ctx=ctx, stop=stop, model=model, params=params, opt=opt, reshard=reshard,

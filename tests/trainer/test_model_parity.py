@@ -15,7 +15,7 @@ from trainer.layout import layout_from_sequences  # noqa: E402
 from kernels.tree_attention import tree_attention  # noqa: E402
 from trainer.models import ModelConfig, RunOptions, debugmodel, debugmodel_dense, load_model  # noqa: E402
 from trainer.models.loading import build_model  # noqa: E402
-from trainer.models.qwen3_next import row_linear, row_linear_ref  # noqa: E402
+from trainer.models.ops import row_linear, row_linear_ref  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

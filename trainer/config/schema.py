@@ -88,6 +88,7 @@ class ModelSection:
 
 
 DATA_PARALLEL = ("fsdp", "replicate")
+CHECKPOINTING = ("none", "full", "selective")
 PARAM_DTYPES = ("auto", "bfloat16", "float32")
 
 
@@ -123,7 +124,16 @@ class ParallelismConfig:
     fail with an error naming the phase, the edge and the peer. The wait includes the peer's
     step of that phase, so keep it above the slowest phase."""
 
+    activation_checkpointing: str = "none"
+    """Per decoder block: "none"; "full" (keep the block's input, re-run the block in the backward:
+    a row keeps hidden x 2 bytes per layer between its forward and backward); "selective" (re-run
+    only the FFN, post-attention norm and MoE or MLP, whose saved activations grow with top-k;
+    keep the token mixer's). Gradients are bitwise those of "none" on the CPU."""
+
     def __post_init__(self) -> None:
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing: expected one of {CHECKPOINTING}, "
+                             f"got {self.activation_checkpointing!r}")
         if self.data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel: expected one of {DATA_PARALLEL}, got {self.data_parallel!r}")
         if self.param_dtype not in PARAM_DTYPES:
@@ -146,6 +156,7 @@ class ParallelismConfig:
 #: torch (tests/trainer/test_train.py checks them against the kernels).
 KERNEL_BACKENDS = ("ref", "triton")
 ATTENTION_BACKENDS = ("auto", "blocked", "triton", "ref")
+HEADS = ("auto", "full", "chunked")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -161,6 +172,20 @@ class ExecutorSection:
     attention_backend: str = "auto"
     """Tree-attention backend: "auto" ("blocked" for a model on the CPU: exact, bitwise batch-invariant;
     "triton" on a GPU), "blocked", "triton" or "ref"."""
+    deterministic: bool = True
+    """Bitwise the same results for the same plan on CUDA: `torch.use_deterministic_algorithms(True)`
+    while a step runs (deterministic index_add / index_put / gather backward; an op without a
+    deterministic variant raises). The CPU path is deterministic without it (it is not set there)."""
+    batch_invariant: bool = False
+    """On CUDA, fixed-tile GEMMs without split-K (`kernels.batch_invariant`), so that a row's results
+    do not depend on how many rows its microbatch has: tree and expanded log-probs agree bitwise in
+    bf16. Slower than cuBLAS; the CPU path is batch-invariant already."""
+    head: str = "auto"
+    """Log-prob head: "full" (logits of every log-prob row, then logsumexp: the CPU's exact path),
+    "chunked" (vocabulary chunks with an online logsumexp, no [rows, vocab] tensor), "auto"
+    (chunked on CUDA, full on the CPU)."""
+    head_chunk: int = 8192
+    """Vocabulary columns per step of the chunked head."""
 
     def __post_init__(self) -> None:
         c = self.chunk_size
@@ -172,6 +197,10 @@ class ExecutorSection:
             raise ValueError(f"aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"head: expected one of {HEADS}, got {self.head!r}")
+        if self.head_chunk < 1:
+            raise ValueError(f"head_chunk: expected >= 1 vocabulary columns, got {self.head_chunk}")
 
 
 @dataclass(slots=True, kw_only=True)

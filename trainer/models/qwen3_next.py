@@ -10,13 +10,19 @@ layout's ancestry and call schedule (`trainer.tree_ops`).
 Parameter names equal the Hugging Face module names (`model.layers.3.self_attn.q_proj.weight`),
 so a checkpoint's state dict loads with only the per-expert weights regrouped (`loading.py`).
 
-Batch invariance (DESIGN §5.3 asks for bitwise equal linear-attention outputs between tree and
-expanded runs on CPU): a row's result must not depend on the other rows of the microbatch or on
-its position. Every projection is a `RowLinear`, a matmul over fixed-size row tiles (plain CPU
-GEMMs pick different blockings for different row counts); sigmoid/silu/softplus are written with
-`exp` (torch's own kernels round their vector body and scalar tail differently, measured);
-attention reduces over keys in blocks at fixed depths (`kernels.tree_attention.blocked`). The whole
-forward is therefore bitwise equal between a tree run and its expanded run in fp32 on CPU.
+Arithmetic primitives (projections, activations, norms, the router softmax, routed experts) come
+from one `trainer.models.ops.Ops` chosen per run (`RunOptions.ops`): on the CPU the batch-invariant
+forms, with which a row's result does not depend on the other rows of its microbatch (and
+attention reducing over keys in blocks at fixed depths, `kernels.tree_attention.blocked`), so the
+whole forward is bitwise equal between a tree run and its expanded run in fp32 (DESIGN §5.3); on
+CUDA cuBLAS and grouped GEMMs, or the batch-invariant GPU kernels. The routed experts are
+`trainer.models.moe`; the log-prob head is `trainer.models.head` (chunked on the GPU).
+
+Activation checkpointing (`RunOptions.checkpointing`): "full" runs each decoder block under
+non-reentrant `torch.utils.checkpoint` (it keeps the block's input and re-runs the block in the
+backward); "selective" re-runs only the FFN. A block returns what it records (routing, exports,
+kernel outputs), so a re-run has no effect outside it and the gradients are bitwise those of the
+run without checkpointing on the CPU.
 
 Dtypes: where a value is upcast for accuracy (norms, the decay g, the router softmax, RoPE) it goes
 to `compute_dtype(x)` = promote(x.dtype, fp32) (`kernels.dtypes`, shared with the kernels), never
@@ -32,8 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from plan.window_exports import ATTN, CONV, KERNEL
 from trainer import tree_ops
@@ -41,50 +47,12 @@ from trainer.boundary import Boundary
 from kernels.dtypes import compute_dtype
 from kernels.tree_attention import attention_backend
 from trainer.models.config import FULL, ModelConfig
+from trainer.models.head import DEFAULT_CHUNK, chunked_logprobs, full_logprobs
+from trainer.models.moe import Experts, Router, combine, dispatch_rows, route
+from trainer.models.ops import EXACT, ROW_TILE, Ops, row_linear
 
-#: rows per tile of RowLinear; every tile is one same-shape GEMM.
-ROW_TILE = 32
-
-
-def row_linear(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ w.T + b`, batch-invariant: each row's result is independent of the other rows.
-
-    Pads the rows to a multiple of ROW_TILE and runs one GEMM over them (the same kernel as a
-    matmul of [ROW_TILE, I] tiles, which torch folds into it); the padded row count keeps the CPU
-    GEMM's blocking independent of R. Without padding the result is the GEMM's output itself.
-    """
-    R = x_RI.shape[0]
-    pad = (-R) % ROW_TILE
-    y_PO = torch.mm(F.pad(x_RI, (0, 0, 0, pad)) if pad else x_RI.contiguous(), w_OI.t())
-    y_RO = y_PO[:R] if pad else y_PO
-    return y_RO if b_O is None else y_RO + b_O
-
-
-def row_linear_ref(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain reference of `row_linear` (not batch-invariant)."""
-    return F.linear(x_RI, w_OI, b_O)
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)): unlike torch.sigmoid, bitwise the same wherever x sits in the tensor."""
-    return 1.0 / (1.0 + torch.exp(-x))
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x), position-independent (torch's silu rounds its vector body and tail differently)."""
-    return x / (1.0 + torch.exp(-x))
-
-
-def softplus(x: torch.Tensor) -> torch.Tensor:
-    """log(1 + exp(x)) with torch's threshold of 20, position-independent."""
-    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp_max(20.0))))
-
-
-class RowLinear(nn.Linear):
-    """nn.Linear whose forward is the batch-invariant `row_linear`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_linear(x, self.weight, self.bias)
+CHECKPOINTING = ("none", "full", "selective")
+HEADS = ("full", "chunked")
 
 
 class RMSNorm(nn.Module):
@@ -95,10 +63,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(compute_dtype(x))
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.to(xf.dtype))).type_as(x)
+    def forward(self, x: torch.Tensor, ops: Ops = EXACT) -> torch.Tensor:
+        out = ops.rms_normalize(x, self.eps)
+        return (out * (1.0 + self.weight.to(out.dtype))).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -110,57 +77,27 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor, ops: Ops = EXACT) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.to(compute_dtype(x))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return (out * silu(z.to(compute_dtype(z)))).to(dtype)
-
-
-class Capture:
-    """What one forward records besides the hidden states (filled per layer, in layer order).
-
-    Created by `Qwen3NextForRL.forward` for each call and returned in its `ModelOutput`: the
-    forward has no effect outside its return value, so it can be re-run (recomputation).
-
-    A plain class, not a dataclass: it travels into every decoder block's forward, and FSDP2
-    rebuilds a dataclass input that holds tensors requiring grad (`dataclasses.replace`, to wrap
-    them in its post-backward function), so a sharded block would record its router
-    probabilities into a copy the model never reads (the load-balancing loss lost every MoE
-    layer after the first; `tests/trainer/test_lockstep.py` compares it with an unsharded run).
-    """
-
-    __slots__ = ("boundary", "linear_outputs", "linear", "router_probs", "router_topk")
-
-    def __init__(self, *, boundary: Boundary, linear_outputs: bool = False):
-        self.boundary = boundary
-        """The microbatch's sharing-window imports and exports (`trainer.boundary`)."""
-        self.linear_outputs = linear_outputs
-        """Keep each linear-attention layer's kernel output (detached) in `linear`."""
-        self.linear: dict[int, torch.Tensor] = {}
-        """layer -> [R, Hv, Vd] kept kernel outputs."""
-        self.router_probs: dict[int, torch.Tensor] = {}
-        """MoE layer -> [R, E] router softmax in the compute dtype (with graph, for the auxiliary loss)."""
-        self.router_topk: dict[int, torch.Tensor] = {}
-        """MoE layer -> [R, k] selected experts."""
+        out = self.weight * ops.rms_normalize(x, self.eps).to(dtype)
+        return (out * ops.silu(z.to(compute_dtype(z)))).to(dtype)
 
 
 @dataclass(slots=True, kw_only=True)
 class ModelOutput:
-    """What a microbatch forward returns."""
+    """What a microbatch forward returns (nothing else changes: the forward can be re-run)."""
 
     hidden: torch.Tensor
     """[R, D] final (normed) hidden states."""
-    logits: torch.Tensor | None
-    """[U', V] logits of the requested rows (`logit_rows`, U of them), then U' - U < ROW_TILE padding
-    rows (copies of the last one); None when no rows were requested. The padding makes the lm head
-    one whole-tile GEMM whose output is the GEMM's own tensor, not a view of it: FSDP2 warns that a
-    view returned by a sharded module can lose its pre-backward hook to an in-place op."""
+    logprob: torch.Tensor | None
+    """[P] log-probs of the layout's log-prob entries in at least fp32, with graph; None when the
+    forward was asked for none."""
+    entropy: torch.Tensor | None
+    """[P] entropies of those entries (only when asked)."""
     router_probs: dict[int, torch.Tensor]
     """MoE layer -> [R, E] router softmax (with graph)."""
     router_topk: dict[int, torch.Tensor]
-    """MoE layer -> [R, k] selected experts."""
+    """MoE layer -> [R, k] selected experts, ascending per row."""
     linear: dict[int, torch.Tensor]
     """layer -> [R, Hv, Vd] linear-attention outputs (only with capture_linear)."""
     exports: dict[str, torch.Tensor]
@@ -179,28 +116,30 @@ class GatedDeltaNet(nn.Module):
         key_dim, value_dim = self.Hk * self.Kd, self.Hv * self.Vd
         self.conv_dim = 2 * key_dim + value_dim
         D = cfg.hidden_size
-        self.in_proj_qkvz = RowLinear(D, 2 * key_dim + 2 * value_dim, bias=False)
-        self.in_proj_ba = RowLinear(D, 2 * self.Hv, bias=False)
+        self.in_proj_qkvz = nn.Linear(D, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(D, 2 * self.Hv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.K, groups=self.conv_dim, bias=False, padding=self.K - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.Hv))
         self.A_log = nn.Parameter(torch.empty(self.Hv).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.Vd, cfg.rms_norm_eps)
-        self.out_proj = RowLinear(value_dim, D, bias=False)
+        self.out_proj = nn.Linear(value_dim, D, bias=False)
 
-    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", capture: Capture) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", bd: Boundary) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [R, D], kernel output [R, Hv, Vd])."""
+        ops = run.ops
         R = x_RD.shape[0]
         r = self.Hv // self.Hk
-        bd, name = capture.boundary, f"{self.layer_idx}."
-        qkvz = self.in_proj_qkvz(x_RD).view(R, self.Hk, 2 * self.Kd + 2 * r * self.Vd)
+        name = f"{self.layer_idx}."
+        qkvz = ops.linear(x_RD, self.in_proj_qkvz.weight).view(R, self.Hk, 2 * self.Kd + 2 * r * self.Vd)
         q, k, v, z = torch.split(qkvz, [self.Kd, self.Kd, r * self.Vd, r * self.Vd], dim=-1)
-        b, a = torch.split(self.in_proj_ba(x_RD).view(R, self.Hk, 2 * r), [r, r], dim=-1)
+        b, a = torch.split(ops.linear(x_RD, self.in_proj_ba.weight).view(R, self.Hk, 2 * r), [r, r], dim=-1)
         mixed_RC = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], dim=-1)
         mixed_NC = bd.table(name + "conv", mixed_RC, CONV)
-        mixed_RC = silu(tree_ops.ancestry_conv(mixed_NC, self.conv1d.weight[:, 0, :], layout.conv_src))
+        mixed_RC = ops.silu(tree_ops.ancestry_conv(mixed_NC, self.conv1d.weight[:, 0, :], layout.conv_src))
         key_dim = self.Hk * self.Kd
         q_RHK, k_RHK, v_RHV = torch.split(mixed_RC, [key_dim, key_dim, self.Hv * self.Vd], dim=-1)
-        beta_RH = sigmoid(b.reshape(R, self.Hv))
-        g_RH = -self.A_log.to(compute_dtype(self.A_log)).exp() * softplus(a.reshape(R, self.Hv).to(compute_dtype(a)) + self.dt_bias)
+        beta_RH = ops.sigmoid(b.reshape(R, self.Hv))
+        g_RH = -self.A_log.to(compute_dtype(self.A_log)).exp() * ops.softplus(a.reshape(R, self.Hv).to(compute_dtype(a)) + self.dt_bias)
         o_RHV, states = tree_ops.linear_attention(
             bd.table(name + "q", q_RHK.reshape(R, self.Hk, self.Kd), KERNEL),
             bd.table(name + "k", k_RHK.reshape(R, self.Hk, self.Kd), KERNEL),
@@ -210,10 +149,8 @@ class GatedDeltaNet(nn.Module):
             chunk_size=run.chunk_size, imported_states=bd.states(name + "state"),
         )
         bd.export_states(name + "state", states)
-        if capture.linear_outputs:
-            capture.linear[self.layer_idx] = o_RHV.detach()
-        o_RHV = self.norm(o_RHV, z.reshape(R, self.Hv, self.Vd))
-        return self.out_proj(o_RHV.reshape(R, -1))
+        y_RHV = self.norm(o_RHV, z.reshape(R, self.Hv, self.Vd), ops)
+        return ops.linear(y_RHV.reshape(R, -1), self.out_proj.weight), o_RHV
 
 
 class Attention(nn.Module):
@@ -224,30 +161,35 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.H, self.Hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         D, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = RowLinear(D, self.H * self.hd * 2, bias=bias)
-        self.k_proj = RowLinear(D, self.Hkv * self.hd, bias=bias)
-        self.v_proj = RowLinear(D, self.Hkv * self.hd, bias=bias)
-        self.o_proj = RowLinear(self.H * self.hd, D, bias=bias)
+        self.q_proj = nn.Linear(D, self.H * self.hd * 2, bias=bias)
+        self.k_proj = nn.Linear(D, self.Hkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(D, self.Hkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.H * self.hd, D, bias=bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.rotary_dim = cfg.rotary_dim
         self.theta = cfg.rope_theta
 
-    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", capture: Capture) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", bd: Boundary) -> tuple[torch.Tensor, None]:
+        ops = run.ops
         R = x_RD.shape[0]
-        bd, name = capture.boundary, f"{self.layer_idx}."
-        q_gate = self.q_proj(x_RD).view(R, self.H, 2 * self.hd)
+        name = f"{self.layer_idx}."
+        q_gate = _proj(ops, x_RD, self.q_proj).view(R, self.H, 2 * self.hd)
         q_RHd, gate = q_gate[..., : self.hd], q_gate[..., self.hd :].reshape(R, -1)
-        q_RHd = self.q_norm(q_RHd)
-        k_RHd = self.k_norm(self.k_proj(x_RD).view(R, self.Hkv, self.hd))
-        v_RHd = self.v_proj(x_RD).view(R, self.Hkv, self.hd)
+        q_RHd = self.q_norm(q_RHd, ops)
+        k_RHd = self.k_norm(_proj(ops, x_RD, self.k_proj).view(R, self.Hkv, self.hd), ops)
+        v_RHd = _proj(ops, x_RD, self.v_proj).view(R, self.Hkv, self.hd)
         cos, sin = rope_cos_sin(layout.depth, self.rotary_dim, self.theta, x_RD.dtype)
         q_RHd, k_RHd = apply_rope(q_RHd, cos, sin), apply_rope(k_RHd, cos, sin)
         k_NHd = bd.table(name + "attn_k", k_RHd, ATTN)
         v_NHd = bd.table(name + "attn_v", v_RHd, ATTN)
         o_RHd = attention_backend(run.attention_backend)(q_RHd, k_NHd, v_NHd, layout.attention, self.hd**-0.5)
-        o_RD = o_RHd.reshape(R, -1) * sigmoid(gate)
-        return self.o_proj(o_RD)
+        o_RD = o_RHd.reshape(R, -1) * ops.sigmoid(gate)
+        return _proj(ops, o_RD, self.o_proj), None
+
+
+def _proj(ops: Ops, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    return ops.linear(x, lin.weight, lin.bias)
 
 
 def rope_cos_sin(depth_R: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,99 +216,47 @@ class MLP(nn.Module):
 
     def __init__(self, D: int, inner: int):
         super().__init__()
-        self.gate_proj = RowLinear(D, inner, bias=False)
-        self.up_proj = RowLinear(D, inner, bias=False)
-        self.down_proj = RowLinear(inner, D, bias=False)
+        self.gate_proj = nn.Linear(D, inner, bias=False)
+        self.up_proj = nn.Linear(D, inner, bias=False)
+        self.down_proj = nn.Linear(inner, D, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Experts(nn.Module):
-    """Routed experts stored as 3D tensors (the transformers v5 in-memory layout)."""
-
-    def __init__(self, E: int, D: int, inner: int):
-        super().__init__()
-        self.num_experts = E
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, D))
-        self.down_proj = nn.Parameter(torch.empty(E, D, inner))
-
-    def forward(self, x_RD: torch.Tensor, topk_Rk: torch.Tensor, weight_Rk: torch.Tensor) -> torch.Tensor:
-        """Routed output [R, D]: the same bits as `forward_ref` with one gather, one weight
-        product and one index_add for all experts (assignments sorted by expert, stably, so each
-        row still sums its experts' contributions in ascending expert order)."""
-        R, k = topk_Rk.shape
-        flat_A = topk_Rk.reshape(-1)
-        order_A = torch.argsort(flat_A, stable=True)
-        counts = torch.bincount(flat_A, minlength=self.num_experts).tolist()  # one host sync
-        rows_A = order_A // k
-        x_AD = x_RD.index_select(0, rows_A)
-        w_A = weight_Rk.reshape(-1).index_select(0, order_A)
-        parts, lo = [], 0
-        # unbind, not [e]: one node whose backward stacks, where each select's backward would
-        # zero-fill a gradient of the whole [E, ...] weight.
-        gate_up_E, down_E = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        for e, n in enumerate(counts):
-            if n:
-                gate, up = row_linear(x_AD[lo : lo + n], gate_up_E[e]).chunk(2, dim=-1)
-                parts.append(row_linear(silu(gate) * up, down_E[e]))
-            lo += n
-        h_AD = torch.cat(parts) * w_A[:, None] if parts else x_AD
-        return torch.zeros_like(x_RD).index_add(0, rows_A, h_AD.to(x_RD.dtype))
-
-    def forward_ref(self, x_RD: torch.Tensor, topk_Rk: torch.Tensor, weight_Rk: torch.Tensor) -> torch.Tensor:
-        """Plain reference: expert by expert, rows found with torch.where."""
-        out_RD = torch.zeros_like(x_RD)
-        hit = torch.unique(topk_Rk).tolist()
-        for e in hit:
-            rows, slot = torch.where(topk_Rk == e)
-            gate, up = row_linear(x_RD.index_select(0, rows), self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = row_linear(silu(gate) * up, self.down_proj[e]) * weight_Rk[rows, slot, None]
-            out_RD = out_RD.index_add(0, rows, h.to(out_RD.dtype))
-        return out_RD
-
-
-class Router(nn.Module):
-    """Softmax router with deterministic top-k (no capacity, no token dropping)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
-
-    def forward(self, x_RD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (probs [R, E] in `compute_dtype`, top-k weights [R, k], top-k experts [R, k])."""
-        probs_RE = torch.softmax(row_linear(x_RD, self.weight), dim=-1, dtype=compute_dtype(x_RD))
-        top_w, top_i = torch.topk(probs_RE, self.top_k, dim=-1)
-        if self.norm_topk:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        return probs_RE, top_w.to(x_RD.dtype), top_i
+    def forward(self, x: torch.Tensor, ops: Ops = EXACT) -> torch.Tensor:
+        gate = ops.linear(x, self.gate_proj.weight)
+        return ops.linear(ops.silu(gate) * ops.linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
 class SparseMoe(nn.Module):
-    """Routed experts plus a sigmoid-gated shared expert."""
+    """Routed experts (`trainer.models.moe`) plus a sigmoid-gated shared expert."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.gate = Router(cfg)
+        self.gate = Router(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = RowLinear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x_RD: torch.Tensor, capture: Capture) -> torch.Tensor:
-        probs_RE, top_w, top_i = self.gate(x_RD)
-        capture.router_probs[self.layer_idx] = probs_RE
-        capture.router_topk[self.layer_idx] = top_i
-        out = self.experts(x_RD, top_i, top_w)
+    def forward(self, x_RD: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output [R, D], router probabilities [R, E], selected experts [R, k])."""
+        probs_RE, w_Rk, e_Rk = self.gate(x_RD, ops)
+        d = route(e_Rk, self.experts.num_experts, align=ops.group_align)
+        y_SD = self.experts(dispatch_rows(x_RD, d), d, ops)
+        out = combine(y_SD, w_Rk, d, chained=ops.name != "fast")
         if self.has_shared:
-            out = out + sigmoid(self.shared_expert_gate(x_RD)) * self.shared_expert(x_RD)
-        return out
+            out = out + ops.sigmoid(ops.linear(x_RD, self.shared_expert_gate.weight)) * self.shared_expert(x_RD, ops)
+        return out, probs_RE, e_Rk
 
 
 class DecoderLayer(nn.Module):
+    """One block: token mixer and FFN, each behind an RMSNorm and a residual.
+
+    `forward` returns the block's output and what the model records of it (MoE routing, the
+    kernel output, the window exports) instead of writing them anywhere, so that activation
+    checkpointing can re-run it in the backward without side effects (`RunOptions.checkpointing`).
+    """
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.is_linear = cfg.layer_types[layer_idx] != FULL
@@ -379,17 +269,34 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x_RD, layout, run, capture):
+    def forward(self, x_RD: torch.Tensor, layout, run: "RunOptions", bd: Boundary):
+        """(output [R, D], router probs or None, router top-k or None, exports {name: tensor},
+        kernel output [R, Hv, Vd] or None)."""
+        if run.checkpointing == "full":
+            return checkpoint(self._block, x_RD, layout, run, bd, use_reentrant=False, preserve_rng_state=False)
+        return self._block(x_RD, layout, run, bd)
+
+    def _block(self, x_RD, layout, run, bd):
+        io = bd.scope()
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x_RD + mixer(self.input_layernorm(x_RD), layout, run, capture)
-        y = self.post_attention_layernorm(h)
-        y = self.mlp(y, capture) if self.is_moe else self.mlp(y)
-        return h + y
+        mixed, kernel_out = mixer(self.input_layernorm(x_RD, run.ops), layout, run, io)
+        h = x_RD + mixed
+        if run.checkpointing == "selective":
+            y, probs, topk = checkpoint(self._ffn, h, run.ops, use_reentrant=False, preserve_rng_state=False)
+        else:
+            y, probs, topk = self._ffn(h, run.ops)
+        return h + y, probs, topk, io.exports, kernel_out
+
+    def _ffn(self, h_RD: torch.Tensor, ops: Ops):
+        y = self.post_attention_layernorm(h_RD, ops)
+        if self.is_moe:
+            return self.mlp(y, ops)
+        return self.mlp(y, ops), None, None
 
 
 @dataclass(slots=True, kw_only=True)
 class RunOptions:
-    """How the sequence-coupled operators run."""
+    """How a forward runs: kernels, arithmetic primitives, activation checkpointing, the head."""
 
     linear_fn: object
     """chunk_gated_delta_rule-compatible callable (the kernel backend)."""
@@ -398,6 +305,23 @@ class RunOptions:
     attention_backend: str = "blocked"
     """Tree-attention backend (`kernels.tree_attention.BACKENDS`): "blocked" (exact blocked, bitwise
     batch-invariant on the CPU), "triton" (GPU), "ref" (plain reference)."""
+    ops: Ops = EXACT
+    """The arithmetic primitives (`trainer.models.ops`: EXACT on the CPU, FAST or INVARIANT on CUDA)."""
+    checkpointing: str = "none"
+    """Activation checkpointing per decoder block: "none"; "full" (keep each block's input, re-run
+    the block in the backward); "selective" (keep the token mixer's activations, re-run the FFN:
+    post-attention norm and MoE/MLP, whose saved activations grow with top-k)."""
+    head: str = "full"
+    """"full": logits [U, V] of the log-prob rows, then logsumexp (the CPU's exact path);
+    "chunked": `trainer.models.head.chunked_logprobs`, never a [U, V] tensor (the GPU's)."""
+    head_chunk: int = DEFAULT_CHUNK
+    """Vocabulary columns per step of the chunked head."""
+
+    def __post_init__(self) -> None:
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"checkpointing: expected one of {CHECKPOINTING}, got {self.checkpointing!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"head: expected one of {HEADS}, got {self.head!r}")
 
 
 class Backbone(nn.Module):
@@ -412,13 +336,13 @@ class Backbone(nn.Module):
 
 class Qwen3NextForRL(nn.Module):
     """The hybrid decoder plus lm head; `forward` runs a layout's rows and returns a `ModelOutput`
-    (the final normed hidden states, the logits of the requested rows, MoE routing, window exports)."""
+    (the final normed hidden states, the log-probs of the layout's entries, MoE routing, window exports)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = RowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -436,31 +360,50 @@ class Qwen3NextForRL(nn.Module):
                 p.copy_(init_rows(name, tuple(p.shape), slice(None), seed=seed, cfg=self.config))
 
     def forward(self, layout, run: RunOptions, imports: Mapping[str, torch.Tensor] | None = None, *,
-                logit_rows: torch.Tensor | None = None, capture_linear: bool = False) -> ModelOutput:
+                logprobs: bool = False, entropy: bool = False, capture_linear: bool = False) -> ModelOutput:
         """One microbatch forward over the layout's rows; no effect outside the returned value.
 
         Args:
             layout: the microbatch's `RowLayout`.
-            run: kernel options.
+            run: kernels, primitives, checkpointing and head.
             imports: sharing-window imports by name, None without windows; under FSDP2 a
                 `trainer.boundary.Imports` (a mapping FSDP2 does not look into: see there).
-            logit_rows: long [U] rows whose logits to compute (inside the forward, so that a
-                sharded wrapper holds the head's weights while it runs); see ModelOutput.logits.
+            logprobs: compute the log-probs of the layout's log-prob entries (inside the forward,
+                so that a sharded wrapper holds the head's weights while it runs).
+            entropy: with logprobs, their entropies too.
             capture_linear: also return every linear-attention layer's outputs (verification).
         """
-        capture = Capture(boundary=Boundary(layout.window, imports), linear_outputs=capture_linear)
+        bd = Boundary(layout.window, imports)
+        probs, topk, linear = {}, {}, {}
         x = self.model.embed_tokens(layout.tokens)
-        for layer in self.model.layers:
-            x = layer(x, layout, run, capture)
-        h_RD = self.model.norm(x)
-        logits = None
-        if logit_rows is not None:
-            pad = (-logit_rows.shape[0]) % ROW_TILE
-            rows_U = torch.cat([logit_rows, logit_rows[-1:].expand(pad)]) if pad else logit_rows
-            logits = self.lm_head(h_RD.index_select(0, rows_U))
-        return ModelOutput(hidden=h_RD, logits=logits, router_probs=capture.router_probs, router_topk=capture.router_topk,
-                           linear=capture.linear, exports=capture.boundary.exports)
+        for i, layer in enumerate(self.model.layers):
+            x, p, t, exports, kernel_out = layer(x, layout, run, bd)
+            bd.exports.update(exports)
+            if p is not None:
+                probs[i], topk[i] = p, t
+            if capture_linear and kernel_out is not None:
+                linear[i] = kernel_out.detach()
+        h_RD = self.model.norm(x, run.ops)
+        lp = ent = None
+        if logprobs:
+            lp, ent = self.head_logprobs(h_RD, layout.logprobs, run, entropy=entropy)
+        return ModelOutput(hidden=h_RD, logprob=lp, entropy=ent, router_probs=probs, router_topk=topk, linear=linear,
+                           exports=bd.exports)
+
+    def head_logprobs(self, h_RD: torch.Tensor, lp, run: RunOptions, *, entropy: bool):
+        """Log-probs (and entropies) [P] of the log-prob map `lp` (`trainer.layout.LogprobMap`)."""
+        rows_U = lp.rows_U
+        if run.head == "chunked":
+            return chunked_logprobs(h_RD.index_select(0, rows_U), self.lm_head.weight, lp.inv_P, lp.label,
+                                    chunk=run.head_chunk, entropy=entropy)
+        # One whole-tile GEMM: U rows padded with copies of the last one (its output is the GEMM's own
+        # tensor, not a view: FSDP2 warns that a view returned by a sharded module can lose its
+        # pre-backward hook to an in-place op).
+        pad = (-rows_U.shape[0]) % ROW_TILE
+        rows = torch.cat([rows_U, rows_U[-1:].expand(pad)]) if pad else rows_U
+        logits_UV = _proj(run.ops, h_RD.index_select(0, rows), self.lm_head)
+        return full_logprobs(logits_UV, lp.inv_P, lp.label, entropy=entropy)
 
     def logits(self, h_RD: torch.Tensor) -> torch.Tensor:
         """lm head of hidden states (outside a forward: tests and single-process tools)."""
-        return self.lm_head(h_RD)
+        return row_linear(h_RD, self.lm_head.weight)

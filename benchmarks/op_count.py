@@ -1,0 +1,130 @@
+"""Count what one microbatch costs the host: aten ops, GEMM launches and host reads (CPU, no GPU needed).
+
+Run: `.venv/bin/python -m benchmarks.op_count [--experts 16 --top-k 4 --rows 512]` (one JSON object on
+stdout). A small hybrid MoE (the `tiny` shapes with `--experts` experts top-`--top-k`) runs one
+microbatch of synthetic tree rollouts through the executor, forward + backward, under a
+`TorchDispatchMode` that sees every aten op:
+
+- `aten_ops`: every op the dispatcher runs (on a GPU each non-view op is a kernel launch);
+- `view_ops`: those returning an alias of an input (views: no launch);
+- `gemm_ops`: mm / addmm / bmm / grouped mm;
+- `host_reads`: `aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`) plus `Tensor.tolist()`
+  and `Tensor.numpy()` calls on tensors that the forward or backward made (not the plan's index
+  arrays): each is a host synchronisation on a GPU.
+
+A count that grows with the number of layers or experts is a host-bound design; the figures are
+per microbatch and do not depend on this machine's speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm", "baddbmm"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by name while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        self.ops[name] += 1
+        if any(r.alias_info is not None for r in func._schema.returns):
+            self.views += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostReads:
+    """Counts `tolist()` / `numpy()` calls on tensors while active (patched on torch.Tensor)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self._orig = torch.Tensor.tolist, torch.Tensor.numpy
+        counter = self
+
+        def tolist(t, *a, **k):
+            counter.count += 1
+            return counter._orig[0](t, *a, **k)
+
+        def numpy(t, *a, **k):
+            counter.count += 1
+            return counter._orig[1](t, *a, **k)
+
+        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.numpy = self._orig
+
+
+def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0) -> dict:
+    from harts_client.synthetic import generate
+    from planner_service.ingest import forest_from_json
+    from planner_service.planner import PlanConfig, plan_step
+    from plan.decode import decode_microbatch
+    from trainer.executor import Executor, ExecutorConfig
+    from trainer.layout import layout_from_arrays
+    from trainer.models.config import FULL, LINEAR, ModelConfig
+    from trainer.models.materialize import materialize, meta_model, seed_rows
+    from trainer.objectives import Normalizers
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
+                      layer_types=([LINEAR] * 3 + [FULL]) * (layers // 4) + [LINEAR] * (layers % 4))
+    model = materialize(meta_model(cfg), "cpu", seed_rows(cfg, seed=seed))
+    doc = generate(scheme="tree", tasks=1, seed=seed, scale=0.01, turns=(4, 6), vocab_size=cfg.vocab_size)
+    forest = forest_from_json(doc)
+    plan = plan_step(forest, PlanConfig(chunk_size=16, microbatch_tokens=rows, all_positions=True))
+    ex = Executor(model, ExecutorConfig(chunk_size=16, validate="none"))
+    header, mb = plan.header, plan.ranks[0].microbatches[0]
+    a = decode_microbatch(mb, header.params)
+    n = header.normalizers
+    from proto.arrays import unpack
+
+    norm = Normalizers(total_loss_tokens=float(n.total_loss_tokens), num_trajectories=int(n.num_trajectories),
+                       traj_loss_tokens=torch.from_numpy(unpack(n.traj_loss_tokens, "float32").copy()),
+                       traj_weight=torch.from_numpy(unpack(n.traj_weight, "float32").copy()))
+    layout = layout_from_arrays(a, chunk_size=16)
+    ex.forward(layout, None, norm, grad=True)[1].loss.backward()  # warm-up (kernel layouts built once)
+    model.zero_grad(set_to_none=True)
+    ops, reads = OpCounter(), HostReads()
+    with reads, ops:
+        out, mb_loss = ex.forward(layout, None, norm, grad=True)
+        mb_loss.loss.backward()
+    total = sum(ops.ops.values())
+    return {
+        "model": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": cfg.hidden_size},
+        "rows": layout.num_rows, "aten_ops": total, "view_ops": ops.views, "non_view_ops": total - ops.views,
+        "gemm_ops": sum(v for k, v in ops.ops.items() if k in GEMMS),
+        "host_reads": ops.ops.get("_local_scalar_dense", 0) + reads.count,
+        "top_ops": dict(ops.ops.most_common(12)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=512, help="microbatch token budget B")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    json.dump(count(experts=args.experts, top_k=args.top_k, rows=args.rows, layers=args.layers), sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

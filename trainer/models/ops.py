@@ -1,0 +1,151 @@
+"""The model's arithmetic primitives, chosen once per run: the CPU's batch-invariant forms or the GPU's.
+
+    ops = select_ops(device, batch_invariant=False)     # EXACT on the CPU, FAST on CUDA
+    y = ops.linear(x_RI, w_OI)                           # every module calls its primitives through ops
+
+One model, several execution paths picked in one place (like the planner's `impl="numba" | "ref"`):
+
+- `EXACT`: the CPU path. Every projection is `row_linear`, a GEMM over row tiles of ROW_TILE rows
+  (plain CPU GEMMs pick different blockings for different row counts); sigmoid/silu/softplus are
+  written with `exp` (torch's CPU kernels round their vector body and scalar tail differently,
+  measured); routed experts run expert by expert. A row's bits then do not depend on the other
+  rows of its microbatch, so a tree run and its expanded run agree bitwise in fp32 on the CPU.
+- `FAST`: the GPU path: cuBLAS GEMMs, torch's fused activations, routed experts as two grouped
+  GEMMs over expert-sorted rows (`torch._grouped_mm`, bf16 on CUDA; fp32 falls back to the
+  per-expert loop). Deterministic under `torch.use_deterministic_algorithms` (the executor's
+  `deterministic`), not batch-invariant: cuBLAS picks kernels by row count.
+- `INVARIANT`: the GPU's batch-invariant mode (`executor.batch_invariant`): fixed-tile GEMMs without
+  split-K (`kernels.batch_invariant`, when installed), so that a row's result does not depend on the
+  row count: tree and expanded log-probs equal bitwise in bf16. Slower; off by default.
+
+Legend: R rows, I input features, O output features.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dtypes import compute_dtype
+
+#: rows per tile of row_linear; every tile is one same-shape GEMM.
+ROW_TILE = 32
+
+
+def row_linear(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T + b`, batch-invariant on the CPU: each row's result is independent of the other rows.
+
+    Pads the rows to a multiple of ROW_TILE and runs one GEMM over them (the same kernel as a
+    matmul of [ROW_TILE, I] tiles, which torch folds into it); the padded row count keeps the CPU
+    GEMM's blocking independent of R. Without padding the result is the GEMM's output itself.
+    """
+    R = x_RI.shape[0]
+    pad = (-R) % ROW_TILE
+    y_PO = torch.mm(F.pad(x_RI, (0, 0, 0, pad)) if pad else x_RI.contiguous(), w_OI.t())
+    y_RO = y_PO[:R] if pad else y_PO
+    return y_RO if b_O is None else y_RO + b_O
+
+
+def row_linear_ref(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain reference of `row_linear` (not batch-invariant)."""
+    return F.linear(x_RI, w_OI, b_O)
+
+
+def exp_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)): unlike torch.sigmoid on the CPU, bitwise the same wherever x sits in the tensor."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def exp_silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x), position-independent on the CPU (torch's silu rounds its vector body and tail differently)."""
+    return x / (1.0 + torch.exp(-x))
+
+
+def exp_softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)) with torch's threshold of 20, position-independent on the CPU."""
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp_max(20.0))))
+
+
+def torch_softplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x, beta=1.0, threshold=20.0)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in at least fp32 (`compute_dtype`); the norms apply their weights."""
+    xf = x.to(compute_dtype(x))
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax of the last dim in at least fp32."""
+    return torch.softmax(x, dim=-1, dtype=compute_dtype(x))
+
+
+EXPERT_IMPLS = ("loop", "grouped")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ops:
+    """The primitives of one execution path (see the module docstring)."""
+
+    name: str
+    """"exact", "fast" or "invariant"."""
+    linear: Callable[..., torch.Tensor]
+    """(x [R, I], w [O, I], b [O] | None) -> [R, O]."""
+    sigmoid: Callable[[torch.Tensor], torch.Tensor]
+    silu: Callable[[torch.Tensor], torch.Tensor]
+    softplus: Callable[[torch.Tensor], torch.Tensor]
+    rms_normalize: Callable[[torch.Tensor, float], torch.Tensor]
+    """(x [..., n], eps) -> x / rms(x) in at least fp32 (`rms_normalize`)."""
+    softmax: Callable[[torch.Tensor], torch.Tensor]
+    """Softmax of the last dim in at least fp32 (the router)."""
+    experts: str
+    """Routed experts: "loop" (expert by expert through `linear`; one host read of the counts per
+    MoE layer) or "grouped" (grouped GEMMs, counts stay on the device; bf16 on CUDA)."""
+    group_align: int = 1
+    """Rows each expert's group is padded to a multiple of in the expert-sorted buffer (grouped
+    GEMMs read each group at a 16-byte aligned row offset: 8 rows of bf16)."""
+
+    def __post_init__(self) -> None:
+        if self.experts not in EXPERT_IMPLS:
+            raise ValueError(f"experts: expected one of {EXPERT_IMPLS}, got {self.experts!r}")
+        if self.group_align < 1:
+            raise ValueError(f"group_align: expected >= 1, got {self.group_align}")
+
+
+EXACT = Ops(name="exact", linear=row_linear, sigmoid=exp_sigmoid, silu=exp_silu, softplus=exp_softplus,
+            rms_normalize=rms_normalize, softmax=softmax, experts="loop")
+FAST = Ops(name="fast", linear=F.linear, sigmoid=torch.sigmoid, silu=F.silu, softplus=torch_softplus,
+           rms_normalize=rms_normalize, softmax=softmax, experts="grouped", group_align=8)
+
+
+def invariant_ops() -> Ops:
+    """The batch-invariant GPU primitives (`kernels.batch_invariant`).
+
+    Raises:
+        ValueError: the kernels are not available in this installation.
+    """
+    try:
+        from kernels.batch_invariant import matmul_invariant
+    except ImportError as exc:
+        raise ValueError(f"executor.batch_invariant: expected kernels.batch_invariant to be importable, got {exc}") from None
+
+    def linear(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
+        y = matmul_invariant(x_RI, w_OI)
+        return y if b_O is None else y + b_O
+
+    return Ops(name="invariant", linear=linear, sigmoid=torch.sigmoid, silu=F.silu, softplus=torch_softplus,
+               rms_normalize=rms_normalize, softmax=softmax, experts="loop")
+
+
+def select_ops(device: torch.device | str, *, batch_invariant: bool = False) -> Ops:
+    """The primitives of a run on `device`: EXACT on the CPU; on CUDA FAST, or the batch-invariant ones."""
+    if torch.device(device).type == "cpu":
+        return EXACT
+    return invariant_ops() if batch_invariant else FAST
+
+
+__all__ = ["Ops", "EXACT", "FAST", "ROW_TILE", "EXPERT_IMPLS", "invariant_ops", "row_linear", "row_linear_ref",
+           "select_ops", "rms_normalize", "softmax", "exp_sigmoid", "exp_silu", "exp_softplus"]
