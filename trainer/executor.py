@@ -256,6 +256,8 @@ class Executor:
             objective=self.cfg.objective, aux_loss_coef=self.cfg.aux_loss_coef, want_entropy=self.cfg.want_entropies,
             num_experts=self.num_experts if self.moe_layers else 0, top_k=mc.num_experts_per_tok,
         )
+        self.expert_parallel = any(getattr(m, "expert_parallel", None) is not None for m in model.modules())
+        """The model's experts are split over ranks (`trainer.expert_parallel`): only lock-step plans run."""
         self._standin_layout: RowLayout | None = None
         self.export_layout = export_layout(mc, self.cfg.activation_dtype or next(model.parameters()).dtype)
         """The exports' names, shapes and dtypes in the order windows across ranks send them."""
@@ -277,6 +279,10 @@ class Executor:
             raise ValueError(f"plan params.conv_kernel: expected {mc.linear_conv_kernel_dim} (the model's), got {p.conv_kernel}")
         if p.vocab_size != mc.vocab_size:
             raise ValueError(f"plan params.vocab_size: expected {mc.vocab_size} (the model's), got {p.vocab_size}")
+        if self.expert_parallel and not p.lockstep:
+            raise ValueError("plan params.lockstep: expected a lock-step plan (topology.lockstep) for a model with expert "
+                             "parallelism (every rank of an expert-parallel group runs the same step kinds together), "
+                             "got a free plan")
 
     def run_step(self, plan, *, backward: bool = True, zero_grad: bool = True,
                  before_last_backward: Callable[[], None] | None = None) -> StepResult:

@@ -109,6 +109,8 @@ def resolve_reshard(cfg: ParallelismConfig, full_bytes: int, device: torch.devic
         return False
     if cfg.reshard_after_forward is not None:
         return cfg.reshard_after_forward
+    if cfg.expert_parallel > 1:  # expert-parallel groups need lock-step plans anyway
+        return True
     memory = cfg.device_memory_gb * (1 << 30)
     if not memory and device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
@@ -139,6 +141,17 @@ def parallelize(model: torch.nn.Module, mesh, cfg: ParallelismConfig, ctx: DistC
     mp = MixedPrecisionPolicy(param_dtype=param_dtype_of(cfg, device), reduce_dtype=_DTYPES[cfg.reduce_dtype],
                               cast_forward_inputs=False)
     blocks = list(model.model.layers)
+    if mesh.ndim == 2:  # expert parallelism: experts over "ep", FSDP2 of them over "dp", the rest over all
+        from trainer.expert_parallel import shard_experts
+
+        if not reshard:
+            raise ValueError("parallelism.expert_parallel > 1: expected reshard_after_forward (lock-step plans: every "
+                             "rank of an expert-parallel group must run the same step kinds at the same time), got false")
+        shard_experts(model, mesh["ep"])
+        for block in blocks:
+            if getattr(block, "is_moe", False):
+                fully_shard(block.mlp.experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
+        mesh = mesh._flatten("dp_ep")
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root unit: embeddings, final norm, lm head. Left to FSDP2's root default: gathered from its
@@ -253,9 +266,22 @@ def scale_grads(params: list[torch.Tensor], factor: float) -> None:
 
 
 def make_mesh(cfg: ParallelismConfig, ctx: DistContext):
-    """1-D "dp" DeviceMesh over all ranks for FSDP2 (None for "replicate")."""
+    """The DeviceMesh of FSDP2: 1-D "dp" over all ranks, or with `expert_parallel` E > 1 a 2-D
+    ("dp", "ep") mesh of W / E x E ranks (`trainer.expert_parallel`); None for "replicate".
+
+    Raises:
+        ValueError: E does not divide the world size, or expert parallelism without FSDP2.
+    """
+    E = cfg.expert_parallel
     if cfg.data_parallel == "replicate":
+        if E > 1:
+            raise ValueError(f"parallelism.expert_parallel: expected 1 with data_parallel='replicate', got {E}; "
+                             "use data_parallel='fsdp'")
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
+    if E == 1:
+        return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
+    if ctx.world_size % E:
+        raise ValueError(f"parallelism.expert_parallel: expected a divisor of the world size ({ctx.world_size}), got {E}")
+    return init_device_mesh(ctx.device.type, (ctx.world_size // E, E), mesh_dim_names=("dp", "ep"))

@@ -130,7 +130,21 @@ class ParallelismConfig:
     only the FFN, post-attention norm and MoE or MLP, whose saved activations grow with top-k;
     keep the token mixer's). Gradients are bitwise those of "none" on the CPU."""
 
+    expert_parallel: int = 1
+    """Ranks each MoE layer's routed experts are split over (E): a (W / E) x E mesh, tokens sent to
+    their experts' ranks and back by all-to-all (`trainer.expert_parallel`); E divides the world
+    size and num_experts. E > 1 needs data_parallel = "fsdp" and lock-step plans with parameters
+    sharded through the step (reshard_after_forward, topology.lockstep)."""
+
     def __post_init__(self) -> None:
+        if self.expert_parallel < 1:
+            raise ValueError(f"expert_parallel: expected >= 1 ranks per expert group, got {self.expert_parallel}")
+        if self.expert_parallel > 1 and self.data_parallel != "fsdp":
+            raise ValueError(f"expert_parallel: expected 1 with data_parallel={self.data_parallel!r}, got "
+                             f"{self.expert_parallel}; use data_parallel='fsdp'")
+        if self.expert_parallel > 1 and self.reshard_after_forward is False:
+            raise ValueError(f"expert_parallel: expected reshard_after_forward true or none with expert_parallel="
+                             f"{self.expert_parallel} (lock-step plans), got false")
         if self.activation_checkpointing not in CHECKPOINTING:
             raise ValueError(f"activation_checkpointing: expected one of {CHECKPOINTING}, "
                              f"got {self.activation_checkpointing!r}")

@@ -44,18 +44,21 @@ def meta_model(cfg: ModelConfig) -> Qwen3NextForRL:
 
 
 def local_rows(p: torch.Tensor) -> tuple[slice, torch.Tensor]:
-    """(global rows this rank holds, the local tensor holding them) of a parameter."""
-    from torch.distributed.tensor import DTensor, Shard
+    """(global rows this rank holds, the local tensor holding them) of a parameter: every row of a
+    plain tensor; of a DTensor sharded along dim 0 (FSDP2's Shard(0), or experts sharded over the
+    expert-parallel ranks and then by FSDP2), the one contiguous block of rows it keeps."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(p, DTensor):
         return slice(0, p.shape[0] if p.dim() else 1), p
-    assert tuple(p.placements) == (Shard(0),), f"expected FSDP2's Shard(0) placement, got {p.placements}"
-    n, W, r = p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()
-    chunk = -(-n // W)
-    start, stop = min(r * chunk, n), min((r + 1) * chunk, n)
+    for pl in p.placements:
+        assert getattr(pl, "dim", None) == 0, f"expected placements sharding dim 0, got {p.placements}"
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     local = p.to_local()
-    assert local.shape[0] == stop - start, f"shard of rank {r}: expected {stop - start} rows, got {local.shape[0]}"
-    return slice(start, stop), local
+    start = min(offset[0], p.shape[0])
+    assert local.shape[0] == shape[0], f"shard at row {start}: expected {shape[0]} rows, got {local.shape[0]}"
+    return slice(start, start + shape[0]), local
 
 
 @torch.no_grad()

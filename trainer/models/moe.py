@@ -191,34 +191,19 @@ class Experts(nn.Module):
         self.num_experts = E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, inner))
+        self.expert_parallel = None
+        """`trainer.expert_parallel.ExpertParallel` when the experts are split over ranks (the
+        parameters are then DTensors holding this rank's experts)."""
 
     def forward(self, x_SD: torch.Tensor, d: Dispatch, ops: Ops) -> torch.Tensor:
         """[S, D] SwiGLU of every slot with its group's expert (padding slots: zeros, or anything
-        the grouped GEMM leaves there; they are never combined)."""
-        if ops.experts == "grouped" and _grouped_ok(x_SD):
-            gu_S2I = _grouped_mm(x_SD, self.gate_up_proj.transpose(-2, -1), offs=d.group_end)
-            gate, up = gu_S2I.chunk(2, dim=-1)
-            return _grouped_mm(ops.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=d.group_end)
-        return self.forward_loop(x_SD, d, ops)
-
-    def forward_loop(self, x_SD: torch.Tensor, d: Dispatch, ops: Ops) -> torch.Tensor:
-        """Expert by expert through `ops.linear` (one host read of the group boundaries)."""
-        starts, counts = torch.stack([d.group_start, d.counts]).tolist()  # one host read
-        # unbind, not [e]: one node whose backward stacks, where each select's backward would
-        # zero-fill a gradient of the whole [E, ...] weight.
-        gate_up_E, down_E = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        parts, at = [], 0
-        for e, (lo, n) in enumerate(zip(starts, counts)):
-            if not n:
-                continue
-            if lo > at:
-                parts.append(x_SD.new_zeros(lo - at, x_SD.shape[1]))
-            gate, up = ops.linear(x_SD[lo : lo + n], gate_up_E[e]).chunk(2, dim=-1)
-            parts.append(ops.linear(ops.silu(gate) * up, down_E[e]))
-            at = lo + n
-        if at < x_SD.shape[0]:
-            parts.append(x_SD.new_zeros(x_SD.shape[0] - at, x_SD.shape[1]))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        the grouped GEMM leaves there; they are never combined). With expert parallelism, `d`
+        (without padding) sorts the rows by global expert and the rows travel to their experts'
+        ranks and back (`trainer.expert_parallel`)."""
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        if self.expert_parallel is not None:
+            return self.expert_parallel.apply(x_SD, d, gate_up, down, ops)
+        return expert_swiglu(x_SD, d, gate_up, down, ops)
 
     def forward_ref(self, x_RD: torch.Tensor, topk_Rk: torch.Tensor, weight_Rk: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Plain reference of the whole routed output [R, D]: expert by expert (ascending), rows
@@ -230,6 +215,46 @@ class Experts(nn.Module):
             h = ops.linear(ops.silu(gate) * up, self.down_proj[e]) * weight_Rk[rows, slot, None]
             out_RD = out_RD.index_add(0, rows, h.to(out_RD.dtype))
         return out_RD
+
+
+def expert_swiglu(x_SD: torch.Tensor, d: Dispatch, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """[S, D] down_e(silu(gate_e(x)) * up_e(x)) of every slot with the expert e of its group
+    (gate_up [E, 2I, D], down [E, D, I]): two grouped GEMMs (`ops.experts == "grouped"` where they
+    run) or expert by expert."""
+    if ops.experts == "grouped" and _grouped_ok(x_SD):
+        gu_S2I = _grouped_mm(x_SD, gate_up.transpose(-2, -1), offs=d.group_end)
+        gate, up = gu_S2I.chunk(2, dim=-1)
+        return _grouped_mm(ops.silu(gate) * up, down.transpose(-2, -1), offs=d.group_end)
+    return _expert_loop(x_SD, d, gate_up, down, ops)
+
+
+def _expert_loop(x_SD: torch.Tensor, d: Dispatch, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """Expert by expert through `ops.linear` (one host read of the group boundaries). An input
+    with no row still depends on the weights (zero gradients), so that a sharded expert unit takes
+    part in every backward."""
+    starts, counts = torch.stack([d.group_start, d.counts]).tolist()  # one host read
+    # unbind, not [e]: one node whose backward stacks, where each select's backward would
+    # zero-fill a gradient of the whole [E, ...] weight.
+    gate_up_E, down_E = gate_up.unbind(0), down.unbind(0)
+    parts, at = [], 0
+    for e, (lo, n) in enumerate(zip(starts, counts)):
+        if not n:
+            continue
+        if lo > at:
+            parts.append(x_SD.new_zeros(lo - at, x_SD.shape[1]))
+        gate, up = ops.linear(x_SD[lo : lo + n], gate_up_E[e]).chunk(2, dim=-1)
+        parts.append(ops.linear(ops.silu(gate) * up, down_E[e]))
+        at = lo + n
+    if not at:  # no row for any expert: an exact zero that still reaches the weights
+        return x_SD.new_zeros(x_SD.shape[0], down.shape[1]) + (gate_up.sum() + down.sum()) * 0.0
+    if at < x_SD.shape[0]:
+        parts.append(x_SD.new_zeros(x_SD.shape[0] - at, x_SD.shape[1]))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a parameter (a DTensor under expert parallelism), differentiably."""
+    return w.to_local() if hasattr(w, "to_local") else w
 
 
 def _grouped_ok(x_SD: torch.Tensor) -> bool:

@@ -241,7 +241,8 @@ class SparseMoe(nn.Module):
     def forward(self, x_RD: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output [R, D], router probabilities [R, E], selected experts [R, k])."""
         probs_RE, w_Rk, e_Rk = self.gate(x_RD, ops)
-        d = route(e_Rk, self.experts.num_experts, align=ops.group_align)
+        # with expert parallelism the rows travel sorted by expert, unpadded (trainer.expert_parallel)
+        d = route(e_Rk, self.experts.num_experts, align=1 if self.experts.expert_parallel else ops.group_align)
         y_SD = self.experts(dispatch_rows(x_RD, d), d, ops)
         out = combine(y_SD, w_Rk, d, chained=ops.name != "fast")
         if self.has_shared:
