@@ -73,7 +73,7 @@ from plan.window_exports import export_needs
 from trainer.boundary import Imports, export_layout, kind_of
 from trainer.config.schema import ExecutorSection
 from trainer.cross_rank import LocalTransport, RankEdges, Received
-from trainer.layout import RowLayout, layout_from_arrays
+from trainer.layout import RowLayout, layout_from_arrays, to_device
 from trainer.lockstep import standin_microbatch
 from trainer.loss import LossConfig, MicrobatchLoss, expert_load, microbatch_loss
 from trainer.models.ops import select_ops
@@ -526,17 +526,17 @@ class _StepRun:
             names = [n for n in sources[exporters[0]].exports if kind_of(n) == kind]
             for name in names:
                 if len(exporters) == 1:
-                    t = sources[exporters[0]].exports[name].detach().index_select(0, torch.from_numpy(src.position).to(self.ex.device))
+                    t = sources[exporters[0]].exports[name].detach().index_select(0, to_device(torch.from_numpy(src.position), self.ex.device))
                 else:
                     parts, order = [], []
                     for e in exporters:
                         sel = np.flatnonzero(src.exporter == e)
-                        pos = torch.from_numpy(src.position[sel]).to(self.ex.device)
+                        pos = to_device(torch.from_numpy(src.position[sel]), self.ex.device)
                         parts.append(sources[e].exports[name].detach().index_select(0, pos))
                         order.append(sel)
                     inv = np.empty(src.exporter.shape[0], np.int64)
                     inv[np.concatenate(order)] = np.arange(src.exporter.shape[0])
-                    t = torch.cat(parts).index_select(0, torch.from_numpy(inv).to(self.ex.device))
+                    t = torch.cat(parts).index_select(0, to_device(torch.from_numpy(inv), self.ex.device))
                 imports[name] = t.requires_grad_(self.backward)
         return imports
 
@@ -578,8 +578,8 @@ class _StepRun:
             src = w.import_from[kind_of(name)]
             for e in np.unique(src.exporter).tolist():
                 sel = np.flatnonzero(src.exporter == e)
-                g = leaf.grad if sel.shape[0] == src.exporter.shape[0] else leaf.grad.index_select(0, torch.from_numpy(sel).to(leaf.device))
-                pos = torch.from_numpy(src.position[sel]).to(leaf.device)
+                g = leaf.grad if sel.shape[0] == src.exporter.shape[0] else leaf.grad.index_select(0, to_device(torch.from_numpy(sel), leaf.device))
+                pos = to_device(torch.from_numpy(src.position[sel]), leaf.device)
                 target = st.sources[e]
                 acc = target.export_grads.get(name)
                 if acc is None:

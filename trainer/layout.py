@@ -124,7 +124,7 @@ class RowLayout:
         dev = torch.device(device)
         if dev.type == "cpu":
             return self
-        mv = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
+        mv = lambda t: None if t is None else to_device(t, dev)  # noqa: E731
         self.tokens, self.depth, self.occurrence = mv(self.tokens), mv(self.depth), mv(self.occurrence)
         self.conv_src, self.row_from_kept = mv(self.conv_src), mv(self.row_from_kept)
         self.attention = self.attention.to(dev)
@@ -138,6 +138,15 @@ class RowLayout:
             w.export_rows = {k: mv(v) for k, v in w.export_rows.items()}
         w.export_states = mv(w.export_states)
         return self
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: a copy from pageable memory makes
+    CUDA synchronise the stream first (the host would stop at every layout tensor), one from
+    pinned memory is queued behind the running kernels."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _long(a) -> torch.Tensor:
@@ -322,4 +331,4 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
     )
 
 
-__all__ = ["LogprobMap", "ImportSource", "WindowIO", "RowLayout", "layout_from_arrays", "layout_from_sequences"]
+__all__ = ["LogprobMap", "ImportSource", "WindowIO", "RowLayout", "layout_from_arrays", "layout_from_sequences", "to_device"]
