@@ -243,6 +243,15 @@ def _head_bytes(dims: ModelDims, dtype: str, head: str) -> float:
 _MIXER = {LINEAR: "linear_attention", FULL: "attention"}
 
 
+def _row_extras(head: str) -> int:
+    """Small per-row tensors outside the decoder blocks that `saved_bytes_per_row` leaves to
+    MEASURED_FACTOR's slack (so that plans without checkpointing keep their bytes): the embedding's
+    int64 token id, the lm head's int64 row index and, with the full head, the loss's fp32
+    log-sum-exp (the chunked head counts its own). Counted under checkpointing, where a row keeps
+    little else."""
+    return 8 + 8 + (4 if head == "full" else 0)
+
+
 def saved_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int = 64, head: str = "full") -> dict[str, float]:
     """Bytes autograd keeps per computed row for the backward of one microbatch, by component.
 
@@ -308,18 +317,20 @@ def checkpointed_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_si
     (input_norm + mixer + post_norm + ffn), head = the final norm and lm head, and D e one
     [rows, D] tensor in the compute dtype:
 
-    - "none":      kept = sum_i L_i + head                                  transient = 0
-    - "full":      kept = layers x D e + head (each block keeps its input)  transient = max_i L_i
-    - "selective": kept = sum_i (input_norm_i + mixer_i + D e) + head       transient = max_i (post_norm_i + ffn_i)
+    - "none":      kept = sum_i L_i + head                                     transient = 0
+    - "full":      kept = layers x D e + head + x (each block keeps its input)  transient = max_i L_i
+    - "selective": kept = sum_i (input_norm_i + mixer_i + D e) + head + x       transient = max_i (post_norm_i + ffn_i)
                    (the FFN sub-block keeps its input; the token mixer, its kernels and its window
                    exports are never recomputed)
+
+    where x = 16 or 20 bytes of ids and the log-sum-exp (`_row_extras`).
 
     Raises:
         ValueError: an unknown mode or head.
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"activation_checkpointing: expected one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}")
-    head_bytes = _head_bytes(dims, dtype, head) * MEASURED_FACTOR["head"]
+    head_bytes = _head_bytes(dims, dtype, head) * MEASURED_FACTOR["head"] + _row_extras(head)
     if checkpointing == "none":
         return sum(saved_bytes_per_row(dims, dtype, chunk_size, head).values()), 0.0
     layers = layer_bytes_per_row(dims, dtype, chunk_size)
