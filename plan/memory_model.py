@@ -419,9 +419,9 @@ class RowSizes:
         recomputed by it (`kept_bytes` is exact)."""
         return np.asarray(rows, np.int64) * self.row_bytes if not isinstance(rows, int) else rows * self.row_bytes
 
-    def kept_bytes(self, rows: int) -> int:
-        """Live bytes of an open window that is not recomputed (`rows` computed rows)."""
-        return rows * self.activation_row_bytes
+    def kept_bytes(self, rows):
+        """Live bytes of an open window that is not recomputed (int or int64 array of computed rows)."""
+        return np.asarray(rows, np.int64) * self.activation_row_bytes if not isinstance(rows, int) else rows * self.activation_row_bytes
 
     def export_bytes(self, attn_rows, conv_rows, kernel_rows, states):
         """Live bytes of a recomputed open window: its own exported rows per kind and its states
