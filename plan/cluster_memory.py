@@ -197,13 +197,13 @@ def all_to_all_row_bytes(dims: ModelDims, dtype: str, expert_parallel: int) -> i
     return 2 * moe * k * D * e * (expert_parallel - 1) // expert_parallel
 
 
-def passes_per_step(activation_checkpointing: str, *, recomputed: bool = False) -> int:
-    """Passes through the MoE layers a microbatch's rows make in a step: forward and backward, a
-    second forward when its window is recomputed (`Microbatch.recompute`), and the backward's
-    re-forward of checkpointed blocks ("full" and "selective" both recompute the FFN)."""
+def passes_per_step(activation_checkpointing: str) -> int:
+    """Passes through the MoE layers a microbatch's rows make in a step: forward and backward, and
+    the backward's re-forward of checkpointed blocks ("full" and "selective" both recompute the
+    FFN). A microbatch whose window is recomputed (`Microbatch.recompute`) makes one more."""
     if activation_checkpointing not in CHECKPOINTING:
         raise ValueError(f"activation_checkpointing: expected one of {', '.join(CHECKPOINTING)}, got {activation_checkpointing!r}")
-    return 2 + int(recomputed) + int(activation_checkpointing != "none")
+    return 2 + int(activation_checkpointing != "none")
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)

@@ -278,3 +278,13 @@ def test_plan_config_carries_checkpointing_expert_parallelism_and_the_head():
         PlanConfig(activation_checkpointing="some")
     with pytest.raises(ValueError, match="head: expected one of"):
         PlanConfig(head="fused")
+
+
+def test_readme_memory_table_is_what_the_script_prints():
+    import pathlib
+    import runpy
+
+    root = pathlib.Path(__file__).parents[2]
+    tables = runpy.run_path(str(root / "scripts" / "memory_table.py"))["tables"]
+    readme = (root / "README.md").read_text()
+    assert "\n".join(tables(16384, 141.0)) in readme, "regenerate with python scripts/memory_table.py"
