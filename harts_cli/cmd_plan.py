@@ -6,22 +6,35 @@ print the per-rank memory report of a model on a cluster.
     harts plan batch.pb --world-size 2 --microbatch-tokens 4096 --no-sharing     # expanded baseline
     cat rollouts.json | harts plan - --world-size 1
     harts plan --model qwen3-next-80b-a3b --world-size 64 [--device-memory-gb 141]   # memory report
+    harts plan --model hybrid-moe-124b --world-size 32 --microbatch-tokens 16384 \
+        --activation-checkpointing full --expert-parallel 8 --json
 
 Memory report (no batch; plan/cluster_memory.py): per rank, the fp32 parameter shards (the master
 weights), gradient shards and AdamW state of FSDP2 over W ranks, the gathered units (the root and
 the largest decoder blocks, per forward and backward as lock-step plans run them), the live window
 stack's activations (--memory-tokens rows, default what the device leaves) and a 10% margin, and
 whether that fits the device with room for one microbatch of --microbatch-tokens rows; then the
-peak of a free schedule, which keeps every unit gathered for the whole step. Default dtype there:
-bfloat16 (CUDA). `--json` prints both reports as one JSON object.
+peak of a free schedule, which keeps every unit gathered for the whole step. Defaults there:
+bfloat16 and the chunked lm head (a CUDA trainer). `--activation-checkpointing none|full|selective`
+counts a row as the trainer's parallelism.activation_checkpointing keeps it (plan/memory_model.py:
+"full" keeps each decoder block's input and recomputes the block in backward, "selective" the FFN
+sub-block only); `--expert-parallel E` splits every MoE layer's routed experts over E ranks
+(parallelism.expert_parallel; E divides --world-size and the model's experts): fewer gathered
+expert parameters per block, and the tokens' all-to-all bytes per row and per microbatch.
+`--json` prints one JSON object: the lock-step report's fields, among them
+activation_rows_per_rank, bytes_per_row, peak_bytes_per_rank (shards + gathered units +
+activations, margin excluded), fits and shortfall_bytes (what one microbatch of B rows needs
+beyond the device), and `free_schedule`, the free schedule's report.
 
 Sharing windows are on (`--no-windows` is the ablation that duplicates every cut edge's prefix).
 `--model` names the trainer's model (a config.json path or a named config: `qwen3-next-80b-a3b`,
 `hybrid-moe-124b`, or a trainer config such as `tiny`) so that the live window stack is checked in
 its bytes (plan/memory_model.py; default: Qwen3-Next-80B-A3B's sizes in fp32) and, unless
 --memory-tokens is given, the budget M is what a device of --device-memory-gb leaves after that
-model's shards and gathered units (without --model: 8 x B rows); `--cost-model` is a file written
-by `harts calibrate` that placement balances with.
+model's shards and gathered units (without --model: 8 x B rows); `--activation-checkpointing`,
+`--expert-parallel` (lock-step plans only) and `--head` (default full: the CPU trainer's logits;
+chunked for a GPU trainer) size rows and that budget as the trainer runs; `--cost-model` is a file
+written by `harts calibrate` that placement balances with.
 
 `--lockstep` plans one global sequence of phases that every rank runs in step (DESIGN §5.7: for
 trainers that gather parameters per forward and backward, FSDP2 with reshard_after_forward). A
@@ -39,10 +52,11 @@ lockstep_makespan, lockstep_ratio, and the windows across ranks: cross_edges, ex
 max_rank_exchanged_bytes, with_cross_edges and without_cross_edges (the two plans compared:
 compression_achieved, makespan_ratio, lockstep_makespan, duplicated_tokens, cross_edges,
 exchanged_bytes, makespan, makespan_lower_bound)) plus `validated`, `memory_model` (the model whose sizes
-peak_live_bytes counts), `memory_budget` (memory_tokens, memory_bytes and where they come from),
-with --model `memory_report` (the report above for this topology), for a lock-step plan
-`collectives` (all-gather and reduce-scatter bytes per rank and step from its phase counts) and,
-with -o, `output`. With more than 16 ranks `rank_costs` is summarised (min, max) unless --all-ranks. The plan is checked with the independent
+peak_live_bytes counts), `memory_budget` (memory_tokens, memory_bytes, bytes_per_row, where they come
+from, and the checkpointing mode, expert parallelism and head they assume), with --model
+`memory_report` (the report above for this topology), for a lock-step plan `collectives`
+(all-gather and reduce-scatter bytes per rank and step from its phase counts; with
+--expert-parallel also the busiest rank's all-to-all bytes per step) and, with -o, `output`. With more than 16 ranks `rank_costs` is summarised (min, max) unless --all-ranks. The plan is checked with the independent
 validator before it is written. `-o` writes the `harts.v1.Plan` serialised deterministically with
 `plan_seconds` zeroed, so that the same batch and settings always give the same bytes (the timing
 is in the printed report). Settings that cannot be satisfied exit with code 2 and a message that
@@ -56,6 +70,7 @@ import logging
 
 from harts_cli.inputs import add_input_arguments, load_forest
 from harts_client.timing import Stopwatch
+from plan.memory_model import CHECKPOINTING, HEADS
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="trainer compute dtype for the memory model (default: float32 when planning, bfloat16 for "
                              "the memory report alone)")
+    parser.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING, metavar="MODE",
+                        help="the trainer's parallelism.activation_checkpointing the memory model counts rows under: "
+                             "none, full (every decoder block keeps its input and is recomputed in backward) or "
+                             "selective (the FFN sub-block only); default none")
+    parser.add_argument("--expert-parallel", type=int, default=1, metavar="E",
+                        help="the trainer's parallelism.expert_parallel: every MoE layer's routed experts split over E "
+                             "ranks (E divides --world-size and the model's num_experts; planning needs --lockstep); "
+                             "default 1")
+    parser.add_argument("--head", default=None, choices=HEADS,
+                        help="the trainer's lm head for the memory model: full fp32 logits (the CPU path; default when "
+                             "planning) or chunked (the GPU path; default for the memory report alone)")
     parser.add_argument("--json", action="store_true", help="memory report alone: print it as one JSON object")
     parser.add_argument("--cost-model", default=None, help="cost model JSON from `harts calibrate` (default: computed rows)")
     parser.add_argument("--makespan-slack", type=float, default=None,
@@ -118,6 +144,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", help="write the serialised harts.v1.Plan here")
 
 
+#: settings whose errors name their flag (the rest name the PlanConfig field, as the service does)
+FLAGS = {"activation_checkpointing": "--activation-checkpointing", "expert_parallel": "--expert-parallel", "head": "--head"}
+
+
+def _flag_error(exc: ValueError) -> ValueError:
+    """`exc` with its leading field name replaced by the flag that sets it (FLAGS)."""
+    name, sep, rest = str(exc).partition(": ")
+    return ValueError(f"{FLAGS[name]}: {rest}") if sep and name in FLAGS else exc
+
+
 def memory_only(args: argparse.Namespace) -> int:
     """The memory report of --model (default Qwen3-Next-80B-A3B) on --world-size ranks, no batch."""
     from harts_cli.model_arg import resolve_model
@@ -126,11 +162,16 @@ def memory_only(args: argparse.Namespace) -> int:
     name, config = resolve_model(args.model or "qwen3-next-80b-a3b")
     kw = dict(dtype=args.dtype or "bfloat16", device_memory_gb=args.device_memory_gb or DEFAULT_DEVICE_MEMORY_GB,
               memory_tokens=args.memory_tokens,
-              microbatch_tokens=args.microbatch_tokens, chunk_size=args.chunk_size, model_name=name)
-    lockstep = memory_report(config, args.world_size, lockstep=True, **kw)
-    free = memory_report(config, args.world_size, lockstep=False, **kw)
+              microbatch_tokens=args.microbatch_tokens, chunk_size=args.chunk_size, model_name=name,
+              activation_checkpointing=args.activation_checkpointing, expert_parallel=args.expert_parallel,
+              head=args.head or "chunked")
+    try:
+        lockstep = memory_report(config, args.world_size, lockstep=True, **kw)
+        free = memory_report(config, args.world_size, lockstep=False, **kw)
+    except ValueError as exc:
+        raise _flag_error(exc) from None
     if args.json:
-        print(json.dumps({"lockstep": lockstep.to_dict(), "free_schedule": free.to_dict()}))
+        print(json.dumps({**lockstep.to_dict(), "free_schedule": free.to_dict()}))
         return 0
     print("\n".join(lockstep.lines()))
     print(f"free schedule (every unit gathered for the whole step): gathered units {free.gathered_bytes / GIB:.2f} GiB, "
@@ -159,21 +200,27 @@ def run(args: argparse.Namespace) -> int:
         extra["makespan_slack"] = args.makespan_slack
     if args.device_memory_gb is not None:
         extra["device_memory_gb"] = args.device_memory_gb
-    cfg = PlanConfig(
-        world_size=args.world_size,
-        microbatch_tokens=args.microbatch_tokens,
-        memory_tokens=args.memory_tokens,
-        chunk_size=args.chunk_size,
-        conv_kernel=args.conv_kernel,
-        sharing=not args.no_sharing,
-        windows=not args.no_windows,
-        replay=not args.no_replay,
-        all_positions=args.all_positions,
-        lockstep=args.lockstep,
-        cross_rank_windows=not args.no_cross_rank_windows,
-        dtype=args.dtype or "float32",
-        **extra,
-    )
+    try:
+        cfg = PlanConfig(
+            world_size=args.world_size,
+            microbatch_tokens=args.microbatch_tokens,
+            memory_tokens=args.memory_tokens,
+            chunk_size=args.chunk_size,
+            conv_kernel=args.conv_kernel,
+            sharing=not args.no_sharing,
+            windows=not args.no_windows,
+            replay=not args.no_replay,
+            all_positions=args.all_positions,
+            lockstep=args.lockstep,
+            cross_rank_windows=not args.no_cross_rank_windows,
+            dtype=args.dtype or "float32",
+            activation_checkpointing=args.activation_checkpointing,
+            expert_parallel=args.expert_parallel,
+            head=args.head or "full",
+            **extra,
+        )
+    except ValueError as exc:
+        raise _flag_error(exc) from None
     with Stopwatch() as sw:
         ingest.warmup()
         warmup()
@@ -193,22 +240,35 @@ def run(args: argparse.Namespace) -> int:
         report["rank_costs"] = {"min": min(st.rank_costs), "max": max(st.rank_costs), "ranks": len(st.rank_costs)}
     report["validated"] = True
     report["memory_model"] = plan.header.params.memory.model
-    report["memory_budget"] = {"memory_tokens": cfg.memory_tokens, "memory_bytes": cfg.memory_bytes, "source": cfg.memory_source}
-    log.info("memory budget M: %d rows (%s)", cfg.memory_tokens, cfg.memory_source)
+    report["memory_budget"] = {
+        "memory_tokens": cfg.memory_tokens, "memory_bytes": cfg.memory_bytes, "bytes_per_row": cfg.sizes.row_bytes,
+        "source": cfg.memory_source, "activation_checkpointing": cfg.activation_checkpointing,
+        "expert_parallel": cfg.expert_parallel, "head": cfg.head}
+    log.info("memory budget M: %d rows of %d bytes (%s; activation checkpointing %s, expert parallel E = %d, %s lm head)",
+             cfg.memory_tokens, cfg.sizes.row_bytes, cfg.memory_source, cfg.activation_checkpointing,
+             cfg.expert_parallel, cfg.head)
     if args.model:
         mem = memory_report(cfg.model_config, cfg.world_size, dtype=cfg.dtype, device_memory_gb=cfg.device_memory_gb,
                             lockstep=cfg.lockstep, memory_tokens=cfg.memory_tokens, microbatch_tokens=cfg.microbatch_tokens,
-                            chunk_size=cfg.chunk_size, model_name=cfg.model_name)
+                            chunk_size=cfg.chunk_size, model_name=cfg.model_name,
+                            activation_checkpointing=cfg.activation_checkpointing, expert_parallel=cfg.expert_parallel,
+                            head=cfg.head)
         report["memory_report"] = mem.to_dict()
         for line in mem.lines():
             log.info("%s", line)
     phases = PhaseCounts.of(plan.header)
     if phases is not None:
+        rank_rows = [(sum(mb.num_rows + mb.replay_tokens for mb in r.microbatches),
+                      sum(mb.num_rows + mb.replay_tokens for mb in r.microbatches if mb.recompute)) for r in plan.ranks]
         coll = collective_bytes(cfg.model_config or NAMED_MODELS["qwen3-next-80b-a3b"](), cfg.world_size, dtype=cfg.dtype,
-                                phases=phases)
+                                phases=phases, expert_parallel=cfg.expert_parallel,
+                                activation_checkpointing=cfg.activation_checkpointing, rank_rows=rank_rows)
         report["collectives"] = coll.to_dict()
         log.info("collectives per rank and step: all-gather %.2f GiB, reduce-scatter %.2f GiB (%s)",
                  coll.all_gather_bytes / GIB, coll.reduce_scatter_bytes / GIB, coll.formula)
+        if coll.all_to_all_bytes:
+            log.info("all-to-all of the busiest rank per step: %.2f GiB sent, as much received (%s)",
+                     coll.all_to_all_bytes / GIB, coll.all_to_all_formula)
     log.info("plan: %d microbatches on %d ranks, compression %.3f of %.3f, imbalance %.3f, %.3f s",
              st.microbatches, cfg.world_size, st.compression_achieved, st.compression_ideal, st.imbalance,
              st.plan_seconds)

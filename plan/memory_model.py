@@ -2,7 +2,9 @@
 
     dims = ModelDims.from_hf_config(json.load(open("config.json")))   # or ModelDims.default()
     sizes = RowSizes.of(dims, dtype="float32")                          # per-row and per-state bytes
-    sizes.full_bytes(rows)                                              # a window that is not recomputed
+    sizes = RowSizes.of(dims, "bfloat16", checkpointing="full", head="chunked")   # a GPU trainer's
+    sizes.full_bytes(rows)                                              # a running microbatch
+    sizes.kept_bytes(rows)                                              # a window that is not recomputed
     sizes.export_bytes(attn_rows, conv_rows, kernel_rows, states)       # a recomputed one
     live, peak = rank_live_bytes(sizes, arrays_by_id, steps)            # a rank's live stack, per step
 
@@ -10,8 +12,11 @@ One module, three users: the partitioner's estimate (`planner_service.planner.pa
 builder's `PlanStats.peak_live_bytes` and the validator's check against `PlanParams.memory`; the
 trainer keeps exactly what is counted here (the executor contract of issue 10):
 
-- an open window whose microbatch is not recomputed keeps the whole forward graph of that
-  microbatch: `activation_row_bytes` per computed row (num_rows + replay_tokens);
+- an open window whose microbatch is not recomputed keeps what its forward saved for backward:
+  `activation_row_bytes` per computed row (num_rows + replay_tokens): the whole forward graph, or
+  under activation checkpointing (`parallelism.activation_checkpointing`,
+  `checkpointed_bytes_per_row`) the inputs of its checkpointed blocks and what they do not
+  recompute;
 - a recomputed one (`Microbatch.recompute`: forward without a graph first) keeps only the tensors
   `plan.window_exports.export_needs` lists for it, and of those only its own rows
   (`ExportNeeds.local_counts`; imported rows it re-exports stay live in the ancestor that computed
@@ -19,18 +24,21 @@ trainer keeps exactly what is counted here (the executor contract of issue 10):
   inputs of its CONV rows, the kernel inputs q, k (before the per-value-head repeat), v, g and
   beta (fp32) of its KERNEL rows, and every fp32 state it exports.
 
-While microbatch m runs (forward or backward), a rank holds m's full activations plus the live
-bytes of every open window below which m runs, plus, with windows across ranks (plan.cross_edges),
-the exports it has received and not yet answered with their gradients; an exporter's window stays
-open for its remote importers exactly as for local ones. The budget is `PlanParams.memory.memory_bytes` =
-memory_tokens x activation_row_bytes: M stays a user-facing token count ("M rows of full
-activations") and is checked in bytes everywhere.
+While microbatch m runs (forward or backward), a rank holds m's activations plus, under
+activation checkpointing, one recomputed sub-block's (`recompute_row_bytes` per computed row; the
+two together are `RowSizes.row_bytes`), plus the live bytes of every open window below which m
+runs, plus, with windows across ranks (plan.cross_edges), the exports it has received and not yet
+answered with their gradients; an exporter's window stays open for its remote importers exactly as
+for local ones. The budget is `PlanParams.memory.memory_bytes` = memory_tokens x row_bytes: M stays
+a user-facing token count ("M rows of a running microbatch") and is checked in bytes everywhere.
 
 Per-row sizes come from the model config the topology names (a Qwen3-Next `config.json`); without
 one the planner uses `ModelDims.default()`, the published Qwen3-Next-80B-A3B configuration, in
-fp32. `saved_bytes_per_row` is the one formula for full activations: it is derived by reading what
-autograd saves in `trainer/models/qwen3_next.py` (plus the fused chunked gated-delta-rule kernel's
-own saved tensors) and is meant to be corrected against saved-tensor hooks; everything else uses it.
+fp32, with the CPU's full-logits head. `saved_bytes_per_row` is the one formula for full
+activations: it is derived by reading what autograd saves in `trainer/models/qwen3_next.py` (plus
+the fused chunked gated-delta-rule kernel's own saved tensors) and is corrected against saved-tensor
+hooks (MEASURED_FACTOR); the checkpointing modes split the same per-layer numbers
+(`layer_bytes_per_row`), and everything else uses them.
 
 Legend: D hidden, V vocab, H/Hkv attention query/key-value heads, hd head dim, Hk/Hv linear key/
 value heads, Kd/Vd linear head dims, K conv kernel, C chunk size, I dense MLP width, E experts,
@@ -52,6 +60,11 @@ FULL = "full_attention"
 
 #: bytes per element of the model dtypes the trainer runs.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+#: activation checkpointing of the decoder blocks (`parallelism.activation_checkpointing`): none, every
+#: block, or the FFN sub-block only (`checkpointed_bytes_per_row`)
+CHECKPOINTING = ("none", "full", "selective")
+#: the lm head: "full" fp32 logits [rows, V] (the CPU path), "chunked" (the GPU path: no logits kept)
+HEADS = ("full", "chunked")
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -178,7 +191,68 @@ class ModelDims:
         return cls.from_hf_config(qwen3_next_80b_a3b())
 
 
-def saved_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int = 64) -> dict[str, float]:
+def _layer_parts(dims: ModelDims, dtype: str, chunk_size: int):
+    """Per decoder layer, before MEASURED_FACTOR: (one RMSNorm over D, token-mixer component,
+    its bytes, FFN component, its bytes) per computed row (`saved_bytes_per_row` derives them)."""
+    e = DTYPE_BYTES[dtype]
+    f = 4.0
+    D = dims.hidden_size
+    H, Hkv, hd, rd = dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim, dims.rotary_dim
+    Hk, Hv, Kd, Vd = dims.linear_num_key_heads, dims.linear_num_value_heads, dims.linear_key_head_dim, dims.linear_value_head_dim
+    conv = 2 * Hk * Kd + Hv * Vd
+    norm = _norm_bytes(D, e)
+    for i, kind in enumerate(dims.layer_types):
+        if dims.moe_layers[i]:
+            k, Ie, Is = dims.num_experts_per_tok, dims.moe_intermediate_size, dims.shared_expert_intermediate_size
+            ffn = "moe", dims.num_experts * f + 2 * k * f + k * (2 * D + 6 * Ie) * e + (6 * Is * e + D * e + 4 * e if Is else 0)
+        else:
+            ffn = "mlp", 6 * dims.intermediate_size * e
+        if kind == LINEAR:
+            mixer = LINEAR, (
+                (dims.linear_conv_kernel_dim + 4) * conv * e + 2 * Hv * Kd * e + 8 * Hv * f
+                + Hv * chunk_size * f + Hv * Kd * Vd * f / chunk_size
+                + Hv * Vd * e + 3 * Hv * Vd * f + 3 * Hv * Vd * e + Hv * f + 3 * Hv * Vd * f
+            )
+        else:
+            mixer = FULL, (
+                (H + Hkv) * (hd * (2 * f + e) + f)  # q/k RMSNorms
+                + Hkv * hd * e  # v
+                + (H + Hkv) * rd * e + 2 * rd * e  # rotate-half terms, cos/sin
+                + (H + Hkv) * hd * e  # rotated q, k
+                + H * hd * e + H * f  # output and log-sum-exp
+                + 3 * H * hd * e  # gate, exp, sigmoid
+                + H * hd * e  # gated product (o_proj input)
+            )
+        yield norm, *mixer, *ffn
+
+
+def _norm_bytes(n: int, e: int) -> float:
+    """An RMSNorm over width n: its input and the normalised value in fp32, the rsqrt, its output
+    in the model dtype (saved by the next projection)."""
+    return n * (2 * 4.0 + e) + 4.0
+
+
+def _head_bytes(dims: ModelDims, dtype: str, head: str) -> float:
+    """The final norm and the lm head per row (see `saved_bytes_per_row`)."""
+    if head not in HEADS:
+        raise ValueError(f"head: expected one of {', '.join(HEADS)}, got {head!r}")
+    return _norm_bytes(dims.hidden_size, DTYPE_BYTES[dtype]) + (dims.vocab_size * 4.0 if head == "full" else 2 * 4.0)
+
+
+#: component names of the mixers in `saved_bytes_per_row`
+_MIXER = {LINEAR: "linear_attention", FULL: "attention"}
+
+
+def _row_extras(head: str) -> int:
+    """Small per-row tensors outside the decoder blocks that `saved_bytes_per_row` leaves to
+    MEASURED_FACTOR's slack (so that plans without checkpointing keep their bytes): the embedding's
+    int64 token id, the lm head's int64 row index, the log-prob entry's int64 row and label (about
+    one entry per row) and, with the full head, the loss's fp32 log-sum-exp (the chunked head
+    counts its own). Counted under checkpointing, where a row keeps little else."""
+    return 8 + 8 + 16 + (4 if head == "full" else 0)
+
+
+def saved_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int = 64, head: str = "full") -> dict[str, float]:
     """Bytes autograd keeps per computed row for the backward of one microbatch, by component.
 
     Derived from `trainer/models/qwen3_next.py` (a tensor counted once however many ops save it;
@@ -198,56 +272,73 @@ def saved_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int
     - gated attention: q and k RMSNorms over hd per head, v, the RoPE rotate-half terms, the
       rotated q and k, the output with its log-sum-exp (flash style), the sigmoid gate (three
       tensors) and the gated product fed to o_proj;
-    - the final norm and the lm head's logits in the compute dtype (V f; an upper bound: only rows
-      with a log-prob entry compute logits).
+    - the final norm and the lm head: `head="full"` (the CPU path) keeps the logits in fp32 (V f);
+      `head="chunked"` (the GPU path, which never builds [rows, V] logits) keeps its input (the
+      final norm's output, counted with the norm) and two fp32 scalars per row, the log-sum-exp
+      and an entropy term (2 f). An upper bound either way: only rows with a log-prob entry
+      reach the head.
 
     Args:
         dims: the model.
         dtype: the trainer's parameter/activation dtype (DTYPE_BYTES).
         chunk_size: linear-attention chunk size C (the kernel's chunk states and WY blocks).
+        head: "full" or "chunked" (HEADS).
 
     Returns:
         component -> bytes per row ("norms", "mlp", "moe", "linear_attention", "attention", "head");
-        `sum(...)` is the per-row activation size.
+        `sum(...)` is the per-row activation size without activation checkpointing.
     """
-    e = DTYPE_BYTES[dtype]
-    f = 4.0
-    D = dims.hidden_size
-
-    def norm(n: int) -> float:
-        return n * (2 * f + e) + f
-
     out = {"norms": 0.0, "mlp": 0.0, "moe": 0.0, "linear_attention": 0.0, "attention": 0.0, "head": 0.0}
-    H, Hkv, hd, rd = dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim, dims.rotary_dim
-    Hk, Hv, Kd, Vd = dims.linear_num_key_heads, dims.linear_num_value_heads, dims.linear_key_head_dim, dims.linear_value_head_dim
-    conv = 2 * Hk * Kd + Hv * Vd
-    for i, kind in enumerate(dims.layer_types):
-        out["norms"] += 2 * norm(D)
-        if dims.moe_layers[i]:
-            k, Ie, Is = dims.num_experts_per_tok, dims.moe_intermediate_size, dims.shared_expert_intermediate_size
-            out["moe"] += dims.num_experts * f + 2 * k * f + k * (2 * D + 6 * Ie) * e
-            if Is:
-                out["moe"] += 6 * Is * e + D * e + 4 * e
-        else:
-            out["mlp"] += 6 * dims.intermediate_size * e
-        if kind == LINEAR:
-            out["linear_attention"] += (
-                (dims.linear_conv_kernel_dim + 4) * conv * e + 2 * Hv * Kd * e + 8 * Hv * f
-                + Hv * chunk_size * f + Hv * Kd * Vd * f / chunk_size
-                + Hv * Vd * e + 3 * Hv * Vd * f + 3 * Hv * Vd * e + Hv * f + 3 * Hv * Vd * f
-            )
-        else:
-            out["attention"] += (
-                (H + Hkv) * (hd * (2 * f + e) + f)  # q/k RMSNorms
-                + Hkv * hd * e  # v
-                + (H + Hkv) * rd * e + 2 * rd * e  # rotate-half terms, cos/sin
-                + (H + Hkv) * hd * e  # rotated q, k
-                + H * hd * e + H * f  # output and log-sum-exp
-                + 3 * H * hd * e  # gate, exp, sigmoid
-                + H * hd * e  # gated product (o_proj input)
-            )
-    out["head"] = norm(D) + dims.vocab_size * f
+    for norm, mixer, mixer_bytes, ffn, ffn_bytes in _layer_parts(dims, dtype, chunk_size):
+        out["norms"] += 2 * norm
+        out[_MIXER[mixer]] += mixer_bytes
+        out[ffn] += ffn_bytes
+    out["head"] = _head_bytes(dims, dtype, head)
     return {k: v * MEASURED_FACTOR[k] for k, v in out.items()}
+
+
+def layer_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int = 64) -> list[dict[str, float]]:
+    """Per decoder layer, the bytes `saved_bytes_per_row` counts (MEASURED_FACTOR applied), split
+    the way activation checkpointing splits a block: "input_norm", "mixer" (Gated DeltaNet or
+    gated attention), "post_norm" (the post-attention norm) and "ffn" (MoE or dense MLP).
+    Summed over layers they are `saved_bytes_per_row` less its "head"."""
+    F = MEASURED_FACTOR
+    return [{"input_norm": norm * F["norms"], "mixer": mb * F[_MIXER[mixer]], "post_norm": norm * F["norms"],
+             "ffn": fb * F[ffn]} for norm, mixer, mb, ffn, fb in _layer_parts(dims, dtype, chunk_size)]
+
+
+def checkpointed_bytes_per_row(dims: ModelDims, dtype: str = "float32", chunk_size: int = 64, *,
+                               checkpointing: str = "none", head: str = "full") -> tuple[float, float]:
+    """(kept, transient) bytes per computed row under an activation-checkpointing mode.
+
+    kept: what a row holds from its forward to its backward (a running microbatch, or an open
+    window that is not recomputed); transient: what the running microbatch holds on top while its
+    backward recomputes one checkpointed sub-block. With L_i = `layer_bytes_per_row` of layer i
+    (input_norm + mixer + post_norm + ffn), head = the final norm and lm head, and D e one
+    [rows, D] tensor in the compute dtype:
+
+    - "none":      kept = sum_i L_i + head                                     transient = 0
+    - "full":      kept = layers x D e + head + x (each block keeps its input)  transient = max_i L_i
+    - "selective": kept = sum_i (input_norm_i + mixer_i + D e) + head + x       transient = max_i (post_norm_i + ffn_i)
+                   (the FFN sub-block keeps its input; the token mixer, its kernels and its window
+                   exports are never recomputed)
+
+    where x = 16 or 20 bytes of ids and the log-sum-exp (`_row_extras`).
+
+    Raises:
+        ValueError: an unknown mode or head.
+    """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing: expected one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}")
+    head_bytes = _head_bytes(dims, dtype, head) * MEASURED_FACTOR["head"] + _row_extras(head)
+    if checkpointing == "none":
+        return sum(saved_bytes_per_row(dims, dtype, chunk_size, head).values()), 0.0
+    layers = layer_bytes_per_row(dims, dtype, chunk_size)
+    block_input = dims.hidden_size * DTYPE_BYTES[dtype]
+    if checkpointing == "full":
+        return len(layers) * block_input + head_bytes, max(sum(x.values()) for x in layers)
+    return (sum(x["input_norm"] + x["mixer"] + block_input for x in layers) + head_bytes,
+            max(x["post_norm"] + x["ffn"] for x in layers))
 
 
 #: measured / derived bytes per row, per component: the derivation above misses intermediates the
@@ -264,7 +355,9 @@ class RowSizes:
     """Byte sizes the memory model multiplies by row and state counts (PlanParams.memory)."""
 
     activation_row_bytes: int
-    """Saved activations of one computed row of a microbatch that is not recomputed."""
+    """Activations one computed row keeps from its forward to its backward: a running microbatch
+    and an open window that is not recomputed (`checkpointed_bytes_per_row`'s kept bytes; without
+    activation checkpointing the full `saved_bytes_per_row`)."""
     attn_row_bytes: int
     """Exported K and V of one ATTN row, summed over the softmax-attention layers."""
     conv_row_bytes: int
@@ -273,32 +366,39 @@ class RowSizes:
     """Exported q, k, v, g, beta of one KERNEL (replay) row, summed over the linear-attention layers."""
     state_bytes: int
     """One exported fp32 state, summed over the linear-attention layers."""
+    recompute_row_bytes: int = 0
+    """Activation checkpointing: what a running microbatch holds per computed row on top of
+    activation_row_bytes while its backward recomputes one checkpointed sub-block (the transient
+    of `checkpointed_bytes_per_row`); 0: no checkpointing."""
 
     def __post_init__(self) -> None:
         if self.activation_row_bytes < 1:
             raise ValueError(f"activation_row_bytes: expected >= 1, got {self.activation_row_bytes}")
-        for name in ("attn_row_bytes", "conv_row_bytes", "kernel_row_bytes", "state_bytes"):
+        for name in ("attn_row_bytes", "conv_row_bytes", "kernel_row_bytes", "state_bytes", "recompute_row_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
 
     @classmethod
-    def of(cls, dims: ModelDims, dtype: str = "float32", chunk_size: int = 64) -> "RowSizes":
-        """The sizes of a model (see the module docstring and `saved_bytes_per_row`).
+    def of(cls, dims: ModelDims, dtype: str = "float32", chunk_size: int = 64, *, checkpointing: str = "none",
+           head: str = "full") -> "RowSizes":
+        """The sizes of a model (see the module docstring and `checkpointed_bytes_per_row`).
 
         Raises:
-            ValueError: an unknown dtype.
+            ValueError: an unknown dtype, checkpointing mode or head.
         """
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
         e = DTYPE_BYTES[dtype]
         Hk, Hv, Kd, Vd = dims.linear_num_key_heads, dims.linear_num_value_heads, dims.linear_key_head_dim, dims.linear_value_head_dim
         conv = 2 * Hk * Kd + Hv * Vd
+        kept, transient = checkpointed_bytes_per_row(dims, dtype, chunk_size, checkpointing=checkpointing, head=head)
         return cls(
-            activation_row_bytes=math.ceil(sum(saved_bytes_per_row(dims, dtype, chunk_size).values())),
+            activation_row_bytes=math.ceil(kept),
             attn_row_bytes=dims.num_full * 2 * dims.num_key_value_heads * dims.head_dim * e,
             conv_row_bytes=dims.num_linear * conv * e,
             kernel_row_bytes=dims.num_linear * (conv * e + 2 * Hv * 4),
             state_bytes=dims.num_linear * Hv * Kd * Vd * 4,
+            recompute_row_bytes=math.ceil(transient),
         )
 
     @classmethod
@@ -307,7 +407,19 @@ class RowSizes:
         other exports free (the planner's accounting before it had a memory model; tests)."""
         return cls(activation_row_bytes=1, attn_row_bytes=1, conv_row_bytes=0, kernel_row_bytes=0, state_bytes=0)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per computed row of the running microbatch: activation_row_bytes +
+        recompute_row_bytes. The unit of M (memory_tokens) and of row-equivalents."""
+        return self.activation_row_bytes + self.recompute_row_bytes
+
     def full_bytes(self, rows):
+        """Live bytes of a running microbatch of `rows` computed rows (int or int64 array): kept
+        plus the recompute transient. The partitioner also bounds an open window that is not
+        recomputed by it (`kept_bytes` is exact)."""
+        return np.asarray(rows, np.int64) * self.row_bytes if not isinstance(rows, int) else rows * self.row_bytes
+
+    def kept_bytes(self, rows):
         """Live bytes of an open window that is not recomputed (int or int64 array of computed rows)."""
         return np.asarray(rows, np.int64) * self.activation_row_bytes if not isinstance(rows, int) else rows * self.activation_row_bytes
 
@@ -321,31 +433,33 @@ class RowSizes:
         return a * self.attn_row_bytes + c * self.conv_row_bytes + k * self.kernel_row_bytes + s * self.state_bytes
 
     def tokens(self, nbytes: int) -> int:
-        """Row-equivalents of full activations of `nbytes` (rounded up): how M is stated."""
-        return -(-int(nbytes) // self.activation_row_bytes)
+        """Row-equivalents of `nbytes` (rounded up), in rows of a running microbatch: how M is stated."""
+        return -(-int(nbytes) // self.row_bytes)
 
     def fill(self, msg, memory_tokens: int) -> None:
         """Write these sizes and the budget into a `plan_pb2.MemoryModel`."""
         for f in fields(self):
             setattr(msg, f.name, getattr(self, f.name))
-        msg.memory_bytes = int(memory_tokens) * self.activation_row_bytes
+        msg.memory_bytes = int(memory_tokens) * self.row_bytes
 
     @classmethod
     def from_proto(cls, msg) -> "RowSizes":
-        """Read a `plan_pb2.MemoryModel`. Raises ValueError when it is unset or inconsistent."""
+        """Read a `plan_pb2.MemoryModel` (plans without recompute_row_bytes read as 0: no
+        checkpointing). Raises ValueError when it is unset or inconsistent."""
         return cls(**{f.name: int(getattr(msg, f.name)) for f in fields(cls)})
 
 
 def live_bytes_of(sizes: RowSizes, mb: MicrobatchArrays, local_counts: dict[str, int] | None, num_states: int) -> tuple[int, int]:
-    """(full bytes, live bytes as an open window) of one microbatch.
+    """(bytes while it runs, live bytes as an open window) of one microbatch.
 
     Args:
         local_counts: `ExportNeeds.local_counts(num_rows)` of the microbatch (None: exports nothing).
         num_states: states it exports (`len(ExportNeeds.states)`).
     """
-    full = sizes.full_bytes(int(mb.num_rows) + int(mb.replay_tokens))
+    rows = int(mb.num_rows) + int(mb.replay_tokens)
+    full = sizes.full_bytes(rows)
     if not mb.recompute:
-        return full, full
+        return full, sizes.kept_bytes(rows)
     c = local_counts or {ATTN: 0, CONV: 0, KERNEL: 0}
     return full, sizes.export_bytes(c[ATTN], c[CONV], c[KERNEL], int(num_states))
 
@@ -365,8 +479,8 @@ def rank_live_bytes(sizes: RowSizes, mbs: dict[int, MicrobatchArrays], steps: li
             (`plan.cross_edges.held_bytes` at the step's phase); None: none.
 
     Returns:
-        (live bytes per step, peak). At a step of microbatch m: m's full activations plus the live
-        bytes of every other open window (forward: those opened before m; backward: those still
+        (live bytes per step, peak). At a step of microbatch m: m's running bytes (`full_bytes`:
+        kept plus the recompute transient) plus the live bytes of every other open window (forward: those opened before m; backward: those still
         open once m closes), plus the received exports held then.
     """
     order = [m for fwd, m in steps if fwd]

@@ -29,10 +29,11 @@ edge as through a local window. `validate_slice` cannot see the other rank: it c
 one-rank rules and leaves the rows that come from there to `validate_plan`.
 
 Live memory (what must fit params.memory.memory_bytes): `plan.memory_model.rank_live_bytes`, the
-function the planner uses: while microbatch m runs, its full activations plus, for every open window
-below which it runs, that window's full activations, or, when it is marked `recompute`, only the
-export tensors of its own rows that `plan.window_exports.export_needs` lists (those its remote
-importers read included), plus the exports it has received over cross edges and not yet answered.
+function the planner uses: while microbatch m runs, its activations (with activation checkpointing
+plus one recomputed block's) plus, for every open window below which it runs, the activations that
+window keeps, or, when it is marked `recompute`, only the export tensors of its own rows that
+`plan.window_exports.export_needs` lists (those its remote importers read included), plus the
+exports it has received over cross edges and not yet answered.
 
 Legend: R local rows, I imported rows, S segments, P log-prob entries, K conv kernel, C chunk size.
 """
@@ -44,7 +45,7 @@ from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 from plan.cross_edges import (CrossEdgeArrays, check_plan_edges, check_rank_edges, decode_edges, held_bytes,
                               remote_imports, sent_needs, transfer_bytes)
-from plan.memory_model import RowSizes, rank_live_bytes
+from plan.memory_model import CHECKPOINTING, HEADS, RowSizes, rank_live_bytes
 from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
 from plan.header import check_header
 from plan.phases import check_rank_phases, lockstep_phases, phase_counts, step_cost
@@ -393,9 +394,14 @@ def _memory_sizes(params: plan_pb2.PlanParams) -> RowSizes:
         sizes = RowSizes.from_proto(params.memory)
     except ValueError as exc:
         raise PlanValidationError(f"header.params.memory: expected the memory model's byte sizes ({exc})") from None
-    want = params.memory_tokens * sizes.activation_row_bytes
+    want = params.memory_tokens * sizes.row_bytes
     if params.memory.memory_bytes != want:
-        _fail("header.params.memory.memory_bytes", f"expected memory_tokens x activation_row_bytes = {want}, got {params.memory.memory_bytes}")
+        _fail("header.params.memory.memory_bytes", f"expected memory_tokens x (activation_row_bytes + recompute_row_bytes) = "
+                                                   f"{want}, got {params.memory.memory_bytes}")
+    for name, known in (("activation_checkpointing", CHECKPOINTING), ("head", HEADS)):
+        value = getattr(params.memory, name)
+        if value and value not in known:
+            _fail(f"header.params.memory.{name}", f"expected empty or one of {', '.join(known)}, got {value!r}")
     return sizes
 
 

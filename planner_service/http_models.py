@@ -51,6 +51,12 @@ class Topology(BaseModel):
                            "(FSDP2 with parallelism.reshard_after_forward) pair their collectives")
     no_cross_rank_windows: bool = Field(False, description="With lockstep: keep every sharing window on its rank "
                                         "(the ablation of windows across ranks, plan.proto CrossEdge)")
+    activation_checkpointing: str = Field("", description="The trainer's parallelism.activation_checkpointing for the "
+                                          "memory model: none, full, selective; empty: none")
+    expert_parallel: int = Field(0, ge=0, le=MAX_WORLD_SIZE, description="The trainer's parallelism.expert_parallel E "
+                                 "(divides world_size and the model's experts; E > 1 needs lockstep); 0: 1")
+    head: str = Field("", description="The trainer's lm head for the memory model: full (fp32 logits, the CPU path) "
+                      "or chunked (the GPU path); empty: full")
 
     def to_proto(self) -> planner_pb2.Topology:
         return planner_pb2.Topology(**self.model_dump())

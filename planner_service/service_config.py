@@ -173,9 +173,12 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
             dtype=topo.dtype or "float32",
             lockstep=topo.lockstep,
             cross_rank_windows=not topo.no_cross_rank_windows,
+            activation_checkpointing=topo.activation_checkpointing or "none",
+            expert_parallel=topo.expert_parallel or 1,
+            head=topo.head or "full",
             **({"cost_model": extra["cost_model"]} if "cost_model" in extra else {}),
         )
-        row_bytes = cfg.sizes.activation_row_bytes
+        row_bytes = cfg.sizes.row_bytes
     except ValueError as exc:
         name, _, msg = str(exc).partition(": ")
         if msg and name.isidentifier():
@@ -202,4 +205,8 @@ def normalized_topology(cfg: PlanConfig) -> planner_pb2.Topology:
         cost_model=cfg.cost_model.to_json() if cfg.cost_model != CostModel() else "",
         lockstep=cfg.lockstep,
         no_cross_rank_windows=not cfg.cross_rank_windows,
+        # defaults unset, as topologies stored before these fields were
+        activation_checkpointing="" if cfg.activation_checkpointing == "none" else cfg.activation_checkpointing,
+        expert_parallel=0 if cfg.expert_parallel == 1 else cfg.expert_parallel,
+        head="" if cfg.head == "full" else cfg.head,
     )

@@ -808,6 +808,9 @@ def _fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> Non
     cfg.sizes.fill(p.memory, cfg.memory_tokens)
     p.memory.model = cfg.model_name
     p.memory.dtype = cfg.dtype
+    # the defaults stay unset, so that plans without checkpointing are the bytes they were
+    p.memory.activation_checkpointing = "" if cfg.activation_checkpointing == "none" else cfg.activation_checkpointing
+    p.memory.head = "" if cfg.head == "full" else cfg.head
     cfg.cost_model.fill(p.cost_model, transfer=cfg.crossing)
     n = h.normalizers
     T = forest.num_trajectories

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner_service.planner.cost_model import CostModel
-from plan.cluster_memory import DEFAULT_DEVICE_MEMORY_GB, default_memory_tokens
-from plan.memory_model import DTYPE_BYTES, ModelDims, RowSizes
+from plan.cluster_memory import DEFAULT_DEVICE_MEMORY_GB, check_expert_parallel, default_memory_tokens
+from plan.memory_model import CHECKPOINTING, DTYPE_BYTES, HEADS, ModelDims, RowSizes
 
 #: MemoryModel.model of plans made without a model config.
 DEFAULT_MODEL_NAME = "default: Qwen3-Next-80B-A3B"
@@ -20,11 +20,12 @@ class PlanConfig:
     microbatch_tokens: int = 4096
     """Token budget B per microbatch: computed rows (kept + replay + duplicated) must fit."""
     memory_tokens: int = 0
-    """Live-activation budget M per rank in row-equivalents of full activations (M x the model's
-    activation bytes per row, plan/memory_model.py). 0: with a model_config, what a device of
-    device_memory_gb leaves after that model's FSDP2 shards, gathered units and a margin at this
-    world_size (plan/cluster_memory.py; an error when that holds less than one microbatch); without
-    one, 8 * microbatch_tokens (the default model's sizes, no device to budget for)."""
+    """Live-activation budget M per rank in row-equivalents of a running microbatch (M x the
+    model's bytes per row, RowSizes.row_bytes, plan/memory_model.py). 0: with a model_config, what
+    a device of device_memory_gb leaves after that model's FSDP2 shards, gathered units and a margin
+    at this world_size (plan/cluster_memory.py; an error when that holds less than one
+    microbatch); without one, 8 * microbatch_tokens (the default model's sizes, no device to
+    budget for)."""
     chunk_size: int = 64
     """Linear-attention chunk size C; a power of two, equal to the kernel's."""
     conv_kernel: int = 0
@@ -45,6 +46,18 @@ class PlanConfig:
     """Name of that model for the plan's MemoryModel.model (default: derived)."""
     dtype: str = "float32"
     """Trainer dtype for the memory model ("float32", "bfloat16")."""
+    activation_checkpointing: str = "none"
+    """The trainer's parallelism.activation_checkpointing for the memory model: "none", "full"
+    (every decoder block keeps its input and is recomputed in backward) or "selective" (the FFN
+    sub-block only); plan/memory_model.py `checkpointed_bytes_per_row`."""
+    head: str = "full"
+    """The trainer's lm head for the memory model: "full" fp32 logits (the CPU path) or "chunked"
+    (the GPU path, no [rows, V] logits)."""
+    expert_parallel: int = 1
+    """The trainer's parallelism.expert_parallel E: each MoE layer's routed experts split over E
+    ranks (E divides world_size and the model's num_experts). E > 1 gathers fewer expert
+    parameters per block (the default memory_tokens) and needs lockstep (the ranks of an
+    expert-parallel group exchange tokens in every MoE layer)."""
     row_sizes: RowSizes | None = None
     """Explicit memory-model sizes, overriding model_config (tests, measured profiles)."""
     cost_model: CostModel = field(default_factory=CostModel)
@@ -82,6 +95,17 @@ class PlanConfig:
             )
         if not self.device_memory_gb > 0:
             raise ValueError(f"device_memory_gb: expected > 0, got {self.device_memory_gb}")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing: expected one of {', '.join(CHECKPOINTING)}, "
+                             f"got {self.activation_checkpointing!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"head: expected one of {', '.join(HEADS)}, got {self.head!r}")
+        dims = ModelDims.from_hf_config(self.model_config) if self.model_config is not None else ModelDims.default()
+        check_expert_parallel(self.expert_parallel, self.world_size, dims.num_experts)
+        if self.expert_parallel > 1 and not self.lockstep:
+            raise ValueError(f"expert_parallel: expected 1 without lockstep (the ranks of an expert-parallel group "
+                             f"exchange tokens in every MoE layer, so they run in lock-step), got {self.expert_parallel}; "
+                             f"set lockstep")
         if self.memory_tokens:
             self.memory_source = "memory_tokens (given)"
         elif self.model_config is None or self.row_sizes is not None:
@@ -91,7 +115,8 @@ class PlanConfig:
             self.memory_tokens, self.memory_source = default_memory_tokens(
                 self.model_config, self.world_size, self.microbatch_tokens, dtype=self.dtype,
                 device_memory_gb=self.device_memory_gb, lockstep=self.lockstep, chunk_size=c,
-                model_name=self.model_name)
+                model_name=self.model_name, activation_checkpointing=self.activation_checkpointing,
+                expert_parallel=self.expert_parallel, head=self.head)
         if self.memory_tokens < self.microbatch_tokens:
             raise ValueError(
                 f"memory_tokens: expected >= microbatch_tokens ({self.microbatch_tokens}), got {self.memory_tokens}"
@@ -102,7 +127,6 @@ class PlanConfig:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         if not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model: expected a CostModel, got {type(self.cost_model).__name__}")
-        dims = ModelDims.from_hf_config(self.model_config) if self.model_config is not None else ModelDims.default()
         if self.conv_kernel == 0:
             self.conv_kernel = dims.linear_conv_kernel_dim if self.model_config is not None else 4
         if self.conv_kernel < 1:
@@ -112,7 +136,8 @@ class PlanConfig:
                 f"conv_kernel: expected {dims.linear_conv_kernel_dim} (the model config's linear_conv_kernel_dim), "
                 f"got {self.conv_kernel}"
             )
-        self.sizes = self.row_sizes if self.row_sizes is not None else RowSizes.of(dims, self.dtype, self.chunk_size)
+        self.sizes = self.row_sizes if self.row_sizes is not None else RowSizes.of(
+            dims, self.dtype, self.chunk_size, checkpointing=self.activation_checkpointing, head=self.head)
         if not self.model_name:
             self.model_name = ("explicit sizes" if self.row_sizes is not None
                                else "model config" if self.model_config is not None else DEFAULT_MODEL_NAME)
@@ -126,4 +151,4 @@ class PlanConfig:
     @property
     def memory_bytes(self) -> int:
         """The live budget M in bytes."""
-        return self.memory_tokens * self.sizes.activation_row_bytes
+        return self.memory_tokens * self.sizes.row_bytes

@@ -259,7 +259,7 @@ def _lockstep(k, cfg: PlanConfig, rf: _RankForests):
         l2 = _level2(k, cfg, rf, l1, e, minimal_recompute=True)
         wparent = np.where((l1.mb_parent >= 0) & l2.shared, l1.mb_parent, -1)
         full = cfg.sizes.full_bytes(l2.rows)
-        win = np.where(l2.recompute, l2.exports, full)
+        win = np.where(l2.recompute, l2.exports, cfg.sizes.kept_bytes(l2.rows))
         cost = l2.rows.astype(np.float64) * cfg.cost_model.row
         if rf.crossing:  # an importer across ranks holds what it receives, and both ranks pay for moving it
             full, win, exports = full + l2.imp, win + l2.imp, l2.exports + l2.imp
@@ -715,9 +715,11 @@ def _lpt(k, W: int, group: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np
 class _Exports:
     """The partitioner's estimate of what each window keeps (plan.memory_model's rules).
 
-    `full` are a microbatch's full activations; `window` what it keeps while its dependents run:
-    `full`, or, recomputed, the exports of its own rows that `level2.window_export_counts` bounds
-    from above. The builder's exact stack is therefore never larger than this estimate.
+    `full` are what a microbatch holds while it runs (`RowSizes.full_bytes`: with activation
+    checkpointing its kept activations plus one recomputed block's); what it keeps while its
+    dependents run is its kept activations (`RowSizes.kept_bytes`), or, recomputed, the exports of
+    its own rows that `level2.window_export_counts` bounds from above. The builder's exact stack is
+    therefore never larger than this estimate.
     """
 
     def __init__(self, k, cfg: PlanConfig, roots_off, roots, unit_parent, unit_len, unit_depth, unit_mb, mb_parent):
@@ -760,10 +762,12 @@ def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, ro
     def local() -> np.ndarray:  # window edges inside one rank's stack
         return shared & ~crossing
 
-    def live_now():
-        full, exports = est.bytes(shared, rows_now())
+    def live_now():  # (live, running bytes, kept bytes of an open window, exports of a recomputed one)
+        rows = rows_now()
+        full, exports = est.bytes(shared, rows)
+        kept = sizes.kept_bytes(rows)
         imp = imp_now() if imp_now is not None else 0
-        return k.live_stack(mb_parent, local(), full + imp, np.where(recompute, exports, full) + imp)[0], full, exports
+        return k.live_stack(mb_parent, local(), full + imp, np.where(recompute, exports, kept) + imp)[0], full, kept, exports
 
     def chain_of(m: int) -> list[int]:  # the open windows below which m runs on its rank, nearest first
         chain = []
@@ -774,23 +778,23 @@ def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, ro
             chain.append(c)
         return chain
 
-    live, full, exports = live_now()
+    live, full, kept, exports = live_now()
     if (live <= budget).all():
         return live
     for m in np.flatnonzero(live > budget).tolist():
         chain = chain_of(m)
         if not minimal:
             for c in chain:
-                recompute[c] = exports[c] < full[c]
+                recompute[c] = exports[c] < kept[c]
             continue
         over = int(live[m]) - budget
         for c in reversed(chain):  # root-most first: one mark covers every stack below it
             if over <= 0:
                 break
-            if not recompute[c] and exports[c] < full[c]:
+            if not recompute[c] and exports[c] < kept[c]:
                 recompute[c] = True
-                over -= int(full[c] - exports[c])
-    live, full, exports = live_now()
+                over -= int(kept[c] - exports[c])
+    live, full, kept, exports = live_now()
     # Enough M without any duplication: under a larger M the violators are a subset of these and
     # their ancestors get the same marks.
     need = int(live.max())
@@ -814,16 +818,16 @@ def _fit_memory(k, cfg, est: _Exports, mb_parent, shared, recompute, can_dup, ro
             raise PlanningError(
                 f"memory_tokens: microbatch {worst} holds {int(live[worst])} bytes ({sizes.tokens(int(live[worst]))} "
                 f"row-equivalents) while it runs, expected <= {budget} ({cfg.memory_tokens} x "
-                f"{sizes.activation_row_bytes} bytes per row): its own activations ({int(full[worst])} bytes) plus "
+                f"{sizes.row_bytes} bytes per row): its own activations ({int(full[worst])} bytes) plus "
                 f"the exports of its {len(chain)} open windows ({held} bytes, every one recomputed) along one "
                 f"root-to-leaf path, and no edge on it can duplicate its prefix within microbatch_tokens; raise "
                 f"memory_tokens to >= {sizes.tokens(need)}, or raise microbatch_tokens so that deep edges can duplicate "
                 f"their prefix"
             )
-        live, full, exports = live_now()
+        live, full, kept, exports = live_now()
     has_kids = np.zeros(mb_parent.shape[0], np.bool_)
     has_kids[mb_parent[(mb_parent >= 0) & shared]] = True
-    recompute &= has_kids & (exports < full)  # only lowers live costs
+    recompute &= has_kids & (exports < kept)  # only lowers live costs
     return live_now()[0]
 
 

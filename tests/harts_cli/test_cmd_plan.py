@@ -147,7 +147,7 @@ def test_plan_report_names_its_memory_model_and_where_the_budget_comes_from(caps
     budget, mem = report["memory_budget"], report["memory_report"]
     assert report["memory_model"] == "tiny" and "tiny at W = 2 on 0.5 GiB (float32): device - shards" in budget["source"]
     assert budget["memory_tokens"] == mem["activation_tokens"] > 8 * 64 and mem["fits"] and mem["world_size"] == 2
-    assert budget["memory_bytes"] == budget["memory_tokens"] * mem["activation_row_bytes"]
+    assert budget["memory_bytes"] == budget["memory_tokens"] * mem["bytes_per_row"] == budget["memory_tokens"] * budget["bytes_per_row"]
     assert main([*base, "--model", "qwen3-next-80b-a3b"]) == 2  # 80B on 2 ranks: no room for one microbatch
     assert "memory_tokens: expected the memory model to leave room for one microbatch" in capsys.readouterr().err
 
@@ -182,3 +182,74 @@ def test_plan_lockstep_compares_windows_across_ranks_unless_told_not_to(capsys, 
     plan = plan_pb2.Plan.FromString(out.read_bytes())
     assert not plan.header.params.cross_rank_windows and report["cross_edges"] == 0
     assert "with_cross_edges" not in report and not any(r.cross_edges for r in plan.ranks)
+
+
+def test_memory_report_under_checkpointing_and_expert_parallelism(capsys):
+    """The issue's goal as `harts plan` answers it: hybrid-moe-124b, W = 32, 141 GiB, B = 16,384."""
+    base = ["plan", "--model", "hybrid-moe-124b", "--world-size", "32", "--device-memory-gb", "141",
+            "--microbatch-tokens", "16384"]
+    docs = {}
+    for mode in ("none", "full", "selective"):
+        for E in ("1", "8"):
+            assert main([*base, "--activation-checkpointing", mode, "--expert-parallel", E, "--json"]) == 0
+            docs[mode, E] = doc = json.loads(capsys.readouterr().out)
+            assert {"activation_rows_per_rank", "bytes_per_row", "peak_bytes_per_rank", "fits", "shortfall_bytes",
+                    "kept_row_bytes", "recompute_row_bytes", "gathered_bytes", "free_schedule"} <= doc.keys()
+            assert (doc["activation_checkpointing"], doc["expert_parallel"], doc["head"]) == (mode, int(E), "chunked")
+            assert doc["bytes_per_row"] == doc["kept_row_bytes"] + doc["recompute_row_bytes"]
+            assert doc["fits"] == (doc["activation_rows_per_rank"] >= 16384) == (doc["shortfall_bytes"] == 0)
+    assert docs["full", "1"]["fits"] and docs["full", "8"]["fits"]
+    assert not docs["none", "8"]["fits"] and not docs["selective", "8"]["fits"]
+    assert docs["full", "8"]["gathered_bytes"] < docs["full", "1"]["gathered_bytes"] / 3  # 64 of 512 experts per block
+    assert docs["full", "8"]["all_to_all_bytes_per_microbatch"] > 0 == docs["full", "1"]["all_to_all_bytes_per_microbatch"]
+    assert main([*base, "--activation-checkpointing", "full", "--expert-parallel", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "expert parallel E = 8" in out and "activation checkpointing full, chunked lm head" in out
+    assert "of 141 GiB: fits" in out and "all-to-all per rank" in out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--expert-parallel", "5"], "harts plan: error: --expert-parallel: expected a divisor of world_size (32) and of "
+                                 "num_experts (512), got 5"),
+    (["--expert-parallel", "0"], "harts plan: error: --expert-parallel: expected an integer >= 1, got 0"),
+], ids=["not-a-divisor", "zero"])
+def test_memory_report_names_the_flag_in_its_one_line_error(capsys, flags, message):
+    assert main(["plan", "--model", "hybrid-moe-124b", "--world-size", "32", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == message
+
+
+def test_plan_rejects_an_unknown_checkpointing_mode_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--activation-checkpointing", "some"])
+    assert "argument --activation-checkpointing: invalid choice: 'some'" in capsys.readouterr().err
+
+
+def test_plan_sizes_rows_under_checkpointing_and_reports_all_to_all_bytes(capsys, tmp_path, batch):
+    out = tmp_path / "plan.bin"
+    base = ["plan", str(batch), "--world-size", "2", "--microbatch-tokens", "32", "--chunk-size", "8", "--model", "tiny",
+            "--memory-tokens", "64", "--lockstep"]
+    assert main([*base, "--activation-checkpointing", "full", "--expert-parallel", "2", "--head", "chunked",
+                 "-o", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    validate_plan(plan)
+    mm = plan.header.params.memory
+    assert (mm.activation_checkpointing, mm.head) == ("full", "chunked") and mm.recompute_row_bytes > 0
+    budget = report["memory_budget"]
+    assert budget["bytes_per_row"] == mm.activation_row_bytes + mm.recompute_row_bytes
+    assert (budget["activation_checkpointing"], budget["expert_parallel"], budget["head"]) == ("full", 2, "chunked")
+    assert report["memory_report"]["expert_parallel"] == 2
+    # tiny: 4 MoE layers, top-2, D = 64, float32: 4 x 2 x 64 x 4 x 1/2 = 1024 bytes per row and transfer
+    def rows(plan):
+        return [(sum(mb.num_rows + mb.replay_tokens for mb in r.microbatches),
+                 sum(mb.num_rows + mb.replay_tokens for mb in r.microbatches if mb.recompute)) for r in plan.ranks]
+
+    assert report["collectives"]["all_to_all_bytes"] == max(1024 * (7 * n + 2 * rec) for n, rec in rows(plan)) > 0
+    assert main([*base, "--expert-parallel", "2", "--head", "chunked", "-o", str(out)]) == 0  # no checkpointing
+    report = json.loads(capsys.readouterr().out)
+    plan = plan_pb2.Plan.FromString(out.read_bytes())
+    assert report["memory_budget"]["bytes_per_row"] > budget["bytes_per_row"]
+    assert report["collectives"]["all_to_all_bytes"] == max(1024 * (5 * n + 2 * rec) for n, rec in rows(plan))
+    assert main([*base[:-1], "--expert-parallel", "2"]) == 2  # a free plan cannot exchange tokens
+    assert "harts plan: error: --expert-parallel: expected 1 without lockstep" in capsys.readouterr().err

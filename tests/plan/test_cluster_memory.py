@@ -56,9 +56,10 @@ def test_report_by_hand():
     assert rep.gathered_bytes == 4 * 248 + 10 * 688 == 7872
     device = int(device_gb * GIB)
     assert (rep.device_memory_bytes, rep.margin_bytes) == (107374, 10737)
-    row = RowSizes.of(ModelDims.from_hf_config(TINY), "bfloat16", 64).activation_row_bytes
+    row = RowSizes.of(ModelDims.from_hf_config(TINY), "bfloat16", 64, head="chunked").activation_row_bytes
     left = 107374 - 10737 - (16 * 780 + 7872)
-    assert rep.activation_row_bytes == row and rep.activation_bytes == left // row * row
+    assert rep.bytes_per_row == rep.kept_row_bytes == row and rep.recompute_row_bytes == 0
+    assert rep.activation_bytes == left // row * row
     assert rep.activation_tokens == left // row >= 3 and rep.fits
     assert rep.peak_bytes + rep.margin_bytes <= device
     fp32 = memory_report(TINY, 2, dtype="float32", device_memory_gb=device_gb)
@@ -66,7 +67,7 @@ def test_report_by_hand():
     free = memory_report(TINY, 2, dtype="bfloat16", device_memory_gb=device_gb, lockstep=False)
     assert free.gathered_bytes == 2 * 2 * 1528 + 4 * 688  # every unit and its gradient, one fp32 reduce buffer
     given = memory_report(TINY, 2, device_memory_gb=device_gb, memory_tokens=2)
-    assert given.activation_bytes == 2 * given.activation_row_bytes and given.activation_source == "the budget M"
+    assert given.activation_bytes == 2 * given.bytes_per_row and given.activation_source == "the budget M"
     small = memory_report(TINY, 2, dtype="bfloat16", device_memory_gb=device_gb, microbatch_tokens=left // row + 1)
     assert not small.fits and "does NOT fit (activations hold" in small.lines()[-1]
     d = rep.to_dict()
@@ -129,7 +130,7 @@ def test_full_size_units_match_transformers_and_the_trainer_on_meta(name):
     from trainer.models.qwen3_next import Qwen3NextForRL
 
     cfg = NAMED_MODELS[name]()
-    mine = {u.name: sorted(u.shapes) for u in fsdp_units(cfg)}
+    mine = {u.name: sorted(u.shapes + u.expert_shapes) for u in fsdp_units(cfg)}
     hf_cfg = Qwen3NextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
     with torch.device("meta"):
         hf = Qwen3NextForCausalLM(hf_cfg)
@@ -167,7 +168,8 @@ def test_plan_config_takes_its_default_budget_from_the_model():
 
     tiny = debugmodel().to_hf_dict()
     cfg = PlanConfig(world_size=2, microbatch_tokens=512, chunk_size=16, model_config=tiny, model_name="tiny")
-    want, source = default_memory_tokens(tiny, 2, 512, dtype="float32", chunk_size=16, lockstep=False, model_name="tiny")
+    want, source = default_memory_tokens(tiny, 2, 512, dtype="float32", chunk_size=16, lockstep=False, model_name="tiny",
+                                         head="full")  # the planner's default head: the CPU trainer's
     assert (cfg.memory_tokens, cfg.memory_source) == (want, source) and want > 8 * 512
     smaller = PlanConfig(world_size=2, microbatch_tokens=512, chunk_size=16, model_config=tiny, device_memory_gb=1.0)
     assert smaller.memory_tokens < cfg.memory_tokens
@@ -191,5 +193,100 @@ def test_harts_plan_prints_the_memory_report(capsys):
     assert "of 141 GiB: fits" in lines[-2] and lines[-1].startswith("free schedule") and "does NOT fit" in lines[-1]
     assert main(["plan", "--world-size", "8", "--json", "--device-memory-gb", "80"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["lockstep"]["model"] == "qwen3-next-80b-a3b" and doc["lockstep"]["fits"] is False
-    assert doc["lockstep"]["device_memory_bytes"] == 80 * GIB and doc["free_schedule"]["lockstep"] is False
+    assert doc["model"] == "qwen3-next-80b-a3b" and doc["fits"] is False and doc["lockstep"] is True
+    assert doc["device_memory_bytes"] == 80 * GIB and doc["free_schedule"]["lockstep"] is False
+
+
+def test_expert_parallel_by_hand():
+    """TINY on W = 4 with E = 2: each rank holds one of the two experts of every MoE layer, sharded over
+    the 2 ranks that hold it; a block gathers its non-expert parameters and that one expert."""
+    units = fsdp_units(TINY)
+    experts = [u.expert_numel for u in units]
+    assert experts == [0, 192, 192]  # gate_up 2x8x8 + down 2x8x4 per MoE layer
+    assert [u.gathered_numel(2) for u in units] == [ROOT_P, LINEAR_P - 96, FULL_P - 96]
+    # dim 0 of an expert tensor: 2 experts / E = 1 per rank, ceil(1 / (W / E)) = 1 row; the same as ceil(2 / 4) here
+    assert sum(u.shard_numel(4, 2) for u in units) == sum(u.shard_numel(4) for u in units)
+    rep = memory_report(TINY, 4, dtype="bfloat16", device_memory_gb=1e-4, expert_parallel=2, microbatch_tokens=3)
+    assert rep.largest_block_parameters == LINEAR_P - 96 and rep.expert_parallel == 2
+    assert rep.gathered_bytes == 4 * ROOT_P + 10 * (LINEAR_P - 96) == 6912
+    # all-to-all: 2 MoE layers x top-1 x D 8 x 2 bytes x (E-1)/E per row and transfer; a forward makes 2
+    # (copies out, outputs back), a backward 3 (copies and output gradients out, input gradients back)
+    assert (rep.all_to_all_row_bytes, rep.all_to_all_transfers) == (16, 5)
+    assert rep.to_dict()["all_to_all_bytes_per_microbatch"] == 16 * 5 * 3
+    assert "expert parallel E = 2" in rep.lines()[0] and "all-to-all per rank" in rep.lines()[-1]
+    full = memory_report(TINY, 4, dtype="bfloat16", device_memory_gb=1e-4, expert_parallel=2, activation_checkpointing="full")
+    assert full.all_to_all_transfers == 7  # the backward re-runs the FFN: a forward's 2 more
+    assert memory_report(TINY, 4, dtype="bfloat16", device_memory_gb=1e-4).all_to_all_row_bytes == 0
+
+
+def test_collective_bytes_with_expert_parallel_by_hand():
+    got = collective_bytes(TINY, 4, dtype="bfloat16", phases=PhaseCounts(forward=3, backward=2, recompute=1),
+                           expert_parallel=2, activation_checkpointing="full", rank_rows=[(10, 4), (7, 0)])
+    # per pass over the blocks: 3/4 of the 896 non-expert parameters + 1/2 (W / E = 2 holders) of 384 / 2 experts'
+    moved, root = 0.75 * 896 + 0.5 * 192, 0.75 * ROOT_P
+    assert got.all_gather_bytes == 2 * (7 * moved + 4 * root) == 12240
+    assert got.reduce_scatter_bytes == 4 * 3 * (moved + root) == 11448
+    # the busiest rank: 16 bytes per row and transfer x (7 transfers x 10 rows + 2 x 4 recomputed rows)
+    assert got.all_to_all_bytes == 16 * (7 * 10 + 2 * 4)
+    assert "x (7 x computed rows + 2 x recomputed rows)" in got.all_to_all_formula
+    plain = collective_bytes(TINY, 4, dtype="bfloat16", phases=PhaseCounts(forward=3, backward=2, recompute=1),
+                             rank_rows=[(10, 4)])
+    assert plain.all_to_all_bytes == 0 and plain.all_gather_bytes == 14928  # E = 1: as before
+
+
+@pytest.mark.parametrize("config,E,match", [
+    (TINY, 3, r"expert_parallel: expected a divisor of world_size \(4\) and of num_experts \(2\), got 3"),
+    (TINY, 0, "expert_parallel: expected an integer >= 1, got 0"),
+    ({**TINY, "num_experts": 0}, 2, "expert_parallel: expected 1 for a model without routed experts, got 2"),
+])
+def test_expert_parallel_must_split_whole_experts_over_whole_ranks(config, E, match):
+    for fn in (memory_report, collective_bytes):
+        with pytest.raises(ValueError, match=match):
+            fn(config, 4, expert_parallel=E)
+
+
+def test_default_budget_follows_checkpointing_and_expert_parallelism():
+    """The issue's goal: hybrid-moe-124b, B = 16,384 rows per microbatch, W = 32 on 141 GiB devices."""
+    cfg = hybrid_moe_124b()
+    kw = dict(dtype="bfloat16", lockstep=True)
+    with pytest.raises(ValueError, match="turn on activation_checkpointing"):
+        default_memory_tokens(cfg, 32, 16384, **kw)
+    full, source = default_memory_tokens(cfg, 32, 16384, activation_checkpointing="full", **kw)
+    ep, ep_source = default_memory_tokens(cfg, 32, 16384, activation_checkpointing="full", expert_parallel=8, **kw)
+    assert 16384 < full < ep and "activation checkpointing full, expert parallel E = 8" in ep_source
+    with pytest.raises(ValueError, match="turn on activation_checkpointing"):
+        default_memory_tokens(cfg, 32, 16384, activation_checkpointing="selective", expert_parallel=8, **kw)
+    rep = memory_report(cfg, 32, activation_checkpointing="full", expert_parallel=8, microbatch_tokens=16384)
+    assert rep.fits and rep.activation_tokens == ep and rep.to_dict()["shortfall_bytes"] == 0
+    none = memory_report(cfg, 32, expert_parallel=8, microbatch_tokens=16384)
+    assert not none.fits and none.to_dict()["shortfall_bytes"] == none.microbatch_bytes - none.device_memory_bytes > 0
+
+
+def test_plan_config_carries_checkpointing_expert_parallelism_and_the_head():
+    from planner_service.planner import PlanConfig
+
+    cfg = hybrid_moe_124b()
+    plan = PlanConfig(world_size=32, microbatch_tokens=16384, model_config=cfg, dtype="bfloat16", lockstep=True,
+                      activation_checkpointing="full", expert_parallel=8, head="chunked")
+    want, _ = default_memory_tokens(cfg, 32, 16384, dtype="bfloat16", lockstep=True, activation_checkpointing="full",
+                                    expert_parallel=8, head="chunked")
+    assert plan.memory_tokens == want and plan.memory_bytes == want * plan.sizes.row_bytes
+    assert plan.sizes == RowSizes.of(ModelDims.from_hf_config(cfg), "bfloat16", checkpointing="full", head="chunked")
+    with pytest.raises(ValueError, match="expert_parallel: expected 1 without lockstep"):
+        PlanConfig(world_size=4, expert_parallel=2)
+    with pytest.raises(ValueError, match=r"expert_parallel: expected a divisor of world_size \(4\)"):
+        PlanConfig(world_size=4, expert_parallel=3, lockstep=True)
+    with pytest.raises(ValueError, match="activation_checkpointing: expected one of"):
+        PlanConfig(activation_checkpointing="some")
+    with pytest.raises(ValueError, match="head: expected one of"):
+        PlanConfig(head="fused")
+
+
+def test_readme_memory_table_is_what_the_script_prints():
+    import pathlib
+    import runpy
+
+    root = pathlib.Path(__file__).parents[2]
+    tables = runpy.run_path(str(root / "scripts" / "memory_table.py"))["tables"]
+    readme = (root / "README.md").read_text()
+    assert "\n".join(tables(16384, 141.0)) in readme, "regenerate with python scripts/memory_table.py"

@@ -233,7 +233,33 @@ def test_rejects_live_stack_over_memory():
     _rejects(plan, f"live window stack {st.peak_live_bytes} bytes \\({st.peak_live_tokens} row-equivalents\\) "
              f"exceeds memory_bytes {mm.memory_bytes}", f)
     mm.memory_bytes += 1
-    _rejects(plan, "header.params.memory.memory_bytes: expected memory_tokens x activation_row_bytes", f)
+    _rejects(plan, r"header.params.memory.memory_bytes: expected memory_tokens x \(activation_row_bytes \+ "
+                   r"recompute_row_bytes\)", f)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_plans_count_the_recompute_of_the_running_microbatch(mode):
+    """A plan sized for activation checkpointing: the running microbatch holds kept + recompute
+    bytes per row, the open parent window its kept bytes only; the validator reads the two from
+    MemoryModel and agrees with the builder's peak; the budget is memory_tokens x both."""
+    f = _forest()
+    ranges = np.array([[s, 0, f.seg_length[s]] for s in range(f.num_segments)], np.int64)
+    part = Partition(microbatches=[MicrobatchSpec(ranges=ranges[:2]),
+                                   MicrobatchSpec(ranges=ranges[2:], parent=0, shared=True, rank=0)])
+    plan = build_plan(f, PlanConfig(chunk_size=8, microbatch_tokens=64, activation_checkpointing=mode, head="chunked"), part)
+    mm, st = plan.header.params.memory, plan.header.stats
+    assert (mm.activation_checkpointing, mm.head) == (mode, "chunked") and mm.recompute_row_bytes > 0
+    assert mm.memory_bytes == plan.header.params.memory_tokens * (mm.activation_row_bytes + mm.recompute_row_bytes)
+    rows = {mb.id: mb.num_rows + mb.replay_tokens for mb in plan.ranks[0].microbatches}
+    row = mm.activation_row_bytes + mm.recompute_row_bytes
+    assert st.peak_live_bytes == rows[0] * mm.activation_row_bytes + rows[1] * row > rows[0] * row  # the child on top
+    assert validate_plan(plan, f) is None
+    plan.header.params.memory_tokens = st.peak_live_tokens - 1
+    mm.memory_bytes = plan.header.params.memory_tokens * row
+    _rejects(plan, f"live window stack {st.peak_live_bytes} bytes", f)
+    plan = build_plan(f, PlanConfig(chunk_size=8, microbatch_tokens=64, activation_checkpointing=mode), part)
+    plan.header.params.memory.activation_checkpointing = "some"
+    _rejects(plan, "header.params.memory.activation_checkpointing: expected empty or one of none, full, selective, got 'some'", f)
 
 
 def test_rejects_microbatch_placed_twice():

@@ -496,6 +496,23 @@ def test_memory_budget_marks_recompute_then_duplicates():
         partition(deep, PlanConfig(microbatch_tokens=64, chunk_size=8, memory_tokens=128, row_sizes=RowSizes.rows()))
 
 
+def test_open_windows_keep_their_checkpointed_rows_only():
+    # the forest above: a 60-row parent window and 36-row children. Under activation checkpointing a
+    # row keeps 1 byte from forward to backward and holds 1 more while its backward recomputes: the
+    # open parent keeps 60, the running child holds 72, 132 bytes = 66 rows of 2 bytes, no recompute
+    trajs = [list(range(30)) + [1000 + b] * 30 for b in range(4)]
+    f = make_forest(trajs)
+    sizes = RowSizes(activation_row_bytes=1, attn_row_bytes=1, conv_row_bytes=0, kernel_row_bytes=0, state_bytes=0,
+                     recompute_row_bytes=1)
+    for memory, recompute in ((66, False), (65, True)):
+        cfg = PlanConfig(world_size=1, microbatch_tokens=64, chunk_size=8, memory_tokens=memory, row_sizes=sizes)
+        part, report = partition_with_report(f, cfg)
+        _check_partition(f, cfg, part, report)
+        assert all(s.shared for s in part.microbatches if s.parent >= 0)
+        assert part.microbatches[0].recompute == recompute
+        assert report.peak_live == (120 if recompute else 60 + 72)  # the parent running alone: 60 x 2
+
+
 def test_heavy_window_group_is_split_for_balance():
     rng = np.random.default_rng(11)
     prompt = rng.integers(0, 50, size=40).tolist()

@@ -74,3 +74,26 @@ def test_lockstep_reaches_the_plan_config_over_json_and_grpc_and_the_service_def
     assert not topology_to_config(off).cross_rank_windows and normalized_topology(topology_to_config(off)).no_cross_rank_windows
     cfg = ServiceConfig(db_path=":memory:", default_topology=planner_pb2.Topology(world_size=2, lockstep=True))
     assert topology_to_config(cfg.default_topology).lockstep
+
+
+def test_checkpointing_expert_parallelism_and_head_reach_the_plan_config_and_stay_unset_by_default():
+    from planner_service.http_models import Topology
+    from planner_service.service_config import normalized_topology
+
+    doc = {**TOPOLOGY, "lockstep": True, "activation_checkpointing": "full", "expert_parallel": 2, "head": "chunked"}
+    for proto in (planner_pb2.Topology(**doc), Topology.model_validate_json(json.dumps(doc)).to_proto()):
+        cfg = topology_to_config(proto)
+        assert (cfg.activation_checkpointing, cfg.expert_parallel, cfg.head) == ("full", 2, "chunked")
+        assert cfg.sizes.recompute_row_bytes > 0
+        assert normalized_topology(cfg) == planner_pb2.Topology(**{**doc, "memory_tokens": cfg.memory_tokens,
+                                                                   "dtype": "float32"})
+    plain = topology_to_config(planner_pb2.Topology(**TOPOLOGY))
+    assert (plain.activation_checkpointing, plain.expert_parallel, plain.head) == ("none", 1, "full")
+    norm = normalized_topology(plain)  # as stored before these fields: equal requests stay equal
+    assert (norm.activation_checkpointing, norm.expert_parallel, norm.head) == ("", 0, "")
+    for field, value, match in (("activation_checkpointing", "some", "expected one of none, full, selective"),
+                                ("expert_parallel", 2, "expected 1 without lockstep"),
+                                ("head", "fused", "expected one of full, chunked")):
+        with pytest.raises(ValidationError, match=match) as err:
+            topology_to_config(planner_pb2.Topology(**TOPOLOGY, **{field: value}))
+        assert err.value.field == f"topology.{field}"

@@ -56,7 +56,7 @@ class PlanParams(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., conv_kernel: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sharing: _Optional[bool] = ..., windows: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ..., memory: _Optional[_Union[MemoryModel, _Mapping]] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., lockstep: _Optional[bool] = ..., cross_rank_windows: _Optional[bool] = ...) -> None: ...
 
 class MemoryModel(_message.Message):
-    __slots__ = ("activation_row_bytes", "attn_row_bytes", "conv_row_bytes", "kernel_row_bytes", "state_bytes", "memory_bytes", "model", "dtype")
+    __slots__ = ("activation_row_bytes", "attn_row_bytes", "conv_row_bytes", "kernel_row_bytes", "state_bytes", "memory_bytes", "model", "dtype", "recompute_row_bytes", "activation_checkpointing", "head")
     ACTIVATION_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     ATTN_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONV_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,9 @@ class MemoryModel(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     activation_row_bytes: int
     attn_row_bytes: int
     conv_row_bytes: int
@@ -73,7 +76,10 @@ class MemoryModel(_message.Message):
     memory_bytes: int
     model: str
     dtype: str
-    def __init__(self, activation_row_bytes: _Optional[int] = ..., attn_row_bytes: _Optional[int] = ..., conv_row_bytes: _Optional[int] = ..., kernel_row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    recompute_row_bytes: int
+    activation_checkpointing: str
+    head: str
+    def __init__(self, activation_row_bytes: _Optional[int] = ..., attn_row_bytes: _Optional[int] = ..., conv_row_bytes: _Optional[int] = ..., kernel_row_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., recompute_row_bytes: _Optional[int] = ..., activation_checkpointing: _Optional[str] = ..., head: _Optional[str] = ...) -> None: ...
 
 class CostModel(_message.Message):
     __slots__ = ("row", "attention", "linear_call", "logprob_row", "source", "transfer_byte")

@@ -21,7 +21,7 @@ STEP_STATE_PLANNED: StepState
 STEP_STATE_FAILED: StepState
 
 class Topology(_message.Message):
-    __slots__ = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "no_sharing", "no_windows", "model", "dtype", "cost_model", "lockstep", "no_cross_rank_windows")
+    __slots__ = ("world_size", "microbatch_tokens", "memory_tokens", "chunk_size", "no_sharing", "no_windows", "model", "dtype", "cost_model", "lockstep", "no_cross_rank_windows", "activation_checkpointing", "expert_parallel", "head")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,9 @@ class Topology(_message.Message):
     COST_MODEL_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_FIELD_NUMBER: _ClassVar[int]
     NO_CROSS_RANK_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     microbatch_tokens: int
     memory_tokens: int
@@ -44,7 +47,10 @@ class Topology(_message.Message):
     cost_model: str
     lockstep: bool
     no_cross_rank_windows: bool
-    def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., no_sharing: _Optional[bool] = ..., no_windows: _Optional[bool] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., cost_model: _Optional[str] = ..., lockstep: _Optional[bool] = ..., no_cross_rank_windows: _Optional[bool] = ...) -> None: ...
+    activation_checkpointing: str
+    expert_parallel: int
+    head: str
+    def __init__(self, world_size: _Optional[int] = ..., microbatch_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., chunk_size: _Optional[int] = ..., no_sharing: _Optional[bool] = ..., no_windows: _Optional[bool] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., cost_model: _Optional[str] = ..., lockstep: _Optional[bool] = ..., no_cross_rank_windows: _Optional[bool] = ..., activation_checkpointing: _Optional[str] = ..., expert_parallel: _Optional[int] = ..., head: _Optional[str] = ...) -> None: ...
 
 class StepStatus(_message.Message):
     __slots__ = ("step_id", "state", "trajectories", "unique_tokens", "expanded_tokens", "stats", "topology", "error", "submitted_at", "planned_at")
