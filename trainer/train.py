@@ -241,8 +241,11 @@ def _log_model_memory(cfg: TrainerConfig, ctx, mcfg, full_bytes: int, reshard: b
         return
     dtype = str(param_dtype_of(cfg.parallelism, ctx.device)).removeprefix("torch.")
     memory_gb, source = _device_memory_gb(cfg.parallelism, ctx.device)
+    head = cfg.executor.head if cfg.executor.head != "auto" else ("chunked" if ctx.device.type == "cuda" else "full")
     report = memory_report(mcfg.to_hf_dict(), W, dtype=dtype, device_memory_gb=memory_gb, lockstep=reshard,
-                           model_name=cfg.model.name)
+                           model_name=cfg.model.name, chunk_size=cfg.executor.chunk_size, head=head,
+                           activation_checkpointing=cfg.parallelism.activation_checkpointing,
+                           expert_parallel=cfg.parallelism.expert_parallel)
     log.info("memory per rank (plan.cluster_memory, device memory %.1f GiB: %s):\n%s", memory_gb, source,
              "\n".join(report.lines()))
 
