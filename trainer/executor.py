@@ -236,10 +236,12 @@ class Executor:
         self.transport = transport
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
+        invariant = cuda and self.cfg.batch_invariant
         attention = self.cfg.attention_backend
         if attention == "auto":
-            attention = "triton" if cuda else "blocked"
-        head = self.cfg.head if self.cfg.head != "auto" else ("chunked" if cuda else "full")
+            attention = ("triton_invariant" if invariant else "triton") if cuda else "blocked"
+        # the batch-invariant mode reduces logits with its row-wise logsumexp (the full head)
+        head = self.cfg.head if self.cfg.head != "auto" else ("chunked" if cuda and not invariant else "full")
         self.run_options = RunOptions(
             linear_fn=kernel_backend(self.cfg.backend), chunk_size=self.cfg.chunk_size, attention_backend=attention,
             ops=select_ops(self.device, batch_invariant=self.cfg.batch_invariant), head=head,

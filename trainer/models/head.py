@@ -105,11 +105,14 @@ def chunked_logprobs(h_UD: torch.Tensor, w_VD: torch.Tensor, inv_P: torch.Tensor
     return (out[0], out[1]) if entropy else (out[0], None)
 
 
-def full_logprobs(logits_UV: torch.Tensor, inv_P: torch.Tensor, label_P: torch.Tensor, *,
-                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The reference: log-probs (and entropies) from materialised logits, in at least fp32."""
+def full_logprobs(logits_UV: torch.Tensor, inv_P: torch.Tensor, label_P: torch.Tensor, *, entropy: bool = False,
+                  logsumexp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference: log-probs (and entropies) from materialised logits, in at least fp32.
+
+    Args:
+        logsumexp: the row-wise logsumexp (default torch's; `trainer.models.ops.Ops.logsumexp`)."""
     logits_UV = logits_UV.to(torch.promote_types(logits_UV.dtype, torch.float32))
-    lse_U = torch.logsumexp(logits_UV, dim=-1)
+    lse_U = torch.logsumexp(logits_UV, dim=-1) if logsumexp is None else logsumexp(logits_UV)
     logprob_P = logits_UV[inv_P, label_P] - lse_U[inv_P]
     entropy_P = None
     if entropy:

@@ -14,9 +14,11 @@ One model, several execution paths picked in one place (like the planner's `impl
   GEMMs over expert-sorted rows (`torch._grouped_mm`, bf16 on CUDA; fp32 falls back to the
   per-expert loop). Deterministic under `torch.use_deterministic_algorithms` (the executor's
   `deterministic`), not batch-invariant: cuBLAS picks kernels by row count.
-- `INVARIANT`: the GPU's batch-invariant mode (`executor.batch_invariant`): fixed-tile GEMMs without
-  split-K (`kernels.batch_invariant`, when installed), so that a row's result does not depend on the
-  row count: tree and expanded log-probs equal bitwise in bf16. Slower; off by default.
+- `invariant_ops()`: the GPU's batch-invariant mode (`executor.batch_invariant`): fixed-tile GEMMs
+  without split-K, row-wise norms, softmax and logsumexp (`kernels.batch_invariant`), so that a
+  row's result does not depend on the row count: with the depth-tiled tree attention
+  ("triton_invariant") and the full head, tree and expanded log-probs agree bitwise. Slower; off
+  by default.
 
 Legend: R rows, I input features, O output features.
 """
@@ -72,10 +74,20 @@ def torch_softplus(x: torch.Tensor) -> torch.Tensor:
     return F.softplus(x, beta=1.0, threshold=20.0)
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, in at least fp32 (`compute_dtype`); the norms apply their weights."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm over the last dim, x / rms(x) in at least fp32 (`compute_dtype`), in x's dtype:
+    `x_hat (1 + w)` (zero_centered: the decoder's norms) or `w x_hat` with x_hat rounded to x's dtype
+    first (the Gated DeltaNet output norm, before its gate)."""
     xf = x.to(compute_dtype(x))
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (x_hat * (1.0 + weight.to(x_hat.dtype))).type_as(x)
+    return weight * x_hat.to(x.dtype)
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(x))) over the last dim, in x's dtype (the head casts logits to at least fp32 first)."""
+    return torch.logsumexp(x, dim=-1)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -97,8 +109,10 @@ class Ops:
     sigmoid: Callable[[torch.Tensor], torch.Tensor]
     silu: Callable[[torch.Tensor], torch.Tensor]
     softplus: Callable[[torch.Tensor], torch.Tensor]
-    rms_normalize: Callable[[torch.Tensor, float], torch.Tensor]
-    """(x [..., n], eps) -> x / rms(x) in at least fp32 (`rms_normalize`)."""
+    rms_norm: Callable[..., torch.Tensor]
+    """(x [..., n], w [n], *, eps, zero_centered) -> normalised x in x's dtype (`rms_norm`)."""
+    logsumexp: Callable[[torch.Tensor], torch.Tensor]
+    """Row-wise logsumexp of the last dim (the full head's)."""
     softmax: Callable[[torch.Tensor], torch.Tensor]
     """Softmax of the last dim in at least fp32 (the router)."""
     experts: str
@@ -116,28 +130,27 @@ class Ops:
 
 
 EXACT = Ops(name="exact", linear=row_linear, sigmoid=exp_sigmoid, silu=exp_silu, softplus=exp_softplus,
-            rms_normalize=rms_normalize, softmax=softmax, experts="loop")
+            rms_norm=rms_norm, logsumexp=logsumexp, softmax=softmax, experts="loop")
 FAST = Ops(name="fast", linear=F.linear, sigmoid=torch.sigmoid, silu=F.silu, softplus=torch_softplus,
-           rms_normalize=rms_normalize, softmax=softmax, experts="grouped", group_align=8)
+           rms_norm=rms_norm, logsumexp=logsumexp, softmax=softmax, experts="grouped", group_align=8)
 
 
 def invariant_ops() -> Ops:
-    """The batch-invariant GPU primitives (`kernels.batch_invariant`).
-
-    Raises:
-        ValueError: the kernels are not available in this installation.
-    """
-    try:
-        from kernels.batch_invariant import matmul_invariant
-    except ImportError as exc:
-        raise ValueError(f"executor.batch_invariant: expected kernels.batch_invariant to be importable, got {exc}") from None
+    """The batch-invariant GPU primitives (`kernels.batch_invariant`): fixed-tile GEMMs without
+    split-K, row-wise norms, softmax and logsumexp whose reduction order depends on the row length
+    only; torch's elementwise CUDA kernels already give every element the same bits wherever it sits.
+    Routed experts run expert by expert through the same GEMM."""
+    from kernels import batch_invariant as bi
 
     def linear(x_RI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None = None) -> torch.Tensor:
-        y = matmul_invariant(x_RI, w_OI)
+        y = bi.linear(x_RI, w_OI.to(x_RI.dtype))
         return y if b_O is None else y + b_O
 
+    def softmax_(x: torch.Tensor) -> torch.Tensor:
+        return bi.softmax(x, dtype=compute_dtype(x))
+
     return Ops(name="invariant", linear=linear, sigmoid=torch.sigmoid, silu=F.silu, softplus=torch_softplus,
-               rms_normalize=rms_normalize, softmax=softmax, experts="loop")
+               rms_norm=bi.rms_norm, logsumexp=bi.logsumexp, softmax=softmax_, experts="loop")
 
 
 def select_ops(device: torch.device | str, *, batch_invariant: bool = False) -> Ops:
@@ -148,4 +161,4 @@ def select_ops(device: torch.device | str, *, batch_invariant: bool = False) -> 
 
 
 __all__ = ["Ops", "EXACT", "FAST", "ROW_TILE", "EXPERT_IMPLS", "invariant_ops", "row_linear", "row_linear_ref",
-           "select_ops", "rms_normalize", "softmax", "exp_sigmoid", "exp_silu", "exp_softplus"]
+           "select_ops", "rms_norm", "logsumexp", "softmax", "exp_sigmoid", "exp_silu", "exp_softplus"]

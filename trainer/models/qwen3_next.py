@@ -64,8 +64,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor, ops: Ops = EXACT) -> torch.Tensor:
-        out = ops.rms_normalize(x, self.eps)
-        return (out * (1.0 + self.weight.to(out.dtype))).type_as(x)
+        return ops.rms_norm(x, self.weight, eps=self.eps, zero_centered=True)
 
 
 class GatedRMSNorm(nn.Module):
@@ -78,9 +77,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, ops: Ops = EXACT) -> torch.Tensor:
-        dtype = x.dtype
-        out = self.weight * ops.rms_normalize(x, self.eps).to(dtype)
-        return (out * ops.silu(z.to(compute_dtype(z)))).to(dtype)
+        out = ops.rms_norm(x, self.weight, eps=self.eps, zero_centered=False)
+        return (out * ops.silu(z.to(compute_dtype(z)))).to(x.dtype)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -403,7 +401,7 @@ class Qwen3NextForRL(nn.Module):
         pad = (-rows_U.shape[0]) % ROW_TILE
         rows = torch.cat([rows_U, rows_U[-1:].expand(pad)]) if pad else rows_U
         logits_UV = _proj(run.ops, h_RD.index_select(0, rows), self.lm_head)
-        return full_logprobs(logits_UV, lp.inv_P, lp.label, entropy=entropy)
+        return full_logprobs(logits_UV, lp.inv_P, lp.label, entropy=entropy, logsumexp=run.ops.logsumexp)
 
     def logits(self, h_RD: torch.Tensor) -> torch.Tensor:
         """lm head of hidden states (outside a forward: tests and single-process tools)."""
