@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from kernels.devices import resolve_device, same_device
+
 
 @dataclass(slots=True, kw_only=True)
 class ChunkLayout:
@@ -81,7 +83,7 @@ class ChunkLayout:
     num_export_rows: int
     """U, distinct states exported (rows of the Triton kernels' export buffer)."""
     device: torch.device
-    """Where the index tensors the kernel gathers with live."""
+    """Where the index tensors the kernel gathers with live (resolved: "cuda:0", never "cuda"; `kernels.devices`)."""
     source: tuple = ()
     """The (cu_seqlens, export_seq, export_pos) objects given to `prepare_layout`: a call passing these
     very objects again matches without a comparison (index tensors are not modified in place)."""
@@ -102,10 +104,11 @@ class ChunkLayout:
         return int(self.seq_len_N.shape[0])
 
     def to(self, device: torch.device | str) -> ChunkLayout:
-        """This layout with its gather tensors on `device` (self when they already are)."""
-        device = torch.device(device)
-        if device == self.device:
+        """This layout with its gather tensors on `device` (self when they already are: "cuda" and
+        "cuda:<current>" are one device)."""
+        if same_device(device, self.device):
             return self
+        device = resolve_device(device)
         return replace(
             self,
             rank_to_seq_N=self.rank_to_seq_N.to(device),

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from kernels.devices import resolve_device, same_device
+
 
 @dataclass(slots=True, kw_only=True)
 class TreeIndex:
@@ -98,7 +100,7 @@ class TreeLayout:
     attn_ranges_2n: torch.Tensor
     """`index.attn_ranges_n2` flattened (start, end, start, end, ...) on `device`."""
     device: torch.device
-    """Where the block maps live."""
+    """Where the block maps live (resolved: "cuda:0", never "cuda"; `kernels.devices`)."""
     plans: dict = field(default_factory=dict)
     """Per-backend plans built from this layout on first use (`plan`), e.g. a CPU tile plan."""
 
@@ -114,10 +116,11 @@ class TreeLayout:
         return self.plans[name]
 
     def to(self, device: torch.device | str) -> TreeLayout:
-        """This layout with its block maps on `device` (self when they already are)."""
-        device = torch.device(device)
-        if device == self.device:
+        """This layout with its block maps on `device` (self when they already are: "cuda" and
+        "cuda:<current>" are one device)."""
+        if same_device(device, self.device):
             return self
+        device = resolve_device(device)
         mv = lambda t: t.to(device)  # noqa: E731
         b, p = self.blocks, self.pieces
         return replace(
@@ -207,7 +210,7 @@ def validate_tensors(q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tens
         raise ValueError(f"q: expected H a multiple of Hkv={Hkv}, got H={H}")
     if not (q_RHD.dtype == k_KHD.dtype == v_KHD.dtype) or not q_RHD.dtype.is_floating_point:
         raise ValueError(f"q, k, v: expected one floating dtype, got {q_RHD.dtype}, {k_KHD.dtype}, {v_KHD.dtype}")
-    if not (q_RHD.device == k_KHD.device == v_KHD.device):
+    if not (same_device(q_RHD.device, k_KHD.device) and same_device(q_RHD.device, v_KHD.device)):
         raise ValueError(f"q, k, v: expected one device, got {q_RHD.device}, {k_KHD.device}, {v_KHD.device}")
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.devices import same_device
 from kernels.tree_attention.layout import TreeLayout
 from kernels.triton_tuning import autotune, warps_stages
 
@@ -345,6 +346,6 @@ def tree_attention_triton(
     """
     if q_RHD.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q: expected fp32/bf16/fp16 for backend='triton', got {q_RHD.dtype}; use backend='ref'")
-    if q_RHD.device != layout.device:
+    if not same_device(q_RHD.device, layout.device):
         raise ValueError(f"layout: expected one prepared on q's device {q_RHD.device}, got {layout.device} (use layout.to)")
     return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale)

@@ -162,6 +162,19 @@ def test_triton_uses_the_prepared_layout():
     assert_close_rel(a, r, 2e-5, names=("o", "states"))
 
 
+def test_triton_layout_prepared_on_another_spelling_of_the_device_is_not_copied():
+    """A layout prepared on "cuda" serves tensors on "cuda:0" as it is (no per-call copy of its
+    index tensors; the GPU issue's device mismatch)."""
+    x, cu = make_inputs([21, 16], 1, 16, 16, seed=9)
+    es, ep = exports_of([(1, 16)])
+    layout = prepare_layout(cu, es, ep, 16, device="cuda" if DEVICE == "cuda" else "cpu:0")
+    assert layout.to(x["q"].device) is layout
+    a = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], chunk_size=16,
+                               layout=layout, backend="triton")
+    b = run("triton", x, cu, [(1, 16)], 16)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

@@ -100,6 +100,17 @@ def test_triton_rejects_float64_and_a_layout_elsewhere():
             tree_attention(q, k, v, tree.prepare("cpu"), scale=1.0, backend="triton")
 
 
+def test_triton_accepts_a_layout_prepared_on_another_spelling_of_qs_device():
+    """The GPU issue's failure: a layout prepared on "cuda" was refused for q on "cuda:0"
+    (`torch.device("cuda") != torch.device("cuda:0")`); devices are compared resolved."""
+    tree = random_tree(16, num_segments=3, max_len=9, num_imported=1)
+    q, k, v = random_qkv(tree, 2, 1, 16, seed=17, dtype=torch.float32, device=DEVICE)
+    spelling = "cuda" if DEVICE == "cuda" else "cpu:0"
+    o = tree_attention(q, k, v, tree.prepare(spelling, block_m=16, block_n=16), scale=0.25, backend="triton")
+    want = tree_attention(q, k, v, tree.prepare(DEVICE, block_m=16, block_n=16), scale=0.25, backend="triton")
+    assert torch.equal(o, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 is only meaningful on a GPU (the interpreter's bf16 is wrong)")
 def test_triton_bf16_matches_fp32_ref():
