@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels.devices import same_device
 from kernels.tree_attention.layout import TreeLayout
-from kernels.triton_tuning import autotune, warps_stages
+from kernels.triton_tuning import autotune, stages
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _fwd_tile(
     return m_new, b_l, b_acc
 
 
-@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
+@autotune(stages(4, (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_fwd_kernel(
     q, k, v, o, lse, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
@@ -135,7 +135,7 @@ def _dq_tile(
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
 
 
-@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
+@autotune(stages(4, (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dq_kernel(
     q, k, v, do, lse, delta, dq, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
@@ -190,7 +190,7 @@ def _tree_attn_dq_kernel(
     tl.store(dq + p_md, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
-@autotune(warps_stages((8, 4), (1, 2)), key=["G", "D", "BM", "BN"])
+@autotune(stages(8, (1, 2)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, qb_seg, qb_row, seg_start, seg_len,

@@ -19,6 +19,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see module docstring)", allow_module_level=True)
 
 from kernels.gated_delta_rule import chunk_gated_delta_rule, prepare_layout  # noqa: E402
+from kernels import triton_640  # noqa: E402
 from kernels.gated_delta_rule import chunk_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,6 +112,32 @@ def test_triton_matches_ref_fp32(case):
     assert got[0].dtype == torch.float32 and got[1].shape == (len(exports), H, K, V)
     assert len(got) == len(want) == (8 if init else 7)
     assert_close_rel(got, want, 2e-6)
+
+
+# fla #640 shapes (kernels/triton_640.py): BK = 64 key tiles and C = 64 ([64, 64] transposed
+# tiles); K = 64 is one key block, K = 100 two (the second masked).
+CASES_640 = {
+    "K64_C64": ([70, 64], 1, 64, 16, 64, True, True, 0.3, [(0, 64), (1, 64), (0, 70)]),
+    "K100_C64": ([65, 20], 1, 100, 16, 64, False, True, 0.3, [(0, 64), (1, 20)]),
+}
+
+
+@pytest.mark.parametrize("trans_free", [False, True], ids=["plain", "transpose_free"])
+@pytest.mark.parametrize("case", list(CASES_640.values()), ids=list(CASES_640))
+def test_triton_bk64_shapes_match_ref_fp32(case, trans_free, monkeypatch):
+    """At the shapes of the Hopper miscompile, both forms of the backward's transposed products
+    match the reference (the transpose-free one reads back a NaN-poisoned scratch tile it wrote)."""
+    lens, H, K, V, C, init, l2, decay, exports = case
+    monkeypatch.setattr(triton_640, "check", lambda device: trans_free)
+    shapes = []
+    empty = chunk_triton._empty
+    monkeypatch.setattr(chunk_triton, "_empty", lambda shape, dtype, device: shapes.append(shape) or empty(shape, dtype, device))
+    x, cu = make_inputs(lens, H, K, V, seed=21, init=init, decay=decay)
+    got = outputs_and_grads("triton", x, cu, exports, C, seed=22, use_qk_l2norm=l2)
+    want = outputs_and_grads("ref", x, cu, exports, C, seed=22, use_qk_l2norm=l2)
+    assert_close_rel(got, want, 2e-6)
+    M, NK = sum(-(-n // C) for n in lens), -(-K // 64)
+    assert ((M * NK * H * C * C,) in shapes) is trans_free
 
 
 def test_triton_split_at_exported_state_equals_one_call():
