@@ -226,9 +226,9 @@ class _ChunkGatedDeltaRuleTriton(torch.autograd.Function):
         layout, t, scale, use_qk_l2norm, q_dtype, k_dtype, g_dtype, h0_dtype = ctx.meta
         dstates_UHKV = None
         if layout.num_export_rows and dstates_EHKV is not None:
-            # Requests for one state share its row: their gradients add up there.
+            # Requests for one state share its row: their gradients add up there, in request order.
             dstates_UHKV = dstates_EHKV.new_zeros((layout.num_export_rows, t.H, t.K, t.V), dtype=torch.float32)
-            dstates_UHKV.index_add_(0, layout.export_unique_E, dstates_EHKV.float())
+            layout.export_adds_U.apply_(dstates_UHKV, dstates_EHKV.float())
         dq, dk, dv, dbeta, dg, dh0 = _backward(
             qn, kn, v_THV, g_dtype, beta_TH, G, Ai, h0, do_THV.contiguous(), dstates_UHKV, layout, t, scale,
         )

@@ -7,8 +7,12 @@ segment's ancestor ranges (local or imported extended rows) in BN-row tiles, the
 to the block's last row with the causal mask. dk/dv: one program per (kv block of BN extended
 rows, query head) walks the CSR list of query-block pieces that see the block (`layout.pieces`),
 so every row of the per-query-head dk/dv is written once by one program (rows nobody sees get
-zeros); with GQA the host sums each kv head's G shares (FlashAttention-2's GQA backward does the
-same), which keeps the work of a block that many branches see spread over H programs.
+zeros); with GQA the host sums each kv head's G shares in head order (FlashAttention-2's GQA
+backward sums them too), which keeps the work of a block that many branches see spread over H
+programs. delta = rowsum(o * do) comes from a row-wise kernel. No atomics; every reduction's
+order is fixed by the layout and the tile shapes (D, BM, BN), so a call gives the same bits on
+every run (not, in general, the bits of the same rows in another layout: a query's key tiles start
+at its ancestor ranges' starts).
 
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
 bf16 is wrong). float64 is rejected. Row bases are int64 scalars added to the pointers; offsets
@@ -259,9 +263,41 @@ def _tree_attn_dkdv_kernel(
     tl.store(dv + p_out, b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
 
 
+@autotune(stages(4, (2,)), key=["D"])
+@triton.jit
+def _tree_attn_delta_kernel(o, do, delta, R, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    # delta = rowsum(o * do) per (row, head), a [BD] reduction whose order depends on D only.
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    row0 = i_b.to(tl.int64) * BM
+    o += row0 * (H * D) + i_h * D
+    do += row0 * (H * D) + i_h * D
+    delta += row0 * H + i_h
+    o_m = tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_rows = o_m < (R - row0).to(tl.int32)
+    m = m_rows[:, None] & (o_d < D)[None, :]
+    p = o_m[:, None] * (H * D) + o_d[None, :]
+    # [BM, BD]
+    b_o = tl.load(o + p, mask=m, other=0.0).to(tl.float32)
+    b_do = tl.load(do + p, mask=m, other=0.0).to(tl.float32)
+    tl.store(delta + o_m * H, tl.sum(b_o * b_do, axis=1), mask=m_rows)
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Output allocation; tests replace it with NaN-filled buffers to prove every element is written."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _sum_groups(x_KHD: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """[Rk, H, D] -> [Rk, Hkv, D]: each kv head's G query-head shares added in head order, by
+    elementwise adds (a fixed order whatever Rk; a `sum` over the head dim may pick its reduction
+    strategy by the tensor's shape)."""
+    Rk, H, D = x_KHD.shape
+    x = x_KHD.view(Rk, Hkv, H // Hkv, D)
+    out = x[:, :, 0].clone()
+    for g in range(1, H // Hkv):
+        out += x[:, :, g]
+    return out
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -309,7 +345,10 @@ class _TreeAttentionTriton(torch.autograd.Function):
         R, H, D = q_RHD.shape
         Rk, Hkv, _ = k_KHD.shape
         do_RHD = do_RHD.contiguous()
-        delta_RH = (o_RHD.float() * do_RHD.float()).sum(-1).contiguous()
+        delta_RH = _empty((R, H), torch.float32, dev)
+        if R:
+            _tree_attn_delta_kernel[(triton.cdiv(R, 64), H)](o=o_RHD, do=do_RHD, delta=delta_RH, R=R, H=H, D=D, BM=64,
+                                                             BD=consts["BD"])
         dq_RHD = _empty((R, H, D), q_RHD.dtype, dev)
         # Per query head; summed over each kv head's G query heads below (in fp32 when G > 1).
         G = H // Hkv
@@ -331,8 +370,8 @@ class _TreeAttentionTriton(torch.autograd.Function):
                 scale=ctx.scale, Rk=Rk, **consts,
             )
         if G > 1:
-            dk_KHD = dk_KHD.view(Rk, Hkv, G, D).sum(2).to(k_KHD.dtype)
-            dv_KHD = dv_KHD.view(Rk, Hkv, G, D).sum(2).to(v_KHD.dtype)
+            dk_KHD = _sum_groups(dk_KHD, Hkv).to(k_KHD.dtype)
+            dv_KHD = _sum_groups(dv_KHD, Hkv).to(v_KHD.dtype)
         return dq_RHD, dk_KHD, dv_KHD, None, None
 
 

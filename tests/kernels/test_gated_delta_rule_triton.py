@@ -19,6 +19,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see module docstring)", allow_module_level=True)
 
 from kernels.gated_delta_rule import chunk_gated_delta_rule, prepare_layout  # noqa: E402
+from tests.determinism import deterministic  # noqa: E402
 from kernels import triton_640  # noqa: E402
 from kernels.gated_delta_rule import chunk_triton  # noqa: E402
 
@@ -138,6 +139,18 @@ def test_triton_bk64_shapes_match_ref_fp32(case, trans_free, monkeypatch):
     assert_close_rel(got, want, 2e-6)
     M, NK = sum(-(-n // C) for n in lens), -(-K // 64)
     assert ((M * NK * H * C * C,) in shapes) is trans_free
+
+
+def test_triton_is_deterministic_under_torch_deterministic_mode():
+    """`torch.use_deterministic_algorithms(True)`, warnings as errors: forward and backward run
+    (duplicate exports: their gradients add in request order, no index_add_) and a second run gives
+    the same bits."""
+    lens, H, K, V, C, init, l2, decay, exports = CASES["n3_C16_K8_V40_init_dup"]
+    x, cu = make_inputs(lens, H, K, V, seed=31, init=init, decay=decay)
+    with deterministic():
+        runs = [outputs_and_grads("triton", x, cu, exports, C, seed=32, use_qk_l2norm=l2) for _ in range(2)]
+    for name, a, b in zip(NAMES, *runs):
+        assert torch.equal(a, b), name
 
 
 def test_triton_split_at_exported_state_equals_one_call():

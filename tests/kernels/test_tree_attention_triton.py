@@ -17,6 +17,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 from kernels.tree_attention import BACKENDS, tree_attention  # noqa: E402
 from kernels.tree_attention import triton_kernel  # noqa: E402
 from kernels.tree_attention import prepare_tree_layout  # noqa: E402
+from tests.determinism import deterministic  # noqa: E402
 from tests.tree_attention_helpers import random_qkv, random_tree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,6 +71,17 @@ def test_every_backend_matches_ref_fp32(case):
             assert not a.isnan().any(), (backend, name)
             assert b.abs().max() > 0, name
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name, be=backend: f"{be} {n}: {m}")
+
+
+def test_every_backend_is_deterministic_under_torch_deterministic_mode():
+    """`torch.use_deterministic_algorithms(True)`, warnings as errors: forward and backward of every
+    backend run (GQA: the group sum in head order), and a second run gives the same bits."""
+    tree = random_tree(21, num_segments=5, max_len=12, num_imported=2)
+    with deterministic():
+        runs = [run_backends(tree, 4, 2, 16, list(BACKENDS), seed=22, block_m=16, block_n=16) for _ in range(2)]
+    for backend in BACKENDS:
+        for name, a, b in zip(("o", "dq", "dk", "dv"), runs[0][backend], runs[1][backend]):
+            assert torch.equal(a, b), (backend, name)
 
 
 def test_triton_kv_rows_seen_by_nobody_get_zero_gradients():
