@@ -14,13 +14,9 @@ import re
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner, Heuristics
-from triton.runtime.jit import JITFunction
-
-_TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.int64: "i64", torch.int32: "i32"}
-
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 def record(monkeypatch, *modules) -> list[tuple[str, object, dict]]:
     """Replace every `_*_kernel` Triton kernel in `modules` by a recorder for the test's duration;
@@ -44,7 +40,9 @@ def record(monkeypatch, *modules) -> list[tuple[str, object, dict]]:
 
 def compile_launch(kernel, kwargs: dict, *, arch: int = 90, config: triton.Config | None = None):
     """`triton.compile` of one recorded launch for cuda:<arch> under `config` (default: the
-    kernel's first autotune config), heuristics applied; the compiled kernel (`.asm["ttgir"]`, ...)."""
+    kernel's first autotune config), heuristics applied, with the specialisation a real launch
+    gets (the JIT's own binder: 16-byte aligned pointers, integers divisible by 16 or equal to 1);
+    the compiled kernel (`.asm["ttgir"]`, `.asm["ptx"]`, ...)."""
     heuristics, configs = {}, [triton.Config({}, num_warps=4, num_stages=3)]
     fn = kernel
     while not isinstance(fn, JITFunction):
@@ -57,21 +55,15 @@ def compile_launch(kernel, kwargs: dict, *, arch: int = 90, config: triton.Confi
     args = {**kwargs, **config.kwargs}
     for key, rule in heuristics.items():
         args[key] = rule(args)
-    sig, const = {}, {}
-    for p in fn.params:
-        v = args[p.name]
-        if p.is_constexpr or v is None:
-            sig[p.name], const[p.name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = "*" + _TYPES[v.dtype]
-        elif isinstance(v, bool):
-            sig[p.name] = "i1"
-        elif isinstance(v, int):
-            sig[p.name] = "i32"
-        else:
-            sig[p.name] = "fp32"
-    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(**{p.name: args[p.name] for p in fn.params},
+                                            num_warps=config.num_warps, num_stages=config.num_stages)
+    options, signature, constexprs, attrs = fn._pack_args(backend, dict(num_warps=config.num_warps,
+                                                                        num_stages=config.num_stages),
+                                                          bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 _MMA_TRANS = re.compile(r"tt\.trans .*: tensor<[^>]*#mma\d*>")
