@@ -4,12 +4,12 @@ Triton 3.4.0 - 3.7.0 miscompiles `tl.dot(tl.trans(x), y)` on sm_90 when x is a d
 BK = 64 tiles (kernels/triton_640.py); our `_dqkwg_kernel` and `_wy_bwd_kernel` have that pattern
 (tests/kernels/test_triton_640.py finds it in the compiled IR). Here, on the GPU: K = 64 (one
 BK = 64 key block), K = 100 (two, the second masked) and K = 128 (two), C = 64 ([64, 64] transposed
-tiles), bf16 and fp32, each of the two forms (plain, transpose-free) and each num_stages candidate
-of the two kernels, against the fp32 PyTorch reference on the same inputs: outputs, exported states
-and every gradient. fla's reports of the miscompile: dk off by ~50% (relative RMS), dg by 4%.
-The bounds (bf16: 1.5e-2 relative RMS, 1e-1 relative max; fp32: 1e-5 relative max) hold for
-correct kernels (the bf16 bound is the one the K = 128 GPU test passed under on the H200) and fail
-for either report.
+tiles); bf16 in both forms (plain, transpose-free) and, at K = 64 and 128, under both num_stages
+candidates of the two kernels; fp32 at K = 64 and 100. Each against the fp32 PyTorch reference on
+the same inputs: outputs, exported states and every gradient. fla's reports of the miscompile: dk
+max error 14.65 at BK = 64 (BK = 32 and 128 under 0.02), dg off by 4% relative RMS. Bounds: bf16 1.5e-2 relative RMS (what the K = 128 bf16 test
+passed under on the H200, issue 32) and 1e-1 relative max error (a sanity net, not yet seen on a
+GPU); fp32 1e-5 relative max error.
 
 Outcome -> `kernels.triton_640.ON_AFFECTED`: all pass -> "plain"; only transpose_free cases pass ->
 "transpose_free"; neither -> "refuse".
@@ -42,7 +42,8 @@ EXPORTS = [(0, 256), (0, 300), (2, 128), (3, 64), (1, 64)]
 def _cases():
     out = []
     for dtype in ("bf16", "fp32"):
-        for K in (64, 100, 128):
+        # fp32 products are exact-fp32 FMA loops (no wgmma: outside the miscompile), checked at K = 64, 100.
+        for K in (64, 100, 128) if dtype == "bf16" else (64, 100):
             out.append(pytest.param(dtype, K, "plain", 0, id=f"{dtype}-K{K}-plain-stages0"))
             if dtype == "bf16" and K != 100:
                 out.append(pytest.param(dtype, K, "plain", 1, id=f"{dtype}-K{K}-plain-stages1"))
