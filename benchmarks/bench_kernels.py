@@ -6,8 +6,8 @@ Run:
         The kernel report, one run, bf16 on CUDA: GDN forward and forward+backward of our Triton
         backend, fla's `chunk_gated_delta_rule` (when importable) and our PyTorch reference
         (varlen, T = 16k-64k, H = 16-32, K = V = 128); tree attention of our Triton backend on the
-        tree and on the expanded sequences against FlashAttention on the expanded sequences at equal
-        work (FA3, FA2 varlen when importable; SDPA's flash backend always); the batch-invariant
+        tree (also in its batch-invariant mode) and on the expanded sequences against FlashAttention
+        on the expanded sequences at equal work (FA3, FA2 varlen when importable; SDPA's flash backend always); the batch-invariant
         matmul (`kernels.batch_invariant.mm_t`) against `torch.mm` (cuBLAS) at M = 8192,
         K, N in {2048, 4096, 8192}, with TFLOP/s. Writes DIR/kernels-gpu.{md,json,jsonl} (default
         DIR: benchmarks/results/). Without CUDA it runs the dry run instead.
@@ -333,7 +333,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| GDN {label}: harts triton / fla | {s} | {_fmt(v)} | <= 1.2 (fwd+bwd) |")
     for s in dict.fromkeys(r["shape"] for r in tree):
         ref = _reference_attention(rows, s)
-        for num, label, target in (("triton expanded", "equal work", "<= 1.3"), ("triton tree", "tree vs expanded", "< 1 (sharing pays)")):
+        for num, label, target in (("triton expanded", "equal work", "<= 1.3"), ("triton tree", "tree vs expanded", "< 1 (sharing pays)"),
+                                   ("triton_invariant tree", "batch-invariant tree vs expanded", "its cost")):
             v = None if ref is None else _ratio(rows, s, num, ref, "fwd_bwd_ms")
             lines.append(f"| tree attention fwd+bwd, {label}: {num} / {ref or 'FlashAttention (none measured)'} | {s} "
                          f"| {_fmt(v)} | {target} |")

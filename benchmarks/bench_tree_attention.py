@@ -1,5 +1,6 @@
 """Tree-attention micro-benchmark: a group-sampling tree (one prompt, B continuations) through our
-backends, against causal attention on the B expanded sequences (the same work unshared).
+backends (the Triton kernels also in their batch-invariant mode, "triton_invariant"), against
+causal attention on the B expanded sequences (the same work unshared).
 
 Run: `python -m benchmarks.bench_tree_attention [--prompt 2048 --branches 8 --cont 1024 --heads 16
 --kv-heads 2 --dim 128]` (one markdown table row per measurement). On CUDA: bf16; our "triton"
@@ -121,6 +122,8 @@ def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, devi
         expanded = expanded_layout(B, S, device)
         calls["triton tree"] = (R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="triton"), "tree")
         calls["triton expanded"] = (B * S, lambda q, k, v: tree_attention(q, k, v, expanded, scale=scale, backend="triton"), "expanded")
+        calls["triton_invariant tree"] = (
+            R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="triton_invariant"), "tree")
     if device == "cuda":
         cu = (torch.arange(B + 1, dtype=torch.int32) * S).to(device)
         for name, fa in flash_varlen().items():

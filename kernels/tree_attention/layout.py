@@ -99,6 +99,11 @@ class TreeLayout:
     """`index.attn_offsets_S1` on `device`."""
     attn_ranges_2n: torch.Tensor
     """`index.attn_ranges_n2` flattened (start, end, start, end, ...) on `device`."""
+    anc_depth_n: torch.Tensor
+    """Depth of each ancestor range's first row in its segment's key sequence (the rows of the
+    segment's earlier ranges), on `device` (the depth-tiled Triton mode)."""
+    anc_len_S: torch.Tensor
+    """Ancestor rows of each segment (the depth of its first own row), on `device`."""
     device: torch.device
     """Where the block maps live (resolved: "cuda:0", never "cuda"; `kernels.devices`)."""
     plans: dict = field(default_factory=dict)
@@ -130,7 +135,7 @@ class TreeLayout:
                             hi_P=mv(p.hi_P), causal_P=mv(p.causal_P)),
             seg_start_S=mv(self.seg_start_S), seg_len_S=mv(self.seg_len_S),
             attn_offsets_S1=mv(self.attn_offsets_S1), attn_ranges_2n=mv(self.attn_ranges_2n),
-            device=device, plans={},
+            anc_depth_n=mv(self.anc_depth_n), anc_len_S=mv(self.anc_len_S), device=device, plans={},
         )
 
 
@@ -299,10 +304,15 @@ def prepare_tree_layout(
     index = validate_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows, Rk)
     blocks = query_blocks(index, block_m)
     pieces = kv_pieces(index, blocks, block_m=block_m, block_n=block_n, num_kv_rows=Rk)
+    # Ancestor depths: each range's exclusive cumulative length within its segment.
+    len_n = index.attn_ranges_n2[:, 1] - index.attn_ranges_n2[:, 0]
+    cum_n1 = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(len_n, 0)])
+    first_n = torch.repeat_interleave(index.attn_offsets_S1[:-1], index.attn_offsets_S1[1:] - index.attn_offsets_S1[:-1])
     layout = TreeLayout(
         num_rows=int(num_rows), num_kv_rows=int(Rk), index=index, block_m=block_m, block_n=block_n,
         blocks=blocks, pieces=pieces, seg_start_S=index.seg_start_S, seg_len_S=index.seg_len_S,
         attn_offsets_S1=index.attn_offsets_S1, attn_ranges_2n=index.attn_ranges_n2.reshape(-1),
+        anc_depth_n=cum_n1[:-1] - cum_n1[first_n], anc_len_S=cum_n1[index.attn_offsets_S1[1:]] - cum_n1[index.attn_offsets_S1[:-1]],
         device=torch.device("cpu"),
     )
     return layout.to(device or "cpu")

@@ -60,13 +60,32 @@ def _fwd_tile(
     return m_new, b_l, b_acc
 
 
+@triton.jit
+def _depth_tile_rows(attn_ranges, anc_depth, i_cur, r_hi, d0, o_n, A, bos, BN: tl.constexpr):
+    """Key-table rows [BN] (int64) of the keys at depths d0 .. d0 + BN - 1 of a segment's key
+    sequence: its ancestor ranges i_cur .. r_hi - 1 in depth order (range i starts at depth
+    anc_depth[i]), then its own rows from depth A at row bos. Also the first range the next tile
+    can overlap. Ranges are visited while they start inside the tile: O(tiles + ranges)."""
+    depth = d0 + o_n
+    rows = bos + (depth - A)
+    j = i_cur
+    go = j < r_hi
+    while go:
+        a = tl.load(attn_ranges + 2 * j)
+        rd = tl.load(anc_depth + j)
+        rows = tl.where((depth >= rd) & (depth < rd + tl.load(attn_ranges + 2 * j + 1) - a), a + (depth - rd), rows)
+        j += 1
+        go = (j < r_hi) & (tl.load(anc_depth + j, mask=j < r_hi, other=0) < d0 + BN)
+    return rows, tl.maximum(j - 1, i_cur)
+
+
 @autotune(stages(4, (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_fwd_kernel(
-    q, k, v, o, lse, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
+    q, k, v, o, lse, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges, anc_depth, anc_len,
     scale,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, INVARIANT: tl.constexpr,
 ):
     HKV: tl.constexpr = H // G
     i_b, i_h = tl.program_id(0), tl.program_id(1)
@@ -96,19 +115,32 @@ def _tree_attn_fwd_kernel(
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
 
-    for i_r in range(r_lo, r_hi):
-        a = tl.load(attn_ranges + 2 * i_r)
-        b = tl.load(attn_ranges + 2 * i_r + 1)
-        for c0 in range(a, b, BN):
+    if INVARIANT:
+        # Key tiles at fixed depths of the segment's key sequence (ancestors, then its own rows).
+        A = tl.load(anc_len + i_s)
+        d_end = A + (row_end - bos)
+        i_cur = r_lo
+        for d0 in range(0, d_end, BN):
+            rows, i_cur = _depth_tile_rows(attn_ranges, anc_depth, i_cur, r_hi, d0, o_n, A, bos, BN)
+            p_rows = rows[:, None] * (HKV * D) + o_d[None, :]
             b_m, b_l, b_acc = _fwd_tile(
-                b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
-                o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
+                b_m, b_l, b_acc, b_q, k, v, p_rows, (d_end - d0).to(tl.int32), (A + row0 - bos - d0).to(tl.int32),
+                o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
             )
-    for c0 in range(bos, row_end, BN):
-        b_m, b_l, b_acc = _fwd_tile(
-            b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
-            (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
-        )
+    else:
+        for i_r in range(r_lo, r_hi):
+            a = tl.load(attn_ranges + 2 * i_r)
+            b = tl.load(attn_ranges + 2 * i_r + 1)
+            for c0 in range(a, b, BN):
+                b_m, b_l, b_acc = _fwd_tile(
+                    b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
+                    o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
+                )
+        for c0 in range(bos, row_end, BN):
+            b_m, b_l, b_acc = _fwd_tile(
+                b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
+                (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
+            )
 
     # Every real row sees at least its own row; padding rows are not stored.
     b_l = tl.where(b_l > 0.0, b_l, 1.0)
@@ -142,10 +174,10 @@ def _dq_tile(
 @autotune(stages(4, (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dq_kernel(
-    q, k, v, do, lse, delta, dq, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
+    q, k, v, do, lse, delta, dq, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges, anc_depth, anc_len,
     scale,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, INVARIANT: tl.constexpr,
 ):
     HKV: tl.constexpr = H // G
     i_b, i_h = tl.program_id(0), tl.program_id(1)
@@ -178,19 +210,31 @@ def _tree_attn_dq_kernel(
     b_delta = tl.load(delta + o_m * H, mask=m_rows, other=0.0)
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
 
-    for i_r in range(r_lo, r_hi):
-        a = tl.load(attn_ranges + 2 * i_r)
-        b = tl.load(attn_ranges + 2 * i_r + 1)
-        for c0 in range(a, b, BN):
+    if INVARIANT:
+        A = tl.load(anc_len + i_s)
+        d_end = A + (row_end - bos)
+        i_cur = r_lo
+        for d0 in range(0, d_end, BN):
+            rows, i_cur = _depth_tile_rows(attn_ranges, anc_depth, i_cur, r_hi, d0, o_n, A, bos, BN)
+            p_rows = rows[:, None] * (HKV * D) + o_d[None, :]
             b_dq = _dq_tile(
-                b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
-                o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
+                b_dq, b_q, b_do, b_lse, b_delta, k, v, p_rows, (d_end - d0).to(tl.int32),
+                (A + row0 - bos - d0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
             )
-    for c0 in range(bos, row_end, BN):
-        b_dq = _dq_tile(
-            b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
-            (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
-        )
+    else:
+        for i_r in range(r_lo, r_hi):
+            a = tl.load(attn_ranges + 2 * i_r)
+            b = tl.load(attn_ranges + 2 * i_r + 1)
+            for c0 in range(a, b, BN):
+                b_dq = _dq_tile(
+                    b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd,
+                    (b - c0).to(tl.int32), 0, o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
+                )
+        for c0 in range(bos, row_end, BN):
+            b_dq = _dq_tile(
+                b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd,
+                (row_end - c0).to(tl.int32), (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
+            )
     tl.store(dq + p_md, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
@@ -312,11 +356,17 @@ def _segments(layout: TreeLayout) -> dict:
     )
 
 
+def _keys(layout: TreeLayout) -> dict:
+    """What the query-major kernels walk: the ancestor ranges and their depths."""
+    return dict(attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, anc_depth=layout.anc_depth_n,
+                anc_len=layout.anc_len_S)
+
+
 class _TreeAttentionTriton(torch.autograd.Function):
     """Forward saves the fp32 log-sum-exp; backward recomputes P from it."""
 
     @staticmethod
-    def forward(ctx, q_RHD, k_KHD, v_KHD, layout: TreeLayout, scale: float):
+    def forward(ctx, q_RHD, k_KHD, v_KHD, layout: TreeLayout, scale: float, invariant: bool):
         R, H, D = q_RHD.shape
         Hkv = k_KHD.shape[1]
         dev = q_RHD.device
@@ -330,11 +380,11 @@ class _TreeAttentionTriton(torch.autograd.Function):
         NB = layout.blocks.seg_NB.numel()
         if NB:
             _tree_attn_fwd_kernel[(NB, H)](
-                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **_segments(layout),
-                attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, scale=float(scale), **consts,
+                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **_segments(layout), **_keys(layout),
+                scale=float(scale), **consts, INVARIANT=invariant,
             )
         ctx.save_for_backward(q_RHD, k_KHD, v_KHD, o_RHD, lse_RH)
-        ctx.layout, ctx.consts, ctx.scale = layout, consts, float(scale)
+        ctx.layout, ctx.consts, ctx.scale, ctx.invariant = layout, consts, float(scale), invariant
         return o_RHD
 
     @staticmethod
@@ -358,7 +408,7 @@ class _TreeAttentionTriton(torch.autograd.Function):
         if NB:
             _tree_attn_dq_kernel[(NB, H)](
                 q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dq=dq_RHD, **_segments(layout),
-                attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, scale=ctx.scale, **consts,
+                **_keys(layout), scale=ctx.scale, **consts, INVARIANT=ctx.invariant,
             )
         pieces = layout.pieces
         NKB = pieces.offsets_NKB1.numel() - 1
@@ -372,13 +422,19 @@ class _TreeAttentionTriton(torch.autograd.Function):
         if G > 1:
             dk_KHD = _sum_groups(dk_KHD, Hkv).to(k_KHD.dtype)
             dv_KHD = _sum_groups(dv_KHD, Hkv).to(v_KHD.dtype)
-        return dq_RHD, dk_KHD, dv_KHD, None, None
+        return dq_RHD, dk_KHD, dv_KHD, None, None, None
 
 
 def tree_attention_triton(
-    q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: TreeLayout, scale: float
+    q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: TreeLayout, scale: float,
+    *, invariant: bool = False,
 ) -> torch.Tensor:
     """Triton tree attention over a prepared layout; same result as `tree_attention_ref`.
+
+    Args:
+        invariant: key tiles at fixed depths of each query's key sequence (the "triton_invariant"
+            backend): a row's output and dq get the bits of the same row of its path alone (the
+            expanded run), however its ancestors are split into ranges; key rows are gathered.
 
     Additional requirements: inputs fp32/bf16/fp16 on the layout's device (CUDA, or CPU under
     TRITON_INTERPRET=1).
@@ -387,4 +443,4 @@ def tree_attention_triton(
         raise ValueError(f"q: expected fp32/bf16/fp16 for backend='triton', got {q_RHD.dtype}; use backend='ref'")
     if not same_device(q_RHD.device, layout.device):
         raise ValueError(f"layout: expected one prepared on q's device {q_RHD.device}, got {layout.device} (use layout.to)")
-    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale)
+    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale, invariant)

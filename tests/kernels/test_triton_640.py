@@ -88,7 +88,8 @@ def test_triton_version_parses_local_suffixes(monkeypatch):
 
 def _gdn_and_tree_launches(monkeypatch, K: int, trans_free: bool) -> dict:
     """Every Triton launch of a bf16 GDN forward + backward (K = V, C = 64) and a tree-attention
-    forward + backward (head dim K), recorded on the CPU: {kernel name: (kernel, kwargs)}."""
+    forward + backward in both modes (head dim K), recorded on the CPU:
+    {(kernel name, INVARIANT flag or None): (kernel, kwargs)}."""
     from kernels.gated_delta_rule import chunk_triton, l2norm_triton
     from kernels.tree_attention import triton_kernel
     from tests.triton_aot import record
@@ -97,7 +98,7 @@ def _gdn_and_tree_launches(monkeypatch, K: int, trans_free: bool) -> dict:
     with monkeypatch.context() as patch:
         launches = record(patch, chunk_triton, l2norm_triton, triton_kernel)
         _run_gdn_and_tree(K)
-    return {name: (kernel, kwargs) for name, kernel, kwargs in launches}
+    return {(name, kwargs.get("INVARIANT")): (kernel, kwargs) for name, kernel, kwargs in launches}
 
 
 def _run_gdn_and_tree(K: int) -> None:
@@ -114,8 +115,9 @@ def _run_gdn_and_tree(K: int) -> None:
                                  torch.tensor([[0, 60]]), num_rows=150)
     q = torch.randn(150, 4, K, dtype=torch.bfloat16, requires_grad=True)
     kv = [torch.randn(150, 2, K, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
-    o = tree_attention(q, *kv, layout, scale=K**-0.5, backend="triton")
-    torch.autograd.grad(o, [q, *kv], torch.zeros_like(o))
+    for backend in ("triton", "triton_invariant"):
+        o = tree_attention(q, *kv, layout, scale=K**-0.5, backend=backend)
+        torch.autograd.grad(o, [q, *kv], torch.zeros_like(o))
 
 
 @pytest.mark.slow
@@ -126,11 +128,11 @@ def test_only_the_two_known_sites_transpose_a_dot_result_and_their_transpose_fre
     from tests.triton_aot import compile_launch, mma_transposes
 
     plain = _gdn_and_tree_launches(monkeypatch, 64, trans_free=False)
-    found = {name: mma_transposes(compile_launch(k, kw).asm["ttgir"]) for name, (k, kw) in plain.items()}
-    assert {name for name, lines in found.items() if lines} == {"_dqkwg_kernel", "_wy_bwd_kernel"}, found
-    assert len(found) >= 14, sorted(found)
+    found = {key: mma_transposes(compile_launch(k, kw).asm["ttgir"]) for key, (k, kw) in plain.items()}
+    assert {name for (name, _), lines in found.items() if lines} == {"_dqkwg_kernel", "_wy_bwd_kernel"}, found
+    assert len(found) >= 17, sorted(found)  # the tree-attention forward and dq in both modes
     free = _gdn_and_tree_launches(monkeypatch, 64, trans_free=True)
     for name in ("_dqkwg_kernel", "_wy_bwd_kernel"):
-        kernel, kwargs = free[name]
+        kernel, kwargs = free[(name, None)]
         assert kwargs["TRANS_FREE"] is True
         assert mma_transposes(compile_launch(kernel, kwargs).asm["ttgir"]) == [], name
