@@ -334,7 +334,7 @@ def markdown(report: dict) -> str:
     for s in dict.fromkeys(r["shape"] for r in tree):
         ref = _reference_attention(rows, s)
         for num, label, target in (("triton expanded", "equal work", "<= 1.3"), ("triton tree", "tree vs expanded", "< 1 (sharing pays)"),
-                                   ("triton_invariant tree", "batch-invariant tree vs expanded", "its cost")):
+                                   ("triton batch-invariant tree", "batch-invariant tree vs expanded", "its cost")):
             v = None if ref is None else _ratio(rows, s, num, ref, "fwd_bwd_ms")
             lines.append(f"| tree attention fwd+bwd, {label}: {num} / {ref or 'FlashAttention (none measured)'} | {s} "
                          f"| {_fmt(v)} | {target} |")

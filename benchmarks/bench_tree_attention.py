@@ -1,5 +1,5 @@
 """Tree-attention micro-benchmark: a group-sampling tree (one prompt, B continuations) through our
-backends (the Triton kernels also in their batch-invariant mode, "triton_invariant"), against
+backends (the Triton kernels also on a `batch_invariant=True` layout), against
 causal attention on the B expanded sequences (the same work unshared).
 
 Run: `python -m benchmarks.bench_tree_attention [--prompt 2048 --branches 8 --cont 1024 --heads 16
@@ -28,13 +28,14 @@ from harts_client.timing import repeat
 from kernels.tree_attention import TreeLayout, prepare_tree_layout, tree_attention
 
 
-def group_tree(P: int, B: int, L: int, device: str) -> TreeLayout:
+def group_tree(P: int, B: int, L: int, device: str, batch_invariant: bool = False) -> TreeLayout:
     """Layout of one prompt segment (rows 0..P-1) and B continuation segments that see all of it."""
     seg_start = torch.tensor([0] + [P + b * L for b in range(B)], dtype=torch.int32)
     seg_len = torch.tensor([P] + [L] * B, dtype=torch.int32)
     attn_offsets = torch.tensor([0] + list(range(B + 1)), dtype=torch.int32)
     attn_ranges = torch.tensor([[0, P]] * B, dtype=torch.int32).reshape(-1, 2)
-    return prepare_tree_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows=P + B * L, device=device)
+    return prepare_tree_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows=P + B * L, device=device,
+                               batch_invariant=batch_invariant)
 
 
 def expanded_layout(B: int, S: int, device: str) -> TreeLayout:
@@ -122,8 +123,9 @@ def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, devi
         expanded = expanded_layout(B, S, device)
         calls["triton tree"] = (R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="triton"), "tree")
         calls["triton expanded"] = (B * S, lambda q, k, v: tree_attention(q, k, v, expanded, scale=scale, backend="triton"), "expanded")
-        calls["triton_invariant tree"] = (
-            R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="triton_invariant"), "tree")
+        tree_bi = group_tree(P, B, L, device, batch_invariant=True)
+        calls["triton batch-invariant tree"] = (
+            R, lambda q, k, v: tree_attention(q, k, v, tree_bi, scale=scale, backend="triton"), "tree")
     if device == "cuda":
         cu = (torch.arange(B + 1, dtype=torch.int32) * S).to(device)
         for name, fa in flash_varlen().items():

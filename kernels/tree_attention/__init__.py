@@ -20,10 +20,10 @@ Backends (`BACKENDS`, each `fn(q, k, v, layout, scale)`; pick one with `attentio
 "ref" (per-segment PyTorch reference, any device and dtype), "blocked" (exact blocked flash-style
 PyTorch: bounded memory, and bitwise batch-invariant on the CPU, so a tree row gets the bits of its
 expanded trajectory; the trainer's CPU path) and "triton" (flash-attention-2 style forward and
-backward; CUDA, or CPU under TRITON_INTERPRET=1 in fp32) and "triton_invariant" (the same kernels
-with key tiles at fixed depths of each query's key sequence, gathered across its ranges: a row's
-output and dq get the bits of the same row in its path alone, the GPU's tree == expanded; the
-key-major dk/dv sums over other queries by nature). A backend that needs its own
+backward; CUDA, or CPU under TRITON_INTERPRET=1 in fp32; on a layout prepared with
+`batch_invariant=True` its forward and dq tile each query's keys at fixed depths of its key
+sequence, gathered across its ranges, so a row's output and dq get the bits of the same row in its
+path alone: the GPU's tree == expanded). A backend that needs its own
 index structure builds it from the layout once, through `layout.plan(name, build)`.
 
 Modules: `segment_ref`, `blocked`, `triton_kernel`, `layout` (validation, `prepare_tree_layout`, the block maps).
@@ -47,21 +47,13 @@ def _triton(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tens
     return tree_attention_triton(q_RHd, k_NHd, v_NHd, layout, scale)
 
 
-def _triton_invariant(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tensor:
-    from kernels.tree_attention.triton_kernel import tree_attention_triton
-
-    return tree_attention_triton(q_RHd, k_NHd, v_NHd, layout, scale, invariant=True)
-
-
 def _blocked(q_RHd, k_NHd, v_NHd, layout: TreeLayout, scale: float) -> torch.Tensor:
     from kernels.tree_attention.blocked import tree_attention_blocked
 
     return tree_attention_blocked(q_RHd, k_NHd, v_NHd, layout, scale)
 
 
-BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
-    "ref": tree_attention_ref, "blocked": _blocked, "triton": _triton, "triton_invariant": _triton_invariant,
-}
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"ref": tree_attention_ref, "blocked": _blocked, "triton": _triton}
 
 
 def attention_backend(name: str) -> Callable[..., torch.Tensor]:
@@ -87,7 +79,7 @@ def tree_attention(
         k_NHd, v_NHd: [R + I, Hkv, hd] keys and values: local rows, then imported rows.
         layout: `prepare_tree_layout(...)` of the microbatch (the Triton backend needs it on q's device).
         scale: score factor (usually hd ** -0.5).
-        backend: "ref", "blocked", "triton" or "triton_invariant" (`BACKENDS`).
+        backend: "ref", "blocked" or "triton" (`BACKENDS`).
 
     Returns:
         o [R, H, hd] in q's dtype.

@@ -106,6 +106,9 @@ class TreeLayout:
     """Ancestor rows of each segment (the depth of its first own row), on `device`."""
     device: torch.device
     """Where the block maps live (resolved: "cuda:0", never "cuda"; `kernels.devices`)."""
+    batch_invariant: bool = False
+    """The Triton forward and dq tile each query's keys at fixed depths of its key sequence (rows
+    gathered across ranges): a row's bits do not depend on how its ancestors are split into ranges."""
     plans: dict = field(default_factory=dict)
     """Per-backend plans built from this layout on first use (`plan`), e.g. a CPU tile plan."""
 
@@ -285,6 +288,7 @@ def prepare_tree_layout(
     device: torch.device | str | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    batch_invariant: bool = False,
 ) -> TreeLayout:
     """Validate a microbatch's compact attention ranges and build its layout, once for every layer.
 
@@ -296,6 +300,9 @@ def prepare_tree_layout(
         num_rows: R. num_kv_rows: R + I (default R: no imported rows).
         device: where the kernels' inputs will live (default CPU).
         block_m, block_n: Triton query / kv tile rows (powers of two >= 16).
+        batch_invariant: the Triton kernels' depth-tiled mode (`TreeLayout.batch_invariant`): a
+            row's output and dq are bitwise those of its expanded sequence, at the cost of gathered
+            key rows; tree and expanded layouts must both use it, with one block_n.
     """
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         if blk < 16 or blk & (blk - 1):
@@ -313,6 +320,6 @@ def prepare_tree_layout(
         blocks=blocks, pieces=pieces, seg_start_S=index.seg_start_S, seg_len_S=index.seg_len_S,
         attn_offsets_S1=index.attn_offsets_S1, attn_ranges_2n=index.attn_ranges_n2.reshape(-1),
         anc_depth_n=cum_n1[:-1] - cum_n1[first_n], anc_len_S=cum_n1[index.attn_offsets_S1[1:]] - cum_n1[index.attn_offsets_S1[:-1]],
-        device=torch.device("cpu"),
+        device=torch.device("cpu"), batch_invariant=bool(batch_invariant),
     )
     return layout.to(device or "cpu")

@@ -426,15 +426,13 @@ class _TreeAttentionTriton(torch.autograd.Function):
 
 
 def tree_attention_triton(
-    q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: TreeLayout, scale: float,
-    *, invariant: bool = False,
+    q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: TreeLayout, scale: float
 ) -> torch.Tensor:
     """Triton tree attention over a prepared layout; same result as `tree_attention_ref`.
 
-    Args:
-        invariant: key tiles at fixed depths of each query's key sequence (the "triton_invariant"
-            backend): a row's output and dq get the bits of the same row of its path alone (the
-            expanded run), however its ancestors are split into ranges; key rows are gathered.
+    With `layout.batch_invariant` the forward and dq walk key tiles at fixed depths of each
+    query's key sequence (rows gathered across its ranges): a row's output and dq get the bits of
+    the same row of its path alone (the expanded run), however its ancestors are split into ranges.
 
     Additional requirements: inputs fp32/bf16/fp16 on the layout's device (CUDA, or CPU under
     TRITON_INTERPRET=1).
@@ -443,4 +441,4 @@ def tree_attention_triton(
         raise ValueError(f"q: expected fp32/bf16/fp16 for backend='triton', got {q_RHD.dtype}; use backend='ref'")
     if not same_device(q_RHD.device, layout.device):
         raise ValueError(f"layout: expected one prepared on q's device {q_RHD.device}, got {layout.device} (use layout.to)")
-    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale, invariant)
+    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale, layout.batch_invariant)

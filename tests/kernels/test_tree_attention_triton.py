@@ -86,16 +86,36 @@ def test_every_backend_is_deterministic_under_torch_deterministic_mode():
 
 def _path_layout(L: int, **blocks):
     return prepare_tree_layout(torch.tensor([0]), torch.tensor([L]), torch.tensor([0, 0]),
-                               torch.zeros(0, 2, dtype=torch.long), num_rows=L, device=DEVICE, **blocks)
+                               torch.zeros(0, 2, dtype=torch.long), num_rows=L, device=DEVICE, batch_invariant=True,
+                               **blocks)
+
+
+@pytest.mark.parametrize("case", [CASES[n] for n in ("deep_chain_gqa_2_1", "wide_imported_bm16_bn32", "imported_unmerged_d24")],
+                         ids=["deep_chain_gqa_2_1", "wide_imported_bm16_bn32", "imported_unmerged_d24"])
+def test_triton_on_a_batch_invariant_layout_matches_ref_fp32(case):
+    """The depth-tiled forward and dq (`prepare_tree_layout(..., batch_invariant=True)`): outputs and
+    gradients against the reference, buffers poisoned with NaN."""
+    kwargs, H, Hkv, D, bm, bn = case
+    tree = random_tree(7, **kwargs)
+    q, k, v = random_qkv(tree, H, Hkv, D, seed=8, dtype=torch.float32, device=DEVICE)
+    do = torch.randn(tree.R, H, D, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    got, want = [], []
+    for layout, backend, out in ((tree.prepare(DEVICE, block_m=bm, block_n=bn, batch_invariant=True), "triton", got),
+                                 (tree.prepare(DEVICE), "ref", want)):
+        o = tree_attention(q, k, v, layout, scale=D**-0.5, backend=backend)
+        out += [o, *torch.autograd.grad(o, [q, k, v], do)]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def assert_tree_rows_equal_paths_alone(tree, H, Hkv, D, *, seed, dtype, **blocks):
     """Every segment's rows: the tree's o and dq are bitwise those of the same rows at the end of the
-    segment's path run alone (the expanded sequence: ancestors, then the segment), backend
-    "triton_invariant"."""
+    segment's path run alone (the expanded sequence: ancestors, then the segment), both layouts
+    prepared with batch_invariant=True."""
     q, k, v = (x.detach() for x in random_qkv(tree, H, Hkv, D, seed=seed, dtype=dtype, device=DEVICE))
     q.requires_grad_(True)
-    o = tree_attention(q, k, v, tree.prepare(DEVICE, **blocks), scale=D**-0.5, backend="triton_invariant")
+    o = tree_attention(q, k, v, tree.prepare(DEVICE, batch_invariant=True, **blocks), scale=D**-0.5, backend="triton")
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
     (dq,) = torch.autograd.grad(o, q, do)
     off = tree.attn_offsets.tolist()
@@ -105,24 +125,24 @@ def assert_tree_rows_equal_paths_alone(tree, H, Hkv, D, *, seed, dtype, **blocks
         n = path.shape[0] - L
         q_path = torch.cat([q.new_zeros(n, H, D), q.detach()[a : a + L]]).requires_grad_(True)
         alone = tree_attention(q_path, k[path], v[path], _path_layout(path.shape[0], **blocks), scale=D**-0.5,
-                               backend="triton_invariant")
+                               backend="triton")
         (dq_alone,) = torch.autograd.grad(alone, q_path, torch.cat([do.new_zeros(n, H, D), do[a : a + L]]))
         assert torch.equal(alone[n:], o[a : a + L]), f"segment {s}: o"
         assert torch.equal(dq_alone[n:], dq[a : a + L]), f"segment {s}: dq"
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_triton_invariant_tree_rows_bitwise_equal_their_paths_alone_fp32(seed):
+def test_batch_invariant_tree_rows_bitwise_equal_their_paths_alone_fp32(seed):
     """Key tiles at fixed depths: however a row's ancestors are split into ranges (and whatever the
-    rows beside it), its o and dq are the bits of its expanded run (the plain "triton" backend
-    tiles each range from its start and misses this)."""
+    rows beside it), its o and dq are the bits of its expanded run (the default layout tiles each
+    range from its start and misses this)."""
     tree = random_tree(30 + seed, num_segments=6, min_len=3, max_len=40, num_imported=2)
     assert_tree_rows_equal_paths_alone(tree, 4, 2, 16, seed=seed, dtype=torch.float32, block_m=16, block_n=16)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 is only meaningful on a GPU (the interpreter's bf16 is wrong)")
-def test_triton_invariant_tree_rows_bitwise_equal_their_paths_alone_bf16():
+def test_batch_invariant_tree_rows_bitwise_equal_their_paths_alone_bf16():
     """The moonshot's attention part in bf16 at production tiles (BM = BN = 64, D = 128, GQA 8:2)."""
     tree = random_tree(33, num_segments=24, min_len=1, max_len=300, num_imported=3)
     assert_tree_rows_equal_paths_alone(tree, 8, 2, 128, seed=34, dtype=torch.bfloat16)
