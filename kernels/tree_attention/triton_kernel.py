@@ -14,6 +14,15 @@ order is fixed by the layout and the tile shapes (D, BM, BN), so a call gives th
 every run (not, in general, the bits of the same rows in another layout: a query's key tiles start
 at its ancestor ranges' starts).
 
+Batch-invariant mode (a layout prepared with `batch_invariant=True`): the forward and dq programs
+walk key tiles at fixed depths of the segment's key sequence (its ancestor ranges in depth order,
+then its own rows: tile k holds depths [k BN, (k+1) BN)), gathering each lane's key row across the
+ranges (`_depth_tile_rows`), with the causal mask on depths. A key then sits at the same tile and
+lane whatever the ranges, and a query's tiles past its own depth are exact no-ops of the online
+softmax, so a row's o, lse and dq are bitwise those of the same row in its path alone (the expanded
+run): the GPU's tree == expanded. dk/dv sum over the queries that see a key, which differ between
+tree and expanded by nature.
+
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
 bf16 is wrong). float64 is rejected. Row bases are int64 scalars added to the pointers; offsets
 inside a tile, and a tile's masks, are int32 and relative to its first row.
