@@ -6,9 +6,10 @@ the order in which row m's K products are summed changes with M. Here the tiles 
 dtype (`TILES`), never chosen by M; there is no split-K (one program owns an output tile and sums
 its K products in BK-sized steps, first to last, into one fp32 accumulator); the MMA computes
 every output element from its own row and column, so which rows share a tile (or are padding)
-does not matter; and M is not a specialisation key (`do_not_specialize`), so every M runs one
-compiled binary. The autotuner may choose num_stages only (`kernels.triton_tuning`), which
-leaves the arithmetic as written.
+does not matter; and M is not a specialisation key (`do_not_specialize`), so the row count never
+selects another compiled binary (operand strides and alignment still do, as for any Triton kernel;
+they change how tiles are loaded, not the arithmetic). The autotuner may choose num_stages only
+(`kernels.triton_tuning`), which leaves the arithmetic as written.
 
 Precision: bf16/fp16 inputs feed the tensor cores with fp32 accumulation; fp32 inputs use exact
 fp32 products (`input_precision="ieee"`: no TF32; CUDA cores, slow). Results are rounded once to
