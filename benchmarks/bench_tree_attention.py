@@ -1,20 +1,24 @@
 """Tree-attention micro-benchmark: a group-sampling tree (one prompt, B continuations) through our
-backends, against plain causal attention on the B expanded sequences (the same work unshared).
+backends (the Triton kernels also on a `batch_invariant=True` layout), against
+causal attention on the B expanded sequences (the same work unshared).
 
 Run: `python -m benchmarks.bench_tree_attention [--prompt 2048 --branches 8 --cont 1024 --heads 16
 --kv-heads 2 --dim 128]` (one markdown table row per measurement). On CUDA: bf16; our "triton"
-backend on the tree and on the expanded sequences (each its own segment: equal work), PyTorch SDPA
-(flash) and FlashAttention varlen (`flash_attn`, when importable) on the expanded sequences. On
-CPU: fp32, the "ref" backend and SDPA only, at the sizes given (keep them small). The "ideal" row
-is the expanded/tree ratio of visible (query, key) pairs: the most a tree layout can save.
-`benchmarks.bench_kernels --gpu` runs this at its report's shapes.
+backend on the tree and on the expanded sequences (each its own segment: equal work), and
+FlashAttention on the expanded sequences: FA3 (`flash_attn_interface`) and FA2 (`flash_attn`) varlen
+when importable, and PyTorch SDPA restricted to its flash backend. On CPU: fp32, the "ref" backend
+and SDPA (and our Triton backend when TRITON_INTERPRET=1: a correctness run, its timings mean
+nothing), at the sizes given (keep them small). The "ideal" row is the expanded/tree ratio of
+visible (query, key) pairs: the most a tree layout can save. `benchmarks.bench_kernels --gpu` runs
+this at its report's shapes (`measure`, with its budgeted timer).
 
 Legend: P prompt rows, B branches, L continuation rows, R = P + B L tree rows, E = B (P + L)
-expanded rows, H heads, Hkv kv heads, D head dim.
+expanded rows, S = P + L rows per expanded sequence, H heads, Hkv kv heads, D head dim.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -24,13 +28,14 @@ from harts_client.timing import repeat
 from kernels.tree_attention import TreeLayout, prepare_tree_layout, tree_attention
 
 
-def group_tree(P: int, B: int, L: int, device: str) -> TreeLayout:
+def group_tree(P: int, B: int, L: int, device: str, batch_invariant: bool = False) -> TreeLayout:
     """Layout of one prompt segment (rows 0..P-1) and B continuation segments that see all of it."""
     seg_start = torch.tensor([0] + [P + b * L for b in range(B)], dtype=torch.int32)
     seg_len = torch.tensor([P] + [L] * B, dtype=torch.int32)
     attn_offsets = torch.tensor([0] + list(range(B + 1)), dtype=torch.int32)
     attn_ranges = torch.tensor([[0, P]] * B, dtype=torch.int32).reshape(-1, 2)
-    return prepare_tree_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows=P + B * L, device=device)
+    return prepare_tree_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows=P + B * L, device=device,
+                               batch_invariant=batch_invariant)
 
 
 def expanded_layout(B: int, S: int, device: str) -> TreeLayout:
@@ -41,21 +46,53 @@ def expanded_layout(B: int, S: int, device: str) -> TreeLayout:
     )
 
 
-def _flash_varlen():
+#: The FlashAttention baselines in order of preference (the report's ratios use the first present;
+#: "sdpa expanded" is the CPU's stand-in).
+REFERENCE_BACKENDS = ("fa3 varlen expanded", "flash_attn varlen expanded", "sdpa flash expanded", "sdpa expanded")
+
+
+def flash_varlen() -> dict:
+    """{row name: varlen attention fn(q, k, v, cu, max_len, scale) -> o} of the importable
+    FlashAttention builds: FA3 (`flash_attn_interface`), FA2 (`flash_attn`)."""
+    out = {}
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn_interface import flash_attn_varlen_func as fa3
     except Exception:  # not installed, or built for another torch/CUDA
-        return None
-    return flash_attn_varlen_func
+        fa3 = None
+    if fa3 is not None:
+        def fa3_call(q, k, v, cu, S, scale):
+            o = fa3(q, k, v, cu, cu, S, S, softmax_scale=scale, causal=True)
+            return o[0] if isinstance(o, tuple) else o
+
+        out["fa3 varlen expanded"] = fa3_call
+    try:
+        from flash_attn import flash_attn_varlen_func as fa2
+    except Exception:
+        fa2 = None
+    if fa2 is not None:
+        out["flash_attn varlen expanded"] = lambda q, k, v, cu, S, scale: fa2(
+            q, k, v, cu, cu, S, S, softmax_scale=scale, causal=True)
+    return out
 
 
-def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, device: str | None = None) -> list[dict]:
+def _default_timer(device: str, reps: int):
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    return lambda fn: repeat(fn, reps, warmup=2, sync=sync).median() * 1e3
+
+
+def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, device: str | None = None,
+            timer=None) -> list[dict]:
     """Forward and forward+backward milliseconds per backend at one group-tree shape.
 
+    Args:
+        timer: fn(work) -> median milliseconds of work() (default: 2 warm-ups, `reps` timed runs);
+            an exception it raises becomes that backend's "error".
+
     Returns rows {"backend", "rows" (query rows computed), "forward_ms", "fwd_bwd_ms"} (or "error"),
-    then {"backend": "ideal expanded/tree pairs", "value"}; on CUDA also "max|triton-sdpa|" (the
-    tree output against SDPA's on each branch's rows)."""
+    then {"backend": "ideal expanded/tree pairs", "value"}; on CUDA also "max|triton-ref|" (the
+    tree output against the first reference backend's on each branch's rows, relative)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    timer = timer or _default_timer(device, reps)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     R, S = P + B * L, P + L
     gen = torch.Generator().manual_seed(0)
@@ -72,57 +109,64 @@ def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, devi
 
     def sdpa(q, k, v):
         shape = lambda x: x.view(B, S, x.shape[1], D).transpose(1, 2)  # noqa: E731
-        try:
+        if device == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                o = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), is_causal=True, scale=scale)
+        else:
             o = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), is_causal=True, scale=scale, enable_gqa=True)
-        except TypeError:  # torch without enable_gqa
-            G = H // Hkv
-            o = F.scaled_dot_product_attention(shape(q), shape(k).repeat_interleave(G, 1), shape(v).repeat_interleave(G, 1),
-                                               is_causal=True, scale=scale)
         return o.transpose(1, 2).reshape(B * S, H, D)
 
-    sync = torch.cuda.synchronize if device == "cuda" else None
     calls = {}
-    if device == "cuda":
+    if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         expanded = expanded_layout(B, S, device)
         calls["triton tree"] = (R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="triton"), "tree")
         calls["triton expanded"] = (B * S, lambda q, k, v: tree_attention(q, k, v, expanded, scale=scale, backend="triton"), "expanded")
-        fa = _flash_varlen()
-        if fa is not None:
-            cu = (torch.arange(B + 1, dtype=torch.int32) * S).to(device)
-            calls["flash_attn varlen expanded"] = (
-                B * S, lambda q, k, v: fa(q, k, v, cu, cu, S, S, softmax_scale=scale, causal=True), "expanded")
+        tree_bi = group_tree(P, B, L, device, batch_invariant=True)
+        calls["triton batch-invariant tree"] = (
+            R, lambda q, k, v: tree_attention(q, k, v, tree_bi, scale=scale, backend="triton"), "tree")
+    if device == "cuda":
+        cu = (torch.arange(B + 1, dtype=torch.int32) * S).to(device)
+        for name, fa in flash_varlen().items():
+            calls[name] = (B * S, lambda q, k, v, fa=fa: fa(q, k, v, cu, S, scale), "expanded")
+        # SDPA's flash backend without GQA: kv heads repeated once, outside the timing.
+        calls["sdpa flash expanded"] = (B * S, sdpa, "expanded, kv heads repeated")
     else:
         calls["ref tree"] = (R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="ref"), "tree")
-    calls["sdpa expanded"] = (B * S, sdpa, "expanded")
+        calls["sdpa expanded"] = (B * S, sdpa, "expanded")
 
+    inputs_of = {"tree": (q_RHD, k_RHD, v_RHD), "expanded": (qe, ke, ve),
+                 "expanded, kv heads repeated": (qe, *(x.repeat_interleave(H // Hkv, 1) for x in (ke, ve)))}
     rows = []
     for name, (n_rows, fn, kind) in calls.items():
-        inputs = (q_RHD, k_RHD, v_RHD) if kind == "tree" else (qe, ke, ve)
+        inputs = inputs_of[kind]
         try:
             with torch.no_grad():
-                fwd = repeat(lambda: fn(*inputs), reps, warmup=2, sync=sync).median()
+                fwd = timer(lambda: fn(*inputs))
             leaves = [x.detach().requires_grad_(True) for x in inputs]
 
             def fwd_bwd():
                 o = fn(*leaves)
                 torch.autograd.grad(o, leaves, torch.ones_like(o))
 
-            both = repeat(fwd_bwd, reps, warmup=2, sync=sync).median()
-            rows.append({"backend": name, "rows": n_rows, "forward_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
+            rows.append({"backend": name, "rows": n_rows, "forward_ms": fwd, "fwd_bwd_ms": timer(fwd_bwd)})
         except Exception as exc:  # one failing backend must not hide the others' numbers
             rows.append({"backend": name, "rows": n_rows, "error": f"{type(exc).__name__}: {exc}"[:300]})
-    if device == "cuda":
+    reference = next((name for name in REFERENCE_BACKENDS if name in calls), None)
+    if "triton tree" in calls and reference is not None:
+        name = f"max|triton-ref| / max|ref| ({reference})"
         try:
             with torch.no_grad():
                 o_tree = tree_attention(q_RHD, k_RHD, v_RHD, tree, scale=scale, backend="triton").float()
-                o_exp = sdpa(qe, ke, ve).float()
+                o_exp = calls[reference][1](*inputs_of[calls[reference][2]]).float()
             # Each branch's continuation rows, in the tree and in its expanded sequence.
             tree_rows = torch.cat([P + b * L + torch.arange(L) for b in range(B)]).to(device)
             exp_rows = torch.cat([b * S + P + torch.arange(L) for b in range(B)]).to(device)
             diff = (o_tree[tree_rows] - o_exp[exp_rows]).abs().max() / o_exp.abs().max()
-            rows.append({"backend": "max|triton-sdpa| / max|sdpa|", "value": diff.item()})
+            rows.append({"backend": name, "value": diff.item()})
         except Exception as exc:
-            rows.append({"backend": "max|triton-sdpa| / max|sdpa|", "error": f"{type(exc).__name__}: {exc}"[:300]})
+            rows.append({"backend": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
     rows.append({"backend": "ideal expanded/tree pairs", "value": expanded_pairs / tree_pairs})
     for r in rows:
         r.update(device=device, dtype=str(dtype).removeprefix("torch."))

@@ -1,28 +1,173 @@
-"""Launch configurations of the Triton kernels: autotuned on a GPU, one fixed config otherwise.
+"""Launch configurations of the Triton kernels: tuned over num_stages only, cached on disk.
 
-`triton.autotune` times its candidates through the GPU driver, which the interpreter
-(`TRITON_INTERPRET=1`, the CPU tests) does not have: there every tuned kernel runs its first config
-(with one config the autotuner never benchmarks). `HARTS_AUTOTUNE=0` does the same on a GPU: each
-candidate is a separate compilation, so correctness runs over many shapes (the GPU tests) skip
-tuning. Tuned kernels must be pure functions of their inputs (no in-place accumulation into an
-output), since tuning launches them repeatedly.
+Determinism. A kernel's result is a function of its inputs and of the numerics of its launch
+config: num_warps and the tile meta-parameters decide how a tile is spread over threads, hence the
+order of every `tl.sum`/`tl.cumsum` reduction and which MMA instructions a `tl.dot` becomes
+(Inductor's deterministic mode avoids tuning reductions for the same reason). num_stages only
+decides how far the loads of a loop run ahead (software pipelining); the arithmetic and its order
+stay as written. So `autotune` accepts candidate configs that differ in num_stages alone (it
+raises ValueError otherwise) and each kernel fixes its numerics in its source: whichever candidate
+wins, on whichever run or rank, the bits are the same. Tuning keys never include a row count
+(T, R, M), so a layer's tree and expanded calls also run one config.
+`tests/kernels/test_triton_tuning_gpu.py` checks the num_stages claim bitwise on a GPU.
+
+Modes (HARTS_AUTOTUNE, read at import):
+
+- "1" (the default on a GPU): the first call with a new key benchmarks the candidates; the choice
+  is cached on disk, so later processes reuse it without benchmarking: Triton's own
+  `autotune(..., cache_results=True)` where the installed Triton has it (3.7.1 here), else
+  `JsonTuningCache` (a JSON file per kernel under the Triton cache dir, keyed by the kernel's source,
+  the device name, the Triton version and the candidates). Both live under TRITON_CACHE_DIR
+  (default ~/.triton/cache).
+- "0": the first candidate only: nothing is benchmarked and no other candidate is compiled
+  (correctness runs over many shapes, the GPU tests, bounded benchmark runs).
+
+Under the interpreter (`TRITON_INTERPRET=1`, the CPU tests) every kernel runs its first candidate:
+`triton.autotune` times candidates through the GPU driver, which the interpreter does not have.
+Tuned kernels must be pure functions of their inputs (no in-place accumulation into an output),
+since tuning launches them repeatedly.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import os
+from contextlib import contextmanager
+from pathlib import Path
 
 import triton
 
+__all__ = ["INTERPRET", "TUNE", "JsonTuningCache", "autotune", "candidates", "pinned", "stages"]
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TUNE = not INTERPRET and os.environ.get("HARTS_AUTOTUNE", "1") != "0"
+#: Whether this Triton's `autotune` caches its choices on disk itself.
+TRITON_DISK_CACHE = "cache_results" in inspect.signature(triton.autotune).parameters
+
+
+def stages(num_warps: int, num_stages: tuple[int, ...], **meta) -> list[triton.Config]:
+    """Candidates with fixed numerics (num_warps, meta-parameters) over num_stages (first: num_stages[0])."""
+    return [triton.Config(dict(meta), num_warps=num_warps, num_stages=s) for s in num_stages]
+
+
+def _numerics(config: triton.Config) -> tuple:
+    """What of a config can change a kernel's bits: everything but num_stages."""
+    return (sorted(config.kwargs.items()), config.num_warps, getattr(config, "num_ctas", 1),
+            getattr(config, "maxnreg", None))
 
 
 def autotune(configs: list[triton.Config], key: list[str]):
-    """`triton.autotune` over `configs` on a GPU; under the interpreter or HARTS_AUTOTUNE=0, the
-    first config only."""
-    return triton.autotune(configs=configs if TUNE else configs[:1], key=key)
+    """`triton.autotune` over `configs` (which must differ in num_stages only), choices cached on
+    disk; under the interpreter or HARTS_AUTOTUNE=0, the first config only. The full candidate
+    list stays on the returned autotuner (`candidates`)."""
+    if len({repr(_numerics(c)) for c in configs}) != 1:
+        raise ValueError(
+            "configs: expected candidates that differ in num_stages only (num_warps and meta-parameters change "
+            f"a kernel's bits; kernels/triton_tuning.py), got {[str(c) for c in configs]}"
+        )
+    used = configs if TUNE else configs[:1]
+    kwargs = {"cache_results": True} if TRITON_DISK_CACHE and len(used) > 1 else {}
+
+    def decorate(fn):
+        tuner = triton.autotune(configs=used, key=key, **kwargs)(fn)
+        tuner.harts_candidates = list(configs)
+        if len(used) > 1 and not TRITON_DISK_CACHE:
+            JsonTuningCache(tuner).install()
+        return tuner
+
+    return decorate
 
 
-def warps_stages(warps: tuple[int, ...], stages: tuple[int, ...], **meta) -> list[triton.Config]:
-    """Configs over num_warps x num_stages with the same meta-parameters (first: warps[0], stages[0])."""
-    return [triton.Config(dict(meta), num_warps=w, num_stages=s) for w in warps for s in stages]
+def _tuner(kernel):
+    """The autotuner made by `autotune` inside `kernel` (which may be wrapped in heuristics)."""
+    while not hasattr(kernel, "harts_candidates"):
+        kernel = kernel.fn
+    return kernel
+
+
+def candidates(kernel) -> list[triton.Config]:
+    """Every candidate config of a kernel made by `autotune` (also those HARTS_AUTOTUNE=0 skips)."""
+    return list(_tuner(kernel).harts_candidates)
+
+
+@contextmanager
+def pinned(pins: dict):
+    """Run kernels made by `autotune` with the given configs: `{kernel: config}` (for tests and
+    benchmarks that compare configs); their tuning state is restored afterwards."""
+    pins = {_tuner(k): config for k, config in pins.items()}
+    saved = {k: (k.configs, dict(k.cache)) for k in pins}
+    try:
+        for k, config in pins.items():
+            k.configs, k.cache = [config], {}
+        yield
+    finally:
+        for k, (configs, cache) in saved.items():
+            k.configs, k.cache = configs, cache
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache") / "harts-autotune"
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+class JsonTuningCache:
+    """Tuned choices of one autotuner on disk, for Tritons whose `autotune` has no `cache_results`.
+
+    The file `<TRITON_CACHE_DIR>/harts-autotune/<kernel>-<digest>.json` maps each tuning key (the
+    autotuner's: key argument values and argument dtypes) to the chosen config; the digest covers
+    the kernel's source, the device name, the Triton version and the candidates, so a change of
+    any of them starts a new file. Loaded into the autotuner's in-memory cache on its first launch;
+    rewritten (atomically) when a launch tuned a new key.
+    """
+
+    def __init__(self, tuner, *, device_name: str | None = None):
+        self.tuner = tuner
+        fn = tuner.fn
+        while not hasattr(fn, "cache_key"):
+            fn = fn.fn
+        digest = hashlib.sha256("\n".join([
+            fn.cache_key, device_name or _device_name(), triton.__version__, *map(str, tuner.configs),
+        ]).encode()).hexdigest()[:16]
+        self.path = _cache_dir() / f"{fn.__name__}-{digest}.json"
+        self.loaded = False
+
+    def load(self) -> None:
+        """Add the file's choices to the autotuner's in-memory cache (once)."""
+        self.loaded = True
+        try:
+            entries = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        for key, c in entries:
+            self.tuner.cache.setdefault(
+                tuple(key), triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"]))
+
+    def save(self) -> None:
+        """Write every in-memory choice of the autotuner (temporary file, then rename)."""
+        entries = [[list(key), {"kwargs": c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}]
+                   for key, c in self.tuner.cache.items()]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, self.path)
+
+    def install(self) -> None:
+        """Route the autotuner's launches through the cache."""
+        run = self.tuner.run
+
+        def cached_run(*args, **kwargs):
+            if not self.loaded:
+                self.load()
+            known = len(self.tuner.cache)
+            out = run(*args, **kwargs)
+            if len(self.tuner.cache) > known:
+                self.save()
+            return out
+
+        self.tuner.run = cached_run

@@ -89,7 +89,7 @@ class _StateRecurrence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, u_BCV, w_BCK, kdecT_BKC, decay_B11, S0_BKV, rows_J, export_ranks_J, H):
+    def forward(ctx, u_BCV, w_BCK, kdecT_BKC, decay_B11, S0_BKV, rows_J, export_ranks_J, export_adds_J, H):
         Sin_BKV = u_BCV.new_empty((u_BCV.shape[0], *S0_BKV.shape[1:]))
         vnew_BCV = torch.empty_like(u_BCV)
         # Per-step views, split once (a slice per tensor and step costs more than the step's math).
@@ -106,13 +106,13 @@ class _StateRecurrence(torch.autograd.Function):
                 exported.append(S_BKV.view(B // H, H, *S_BKV.shape[1:]).index_select(0, ranks))
         exported_XHKV = torch.cat(exported) if exported else S0_BKV.new_zeros(0, H, *S0_BKV.shape[1:])
         ctx.save_for_backward(w_BCK, kdecT_BKC, decay_B11, Sin_BKV, vnew_BCV)
-        ctx.plan = (rows_J, export_ranks_J, H, S0_BKV.shape[0])
+        ctx.plan = (rows_J, export_ranks_J, export_adds_J, H, S0_BKV.shape[0])
         return Sin_BKV, vnew_BCV, exported_XHKV
 
     @staticmethod
     def backward(ctx, dSin_BKV, dvnew_out_BCV, dexported_XHKV):
         w_BCK, kdecT_BKC, decay_B11, Sin_BKV, vnew_BCV = ctx.saved_tensors
-        rows_J, export_ranks_J, H, N_H = ctx.plan
+        rows_J, export_ranks_J, export_adds_J, H, N_H = ctx.plan
         # Export cotangents per step (the forward concatenated them step by step).
         dexp_J, x0 = {}, 0
         for j in sorted(export_ranks_J):
@@ -132,14 +132,14 @@ class _StateRecurrence(torch.autograd.Function):
             kdec_BCK, wT_BKC, decay, dSin, dvnew_out, dvnew, Gafter = steps[j]
             G = G_BKV[:B]
             if j in dexp_J:
-                G.view(B // H, H, *G.shape[1:]).index_add_(0, export_ranks_J[j], dexp_J[j])
+                export_adds_J[j].apply_(G.view(B // H, H, *G.shape[1:]), dexp_J[j])
             Gafter.copy_(G)
             torch.add(dvnew_out, torch.bmm(kdec_BCK, G), out=dvnew)
             G.mul_(decay).sub_(torch.bmm(wT_BKC, dvnew)).add_(dSin)
         dw_BCK = -torch.bmm(dvnew_BCV, Sin_BKV.transpose(1, 2))
         dkdecT_BKC = torch.bmm(Gafter_BKV, vnew_BCV.transpose(1, 2))
         ddecay_B11 = (Gafter_BKV * Sin_BKV).sum(dim=(1, 2), keepdim=True)
-        return dvnew_BCV, dw_BCK, dkdecT_BKC, ddecay_B11, G_BKV, None, None, None
+        return dvnew_BCV, dw_BCK, dkdecT_BKC, ddecay_B11, G_BKV, None, None, None, None
 
 
 def resolve_layout(
@@ -263,7 +263,7 @@ def chunk_gated_delta_rule_ref(
     rows_J = [a * H for a in layout.active_J]
     Sin_BKV, vnew_BCV, exported_XHKV = _StateRecurrence.apply(
         u_MHCV.reshape(M * H, C, V), w_MHCK.reshape(M * H, C, K), kdecT_MHKC.reshape(M * H, K, C),
-        chunk_decay_MH11.reshape(M * H, 1, 1), S0_BKV, rows_J, layout.export_ranks_J, H,
+        chunk_decay_MH11.reshape(M * H, 1, 1), S0_BKV, rows_J, layout.export_ranks_J, layout.export_adds_J, H,
     )
     # The outputs need no recurrence: one batch over every chunk once the incoming states are known.
     o_BCV = torch.bmm(qdec_MHCK.reshape(M * H, C, K), Sin_BKV) + torch.bmm(attn_MHCC.reshape(M * H, C, C), vnew_BCV)

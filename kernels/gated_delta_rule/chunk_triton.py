@@ -27,6 +27,9 @@ its exponentials are fp32 (fla's choice, the GPU production path); with fp32 inp
 differences and exponentials are float64, rounded once, as in the reference, so that fp32 GPU runs
 keep the reference's tree-vs-expanded gradient agreement. The CPU path stays the reference.
 
+Hopper and fla #640: the backward's two `tl.dot(tl.trans(dot result), ...)` sites have
+transpose-free forms that `kernels.triton_640.check` selects per device (see that module).
+
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
 bf16 is wrong). float64 is rejected.
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels import triton_640
 from kernels.gated_delta_rule.chunk_ref import resolve_layout
 from kernels.gated_delta_rule.l2norm_triton import l2norm_bwd, l2norm_fwd
 from kernels.gated_delta_rule.layout import ChunkLayout
@@ -73,19 +77,21 @@ class _Tiles:
     PREC: str
     gate_dtype: torch.dtype
     """dtype of G: float64 for fp32 inputs (the reference's gate precision), fp32 otherwise (fla's)."""
+    trans_free: bool
+    """The backward's transpose-free forms (fla #640 on Hopper; `kernels.triton_640.check`)."""
 
     def dims(self) -> dict:
         return dict(H=self.H, K=self.K, V=self.V, BT=self.BT)
 
 
-def _tiles(H: int, K: int, V: int, C: int, dtype: torch.dtype) -> _Tiles:
+def _tiles(H: int, K: int, V: int, C: int, dtype: torch.dtype, trans_free: bool) -> _Tiles:
     BK = min(64, max(16, triton.next_power_of_2(K)))
     return _Tiles(
         H=H, K=K, V=V, BT=C, BK=BK, BV=min(64, max(16, triton.next_power_of_2(V))),
         BKS=max(16, triton.next_power_of_2(K)), NK=triton.cdiv(K, BK),
         # fp32: exact fp32 products (tf32 would miss the reference by ~1e-3).
         PREC="ieee" if dtype == torch.float32 else "tf32",
-        gate_dtype=torch.float64 if dtype == torch.float32 else torch.float32,
+        gate_dtype=torch.float64 if dtype == torch.float32 else torch.float32, trans_free=trans_free,
     )
 
 
@@ -170,9 +176,12 @@ def _backward(qn, kn, v, g_dtype, beta, G, Ai, h0, do, dstates, layout: ChunkLay
     dk_part = _empty(tuple(kn.shape), torch.float32, dev)
     dw = _empty(tuple(kn.shape), kn.dtype, dev)
     dg_part = _empty((t.NK, T, t.H), t.gate_dtype, dev)
+    # One [BT, BT] tile per program of the transposing kernels (fla #640); _wy_bwd reuses it.
+    scratch = _empty((M * t.NK * t.H * t.BT * t.BT,), kn.dtype, dev) if t.trans_free else None
     _dqkwg_kernel[(M, t.NK, t.H)](
         q=qn, k=kn, vnew=vnew, h=h, do=do, dh=dh, dv2=dv2, G=G, dq=dq, dk=dk_part, dw=dw, dg=dg_part,
-        **_chunks(layout), scale=scale, T=T, **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,
+        scratch=scratch, **_chunks(layout), scale=scale, T=T, **t.dims(), BK=t.BK, BV=t.BV, PREC=t.PREC,
+        TRANS_FREE=t.trans_free,
     )
     dk = _empty(tuple(kn.shape), torch.float32, dev)
     dv = _empty(tuple(v.shape), v.dtype, dev)
@@ -180,8 +189,8 @@ def _backward(qn, kn, v, g_dtype, beta, G, Ai, h0, do, dstates, layout: ChunkLay
     dg = _empty(tuple(G.shape), g_dtype, dev)
     _wy_bwd_kernel[(M, t.H)](
         k=kn, v=v, beta=beta, G=G, Ai=Ai, dw=dw, du=dv2, dk_in=dk_part, dg_in=dg_part,
-        dk=dk, dv=dv, dbeta=dbeta, dg=dg, **_chunks(layout), T=T,
-        **t.dims(), NK=t.NK, BK=t.BK, BV=t.BV, PREC=t.PREC,
+        dk=dk, dv=dv, dbeta=dbeta, dg=dg, scratch=scratch, **_chunks(layout), T=T,
+        **t.dims(), NK=t.NK, BK=t.BK, BV=t.BV, PREC=t.PREC, TRANS_FREE=t.trans_free,
     )
     return dq, dk, dv, dbeta, dg, dh0
 
@@ -193,7 +202,7 @@ class _ChunkGatedDeltaRuleTriton(torch.autograd.Function):
     def forward(ctx, q_THK, k_THK, v_THV, g_TH, beta_TH, h0_NHKV, layout, scale, use_qk_l2norm):
         T, H, K = q_THK.shape
         V = v_THV.shape[-1]
-        t = _tiles(H, K, V, layout.chunk_size, q_THK.dtype)
+        t = _tiles(H, K, V, layout.chunk_size, q_THK.dtype, triton_640.check(q_THK.device))
         if use_qk_l2norm:
             qn, q_rstd = l2norm_fwd(q_THK, _empty)
             kn, k_rstd = l2norm_fwd(k_THK, _empty)
@@ -217,9 +226,9 @@ class _ChunkGatedDeltaRuleTriton(torch.autograd.Function):
         layout, t, scale, use_qk_l2norm, q_dtype, k_dtype, g_dtype, h0_dtype = ctx.meta
         dstates_UHKV = None
         if layout.num_export_rows and dstates_EHKV is not None:
-            # Requests for one state share its row: their gradients add up there.
+            # Requests for one state share its row: their gradients add up there, in request order.
             dstates_UHKV = dstates_EHKV.new_zeros((layout.num_export_rows, t.H, t.K, t.V), dtype=torch.float32)
-            dstates_UHKV.index_add_(0, layout.export_unique_E, dstates_EHKV.float())
+            layout.export_adds_U.apply_(dstates_UHKV, dstates_EHKV.float())
         dq, dk, dv, dbeta, dg, dh0 = _backward(
             qn, kn, v_THV, g_dtype, beta_TH, G, Ai, h0, do_THV.contiguous(), dstates_UHKV, layout, t, scale,
         )

@@ -14,10 +14,10 @@ import triton
 import triton.language as tl
 
 from kernels.gated_delta_rule.recurrent_ref import L2NORM_EPS
-from kernels.triton_tuning import autotune, warps_stages
+from kernels.triton_tuning import autotune, stages
 
 
-@autotune(warps_stages((4,), (2,)), key=["D"])
+@autotune(stages(4, (2,)), key=["D"])
 @triton.jit
 def _l2norm_fwd_kernel(x, y, rstd, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr):
     row0 = tl.program_id(0).to(tl.int64) * BR
@@ -37,7 +37,7 @@ def _l2norm_fwd_kernel(x, y, rstd, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.
     tl.store(rstd + o_r, b_r, mask=m_r)
 
 
-@autotune(warps_stages((4,), (2,)), key=["D"])
+@autotune(stages(4, (2,)), key=["D"])
 @triton.jit
 def _l2norm_bwd_kernel(y, rstd, dy, dx, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     row0 = tl.program_id(0).to(tl.int64) * BR

@@ -27,6 +27,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from kernels.devices import resolve_device, same_device
+from kernels.row_adds import RowAdds
+
 
 @dataclass(slots=True, kw_only=True)
 class ChunkLayout:
@@ -62,6 +65,9 @@ class ChunkLayout:
     """Flat position (slot * C + offset) of every packed row (on `device`)."""
     export_ranks_J: dict[int, torch.Tensor]
     """Chunk step j -> ranks whose state is exported right after step j, by ascending e (on `device`)."""
+    export_adds_J: dict[int, RowAdds]
+    """Chunk step j -> the fixed-order sum of step j's export gradients into their ranks' rows
+    (a rank listed twice gets both, in order; on `device`)."""
     export_order_E: torch.Tensor
     """Position of export e in the step-by-step concatenation of the `export_ranks_J` (on `device`)."""
     above_diag_CC: torch.Tensor
@@ -78,10 +84,12 @@ class ChunkLayout:
     """Per chunk slot, the row of the distinct-export buffer its end state fills, or -1 (int64, on `device`)."""
     export_unique_E: torch.Tensor
     """Row of the distinct-export buffer of every export e (requests for one state share it; int64, on `device`)."""
+    export_adds_U: RowAdds
+    """The fixed-order sum of the E export gradients into the U distinct-export rows (on `device`)."""
     num_export_rows: int
     """U, distinct states exported (rows of the Triton kernels' export buffer)."""
     device: torch.device
-    """Where the index tensors the kernel gathers with live."""
+    """Where the index tensors the kernel gathers with live (resolved: "cuda:0", never "cuda"; `kernels.devices`)."""
     source: tuple = ()
     """The (cu_seqlens, export_seq, export_pos) objects given to `prepare_layout`: a call passing these
     very objects again matches without a comparison (index tensors are not modified in place)."""
@@ -102,16 +110,18 @@ class ChunkLayout:
         return int(self.seq_len_N.shape[0])
 
     def to(self, device: torch.device | str) -> ChunkLayout:
-        """This layout with its gather tensors on `device` (self when they already are)."""
-        device = torch.device(device)
-        if device == self.device:
+        """This layout with its gather tensors on `device` (self when they already are: "cuda" and
+        "cuda:<current>" are one device)."""
+        if same_device(device, self.device):
             return self
+        device = resolve_device(device)
         return replace(
             self,
             rank_to_seq_N=self.rank_to_seq_N.to(device),
             gather_MC=self.gather_MC.to(device),
             row_slot_T=self.row_slot_T.to(device),
             export_ranks_J={j: r.to(device) for j, r in self.export_ranks_J.items()},
+            export_adds_J={j: a.to(device) for j, a in self.export_adds_J.items()},
             export_order_E=self.export_order_E.to(device),
             above_diag_CC=self.above_diag_CC.to(device),
             chunk_row_M=self.chunk_row_M.to(device),
@@ -120,6 +130,7 @@ class ChunkLayout:
             rank_chunks_N=self.rank_chunks_N.to(device),
             export_row_M=self.export_row_M.to(device),
             export_unique_E=self.export_unique_E.to(device),
+            export_adds_U=self.export_adds_U.to(device),
             device=device,
         )
 
@@ -324,6 +335,7 @@ def build_chunk_layout(cu_seqlens, export_seq_E, export_pos_E, chunk_size: int) 
         gather_MC=torch.from_numpy(gather_MC),
         row_slot_T=torch.from_numpy(row_slot_T),
         export_ranks_J={int(j): torch.from_numpy(r) for j, r in zip(steps, parts)},
+        export_adds_J={int(j): RowAdds.build(r) for j, r in zip(steps, parts)},
         export_order_E=torch.from_numpy(export_order_E),
         above_diag_CC=torch.ones(C, C, dtype=torch.bool).triu(1),
         chunk_row_M=torch.from_numpy(chunk_row_M.astype(np.int64)),
@@ -332,6 +344,7 @@ def build_chunk_layout(cu_seqlens, export_seq_E, export_pos_E, chunk_size: int) 
         rank_chunks_N=torch.from_numpy(n_chunks_R.astype(np.int64)),
         export_row_M=torch.from_numpy(export_row_M),
         export_unique_E=torch.from_numpy(export_unique_E.reshape(-1).astype(np.int64)),
+        export_adds_U=RowAdds.build(export_unique_E.reshape(-1)),
         num_export_rows=int(export_rows_U.shape[0]),
         device=torch.device("cpu"),
     )

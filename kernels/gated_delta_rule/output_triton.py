@@ -18,6 +18,8 @@ dh the gradient on the state after the chunk and dvnew the full gradient on vnew
          (with float64 gates, the intra-chunk part as float64 row minus column sums of dP * P)
 
 per block of BK key columns (dG as NK partial sums; `wy_triton._wy_bwd_kernel` adds them up).
+With TRANS_FREE, ds^T reaches its dot through a scratch tile (`_transposed_via_memory`; fla #640,
+kernels/triton_640.py).
 
 Pointers: int64 scalar bases per chunk and state, int32 tile offsets (as in `wy_triton`).
 
@@ -29,10 +31,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton_tuning import autotune, warps_stages
+from kernels.triton_tuning import autotune, stages
 
 
-@autotune(warps_stages((4, 8), (2,)), key=["K", "V", "BT", "BK", "BV"])
+@triton.jit
+def _transposed_via_memory(b_x, scratch, slot, BT: tl.constexpr):
+    """b_x^T for a [BT, BT] tile, written to scratch tile `slot` (int64) and read back transposed:
+    the transpose-free form of `tl.trans(b_x)` for a dot result used as a dot operand (fla #640,
+    kernels/triton_640.py). The tile is the calling program's own; the barrier makes its stores
+    visible to all its threads."""
+    o_t = tl.arange(0, BT)
+    p = scratch + slot * (BT * BT)
+    tl.store(p + o_t[:, None] * BT + o_t[None, :], b_x)
+    tl.debug_barrier()
+    return tl.load(p + o_t[None, :] * BT + o_t[:, None])
+
+
+@autotune(stages(4, (2, 3)), key=["K", "V", "BT", "BK", "BV"])
 @triton.jit
 def _out_fwd_kernel(
     q, k, vnew, h, G, o, chunk_row, chunk_end, scale,
@@ -80,7 +95,7 @@ def _out_fwd_kernel(
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
-@autotune(warps_stages((8, 4), (2,)), key=["K", "V", "BT", "BK", "BV"])
+@autotune(stages(8, (2, 3)), key=["K", "V", "BT", "BK", "BV"])
 @triton.jit
 def _dv_local_kernel(
     q, k, G, do, dv, chunk_row, chunk_end, scale,
@@ -122,12 +137,12 @@ def _dv_local_kernel(
         tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
-@autotune(warps_stages((8, 4), (2,)), key=["K", "V", "BT", "BK", "BV"])
+@autotune(stages(8, (2, 3)), key=["K", "V", "BT", "BK", "BV"])
 @triton.jit
 def _dqkwg_kernel(
-    q, k, vnew, h, do, dh, dv2, G, dq, dk, dw, dg, chunk_row, chunk_end, scale, T,
+    q, k, vnew, h, do, dh, dv2, G, dq, dk, dw, dg, scratch, chunk_row, chunk_end, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, TRANS_FREE: tl.constexpr,
 ):
     i_m, i_k, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     row0 = tl.load(chunk_row + i_m)
@@ -201,7 +216,12 @@ def _dqkwg_kernel(
         b_dG -= tl.sum((b_dk * b_k.to(tl.float32)).to(tl.float64), axis=1)
         b_dG += tl.sum(b_M, axis=1) - tl.sum(b_M, axis=0)
     b_dq += tl.dot(b_ds.to(DT), b_k, input_precision=PREC)
-    b_dk += tl.dot(tl.trans(b_ds.to(DT)), b_q, input_precision=PREC)
+    if TRANS_FREE:
+        b_dk += tl.dot(_transposed_via_memory(b_ds.to(DT), scratch, (i_m * tl.num_programs(1) + i_k) * H + i_h, BT),
+                       b_q, input_precision=PREC)
+    else:
+        # fla #640: miscompiled on Hopper by Triton 3.4 - 3.7.0 at BK = 64 (kernels/triton_640.py).
+        b_dk += tl.dot(tl.trans(b_ds.to(DT)), b_q, input_precision=PREC)
     if G.dtype.element_ty != tl.float64:
         b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) - tl.sum(b_dk * b_k.to(tl.float32), axis=1)
     b_dG = tl.where(o_t == n_t - 1, b_dG + dg_last, b_dG)

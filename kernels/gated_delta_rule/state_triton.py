@@ -34,20 +34,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton_tuning import autotune
+from kernels.triton_tuning import autotune, stages
 
-
-def _configs(*candidates: tuple[int, int]) -> list[triton.Config]:
-    """(BV, num_warps) candidates; the others spill at K = V = 128 (ptxas for sm_90,
-    scripts/triton_aot_check.py --all-configs): 2 warps, and BV = 64 on 4 warps."""
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=2) for bv, w in candidates]
+# Numerics fixed per kernel (kernels/triton_tuning.py), tuned over num_stages: BV = 32 on 4 warps
+# (forward) and 8 warps (backward). Spills at K = V = 128 (ptxas for sm_90,
+# scripts/triton_aot_check.py --all-configs): 2 warps, and BV = 64 on 4 warps.
 
 
 @triton.heuristics({
     "HAS_H0": lambda args: args["h0"] is not None,
     "EXPORT": lambda args: args["states"] is not None,
 })
-@autotune(_configs((32, 4), (32, 8), (64, 8)), key=["K", "V", "BT", "BK"])
+@autotune(stages(4, (2, 3), BV=32), key=["K", "V", "BT", "BK"])
 @triton.jit
 def _state_fwd_kernel(
     k, w, u, G, h0, h, vnew, states,
@@ -104,7 +102,7 @@ def _state_fwd_kernel(
     "HAS_DH0": lambda args: args["dh0"] is not None,
     "HAS_DSTATES": lambda args: args["dstates"] is not None,
 })
-@autotune(_configs((32, 8), (32, 4), (64, 8)), key=["K", "V", "BT", "BK"])
+@autotune(stages(8, (2, 3), BV=32), key=["K", "V", "BT", "BK"])
 @triton.jit
 def _state_bwd_kernel(
     q, k, w, G, do, dv_local, dstates, dh, dv2, dh0,

@@ -16,7 +16,8 @@ triangular inverse, with tensor-core products for the off-diagonal blocks.
 `_wy_bwd_kernel` maps the gradients on w and u (from the state recurrence) and the direct
 gradients on k and G (from the output stage) to those of k, v, beta and g: with dAi the gradient on
 Ai, dA = -Ai^T dAi Ai^T on the strictly lower part, then through A, beta k exp(G) and beta v, and
-finally the reverse cumulative sum over the chunk that turns dG into dg.
+finally the reverse cumulative sum over the chunk that turns dG into dg. With TRANS_FREE, dM^T
+reaches its dot through a scratch tile (fla #640, kernels/triton_640.py).
 
 Gate precision follows G's dtype (the host picks it). fp32 G, for bf16/fp16 inputs: an fp32
 cumulative sum within the chunk and fp32 exponentials of G and of its differences, the standard GPU
@@ -40,10 +41,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton_tuning import autotune, warps_stages
+from kernels.gated_delta_rule.output_triton import _transposed_via_memory
+from kernels.triton_tuning import autotune, stages
 
 
-@autotune(warps_stages((4, 8), (2,)), key=["K", "BT", "BK"])
+@autotune(stages(4, (2, 3)), key=["K", "BT", "BK"])
 @triton.jit
 def _kkt_fwd_kernel(
     k, g, beta, G, A, chunk_row, chunk_end,
@@ -112,7 +114,7 @@ def _inv_diag_block16(A, r0, n_t, H: tl.constexpr, BT: tl.constexpr):
     return b_X + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
 
 
-@autotune(warps_stages((2,), (2,)), key=["BT"])
+@autotune(stages(2, (2,)), key=["BT"])
 @triton.jit
 def _solve_kernel(A, Ai, chunk_row, chunk_end, H: tl.constexpr, BT: tl.constexpr):
     i_m, i_h = tl.program_id(0), tl.program_id(1)
@@ -169,7 +171,7 @@ def _solve_kernel(A, Ai, chunk_row, chunk_end, H: tl.constexpr, BT: tl.constexpr
         _store_block16(Ai, X44, 48, 48, n_t, H, BT)
 
 
-@autotune(warps_stages((4,), (2,)), key=["K", "V", "BT", "BK", "BV"])
+@autotune(stages(4, (2, 3)), key=["K", "V", "BT", "BK", "BV"])
 @triton.jit
 def _wu_fwd_kernel(
     k, v, beta, G, Ai, w, u, chunk_row, chunk_end,
@@ -212,12 +214,12 @@ def _wu_fwd_kernel(
         tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_tk)
 
 
-@autotune(warps_stages((8, 4), (2,)), key=["K", "V", "BT", "BK", "BV", "NK"])
+@autotune(stages(8, (2, 3)), key=["K", "V", "BT", "BK", "BV", "NK"])
 @triton.jit
 def _wy_bwd_kernel(
-    k, v, beta, G, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, chunk_row, chunk_end, T,
+    k, v, beta, G, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, scratch, chunk_row, chunk_end, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NK: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, TRANS_FREE: tl.constexpr,
 ):
     i_m, i_h = tl.program_id(0), tl.program_id(1)
     row0 = tl.load(chunk_row + i_m)
@@ -287,6 +289,8 @@ def _wy_bwd_kernel(
     b_dM = -b_dA * tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf"))).to(tl.float32)
     # The second pass re-reads this program's dk stores: make them visible to every thread.
     tl.debug_barrier()
+    if TRANS_FREE:
+        b_dMT = _transposed_via_memory(b_dM.to(DT), scratch, i_m.to(tl.int64) * H + i_h, BT)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -299,7 +303,11 @@ def _wy_bwd_kernel(
         b_dkb = tl.dot(b_dM.to(DT), b_k.to(DT), input_precision=PREC)
         b_dbeta += tl.sum(b_dkb * b_k.to(tl.float32), axis=1)
         b_dk = tl.load(dk + p_k, mask=m_tk, other=0.0) + b_dkb * b_beta[:, None]
-        b_dk += tl.dot(tl.trans(b_dM.to(DT)), b_kb, input_precision=PREC)
+        if TRANS_FREE:
+            b_dk += tl.dot(b_dMT, b_kb, input_precision=PREC)
+        else:
+            # fla #640: miscompiled on Hopper by Triton 3.4 - 3.7.0 (kernels/triton_640.py).
+            b_dk += tl.dot(tl.trans(b_dM.to(DT)), b_kb, input_precision=PREC)
         tl.store(dk + p_k, b_dk, mask=m_tk)
     b_dMA = b_dM * b_kk
     b_dMA = b_dMA.to(b_dG.dtype)

@@ -20,7 +20,10 @@ Backends (`BACKENDS`, each `fn(q, k, v, layout, scale)`; pick one with `attentio
 "ref" (per-segment PyTorch reference, any device and dtype), "blocked" (exact blocked flash-style
 PyTorch: bounded memory, and bitwise batch-invariant on the CPU, so a tree row gets the bits of its
 expanded trajectory; the trainer's CPU path) and "triton" (flash-attention-2 style forward and
-backward; CUDA, or CPU under TRITON_INTERPRET=1 in fp32). A backend that needs its own
+backward; CUDA, or CPU under TRITON_INTERPRET=1 in fp32; on a layout prepared with
+`batch_invariant=True` its forward and dq tile each query's keys at fixed depths of its key
+sequence, gathered across its ranges, so a row's output and dq get the bits of the same row in its
+path alone: the GPU's tree == expanded). A backend that needs its own
 index structure builds it from the layout once, through `layout.plan(name, build)`.
 
 Modules: `segment_ref`, `blocked`, `triton_kernel`, `layout` (validation, `prepare_tree_layout`, the block maps).

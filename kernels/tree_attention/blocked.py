@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.row_adds import RowAdds
+
 #: query rows per block (of one segment).
 BLOCK_Q = 128
 #: keys per key block; every P @ V product reduces over exactly this many keys.
@@ -59,6 +61,8 @@ class _Block:
 class _Segment:
     kv: torch.Tensor
     """long [n_keys of its last block] key-table rows in depth order; N = zero padding."""
+    kv_adds: RowAdds
+    """Adds the segment's key gradients (all but the padding: distinct rows) into the key table."""
     blocks: list[_Block]
 
 
@@ -73,6 +77,7 @@ class AttentionPlan:
     def to(self, device: torch.device | str) -> "AttentionPlan":
         for s in self.segments:
             s.kv = s.kv.to(device)
+            s.kv_adds = s.kv_adds.to(device)
             for b in s.blocks:
                 b.visible = b.visible.to(device)
         return self
@@ -97,8 +102,9 @@ def attention_plan(layout) -> AttentionPlan:
             blocks.append(_Block(q0=a + off, n=n, n_keys=-(-int(vis[-1]) // BLOCK_K) * BLOCK_K,
                                  first_visible=int(vis[0]), visible=torch.from_numpy(vis)))
         pad = blocks[-1].n_keys - kv.shape[0]
+        adds = RowAdds.build(kv)
         kv = np.concatenate([kv, np.full(pad, N, np.int64)])
-        segments.append(_Segment(kv=torch.from_numpy(kv), blocks=blocks))
+        segments.append(_Segment(kv=torch.from_numpy(kv), kv_adds=adds, blocks=blocks))
     plan = AttentionPlan(num_rows=int(layout.num_rows), num_kv_rows=N, segments=segments)
     return plan.to(layout.device) if layout.device.type != "cpu" else plan
 
@@ -208,8 +214,8 @@ class _TreeAttention(torch.autograd.Function):
                     dq_g += torch.bmm(ds, k_seg[:, ks])
                     dk_seg[:, ks] += torch.bmm(ds.transpose(1, 2), q_g)
                 dq[sl] = _ungroup(dq_g, b.n, rows)
-            dk_t.index_add_(1, seg.kv, dk_seg)
-            dv_t.index_add_(1, seg.kv, dv_seg)
+            seg.kv_adds.apply_(dk_t, dk_seg, dim=1)
+            seg.kv_adds.apply_(dv_t, dv_seg, dim=1)
         dk = dk_t[:, :N].transpose(0, 1).to(k_NHd.dtype)
         dv = dv_t[:, :N].transpose(0, 1).to(v_NHd.dtype)
         return dq.to(q_RHd.dtype), dk, dv, None, None

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from kernels.devices import resolve_device, same_device
+
 
 @dataclass(slots=True, kw_only=True)
 class TreeIndex:
@@ -97,8 +99,16 @@ class TreeLayout:
     """`index.attn_offsets_S1` on `device`."""
     attn_ranges_2n: torch.Tensor
     """`index.attn_ranges_n2` flattened (start, end, start, end, ...) on `device`."""
+    anc_depth_n: torch.Tensor
+    """Depth of each ancestor range's first row in its segment's key sequence (the rows of the
+    segment's earlier ranges), on `device` (the depth-tiled Triton mode)."""
+    anc_len_S: torch.Tensor
+    """Ancestor rows of each segment (the depth of its first own row), on `device`."""
     device: torch.device
-    """Where the block maps live."""
+    """Where the block maps live (resolved: "cuda:0", never "cuda"; `kernels.devices`)."""
+    batch_invariant: bool = False
+    """The Triton forward and dq tile each query's keys at fixed depths of its key sequence (rows
+    gathered across ranges): a row's bits do not depend on how its ancestors are split into ranges."""
     plans: dict = field(default_factory=dict)
     """Per-backend plans built from this layout on first use (`plan`), e.g. a CPU tile plan."""
 
@@ -114,10 +124,11 @@ class TreeLayout:
         return self.plans[name]
 
     def to(self, device: torch.device | str) -> TreeLayout:
-        """This layout with its block maps on `device` (self when they already are)."""
-        device = torch.device(device)
-        if device == self.device:
+        """This layout with its block maps on `device` (self when they already are: "cuda" and
+        "cuda:<current>" are one device)."""
+        if same_device(device, self.device):
             return self
+        device = resolve_device(device)
         mv = lambda t: t.to(device)  # noqa: E731
         b, p = self.blocks, self.pieces
         return replace(
@@ -127,7 +138,7 @@ class TreeLayout:
                             hi_P=mv(p.hi_P), causal_P=mv(p.causal_P)),
             seg_start_S=mv(self.seg_start_S), seg_len_S=mv(self.seg_len_S),
             attn_offsets_S1=mv(self.attn_offsets_S1), attn_ranges_2n=mv(self.attn_ranges_2n),
-            device=device, plans={},
+            anc_depth_n=mv(self.anc_depth_n), anc_len_S=mv(self.anc_len_S), device=device, plans={},
         )
 
 
@@ -207,7 +218,7 @@ def validate_tensors(q_RHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tens
         raise ValueError(f"q: expected H a multiple of Hkv={Hkv}, got H={H}")
     if not (q_RHD.dtype == k_KHD.dtype == v_KHD.dtype) or not q_RHD.dtype.is_floating_point:
         raise ValueError(f"q, k, v: expected one floating dtype, got {q_RHD.dtype}, {k_KHD.dtype}, {v_KHD.dtype}")
-    if not (q_RHD.device == k_KHD.device == v_KHD.device):
+    if not (same_device(q_RHD.device, k_KHD.device) and same_device(q_RHD.device, v_KHD.device)):
         raise ValueError(f"q, k, v: expected one device, got {q_RHD.device}, {k_KHD.device}, {v_KHD.device}")
 
 
@@ -277,6 +288,7 @@ def prepare_tree_layout(
     device: torch.device | str | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    batch_invariant: bool = False,
 ) -> TreeLayout:
     """Validate a microbatch's compact attention ranges and build its layout, once for every layer.
 
@@ -288,6 +300,9 @@ def prepare_tree_layout(
         num_rows: R. num_kv_rows: R + I (default R: no imported rows).
         device: where the kernels' inputs will live (default CPU).
         block_m, block_n: Triton query / kv tile rows (powers of two >= 16).
+        batch_invariant: the Triton kernels' depth-tiled mode (`TreeLayout.batch_invariant`): a
+            row's output and dq are bitwise those of its expanded sequence, at the cost of gathered
+            key rows; tree and expanded layouts must both use it, with one block_n.
     """
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         if blk < 16 or blk & (blk - 1):
@@ -296,10 +311,15 @@ def prepare_tree_layout(
     index = validate_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows, Rk)
     blocks = query_blocks(index, block_m)
     pieces = kv_pieces(index, blocks, block_m=block_m, block_n=block_n, num_kv_rows=Rk)
+    # Ancestor depths: each range's exclusive cumulative length within its segment.
+    len_n = index.attn_ranges_n2[:, 1] - index.attn_ranges_n2[:, 0]
+    cum_n1 = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(len_n, 0)])
+    first_n = torch.repeat_interleave(index.attn_offsets_S1[:-1], index.attn_offsets_S1[1:] - index.attn_offsets_S1[:-1])
     layout = TreeLayout(
         num_rows=int(num_rows), num_kv_rows=int(Rk), index=index, block_m=block_m, block_n=block_n,
         blocks=blocks, pieces=pieces, seg_start_S=index.seg_start_S, seg_len_S=index.seg_len_S,
         attn_offsets_S1=index.attn_offsets_S1, attn_ranges_2n=index.attn_ranges_n2.reshape(-1),
-        device=torch.device("cpu"),
+        anc_depth_n=cum_n1[:-1] - cum_n1[first_n], anc_len_S=cum_n1[index.attn_offsets_S1[1:]] - cum_n1[index.attn_offsets_S1[:-1]],
+        device=torch.device("cpu"), batch_invariant=bool(batch_invariant),
     )
     return layout.to(device or "cpu")

@@ -7,8 +7,21 @@ segment's ancestor ranges (local or imported extended rows) in BN-row tiles, the
 to the block's last row with the causal mask. dk/dv: one program per (kv block of BN extended
 rows, query head) walks the CSR list of query-block pieces that see the block (`layout.pieces`),
 so every row of the per-query-head dk/dv is written once by one program (rows nobody sees get
-zeros); with GQA the host sums each kv head's G shares (FlashAttention-2's GQA backward does the
-same), which keeps the work of a block that many branches see spread over H programs.
+zeros); with GQA the host sums each kv head's G shares in head order (FlashAttention-2's GQA
+backward sums them too), which keeps the work of a block that many branches see spread over H
+programs. delta = rowsum(o * do) comes from a row-wise kernel. No atomics; every reduction's
+order is fixed by the layout and the tile shapes (D, BM, BN), so a call gives the same bits on
+every run (not, in general, the bits of the same rows in another layout: a query's key tiles start
+at its ancestor ranges' starts).
+
+Batch-invariant mode (a layout prepared with `batch_invariant=True`): the forward and dq programs
+walk key tiles at fixed depths of the segment's key sequence (its ancestor ranges in depth order,
+then its own rows: tile k holds depths [k BN, (k+1) BN)), gathering each lane's key row across the
+ranges (`_depth_tile_rows`), with the causal mask on depths. A key then sits at the same tile and
+lane whatever the ranges, and a query's tiles past its own depth are exact no-ops of the online
+softmax, so a row's o, lse and dq are bitwise those of the same row in its path alone (the expanded
+run): the GPU's tree == expanded. dk/dv sum over the queries that see a key, which differ between
+tree and expanded by nature.
 
 On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
 bf16 is wrong). float64 is rejected. Row bases are int64 scalars added to the pointers; offsets
@@ -23,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.devices import same_device
 from kernels.tree_attention.layout import TreeLayout
-from kernels.triton_tuning import autotune, warps_stages
+from kernels.triton_tuning import autotune, stages
 
 
 @triton.jit
@@ -55,13 +69,32 @@ def _fwd_tile(
     return m_new, b_l, b_acc
 
 
-@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
+@triton.jit
+def _depth_tile_rows(attn_ranges, anc_depth, i_cur, r_hi, d0, o_n, A, bos, BN: tl.constexpr):
+    """Key-table rows [BN] (int64) of the keys at depths d0 .. d0 + BN - 1 of a segment's key
+    sequence: its ancestor ranges i_cur .. r_hi - 1 in depth order (range i starts at depth
+    anc_depth[i]), then its own rows from depth A at row bos. Also the first range the next tile
+    can overlap. Ranges are visited while they start inside the tile: O(tiles + ranges)."""
+    depth = d0 + o_n
+    rows = bos + (depth - A)
+    j = i_cur
+    go = j < r_hi
+    while go:
+        a = tl.load(attn_ranges + 2 * j)
+        rd = tl.load(anc_depth + j)
+        rows = tl.where((depth >= rd) & (depth < rd + tl.load(attn_ranges + 2 * j + 1) - a), a + (depth - rd), rows)
+        j += 1
+        go = (j < r_hi) & (tl.load(anc_depth + j, mask=j < r_hi, other=0) < d0 + BN)
+    return rows, tl.maximum(j - 1, i_cur)
+
+
+@autotune(stages(4, (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_fwd_kernel(
-    q, k, v, o, lse, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
+    q, k, v, o, lse, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges, anc_depth, anc_len,
     scale,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, INVARIANT: tl.constexpr,
 ):
     HKV: tl.constexpr = H // G
     i_b, i_h = tl.program_id(0), tl.program_id(1)
@@ -91,19 +124,32 @@ def _tree_attn_fwd_kernel(
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
 
-    for i_r in range(r_lo, r_hi):
-        a = tl.load(attn_ranges + 2 * i_r)
-        b = tl.load(attn_ranges + 2 * i_r + 1)
-        for c0 in range(a, b, BN):
+    if INVARIANT:
+        # Key tiles at fixed depths of the segment's key sequence (ancestors, then its own rows).
+        A = tl.load(anc_len + i_s)
+        d_end = A + (row_end - bos)
+        i_cur = r_lo
+        for d0 in range(0, d_end, BN):
+            rows, i_cur = _depth_tile_rows(attn_ranges, anc_depth, i_cur, r_hi, d0, o_n, A, bos, BN)
+            p_rows = rows[:, None] * (HKV * D) + o_d[None, :]
             b_m, b_l, b_acc = _fwd_tile(
-                b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
-                o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
+                b_m, b_l, b_acc, b_q, k, v, p_rows, (d_end - d0).to(tl.int32), (A + row0 - bos - d0).to(tl.int32),
+                o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
             )
-    for c0 in range(bos, row_end, BN):
-        b_m, b_l, b_acc = _fwd_tile(
-            b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
-            (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
-        )
+    else:
+        for i_r in range(r_lo, r_hi):
+            a = tl.load(attn_ranges + 2 * i_r)
+            b = tl.load(attn_ranges + 2 * i_r + 1)
+            for c0 in range(a, b, BN):
+                b_m, b_l, b_acc = _fwd_tile(
+                    b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
+                    o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
+                )
+        for c0 in range(bos, row_end, BN):
+            b_m, b_l, b_acc = _fwd_tile(
+                b_m, b_l, b_acc, b_q, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
+                (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
+            )
 
     # Every real row sees at least its own row; padding rows are not stored.
     b_l = tl.where(b_l > 0.0, b_l, 1.0)
@@ -134,13 +180,13 @@ def _dq_tile(
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
 
 
-@autotune(warps_stages((4,), (2, 3)), key=["G", "D", "BM", "BN"])
+@autotune(stages(4, (2, 3)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dq_kernel(
-    q, k, v, do, lse, delta, dq, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges,
+    q, k, v, do, lse, delta, dq, qb_seg, qb_row, seg_start, seg_len, attn_offsets, attn_ranges, anc_depth, anc_len,
     scale,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, INVARIANT: tl.constexpr,
 ):
     HKV: tl.constexpr = H // G
     i_b, i_h = tl.program_id(0), tl.program_id(1)
@@ -173,23 +219,35 @@ def _tree_attn_dq_kernel(
     b_delta = tl.load(delta + o_m * H, mask=m_rows, other=0.0)
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
 
-    for i_r in range(r_lo, r_hi):
-        a = tl.load(attn_ranges + 2 * i_r)
-        b = tl.load(attn_ranges + 2 * i_r + 1)
-        for c0 in range(a, b, BN):
+    if INVARIANT:
+        A = tl.load(anc_len + i_s)
+        d_end = A + (row_end - bos)
+        i_cur = r_lo
+        for d0 in range(0, d_end, BN):
+            rows, i_cur = _depth_tile_rows(attn_ranges, anc_depth, i_cur, r_hi, d0, o_n, A, bos, BN)
+            p_rows = rows[:, None] * (HKV * D) + o_d[None, :]
             b_dq = _dq_tile(
-                b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (b - c0).to(tl.int32), 0,
-                o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
+                b_dq, b_q, b_do, b_lse, b_delta, k, v, p_rows, (d_end - d0).to(tl.int32),
+                (A + row0 - bos - d0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
             )
-    for c0 in range(bos, row_end, BN):
-        b_dq = _dq_tile(
-            b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd, (row_end - c0).to(tl.int32),
-            (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
-        )
+    else:
+        for i_r in range(r_lo, r_hi):
+            a = tl.load(attn_ranges + 2 * i_r)
+            b = tl.load(attn_ranges + 2 * i_r + 1)
+            for c0 in range(a, b, BN):
+                b_dq = _dq_tile(
+                    b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd,
+                    (b - c0).to(tl.int32), 0, o_m, o_n, m_d, scale, CAUSAL=False, PREC=PREC,
+                )
+        for c0 in range(bos, row_end, BN):
+            b_dq = _dq_tile(
+                b_dq, b_q, b_do, b_lse, b_delta, k + c0 * (HKV * D), v + c0 * (HKV * D), p_nd,
+                (row_end - c0).to(tl.int32), (row0 - c0).to(tl.int32), o_m, o_n, m_d, scale, CAUSAL=True, PREC=PREC,
+            )
     tl.store(dq + p_md, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
-@autotune(warps_stages((8, 4), (1, 2)), key=["G", "D", "BM", "BN"])
+@autotune(stages(8, (1, 2)), key=["G", "D", "BM", "BN"])
 @triton.jit
 def _tree_attn_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, qb_seg, qb_row, seg_start, seg_len,
@@ -258,9 +316,41 @@ def _tree_attn_dkdv_kernel(
     tl.store(dv + p_out, b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_d[None, :])
 
 
+@autotune(stages(4, (2,)), key=["D"])
+@triton.jit
+def _tree_attn_delta_kernel(o, do, delta, R, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    # delta = rowsum(o * do) per (row, head), a [BD] reduction whose order depends on D only.
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    row0 = i_b.to(tl.int64) * BM
+    o += row0 * (H * D) + i_h * D
+    do += row0 * (H * D) + i_h * D
+    delta += row0 * H + i_h
+    o_m = tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_rows = o_m < (R - row0).to(tl.int32)
+    m = m_rows[:, None] & (o_d < D)[None, :]
+    p = o_m[:, None] * (H * D) + o_d[None, :]
+    # [BM, BD]
+    b_o = tl.load(o + p, mask=m, other=0.0).to(tl.float32)
+    b_do = tl.load(do + p, mask=m, other=0.0).to(tl.float32)
+    tl.store(delta + o_m * H, tl.sum(b_o * b_do, axis=1), mask=m_rows)
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Output allocation; tests replace it with NaN-filled buffers to prove every element is written."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _sum_groups(x_KHD: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """[Rk, H, D] -> [Rk, Hkv, D]: each kv head's G query-head shares added in head order, by
+    elementwise adds (a fixed order whatever Rk; a `sum` over the head dim may pick its reduction
+    strategy by the tensor's shape)."""
+    Rk, H, D = x_KHD.shape
+    x = x_KHD.view(Rk, Hkv, H // Hkv, D)
+    out = x[:, :, 0].clone()
+    for g in range(1, H // Hkv):
+        out += x[:, :, g]
+    return out
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -275,11 +365,17 @@ def _segments(layout: TreeLayout) -> dict:
     )
 
 
+def _keys(layout: TreeLayout) -> dict:
+    """What the query-major kernels walk: the ancestor ranges and their depths."""
+    return dict(attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, anc_depth=layout.anc_depth_n,
+                anc_len=layout.anc_len_S)
+
+
 class _TreeAttentionTriton(torch.autograd.Function):
     """Forward saves the fp32 log-sum-exp; backward recomputes P from it."""
 
     @staticmethod
-    def forward(ctx, q_RHD, k_KHD, v_KHD, layout: TreeLayout, scale: float):
+    def forward(ctx, q_RHD, k_KHD, v_KHD, layout: TreeLayout, scale: float, invariant: bool):
         R, H, D = q_RHD.shape
         Hkv = k_KHD.shape[1]
         dev = q_RHD.device
@@ -293,11 +389,11 @@ class _TreeAttentionTriton(torch.autograd.Function):
         NB = layout.blocks.seg_NB.numel()
         if NB:
             _tree_attn_fwd_kernel[(NB, H)](
-                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **_segments(layout),
-                attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, scale=float(scale), **consts,
+                q=q_RHD, k=k_KHD, v=v_KHD, o=o_RHD, lse=lse_RH, **_segments(layout), **_keys(layout),
+                scale=float(scale), **consts, INVARIANT=invariant,
             )
         ctx.save_for_backward(q_RHD, k_KHD, v_KHD, o_RHD, lse_RH)
-        ctx.layout, ctx.consts, ctx.scale = layout, consts, float(scale)
+        ctx.layout, ctx.consts, ctx.scale, ctx.invariant = layout, consts, float(scale), invariant
         return o_RHD
 
     @staticmethod
@@ -308,7 +404,10 @@ class _TreeAttentionTriton(torch.autograd.Function):
         R, H, D = q_RHD.shape
         Rk, Hkv, _ = k_KHD.shape
         do_RHD = do_RHD.contiguous()
-        delta_RH = (o_RHD.float() * do_RHD.float()).sum(-1).contiguous()
+        delta_RH = _empty((R, H), torch.float32, dev)
+        if R:
+            _tree_attn_delta_kernel[(triton.cdiv(R, 64), H)](o=o_RHD, do=do_RHD, delta=delta_RH, R=R, H=H, D=D, BM=64,
+                                                             BD=consts["BD"])
         dq_RHD = _empty((R, H, D), q_RHD.dtype, dev)
         # Per query head; summed over each kv head's G query heads below (in fp32 when G > 1).
         G = H // Hkv
@@ -318,7 +417,7 @@ class _TreeAttentionTriton(torch.autograd.Function):
         if NB:
             _tree_attn_dq_kernel[(NB, H)](
                 q=q_RHD, k=k_KHD, v=v_KHD, do=do_RHD, lse=lse_RH, delta=delta_RH, dq=dq_RHD, **_segments(layout),
-                attn_offsets=layout.attn_offsets_S1, attn_ranges=layout.attn_ranges_2n, scale=ctx.scale, **consts,
+                **_keys(layout), scale=ctx.scale, **consts, INVARIANT=ctx.invariant,
             )
         pieces = layout.pieces
         NKB = pieces.offsets_NKB1.numel() - 1
@@ -330,9 +429,9 @@ class _TreeAttentionTriton(torch.autograd.Function):
                 scale=ctx.scale, Rk=Rk, **consts,
             )
         if G > 1:
-            dk_KHD = dk_KHD.view(Rk, Hkv, G, D).sum(2).to(k_KHD.dtype)
-            dv_KHD = dv_KHD.view(Rk, Hkv, G, D).sum(2).to(v_KHD.dtype)
-        return dq_RHD, dk_KHD, dv_KHD, None, None
+            dk_KHD = _sum_groups(dk_KHD, Hkv).to(k_KHD.dtype)
+            dv_KHD = _sum_groups(dv_KHD, Hkv).to(v_KHD.dtype)
+        return dq_RHD, dk_KHD, dv_KHD, None, None, None
 
 
 def tree_attention_triton(
@@ -340,11 +439,15 @@ def tree_attention_triton(
 ) -> torch.Tensor:
     """Triton tree attention over a prepared layout; same result as `tree_attention_ref`.
 
+    With `layout.batch_invariant` the forward and dq walk key tiles at fixed depths of each
+    query's key sequence (rows gathered across its ranges): a row's output and dq get the bits of
+    the same row of its path alone (the expanded run), however its ancestors are split into ranges.
+
     Additional requirements: inputs fp32/bf16/fp16 on the layout's device (CUDA, or CPU under
     TRITON_INTERPRET=1).
     """
     if q_RHD.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q: expected fp32/bf16/fp16 for backend='triton', got {q_RHD.dtype}; use backend='ref'")
-    if q_RHD.device != layout.device:
+    if not same_device(q_RHD.device, layout.device):
         raise ValueError(f"layout: expected one prepared on q's device {q_RHD.device}, got {layout.device} (use layout.to)")
-    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale)
+    return _TreeAttentionTriton.apply(q_RHD, k_KHD, v_KHD, layout, scale, layout.batch_invariant)

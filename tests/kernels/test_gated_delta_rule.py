@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule_ref, prepare_layout
+from tests.determinism import deterministic
 from tests.gated_delta_rule_v0 import chunk_gated_delta_rule_v0
 from tests.triton_interpreter import run_under_interpreter
 
@@ -85,6 +86,23 @@ def test_state_cotangent_reaches_inputs():
     grads = torch.autograd.grad(s.sum(), [x["k"], x["v"], x["g"], x["beta"], x["h0"]])
     assert all(gr.abs().max() > 0 for gr in grads)
     assert torch.equal(grads[0][8:], torch.zeros_like(grads[0][8:]))
+
+
+def test_duplicate_exports_add_their_gradients_in_order_under_deterministic_mode():
+    """A state requested twice in one step gets both cotangents, added in request order without
+    index_add_ (`layout.export_adds_J`), under `torch.use_deterministic_algorithms(True)`; the
+    gradients equal those of one request carrying the sum, and a rerun gives the same bits."""
+    x, cu = make_inputs([12, 9], 2, 4, 3, dtype=torch.float64, seed=6, requires_grad=True)
+    leaves = [x[n] for n in ("k", "v", "g", "beta", "h0")]  # states do not depend on q
+    cot = torch.randn(3, 2, 4, 3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    with deterministic():
+        twice = [torch.autograd.grad(run(chunk_gated_delta_rule, x, cu, [0, 1, 0], [8, 8, 8], 4)[1], leaves, cot)
+                 for _ in range(2)]
+        once = torch.autograd.grad(run(chunk_gated_delta_rule, x, cu, [0, 1], [8, 8], 4)[1], leaves,
+                                   torch.stack([cot[0] + cot[2], cot[1]]))
+    for a, b, c in zip(*twice, once):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
 
 
 def test_replayed_rows_accumulate_gradients():

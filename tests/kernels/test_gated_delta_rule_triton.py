@@ -19,6 +19,8 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see module docstring)", allow_module_level=True)
 
 from kernels.gated_delta_rule import chunk_gated_delta_rule, prepare_layout  # noqa: E402
+from tests.determinism import deterministic  # noqa: E402
+from kernels import triton_640  # noqa: E402
 from kernels.gated_delta_rule import chunk_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,6 +115,44 @@ def test_triton_matches_ref_fp32(case):
     assert_close_rel(got, want, 2e-6)
 
 
+# fla #640 shapes (kernels/triton_640.py): BK = 64 key tiles and C = 64 ([64, 64] transposed
+# tiles); K = 64 is one key block, K = 100 two (the second masked).
+CASES_640 = {
+    "K64_C64": ([70, 64], 1, 64, 16, 64, True, True, 0.3, [(0, 64), (1, 64), (0, 70)]),
+    "K100_C64": ([65, 20], 1, 100, 16, 64, False, True, 0.3, [(0, 64), (1, 20)]),
+}
+
+
+@pytest.mark.parametrize("trans_free", [False, True], ids=["plain", "transpose_free"])
+@pytest.mark.parametrize("case", list(CASES_640.values()), ids=list(CASES_640))
+def test_triton_bk64_shapes_match_ref_fp32(case, trans_free, monkeypatch):
+    """At the shapes of the Hopper miscompile, both forms of the backward's transposed products
+    match the reference (the transpose-free one reads back a NaN-poisoned scratch tile it wrote)."""
+    lens, H, K, V, C, init, l2, decay, exports = case
+    monkeypatch.setattr(triton_640, "check", lambda device: trans_free)
+    shapes = []
+    empty = chunk_triton._empty
+    monkeypatch.setattr(chunk_triton, "_empty", lambda shape, dtype, device: shapes.append(shape) or empty(shape, dtype, device))
+    x, cu = make_inputs(lens, H, K, V, seed=21, init=init, decay=decay)
+    got = outputs_and_grads("triton", x, cu, exports, C, seed=22, use_qk_l2norm=l2)
+    want = outputs_and_grads("ref", x, cu, exports, C, seed=22, use_qk_l2norm=l2)
+    assert_close_rel(got, want, 2e-6)
+    M, NK = sum(-(-n // C) for n in lens), -(-K // 64)
+    assert ((M * NK * H * C * C,) in shapes) is trans_free
+
+
+def test_triton_is_deterministic_under_torch_deterministic_mode():
+    """`torch.use_deterministic_algorithms(True)`, warnings as errors: forward and backward run
+    (duplicate exports: their gradients add in request order, no index_add_) and a second run gives
+    the same bits."""
+    lens, H, K, V, C, init, l2, decay, exports = CASES["n3_C16_K8_V40_init_dup"]
+    x, cu = make_inputs(lens, H, K, V, seed=31, init=init, decay=decay)
+    with deterministic():
+        runs = [outputs_and_grads("triton", x, cu, exports, C, seed=32, use_qk_l2norm=l2) for _ in range(2)]
+    for name, a, b in zip(NAMES, *runs):
+        assert torch.equal(a, b), name
+
+
 def test_triton_split_at_exported_state_equals_one_call():
     """A sequence run as two calls, the second starting from the state the first exports, gives the
     one-call outputs and gradients: the export gradient is injected at its chunk and comes back out
@@ -160,6 +200,19 @@ def test_triton_uses_the_prepared_layout():
                                layout=layout, backend="ref")
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert_close_rel(a, r, 2e-5, names=("o", "states"))
+
+
+def test_triton_layout_prepared_on_another_spelling_of_the_device_is_not_copied():
+    """A layout prepared on "cuda" serves tensors on "cuda:0" as it is (no per-call copy of its
+    index tensors; the GPU issue's device mismatch)."""
+    x, cu = make_inputs([21, 16], 1, 16, 16, seed=9)
+    es, ep = exports_of([(1, 16)])
+    layout = prepare_layout(cu, es, ep, 16, device="cuda" if DEVICE == "cuda" else "cpu:0")
+    assert layout.to(x["q"].device) is layout
+    a = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], chunk_size=16,
+                               layout=layout, backend="triton")
+    b = run("triton", x, cu, [(1, 16)], 16)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 from kernels.tree_attention import BACKENDS, tree_attention  # noqa: E402
 from kernels.tree_attention import triton_kernel  # noqa: E402
 from kernels.tree_attention import prepare_tree_layout  # noqa: E402
+from tests.determinism import deterministic  # noqa: E402
 from tests.tree_attention_helpers import random_qkv, random_tree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,6 +73,81 @@ def test_every_backend_matches_ref_fp32(case):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name, be=backend: f"{be} {n}: {m}")
 
 
+def test_every_backend_is_deterministic_under_torch_deterministic_mode():
+    """`torch.use_deterministic_algorithms(True)`, warnings as errors: forward and backward of every
+    backend run (GQA: the group sum in head order), and a second run gives the same bits."""
+    tree = random_tree(21, num_segments=5, max_len=12, num_imported=2)
+    with deterministic():
+        runs = [run_backends(tree, 4, 2, 16, list(BACKENDS), seed=22, block_m=16, block_n=16) for _ in range(2)]
+    for backend in BACKENDS:
+        for name, a, b in zip(("o", "dq", "dk", "dv"), runs[0][backend], runs[1][backend]):
+            assert torch.equal(a, b), (backend, name)
+
+
+def _path_layout(L: int, **blocks):
+    return prepare_tree_layout(torch.tensor([0]), torch.tensor([L]), torch.tensor([0, 0]),
+                               torch.zeros(0, 2, dtype=torch.long), num_rows=L, device=DEVICE, batch_invariant=True,
+                               **blocks)
+
+
+@pytest.mark.parametrize("case", [CASES[n] for n in ("deep_chain_gqa_2_1", "wide_imported_bm16_bn32", "imported_unmerged_d24")],
+                         ids=["deep_chain_gqa_2_1", "wide_imported_bm16_bn32", "imported_unmerged_d24"])
+def test_triton_on_a_batch_invariant_layout_matches_ref_fp32(case):
+    """The depth-tiled forward and dq (`prepare_tree_layout(..., batch_invariant=True)`): outputs and
+    gradients against the reference, buffers poisoned with NaN."""
+    kwargs, H, Hkv, D, bm, bn = case
+    tree = random_tree(7, **kwargs)
+    q, k, v = random_qkv(tree, H, Hkv, D, seed=8, dtype=torch.float32, device=DEVICE)
+    do = torch.randn(tree.R, H, D, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    got, want = [], []
+    for layout, backend, out in ((tree.prepare(DEVICE, block_m=bm, block_n=bn, batch_invariant=True), "triton", got),
+                                 (tree.prepare(DEVICE), "ref", want)):
+        o = tree_attention(q, k, v, layout, scale=D**-0.5, backend=backend)
+        out += [o, *torch.autograd.grad(o, [q, k, v], do)]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_tree_rows_equal_paths_alone(tree, H, Hkv, D, *, seed, dtype, **blocks):
+    """Every segment's rows: the tree's o and dq are bitwise those of the same rows at the end of the
+    segment's path run alone (the expanded sequence: ancestors, then the segment), both layouts
+    prepared with batch_invariant=True."""
+    q, k, v = (x.detach() for x in random_qkv(tree, H, Hkv, D, seed=seed, dtype=dtype, device=DEVICE))
+    q.requires_grad_(True)
+    o = tree_attention(q, k, v, tree.prepare(DEVICE, batch_invariant=True, **blocks), scale=D**-0.5, backend="triton")
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+    (dq,) = torch.autograd.grad(o, q, do)
+    off = tree.attn_offsets.tolist()
+    for s, (a, L) in enumerate(zip(tree.seg_start.tolist(), tree.seg_len.tolist())):
+        anc = [torch.arange(x, y) for x, y in tree.attn_ranges[off[s] : off[s + 1]].tolist()]
+        path = torch.cat(anc + [torch.arange(a, a + L)]).to(DEVICE)
+        n = path.shape[0] - L
+        q_path = torch.cat([q.new_zeros(n, H, D), q.detach()[a : a + L]]).requires_grad_(True)
+        alone = tree_attention(q_path, k[path], v[path], _path_layout(path.shape[0], **blocks), scale=D**-0.5,
+                               backend="triton")
+        (dq_alone,) = torch.autograd.grad(alone, q_path, torch.cat([do.new_zeros(n, H, D), do[a : a + L]]))
+        assert torch.equal(alone[n:], o[a : a + L]), f"segment {s}: o"
+        assert torch.equal(dq_alone[n:], dq[a : a + L]), f"segment {s}: dq"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_invariant_tree_rows_bitwise_equal_their_paths_alone_fp32(seed):
+    """Key tiles at fixed depths: however a row's ancestors are split into ranges (and whatever the
+    rows beside it), its o and dq are the bits of its expanded run (the default layout tiles each
+    range from its start and misses this)."""
+    tree = random_tree(30 + seed, num_segments=6, min_len=3, max_len=40, num_imported=2)
+    assert_tree_rows_equal_paths_alone(tree, 4, 2, 16, seed=seed, dtype=torch.float32, block_m=16, block_n=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 is only meaningful on a GPU (the interpreter's bf16 is wrong)")
+def test_batch_invariant_tree_rows_bitwise_equal_their_paths_alone_bf16():
+    """The moonshot's attention part in bf16 at production tiles (BM = BN = 64, D = 128, GQA 8:2)."""
+    tree = random_tree(33, num_segments=24, min_len=1, max_len=300, num_imported=3)
+    assert_tree_rows_equal_paths_alone(tree, 8, 2, 128, seed=34, dtype=torch.bfloat16)
+
+
 def test_triton_kv_rows_seen_by_nobody_get_zero_gradients():
     """Imported rows outside every range and trailing rows: written as zeros, not left unset."""
     tree = random_tree(9, num_segments=3, max_len=10, num_imported=2)
@@ -98,6 +174,17 @@ def test_triton_rejects_float64_and_a_layout_elsewhere():
     if DEVICE == "cuda":
         with pytest.raises(ValueError, match="device"):
             tree_attention(q, k, v, tree.prepare("cpu"), scale=1.0, backend="triton")
+
+
+def test_triton_accepts_a_layout_prepared_on_another_spelling_of_qs_device():
+    """The GPU issue's failure: a layout prepared on "cuda" was refused for q on "cuda:0"
+    (`torch.device("cuda") != torch.device("cuda:0")`); devices are compared resolved."""
+    tree = random_tree(16, num_segments=3, max_len=9, num_imported=1)
+    q, k, v = random_qkv(tree, 2, 1, 16, seed=17, dtype=torch.float32, device=DEVICE)
+    spelling = "cuda" if DEVICE == "cuda" else "cpu:0"
+    o = tree_attention(q, k, v, tree.prepare(spelling, block_m=16, block_n=16), scale=0.25, backend="triton")
+    want = tree_attention(q, k, v, tree.prepare(DEVICE, block_m=16, block_n=16), scale=0.25, backend="triton")
+    assert torch.equal(o, want)
 
 
 @pytest.mark.gpu

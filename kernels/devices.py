@@ -1,0 +1,38 @@
+"""Device identity for layouts and tensors: compare the device a spelling resolves to, not the spelling.
+
+`torch.device("cuda") != torch.device("cuda:0")` although a tensor created on the first is on the
+second (the index None means the current device of that type). Layouts prepared once and matched
+against every call's tensors therefore store and compare resolved devices: `resolve_device` turns
+an index-less accelerator device into the explicit current one, and drops the index of the CPU
+(there is one CPU device; `cpu` and `cpu:0` name it).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["resolve_device", "same_device"]
+
+_INDEXLESS = ("cpu", "meta")
+
+
+def _current_index(device_type: str) -> int:
+    """The current device index of an accelerator type (`torch.cuda.current_device()` for "cuda")."""
+    return torch.get_device_module(device_type).current_device()
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """`device` with its index made explicit: "cuda" -> "cuda:<current>", "cpu:0" -> "cpu"; None -> cpu."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type in _INDEXLESS:
+        return torch.device(device.type)
+    if device.index is None:
+        return torch.device(device.type, _current_index(device.type))
+    return device
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether a and b name one device once resolved (`resolve_device`)."""
+    a, b = torch.device(a), torch.device(b)
+    if a == b:
+        return True
+    return a.type == b.type and resolve_device(a) == resolve_device(b)
