@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=int, default=4096, help="largest batch in tokens (default 4096)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per batch after one warm-up; the fastest counts")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads while timing (0: torch's default)")
-    p.add_argument("--backend", default="ref", help="kernel backend of the chunked gated delta rule (ref on CPU)")
+    p.add_argument("--backend", default="auto", help="kernel backend of the chunked gated delta rule: auto (ref on the CPU, triton on CUDA) | ref | triton")
     p.add_argument("--device", default="cpu", help="torch device of the model")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches and the weights")
     p.add_argument("--transfer-backend", default="auto", choices=("auto", "gloo", "nccl", "none"),

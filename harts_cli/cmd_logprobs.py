@@ -33,7 +33,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-windows", action="store_true",
                         help="ablation: duplicate prefixes instead of sharing windows (B is raised to the longest "
                              "trajectory, which must then fit one microbatch)")
-    parser.add_argument("--backend", default="ref", help="gated delta rule kernel backend (ref | triton)")
+    parser.add_argument("--backend", default="auto", help="gated delta rule kernel backend: auto (ref on the CPU, triton on CUDA) | ref | triton")
     parser.add_argument("--attention-backend", default="auto",
                         help="tree-attention backend: auto (blocked on the CPU, triton on CUDA) | blocked | triton | ref")
 

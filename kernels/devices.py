@@ -4,13 +4,14 @@
 second (the index None means the current device of that type). Layouts prepared once and matched
 against every call's tensors therefore store and compare resolved devices: `resolve_device` turns
 an index-less accelerator device into the explicit current one, and drops the index of the CPU
-(there is one CPU device; `cpu` and `cpu:0` name it).
+(there is one CPU device; `cpu` and `cpu:0` name it). `to_device` moves a host index tensor to
+the GPU without a stream synchronisation (from pinned memory).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["resolve_device", "same_device"]
+__all__ = ["resolve_device", "same_device", "to_device"]
 
 _INDEXLESS = ("cpu", "meta")
 
@@ -36,3 +37,13 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     if a == b:
         return True
     return a.type == b.type and resolve_device(a) == resolve_device(b)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: a copy from pageable memory makes
+    CUDA synchronise the stream first (the host would stop at every index tensor of every layout),
+    one from pinned memory is queued behind the running kernels."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

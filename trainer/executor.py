@@ -73,7 +73,8 @@ from plan.window_exports import export_needs
 from trainer.boundary import Imports, export_layout, kind_of
 from trainer.config.schema import ExecutorSection
 from trainer.cross_rank import LocalTransport, RankEdges, Received
-from trainer.layout import RowLayout, layout_from_arrays, to_device
+from kernels.devices import to_device
+from trainer.layout import RowLayout, layout_from_arrays
 from trainer.lockstep import standin_microbatch
 from trainer.loss import LossConfig, MicrobatchLoss, expert_load, microbatch_loss
 from trainer.models.ops import select_ops
@@ -89,7 +90,8 @@ PROGRESS_SECONDS = 10.0
 
 
 def kernel_backend(name: str):
-    """chunk_gated_delta_rule bound to a backend ("ref": PyTorch, "triton": fused kernel)."""
+    """chunk_gated_delta_rule bound to a backend ("ref": PyTorch, "triton": fused kernel; the executor
+    resolves "auto")."""
     from kernels.gated_delta_rule import BACKENDS, chunk_gated_delta_rule
 
     if name not in BACKENDS:
@@ -236,14 +238,16 @@ class Executor:
         self.transport = transport
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
-        invariant = cuda and self.cfg.batch_invariant
+        self.batch_invariant = cuda and self.cfg.batch_invariant
+        """Layouts prepare the depth-tiled tree attention (`trainer.layout.layout_from_arrays`)."""
         attention = self.cfg.attention_backend
         if attention == "auto":
-            attention = ("triton_invariant" if invariant else "triton") if cuda else "blocked"
+            attention = "triton" if cuda else "blocked"
+        backend = self.cfg.backend if self.cfg.backend != "auto" else ("triton" if cuda else "ref")
         # the batch-invariant mode reduces logits with its row-wise logsumexp (the full head)
-        head = self.cfg.head if self.cfg.head != "auto" else ("chunked" if cuda and not invariant else "full")
+        head = self.cfg.head if self.cfg.head != "auto" else ("chunked" if cuda and not self.batch_invariant else "full")
         self.run_options = RunOptions(
-            linear_fn=kernel_backend(self.cfg.backend), chunk_size=self.cfg.chunk_size, attention_backend=attention,
+            linear_fn=kernel_backend(backend), chunk_size=self.cfg.chunk_size, attention_backend=attention,
             ops=select_ops(self.device, batch_invariant=self.cfg.batch_invariant), head=head,
             head_chunk=self.cfg.head_chunk, checkpointing=self.cfg.activation_checkpointing,
         )
@@ -268,7 +272,8 @@ class Executor:
         """The layout of a lock-step stand-in (`trainer.lockstep.standin_microbatch`), made once."""
         if self._standin_layout is None:
             a = decode_microbatch(standin_microbatch(conv_kernel=self.model.config.linear_conv_kernel_dim), params)
-            self._standin_layout = layout_from_arrays(a, chunk_size=self.cfg.chunk_size).to(self.device)
+            self._standin_layout = layout_from_arrays(a, chunk_size=self.cfg.chunk_size,
+                                                      batch_invariant=self.batch_invariant).to(self.device)
         return self._standin_layout
 
     def check_plan(self, plan) -> None:
@@ -487,7 +492,7 @@ class _StepRun:
         remote = w.edges.into(a.id) if w.edges is not None else {}
         if remote:  # the export tables of exporters on other ranks, as this importer receives them
             needs = {**needs, **remote}
-        layout = layout_from_arrays(a, needs, chunk_size=ex.cfg.chunk_size).to(ex.device)
+        layout = layout_from_arrays(a, needs, chunk_size=ex.cfg.chunk_size, batch_invariant=ex.batch_invariant).to(ex.device)
         sources = self._sources(w, a, layout)
         imports = self._imports(layout, sources)
         # A recomputed forward runs without a graph: only a window parent needs it, but in a lock-step

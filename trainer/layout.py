@@ -25,6 +25,7 @@ import torch
 
 from plan.decode import MicrobatchArrays, PlanValidationError
 from plan.window_exports import KINDS, ExportNeeds, used_imports
+from kernels.devices import to_device
 from kernels.tree_attention import TreeLayout, prepare_tree_layout
 from trainer.tree_ops import LinearCall
 
@@ -140,15 +141,6 @@ class RowLayout:
         return self
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device: a copy from pageable memory makes
-    CUDA synchronise the stream first (the host would stop at every layout tensor), one from
-    pinned memory is queued behind the running kernels."""
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _long(a) -> torch.Tensor:
     return torch.from_numpy(np.asarray(a, dtype=np.int64).copy())
 
@@ -215,13 +207,15 @@ def _sources(exporter: np.ndarray, ids: np.ndarray, needs: dict[int, ExportNeeds
     return ImportSource(exporter=exporter, position=pos)
 
 
-def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None = None, *, chunk_size: int) -> RowLayout:
+def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None = None, *, chunk_size: int,
+                       batch_invariant: bool = False) -> RowLayout:
     """Tensors of one decoded microbatch.
 
     Args:
         a: the microbatch (`plan.decode.decode_microbatch`).
         needs: the rank's `plan.window_exports.export_needs` (required when a imports or exports).
         chunk_size: C (state exports must sit at chunk boundaries of their sequence or at its end).
+        batch_invariant: prepare the tree attention's depth-tiled mode (`prepare_tree_layout`).
 
     Raises:
         PlanValidationError: a schedule that does not keep every row exactly once, an export that
@@ -242,7 +236,7 @@ def layout_from_arrays(a: MicrobatchArrays, needs: dict[int, ExportNeeds] | None
         hi = _compact(ranges[:, 1] - 1, R, attn_rows, f"{where}.attn_ranges") + 1
         ranges = np.stack([lo, hi], axis=1)
     attention = prepare_tree_layout(a.seg_start, a.seg_length, a.attn_offsets, ranges, num_rows=R,
-                                    num_kv_rows=R + attn_rows.shape[0])
+                                    num_kv_rows=R + attn_rows.shape[0], batch_invariant=batch_invariant)
 
     kern_rows = io.import_rows["kernel"]
     calls, kept_rows = [], []
@@ -331,4 +325,4 @@ def layout_from_sequences(seqs: list, *, conv_kernel: int, chunk_size: int) -> R
     )
 
 
-__all__ = ["LogprobMap", "ImportSource", "WindowIO", "RowLayout", "layout_from_arrays", "layout_from_sequences", "to_device"]
+__all__ = ["LogprobMap", "ImportSource", "WindowIO", "RowLayout", "layout_from_arrays", "layout_from_sequences"]

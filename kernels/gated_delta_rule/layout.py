@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kernels.devices import resolve_device, same_device
+from kernels.devices import resolve_device, same_device, to_device
 from kernels.row_adds import RowAdds
 
 
@@ -117,20 +117,20 @@ class ChunkLayout:
         device = resolve_device(device)
         return replace(
             self,
-            rank_to_seq_N=self.rank_to_seq_N.to(device),
-            gather_MC=self.gather_MC.to(device),
-            row_slot_T=self.row_slot_T.to(device),
-            export_ranks_J={j: r.to(device) for j, r in self.export_ranks_J.items()},
-            export_adds_J={j: a.to(device) for j, a in self.export_adds_J.items()},
-            export_order_E=self.export_order_E.to(device),
-            above_diag_CC=self.above_diag_CC.to(device),
-            chunk_row_M=self.chunk_row_M.to(device),
-            chunk_end_M=self.chunk_end_M.to(device),
-            chunk_off_t_J=self.chunk_off_t_J.to(device),
-            rank_chunks_N=self.rank_chunks_N.to(device),
-            export_row_M=self.export_row_M.to(device),
-            export_unique_E=self.export_unique_E.to(device),
-            export_adds_U=self.export_adds_U.to(device),
+            rank_to_seq_N=to_device(self.rank_to_seq_N, device),
+            gather_MC=to_device(self.gather_MC, device),
+            row_slot_T=to_device(self.row_slot_T, device),
+            export_ranks_J={j: to_device(r, device) for j, r in self.export_ranks_J.items()},
+            export_adds_J={j: to_device(a, device) for j, a in self.export_adds_J.items()},
+            export_order_E=to_device(self.export_order_E, device),
+            above_diag_CC=to_device(self.above_diag_CC, device),
+            chunk_row_M=to_device(self.chunk_row_M, device),
+            chunk_end_M=to_device(self.chunk_end_M, device),
+            chunk_off_t_J=to_device(self.chunk_off_t_J, device),
+            rank_chunks_N=to_device(self.rank_chunks_N, device),
+            export_row_M=to_device(self.export_row_M, device),
+            export_unique_E=to_device(self.export_unique_E, device),
+            export_adds_U=to_device(self.export_adds_U, device),
             device=device,
         )
 

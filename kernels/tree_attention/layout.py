@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from kernels.devices import resolve_device, same_device
+from kernels.devices import resolve_device, same_device, to_device
 
 
 @dataclass(slots=True, kw_only=True)
@@ -129,7 +129,7 @@ class TreeLayout:
         if same_device(device, self.device):
             return self
         device = resolve_device(device)
-        mv = lambda t: t.to(device)  # noqa: E731
+        mv = lambda t: to_device(t, device)  # noqa: E731
         b, p = self.blocks, self.pieces
         return replace(
             self,

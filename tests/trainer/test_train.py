@@ -197,7 +197,7 @@ def test_executor_section_is_the_executor_configs_one_definition():
     from trainer.executor import ExecutorConfig
 
     assert issubclass(ExecutorConfig, ExecutorSection)
-    assert set(KERNEL_BACKENDS) == set(KERNELS) and set(ATTENTION_BACKENDS) == {"auto", *ATTENTION}
+    assert set(KERNEL_BACKENDS) == {"auto", *KERNELS} and set(ATTENTION_BACKENDS) == {"auto", *ATTENTION}
     section = load_config(None, ["--executor.chunk_size", "16", "--executor.attention_backend", "ref"]).executor
     ex = ExecutorConfig(**to_dict(section), validate="none")
     assert (ex.chunk_size, ex.attention_backend) == (16, "ref")

@@ -168,7 +168,7 @@ class ParallelismConfig:
 #: the gated delta rule's backends (`kernels.gated_delta_rule.BACKENDS`) and the tree-attention
 #: backends (`kernels.tree_attention.BACKENDS`) plus "auto"; spelled out so that the schema needs no
 #: torch (tests/trainer/test_train.py checks them against the kernels).
-KERNEL_BACKENDS = ("ref", "triton")
+KERNEL_BACKENDS = ("auto", "ref", "triton")
 ATTENTION_BACKENDS = ("auto", "blocked", "triton", "ref")
 HEADS = ("auto", "full", "chunked")
 
@@ -179,8 +179,9 @@ class ExecutorSection:
 
     chunk_size: int = 64
     """Linear-attention kernel chunk size C; plans made for another C are rejected."""
-    backend: str = "ref"
-    """Gated delta rule kernel backend: "ref" (PyTorch, CPU) or "triton" (fused kernel, GPU)."""
+    backend: str = "auto"
+    """Gated delta rule kernel backend: "auto" ("ref" for a model on the CPU, "triton" on CUDA),
+    "ref" (PyTorch: bitwise batch-invariant on the CPU) or "triton" (fused kernel, GPU)."""
     aux_loss_coef: float = 0.0
     """Weight of the occurrence-weighted MoE load-balancing loss of each microbatch."""
     attention_backend: str = "auto"
@@ -191,9 +192,11 @@ class ExecutorSection:
     while a step runs (deterministic index_add / index_put / gather backward; an op without a
     deterministic variant raises). The CPU path is deterministic without it (it is not set there)."""
     batch_invariant: bool = False
-    """On CUDA, fixed-tile GEMMs without split-K (`kernels.batch_invariant`), so that a row's results
-    do not depend on how many rows its microbatch has: tree and expanded log-probs agree bitwise in
-    bf16. Slower than cuBLAS; the CPU path is batch-invariant already."""
+    """On CUDA, every reduction in an order fixed by its length alone: fixed-tile GEMMs without split-K,
+    row-wise norms, softmax and logsumexp (`kernels.batch_invariant`), tree attention over key tiles
+    at fixed depths, the full log-prob head; a row's results then do not depend on how many rows
+    its microbatch has, and tree and expanded log-probs agree bitwise in bf16. Slower than the
+    default; the CPU path is batch-invariant already."""
     head: str = "auto"
     """Log-prob head: "full" (logits of every log-prob row, then logsumexp: the CPU's exact path),
     "chunked" (vocabulary chunks with an online logsumexp, no [rows, vocab] tensor), "auto"

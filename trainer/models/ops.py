@@ -16,9 +16,9 @@ One model, several execution paths picked in one place (like the planner's `impl
   `deterministic`), not batch-invariant: cuBLAS picks kernels by row count.
 - `invariant_ops()`: the GPU's batch-invariant mode (`executor.batch_invariant`): fixed-tile GEMMs
   without split-K, row-wise norms, softmax and logsumexp (`kernels.batch_invariant`), so that a
-  row's result does not depend on the row count: with the depth-tiled tree attention
-  ("triton_invariant") and the full head, tree and expanded log-probs agree bitwise. Slower; off
-  by default.
+  row's result does not depend on the row count: with the depth-tiled tree attention (a layout
+  flag, `prepare_tree_layout(batch_invariant=True)`) and the full head, tree and expanded log-probs
+  agree bitwise. Slower; off by default.
 
 Legend: R rows, I input features, O output features.
 """
