@@ -66,7 +66,6 @@ from fractions import Fraction
 
 from plan.memory_model import CHECKPOINTING, DTYPE_BYTES, FULL, LINEAR, ModelDims, RowSizes
 from plan.phases import lockstep_phases, phase_counts
-from proto.harts.v1 import plan_pb2
 
 GIB = 1 << 30
 

@@ -1,6 +1,7 @@
 """Decode a plan microbatch once into numpy arrays, with the bounds checks that make them safe to index.
 
     arrays = decode_microbatch(mb, params)      # MicrobatchArrays, or PlanValidationError naming the field
+    decoded = decode_rank(header, rank_plan)     # DecodedSlice: every microbatch, the steps, phases, cross edges
 
 The validator (`plan.validator`) and the slice check (`plan.slice_check`) check the semantics on
 top of these arrays, and the trainer turns them into tensors (`trainer.layout`) without unpacking
@@ -307,5 +308,53 @@ def rank_steps(rank: plan_pb2.RankPlan) -> list[tuple[int, int]]:
     """(kind, microbatch index) of a rank's execution order; FORWARD m, BACKWARD m per microbatch
     when the plan lists no steps."""
     if len(rank.steps):
-        return [(s.kind, s.microbatch) for s in rank.steps]
+        return [(int(s.kind), int(s.microbatch)) for s in rank.steps]
     return [(k, i) for i in range(len(rank.microbatches)) for k in (FORWARD, BACKWARD)]
+
+
+@dataclass(slots=True, kw_only=True)
+class DecodedSlice:
+    """One rank's slice decoded once: the header and every microbatch's arrays, its steps, phases and
+    cross edges (`decode_rank`); `plan.slice_check.check_decoded` checks it, the executor runs it."""
+
+    header: plan_pb2.PlanHeader
+    rank: int
+    microbatches: list[MicrobatchArrays]
+    """In `RankPlan.microbatches` order (what ExecStep.microbatch indexes)."""
+    steps: list[tuple[int, int]]
+    """(kind, index into `microbatches`) per execution step: ExecStep.FORWARD / BACKWARD; index
+    -1 for a stand-in of a lock-step plan."""
+    standins: list[int]
+    """ExecStep.standin of every step (0 on real steps and in free plans)."""
+    phases: np.ndarray
+    """uint8 [P] header.lockstep_phases (empty in a free plan): steps[i] runs in phase i."""
+    edges: list
+    """The rank's windows across ranks (`plan.cross_edges.CrossEdgeArrays`, increasing id; none in a
+    free plan)."""
+
+    def by_id(self) -> dict[int, MicrobatchArrays]:
+        return {a.id: a for a in self.microbatches}
+
+
+def decode_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> DecodedSlice:
+    """Every microbatch of a RankPlan decoded once (lengths and index bounds, `decode_microbatch`),
+    with its execution steps, phases and cross edges; the rules that need several microbatches are
+    `plan.slice_check.check_decoded`'s.
+
+    Raises:
+        PlanValidationError: a microbatch id twice, or what `decode_microbatch` finds.
+    """
+    from plan.cross_edges import decode_edges  # cyclic: both modules build on this one's arrays
+    from plan.phases import lockstep_phases
+
+    seen: set[int] = set()
+    arrays = []
+    for mb in rank.microbatches:
+        if mb.id in seen:
+            _fail(f"rank {rank.rank}.microbatches", f"microbatch id {mb.id} appears twice")
+        seen.add(mb.id)
+        arrays.append(decode_microbatch(mb, header.params))
+    steps = rank_steps(rank)
+    standins = [int(s.standin) for s in rank.steps] or [0] * len(steps)
+    return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps, standins=standins,
+                        phases=lockstep_phases(header), edges=decode_edges(rank))

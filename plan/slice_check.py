@@ -1,14 +1,15 @@
 """Linear-time check of one rank's plan slice: what a trainer verifies before running it.
 
     decoded = check_slice(slice_)     # DecodedSlice, or PlanValidationError naming the field
+    decoded = check_decoded(decode_rank(header, rank))   # the same in two steps (the executor's "check")
 
 `plan.validator.validate_plan` is the independent, complete checker (token chains through
 prefix hashes, exact conv and attention ancestries, kept-token coverage, stats, live-memory stack)
 and stays the test oracle; it costs up to 10x the planning time on full-scale steps. A trainer
 rank only needs the invariants its executor relies on to index safely and to run every row, state
-and window exactly once, and it needs the decoded arrays anyway. So this check decodes every
-microbatch once (`plan.decode.decode_microbatch`: lengths, index bounds, vocabulary) and
-adds, each in time linear in the slice:
+and window exactly once, and it needs the decoded arrays anyway. So this check runs on the slice
+decoded once (`plan.decode.decode_rank`: lengths, index bounds, vocabulary) and adds, each in time
+linear in the slice:
 
 - header: version, chunk size, parameters, trajectory table and normalisers;
 - per microbatch: computed rows within `microbatch_tokens`; `duplicated_tokens` and
@@ -41,47 +42,23 @@ Legend: R local rows, I imported rows, S segments, N sequences of a call, M micr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from proto.harts.v1 import plan_pb2
-from plan.cross_edges import CrossEdgeArrays, check_rank_edges, decode_edges, remote_imports
-from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
+from plan.cross_edges import check_rank_edges, remote_imports
+from plan.decode import DecodedSlice, MicrobatchArrays, PlanValidationError, decode_rank
 from plan.header import check_header
-from plan.phases import check_rank_phases, lockstep_phases
+from plan.phases import check_rank_phases
 from plan.slice_kernels import (
     CHILD_DEPTH, DEPTH_STEP, DUPLICATED, EXPORT_DEPTH, EXPORTED_TWICE, LOCAL_STATE_UNEXPORTED, NEGATIVE_DEPTH, OCCURRENCE,
     PARENT, REPLAY_TOO_LONG, REPLAY_WITHOUT_REPLAY, START_NOT_REPLAY_DEPTH, START_NOT_ROW_DEPTH, START_UNALIGNED, TILING,
     TREE, ZERO_STATE_DEPTH, call_rules, exporters, first_uncovered, first_unlisted, logprob_rules, mark, segment_rules)
 
-__all__ = ["DecodedSlice", "check_rank", "check_slice"]
+__all__ = ["DecodedSlice", "check_decoded", "check_rank", "check_slice"]
 
 
 def _fail(where: str, msg: str):
     raise PlanValidationError(f"{where}: {msg}")
-
-
-@dataclass(slots=True, kw_only=True)
-class DecodedSlice:
-    """A checked rank slice: the header and every microbatch decoded once, in RankPlan order."""
-
-    header: plan_pb2.PlanHeader
-    rank: int
-    microbatches: list[MicrobatchArrays]
-    """In `RankPlan.microbatches` order (what ExecStep.microbatch indexes)."""
-    steps: list[tuple[int, int]]
-    """(kind, index into `microbatches`) per execution step: ExecStep.FORWARD / BACKWARD; index
-    -1 for a stand-in of a lock-step plan."""
-    standins: list[int]
-    """ExecStep.standin of every step (0 on real steps and in free plans)."""
-    phases: np.ndarray
-    """uint8 [P] header.lockstep_phases (empty in a free plan): steps[i] runs in phase i."""
-    edges: list[CrossEdgeArrays]
-    """The rank's windows across ranks (RankPlan.cross_edges, increasing id; none in a free plan)."""
-
-    def by_id(self) -> dict[int, MicrobatchArrays]:
-        return {a.id: a for a in self.microbatches}
 
 
 def check_slice(slice_: plan_pb2.PlanSlice) -> DecodedSlice:
@@ -99,33 +76,29 @@ def check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> DecodedS
 
     A rank plan without steps runs FORWARD m, BACKWARD m per microbatch in order.
     """
-    params = header.params
-    arrays: list[MicrobatchArrays] = []
-    index: dict[int, int] = {}
-    for mb in rank.microbatches:
-        if mb.id in index:
-            _fail(f"rank {rank.rank}.microbatches", f"microbatch id {mb.id} appears twice")
-        a = decode_microbatch(mb, params)
+    return check_decoded(decode_rank(header, rank))
+
+
+def check_decoded(d: DecodedSlice) -> DecodedSlice:
+    """The rules of the module docstring on a decoded rank slice (`plan.decode.decode_rank`); returns it.
+
+    Raises:
+        PlanValidationError: the first violated rule, naming the microbatch and field.
+    """
+    header, params, arrays = d.header, d.header.params, d.microbatches
+    index = {a.id: i for i, a in enumerate(arrays)}
+    for a in arrays:
         _check_microbatch(a, params, len(header.tree_ids))
-        index[mb.id] = len(arrays)
-        arrays.append(a)
-    where = f"rank {rank.rank}"
-    phases = lockstep_phases(header)
-    standins = [int(s.standin) for s in rank.steps]
+    where = f"rank {d.rank}"
     if params.lockstep:  # one step per phase, before the order rules index the real ones
-        check_rank_phases(where, phases, [(int(s.kind), int(s.microbatch), int(s.standin)) for s in rank.steps],
+        check_rank_phases(where, d.phases, [(k, i, s) for (k, i), s in zip(d.steps, d.standins)],
                           [a.recompute for a in arrays])
-    elif any(standins):
-        i = next(i for i, k in enumerate(standins) if k)
-        _fail(f"{where}.steps[{i}]", f"expected standin 0 in a free plan (params.lockstep false), got {standins[i]}")
-    steps = [(int(s.kind), int(s.microbatch)) for s in rank.steps] or [
-        (k, i) for i in range(len(arrays)) for k in (plan_pb2.ExecStep.FORWARD, plan_pb2.ExecStep.BACKWARD)]
-    standins = standins or [0] * len(steps)
-    edges = decode_edges(rank)
-    _check_order(arrays, index, steps, where, skip_standins=bool(params.lockstep), remote=remote_imports(edges, rank.rank))
-    check_rank_edges(header, int(rank.rank), edges, arrays, index, steps)
-    return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps, standins=standins,
-                        phases=phases, edges=edges)
+    elif any(d.standins):
+        i = next(i for i, k in enumerate(d.standins) if k)
+        _fail(f"{where}.steps[{i}]", f"expected standin 0 in a free plan (params.lockstep false), got {d.standins[i]}")
+    _check_order(arrays, index, d.steps, where, skip_standins=bool(params.lockstep), remote=remote_imports(d.edges, d.rank))
+    check_rank_edges(header, d.rank, d.edges, arrays, index, d.steps)
+    return d
 
 
 def _check_microbatch(a: MicrobatchArrays, params: plan_pb2.PlanParams, n_trees: int) -> None:

@@ -65,10 +65,10 @@ import torch
 
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-from plan.cross_edges import check_plan_edges, decode_edges, remote_imports, sent_needs
-from plan.decode import BACKWARD, FORWARD, MicrobatchArrays, decode_microbatch, rank_plans, rank_steps
+from plan.cross_edges import check_plan_edges, remote_imports, sent_needs
+from plan.decode import BACKWARD, FORWARD, DecodedSlice, MicrobatchArrays, decode_microbatch, decode_rank, rank_plans
 from plan.header import check_header
-from plan.slice_check import DecodedSlice, check_rank
+from plan.slice_check import check_decoded
 from plan.window_exports import export_needs
 from trainer.boundary import Imports, export_layout, kind_of
 from trainer.config.schema import ExecutorSection
@@ -193,18 +193,6 @@ def _normalizers(header: plan_pb2.PlanHeader) -> Normalizers:
     )
 
 
-def _decode_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan, mode: str) -> DecodedSlice:
-    """One rank decoded once: checked by `plan.slice_check` (its phases, stand-ins and cross edges
-    included), or with mode "none" only decoded (bounds checks)."""
-    if mode != "none":
-        return check_rank(header, rank)
-    arrays = [decode_microbatch(mb, header.params) for mb in rank.microbatches]
-    steps = rank_steps(rank)
-    return DecodedSlice(header=header, rank=int(rank.rank), microbatches=arrays, steps=steps,
-                        standins=[int(s.standin) for s in rank.steps] or [0] * len(steps),
-                        phases=unpack(header.lockstep_phases, "uint8"), edges=decode_edges(rank))
-
-
 @dataclass(slots=True, kw_only=True)
 class _Open:
     """A microbatch between its FORWARD and BACKWARD steps."""
@@ -291,6 +279,27 @@ class Executor:
                              "parallelism (every rank of an expert-parallel group runs the same step kinds together), "
                              "got a free plan")
 
+    def decode(self, plan) -> tuple[plan_pb2.PlanHeader, list[DecodedSlice]]:
+        """The plan's header and every rank decoded once (`plan.decode.decode_rank`), checked as
+        `validate` says: the one place that chooses ("none": decoding's bounds checks only; "check":
+        the header rules and `plan.slice_check.check_decoded` per rank; "full": the complete
+        validator first, then the same). A whole Plan's cross edges are checked in every mode."""
+        self.check_plan(plan)
+        header, ranks = rank_plans(plan)
+        mode = self.cfg.validate
+        if mode == "full":
+            from plan import validator as plan_validator  # optional: up to 10x the planning time, tests and tools
+
+            (plan_validator.validate_plan if isinstance(plan, plan_pb2.Plan) else plan_validator.validate_slice)(plan)
+        if mode != "none":
+            check_header(header)
+        decoded = [decode_rank(header, r) for r in ranks]
+        if mode != "none":
+            decoded = [check_decoded(d) for d in decoded]
+        if isinstance(plan, plan_pb2.Plan):
+            check_plan_edges(ranks)
+        return header, decoded
+
     def run_step(self, plan, *, backward: bool = True, zero_grad: bool = True,
                  before_last_backward: Callable[[], None] | None = None) -> StepResult:
         """Run every microbatch of a Plan (all ranks) or a PlanSlice (one rank).
@@ -312,28 +321,16 @@ class Executor:
     def _run_step(self, plan, *, backward: bool, zero_grad: bool,
                   before_last_backward: Callable[[], None] | None) -> StepResult:
         t0 = time.perf_counter()
-        self.check_plan(plan)
-        header, ranks = rank_plans(plan)
-        if self.cfg.validate == "full":
-            from plan import validator as plan_validator
-
-            if isinstance(plan, plan_pb2.Plan):
-                plan_validator.validate_plan(plan)
-            else:
-                plan_validator.validate_slice(plan)
-        elif self.cfg.validate == "check":
-            check_header(header)
-        if isinstance(plan, plan_pb2.Plan):
-            check_plan_edges(ranks)
+        header, decoded = self.decode(plan)
         norm = _normalizers(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
-        walks = [_RankWalk(self, header, r) for r in ranks]
+        walks = [_RankWalk(self, d) for d in decoded]
         run = _StepRun(self, header, norm, backward=backward, walks=walks, before_last_backward=before_last_backward)
         if any(w.edges is not None for w in walks):
             transport = LocalTransport() if isinstance(plan, plan_pb2.Plan) else self.transport
             if transport is None:
-                raise ValueError(f"rank {ranks[0].rank}: the slice has {len(ranks[0].cross_edges)} cross edges (windows "
+                raise ValueError(f"rank {decoded[0].rank}: the slice has {len(decoded[0].edges)} cross edges (windows "
                                  "across ranks) but the executor has no transport; run it under torch.distributed "
                                  "with Executor(..., transport=trainer.cross_rank.P2PTransport(...))")
             run.phases(transport)
@@ -385,8 +382,7 @@ def train_step(executor: Executor, plan, optimizer: torch.optim.Optimizer) -> St
 class _RankWalk:
     """One rank's part of a step: its decoded slice, its open windows and stand-ins, its cross edges."""
 
-    def __init__(self, ex: Executor, header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan):
-        d = _decode_rank(header, rank, ex.cfg.validate)
+    def __init__(self, ex: Executor, d: DecodedSlice):
         self.rank = d.rank
         self.arrays = d.by_id()
         self.ids = [a.id for a in d.microbatches]
