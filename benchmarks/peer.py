@@ -128,7 +128,11 @@ class TransformersPeer:
                   lr: float = 1e-5) -> "TransformersPeer":
         """Qwen3NextForCausalLM made on `device` from our config and full state dict, in `dtype`, no
         files (a multi-GB model written and read back costs tens of seconds). transformers v5 names
-        and stacks the routed experts as we do, so our state dict loads as it is (strict)."""
+        and stacks the routed experts as we do, so our parameters load as they are.
+
+        Raises:
+            ValueError: a transformers parameter our state lacks, or a tensor it has no place for.
+        """
         if torch.device(device).type == "cpu":
             sys.modules.setdefault("fla", None)
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -136,7 +140,11 @@ class TransformersPeer:
         hf_cfg = Qwen3NextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
         with torch.device(device):
             hf = Qwen3NextForCausalLM(hf_cfg)
-        hf.load_state_dict(state, strict=True)
+        missing, unexpected = hf.load_state_dict(state, strict=False)
+        params = dict(hf.named_parameters())
+        if unexpected or any(k in params for k in missing):  # buffers (made by __init__) need no value
+            raise ValueError(f"transformers Qwen3-Next: expected our parameter names, got missing "
+                             f"{[k for k in missing if k in params][:5]}, unexpected {unexpected[:5]}")
         hf = hf.to(dtype)
         hf.train()
         return cls(hf, lr=lr)

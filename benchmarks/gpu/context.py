@@ -18,6 +18,7 @@ avoid tens of seconds of Numba compilation on a fresh machine; a whole batch pla
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field, fields
@@ -115,9 +116,12 @@ class BenchContext:
         return sum(p.numel() for p in meta_model(self.model_config).parameters())
 
     def release_models(self) -> None:
-        """Drop every cached model (the seeded host copy stays)."""
+        """Drop every cached model (the seeded host copy stays) and free their memory now."""
         self._models.clear()
         self._trained.clear()
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
 
     def reference_state(self) -> dict[str, torch.Tensor]:
         """The seeded fp32 weights on the host (builds the model first if no section has)."""

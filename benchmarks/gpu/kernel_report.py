@@ -3,7 +3,10 @@
 Its public entry is the command line, run as a child process: the child gets the device to itself
 (this process drops its models first), its own `--budget-s` (half of this section's: it skips the
 shapes it has no time for) and a hard timeout a few seconds before this section's budget ends (a
-first shape that compiles for too long is killed, not waited for). Its files go to DIR/kernels/
+first shape that compiles for too long is killed, not waited for). fla is hidden from it unless
+the settings ask for it (`kernels_fla`): fla autotunes every kernel on its first call (6-16
+candidates each, each a compilation), more than this section's budget; the peer section times
+transformers+fla end to end. Its files go to DIR/kernels/
 (kernels-gpu.md and .json; without CUDA its CPU fallback, kernels-cpu-fallback.*), and this
 section records the command, exit code, the tail of its log and the report's JSON when it wrote one.
 """
@@ -20,17 +23,22 @@ from benchmarks.gpu.runner import Section
 
 #: seconds between the child's hard timeout and the end of this section's budget
 MARGIN_S = 5.0
+#: `python -c` program: `python -m benchmarks.bench_kernels` with fla not importable
+HIDE_FLA = ("import runpy, sys; sys.modules['fla'] = None; "
+            "runpy.run_module('benchmarks.bench_kernels', run_name='__main__', alter_sys=True)")
 
 
 def kernels_section(ctx: BenchContext, sec: Section) -> None:
     ctx.release_models()
     out = sec.path.parent / "kernels"
     left = sec.left()
-    cmd = [sys.executable, "-m", "benchmarks.bench_kernels", "--gpu", "--out", str(out),
-           "--budget-s", f"{max(left / 2, 1):.0f}", "--reps", str(ctx.s.kernels_reps)]
+    entry = ["-m", "benchmarks.bench_kernels"] if ctx.s.kernels_fla else ["-c", HIDE_FLA]
+    cmd = [sys.executable, *entry, "--gpu", "--out", str(out), "--budget-s", f"{max(left / 2, 1):.0f}",
+           "--reps", str(ctx.s.kernels_reps)]
     if ctx.s.kernels_quick:
         cmd.append("--quick")
-    sec.data["command"] = " ".join(cmd[1:])
+    sec.data["command"] = "python -m benchmarks.bench_kernels " + " ".join(cmd[3:])
+    sec.data["fla_hidden"] = not ctx.s.kernels_fla
     sec.save()
     t0 = time.perf_counter()
     try:

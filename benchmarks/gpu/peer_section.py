@@ -108,6 +108,7 @@ def peer_section(ctx: BenchContext, sec: Section) -> None:
     masks = [t.get("loss_mask", [1] * len(t["tokens"])) for t in doc["trajectories"]]
     tokens = sum(len(t) for t in trajs)
     d.update(workload=s.peer_workload, trajectories=len(trajs), tokens=tokens, variants={})
+    ctx.release_models()  # the peak memory below is the peer's alone
     t0 = time.perf_counter()
     peer = TransformersPeer.on_device(ctx.model_config, ctx.reference_state(), device=ctx.device, dtype=ctx.dtype, lr=s.lr)
     d["build_seconds"] = time.perf_counter() - t0
@@ -123,9 +124,10 @@ def peer_section(ctx: BenchContext, sec: Section) -> None:
     def guarded(name: str, run, wrap=None) -> bool:
         try:
             ctx.reset_peak_memory()
+            before = ctx.memory()["allocated_bytes"]
             with wrap() if wrap is not None else contextlib.nullcontext():
                 d["variants"][name] = _rate(ctx, sec, run, tokens)
-            d["variants"][name]["peak_allocated_bytes"] = ctx.memory()["peak_allocated_bytes"]
+            d["variants"][name].update(allocated_before_bytes=before, peak_allocated_bytes=ctx.memory()["peak_allocated_bytes"])
             return True
         except Exception as exc:  # fla's refusal, a compile error, an OOM: the next variant still runs
             d["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
@@ -142,6 +144,7 @@ def peer_section(ctx: BenchContext, sec: Section) -> None:
 
     if guarded("forward", forward) and lps:  # first: the training variants move the peer's weights
         d["agreement"] = _agreement(ctx, lps, doc)
+        ctx.release_models()
         sec.save()
     if d["bound"] == "fla" and not guarded("fla", train):
         if "640" in d["variants"]["fla"]["error"] or "chunk_bwd_dqkwg" in d["variants"]["fla"]["error"]:

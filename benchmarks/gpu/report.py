@@ -65,8 +65,8 @@ def markdown(docs: dict[str, dict], command: str = "python -m benchmarks.bench_g
     out += _peer(docs.get("peer", {}).get("data", {}))
     k = docs.get("kernels", {}).get("data", {})
     if k:
-        out += ["## Kernels", "", f"`{k.get('command', '')}`: exit code {_f(k.get('returncode'))}, files "
-                f"{', '.join(k.get('files', [])) or 'none'} (under kernels/).", ""]
+        out += ["## Kernels", "", f"`{k.get('command', '')}`{' (fla hidden)' if k.get('fla_hidden') else ''}: exit code "
+                f"{_f(k.get('returncode'))}, files {', '.join(k.get('files', [])) or 'none'} (under kernels/).", ""]
     return "\n".join(out)
 
 

@@ -98,6 +98,8 @@ class BenchSettings:
     """Run `benchmarks.bench_kernels --gpu --quick` (first shape of each kernel only)."""
     kernels_reps: int = 3
     """`bench_kernels --reps`: timed runs per kernel (after its two warm-ups)."""
+    kernels_fla: bool = False
+    """Let the kernel report import fla (its first calls autotune for longer than the section's budget)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):

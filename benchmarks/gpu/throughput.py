@@ -98,9 +98,8 @@ def throughput_section(ctx: BenchContext, sec: Section) -> None:
         for mode, plan in (("windows", windows), ("expanded", expanded)):
             row[mode] = timed_steps(ctx, step, plan, peak)
             sec.save()
-        if "expanded" in row:
-            row["windows_vs_expanded"] = row["windows"]["tokens_per_s"] / row["expanded"]["tokens_per_s"]
-            row["fraction_of_ideal"] = row["windows_vs_expanded"] / row["flop_ideal"]
+        row["windows_vs_expanded"] = row["windows"]["tokens_per_s"] / row["expanded"]["tokens_per_s"]
+        row["fraction_of_ideal"] = row["windows_vs_expanded"] / row["flop_ideal"]
 
 
 def timed_steps(ctx: BenchContext, step, plan, peak_tflops: float | None) -> dict:
