@@ -28,7 +28,8 @@ timeout loses only the unit in progress (`benchmarks.gpu.runner`):
 
 DIR/report.md (every table so far) is rewritten after each section. HARTS_AUTOTUNE defaults to 0
 here (one launch config per Triton kernel: each autotune candidate is a compilation); set
-HARTS_AUTOTUNE=1 where a tuning cache exists. Progress goes to stderr with timestamps. Exit code 0
+HARTS_AUTOTUNE=1 where a tuning cache exists. CUBLAS_WORKSPACE_CONFIG defaults to :4096:8, which
+deterministic cuBLAS needs (the fidelity section's deterministic mode). Progress goes to stderr with timestamps. Exit code 0
 when every section ended "ok", 1 otherwise, 143 on SIGTERM (the finished sections' files stay).
 """
 from __future__ import annotations
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(chosen) - set(SECTIONS)):
         ap.error(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
     os.environ.setdefault("HARTS_AUTOTUNE", "0")  # read when the kernels are imported, later
+    # cuBLAS under torch.use_deterministic_algorithms (the executor's deterministic mode) needs a
+    # fixed workspace, set before CUDA starts: 8 x 4 MiB
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     name = "dry-run" if args.dry_run else "quick" if args.quick else "full"
     return run(args.out, name, budget_s=args.budget_s, sections=tuple(s for s in SECTIONS if s in chosen),
                command="python -m benchmarks.bench_gpu " + " ".join(argv))

@@ -16,7 +16,8 @@ log-prob entry, whether they are bitwise equal, and whether the expert loads are
 Executor modes: "default" (ExecutorConfig as it is), then each of `deterministic` and
 `batch_invariant` set to True where ExecutorConfig has that field (probed on the dataclass, so
 the section runs before and after the executor grows them; a missing field is a note). The
-global `torch.use_deterministic_algorithms` state is restored after every run, whatever a mode set.
+global `torch.use_deterministic_algorithms` state is restored after every run, whatever a mode set
+(deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG before CUDA starts: `bench_gpu` sets it).
 Order (so that a spent budget keeps the most telling runs): every dtype in the default mode, then
 the other modes.
 """
@@ -73,7 +74,8 @@ def fidelity_section(ctx: BenchContext, sec: Section) -> None:
                      "repacked": ctx.plan(w, "expanded", tokens=s.fidelity_tokens, microbatch_tokens=s.microbatch_tokens // 2)}
             cell = {"dtype": dtype, "mode": mode, "workload": w, "plans": {k: plan_summary(p) for k, p in plans.items()}}
             sec.data["runs"].append(cell)
-            deterministic = torch.are_deterministic_algorithms_enabled()
+            deterministic = (torch.are_deterministic_algorithms_enabled(),
+                             torch.is_deterministic_algorithms_warn_only_enabled())
             t0 = time.perf_counter()
             try:
                 cfg = ctx.executor_config(want_logprobs=True, **overrides)
@@ -87,6 +89,6 @@ def fidelity_section(ctx: BenchContext, sec: Section) -> None:
                 cell["error"] = f"{type(exc).__name__}: {exc}"
                 sec.note(f"{dtype} {mode} {w}: {cell['error']}")
             finally:
-                torch.use_deterministic_algorithms(deterministic)
+                torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
                 cell["seconds"] = time.perf_counter() - t0
                 sec.save()

@@ -55,7 +55,7 @@ def env_section(ctx: BenchContext, sec: Section) -> None:
     else:
         d["device"] = {"name": f"cpu ({platform.machine()})", "threads": torch.get_num_threads()}
     d["flags"] = {
-        "HARTS_AUTOTUNE": os.environ.get("HARTS_AUTOTUNE"), "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR"),
+        **{k: os.environ.get(k) for k in ("HARTS_AUTOTUNE", "CUBLAS_WORKSPACE_CONFIG", "TRITON_CACHE_DIR", "NUMBA_CACHE_DIR")},
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,

@@ -140,7 +140,7 @@ def test_gpu_check_dry_run_runs_every_step_and_every_bench_section_on_the_cpu(tm
     assert proc.returncode == 0, proc.stdout + proc.stderr + log
     steps = {line.split()[0] for line in (out / "summary.txt").read_text().splitlines() if " rc=" in line}
     assert steps == {"env", "tests-gdn-bf16-misc", "tests-gdn-fp32", "tests-tree-bf16-misc", "tests-tree-fp32",
-                     "tests-gpu-marked", "numba-warm", "bench"}
+                     "tests-gpu-marked", "bench-warm", "bench"}
     bench = out / "bench"
     docs = {name: json.loads((bench / f"{name}.json").read_text()) for name in SECTIONS}
     assert {n: d["status"] for n, d in docs.items()} == dict.fromkeys(SECTIONS, "ok")
