@@ -8,7 +8,8 @@ the settings ask for it (`kernels_fla`): fla autotunes every kernel on its first
 candidates each, each a compilation), more than this section's budget; the peer section times
 transformers+fla end to end. Its files go to DIR/kernels/
 (kernels-gpu.md and .json; without CUDA its CPU fallback, kernels-cpu-fallback.*), and this
-section records the command, exit code, the tail of its log and the report's JSON when it wrote one.
+section records the command, exit code, the tail of its log and the report's JSON when it wrote one
+(status "error" when the child failed or was killed).
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def kernels_section(ctx: BenchContext, sec: Section) -> None:
         if path.is_file():
             sec.data["report"] = json.loads(path.read_text())
             break
-    if sec.data["returncode"] not in (0, None):
-        sec.note(f"bench_kernels exited with {sec.data['returncode']}")
+    if sec.data["returncode"] != 0:  # the section's status says so; what it recorded stays
+        raise RuntimeError(f"bench_kernels: exit code {sec.data['returncode']} (None: killed at its timeout)")
 
 
 def _text(x: str | bytes | None) -> str:
