@@ -169,20 +169,28 @@ class TransformersPeer:
         peak = 0
         with Stopwatch() as sw:
             for i, toks in enumerate(trajectories):
-                ids = torch.tensor(toks, dtype=torch.long, device=self.device)[None]
-                mask = torch.tensor(loss_masks[i][1:] if loss_masks else [1] * (len(toks) - 1), dtype=torch.float32,
-                                    device=self.device)
-                with SavedTensorBytes(self.model) if gauge else contextlib.nullcontext() as meter:
-                    logits_LV = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-                    logprob = torch.log_softmax(logits_LV, -1).gather(1, ids[0, 1:, None])[:, 0]
-                    loss = -(logprob * mask).sum() / max(n_loss, 1)
-                    if gauge:
-                        peak = max(peak, meter.peak)
-                    loss.backward()
+                peak = max(peak, self.backward(toks, loss_masks[i] if loss_masks else None, n_loss=n_loss, gauge=gauge))
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self._sync()
         return sw.wall, sw.cpu, peak
+
+    def backward(self, toks: list[int], loss_mask: list[int] | None, *, n_loss: float, gauge: bool = False) -> int:
+        """Forward + backward of one trajectory's share of the loss: its negative log-likelihood
+        summed over its loss positions, over `n_loss`. Gradients accumulate in .grad.
+
+        Returns:
+            peak saved-for-backward bytes (0 without the gauge).
+        """
+        ids = torch.tensor(toks, dtype=torch.long, device=self.device)[None]
+        mask = torch.tensor(loss_mask[1:] if loss_mask else [1] * (len(toks) - 1), dtype=torch.float32, device=self.device)
+        with SavedTensorBytes(self.model) if gauge else contextlib.nullcontext() as meter:
+            logits_LV = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            logprob = torch.log_softmax(logits_LV, -1).gather(1, ids[0, 1:, None])[:, 0]
+            loss = -(logprob * mask).sum() / max(n_loss, 1)
+            peak = meter.peak if gauge else 0
+            loss.backward()
+        return peak
 
     @torch.no_grad()
     def logprobs(self, trajectories: list[list[int]]) -> tuple[float, float, list[torch.Tensor]]:

@@ -65,21 +65,13 @@ def _grad_check(peer, trajs, masks) -> dict:
     for name, impl in (("torch", torch_gated_delta_rule), ("fla", fla_hopper_guard_lifted)):
         peer.model.zero_grad(set_to_none=True)
         with impl():
-            _forward_backward(peer, trajs[i], masks[i])
+            peer.backward(trajs[i], masks[i], n_loss=max(sum(masks[i][1:]), 1))
         grads[name] = _lin_grads(peer.model)
     peer.model.zero_grad(set_to_none=True)
     per, _, top = grad_rel_errors(grads["torch"], grads["fla"])
     worst = max(per, key=per.get)
     return {"trajectory_tokens": len(trajs[i]), "parameters": len(per), "grad_rel_err_max": per[worst],
             "worst_parameter": worst, "grad_max_abs": top}
-
-
-def _forward_backward(peer, toks, mask) -> None:
-    ids = torch.tensor(toks, dtype=torch.long, device=peer.device)[None]
-    m = torch.tensor(mask[1:], dtype=torch.float32, device=peer.device)
-    logits = peer.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-    lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
-    (-(lp * m).sum() / max(float(m.sum()), 1.0)).backward()
 
 
 def _agreement(ctx: BenchContext, peer_lp: list[torch.Tensor], doc: dict) -> dict:

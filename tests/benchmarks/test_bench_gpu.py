@@ -178,3 +178,52 @@ def test_logprob_diff_reports_max_mean_and_bits():
                                        "bitwise_equal": True, "expert_load_equal": True}
     d = logprob_diff(ref, off)
     assert (d["max_abs"], d["mean_abs"], d["bitwise_equal"], d["expert_load_equal"]) == (0.5, pytest.approx(0.5 / 3), False, False)
+
+
+@pytest.mark.slow
+def test_peer_section_lifts_fla_hopper_refusal_and_checks_the_gradients(tmp_path, monkeypatch):
+    """The peer section's branch for fla on Hopper with Triton 3.4-3.7.0 (what the H200 image has),
+    on the CPU: transformers "binds fla", whose backward refuses (the RuntimeError fla raises,
+    naming issue #640) unless its guard is lifted; the section records the refusal, runs the
+    guard-lifted variant and its gradient check, then the PyTorch gated delta rule."""
+    import contextlib
+
+    import benchmarks.peer as peer_mod
+    from benchmarks.gpu.context import BenchContext
+    from benchmarks.gpu.peer_section import peer_section
+
+    sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's GPU kernels on CPU
+    active = set()
+
+    def marker(name):
+        @contextlib.contextmanager
+        def ctx():
+            active.add(name)
+            try:
+                yield
+            finally:
+                active.discard(name)
+        return ctx
+
+    refusal = ("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg "
+               "(see #640). Please upgrade Triton to >= 3.7.1 or install tilelang")
+    backward = peer_mod.TransformersPeer.backward
+
+    def refusing_backward(self, *args, **kwargs):
+        if not active:
+            raise RuntimeError(refusal)
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(peer_mod, "gated_delta_rule_bound", lambda: "fla")
+    monkeypatch.setattr(peer_mod, "fla_hopper_guard_lifted", marker("lifted"))
+    monkeypatch.setattr(peer_mod, "torch_gated_delta_rule", marker("torch"))
+    monkeypatch.setattr(peer_mod.TransformersPeer, "backward", refusing_backward)
+    runner = _runner(tmp_path, {"peer": 120.0})
+    doc = runner.run("peer", lambda sec: peer_section(BenchContext(dry_run()), sec))
+    d = doc["data"]
+    assert doc["status"] == "ok", doc["error"]
+    assert "#640" in d["variants"]["fla"]["error"]
+    assert d["variants"]["fla_guard_lifted"]["tokens_per_s"] > 0 and d["variants"]["torch_gdn"]["tokens_per_s"] > 0
+    assert d["grad_check"]["parameters"] > 0 and d["grad_check"]["grad_rel_err_max"] == 0.0  # both ran PyTorch here
+    assert d["agreement"]["max_abs"] < 1e-4
+    assert d["ratios"] == {} and any("no ratios" in n for n in doc["notes"])
