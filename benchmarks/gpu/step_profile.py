@@ -39,9 +39,12 @@ TOP = 20
 
 
 def trace_events(prof) -> list[tuple[str, bool, int, int]]:
-    """(name, on the device, start ns, duration ns) of every event of a finished profile."""
+    """(name, on the device, start ns, duration ns) of every event of a finished profile, user
+    annotations left out (on the device they span kernels, they are none)."""
     cuda = torch.autograd.DeviceType.CUDA
-    return [(e.name(), e.device_type() == cuda, e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()]
+    events = prof.profiler.kineto_results.events()
+    annotation = [getattr(e, "is_user_annotation", bool)() for e in events]  # a torch without the method: none
+    return [(e.name(), e.device_type() == cuda, e.start_ns(), e.duration_ns()) for e, a in zip(events, annotation) if not a]
 
 
 def _gaps(device: list[tuple[str, int, int]]) -> dict:
