@@ -144,7 +144,6 @@ def peer_section(ctx: BenchContext, sec: Section) -> None:
                 d["grad_check"] = _grad_check(peer, trajs, masks)
                 sec.save()
     guarded("torch_gdn", train, torch_gated_delta_rule if d["bound"] == "fla" else None)
-    del peer
     ours = next((r for r in (ctx.results.get("throughput") or {}).get("rows", []) if r["workload"] == s.peer_workload), {})
     d["ratios"] = {f"{mode}_vs_{name}": ours[mode]["tokens_per_s"] / v["tokens_per_s"]
                    for mode in ("windows", "expanded") if "tokens_per_s" in ours.get(mode, {})
