@@ -10,7 +10,8 @@
 # Needs a Python with CUDA torch and triton (PYTHON=..., else .venv/bin/python, else python3) and no
 # network. Wheels the image lacks are carried in wheels/ at the repository root (gitignored; else
 # shared/wheels/), e.g. the run tool's carry option ["wheels"]: protobuf 7.36.2 (the generated
-# modules need >= 7.35.1), fla-core and flash-linear-attention 0.6.0 (pure Python). A module that is
+# modules need >= 7.35.1; its abi3 wheel and its pure-Python one), fla-core and
+# flash-linear-attention 0.6.0 (pure Python). A module that is
 # missing (or protobuf too old) is installed from them with `pip install --no-index --no-deps`
 # (unzipped when the Python has no pip) into /tmp/harts-site (protobuf: on PYTHONPATH for every
 # step) or /tmp/harts-site-fla (fla: only for bench_gpu; with fla importable transformers binds
@@ -88,7 +89,12 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 if ! "$PYTHON" -c "
 import sys, google.protobuf as p
 sys.exit(tuple(int(x) for x in p.__version__.split('.')[:3]) < (7, 35, 1))" >> "$OUT/wheels.txt" 2>&1; then
-  install_wheels "$SITE" protobuf
+  install_wheels "$SITE" protobuf  # pip picks the abi3 wheel (its own upb extension) where it fits
+  if [ ! -d "$SITE/google/_upb" ]; then
+    # the pure-Python wheel: keep it off an older protobuf's upb extension left in site-packages
+    export PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python
+    echo "pure-Python protobuf: PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" >> "$OUT/wheels.txt"
+  fi
 fi
 if ! "$PYTHON" -c "import fla" >> "$OUT/wheels.txt" 2>&1; then
   install_wheels "$FLA_SITE" fla-core flash-linear-attention
