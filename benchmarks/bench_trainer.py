@@ -58,7 +58,7 @@ MODES = ("windows", "no_windows", "expanded", "transformers", "windows_logprobs"
          "transformers_logprobs")
 
 
-def _subset(doc: dict, max_tokens: int, seed: int) -> dict:
+def subset_trajectories(doc: dict, max_tokens: int, seed: int) -> dict:
     """`doc` with a seeded random subset of its trajectories of about `max_tokens` expanded tokens."""
     trajs = doc["trajectories"]
     if sum(len(t["tokens"]) for t in trajs) <= max_tokens:
@@ -93,7 +93,7 @@ def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microba
 
     doc = generate(**gen, vocab_size=256)
     forest = forest_from_json(doc)
-    sub_doc = _subset(doc, max_baseline_tokens, seed=7)
+    sub_doc = subset_trajectories(doc, max_baseline_tokens, seed=7)
     sub = forest if sub_doc is doc else forest_from_json(sub_doc)
     model = build_model(model_name, seed=0)
     mcfg = model.config

@@ -1,11 +1,11 @@
-"""Full-size named models for memory planning: Qwen3-Next `config.json` dicts, usable by name.
+"""Full-size named models for memory planning and the GPU benchmark: Qwen3-Next `config.json` dicts, usable by name.
 
     from plan.named_models import NAMED_MODELS
     config = NAMED_MODELS["qwen3-next-80b-a3b"]()      # what `harts plan --model qwen3-next-80b-a3b` reads
 
 The memory model's default (`plan.memory_model.ModelDims.default`) and the cluster memory report
-(`plan.cluster_memory`) read these; `trainer.models.config.ModelConfig.from_hf_dict` accepts them
-too (they are Hugging Face `Qwen3NextConfig` documents). Named configs are plain functions
+(`plan.cluster_memory`) read these; the trainer builds them by name (`trainer.models.build_model`,
+through `ModelConfig.from_hf_dict`: they are Hugging Face `Qwen3NextConfig` documents). Named configs are plain functions
 returning a fresh dict, so that a caller may change its copy.
 """
 from __future__ import annotations
@@ -50,8 +50,20 @@ def hybrid_moe_124b() -> dict:
     return cfg
 
 
+def qwen3_next_8l_64e() -> dict:
+    """The GPU benchmark's model (`benchmarks.bench_gpu`): Qwen3-Next-80B-A3B's layer shapes cut to
+    8 layers (6 Gated DeltaNet, 2 gated attention: the same 3:1 pattern) and 64 experts top-8 of
+    width 512 plus the shared expert of 512; hidden 2048, vocabulary 151,936, untied embeddings:
+    2.52B parameters (2,516,045,952, of them 0.62B the embedding and lm head), 0.80B active per
+    token counting the lm head."""
+    cfg = qwen3_next_80b_a3b()
+    cfg.update({"num_hidden_layers": 8, "num_experts": 64, "num_experts_per_tok": 8})
+    return cfg
+
+
 #: `--model NAME` of the planning commands (harts_cli/model_arg.py), besides the trainer's small configs
 NAMED_MODELS: dict[str, Callable[[], dict]] = {
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
     "hybrid-moe-124b": hybrid_moe_124b,
+    "qwen3-next-8l-64e": qwen3_next_8l_64e,
 }

@@ -1,6 +1,7 @@
 """Build the model from `--model`: a named config with seeded weights, or a Hugging Face Qwen3-Next directory.
 
     model = build_model("tiny", seed=0)                          # the whole model, in this process
+    model = build_model("qwen3-next-8l-64e", device="cuda")      # a plan.named_models config, made on the device
     model = build_model("path/to/hf", shard=lambda m: parallelize(m, mesh, cfg, ctx, reshard=True),
                         device=ctx.device)                       # only this rank's FSDP2 shards
     model = build_model(spec, shard=..., fill=False)             # storage only: a DCP checkpoint loads next
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from plan.named_models import NAMED_MODELS
 from trainer.models.config import NAMED_CONFIGS, ModelConfig
 from trainer.models.materialize import hf_rows, materialize, meta_model, seed_rows
 from trainer.models.qwen3_next import Qwen3NextForRL
@@ -46,17 +48,21 @@ def read_config(model_dir: str | Path) -> ModelConfig:
 
 
 def model_config(spec: str) -> ModelConfig:
-    """The ModelConfig of a `--model` argument (a named config or a checkpoint directory)."""
+    """The ModelConfig of a `--model` argument: a trainer config (`NAMED_CONFIGS`), a full-size
+    model of `plan.named_models`, or a checkpoint directory."""
     if spec in NAMED_CONFIGS:
         return NAMED_CONFIGS[spec]()
+    if spec in NAMED_MODELS:
+        return ModelConfig.from_hf_dict(NAMED_MODELS[spec]())
     if not Path(spec).is_dir():
-        raise ValueError(f"--model: expected one of {sorted(NAMED_CONFIGS)} or a checkpoint directory, got {spec!r}")
+        raise ValueError(f"--model: expected one of {sorted([*NAMED_CONFIGS, *NAMED_MODELS])} or a checkpoint directory, "
+                         f"got {spec!r}")
     return read_config(spec)
 
 
 def build_model(spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                 shard: Callable[[Qwen3NextForRL], Qwen3NextForRL] | None = None, fill: bool = True) -> Qwen3NextForRL:
-    """`--model` argument: a named config (random weights from `seed`) or a checkpoint directory.
+    """`--model` argument: a named config of either kind (random weights from `seed`) or a checkpoint directory.
 
     Args:
         shard: applied to the meta model before anything is allocated (FSDP2's `parallelize`), so
@@ -66,7 +72,7 @@ def build_model(spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
         ValueError: an unknown name, not a Qwen3-Next checkpoint, missing or unexpected weights,
             shape mismatches.
     """
-    hf_dir = None if spec in NAMED_CONFIGS else spec
+    hf_dir = None if spec in NAMED_CONFIGS or spec in NAMED_MODELS else spec
     return _build(model_config(spec), hf_dir, seed=seed, dtype=dtype, device=device, shard=shard, fill=fill)
 
 
