@@ -119,8 +119,8 @@ if ! grep -q "^env rc=0" "$OUT/summary.txt"; then
 fi
 
 if [ "$MODE" != --quick ]; then
-  # Correctness on many shapes, one launch config per kernel: five pytest processes in parallel,
-  # each under its own timeout, each kernel file split in two complementary groups (compiling
+  # Correctness on many shapes, one launch config per kernel: pytest processes in parallel, each
+  # under its own timeout, the two older kernel files split in two complementary groups (compiling
   # dominates these runs); waited for by PID.
   PYTEST=("$PYTHON" -m pytest -v -p no:cacheprovider -rs)
   GDN=tests/kernels/test_gated_delta_rule_triton.py
@@ -130,11 +130,19 @@ if [ "$MODE" != --quick ]; then
   step tests-gdn-fp32 $TESTS_S tests-gdn-fp32.txt "${PYTEST[@]}" $GDN -k test_triton_matches_ref_fp32 & pids+=($!)
   step tests-tree-bf16-misc $TESTS_S tests-tree-bf16-misc.txt "${PYTEST[@]}" $TREE -k "not test_every_backend" & pids+=($!)
   step tests-tree-fp32 $TESTS_S tests-tree-fp32.txt "${PYTEST[@]}" $TREE -k test_every_backend & pids+=($!)
-  # The other gpu-marked tests (the trainer's; only their files are collected: the GPU Python may lack service deps).
-  marked=$(grep -l "mark.gpu" tests/*/test_*.py | grep -v -e test_gated_delta_rule_triton -e test_tree_attention_triton | tr '\n' ' ')
-  if [ -n "$marked" ]; then
+  # The newer kernel files, one process each (#640: ~85 compilations), and the trainer's gpu tests
+  # (figures appended to gpu-figures.jsonl); only their files are collected: the GPU Python may lack
+  # the service's dependencies.
+  step tests-gdn-640 $TESTS_S tests-gdn-640.txt "${PYTEST[@]}" tests/kernels/test_gated_delta_rule_triton_640.py & pids+=($!)
+  step tests-invariant-tuning $TESTS_S tests-invariant-tuning.txt "${PYTEST[@]}" -m gpu \
+    tests/kernels/test_batch_invariant_triton.py tests/kernels/test_triton_tuning_gpu.py & pids+=($!)
+  step tests-trainer $TESTS_S tests-trainer.txt env HARTS_GPU_FIGURES="$OUT/gpu-figures.jsonl" "${PYTEST[@]}" -m gpu \
+    tests/trainer/test_executor_gpu.py tests/trainer/test_moe_experts.py & pids+=($!)
+  known="test_gated_delta_rule_triton|test_tree_attention_triton|test_gated_delta_rule_triton_640|test_batch_invariant_triton|test_triton_tuning_gpu|test_executor_gpu|test_moe_experts"
+  other=$(grep -l "mark.gpu" tests/*/test_*.py | grep -v -E "($known)\.py" | tr '\n' ' ')
+  if [ -n "$other" ]; then
     # shellcheck disable=SC2086
-    step tests-gpu-marked $TESTS_S tests-gpu-marked.txt "${PYTEST[@]}" -m gpu $marked & pids+=($!)
+    step tests-gpu-other $TESTS_S tests-gpu-other.txt "${PYTEST[@]}" -m gpu $other & pids+=($!)
   fi
   # Meanwhile, at a lower CPU priority: bench_gpu's throughput section alone, so that its Triton
   # kernels (TRITON_CACHE_DIR), torch.compile graphs (if any) and Numba plan checks

@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import math
 
-import orjson
-
 from planner_service.errors import ValidationError
 from planner_service.ingest.batch import F32_MAX, NODE_FIELDS, RANK, Column, ListRef, RawBatch, Stop, Walk, describe, \
     number_text, printable
@@ -44,6 +42,8 @@ def load_document(doc: dict | bytes | bytearray | str, limits: Limits) -> tuple[
     """
     scan = None
     if isinstance(doc, (bytes, bytearray, memoryview, str)):
+        import orjson  # only JSON text needs it: a decoded dict (in-process planning, GPU images) does not
+
         limits.check("max_body_bytes", len(doc), "bytes of JSON")
         data = doc.encode("utf-8", "surrogatepass") if isinstance(doc, str) else doc
         scan = scan_json(data, MAX_JSON_DEPTH)
