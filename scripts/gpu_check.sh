@@ -18,10 +18,13 @@
 # fla's kernels even for CPU tensors, which the tests must not see); HARTS_SITE, HARTS_SITE_FLA
 # change them.
 #
-# Writes: summary.txt (one line per step: exit code, seconds, log), nvidia-smi.txt, wheels.txt,
-# env.txt, tests-*.txt (pytest -v logs), bench-warm.log and warm/ (the warm-up beside the tests),
-# bench.log and bench/ (bench_gpu: one JSON file per section, written as each ends, report.md,
-# kernels/). Exit code: 0 when every step passed, 1 otherwise.
+# Writes, under $GPU_CHECK_RESULTS (default /tmp/gpu-check-results): summary.txt (one line per
+# step: exit code, seconds, log), nvidia-smi.txt, wheels.txt, env.txt, tests-*.txt (pytest -v
+# logs), gpu-figures.jsonl (what the trainer's GPU tests saw), bench-warm.log and warm/ (the
+# warm-up beside the tests), bench.log and bench/ (bench_gpu: one JSON file per section, written as
+# each ends, report.md, kernels/); and into $OUT, packed after every step and every 20 s (the device
+# tool returns at most 8 files): results.tgz (all of it), summary.txt, report.md, gpu-figures.jsonl.
+# Exit code: 0 when every step passed, 1 otherwise.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 MODE=${1:-full}
@@ -34,7 +37,21 @@ esac
 START=$SECONDS
 TESTS_S=170
 OUT=${OUT:-$PWD/gpu-check-out}
-mkdir -p "$OUT"
+# Everything is written under RES; $OUT (what the device tool sends back: at most 8 files) gets a
+# packed copy after every step and every 20 s (`pack`): results.tgz, summary.txt, report.md,
+# gpu-figures.jsonl. A run killed by its timeout keeps what was packed last.
+RES=${GPU_CHECK_RESULTS:-/tmp/gpu-check-results}
+rm -rf "$RES"
+mkdir -p "$RES" "$OUT"
+pack() {
+  local tmp="$OUT/partial-$BASHPID.tgz"
+  tar -czf "$tmp" -C "$RES" . 2>/dev/null && mv -f "$tmp" "$OUT/results.tgz"
+  rm -f "$tmp"
+  cp -f "$RES/summary.txt" "$OUT/summary.txt" 2>/dev/null
+  [ -f "$RES/bench/report.md" ] && cp -f "$RES/bench/report.md" "$OUT/report.md"
+  [ -f "$RES/gpu-figures.jsonl" ] && cp -f "$RES/gpu-figures.jsonl" "$OUT/gpu-figures.jsonl"
+  return 0
+}
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -49,16 +66,20 @@ export HARTS_AUTOTUNE=${HARTS_AUTOTUNE:-0}  # one launch config per Triton kerne
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 unset TRITON_INTERPRET
 status=0
-: > "$OUT/summary.txt"
+: > "$RES/summary.txt"
+( while sleep 20; do pack; done ) &
+packer=$!
+trap 'kill "$packer" 2>/dev/null; pack' EXIT
 
-step() {  # step NAME TIMEOUT_S LOG COMMAND...: run under `timeout` (KILL 10 s after TERM), log to $OUT/LOG
+step() {  # step NAME TIMEOUT_S LOG COMMAND...: run under `timeout` (KILL 10 s after TERM), log to $RES/LOG
   local name=$1 limit=$2 log=$3
   shift 3
   local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$OUT/$log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$RES/$log" 2>&1
   local rc=$?
   # pytest's 5: no test matched this group's -k (its complement group ran them all)
-  echo "$name rc=$rc seconds=$((SECONDS - t0)) log=$log" | tee -a "$OUT/summary.txt"
+  echo "$name rc=$rc seconds=$((SECONDS - t0)) log=$log" | tee -a "$RES/summary.txt"
+  pack
   [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]
 }
 
@@ -71,32 +92,32 @@ install_wheels() {  # install_wheels TARGET DIST...: from $WHEELS, without netwo
   shift
   mkdir -p "$target"
   if [ -z "$WHEELS" ]; then
-    echo "no wheels/ or shared/wheels/ directory: cannot install $*" >> "$OUT/wheels.txt"
+    echo "no wheels/ or shared/wheels/ directory: cannot install $*" >> "$RES/wheels.txt"
     return 1
   fi
-  if ! "$PYTHON" -m pip install --no-index --no-deps --find-links "$WHEELS" --target "$target" "$@" >> "$OUT/wheels.txt" 2>&1; then
-    echo "pip failed; unzipping the pure-Python wheels of $*" >> "$OUT/wheels.txt"
+  if ! "$PYTHON" -m pip install --no-index --no-deps --find-links "$WHEELS" --target "$target" "$@" >> "$RES/wheels.txt" 2>&1; then
+    echo "pip failed; unzipping the pure-Python wheels of $*" >> "$RES/wheels.txt"
     for dist in "$@"; do
       for whl in "$WHEELS"/"${dist//-/_}"-*-py3-none-any.whl; do
-        [ -f "$whl" ] && "$PYTHON" -m zipfile -e "$whl" "$target" >> "$OUT/wheels.txt" 2>&1
+        [ -f "$whl" ] && "$PYTHON" -m zipfile -e "$whl" "$target" >> "$RES/wheels.txt" 2>&1
       done
     done
   fi
 }
 
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-: > "$OUT/wheels.txt"
+nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+: > "$RES/wheels.txt"
 if ! "$PYTHON" -c "
 import sys, google.protobuf as p
-sys.exit(tuple(int(x) for x in p.__version__.split('.')[:3]) < (7, 35, 1))" >> "$OUT/wheels.txt" 2>&1; then
+sys.exit(tuple(int(x) for x in p.__version__.split('.')[:3]) < (7, 35, 1))" >> "$RES/wheels.txt" 2>&1; then
   install_wheels "$SITE" protobuf  # pip picks the abi3 wheel (its own upb extension) where it fits
   if [ ! -d "$SITE/google/_upb" ]; then
     # the pure-Python wheel: keep it off an older protobuf's upb extension left in site-packages
     export PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python
-    echo "pure-Python protobuf: PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" >> "$OUT/wheels.txt"
+    echo "pure-Python protobuf: PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" >> "$RES/wheels.txt"
   fi
 fi
-if ! "$PYTHON" -c "import fla" >> "$OUT/wheels.txt" 2>&1; then
+if ! "$PYTHON" -c "import fla" >> "$RES/wheels.txt" 2>&1; then
   install_wheels "$FLA_SITE" fla-core flash-linear-attention
 fi
 
@@ -113,8 +134,8 @@ for mod in ('fla', 'flash_attn', 'transformers'):
     except Exception as exc:
         print(mod, 'not importable:', type(exc).__name__, exc)
 " "$MODE"
-if ! grep -q "^env rc=0" "$OUT/summary.txt"; then
-  echo "no usable CUDA Python ($PYTHON); see env.txt and wheels.txt" | tee -a "$OUT/summary.txt"
+if ! grep -q "^env rc=0" "$RES/summary.txt"; then
+  echo "no usable CUDA Python ($PYTHON); see env.txt and wheels.txt" | tee -a "$RES/summary.txt"
   exit 1
 fi
 
@@ -136,7 +157,7 @@ if [ "$MODE" != --quick ]; then
   step tests-gdn-640 $TESTS_S tests-gdn-640.txt "${PYTEST[@]}" tests/kernels/test_gated_delta_rule_triton_640.py & pids+=($!)
   step tests-invariant-tuning $TESTS_S tests-invariant-tuning.txt "${PYTEST[@]}" -m gpu \
     tests/kernels/test_batch_invariant_triton.py tests/kernels/test_triton_tuning_gpu.py & pids+=($!)
-  step tests-trainer $TESTS_S tests-trainer.txt env HARTS_GPU_FIGURES="$OUT/gpu-figures.jsonl" "${PYTEST[@]}" -m gpu \
+  step tests-trainer $TESTS_S tests-trainer.txt env HARTS_GPU_FIGURES="$RES/gpu-figures.jsonl" "${PYTEST[@]}" -m gpu \
     tests/trainer/test_executor_gpu.py tests/trainer/test_moe_experts.py & pids+=($!)
   known="test_gated_delta_rule_triton|test_tree_attention_triton|test_gated_delta_rule_triton_640|test_batch_invariant_triton|test_triton_tuning_gpu|test_executor_gpu|test_moe_experts"
   other=$(grep -l "mark.gpu" tests/*/test_*.py | grep -v -E "($known)\.py" | tr '\n' ' ')
@@ -148,7 +169,7 @@ if [ "$MODE" != --quick ]; then
   # kernels (TRITON_CACHE_DIR), torch.compile graphs (if any) and Numba plan checks
   # (NUMBA_CACHE_DIR) are compiled and cached before the measured run; its figures, measured beside
   # the tests, are not results (warm/).
-  warm_args=(--out "$OUT/warm" --sections throughput --budget-s $((TESTS_S - 25)))
+  warm_args=(--out "$RES/warm" --sections throughput --budget-s $((TESTS_S - 25)))
   [ "$MODE" = full ] || warm_args+=("$MODE")
   step bench-warm $TESTS_S bench-warm.log env PYTHONPATH="$PYTHONPATH:$FLA_SITE" nice -n 10 "$PYTHON" -m benchmarks.bench_gpu "${warm_args[@]}" &
   warm_pid=$!
@@ -162,13 +183,13 @@ fi
 # BENCH_MAX) ends 25 s before its hard timeout (imports, the last report), which ends 10 s before TOTAL_S.
 limit=$((TOTAL_S - (SECONDS - START) - 10))
 budget=$((limit - 25 < BENCH_MAX ? limit - 25 : BENCH_MAX))
-bench_args=(--out "$OUT/bench" --budget-s "$budget")
+bench_args=(--out "$RES/bench" --budget-s "$budget")
 [ "$MODE" = full ] || bench_args+=("$MODE")
 if [ "$budget" -lt 60 ]; then
-  echo "bench skipped: ${budget} s left of ${TOTAL_S} s" | tee -a "$OUT/summary.txt"
+  echo "bench skipped: ${budget} s left of ${TOTAL_S} s" | tee -a "$RES/summary.txt"
   status=1
 else
   step bench "$limit" bench.log env PYTHONPATH="$PYTHONPATH:$FLA_SITE" "$PYTHON" -m benchmarks.bench_gpu "${bench_args[@]}" || status=1
 fi
-echo "total seconds=$((SECONDS - START))" | tee -a "$OUT/summary.txt"
+echo "total seconds=$((SECONDS - START))" | tee -a "$RES/summary.txt"
 exit $status

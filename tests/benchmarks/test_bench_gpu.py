@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -131,16 +132,20 @@ def test_gpu_check_dry_run_runs_every_step_and_every_bench_section_on_the_cpu(tm
     """scripts/gpu_check.sh --dry-run (about 90 s here): its steps (the GPU test groups skip without
     CUDA) and bench_gpu --dry-run, the tiny model on the CPU: every section ends "ok" with its
     figures, tree == expanded bitwise as the CPU guarantees, the peer agrees with our log-probs."""
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "HARTS_SITE": str(tmp_path / "site"),
-           "HARTS_SITE_FLA": str(tmp_path / "site-fla")}
+    out, packed = tmp_path / "out", tmp_path / "packed"
+    env = {**os.environ, "OUT": str(packed), "GPU_CHECK_RESULTS": str(out), "PYTHON": sys.executable,
+           "HARTS_SITE": str(tmp_path / "site"), "HARTS_SITE_FLA": str(tmp_path / "site-fla")}
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
+    # what the device tool sends back: at most 8 files, everything in results.tgz
+    assert {p.name for p in packed.iterdir()} <= {"results.tgz", "summary.txt", "report.md", "gpu-figures.jsonl"}
+    with tarfile.open(packed / "results.tgz") as tar:
+        assert "./bench/report.md" in tar.getnames()
     log = (out / "bench.log").read_text()[-3000:] if (out / "bench.log").is_file() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log
     steps = {line.split()[0] for line in (out / "summary.txt").read_text().splitlines() if " rc=" in line}
     assert steps == {"env", "tests-gdn-bf16-misc", "tests-gdn-fp32", "tests-tree-bf16-misc", "tests-tree-fp32",
-                     "tests-gpu-marked", "bench-warm", "bench"}
+                     "tests-gdn-640", "tests-invariant-tuning", "tests-trainer", "bench-warm", "bench"}
     bench = out / "bench"
     docs = {name: json.loads((bench / f"{name}.json").read_text()) for name in SECTIONS}
     assert {n: d["status"] for n, d in docs.items()} == dict.fromkeys(SECTIONS, "ok")
