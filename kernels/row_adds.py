@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.devices import to_device
+
 __all__ = ["RowAdds"]
 
 
@@ -43,7 +45,7 @@ class RowAdds:
         return RowAdds(levels=levels)
 
     def to(self, device: torch.device | str) -> RowAdds:
-        return RowAdds(levels=[(t.to(device), s.to(device)) for t, s in self.levels])
+        return RowAdds(levels=[(to_device(t, device), to_device(s, device)) for t, s in self.levels])
 
     def apply_(self, dst: torch.Tensor, src: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """dst[target[i]] += src[i] along `dim`, in place, in order of i; returns dst."""

@@ -121,7 +121,7 @@ class ChunkLayout:
             gather_MC=to_device(self.gather_MC, device),
             row_slot_T=to_device(self.row_slot_T, device),
             export_ranks_J={j: to_device(r, device) for j, r in self.export_ranks_J.items()},
-            export_adds_J={j: to_device(a, device) for j, a in self.export_adds_J.items()},
+            export_adds_J={j: a.to(device) for j, a in self.export_adds_J.items()},
             export_order_E=to_device(self.export_order_E, device),
             above_diag_CC=to_device(self.above_diag_CC, device),
             chunk_row_M=to_device(self.chunk_row_M, device),
@@ -130,7 +130,7 @@ class ChunkLayout:
             rank_chunks_N=to_device(self.rank_chunks_N, device),
             export_row_M=to_device(self.export_row_M, device),
             export_unique_E=to_device(self.export_unique_E, device),
-            export_adds_U=to_device(self.export_adds_U, device),
+            export_adds_U=self.export_adds_U.to(device),
             device=device,
         )
 
