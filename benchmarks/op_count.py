@@ -73,7 +73,7 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0) ->
     from harts_client.synthetic import generate
     from planner_service.ingest import forest_from_json
     from planner_service.planner import PlanConfig, plan_step
-    from plan.decode import decode_microbatch
+    from plan.microbatch import decode_microbatch
     from trainer.executor import Executor, ExecutorConfig
     from trainer.layout import layout_from_arrays
     from trainer.models.config import FULL, LINEAR, ModelConfig

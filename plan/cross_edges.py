@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plan.decode import MicrobatchArrays, PlanValidationError
+from plan.microbatch import MicrobatchArrays, PlanValidationError
 from plan.memory_model import RowSizes
 from plan.window_exports import ATTN, CONV, KERNEL, KINDS, ExportNeeds, export_needs, import_needs
 from proto.arrays import unpack

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plan.decode import PlanValidationError
+from plan.microbatch import PlanValidationError
 from plan.phases import lockstep_phases
 from plan.seal import PLAN_VERSION
 from proto.arrays import unpack

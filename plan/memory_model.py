@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from plan.decode import MicrobatchArrays
+from plan.microbatch import MicrobatchArrays
 from plan.named_models import qwen3_next_80b_a3b
 from plan.window_exports import ATTN, CONV, KERNEL, export_needs
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plan.decode import PlanValidationError
+from plan.microbatch import PlanValidationError
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 

@@ -46,7 +46,8 @@ import numpy as np
 
 from proto.harts.v1 import plan_pb2
 from plan.cross_edges import check_rank_edges, remote_imports
-from plan.decode import DecodedSlice, MicrobatchArrays, PlanValidationError, decode_rank
+from plan.microbatch import MicrobatchArrays, PlanValidationError
+from plan.decode import DecodedSlice, decode_rank
 from plan.header import check_header
 from plan.phases import check_rank_phases
 from plan.slice_kernels import (

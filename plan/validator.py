@@ -46,7 +46,7 @@ from proto.harts.v1 import plan_pb2
 from plan.cross_edges import (CrossEdgeArrays, check_plan_edges, check_rank_edges, decode_edges, held_bytes,
                               remote_imports, sent_needs, transfer_bytes)
 from plan.memory_model import CHECKPOINTING, HEADS, RowSizes, rank_live_bytes
-from plan.decode import MicrobatchArrays, PlanValidationError, decode_microbatch
+from plan.microbatch import MicrobatchArrays, PlanValidationError, decode_microbatch
 from plan.header import check_header
 from plan.phases import check_rank_phases, lockstep_phases, phase_counts, step_cost
 

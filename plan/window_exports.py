@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plan.decode import MicrobatchArrays
+from plan.microbatch import MicrobatchArrays
 
 #: kinds of exported per-layer tensors
 ATTN, CONV, KERNEL = "attn", "conv", "kernel"

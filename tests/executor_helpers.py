@@ -317,7 +317,7 @@ def _lockstep_stats(plan: plan_pb2.Plan) -> None:
     """PlanStats.lockstep_* of a lock-step plan, by `plan.phases`' cost model, and the statistics
     of its cross edges (what the validator checks)."""
     from plan.cross_edges import decode_edges, held_bytes, remote_imports, sent_needs, transfer_bytes
-    from plan.decode import decode_microbatch
+    from plan.microbatch import decode_microbatch
     from plan.memory_model import RowSizes, rank_live_bytes
     from plan.phases import lockstep_phases, phase_counts, step_cost
 
@@ -376,7 +376,7 @@ def cross_rank_plan(plan: plan_pb2.Plan, importer: int, dst: int, rng: np.random
     exporter's (`rng` picks them; None: the last and the first possible phase).
     """
     from plan.cross_edges import decode_edges, edge_bytes, remote_imports, sent_needs
-    from plan.decode import decode_microbatch
+    from plan.microbatch import decode_microbatch
     from plan.memory_model import RowSizes
     from plan.window_exports import export_needs, import_needs
 

@@ -66,7 +66,8 @@ import torch
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
 from plan.cross_edges import check_plan_edges, remote_imports, sent_needs
-from plan.decode import BACKWARD, FORWARD, DecodedSlice, MicrobatchArrays, decode_microbatch, decode_rank, rank_plans
+from plan.microbatch import MicrobatchArrays, decode_microbatch
+from plan.decode import BACKWARD, FORWARD, DecodedSlice, decode_rank, rank_plans
 from plan.header import check_header
 from plan.slice_check import check_decoded
 from plan.window_exports import export_needs

@@ -85,7 +85,7 @@ def linear_kernel_flops_per_row(cfg: ModelConfig, chunk_size: int) -> float:
 
 def plan_flops(plan, cfg: ModelConfig, *, chunk_size: int) -> PlanFlops:
     """FLOPs of every microbatch of `plan` (a plan_pb2.Plan or PlanSlice) on a model of config `cfg`."""
-    from plan.decode import decode_microbatch
+    from plan.microbatch import decode_microbatch
     from plan.decode import rank_plans
 
     n_linear = sum(1 for kind in cfg.layer_types if kind != FULL)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from plan.decode import MicrobatchArrays, PlanValidationError
+from plan.microbatch import MicrobatchArrays, PlanValidationError
 from plan.window_exports import KINDS, ExportNeeds, used_imports
 from kernels.devices import to_device
 from kernels.tree_attention import TreeLayout, prepare_tree_layout

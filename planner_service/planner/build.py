@@ -65,7 +65,7 @@ from proto.harts.v1 import plan_pb2
 from plan.cross_edges import CrossEdgeArrays, edge_bytes, held_bytes, remote_imports, sent_needs, transfer_bytes
 from plan.memory_model import rank_live_bytes
 from plan.phases import PHASE_BACKWARD, PHASE_FORWARD, phase_counts, step_cost
-from plan.decode import LinearCallArrays, MicrobatchArrays
+from plan.microbatch import LinearCallArrays, MicrobatchArrays
 from plan.seal import PLAN_VERSION
 from plan.window_exports import ATTN, CONV, KERNEL, export_needs, import_needs
 

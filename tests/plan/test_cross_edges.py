@@ -162,7 +162,7 @@ def test_memory_counts_what_an_importer_holds_and_what_an_exporter_keeps():
     assert edge_bytes(SIZES, edge.needs) == 5 * 4 + 3 * 2 + 20
     # the exporter rank of the hand-built plan: a recomputed exporter keeps what the remote importer reads
     f, plan = _crossing_plan()
-    from plan.decode import decode_microbatch
+    from plan.microbatch import decode_microbatch
 
     mb0 = decode_microbatch(plan.ranks[0].microbatches[0], plan.header.params)
     mb0.recompute = True

@@ -139,7 +139,7 @@ def test_rank_live_bytes_counts_full_or_exported_windows_along_the_steps(recompu
     from planner_service.planner import PlanConfig
     from planner_service.planner.build import build_plan
     from planner_service.planner.spec import MicrobatchSpec, Partition
-    from plan.decode import decode_microbatch
+    from plan.microbatch import decode_microbatch
     from tests.builder_helpers import forest_from_trajectories
 
     base = list(range(1, 25))

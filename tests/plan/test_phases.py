@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from plan.decode import PlanValidationError
+from plan.microbatch import PlanValidationError
 from plan.phases import PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, check_rank_phases
 from plan.seal import slice_plan
 from plan.slice_check import check_slice

@@ -7,7 +7,7 @@ import pytest
 
 from planner_service.planner import PlanConfig, plan_step
 from proto.arrays import pack, unpack
-from plan.decode import PlanValidationError, decode_microbatch
+from plan.microbatch import PlanValidationError, decode_microbatch
 from tests.builder_helpers import forest_from_trajectories, random_trajectories
 
 

@@ -12,7 +12,7 @@ from planner_service.planner.build import build_plan
 from planner_service.planner.config import PlanConfig
 from proto.arrays import pack
 from proto.harts.v1 import plan_pb2
-from plan.decode import PlanValidationError, decode_microbatch
+from plan.microbatch import PlanValidationError, decode_microbatch
 from plan.seal import slice_plan
 from plan.validator import validate_slice
 from plan.slice_check import check_slice

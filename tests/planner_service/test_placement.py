@@ -12,7 +12,7 @@ from planner_service.planner.cost_model import CostModel
 from planner_service.planner.partition import _KERNELS, partition_with_report
 from planner_service.planner.placement_search import unit_costs
 from plan.memory_model import RowSizes
-from plan.decode import decode_microbatch
+from plan.microbatch import decode_microbatch
 from plan.validator import PlanValidationError, validate_plan
 from plan.window_exports import ATTN, CONV, KERNEL, export_needs
 from tests.planner_service.test_partition import make_forest, random_forest, random_trajs

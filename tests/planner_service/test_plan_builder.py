@@ -289,7 +289,7 @@ def test_builder_arrays_equal_the_decoded_plan(case, monkeypatch):
     import dataclasses
 
     from planner_service.planner import build as build_mod
-    from plan.decode import decode_microbatch
+    from plan.microbatch import decode_microbatch
 
     seen = {}
     real = build_mod._arrays

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from harts_client.synthetic import generate
-from plan.decode import PlanValidationError
+from plan.microbatch import PlanValidationError
 from plan.slice_check import check_rank
 from plan.validator import validate_plan
 from planner_service.ingest import forest_from_json
