@@ -274,7 +274,7 @@ def test_misaligned_slices_are_refused_before_anything_runs(edit, message):
 
 
 def test_a_free_plan_is_refused_when_parameters_are_sharded_through_the_step():
-    from trainer.train import TrainError, _Run, _train_step
+    from trainer.loop import TrainError, _Run, _train_step
 
     plan = _free_plan(2)
     sl = plan_pb2.PlanSlice(header=plan.header, rank=plan.ranks[0])

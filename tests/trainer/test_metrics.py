@@ -1,5 +1,5 @@
 """trainer.metrics and the objective's metric stats: the numbers a step line reports, rank 0 only,
-no duplicate lines after a resume; the staleness rule of trainer.train."""
+no duplicate lines after a resume; the staleness rule (trainer.staleness)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import torch
 from trainer.config import MetricsConfig, StalenessConfig
 from trainer.metrics import MetricsWriter, stat_metrics
 from trainer.objectives import Normalizers, ObjectiveConfig, policy_loss
-from trainer.train import staleness_scale
+from trainer.staleness import staleness_scale
 
 
 def _terms(sl=slice(None)):
@@ -124,7 +124,7 @@ class _Header:
 def test_batch_version_and_rewards_are_read_when_the_plan_carries_them():
     from proto.harts.v1 import plan_pb2
     from trainer.metrics import reward_metrics
-    from trainer.train import batch_policy_version
+    from trainer.staleness import batch_policy_version
 
     assert batch_policy_version(_Header(4, [1.0])) == 4 and batch_policy_version(_Header(None, [1.0])) is None
     r = reward_metrics(_Header(None, [0.0, 1.0, 0.5]))

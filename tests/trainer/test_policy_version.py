@@ -9,7 +9,7 @@ from planner_service.planner import PlanConfig, plan_step
 from proto.arrays import unpack
 from trainer.metrics import reward_metrics
 from harts_client.rollouts import RolloutBatchBuilder, Trajectory, supports_policy_version
-from trainer.train import batch_policy_version
+from trainer.staleness import batch_policy_version
 
 
 def _batch(version):

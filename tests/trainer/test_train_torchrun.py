@@ -167,7 +167,7 @@ def test_two_replicated_ranks_equal_a_single_process_run_of_the_world_size_1_pla
         assert m["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-9)
         assert m["computed_tokens"] > 0 and m["compression"] == pytest.approx(m["expanded_tokens"] / m["computed_tokens"])
         assert m["tokens_per_s"] > 0 and m["seconds"] > 0
-    assert out.stderr.count("trainer.train: step ") == 2  # per-step logs from rank 0 only
+    assert out.stderr.count("trainer.loop: step ") == 2  # per-step logs from rank 0 only
 
 
 def test_resume_continues_the_step_counter_and_matches_an_uninterrupted_run(server, reference, tmp_path):

@@ -169,7 +169,7 @@ def test_removing_gradient_handback_breaks_exactness(models, monkeypatch):
     """The exactness checks above fail when importers' gradients are not handed to their exporters."""
     f, segs, base = _chain_forest()
     plan = build_plan(f, PlanConfig(chunk_size=C, microbatch_tokens=64, all_positions=True), _chain_partition(f, segs, base))
-    monkeypatch.setattr(executor_mod._StepRun, "_hand_back", lambda self, st: None)
+    monkeypatch.setattr(executor_mod.StepRun, "_hand_back", lambda self, st: None)
     with pytest.raises(AssertionError, match=r"assert .* <= 1e-05"):
         _check(models["moe"], f, plan)
 
