@@ -19,8 +19,9 @@ class ScriptedEngine:
     policy_version = 3
     model_dir = None
 
-    def __init__(self):
+    def __init__(self, words=("up", "down", "sideways")):
         self.calls: list[tuple[int, int]] = []
+        self.words = list(words)
 
     def reload(self) -> bool:
         return False
@@ -33,7 +34,7 @@ class ScriptedEngine:
         for _ in prompts:
             comps = []
             for _ in range(n):
-                text = ["up", "down", "sideways"][int(rng.integers(0, 3))]
+                text = self.words[int(rng.integers(0, len(self.words)))]
                 ids = (tok.encode(text) + [stop_ids[0]])[:max_new_tokens]
                 comps.append(Completion(ids, (-rng.random(len(ids))).tolist(), ids[-1] == stop_ids[0]))
             out.append(comps)
