@@ -349,6 +349,19 @@ class _Loop:
             raise RLError(f"the trainer exited after {len(self.written)} of {self.cfg.run.steps} steps; see {self.trainer_log}")
 
 
+def _log_warnings(out: Path) -> dict:
+    """Warnings the trainer ranks and the planner logged ({"trainer_log_warnings": n, ...}), each
+    log's first one repeated here: a retried long-poll or a slow step shows in the summary."""
+    counts = {}
+    for name in ("trainer", "planner"):
+        path = out / f"{name}.log"
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if " WARNING " in ln] if path.is_file() else []
+        counts[f"{name}_log_warnings"] = len(lines)
+        if lines:
+            log.warning("%s.log has %d warning(s), the first: %s", name, len(lines), lines[0])
+    return counts
+
+
 def _prepare(out: Path, replay: Path | None) -> None:
     if replay is not None and out.resolve() == replay.resolve():
         raise ValueError(f"--out: expected a folder other than the replayed run {replay}, got the same")
@@ -418,7 +431,7 @@ def run_rl(cfg: RLConfig, *, replay: Path | None = None) -> dict:
         loop.sinks.close()
     wall = time.perf_counter() - t0
     summary = {"out": str(out), "steps": len(loop.written), "wall_seconds": wall, "warm_start_seconds": warm_seconds,
-               **reward_rise(loop.written), **compression_summary(loop.written)}
+               **reward_rise(loop.written), **compression_summary(loop.written), **_log_warnings(out)}
     if 0 in loop.evals:
         summary["eval_reward_warm_start"] = loop.evals[0]
     finals = [ln["eval_reward"] for ln in loop.written if "eval_reward" in ln]

@@ -91,7 +91,8 @@ def test_episode_prompt_tools_and_reward():
     assert task.prompt(task.instances("train", 2, seed=5)[1])[0] == system  # one system prompt for every episode
     demo = task.demonstration(inst, np.random.default_rng(0))
     answers = [task.observe(inst, demo[: k + 1]) for k in range(len(demo))]
-    assert answers[0][0]["content"].startswith("edited ") and answers[1][0]["content"].strip().endswith("0 failed")
+    assert demo[0] == "run_tests" and answers[0][0]["content"].strip().endswith(" 1 failed")
+    assert answers[1][0]["content"].startswith("edited ") and answers[2][0]["content"].strip().endswith(" 0 failed")
     assert answers[-1] is None and task.reward(_episode(inst, demo)) == 1.0
     assert task.reward(_episode(inst, ["submit"])) == 0.0
     assert task.observe(inst, ["hello"])[0]["content"].startswith("error: expected one of the tools")
@@ -117,5 +118,6 @@ def test_branches_keep_their_own_files_and_rebuild_them():
     assert task.reward(_episode(inst, [fix, "run_tests", "submit"])) == 1.0
     assert task.sandbox.calls == calls + 2  # the edit re-run, then the grading (run_tests not replayed)
     row = task.from_row({"id": "mine", "files": dict(inst.files), "issue": "fix it", "fix": {"path": path, "line": line, "text": text}})
-    assert row.key != inst.key and task.demonstration(row, None)[0] == fix
+    assert row.key != inst.key and task.demonstration(row, None) == ["run_tests", fix, "run_tests", "submit"]
+    assert make_task("swe", max_turns=3).demonstration(row, None) == [fix, "run_tests", "submit"]
     assert task.from_row({"seed": 7}).files == task.from_row({"seed": 7, "id": "other"}).files

@@ -27,7 +27,7 @@ per (instance, calls so far) in a bounded cache and rebuilds a missing entry by 
 branch's edits, so branches never share files. Instances are generated (`repos.generate_repo`,
 train and eval from disjoint seed streams) or read from dataset rows (`from_row`: {"id", "files":
 {path: text}, "issue"?, "fix"?: {"path", "line", "text"}} or {"seed": n} for a generated one).
-`demonstration` edits the buggy line back, runs the tests and submits.
+`demonstration` runs the tests, edits the buggy line back, runs the tests again and submits.
 """
 from __future__ import annotations
 
@@ -243,11 +243,13 @@ class SWETask:
         return float(failed == 0 and passed > 0)
 
     def demonstration(self, instance: SWEInstance, rng: np.random.Generator) -> list[str]:
-        """Put the correct line back (the prompt's view is numbered), run the tests, submit (at most
-        max_turns calls); an instance without a known fix runs the tests and submits."""
+        """Reproduce (run the tests), put the correct line back (the prompt's view is numbered), run
+        the tests again, submit; with max_turns < 4 the reproduction is left out, then the last
+        calls. An instance without a known fix runs the tests and submits."""
         if instance.fix is None:
-            turns = ["run_tests", "submit"]
-        else:
-            path, line, text = instance.fix
-            turns = [f"edit {path} {line}\n{text}", "run_tests", "submit"]
+            return ["run_tests", "submit"][: self.max_turns]
+        path, line, text = instance.fix
+        turns = ["run_tests", f"edit {path} {line}\n{text}", "run_tests", "submit"]
+        if self.max_turns < len(turns):
+            turns = turns[1:]
         return turns[: self.max_turns]
