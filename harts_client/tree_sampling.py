@@ -5,10 +5,9 @@
     batch = to_batch(groups, "step-7", vocab_size=256, policy_version=engine.policy_version)
     batch.submit(client, form="tree", world_size=2, chunk_size=16)
 
-Per task instance one explicit `RolloutTree` (with `shared_prefix`, one for the batch: its root is
-the prompt prefix all instances share, e.g. a long system prompt, and each instance's prompt
-continues it): the prompt is the root; at policy turn t every open
-branch samples `branching[t]` completions (1 after the list ends), so the k samples of a turn share
+Per task instance one explicit `RolloutTree` whose root is the prompt (with `shared_prefix`, one
+tree for the batch: its root is the prompt prefix all instances share, e.g. a long system prompt,
+and each distinct rest of a prompt continues it); at policy turn t every open branch samples `branching[t]` completions (1 after the list ends), so the k samples of a turn share
 everything before it (prompt, earlier turns, tool observations) and the tree holds each of those
 tokens once. A completion and the task's observation after it (`Task.observe`) are one node: the
 policy tokens with the engine's log-probs (the policy's real sampling log-probs, the PPO old
@@ -115,14 +114,17 @@ def sample_batch(engine, task: Task, tokenizer, instances: list, cfg: SamplingCo
     batch_root = batch_tree.node(None, prompts[0][:shared], policy=False) if shared else None
     groups: list[SampledGroup] = []
     frontier: list[_Open] = []
+    rests: dict[tuple[int, ...], int] = {}  # shared tree: one node per distinct rest of a prompt
     for g, (inst, first, prompt) in enumerate(zip(instances, firsts, prompts)):
         gid = f"{id_prefix}{getattr(inst, 'id', g)}"
         if batch_tree is None:
             tree = RolloutTree(gid)
             root = tree.node(None, prompt, policy=False)
         else:
-            tree = batch_tree
-            root = tree.node(batch_root, prompt[shared:], policy=False) if len(prompt) > shared else batch_root
+            tree, rest = batch_tree, tuple(prompt[shared:])
+            if rest and rest not in rests:
+                rests[rest] = tree.node(batch_root, list(rest), policy=False)
+            root = rests[rest] if rest else batch_root
         groups.append(SampledGroup(gid, inst, prompt, tree))
         frontier.append(_Open(g, root, prompt, [], as_messages(first, "user")))
     seen: dict[tuple[int, int, tuple[int, ...]], tuple[Turn, int]] = {}

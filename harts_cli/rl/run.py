@@ -153,7 +153,7 @@ class _Loop:
         self.task, self.reward_fn = run_task(cfg)
         self.fmt, self.tokenizer_dir = conversation(cfg)
         self.instances = instance_source(cfg, self.task)
-        self.eval_engine = None
+        self._engine = None
         self.planner = self.trainer = None
         self.trainer_log = out / "trainer.log"
         self.lines = _TrainerLines(out / "trainer.jsonl")
@@ -215,8 +215,17 @@ class _Loop:
                               f"see {self.trainer_log}")
             time.sleep(0.1)
 
-    def evaluate(self, version: int) -> None:
+    def engine(self):
+        """The one inference engine of the run, on OUT/hf (it follows the newest export; evaluation
+        loads the version it evaluates into it, the next batch's `reload` the newest again)."""
         from harts_client.engines import make_engine
+
+        if self._engine is None:
+            self._engine = make_engine(self.cfg.generator.engine, str(self.out / "hf"),
+                                       **self.cfg.generator.engine_options())
+        return self._engine
+
+    def evaluate(self, version: int) -> None:
         from harts_client.tree_sampling import SamplingConfig, sample_batch
 
         path = self.out / "hf" / step_name(version)
@@ -225,13 +234,12 @@ class _Loop:
             self.evals[version] = float("nan")
             return
         t0 = time.perf_counter()
-        if self.eval_engine is None:
-            self.eval_engine = make_engine(self.cfg.generator.engine, str(path), **self.cfg.generator.engine_options())
-        else:
-            self.eval_engine.load(path, version)
+        engine = self.engine()
+        if engine.model_dir != path:
+            engine.load(path, version)
         insts = self.instances.eval(self.cfg.eval.instances)
         greedy = SamplingConfig(branching=[1], max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0)
-        groups = sample_batch(self.eval_engine, self.task, self.fmt, insts, greedy, seed=0, reward_fn=self.reward_fn)
+        groups = sample_batch(engine, self.task, self.fmt, insts, greedy, seed=0, reward_fn=self.reward_fn)
         self.evals[version] = float(np.mean([r for g in groups for r in g.rewards]))
         log.info("eval: policy version %d: eval_reward %.3f on %d held-out instances (greedy, %.1f s)", version,
                  self.evals[version], len(insts), time.perf_counter() - t0)
@@ -274,11 +282,10 @@ class _Loop:
     # -- the generator -------------------------------------------------------------------------
     def generate(self) -> None:
         from harts_client.client import PlannerClient
-        from harts_client.engines import make_engine
         from harts_client.tree_sampling import batch_stats, sample_batch, to_batch
 
         cfg = self.cfg
-        engine = make_engine(cfg.generator.engine, str(self.out / "hf"), **cfg.generator.engine_options())
+        engine = self.engine()
         model_json = (self.out / "warmstart" / "config.json").read_text()
         vocab = json.loads(model_json)["vocab_size"]
         sampling = cfg.sampling.sampling()
