@@ -19,12 +19,9 @@ loader imports `datasets` only when a `hf:` source is asked for and says how to 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 __all__ = ["load_rows", "split_rows", "DatasetInstances", "GeneratedInstances", "InstanceSource"]
 

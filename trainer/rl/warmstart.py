@@ -37,6 +37,7 @@ log = logging.getLogger("harts.rl")
 
 __all__ = ["warm_start", "demonstration_batch", "build_policy"]
 
+
 def demonstration_batch(task, fmt, batch_id: str, instances: list, rng: np.random.Generator,
                         vocab_size: int) -> RolloutBatchBuilder:
     """The demonstrated episodes of `instances` as flat trajectories (policy turns: loss, advantage 1),

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -43,8 +42,6 @@ import numpy as np
 from harts_client.tasks.episode import Episode, Message
 from harts_client.tasks.swe.repos import generate_repo
 from harts_client.tasks.swe.sandbox import Sandbox, SandboxLimits
-
-log = logging.getLogger(__name__)
 
 __all__ = ["SWETask", "SWEInstance", "parse_call", "SYSTEM_PROMPT"]
 
