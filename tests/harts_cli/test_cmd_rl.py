@@ -225,7 +225,7 @@ def test_the_example_plugin_task_trains_on_its_dataset(tmp_path):
     batch = json.loads((out / "rollouts" / "rl-0.json").read_text())
     text = ByteTokenizer().decode([t for tree in batch["trees"] for n in tree["nodes"] for t in n["tokens"]])
     # the prompts, and the plugin tool's answers (a value, or its hint after a malformed call) in the trees
-    assert len(batch["trees"]) == 8 and re.search(r"What is k\d\?", text)
+    assert len(batch["trees"]) == 32 and re.search(r"What is k\d\?", text)
     assert re.search(r"k\d = [a-z]+|error: say 'get KEY' or 'A: VALUE'", text)
     export = out / "hf" / (out / "hf" / "latest").read_text().strip()
     assert json.loads((export / "config.json").read_text())["eos_token_id"] == 2
