@@ -17,8 +17,9 @@ export's tokenizer without this package.
 names it (`"harts_tokenizer": "bytes"`), an `HFTokenizer` (the `tokenizers` package, imported
 only then) for any other `tokenizer.json`, and raises `ValueError` when there is none.
 `check_vocab(tokenizer, model_vocab)` refuses a tokenizer and a model that do not fit each other
-(one line, before any weights are built). Trajectories carry token ids, never re-encoded text: a generator appends `encode(observation)`
-to the sampled ids, so a BPE tokenizer whose `encode(decode(ids))` differs changes nothing.
+(one line, before any weights are built). Trajectories carry token ids, never re-encoded text: a
+generator appends `encode(observation)` to the sampled ids, so a BPE tokenizer whose
+`encode(decode(ids))` differs changes nothing.
 """
 from __future__ import annotations
 

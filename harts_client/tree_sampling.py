@@ -7,8 +7,9 @@
 
 Per task instance one explicit `RolloutTree` whose root is the prompt (with `shared_prefix`, one
 tree for the batch: its root is the prompt prefix all instances share, e.g. a long system prompt,
-and each distinct rest of a prompt continues it); at policy turn t every open branch samples `branching[t]` completions (1 after the list ends), so the k samples of a turn share
-everything before it (prompt, earlier turns, tool observations) and the tree holds each of those
+and each distinct rest of a prompt continues it); at policy turn t every open branch samples
+`branching[t]` completions (1 after the list ends), so the k samples of a turn share everything
+before it (prompt, earlier turns, tool observations) and the tree holds each of those
 tokens once. A completion and the task's observation after it (`Task.observe`) are one node: the
 policy tokens with the engine's log-probs (the policy's real sampling log-probs, the PPO old
 log-probs; loss mask 1), then the observation (context, mask 0); the next turn samples from there.

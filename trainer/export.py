@@ -14,8 +14,8 @@ when there is none), every file mode 0644 so that a generator running as another
 config.json carries what the trainer's model config does not model but engines read
 (`CARRIED_CONFIG_KEYS`: the context length `max_position_embeddings` and the bos/eos/pad token
 ids) from the source directory's config.json, else the token ids of the tokenizer written and
-`DEFAULT_MAX_POSITIONS`; so an export loads into `AutoTokenizer` and `generate` as it is. The export root's `latest` names the newest export; it is
-written last, atomically, so a generator polling it never sees a half-written directory
+`DEFAULT_MAX_POSITIONS`; so an export loads into `AutoTokenizer` and `generate` as it is. The
+export root's `latest` names the newest export; it is written last, atomically, so a generator polling it never sees a half-written directory
 (`harts_client.rollouts.latest_export`, `trainer.step_dirs`). Names and layouts come from
 `trainer.models.state_dict_adapter`, so `trainer.models.loading.load_model` reads an export back.
 

@@ -4,6 +4,8 @@ memory / file-size limits, no network), SWE-agent-shaped prompts, per-branch rep
 the reward of the original tests."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -42,17 +44,22 @@ def test_every_mutation_of_the_library_is_caught():
     assert seen == expected  # generate_repo asserts a distinguishing test input for each
 
 
-def test_sandbox_confines_the_code_it_runs(box):
+def test_sandbox_confines_the_code_it_runs(box, tmp_path):
+    keep = tmp_path / "keep.txt"
+    keep.write_text("mine")
     evil = {"tests/test_evil.py": (
         "import os, socket\n"
         "def test_network():\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n"
         "def test_write_outside():\n    open('/tmp/harts-swe-escape', 'w').write('x')\n"
+        f"def test_delete_outside():\n    os.remove({str(keep)!r})\n"
         "def test_process():\n    os.system('true')\n"
         "def test_memory():\n    bytearray(1 << 30)\n"
         "def test_where():\n    assert os.getcwd().startswith('/') and not os.path.exists('pkg_of_another_instance')\n")}
     out = box.run(evil, "run_tests")
     failing = set(out["failing"])
-    assert failing == {f"tests/test_evil.py::test_{n}" for n in ("network", "write_outside", "process", "memory")}, out
+    names = ("network", "write_outside", "delete_outside", "process", "memory")
+    assert failing == {f"tests/test_evil.py::test_{n}" for n in names}, out
+    assert keep.read_text() == "mine" and not Path("/tmp/harts-swe-escape").exists()
     assert "PermissionError" in out["output"] and "MemoryError" in out["output"]
     assert box.isolation in ("namespace", "audit-hook")
 

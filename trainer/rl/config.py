@@ -85,7 +85,7 @@ class DataSection:
     shuffle: bool = True
     """Walk the training rows in a new seeded order every epoch (False: file order)."""
     hf_split: str = "train"
-    """Split of a Hugging Face dataset (eval_path "hf:..." reads the same split name unless it says another)."""
+    """Split of a Hugging Face dataset (an eval_path "hf:..." is read with the same split and configuration)."""
     hf_config: str = ""
     """Configuration name of a Hugging Face dataset ("": its default)."""
 

@@ -10,8 +10,8 @@ Confinement, in this order, before any repository code runs: a new user and netw
 is down, so no network; "namespace"), or, where the kernel refuses unprivileged namespaces, no
 namespace ("audit-hook" only); resource limits (RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE,
 no core files), hard as well as soft so the code cannot raise them; then an audit hook
-(`sys.addaudithook`, which code cannot remove) that refuses sockets, new processes, ctypes and
-writes outside the working directory. The caller adds the wall-clock timeout and the private
+(`sys.addaudithook`, which code cannot remove) that refuses sockets, new processes, ctypes, and
+writes, deletes, renames and mode changes outside the working directory. The caller adds the wall-clock timeout and the private
 temporary directory (`sandbox.Sandbox`).
 """
 import ctypes
@@ -26,6 +26,8 @@ import traceback
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 _BLOCKED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
             "ctypes.", "pty.", "os.kill", "os.killpg")
+_PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
+                "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile")
 _MAX_OUTPUT = 4000
 
 
@@ -42,18 +44,26 @@ def confine(limits: dict, root: str) -> str:
                        (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(res, (value, value))
 
+    def inside(path) -> bool:
+        full = os.path.realpath(os.fsdecode(path))
+        return (full + os.sep).startswith(root + os.sep)
+
     def hook(event: str, args: tuple) -> None:
         if event.startswith(_BLOCKED):
             raise PermissionError(f"sandbox: {event} is not allowed")
+        if event in _PATH_EVENTS:
+            for arg in args:
+                if isinstance(arg, (str, bytes, os.PathLike)) and not inside(arg):
+                    raise PermissionError(f"sandbox: {event} of {os.fsdecode(arg)} outside the repository is not allowed")
+            return
         if event != "open" or not isinstance(args[0], (str, bytes)):
             return
         mode, flags = args[1], args[2]
         writing = (any(c in mode for c in "wax+") if isinstance(mode, str)
                    else bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)) if isinstance(flags, int) else False)
-        if writing:
-            path = os.path.realpath(os.fsdecode(args[0]))
-            if not (path + os.sep).startswith(root + os.sep):
-                raise PermissionError(f"sandbox: writing {path} outside the repository is not allowed")
+        if writing and not inside(args[0]):
+            raise PermissionError(f"sandbox: writing {os.path.realpath(os.fsdecode(args[0]))} outside the repository "
+                                  "is not allowed")
 
     sys.addaudithook(hook)
     return isolation

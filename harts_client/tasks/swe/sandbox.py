@@ -12,8 +12,8 @@ session with an environment of its own (PATH, HOME = the directory), sends the r
 and reads the result from the last line of stdout. The child confines itself before any
 repository code runs (`_runner.py`: a new user + network namespace where the kernel allows it,
 RLIMIT_CPU / RLIMIT_AS / RLIMIT_FSIZE / RLIMIT_NOFILE, an audit hook that refuses sockets, new
-processes, ctypes and writes outside the directory); this side kills the whole session after
-`timeout_s` of wall time. A call that times out, exceeds a limit or crashes returns an "error:"
+processes, ctypes, and writes, deletes and renames outside the directory); this side kills the
+whole session after `timeout_s` of wall time. A call that times out, exceeds a limit or crashes returns an "error:"
 output and counts as failing tests.
 """
 from __future__ import annotations
