@@ -83,7 +83,8 @@ def test_sandbox_timeout_and_cpu_limit():
     ("edit a.py seven\nx", "error: edit PATH LINE: expected a line number"),
     ("read_file", "error: read_file takes 1 argument"),
     ('{"name": "edit"', "error: expected a JSON tool call"),
-], ids=["read", "edit", "write", "run", "json", "tagged", "unknown", "badline", "arity", "badjson"])
+    ('{"name": "read_file", "arguments": {"path": "a", "files": {}}}', "error: read_file takes the arguments ['path']"),
+], ids=["read", "edit", "write", "run", "json", "tagged", "unknown", "badline", "arity", "badjson", "badargs"])
 def test_tool_calls_are_parsed(text, call):
     got = parse_call(text)
     assert got == call if isinstance(call, tuple) else got.startswith(call)

@@ -47,7 +47,11 @@ __all__ = ["SWETask", "SWEInstance", "parse_call", "SYSTEM_PROMPT"]
 
 _SPLITS = {"train": 0, "eval": 1}
 _CACHE = 8192
-_TOOLS = ("read_file", "write_file", "edit", "run_tests", "submit")
+#: tool -> its arguments
+_TOOLS = {"read_file": ("path",), "write_file": ("path", "content"), "edit": ("path", "line", "text"),
+          "run_tests": (), "submit": ()}
+#: tool -> how many of its arguments a command's first line holds (the lines after it are the text)
+_FIRST_LINE = {"read_file": 1, "write_file": 1, "edit": 2, "run_tests": 0, "submit": 0}
 _CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 SYSTEM_PROMPT = """You are a software engineer working in a Python repository. Some of its tests fail because
@@ -100,13 +104,15 @@ def parse_call(text: str) -> tuple[str, dict] | str:
             return f"error: expected a JSON tool call {{\"name\": ..., \"arguments\": {{...}}}}, got {text[:80]!r} ({exc})"
         if name not in _TOOLS or not isinstance(args, dict):
             return f"error: expected one of the tools {', '.join(_TOOLS)}, got {name!r}"
+        if set(args) != set(_TOOLS[name]):
+            return f"error: {name} takes the arguments {list(_TOOLS[name])}, got {sorted(args)}"
         return name, args
     head, _, rest = text.partition("\n")
     words = head.split()
     if not words or words[0] not in _TOOLS:
         return f"error: expected one of the tools {', '.join(_TOOLS)}, got {head[:60]!r}"
     name, operands = words[0], words[1:]
-    want = {"read_file": 1, "write_file": 1, "edit": 2, "run_tests": 0, "submit": 0}[name]
+    want = _FIRST_LINE[name]
     if len(operands) != want:
         return f"error: {name} takes {want} argument(s) on its first line, got {len(operands)}"
     if name == "read_file":
@@ -157,7 +163,7 @@ class SWETask:
     # -- instances -----------------------------------------------------------------------------
     def _generated(self, rng: np.random.Generator, id: str) -> SWEInstance:
         repo = generate_repo(rng, modules=self.modules, functions=self.functions, cases=self.cases)
-        issue = (f"These tests fail: {', '.join(repo.failing)}. The bug is in the {repo.package} package.")
+        issue = f"These tests fail: {', '.join(repo.failing)}. The bug is in the {repo.package} package."
         return SWEInstance(id, repo.files, issue, (repo.bug.path, repo.bug.line, repo.bug.correct))
 
     def instances(self, split: str, count: int, seed: int) -> list[SWEInstance]:
