@@ -1,8 +1,11 @@
 """RL on the CPU: planner + generator + 2 trainer ranks, the reward rising on a verifiable multi-turn task.
 
-    harts rl --config examples/rl_tiny.toml                    # what `make rl` runs (~7 min on 2 cores)
+    harts rl --config examples/rl_tiny.toml                    # what `make rl` runs
     harts rl --config examples/rl_tiny.toml --steps 10 --out runs/short
     harts rl --config examples/rl_tiny.toml --no-sharing --replay runs/rl_tiny --out runs/rl_tiny-expanded
+    harts rl --config examples/rl_swe.toml                     # the agentic coding environment
+    harts rl --config examples/rl_plugin.toml                  # a plugin task on a JSONL dataset
+    harts -v rl --config ...                                   # debug logs, libraries' progress bars
 
 A live run warm-starts the policy on the task's demonstrations, starts the planner (`harts serve`,
 SQLite in OUT), the trainer ranks (torchrun, FSDP2 on gloo) and the generator (the transformers
@@ -12,6 +15,9 @@ boundaries, submits them as explicit trees with the policy's log-probs and GRPO 
 records them. OUT gets metrics.jsonl (reward_mean, reward_std, compression,
 expanded_tokens_per_s, eval_reward, the trainer's metrics), tb/ (TensorBoard), rl.png, the
 exports, the recorded rollouts and summary.json (reward of the first and last 10 steps, wall time).
+The task is a shipped one or a plugin ("package.module:Class"), its instances generated or read
+from a dataset (`[data]`); a model directory with a chat template renders the conversations with
+it. Without -v, transformers' progress bars and advisory warnings stay off.
 `--replay DIR` trains DIR's warm start on DIR's recorded rollouts instead of generating
 (`--no-sharing`: trajectory-expanded plans) and compares loss and grad norm per step with DIR,
 trained on its own and on DIR's weights of every step (`harts_cli.rl.anchored`; replay.json,
@@ -36,8 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harts_cli.rl.run import RLError, run_rl
+    from harts_cli.rl.run import RLError, quiet_libraries, run_rl
     from trainer.rl.config import load_rl_config
+
+    if not getattr(args, "verbose", False):
+        quiet_libraries()
 
     out = args.out
     if out is None and args.replay is not None:

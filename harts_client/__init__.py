@@ -7,8 +7,10 @@ Modules: `client` (the planner's HTTP client: submit, plan, poll, retries within
 the newest weight export), `synthetic` (synthetic agentic rollouts: group, tree and per-call
 sampling, used by `harts gen`, the demo and the benchmarks), `timing` (the wall/CPU clocks and
 repeat-with-warm-up helpers that `harts calibrate` and the benchmarks share), `engines` (inference
-engines with per-token log-probs: transformers, vLLM; each imports its framework only when built),
-`tokenizer` (the project's byte tokenizer and Hugging Face tokenizer.json), `tasks` (verifiable
-multi-turn tasks with tool observations and rewards) and `tree_sampling` (GRPO tree sampling at
-turn boundaries, what `harts rl` generates with).
+engines with per-token log-probs: transformers, vLLM, SGLang; each imports its framework only when
+built), `tokenizer` (the project's byte tokenizer and Hugging Face tokenizer.json), `chat`
+(conversations as token ids: plain text or a model's chat template), `data` (task instances from
+JSONL or Hugging Face datasets), `tasks` (verifiable multi-turn tasks with tool observations and
+rewards, plugins, the `swe` coding environment) and `tree_sampling` (GRPO tree sampling at turn
+boundaries, what `harts rl` generates with).
 """

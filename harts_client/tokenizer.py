@@ -16,8 +16,10 @@ export's tokenizer without this package.
 `load_tokenizer(dir)` returns a `ByteTokenizer` for a directory whose `tokenizer_config.json`
 names it (`"harts_tokenizer": "bytes"`), an `HFTokenizer` (the `tokenizers` package, imported
 only then) for any other `tokenizer.json`, and raises `ValueError` when there is none.
-Trajectories carry token ids, never re-encoded text: a generator appends `encode(observation)`
-to the sampled ids, so a BPE tokenizer whose `encode(decode(ids))` differs changes nothing.
+`check_vocab(tokenizer, model_vocab)` refuses a tokenizer and a model that do not fit each other
+(one line, before any weights are built). Trajectories carry token ids, never re-encoded text: a
+generator appends `encode(observation)` to the sampled ids, so a BPE tokenizer whose
+`encode(decode(ids))` differs changes nothing.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "check_vocab"]
 
 
 class Tokenizer(Protocol):
@@ -169,3 +171,22 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer:
         return HFTokenizer(directory)
     raise ValueError(f"{directory}: expected a tokenizer (tokenizer.json, or a tokenizer_config.json naming "
                      "harts_tokenizer 'bytes'), got none")
+
+
+def check_vocab(tokenizer, model_vocab: int, *, model: str = "model") -> None:
+    """ValueError (one line) when `tokenizer` (or a conversation format) and a model of `model_vocab`
+    ids do not fit: the tokenizer has ids the model cannot embed, or it is the byte tokenizer and the
+    model can sample ids it cannot decode (any vocabulary but its 256).
+
+    Args:
+        model: what the message calls the model (its name or directory).
+    """
+    tok = getattr(tokenizer, "tokenizer", tokenizer)  # a PlainFormat's tokenizer
+    size = int(getattr(tokenizer, "vocab_size", tok.vocab_size))
+    if model_vocab < size:
+        raise ValueError(f"model.name: expected a model vocabulary of at least the tokenizer's {size} ids, got "
+                         f"vocab_size {model_vocab} ({model}); use the model's own tokenizer (model.tokenizer)")
+    if isinstance(tok, ByteTokenizer) and model_vocab != tok.vocab_size:
+        raise ValueError(f"model.name: expected vocab_size {tok.vocab_size} for the byte tokenizer (it decodes byte ids "
+                         f"only), got {model_vocab} ({model}); give the model's tokenizer.json (model.tokenizer, or "
+                         "a tokenizer in the model directory)")

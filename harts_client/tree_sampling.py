@@ -5,12 +5,18 @@
     batch = to_batch(groups, "step-7", vocab_size=256, policy_version=engine.policy_version)
     batch.submit(client, form="tree", world_size=2, chunk_size=16)
 
-Per task instance one explicit `RolloutTree`: the prompt is the root; at policy turn t every open
-branch samples `branching[t]` completions (1 after the list ends), so the k samples of a turn share
-everything before it (prompt, earlier turns, tool observations) and the tree holds each of those
+Per task instance one explicit `RolloutTree` whose root is the prompt (with `shared_prefix`, one
+tree for the batch: its root is the prompt prefix all instances share, e.g. a long system prompt,
+and each distinct rest of a prompt continues it); at policy turn t every open branch samples
+`branching[t]` completions (1 after the list ends), so the k samples of a turn share everything
+before it (prompt, earlier turns, tool observations) and the tree holds each of those
 tokens once. A completion and the task's observation after it (`Task.observe`) are one node: the
 policy tokens with the engine's log-probs (the policy's real sampling log-probs, the PPO old
 log-probs; loss mask 1), then the observation (context, mask 0); the next turn samples from there.
+Prompts and observations are rendered by a conversation format (`harts_client.chat`): plain text
+(the byte tokenizer's format), or a model's chat template, where the branches start at the
+assistant turns of the rendered stream and an observation node carries the template's markup
+around the tool messages up to the next assistant header.
 A branch ends when the task says so, when the policy did not finish its turn within
 `max_new_tokens`, or after `Task.max_turns`.
 Samples of a turn that equal a sibling's (the same ids after the same context) are one node with
@@ -25,12 +31,16 @@ batch is reproducible given the engine's weights.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from harts_client.chat import as_format, as_messages
 from harts_client.rollouts import RolloutBatchBuilder, RolloutTree, grpo_advantages
-from harts_client.tasks import Episode, RewardFn, Task, Turn
+from harts_client.tasks import Episode, Message, RewardFn, Task, Turn
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SamplingConfig", "SampledGroup", "sample_batch", "to_batch", "batch_stats"]
 
@@ -48,6 +58,9 @@ class SamplingConfig:
     """Sampling temperature (0: greedy). The trainer's log-probs are at temperature 1."""
     scale_by_std: bool = True
     """GRPO: divide the group-centred rewards by the group's std (False: Dr. GRPO)."""
+    shared_prefix: bool = False
+    """One tree for the whole batch whose root is the prompt prefix every instance shares (a long
+    system prompt: computed once per batch, not once per instance); False: one tree per instance."""
 
     def __post_init__(self) -> None:
         if not self.branching or any(k < 1 for k in self.branching):
@@ -60,13 +73,17 @@ class SamplingConfig:
 
 @dataclass(slots=True)
 class SampledGroup:
-    """The episodes of one instance and the explicit tree that holds them."""
+    """The episodes of one instance (a GRPO group) and the explicit tree that holds them (the
+    instance's own, or with `shared_prefix` the batch's, which holds every group)."""
 
+    id: str
     instance: object
     prompt_ids: list[int]
     tree: RolloutTree
-    episodes: list[Episode]
-    rewards: list[float]
+    episodes: list[Episode] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    trajectories: list = field(default_factory=list)
+    """The group's `harts_client.rollouts.Trajectory`s, one per episode."""
 
 
 @dataclass(slots=True)
@@ -75,6 +92,8 @@ class _Open:
     node: int
     context: list[int]
     turns: list[Turn]
+    messages: list[Message]
+    """The branch's conversation (what a chat template renders the next observation after)."""
 
 
 def sample_batch(engine, task: Task, tokenizer, instances: list, cfg: SamplingConfig, *, seed: int,
@@ -83,26 +102,40 @@ def sample_batch(engine, task: Task, tokenizer, instances: list, cfg: SamplingCo
 
     Args:
         engine: a `harts_client.engines.Engine`.
-        tokenizer: encodes prompts and observations; its eos id ends a policy turn.
+        tokenizer: a `harts_client.chat` conversation format (plain text or a chat template), or a
+            tokenizer (plain text): renders prompts and observations; its stop ids end a policy turn.
         id_prefix: prefix of tree ids ("<prefix><instance id>") and trajectory ids.
     """
+    fmt = as_format(tokenizer)
     reward_fn = reward_fn or task.reward
-    eos = tokenizer.eos_id
+    firsts = [task.prompt(inst) for inst in instances]
+    prompts = [fmt.prompt_ids(first) for first in firsts]
+    shared = _common_prefix(prompts) if cfg.shared_prefix and len(prompts) > 1 else 0
+    batch_tree = RolloutTree(f"{id_prefix}batch") if shared else None
+    batch_root = batch_tree.node(None, prompts[0][:shared], policy=False) if shared else None
     groups: list[SampledGroup] = []
     frontier: list[_Open] = []
-    for g, inst in enumerate(instances):
-        prompt = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(task.prompt(inst))
-        tree = RolloutTree(f"{id_prefix}{getattr(inst, 'id', g)}")
-        root = tree.node(None, prompt, policy=False)
-        groups.append(SampledGroup(inst, prompt, tree, [], []))
-        frontier.append(_Open(g, root, prompt, []))
+    rests: dict[tuple[int, ...], int] = {}  # shared tree: one node per distinct rest of a prompt
+    for g, (inst, first, prompt) in enumerate(zip(instances, firsts, prompts)):
+        gid = f"{id_prefix}{getattr(inst, 'id', g)}"
+        if batch_tree is None:
+            tree = RolloutTree(gid)
+            root = tree.node(None, prompt, policy=False)
+        else:
+            tree, rest = batch_tree, tuple(prompt[shared:])
+            if rest and rest not in rests:
+                rests[rest] = tree.node(batch_root, list(rest), policy=False)
+            root = rests[rest] if rest else batch_root
+        groups.append(SampledGroup(gid, inst, prompt, tree))
+        frontier.append(_Open(g, root, prompt, [], as_messages(first, "user")))
     seen: dict[tuple[int, int, tuple[int, ...]], tuple[Turn, int]] = {}
     for t in range(task.max_turns):
         if not frontier:
             break
         k = cfg.branching[t] if t < len(cfg.branching) else 1
+        log.debug("turn %d: %d open branch(es) x %d sample(s)", t + 1, len(frontier), k)
         outs = engine.generate([o.context for o in frontier], n=k, max_new_tokens=cfg.max_new_tokens,
-                               temperature=cfg.temperature, seed=int(seed) * 64 + t, stop_ids=[eos])
+                               temperature=cfg.temperature, seed=int(seed) * 64 + t, stop_ids=fmt.stop_ids)
         nxt: list[_Open] = []
         for o, completions in zip(frontier, outs):
             group = groups[o.group]
@@ -111,21 +144,25 @@ def sample_batch(engine, task: Task, tokenizer, instances: list, cfg: SamplingCo
                 if key in seen:  # a sample equal to a sibling's: the same node (the same context, log-probs, tool answer)
                     turn, node = seen[key]
                 else:
-                    turn = Turn(list(c.token_ids), list(c.logprobs), tokenizer.decode(c.token_ids))
+                    turn = Turn(list(c.token_ids), list(c.logprobs), fmt.decode(c.token_ids))
                     obs = task.observe(group.instance, [u.text for u in o.turns] + [turn.text]) if c.finished else None
                     if obs is not None:
-                        turn.observation, turn.observation_ids = obs, tokenizer.encode(obs)
+                        said = o.messages + [{"role": "assistant", "content": turn.text}]
+                        turn.observation = obs
+                        turn.observation_ids = fmt.observation_ids(said, obs, c.token_ids[-1])
                     node = group.tree.node(o.node, c.token_ids, logprobs=c.logprobs, observation=turn.observation_ids)
                     seen[key] = (turn, node)
                 turns = o.turns + [turn]
                 if turn.observation is None:
                     group.episodes.append(Episode(group.instance, group.prompt_ids, turns))
-                    group.tree.trajectory(f"{group.tree.id}/{len(group.episodes) - 1}", node, group_id=group.tree.id)
+                    group.tree.trajectory(f"{group.id}/{len(group.episodes) - 1}", node, group_id=group.id)
+                    group.trajectories.append(group.tree.trajectories[-1][2]["traj"])
                 else:
-                    nxt.append(_Open(o.group, node, o.context + turn.token_ids + turn.observation_ids, turns))
+                    messages = o.messages + [{"role": "assistant", "content": turn.text}, *as_messages(turn.observation, "tool")]
+                    nxt.append(_Open(o.group, node, o.context + turn.token_ids + turn.observation_ids, turns, messages))
         frontier = nxt
     for group in groups:
-        trajs = [d["traj"] for _, _, d in group.tree.trajectories]
+        trajs = group.trajectories
         for ep, traj in zip(group.episodes, trajs):
             r = float(reward_fn(ep))
             if not np.isfinite(r):
@@ -136,23 +173,40 @@ def sample_batch(engine, task: Task, tokenizer, instances: list, cfg: SamplingCo
     return groups
 
 
+def _common_prefix(seqs: list[list[int]]) -> int:
+    """Length of the longest prefix all `seqs` share."""
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def _trees(groups: list[SampledGroup]) -> list[RolloutTree]:
+    """The distinct trees of a batch (one per group, or the one shared tree)."""
+    return list({id(g.tree): g.tree for g in groups}.values())
+
+
 def _context_len(turns: list[Turn]) -> int:
     """Tokens the turns (and their observations) add after the prompt."""
     return sum(len(u.token_ids) + len(u.observation_ids) for u in turns)
 
 
 def to_batch(groups: list[SampledGroup], batch_id: str, *, vocab_size: int, policy_version: int | None) -> RolloutBatchBuilder:
-    """The step's rollout batch: one explicit tree per instance."""
+    """The step's rollout batch: one explicit tree per instance (or the batch's shared tree)."""
     batch = RolloutBatchBuilder(batch_id, vocab_size=vocab_size, policy_version=policy_version)
-    for group in groups:
-        batch.add_tree(group.tree)
+    for tree in _trees(groups):
+        batch.add_tree(tree)
     return batch
 
 
 def batch_stats(groups: list[SampledGroup], seconds: float | None = None) -> dict:
     """Reward mean/std, trajectory and token counts of a sampled batch (for the metrics)."""
     rewards = np.asarray([r for g in groups for r in g.rewards], np.float64)
-    nodes = [n for g in groups for n in g.tree.nodes]
+    nodes = [n for tree in _trees(groups) for n in tree.nodes]
     expanded = sum(len(ep.prompt_ids) + _context_len(ep.turns) for g in groups for ep in g.episodes)
     out = {"rollout_reward_mean": float(rewards.mean()) if rewards.size else 0.0,
            "rollout_reward_std": float(rewards.std()) if rewards.size else 0.0,

@@ -52,8 +52,9 @@ RULES: tuple[Rule, ...] = (
     Rule("harts_client", (*_NOT_FOR_GENERATORS, "planner_service", "trainer", "kernels", "harts_cli", "benchmarks"),
          "a rollout generator installs harts[client] alone: numpy, httpx, protobuf",
          # an inference engine is the adapter of its framework: it imports it when it is built
-         # (harts_client.engines.make_engine), and only a generator that uses it installs it
-         lazy_ok=("harts_client.engines.transformers_engine",)),
+         # (harts_client.engines.make_engine), and only a generator that uses it installs it; a
+         # model's chat template is rendered by transformers' tokenizer when a model directory has one
+         lazy_ok=("harts_client.engines.transformers_engine", "harts_client.chat")),
     Rule("proto", tuple(p for p in PACKAGES if p != "proto"), "proto/ is the wire: the .proto files, generated code, array codecs"),
     Rule("plan", ("planner_service", "trainer", "harts_client", "kernels", "harts_cli", "benchmarks", "torch", "triton",
                   "fastapi", "grpc"), "plan/ is what a plan means, below both sides: proto, numpy, numba"),

@@ -8,9 +8,14 @@ as sharded safetensors (`model-0000i-of-0000n.safetensors` + `model.safetensors.
 the original Qwen3-Next layout (per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`; a tied lm
 head is not written twice), and `harts.json` with the policy version (= completed trainer steps)
 and the step ids that produced it, the tokenizer files and `generation_config.json` of the model
-directory the run started from (`TOKENIZER_FILES`; a plain-sampling generation_config.json when it
-has none), every file mode 0644 so that a generator running as another user can read it. The export root's `latest` names the newest export; it is
-written last, atomically, so a generator polling it never sees a half-written directory
+directory the run started from (`TOKENIZER_FILES`, the chat template included; a named model
+without a directory gets the project's byte tokenizer; a plain-sampling generation_config.json
+when there is none), every file mode 0644 so that a generator running as another user can read it.
+config.json carries what the trainer's model config does not model but engines read
+(`CARRIED_CONFIG_KEYS`: the context length `max_position_embeddings` and the bos/eos/pad token
+ids) from the source directory's config.json, else the token ids of the tokenizer written and
+`DEFAULT_MAX_POSITIONS`; so an export loads into `AutoTokenizer` and `generate` as it is. The
+export root's `latest` names the newest export; it is written last, atomically, so a generator polling it never sees a half-written directory
 (`harts_client.rollouts.latest_export`, `trainer.step_dirs`). Names and layouts come from
 `trainer.models.state_dict_adapter`, so `trainer.models.loading.load_model` reads an export back.
 
@@ -37,13 +42,19 @@ from trainer.step_dirs import LATEST, point_latest, prune
 log = logging.getLogger(__name__)
 
 __all__ = ["write_hf_dir", "write_hf_units", "export_model", "export_checkpoint", "gathered_units", "unit_names",
-           "model_config_of_meta", "point_latest", "prune", "LATEST", "META", "TOKENIZER_FILES"]
+           "model_config_of_meta", "point_latest", "prune", "LATEST", "META", "TOKENIZER_FILES", "CARRIED_CONFIG_KEYS"]
 
 META = "harts.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 #: files an export copies from the model directory it started from (`write_hf_units(files_from=...)`).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "generation_config.json")
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+#: config.json keys the trainer's ModelConfig does not hold that an export copies from the source's config.json
+CARRIED_CONFIG_KEYS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+#: max_position_embeddings of an export whose source names none (a named model): transformers'
+#: Qwen3-Next default, written out so that every engine reads the same context length
+DEFAULT_MAX_POSITIONS = 32768
 #: generation_config.json of an export whose model directory has none: plain sampling, the
 #: distribution the trainer's log-probs describe (temperature 1, no top-k / top-p).
 PLAIN_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -75,8 +86,10 @@ def write_hf_units(out: str | Path, units: Iterable[dict[str, torch.Tensor]], cf
         max_shard_bytes: size limit of one .safetensors file (a larger tensor gets a file of its own).
         meta: extra fields of harts.json (policy_version, step_ids, ...).
         files_from: the model directory the run started from: its tokenizer files and
-            generation_config.json (`TOKENIZER_FILES`) are copied. Without a generation_config.json
-            there, `PLAIN_SAMPLING` is written.
+            generation_config.json (`TOKENIZER_FILES`) are copied, and its config.json's
+            `CARRIED_CONFIG_KEYS`. Without a tokenizer there (or None) a model of the byte
+            tokenizer's 256 ids gets that tokenizer's files; without a generation_config.json,
+            `PLAIN_SAMPLING` with the token ids is written.
     Side effects: writes into a sibling temporary directory, then renames it to `out`.
     """
     from safetensors.torch import save_file
@@ -115,16 +128,12 @@ def write_hf_units(out: str | Path, units: Iterable[dict[str, torch.Tensor]], cf
         weight_map.update({k: fname for k in names})
     (tmp / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
-    hf = cfg.to_hf_dict()
-    hf["torch_dtype"] = hf["dtype"] = str(dtype).removeprefix("torch.")
-    (tmp / "config.json").write_text(json.dumps(hf, indent=1))
-    (tmp / META).write_text(json.dumps({"format": "harts.export.v1", **(meta or {})}, indent=1))
     src = Path(files_from) if files_from is not None else None
     for name in TOKENIZER_FILES:
         if src is not None and (src / name).is_file():
             shutil.copyfile(src / name, tmp / name)
-    if not (tmp / "generation_config.json").is_file():
-        (tmp / "generation_config.json").write_text(json.dumps(PLAIN_SAMPLING, indent=1))
+    _write_tokenizer_and_config(tmp, cfg, src, dtype)
+    (tmp / META).write_text(json.dumps({"format": "harts.export.v1", **(meta or {})}, indent=1))
     for f in tmp.iterdir():
         f.chmod(0o644)  # safetensors writes 0600
     tmp.chmod(0o755)
@@ -132,6 +141,38 @@ def write_hf_units(out: str | Path, units: Iterable[dict[str, torch.Tensor]], cf
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def _write_tokenizer_and_config(tmp: Path, cfg: ModelConfig, src: Path | None, dtype: torch.dtype) -> None:
+    """config.json (with `CARRIED_CONFIG_KEYS`), the byte tokenizer for a model of its vocabulary
+    when no tokenizer was copied, and a plain-sampling generation_config.json when none was."""
+    from harts_client.tokenizer import ByteTokenizer, HFTokenizer
+
+    byte = ByteTokenizer()
+    if not (tmp / "tokenizer.json").is_file() and cfg.vocab_size == byte.vocab_size:
+        byte.save(tmp)
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = hf["dtype"] = str(dtype).removeprefix("torch.")
+    try:
+        source = json.loads((src / "config.json").read_text()) if src is not None else {}
+    except (OSError, ValueError):
+        source = {}
+    hf.update({k: source[k] for k in CARRIED_CONFIG_KEYS if source.get(k) is not None})
+    hf.setdefault("max_position_embeddings", DEFAULT_MAX_POSITIONS)
+    tok = None
+    if (tmp / "tokenizer.json").is_file():
+        try:
+            tok = HFTokenizer(tmp)
+        except ValueError as exc:  # a tokenizer without an eos token: the source's ids only
+            log.warning("export: %s", exc)
+    if tok is not None:
+        for key, value in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id), ("pad_token_id", tok.pad_id)):
+            if value is not None:
+                hf.setdefault(key, value)
+    (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+    if not (tmp / "generation_config.json").is_file():
+        ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        (tmp / "generation_config.json").write_text(json.dumps({**PLAIN_SAMPLING, **ids}, indent=1))
 
 
 def unit_names(model: torch.nn.Module) -> list[list[str]]:

@@ -9,15 +9,20 @@ A live run (in OUT = run.out, recreated):
 3. the trainer ranks: `torchrun --nproc_per_node=run.nproc -m trainer.train --config OUT/trainer.yaml`
    (FSDP2 on gloo on the CPU), exporting every step to OUT/hf (the staleness bound is run.max_staleness);
 4. the generator, in this process: for step n it waits for an export of version >= n - max_staleness,
-   loads it (`harts_client.engines`), plays `sampling.tasks_per_step` task instances as trees
-   (`harts_client.tree_sampling`), records the batch (OUT/rollouts/<step id>.json), submits it
-   with the policy version and has it planned for the ranks. With the bound 1 it samples step n + 1
-   while step n trains.
+   loads it into its engine (`harts_client.engines`), plays `sampling.tasks_per_step` task
+   instances (`trainer.rl.inputs`: the task's generator or the dataset's training rows) as trees
+   (`harts_client.tree_sampling`, rendered by the run's conversation format: plain text or the
+   model's chat template), records the batch (OUT/rollouts/<step id>.json), submits it with the
+   policy version and has it planned for the ranks. With the bound 1 it samples step n + 1 while
+   step n trains. Each batch's line says how long the generator waited for the export, loaded
+   it, sampled, and submitted and planned the batch (also in the metrics).
 Every `eval.every` versions (and for the warm start and the final policy) the exported policy plays
-`eval.instances` held-out instances greedily: `eval_reward`. One merged line per trainer step
-(the trainer's metrics, `expanded_tokens_per_s`, the rollout statistics of its batch, eval_reward)
-goes to OUT/metrics.jsonl, OUT/tb and W&B (`harts_cli.rl.sinks`); OUT/rl.png plots reward and
-compression; OUT/summary.json has the reward of the first and the last 10 steps and the wall time.
+`eval.instances` held-out instances greedily (the task's eval split, or the dataset's held-out
+rows): `eval_reward`. One merged line per trainer step (the trainer's metrics,
+`expanded_tokens_per_s`, the rollout statistics of its batch, eval_reward) goes to
+OUT/metrics.jsonl, OUT/tb and W&B (`harts_cli.rl.sinks`); OUT/rl.png plots reward and
+compression; OUT/summary.json has the mean reward of the first and the last 10 steps (of the
+first and last half with fewer than 20 steps), the mean compression and the wall time.
 
 A replay (`replay=DIR`) skips the warm start and the generator: it trains DIR's warm start on
 DIR's recorded batches (planned with this config: `plan.no_sharing` gives the expanded baseline)
@@ -44,7 +49,15 @@ from trainer.step_dirs import step_name
 
 log = logging.getLogger("harts.rl")
 
-__all__ = ["run_rl", "RLError", "compare_curves", "reward_rise", "plan_batch"]
+__all__ = ["run_rl", "RLError", "quiet_libraries", "compare_curves", "reward_rise", "compression_summary", "plan_batch"]
+
+
+def quiet_libraries() -> None:
+    """No progress bars or advisory warnings from transformers / huggingface_hub in this process and
+    the ones it starts (what `harts -v rl` keeps); set before they are imported."""
+    for key, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TRANSFORMERS_VERBOSITY", "error"),
+                       ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
+        os.environ.setdefault(key, value)
 
 
 class RLError(Exception):
@@ -52,12 +65,29 @@ class RLError(Exception):
 
 
 def reward_rise(lines: list[dict], window: int = 10) -> dict:
-    """Mean reward_mean of the first and the last `window` steps, and their difference."""
+    """Mean reward_mean of the first and the last `window` steps and their difference; with fewer
+    than 2 x window steps the window shrinks to half the steps, so the two never overlap (no rise
+    with fewer than 2 steps)."""
     r = [ln["reward_mean"] for ln in lines if "reward_mean" in ln]
-    if not r:
-        return {}
-    first, last = float(np.mean(r[:window])), float(np.mean(r[-window:]))
-    return {"reward_first": first, "reward_last": last, "reward_rise": last - first, "window": min(window, len(r))}
+    w = min(window, len(r) // 2)
+    if w < 1:
+        return {"window": 0} if r else {}
+    first, last = float(np.mean(r[:w])), float(np.mean(r[-w:]))
+    return {"reward_first": first, "reward_last": last, "reward_rise": last - first, "window": w}
+
+
+def compression_summary(lines: list[dict]) -> dict:
+    """Mean compression over the steps: the planner's (expanded / computed tokens of the trained
+    plans) and the rollouts' own (expanded / distinct tokens of the trees)."""
+    planned = [ln["compression"] for ln in lines if "compression" in ln]
+    trees = [ln["rollout_expanded_tokens"] / ln["rollout_unique_tokens"] for ln in lines
+             if ln.get("rollout_unique_tokens")]
+    out = {}
+    if planned:
+        out["compression_mean"] = float(np.mean(planned))
+    if trees:
+        out["rollout_compression_mean"] = float(np.mean(trees))
+    return out
 
 
 def compare_curves(a: list[dict], b: list[dict], keys: tuple[str, ...] = ("loss", "grad_norm")) -> dict:
@@ -93,18 +123,6 @@ def plan_batch(cfg: RLConfig):
     return plan
 
 
-def _tokenizer(cfg: RLConfig):
-    from harts_client.tokenizer import ByteTokenizer, load_tokenizer
-
-    path = Path(cfg.model.name)
-    if path.is_dir():
-        try:
-            return load_tokenizer(path), path
-        except ValueError:
-            pass
-    return ByteTokenizer(), None
-
-
 class _TrainerLines:
     """Reads OUT/trainer.jsonl as the rank-0 trainer appends it."""
 
@@ -129,12 +147,13 @@ class _Loop:
     """One run's processes and bookkeeping (see the module docstring)."""
 
     def __init__(self, cfg: RLConfig, out: Path, replay: Path | None):
-        from harts_client.tasks import load_reward, make_task
+        from trainer.rl.inputs import conversation, instance_source, run_task
 
         self.cfg, self.out, self.replay = cfg, out, replay
-        self.task = make_task(cfg.task.name, **cfg.task.options)
-        self.reward_fn = load_reward(cfg.task.reward) if cfg.task.reward else None
-        self.tokenizer, self.model_dir = _tokenizer(cfg)
+        self.task, self.reward_fn = run_task(cfg)
+        self.fmt, self.tokenizer_dir = conversation(cfg)
+        self.instances = instance_source(cfg, self.task)
+        self._engine = None
         self.planner = self.trainer = None
         self.trainer_log = out / "trainer.log"
         self.lines = _TrainerLines(out / "trainer.jsonl")
@@ -196,8 +215,17 @@ class _Loop:
                               f"see {self.trainer_log}")
             time.sleep(0.1)
 
-    def evaluate(self, version: int) -> None:
+    def engine(self):
+        """The one inference engine of the run, on OUT/hf (it follows the newest export; evaluation
+        loads the version it evaluates into it, the next batch's `reload` the newest again)."""
         from harts_client.engines import make_engine
+
+        if self._engine is None:
+            self._engine = make_engine(self.cfg.generator.engine, str(self.out / "hf"),
+                                       **self.cfg.generator.engine_options())
+        return self._engine
+
+    def evaluate(self, version: int) -> None:
         from harts_client.tree_sampling import SamplingConfig, sample_batch
 
         path = self.out / "hf" / step_name(version)
@@ -206,10 +234,12 @@ class _Loop:
             self.evals[version] = float("nan")
             return
         t0 = time.perf_counter()
-        engine = make_engine(self.cfg.generator.engine, str(path), **self._engine_options())
-        insts = self.task.instances("eval", self.cfg.eval.instances, seed=self.cfg.run.seed)
+        engine = self.engine()
+        if engine.model_dir != path:
+            engine.load(path, version)
+        insts = self.instances.eval(self.cfg.eval.instances)
         greedy = SamplingConfig(branching=[1], max_new_tokens=self.cfg.sampling.max_new_tokens, temperature=0.0)
-        groups = sample_batch(engine, self.task, self.tokenizer, insts, greedy, seed=0, reward_fn=self.reward_fn)
+        groups = sample_batch(engine, self.task, self.fmt, insts, greedy, seed=0, reward_fn=self.reward_fn)
         self.evals[version] = float(np.mean([r for g in groups for r in g.rewards]))
         log.info("eval: policy version %d: eval_reward %.3f on %d held-out instances (greedy, %.1f s)", version,
                  self.evals[version], len(insts), time.perf_counter() - t0)
@@ -225,9 +255,6 @@ class _Loop:
         for v in range(0, latest + 1):
             if self.eval_due(v) and v not in self.evals:
                 self.evaluate(v)
-
-    def _engine_options(self) -> dict:
-        return {"device": self.cfg.generator.device} if self.cfg.generator.engine == "transformers" else {}
 
     # -- metrics -----------------------------------------------------------------------------
     def flush(self) -> None:
@@ -255,23 +282,24 @@ class _Loop:
     # -- the generator -------------------------------------------------------------------------
     def generate(self) -> None:
         from harts_client.client import PlannerClient
-        from harts_client.engines import make_engine
         from harts_client.tree_sampling import batch_stats, sample_batch, to_batch
 
         cfg = self.cfg
-        engine = make_engine(cfg.generator.engine, str(self.out / "hf"), **self._engine_options())
+        engine = self.engine()
         model_json = (self.out / "warmstart" / "config.json").read_text()
         vocab = json.loads(model_json)["vocab_size"]
         sampling = cfg.sampling.sampling()
         with PlannerClient(self.planner.http_url, timeout=120) as client:
             for s in range(cfg.run.steps):
+                clock = time.perf_counter()
                 self.wait_version(s - cfg.run.max_staleness)
+                waited, clock = time.perf_counter() - clock, time.perf_counter()
                 engine.reload()
-                t0 = time.perf_counter()
-                insts = self.task.instances("train", cfg.sampling.tasks_per_step, seed=cfg.run.seed * 100_003 + s)
-                groups = sample_batch(engine, self.task, self.tokenizer, insts, sampling, seed=cfg.run.seed * 100_003 + s,
+                loaded, clock = time.perf_counter() - clock, time.perf_counter()
+                insts = self.instances.train(s, cfg.sampling.tasks_per_step)
+                groups = sample_batch(engine, self.task, self.fmt, insts, sampling, seed=cfg.run.seed * 100_003 + s,
                                       reward_fn=self.reward_fn, id_prefix=f"s{s}/")
-                seconds = time.perf_counter() - t0
+                seconds, clock = time.perf_counter() - clock, time.perf_counter()
                 step_id = f"{cfg.run.step_prefix}{s}"
                 batch = to_batch(groups, step_id, vocab_size=vocab, policy_version=engine.policy_version)
                 doc = batch.to_json(cfg.plan.form)
@@ -280,11 +308,14 @@ class _Loop:
                 body = batch.to_proto(cfg.plan.form) if cfg.plan.protobuf else doc
                 self._submit(client, body, step_id, model_json)
                 stats = batch_stats(groups, seconds)
-                stats["sample_policy_version"] = engine.policy_version
-                stats["wire_bytes"] = len(body.SerializeToString()) if cfg.plan.protobuf else len(text)
+                stats.update(sample_policy_version=engine.policy_version, generator_wait_seconds=waited,
+                             reload_seconds=loaded, submit_seconds=time.perf_counter() - clock,
+                             wire_bytes=len(body.SerializeToString()) if cfg.plan.protobuf else len(text))
                 self.rollout[s] = stats
-                log.info("generator: batch %s sampled with policy version %d: %d trajectories, reward %.3f, %.1f s",
-                         step_id, engine.policy_version, stats["rollout_trajectories"], stats["rollout_reward_mean"], seconds)
+                log.info("generator: batch %s sampled with policy version %d: %d trajectories, reward %.3f, %.1f s "
+                         "(waited %.1f s for the export, loaded it in %.1f s, submitted and planned in %.1f s)", step_id,
+                         engine.policy_version, stats["rollout_trajectories"], stats["rollout_reward_mean"], seconds,
+                         waited, loaded, stats["submit_seconds"])
                 self.pending_evals()
                 self.flush()
 
@@ -323,6 +354,19 @@ class _Loop:
         self.flush()
         if len(self.written) != self.cfg.run.steps:
             raise RLError(f"the trainer exited after {len(self.written)} of {self.cfg.run.steps} steps; see {self.trainer_log}")
+
+
+def _log_warnings(out: Path) -> dict:
+    """Warnings the trainer ranks and the planner logged ({"trainer_log_warnings": n, ...}), each
+    log's first one repeated here: a retried long-poll or a slow step shows in the summary."""
+    counts = {}
+    for name in ("trainer", "planner"):
+        path = out / f"{name}.log"
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if " WARNING " in ln] if path.is_file() else []
+        counts[f"{name}_log_warnings"] = len(lines)
+        if lines:
+            log.warning("%s.log has %d warning(s), the first: %s", name, len(lines), lines[0])
+    return counts
 
 
 def _prepare(out: Path, replay: Path | None) -> None:
@@ -372,9 +416,8 @@ def run_rl(cfg: RLConfig, *, replay: Path | None = None) -> dict:
     loop = _Loop(cfg, out, replay)
     t0 = time.perf_counter()
     if replay is None:
-        files = loop.tokenizer.hf_files() if hasattr(loop.tokenizer, "hf_files") else {}
-        warm, history = warm_start(cfg, loop.task, loop.tokenizer, out / "warmstart", plan_batch=plan_batch(cfg),
-                                   tokenizer_files=files, model_dir=loop.model_dir)
+        warm, history = warm_start(cfg, loop.task, loop.fmt, out / "warmstart", plan_batch=plan_batch(cfg),
+                                   instances=loop.instances, tokenizer_dir=loop.tokenizer_dir)
         (out / "warmstart.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     else:
         warm = out / "warmstart"
@@ -395,7 +438,7 @@ def run_rl(cfg: RLConfig, *, replay: Path | None = None) -> dict:
         loop.sinks.close()
     wall = time.perf_counter() - t0
     summary = {"out": str(out), "steps": len(loop.written), "wall_seconds": wall, "warm_start_seconds": warm_seconds,
-               **reward_rise(loop.written)}
+               **reward_rise(loop.written), **compression_summary(loop.written), **_log_warnings(out)}
     if 0 in loop.evals:
         summary["eval_reward_warm_start"] = loop.evals[0]
     finals = [ln["eval_reward"] for ln in loop.written if "eval_reward" in ln]

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from harts_client.rollouts import latest_export
 
-__all__ = ["Completion", "Engine", "resolve_model_dir", "check_generate_args"]
+__all__ = ["Completion", "Engine", "FollowsExports", "resolve_model_dir", "architecture", "check_generate_args"]
 
 
 @dataclass(slots=True)
@@ -36,10 +36,35 @@ class Engine(Protocol):
         """Load the newest export when it differs from the loaded one; returns whether it did."""
         ...
 
+    def load(self, path: str | Path, version: int | None = None) -> None:
+        """Load the export at `path` (version: its harts.json's when None) into the engine."""
+        ...
+
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int,
                  stop_ids: list[int]) -> list[list[Completion]]:
         """`n` completions per prompt (temperature 0: greedy, the n are then equal); deterministic in `seed`."""
         ...
+
+
+class FollowsExports:
+    """`reload()` for an engine with `root`, `model_dir` and `load(path, version)`: follow `root`'s newest export."""
+
+    root: Path
+    model_dir: Path | None
+
+    def reload(self) -> bool:
+        path, version = resolve_model_dir(self.root)
+        if path == self.model_dir:
+            return False
+        self.load(path, version)
+        return True
+
+
+def architecture(path: str | Path) -> dict:
+    """An export's config.json without what exports of one model may change (dtype, versions):
+    equal for exports whose weights can replace each other in a running engine."""
+    doc = json.loads((Path(path) / "config.json").read_text())
+    return {k: v for k, v in doc.items() if k not in ("torch_dtype", "dtype", "transformers_version")}
 
 
 def resolve_model_dir(model: str | Path) -> tuple[Path, int]:

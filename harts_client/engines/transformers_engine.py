@@ -1,47 +1,62 @@
 """Hugging Face transformers as the generator's engine, on the trainer's newest export.
 
     engine = TransformersEngine("runs/rl_tiny/hf")        # loads <root>/latest (harts.json: policy_version)
-    engine.reload()                                       # True when a newer export was loaded
+    engine.reload()                                       # True when a newer export was loaded (in place)
+    engine.load("runs/rl_tiny/hf/step-00000005")          # a given export (what evaluation uses)
     outs = engine.generate(prompts, n=4, max_new_tokens=16, temperature=1.0, seed=3, stop_ids=[2])
 
-Runs on the CPU (what `harts rl` uses on this machine) or a GPU (`device="cuda"`). torch and
-transformers are imported when the engine is built, not when this module is. All prompts of a
-call are generated together in one `generate` call, left-padded (n completions each): a masked
-position adds nothing to the linear-attention states and the convolution (they stay zero, as at
-the start of a sequence) and softmax attention with RoPE depends on relative positions only, so
-the log-probs are the trainer's on the same weights up to float rounding (tested within 1e-5).
-Sampling is plain multinomial over softmax(logits / temperature) (no top-k / top-p), temperature
-0 is greedy; a call is seeded from `seed`, so it is reproducible.
+Runs on the GPU when there is one (`device="auto"`, the default) and on the CPU otherwise. On a
+GPU, transformers' Qwen3-Next uses flash-linear-attention's and causal-conv1d's kernels when they
+are installed; on the CPU its PyTorch references (fla is kept out: ENV.md). torch and transformers
+are imported when the engine is built, not when this module is. All prompts of a call (n
+completions each) are generated together in one batched `generate` call with the KV cache (the
+softmax layers' keys and values and the linear layers' recurrent and conv states), left-padded:
+a masked position adds nothing to the linear-attention states and the convolution (they stay
+zero, as at the start of a sequence) and softmax attention with RoPE depends on relative
+positions only, so the log-probs are the trainer's on the same weights up to float rounding
+(tested within 1e-5). Sampling is plain multinomial over softmax(logits / temperature) (no
+top-k / top-p), temperature 0 is greedy; a call is seeded from `seed`, so it is reproducible.
+
+A new export of the same architecture is loaded into the model in place (the safetensors
+tensors copied into the parameters, the per-expert weights of the export stacked as
+transformers 5 keeps them): no model is rebuilt and no progress bar is printed. An export whose
+config differs, or a layout this mapping does not know, is loaded with `from_pretrained`.
 """
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
-from harts_client.engines.base import Completion, check_generate_args, resolve_model_dir
+from harts_client.engines.base import Completion, FollowsExports, architecture, check_generate_args, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TransformersEngine"]
 
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
-class TransformersEngine:
+
+class TransformersEngine(FollowsExports):
     """transformers `AutoModelForCausalLM` on an export root or a model directory.
 
     Args:
         model: an export root (its `latest` export is loaded and followed) or a model directory.
-        device: torch device of the model ("cpu", "cuda", ...).
+        device: "auto" (cuda when available, else cpu), or a torch device ("cpu", "cuda:1", ...).
         dtype: "float32" (default: the trainer's fp32 log-probs) or "bfloat16".
     """
 
-    def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, model: str | Path, *, device: str = "auto", dtype: str = "float32"):
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"generator.dtype: expected 'float32' or 'bfloat16', got {dtype!r}")
+        import torch
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
             # ENV.md: with fla importable, transformers binds its GPU kernels even for CPU tensors.
             sys.modules.setdefault("fla", None)
-        import torch
         import transformers
 
         self._torch, self._transformers = torch, transformers
@@ -51,16 +66,60 @@ class TransformersEngine:
         self.model = None
         self.model_dir: Path | None = None
         self.policy_version = -1
+        self.in_place_loads = 0
+        """Exports loaded into the existing model (the rest were built by from_pretrained)."""
+        self._arch: dict | None = None
         self.reload()
 
-    def reload(self) -> bool:
-        path, version = resolve_model_dir(self.root)
-        if path == self.model_dir:
-            return False
-        log.info("engine: loading %s (policy_version %d)", path, version)
-        model = self._transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
-        self.model = model.to(self.device).eval()
+    def load(self, path: str | Path, version: int | None = None) -> None:
+        """Load the export at `path` (in place when the architecture is the loaded one's)."""
+        path = Path(path)
+        if version is None:
+            version = resolve_model_dir(path)[1]
+        arch = architecture(path)
+        if self.model is not None and arch == self._arch and self._load_in_place(path):
+            self.in_place_loads += 1
+            log.debug("engine: %s loaded in place (policy_version %d)", path, version)
+        else:
+            log.info("engine: building the model from %s (policy_version %d) on %s", path, version, self.device)
+            model = self._transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
+            self.model = model.to(self.device).eval()
+            self._arch = arch
         self.model_dir, self.policy_version = path, version
+
+    def _load_in_place(self, path: Path) -> bool:
+        """Copy the export's tensors into the model's parameters; False (nothing changed) when a
+        parameter has no source in the export."""
+        from safetensors import safe_open
+
+        torch = self._torch
+        files = sorted(path.glob("*.safetensors"))
+        handles = [safe_open(str(f), framework="pt") for f in files]
+        where = {k: h for h in handles for k in h.keys()}
+        params = self.model.state_dict()
+        plan, storages = {}, set()
+        for name, p in params.items():
+            if p.data_ptr() in storages:  # tied to a parameter filled already (lm head = embeddings)
+                continue
+            storages.add(p.data_ptr())
+            if name in where:
+                plan[name] = lambda name=name: where[name].get_tensor(name)
+                continue
+            m = _STACKED.match(name)
+            if m is None:
+                return False
+            prefix, kind = m.groups()
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            keys = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in range(p.shape[0])]
+            if any(k not in where for ks in keys for k in ks):
+                return False
+            plan[name] = lambda keys=keys: torch.stack([torch.cat([where[k].get_tensor(k) for k in ks], 0) for ks in keys])
+        with torch.no_grad():
+            for name, get in plan.items():
+                src = get()
+                if src.shape != params[name].shape:
+                    raise ValueError(f"{path}: {name}: expected shape {tuple(params[name].shape)}, got {tuple(src.shape)}")
+                params[name].copy_(src)
         return True
 
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int,
@@ -71,10 +130,11 @@ class TransformersEngine:
         greedy = temperature == 0
         per_prompt = 1 if greedy else n  # greedy: one decode, repeated n times
         pad = min(stops) if stops else 0
+        sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
         config = self._transformers.GenerationConfig(
-            do_sample=not greedy, max_new_tokens=max_new_tokens, num_return_sequences=per_prompt, top_k=0, top_p=1.0,
-            eos_token_id=sorted(stops) or None, pad_token_id=pad,
-            output_logits=True, return_dict_in_generate=True, **({} if greedy else {"temperature": temperature}))
+            do_sample=not greedy, max_new_tokens=max_new_tokens, num_return_sequences=per_prompt, use_cache=True,
+            eos_token_id=sorted(stops) or None, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
+            **sampling)
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)

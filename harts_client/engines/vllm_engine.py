@@ -1,29 +1,42 @@
-"""vLLM as the generator's engine (GPU): a thin adapter, untested on the CPU machines of this project.
+"""vLLM as the generator's production engine (GPU): one `vllm.LLM`, weights updated in place per export.
 
-    engine = VLLMEngine("runs/rl/hf", gpu_memory_utilization=0.5)   # loads <root>/latest
-    engine.reload()                                                  # a new export -> a new vllm.LLM
+    engine = VLLMEngine("runs/rl/hf", gpu_memory_utilization=0.5)   # one vllm.LLM on <root>/latest
+    engine.reload()              # a newer export: its weights loaded into the running engine, prefix cache reset
 
-vLLM is not a dependency and is not installed where the test suite runs; this module imports it
-when an engine is built and says so when it is missing. What it relies on (vLLM >= 0.6): `vllm.LLM`
-on an export directory (a Qwen3-Next Hugging Face directory with its tokenizer, which
-`trainer.export` writes), `SamplingParams(n, temperature, max_tokens, seed, stop_token_ids,
-logprobs=0)` and `TokensPrompt(prompt_token_ids=...)`. `reload()` re-creates the LLM on the newest
-export (simple and correct; a production generator would update weights in place, e.g. with
-`collective_rpc` / a weight-sync extension). vLLM returns the log-probs of the raw logits by
-default; pass `logprobs_mode="processed_logprobs"` (an LLM keyword) when sampling at a temperature
-other than 1 so that they are those of the sampling distribution, as `Completion.logprobs` says.
+Written against vLLM 0.11 (the first releases with Qwen3-Next are 0.10.2+; the V1 engine). It is
+not a dependency and not installed where the test suite runs: this module imports it when an
+engine is built and says so when it is missing; it was not run on a GPU here. The calls it makes
+(and the contract tests in tests/harts_client/test_engines.py fake exactly these):
+- `vllm.LLM(model=<export dir>, worker_extension_cls="harts_client.engines.vllm_worker.ExportLoader",
+  logprobs_mode="processed_logprobs", **llm_kwargs)`, once. The extension class is mixed into
+  every GPU worker of the engine; `processed_logprobs` returns the log-probs of the sampling
+  distribution (after the temperature), what `Completion.logprobs` means.
+- `LLM.generate([vllm.inputs.TokensPrompt(prompt_token_ids=...)], SamplingParams(n, temperature,
+  max_tokens, seed, stop_token_ids, logprobs=0), use_tqdm=False)`: the sampled token's log-prob
+  per position (`harts_client.rollouts.samples_from_vllm`).
+- for a new export, `LLM.collective_rpc("harts_load_export", args=(export_dir,))`: every worker
+  streams the export's safetensors tensors into `model_runner.model.load_weights(...)` (vLLM's own
+  name mapping: per-expert weights, fused projections, tensor-parallel shards), then
+  `LLM.reset_prefix_cache()` (cached KV blocks were computed with the old weights). The LLM, its
+  CUDA graphs and KV cache stay; an export of another architecture is refused (a new engine is
+  needed then).
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from harts_client.engines.base import Completion, check_generate_args, resolve_model_dir
+from harts_client.engines.base import Completion, FollowsExports, architecture, check_generate_args, resolve_model_dir
 from harts_client.rollouts import samples_from_vllm
 
-__all__ = ["VLLMEngine"]
+log = logging.getLogger(__name__)
+
+__all__ = ["VLLMEngine", "WORKER_EXTENSION"]
+
+WORKER_EXTENSION = "harts_client.engines.vllm_worker.ExportLoader"
 
 
-class VLLMEngine:
+class VLLMEngine(FollowsExports):
     """`vllm.LLM` on an export root or a model directory; `llm_kwargs` go to `vllm.LLM`."""
 
     def __init__(self, model: str | Path, **llm_kwargs):
@@ -34,20 +47,25 @@ class VLLMEngine:
                              f"got {exc}; use the 'transformers' engine on this machine") from None
         self._vllm = vllm
         self.root = Path(model)
-        self.llm_kwargs = llm_kwargs
-        self.llm = None
-        self.model_dir: Path | None = None
-        self.policy_version = -1
-        self.reload()
-
-    def reload(self) -> bool:
         path, version = resolve_model_dir(self.root)
-        if path == self.model_dir:
-            return False
-        self.llm = None  # free the previous engine's memory before loading the next one
-        self.llm = self._vllm.LLM(model=str(path), **self.llm_kwargs)
+        kwargs = {"worker_extension_cls": WORKER_EXTENSION, "logprobs_mode": "processed_logprobs", **llm_kwargs}
+        log.info("engine: vllm.LLM on %s (policy_version %d)", path, version)
+        self.llm = vllm.LLM(model=str(path), **kwargs)
+        self._arch = architecture(path)
         self.model_dir, self.policy_version = path, version
-        return True
+
+    def load(self, path: str | Path, version: int | None = None) -> None:
+        """Load the export at `path` into the running engine (module docstring)."""
+        path = Path(path)
+        if version is None:
+            version = resolve_model_dir(path)[1]
+        if architecture(path) != self._arch:
+            raise ValueError(f"{path}: expected an export of the loaded model's architecture (config.json) to update "
+                             f"vLLM in place, got another one; start a new engine for it")
+        self.llm.collective_rpc("harts_load_export", args=(str(path),))
+        self.llm.reset_prefix_cache()
+        self.model_dir, self.policy_version = path, version
+        log.debug("engine: %s loaded in place (policy_version %d)", path, version)
 
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int,
                  stop_ids: list[int]) -> list[list[Completion]]:

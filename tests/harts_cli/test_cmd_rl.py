@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from harts_client.tokenizer import ByteTokenizer
 from trainer.rl.config import RLConfigError, load_rl_config
-from harts_cli.rl.run import compare_curves, reward_rise
+from harts_cli.rl.run import compare_curves, compression_summary, reward_rise, run_rl
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rl_tiny.toml"
@@ -120,9 +122,37 @@ def test_sinks_write_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):
 def test_reward_rise_and_curve_comparison():
     lines = [{"step": i + 1, "reward_mean": i / 20, "loss": 1.0 + i, "grad_norm": 2.0} for i in range(20)]
     assert reward_rise(lines)["reward_rise"] == pytest.approx(0.5)
+    # short runs: the windows shrink to half the steps and never overlap (5 steps: 2 vs 2)
+    short = reward_rise(lines[:5])
+    assert short["window"] == 2 and short["reward_rise"] == pytest.approx((3.5 - 0.5) / 20)
+    assert reward_rise(lines[:1]) == {"window": 0} and reward_rise([]) == {}
+    trees = [{"compression": 2.0, "rollout_expanded_tokens": 30, "rollout_unique_tokens": 10},
+             {"compression": 4.0, "rollout_expanded_tokens": 10, "rollout_unique_tokens": 10}]
+    assert compression_summary(trees) == {"compression_mean": 3.0, "rollout_compression_mean": 2.0}
     other = [dict(ln, loss=ln["loss"] * (1 + 1e-7)) for ln in lines]
     cmp = compare_curves(lines, other)
     assert cmp["steps"] == 20 and cmp["loss_max_rel_diff"] == pytest.approx(1e-7, rel=1e-3) and cmp["grad_norm_max_rel_diff"] == 0
+
+
+@pytest.mark.parametrize("vocab,tokenizer,match", [
+    (320, False, "expected vocab_size 256 for the byte tokenizer"),
+    (200, True, "expected a model vocabulary of at least the tokenizer's 256 ids"),
+], ids=["byte-tokenizer-vs-320", "tokenizer-vs-200"])
+def test_vocabulary_mismatch_is_one_line_before_the_warm_start(tmp_path, vocab, tokenizer, match):
+    """A model directory whose vocabulary does not fit the tokenizer stops before any weights are
+    built (the issue: vocab 320 ran the warm start, then failed decoding a sampled id >= 256)."""
+    from trainer.models import debugmodel
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**debugmodel().to_hf_dict(), "vocab_size": vocab}))
+    if tokenizer:
+        ByteTokenizer().save(model)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[run]\nsteps = 1\nout = "{tmp_path / "out"}"\n[model]\nname = "{model}"\n')
+    with pytest.raises(ValueError, match=match) as err:
+        run_rl(load_rl_config(cfg))
+    assert "\n" not in str(err.value) and not (tmp_path / "out" / "warmstart").exists()
 
 
 @pytest.mark.integration
@@ -173,3 +203,29 @@ def test_live_run_and_its_expanded_replay_give_the_same_curve(tmp_path):
     assert own["loss_max_rel_diff"] <= 1e-5 and own["grad_norm_max_rel_diff"] <= 1e-5, own  # 5 steps of drift
     assert json.loads((tmp_path / "expanded" / "replay.json").read_text())["same_weights"] == same
     assert (tmp_path / "expanded" / "replay.png").is_file()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_example_plugin_task_trains_on_its_dataset(tmp_path):
+    """examples/rl_plugin.toml: task.name = "examples.plugin_task:LookupTask" on examples/data/lookup.jsonl
+    (20% held out), trained by harts rl end to end."""
+    out = tmp_path / "plugin"
+    run = subprocess.run([sys.executable, "-m", "harts_cli.main", "rl", "--config", str(ROOT / "examples" / "rl_plugin.toml"),
+                          "--steps", "2", "--nproc", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    summary = json.loads(run.stdout)
+    assert summary["steps"] == 2 and "eval_reward_warm_start" in summary and "eval_reward_final" in summary
+    assert summary["window"] == 1 and "compression_mean" in summary
+    assert "Loading weights" not in run.stderr and "generation flags" not in run.stderr  # quiet without -v
+    assert "data: 64 training rows, 16 held out" in run.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2] and all(0.0 <= ln["reward_mean"] <= 1.0 for ln in lines)
+    batch = json.loads((out / "rollouts" / "rl-0.json").read_text())
+    text = ByteTokenizer().decode([t for tree in batch["trees"] for n in tree["nodes"] for t in n["tokens"]])
+    # the prompts, and the plugin tool's answers (a value, or its hint after a malformed call) in the trees
+    assert len(batch["trees"]) == 32 and re.search(r"What is k\d\?", text)
+    assert re.search(r"k\d = [a-z]+|error: say 'get KEY' or 'A: VALUE'", text)
+    export = out / "hf" / (out / "hf" / "latest").read_text().strip()
+    assert json.loads((export / "config.json").read_text())["eos_token_id"] == 2

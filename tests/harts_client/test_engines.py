@@ -1,9 +1,12 @@
 """Inference engines (harts_client.engines): torch-free at import; the transformers engine samples
-from the newest export with the trainer's log-probs and follows new exports."""
+from the newest export with the trainer's log-probs and loads new exports in place; the vLLM and
+SGLang engines against fakes of exactly the calls they make (neither is installed here)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -15,13 +18,16 @@ def test_generator_side_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
         "import harts_client.engines, harts_client.engines.base, harts_client.engines.transformers_engine\n"
-        "import harts_client.engines.vllm_engine, harts_client.tree_sampling, harts_client.tokenizer\n"
+        "import harts_client.engines.vllm_engine, harts_client.engines.vllm_worker, harts_client.engines.sglang_engine\n"
+        "import harts_client.tree_sampling, harts_client.tokenizer, harts_client.chat, harts_client.data\n"
+        "import harts_client.tasks.swe, harts_client.tasks.swe.sandbox\n"
         "import harts_client.tasks, harts_client.tasks.seek, harts_client.tasks.calculator\n"
         "from harts_client.engines import make_engine\n"
-        "try:\n"
-        "    make_engine('vllm', '.')\n"
-        "except ValueError as e:\n"
-        "    assert 'vllm package' in str(e), e\n"
+        "for name in ('vllm', 'sglang'):\n"
+        "    try:\n"
+        "        make_engine(name, '.')\n"
+        "    except ValueError as e:\n"
+        "        assert f'{name} package' in str(e), e\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numba', 'planner_service',"
         " 'trainer') and sys.modules[m] is not None)\n"
         "assert not bad, bad\n"
@@ -135,3 +141,195 @@ def test_engine_follows_the_newest_export(export_root):
     point_latest(root, "step-00000000")
     with pytest.raises(ValueError, match="generator.model"):
         TransformersEngine(root / "nowhere")
+
+
+def test_new_exports_load_in_place_with_from_pretrained_weights(export_root, tmp_path):
+    """reload() copies a new export into the loaded model (per-expert weights stacked as transformers
+    keeps them): the same parameters as a model built from the export, without a rebuild."""
+    import torch
+
+    from harts_client.engines.transformers_engine import TransformersEngine
+    from trainer.export import point_latest, write_hf_dir
+
+    root, model = export_root
+    engine = TransformersEngine(root, device="auto")
+    assert engine.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    built = engine.model
+    state = {k: v * 0.9 + 0.003 for k, v in model.state_dict().items()}
+    write_hf_dir(root / "step-00000009", state, model.config, dtype=torch.float32, meta={"policy_version": 9},
+                 files_from=root / "tokenizer")
+    point_latest(root, "step-00000009")
+    try:
+        assert engine.reload() and engine.model is built and engine.in_place_loads == 1 and engine.policy_version == 9
+        fresh = TransformersEngine(root / "step-00000009")
+        mine, want = engine.model.state_dict(), fresh.model.state_dict()
+        assert mine.keys() == want.keys() and any(k.endswith("experts.gate_up_proj") for k in mine)
+        for k in want:
+            assert torch.equal(mine[k].cpu(), want[k].cpu()), k
+        engine.load(root / "step-00000000")  # back to a given export (what evaluation does)
+        assert engine.policy_version == 0 and engine.in_place_loads == 2
+    finally:
+        point_latest(root, "step-00000000")
+
+
+def test_greedy_decoding_passes_no_sampling_flags(export_root, capfd):
+    """No "generation flags are not valid ['top_k']" warning: greedy calls carry no top-k / top-p."""
+    from transformers.utils import logging as hf_logging
+
+    from harts_client.engines.transformers_engine import TransformersEngine
+
+    hf_logging.warning_once.cache_clear()
+    TransformersEngine(export_root[0]).generate([[1, 70]], n=2, max_new_tokens=3, temperature=0.0, seed=0, stop_ids=[2])
+    assert "generation flags" not in capfd.readouterr().err
+
+
+class _FakeVLLM:
+    """A stand-in of exactly what VLLMEngine calls in vllm 0.11: LLM(model, **kw), LLM.generate,
+    LLM.collective_rpc, LLM.reset_prefix_cache, SamplingParams(**kw), inputs.TokensPrompt."""
+
+    def __init__(self, worker_cls):
+        self.llms, self.events = [], []
+        fake = self
+
+        class LLM:
+            def __init__(self, model, **kw):
+                fake.llms.append((model, kw))
+                self.worker = worker_cls()
+
+            def generate(self, inputs, params, use_tqdm):
+                fake.events.append(("generate", params, use_tqdm))
+                out = []
+                for i, p in enumerate(inputs):
+                    comps = []
+                    for j in range(params["n"]):
+                        ids = [10 + i, 20 + j, params["stop_token_ids"][0]] if j % 2 == 0 else [30 + i] * params["max_tokens"]
+                        comps.append(types.SimpleNamespace(token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-0.5 * k)}
+                                                                                     for k, t in enumerate(ids)]))
+                    out.append(types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=comps))
+                return out
+
+            def collective_rpc(self, method, args=()):
+                fake.events.append(("collective_rpc", method, args))
+                return [getattr(self.worker, method)(*args)]  # the extension's method on the (one) worker
+
+            def reset_prefix_cache(self):
+                fake.events.append(("reset_prefix_cache",))
+
+        self.module = types.ModuleType("vllm")
+        self.module.LLM = LLM
+        self.module.SamplingParams = lambda **kw: dict(kw)
+        self.module.inputs = types.SimpleNamespace(TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
+
+
+def _worker_class():
+    from harts_client.engines.vllm_worker import ExportLoader
+
+    class Worker(ExportLoader):  # vLLM mixes the extension into its worker class the same way
+        def __init__(self):
+            self.loaded = []
+            self.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(load_weights=self._load))
+
+        def _load(self, weights):
+            self.loaded.append({name: t.clone() for name, t in weights})
+
+    return Worker
+
+
+def _exports(root: Path, versions: int):
+    import torch
+
+    from trainer.export import point_latest, write_hf_dir
+    from trainer.models import Qwen3NextForRL, debugmodel
+
+    model = Qwen3NextForRL(debugmodel())
+    model.init_weights(0)
+    for v in range(versions):
+        state = {k: t + 0.01 * v for k, t in model.state_dict().items()}
+        write_hf_dir(root / f"step-{v:08d}", state, model.config, dtype=torch.float32, meta={"policy_version": v})
+    point_latest(root, "step-00000000")
+    return root
+
+
+def test_vllm_engine_updates_weights_in_place(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    from harts_client.engines import make_engine
+    from trainer.export import point_latest
+
+    fake = _FakeVLLM(_worker_class())
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    root = _exports(tmp_path / "hf", 2)
+    engine = make_engine("vllm", str(root), gpu_memory_utilization=0.5)
+    assert fake.llms == [(str(root / "step-00000000"), {"worker_extension_cls": "harts_client.engines.vllm_worker.ExportLoader",
+                                                          "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": 0.5})]
+    outs = engine.generate([[1, 2, 3], [4]], n=2, max_new_tokens=4, temperature=0.7, seed=9, stop_ids=[2])
+    _, params, use_tqdm = fake.events[-1]
+    assert params == {"n": 2, "temperature": 0.7, "max_tokens": 4, "seed": 9, "stop_token_ids": [2], "logprobs": 0}
+    assert not use_tqdm and outs[1][0].token_ids == [11, 20, 2] and outs[1][0].finished and not outs[1][1].finished
+    assert outs[0][0].logprobs == [0.0, -0.5, -1.0]
+    assert engine.reload() is False
+    point_latest(root, "step-00000001")
+    assert engine.reload() is True and engine.policy_version == 1 and len(fake.llms) == 1  # no new vllm.LLM
+    assert fake.events[-2][:2] == ("collective_rpc", "harts_load_export") and fake.events[-1] == ("reset_prefix_cache",)
+    path = fake.events[-2][2][0]
+    assert path == str(root / "step-00000001")
+    worker = engine.llm.worker
+    want = {}
+    for f in (root / "step-00000001").glob("*.safetensors"):
+        want.update(load_file(f))
+    assert worker.loaded[-1].keys() == want.keys() and all((worker.loaded[-1][k] == want[k]).all() for k in want)
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in (root / "step-00000001").iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8}))
+    with pytest.raises(ValueError, match="architecture"):
+        engine.load(other)
+
+
+def test_sglang_engine_updates_weights_from_disk(tmp_path, monkeypatch):
+    """A stand-in of exactly what SGLangEngine calls in sglang 0.5: Engine(model_path, skip_tokenizer_init,
+    **kw), Engine.generate(input_ids, sampling_params, return_logprob), Engine.update_weights_from_disk."""
+    pytest.importorskip("torch")
+    from harts_client.engines import make_engine
+    from trainer.export import point_latest
+
+    made, events = [], []
+
+    class Engine:
+        def __init__(self, model_path, skip_tokenizer_init, **kw):
+            made.append((model_path, skip_tokenizer_init, kw))
+            self.ok = True
+
+        def generate(self, input_ids, sampling_params, return_logprob):
+            events.append(("generate", input_ids, sampling_params, return_logprob))
+            return [{"output_ids": [7, k, 2], "meta_info": {"output_token_logprobs": [(-0.1, 7, None), (-0.2, k, None),
+                                                                                       (-0.3, 2, None)]}}
+                    for k in range(len(input_ids))]
+
+        def update_weights_from_disk(self, model_path):
+            events.append(("update_weights_from_disk", model_path))
+            return (self.ok, "ok" if self.ok else "shape mismatch", 0)
+
+    module = types.ModuleType("sglang")
+    module.Engine = Engine
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    root = _exports(tmp_path / "hf", 3)
+    engine = make_engine("sglang", str(root), mem_fraction_static=0.4)
+    assert made == [(str(root / "step-00000000"), True, {"mem_fraction_static": 0.4})]
+    outs = engine.generate([[1, 2], [3]], n=2, max_new_tokens=5, temperature=1.0, seed=4, stop_ids=[2])
+    _, ids, params, logprob = events[-1]
+    assert ids == [[1, 2], [1, 2], [3], [3]] and logprob is True
+    assert [p["sampling_seed"] for p in params] == [4_000_012, 4_000_013, 4_000_014, 4_000_015]
+    assert params[0] == {"max_new_tokens": 5, "temperature": 1.0, "stop_token_ids": [2], "sampling_seed": 4_000_012,
+                         "skip_special_tokens": False}
+    assert [c.token_ids for c in outs[1]] == [[7, 2, 2], [7, 3, 2]] and outs[1][0].logprobs == [-0.1, -0.2, -0.3]
+    point_latest(root, "step-00000002")
+    assert engine.reload() and engine.policy_version == 2 and len(made) == 1
+    assert events[-1] == ("update_weights_from_disk", str(root / "step-00000002"))
+    engine.engine.ok = False
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        engine.load(root / "step-00000001")
+    assert engine.policy_version == 2  # a failed update keeps the loaded version

@@ -1,11 +1,16 @@
-"""The verifiable tasks (harts_client.tasks): tool answers, episode ends, rewards, demonstrations."""
+"""The verifiable tasks (harts_client.tasks): tool answers, episode ends, rewards, demonstrations,
+plugins by name."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from harts_client.tasks import Episode, Turn, load_reward, make_task
 from harts_client.tasks.calculator import evaluate
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _episode(task, inst, texts: list[str]) -> Episode:
@@ -87,7 +92,7 @@ def test_calculator_episode_tool_and_reward():
 
 
 def test_bad_task_options_name_the_field():
-    with pytest.raises(ValueError, match="task.name"):
+    with pytest.raises(ValueError, match="task.name: expected one of .* or a plugin"):
         make_task("chess")
     with pytest.raises(ValueError, match="task.size"):
         make_task("seek", size=1)
@@ -103,3 +108,30 @@ def test_user_reward_is_loaded_by_name():
     for bad in ("nocolon", "harts_client.tasks:missing", "no.such.module:f"):
         with pytest.raises(ValueError, match="task.reward"):
             load_reward(bad)
+
+
+def test_plugin_tasks_load_by_module_or_file(tmp_path, monkeypatch):
+    """task.name = "module:Class" (the working directory searched, as `python -m` does) or "file.py:Class"."""
+    monkeypatch.chdir(ROOT)
+    by_module = make_task("examples.plugin_task:LookupTask", max_turns=4)
+    by_file = make_task(str(ROOT / "examples" / "plugin_task.py") + ":LookupTask")
+    assert type(by_module).__name__ == type(by_file).__name__ == "LookupTask" and by_module.max_turns == 4
+    inst = by_module.from_row({"id": "r", "key": "k2", "table": {"k1": "red", "k2": "blue"}})
+    demo = by_module.demonstration(inst, np.random.default_rng(0))
+    assert by_module.observe(inst, demo[:1]) == [{"role": "tool", "content": "k2 = blue"}]
+    assert by_module.observe(inst, demo) is None and by_module.reward(_episode(by_module, inst, demo)) == 1.0
+    assert by_module.reward(_episode(by_module, inst, ["get k2", "A: red"])) == 0.0
+    with pytest.raises(ValueError, match="task.options: .*unexpected keyword"):
+        make_task("examples.plugin_task:LookupTask", size=3)
+    with pytest.raises(ValueError, match="task.name: expected an importable name"):
+        make_task("examples.plugin_task:Missing")
+    with pytest.raises(ValueError, match="task.name: expected an importable name"):
+        make_task("no/such/file.py:Task")
+    (tmp_path / "half.py").write_text("class Half:\n    max_turns = 0\n    def prompt(self, i): return ''\n")
+    with pytest.raises(ValueError, match=r"Task protocol .* without observe, reward, instances or from_row, max_turns"):
+        make_task(f"{tmp_path / 'half.py'}:Half")
+
+
+def test_user_reward_loads_from_a_file(tmp_path):
+    (tmp_path / "r.py").write_text("def reward(episode):\n    return 0.5\n")
+    assert load_reward(f"{tmp_path / 'r.py'}:reward")(None) == 0.5

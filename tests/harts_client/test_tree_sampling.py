@@ -19,8 +19,9 @@ class ScriptedEngine:
     policy_version = 3
     model_dir = None
 
-    def __init__(self):
+    def __init__(self, words=("up", "down", "sideways")):
         self.calls: list[tuple[int, int]] = []
+        self.words = list(words)
 
     def reload(self) -> bool:
         return False
@@ -33,7 +34,7 @@ class ScriptedEngine:
         for _ in prompts:
             comps = []
             for _ in range(n):
-                text = ["up", "down", "sideways"][int(rng.integers(0, 3))]
+                text = self.words[int(rng.integers(0, len(self.words)))]
                 ids = (tok.encode(text) + [stop_ids[0]])[:max_new_tokens]
                 comps.append(Completion(ids, (-rng.random(len(ids))).tolist(), ids[-1] == stop_ids[0]))
             out.append(comps)
@@ -123,3 +124,39 @@ def test_sampling_config_validation():
     for bad in (dict(branching=[]), dict(branching=[0]), dict(max_new_tokens=0), dict(temperature=-1)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
+
+
+def test_shared_prefix_puts_the_batch_in_one_tree_rooted_at_the_common_prompt():
+    """With shared_prefix the prompt prefix every instance shares is one root node (a system prompt
+    computed once per batch); groups, advantages and trajectories stay per instance, and the batch
+    builds the forest its flat trajectories build (one tree_id)."""
+    task = make_task("seek", size=6, random_start=True)
+    insts = task.instances("train", 4, seed=1)
+    cfg = SamplingConfig(branching=[2, 2], max_new_tokens=6, shared_prefix=True)
+    groups = sample_batch(ScriptedEngine(), task, ByteTokenizer(), insts, cfg, seed=3, id_prefix="s0/")
+    tree = groups[0].tree
+    assert all(g.tree is tree for g in groups) and tree.id == "s0/batch"
+    common = b"Find the hidden number 0-5. Move with 'up' or 'down'.\nat "
+    assert tree.nodes[0]["parent"] is None and tree.nodes[0]["tokens"] == [1] + list(common)
+    rests = {tuple(g.prompt_ids[len(common) + 1:]) for g in groups}
+    assert sum(n["parent"] == 0 for n in tree.nodes if n["tokens"] and tuple(n["tokens"]) in rests) == len(rests)
+    for g in groups:
+        r = np.array(g.rewards)
+        adv = np.array([t.advantage for t in g.trajectories])
+        assert adv == pytest.approx((r - r.mean()) / (r.std() + 1e-6))
+        assert {t.group_id for t in g.trajectories} == {g.id} and all(t.id.startswith(g.id + "/") for t in g.trajectories)
+    batch = to_batch(groups, "step-0", vocab_size=256, policy_version=0)
+    doc = batch.to_json("tree")
+    assert len(doc["trees"]) == 1
+    flat = {"batch_id": "step-0", "vocab_size": 256, "policy_version": 0,
+            "trajectories": [{"id": t.id, "tree_id": "all", "tokens": t.tokens, **t.fields(True)}
+                             for g in groups for t in g.trajectories]}
+    a, b = forest_from_json(doc), forest_from_json(flat)
+    assert sorted(a.traj_ids) == sorted(t.id for g in groups for t in g.trajectories)
+    assert a.expanded_tokens == b.expanded_tokens  # flat merges equal samples of different groups too
+    alone = sample_batch(ScriptedEngine(), task, ByteTokenizer(), insts, SamplingConfig(branching=[2, 2], max_new_tokens=6),
+                         seed=3, id_prefix="s0/")
+    separate = forest_from_json(to_batch(alone, "step-0", vocab_size=256, policy_version=0).to_json("tree"))
+    saved = (len(insts) - 1) * (1 + len(common)) + sum(len(g.prompt_ids) - 1 - len(common) for g in groups)
+    saved -= sum(len(r) for r in rests)  # equal prompts share their rest too
+    assert separate.expanded_tokens == a.expanded_tokens and a.unique_tokens == separate.unique_tokens - saved

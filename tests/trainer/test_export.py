@@ -94,3 +94,43 @@ def test_export_of_a_non_checkpoint_is_one_clear_line(tmp_path, capsys):
     assert harts(["export", str(tmp_path), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "expected a HARTS checkpoint directory" in err and "Traceback" not in err
+
+
+def test_named_model_export_loads_into_autotokenizer_and_generates(tmp_path):
+    """A named model (no source directory) exports the byte tokenizer, its special token ids and an
+    explicit context length: AutoTokenizer encodes a prompt and generate() runs and stops at eos."""
+    model = _trained_like(debugmodel())
+    out = write_hf_dir(tmp_path / "hf", model.state_dict(), model.config, dtype=torch.float32, meta={"policy_version": 1})
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["max_position_embeddings"], cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (32768, 1, 2, 0)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and gen["top_k"] == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    ids = tok("hello", return_tensors="pt").input_ids
+    assert ids.tolist() == [list(b"hello")] and tok.eos_token_id == 2 and tok.decode([104, 105, 2]) == "hi<|eos|>"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert hf.config.max_position_embeddings == 32768 and hf.generation_config.eos_token_id == 2
+    with torch.no_grad():
+        seq = hf.generate(ids, max_new_tokens=6, do_sample=False)
+    assert seq.shape[1] > ids.shape[1]
+
+
+def test_export_carries_the_source_directorys_config_and_tokenizer(tmp_path):
+    """max_position_embeddings and special ids from the source's config.json, its tokenizer files
+    (the chat template too) and generation config, copied as they are."""
+    from harts_client.tokenizer import ByteTokenizer
+
+    src = tmp_path / "src"
+    ByteTokenizer().save(src)
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1], "temperature": 0.7}))
+    model = _trained_like(debugmodel())
+    (src / "config.json").write_text(json.dumps({**model.config.to_hf_dict(), "max_position_embeddings": 4096,
+                                                 "eos_token_id": [2, 1], "bos_token_id": 1, "pad_token_id": 0}))
+    out = write_hf_dir(tmp_path / "hf", model.state_dict(), model.config, dtype=torch.float32, files_from=src)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 4096 and cfg["eos_token_id"] == [2, 1]
+    assert (out / "chat_template.jinja").read_text() == (src / "chat_template.jinja").read_text()
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [2, 1], "temperature": 0.7}
+    assert transformers.AutoConfig.from_pretrained(str(out)).max_position_embeddings == 4096
+    assert load_model(out).config.vocab_size == 256  # the trainer reads it back

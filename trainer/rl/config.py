@@ -3,8 +3,8 @@
     cfg = load_rl_config("examples/rl_tiny.toml", steps=10, out="runs/x")
     trainer_doc = cfg.trainer_doc(planner_url=url, out=Path(cfg.run.out))   # -> trainer.toml
 
-Sections (`RLConfig` fields): run, task, model, warmup, sampling, generator, plan, eval, metrics,
-and `trainer`: the trainer ranks' own sections (`trainer.config.TrainerConfig`: objective,
+Sections (`RLConfig` fields): run, task, data, model, warmup, sampling, generator, plan, eval,
+metrics, and `trainer`: the trainer ranks' own sections (`trainer.config.TrainerConfig`: objective,
 optimizer, lr_schedule, executor, parallelism, ...). The fields that tie the ranks to this run
 (planner URL, steps, step ids, seed, model, chunk size, exports every step, the staleness bound,
 the metrics file) are set by `harts rl` and are errors in the file. Unknown sections and fields
@@ -63,11 +63,37 @@ class TaskSection:
     """The task the policy plays (`harts_client.tasks`)."""
 
     name: str = "seek"
-    """A task of harts_client.tasks.TASKS ("seek", "calculator")."""
+    """A shipped task of harts_client.tasks.TASKS ("seek", "calculator", "swe") or a plugin class
+    "package.module:Class" / "path/to/file.py:Class" with the Task protocol (harts_client.tasks.episode)."""
     options: dict = field(default_factory=dict)
     """Keyword options of the task (e.g. size = 10)."""
     reward: str = ""
     """A user reward "package.module:function" (called with an Episode, returns a float); "": the task's."""
+
+
+@dataclass(slots=True, kw_only=True)
+class DataSection:
+    """A dataset of task instances (`harts_client.data`): rows handed to the task's from_row."""
+
+    path: str = ""
+    """A JSONL file (one JSON object per row) or "hf:<name>" (Hugging Face `datasets`, when
+    installed); "": the task generates its instances."""
+    eval_path: str = ""
+    """Held-out rows from this file (same forms) instead of a fraction of `path`."""
+    eval_fraction: float = 0.1
+    """Share of `path`'s rows held out for eval_reward (shuffled with run.seed; ignored with eval_path)."""
+    shuffle: bool = True
+    """Walk the training rows in a new seeded order every epoch (False: file order)."""
+    hf_split: str = "train"
+    """Split of a Hugging Face dataset (an eval_path "hf:..." is read with the same split and configuration)."""
+    hf_config: str = ""
+    """Configuration name of a Hugging Face dataset ("": its default)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction: expected in [0, 1), got {self.eval_fraction}")
+        if self.eval_path and not self.path:
+            raise ValueError(f"eval_path: expected data.path to be set too, got only eval_path {self.eval_path!r}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -76,7 +102,11 @@ class ModelSection:
 
     name: str = "tiny"
     """A named config (tiny, tiny-dense, tiny-deep, small: random weights from run.seed) or a
-    Qwen3-Next Hugging Face directory (its tokenizer.json is used when it has one)."""
+    Qwen3-Next Hugging Face directory."""
+    tokenizer: str = ""
+    """A directory whose tokenizer (and chat template, if it has one) the run uses; "": model.name's
+    when it is a directory with one, else the project's byte tokenizer (256 ids). Checked against
+    the model's vocabulary before the warm start."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -109,6 +139,9 @@ class SamplingSection:
     """Sampling temperature; the trainer's log-probs are at 1."""
     scale_by_std: bool = True
     """GRPO advantage = (reward - group mean) / group std (False: not divided, Dr. GRPO)."""
+    shared_prefix: bool = False
+    """One tree per batch rooted at the prompt prefix all instances share (a long system prompt,
+    computed once per batch); False: one tree per instance."""
 
     def __post_init__(self) -> None:
         if self.tasks_per_step < 1:
@@ -118,7 +151,8 @@ class SamplingSection:
         from harts_client.tree_sampling import SamplingConfig
 
         return SamplingConfig(branching=list(self.branching), max_new_tokens=self.max_new_tokens,
-                              temperature=self.temperature, scale_by_std=self.scale_by_std)
+                              temperature=self.temperature, scale_by_std=self.scale_by_std,
+                              shared_prefix=self.shared_prefix)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -126,13 +160,22 @@ class GeneratorSection:
     """The inference engine (`harts_client.engines`)."""
 
     engine: str = "transformers"
-    """"transformers" (CPU or GPU) or "vllm" (GPU; untested here)."""
-    device: str = "cpu"
-    """Device of the transformers engine."""
+    """"transformers" (GPU when there is one, else CPU), "vllm" or "sglang" (GPU; not run here)."""
+    device: str = "auto"
+    """Device of the transformers engine: "auto" (cuda when available), "cpu", "cuda", "cuda:1", ..."""
+    options: dict = field(default_factory=dict)
+    """Keywords of the engine: transformers `dtype`; vllm.LLM's (gpu_memory_utilization,
+    tensor_parallel_size, ...); sglang.Engine's (mem_fraction_static, tp_size, ...)."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ("transformers", "vllm"):
-            raise ValueError(f"engine: expected 'transformers' or 'vllm', got {self.engine!r}")
+        from harts_client.engines import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {list(ENGINES)}, got {self.engine!r}")
+
+    def engine_options(self) -> dict:
+        """The keywords `make_engine` gets."""
+        return {"device": self.device, **self.options} if self.engine == "transformers" else dict(self.options)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -196,7 +239,7 @@ FORCED_TRAINER_FIELDS = {
     "staleness": ("max_staleness",), "metrics": ("jsonl", "tensorboard_dir"),
 }
 
-_SECTIONS = {"run": RunSection, "task": TaskSection, "model": ModelSection, "warmup": WarmupSection,
+_SECTIONS = {"run": RunSection, "task": TaskSection, "data": DataSection, "model": ModelSection, "warmup": WarmupSection,
              "sampling": SamplingSection, "generator": GeneratorSection, "plan": PlanSection, "eval": EvalSection,
              "metrics": MetricsSection}
 
@@ -207,6 +250,7 @@ class RLConfig:
 
     run: RunSection = field(default_factory=RunSection)
     task: TaskSection = field(default_factory=TaskSection)
+    data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
     warmup: WarmupSection = field(default_factory=WarmupSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
