@@ -181,8 +181,13 @@ class SQLiteStore:
         if self.path == ":memory:" or not os.path.exists(self.path):
             return None
         # read-only needs the -shm (and -wal) to exist or be creatable; after a clean stop they
-        # are gone and the file holds every commit, so on a full disk it is read as immutable
-        modes = ["mode=ro"] + ([] if os.path.exists(self.path + "-wal") else ["immutable=1"])
+        # are gone (or left empty by the failed open) and the file holds every commit, so on a
+        # full disk it is read as immutable
+        try:
+            wal_bytes = os.path.getsize(self.path + "-wal")
+        except OSError:
+            wal_bytes = 0
+        modes = ["mode=ro"] + ([] if wal_bytes else ["immutable=1"])
         for mode in modes:
             try:
                 db = sqlite3.connect(f"file:{self.path}?{mode}", uri=True, isolation_level=None,
