@@ -14,7 +14,8 @@ Flow of a step:
     delete(step)  -> the step, its body and its slices leave the database and the caches
 
 Blocking work (ingest, SQLite, planning) never runs on the event loop: the async methods hand it to
-worker threads, and concurrent plans of one step are serialised by a per-step lock. Long-polls wait
+worker threads, three pools that cannot hold each other up (planning; reads: status, list, slices;
+submissions and deletions), and concurrent plans of one step are serialised by a per-step lock. Long-polls wait
 on an event that planning sets, not on a sleep loop.
 
 Storage faults (`store.py`): the service is not ready while the database cannot be written, every
@@ -73,6 +74,10 @@ log = logging.getLogger(__name__)
 _SHARED_POLL_S = 2.0
 """Longest wait of a long-poll between two looks at a shared (PostgreSQL) store."""
 
+_READ_WORKERS = 4
+"""Threads of the read pool (status, list, plan slices); submissions and deletions run in the
+event loop's default pool, plans in the planning pool."""
+
 __all__ = ["ServiceConfig", "PlannerCore", "topology_to_config", "MAX_WORLD_SIZE", "DEFAULT_MICROBATCH_TOKENS"]
 
 def _forest_bytes(forest: Forest) -> int:
@@ -121,6 +126,9 @@ class PlannerCore:
         self.metrics.storage_ok.set(0 if self.store.fault else 1)
         self.metrics.steps_waiting.set_function(self._count_unplanned)
         self._plan_pool = ThreadPoolExecutor(max_workers=cfg.plan_workers, thread_name_prefix="harts-plan")
+        # reads (status, list, slices) have threads of their own: plans and submissions, however
+        # many or slow, never hold up a GET (six slow submissions once filled the shared pool)
+        self._read_pool = ThreadPoolExecutor(max_workers=_READ_WORKERS, thread_name_prefix="harts-read")
         self._maintenance = Maintenance(
             self.store, probe_seconds=cfg.storage_probe_seconds, retain_steps=cfg.retain_steps,
             max_age_seconds=cfg.max_age_seconds, resume=self.resume_pending,
@@ -190,6 +198,7 @@ class PlannerCore:
         self.stop_serving()
         self._maintenance.stop()
         self._plan_pool.shutdown(wait=True, cancel_futures=True)
+        self._read_pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
     def _storage_changed(self, reason: str | None) -> None:
@@ -557,7 +566,7 @@ class PlannerCore:
             while True:
                 event.clear()
                 try:
-                    return await asyncio.to_thread(self.fetch, step_id, rank)
+                    return await loop.run_in_executor(self._read_pool, self.fetch, step_id, rank)
                 except (NotReadyError, NotFoundError, StorageError) as exc:
                     if isinstance(exc, NotFoundError) and exc.message.startswith("rank:"):
                         raise
@@ -674,10 +683,10 @@ class PlannerCore:
         return await asyncio.get_running_loop().run_in_executor(self._plan_pool, self.plan, step_id, topology)
 
     async def status_async(self, step_id: str) -> planner_pb2.StepStatus:
-        return await asyncio.to_thread(self.status, step_id)
+        return await asyncio.get_running_loop().run_in_executor(self._read_pool, self.status, step_id)
 
     async def list_steps_async(self, limit: int = 0) -> list[planner_pb2.StepStatus]:
-        return await asyncio.to_thread(self.list_steps, limit)
+        return await asyncio.get_running_loop().run_in_executor(self._read_pool, self.list_steps, limit)
 
     async def delete_async(self, step_id: str) -> planner_pb2.StepStatus:
         return await asyncio.to_thread(self.delete, step_id)

@@ -536,3 +536,50 @@ def _until(check, seconds: float = 20.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_slow_plans_and_submissions_never_hold_up_a_read(core, monkeypatch):
+    """The hostile audit: six slow submissions filled the six threads of the pool that status
+    reads shared with them, and a status GET went from 3 ms to 29.9 s. Here every submission and
+    every plan blocks until released: status, list and a planned slice still answer."""
+    import planner_service.core as core_module
+    from planner_service import ingest
+
+    core.submit(_body(rollout_doc("s-read")), "json")
+    core.plan("s-read", TOPO)
+    for i in range(2):
+        core.submit(_body(rollout_doc(f"s-slow-plan-{i}", seed=i)), "json")
+    release = threading.Event()
+    parse, plan_step = ingest.forest_from_json, core_module._planner().plan_step
+
+    def slow_parse(*args, **kwargs):
+        release.wait(120)
+        return parse(*args, **kwargs)
+
+    def slow_plan(*args, **kwargs):
+        release.wait(120)
+        return plan_step(*args, **kwargs)
+
+    monkeypatch.setattr(ingest, "forest_from_json", slow_parse)
+    monkeypatch.setattr(core_module._planner(), "plan_step", slow_plan)
+
+    async def main():
+        # more slow submissions than the event loop's default pool has threads (min(32, cores + 4))
+        writes = [asyncio.ensure_future(core.submit_async(_body(rollout_doc(f"s-slow-{i}", seed=i)), "json"))
+                  for i in range(40)]
+        plans = [asyncio.ensure_future(core.plan_async(f"s-slow-plan-{i}", TOPO)) for i in range(2)]
+        await asyncio.sleep(0.2)
+        try:
+            # bounds that only a starved read reaches
+            status = await asyncio.wait_for(core.status_async("s-read"), 60)
+            steps = await asyncio.wait_for(core.list_steps_async(), 60)
+            data = await asyncio.wait_for(core.fetch_async("s-read", 1), 60)
+        finally:
+            release.set()
+        await asyncio.gather(*writes, *plans)
+        return status, steps, data
+
+    status, steps, data = asyncio.run(main())
+    assert status.state == planner_pb2.STEP_STATE_PLANNED and open_sealed(data).rank.rank == 1
+    assert "s-read" in {s.step_id for s in steps}
+    assert len(core.list_steps(100)) == 43
