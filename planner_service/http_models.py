@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner_service.api_docs import TOPOLOGY_EXAMPLES
-from planner_service.service_config import MAX_WORLD_SIZE
+from planner_service.service_config import MAX_DOCUMENT_CHARS, MAX_WORLD_SIZE
 from proto.harts.v1 import planner_pb2
 
 __all__ = ["ErrorDetail", "ErrorBody", "Topology", "PlanCandidate", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
@@ -43,9 +43,9 @@ class Topology(BaseModel):
     chunk_size: int = Field(0, ge=0, le=INT32, description="Linear-attention chunk size (power of two); 0: service default")
     no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
     no_windows: bool = Field(False, description="Duplicate prefixes instead of opening sharing windows")
-    model: str = Field("", max_length=1 << 20, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
+    model: str = Field("", max_length=MAX_DOCUMENT_CHARS, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
     dtype: str = Field("", description="Trainer dtype for the memory model (float32, bfloat16); empty: float32")
-    cost_model: str = Field("", max_length=1 << 20, description="Cost model JSON written by `harts calibrate`; empty: service default")
+    cost_model: str = Field("", max_length=MAX_DOCUMENT_CHARS, description="Cost model JSON written by `harts calibrate`; empty: service default")
     lockstep: bool = Field(False, description="Plan lock-step phases (DESIGN §5.7): every rank runs one step of the "
                            "same kind per phase, so that trainers which gather parameters per forward and backward "
                            "(FSDP2 with parallelism.reshard_after_forward) pair their collectives")

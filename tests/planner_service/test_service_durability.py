@@ -59,7 +59,7 @@ def test_sigkill_and_restart_serve_identical_plans(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_a_stop_signal_drains_checkpoints_the_database_and_exits_0(tmp_path, sig):
-    """Issue 31, defect 2: uvicorn re-raised a captured SIGTERM once its server returned, so the
+    """uvicorn re-raised a captured SIGTERM once its server returned, so the
     process died with -15 before the gRPC grace period, the plan pool's drain and the database's
     close ran, leaving the acknowledged batches in a 1.2 MB WAL beside a 64 KB database."""
     db = tmp_path / "stop.db"
