@@ -11,10 +11,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner_service.api_docs import TOPOLOGY_EXAMPLES
+from planner_service.errors import ValidationError
 from planner_service.service_config import MAX_DOCUMENT_CHARS, MAX_WORLD_SIZE
 from proto.harts.v1 import planner_pb2
 
-__all__ = ["ErrorDetail", "ErrorBody", "Topology", "PlanCandidate", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
+__all__ = ["ErrorDetail", "ErrorBody", "Topology", "SubmitQuery", "PlanCandidate", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
            "RolloutBatchDoc", "status_model", "INT32", "INT64"]
 
 INT32 = 2**31 - 1
@@ -54,6 +55,33 @@ class Topology(BaseModel):
 
     def to_proto(self) -> planner_pb2.Topology:
         return planner_pb2.Topology(**self.model_dump())
+
+
+class SubmitQuery(BaseModel):
+    """Query parameters of `POST /v1/steps`: the topology to plan the step for at once. An unknown
+    parameter is refused (a misspelt `?worldsize=8` would leave the step unplanned while trainers
+    wait), and so are topology parameters without `world_size`."""
+
+    model_config = ConfigDict(extra="forbid")
+    world_size: int | None = Field(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks")
+    microbatch_tokens: int = Field(0, ge=0, le=INT32, description="0: the service default")
+    memory_tokens: int = Field(0, ge=0, le=INT64)
+    chunk_size: int = Field(0, ge=0, le=INT32)
+    no_sharing: bool = False
+    no_windows: bool = False
+    lockstep: bool = Field(False, description="Plan lock-step phases (see Topology.lockstep)")
+    no_cross_rank_windows: bool = Field(False, description="With lockstep: keep windows on their rank (see Topology)")
+
+    def to_proto(self) -> planner_pb2.Topology | None:
+        """The topology to plan for at once (None: no world_size, plan later); ValidationError
+        naming the first topology parameter given without world_size."""
+        if self.world_size is not None:
+            return planner_pb2.Topology(**self.model_dump())
+        given = [name for name in type(self).model_fields if name in self.model_fields_set]
+        if given:
+            raise ValidationError(f"query.{given[0]}", "expected world_size with it (the step is planned at once only "
+                                  "for a topology that names its world size), got no world_size")
+        return None
 
 
 class PlanCandidate(BaseModel):
