@@ -28,6 +28,7 @@ failed-to-store plans run again. The same thread applies the retention policy (`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import threading
@@ -44,6 +45,7 @@ from planner_service.digest import DIGEST_VERSION, forest_digest
 from planner_service.errors import (
     ConflictError,
     HartsError,
+    IntegrityError,
     LimitError,
     NotFoundError,
     NotReadyError,
@@ -280,19 +282,22 @@ class PlannerCore:
             limit = min(limit, self.cfg.limits.max_body_bytes)
         return limit
 
-    def submit(self, body: bytes | bytearray, fmt: str,
-               topology: planner_pb2.Topology | None = None) -> planner_pb2.SubmitRolloutsResponse:
+    def submit(self, body: bytes | bytearray, fmt: str, topology: planner_pb2.Topology | None = None, *,
+               body_sha256: str = "") -> planner_pb2.SubmitRolloutsResponse:
         """Validate and store a step's rollouts; plan them in the background if a topology applies.
 
         Idempotency compares content: the same batch_id with the same content (however it was
         serialised: JSON spelling, key order, or protobuf) is a duplicate; with other content it
-        is a conflict.
+        is a conflict. The response's `body_sha256` is the SHA-256 of `body`, which is stored as
+        it came.
 
         Args:
             body: the JSON document (fmt "json") or RolloutBatch bytes (fmt "proto").
             topology: plan for this topology at once (else the configured default, if any).
+            body_sha256: the hex SHA-256 the client computed over `body` ("": not checked).
 
         Raises:
+            IntegrityError: `body` is not what the client digested (nothing is stored).
             ValidationError / LimitError: the batch is invalid or too large (nothing is stored).
             ConflictError: the batch_id is stored with other content.
             StorageError: the database cannot be written (nothing is stored).
@@ -300,6 +305,7 @@ class PlannerCore:
         limit = self._body_limit()
         if len(body) > limit:
             raise _too_large(len(body), limit)
+        digest = _body_digest(body, body_sha256)
         if fmt == "json":
             forest = ingest.forest_from_json(body, self.cfg.limits)
         elif fmt == "proto":
@@ -312,19 +318,27 @@ class PlannerCore:
             del batch
         else:
             raise ValueError(f"fmt: expected 'json' or 'proto', got {fmt!r}")
-        return self._store_forest(forest, fmt, body, topology)
+        return self._store_forest(forest, fmt, body, digest, topology)
 
-    def submit_message(self, batch: rollouts_pb2.RolloutBatch,
-                       topology: planner_pb2.Topology | None = None) -> planner_pb2.SubmitRolloutsResponse:
-        """`submit` for an already parsed RolloutBatch (gRPC); stores its serialisation."""
-        size = batch.ByteSize()
+    def submit_message(self, batch: rollouts_pb2.RolloutBatch, topology: planner_pb2.Topology | None = None, *,
+                       body: bytes | None = None, body_sha256: str = "") -> planner_pb2.SubmitRolloutsResponse:
+        """`submit` for an already parsed RolloutBatch (gRPC).
+
+        Args:
+            body: the batch's bytes as they arrived (stored and digested as they are); None: its
+                serialisation.
+            body_sha256: as in `submit`, over `body`.
+        """
+        if body is None:
+            body = batch.SerializeToString()
         limit = self._body_limit()
-        if size > limit:
-            raise _too_large(size, limit)
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
+        digest = _body_digest(body, body_sha256)
         forest = ingest.forest_from_proto(batch, self.cfg.limits)
-        return self._store_forest(forest, "proto", batch.SerializeToString(), topology)
+        return self._store_forest(forest, "proto", body, digest, topology)
 
-    def _store_forest(self, forest: Forest, fmt: str, body: bytes | bytearray,
+    def _store_forest(self, forest: Forest, fmt: str, body: bytes | bytearray, body_sha256: str,
                       topology: planner_pb2.Topology | None) -> planner_pb2.SubmitRolloutsResponse:
         check_step_id(forest.batch_id, "batch_id")
         if topology is not None and topology.ByteSize() == 0:
@@ -366,7 +380,7 @@ class PlannerCore:
         elif topo_cfg is not None and rec.state == SUBMITTED and rec.topology is None:
             self.store.request_plan(rec.step_id, normalized_topology(topo_cfg).SerializeToString(deterministic=True))
             self._queue_plan(rec.step_id, normalized_topology(topo_cfg))
-        return planner_pb2.SubmitRolloutsResponse(status=self._status(rec), duplicate=duplicate)
+        return planner_pb2.SubmitRolloutsResponse(status=self._status(rec), duplicate=duplicate, body_sha256=body_sha256)
 
     def _same_content(self, old: StepRecord, digest: str) -> bool:
         if old.body_sha256 == digest:
@@ -673,11 +687,13 @@ class PlannerCore:
 
     # ---- async wrappers (run the blocking work off the event loop)
 
-    async def submit_async(self, body: bytes, fmt: str, topology: planner_pb2.Topology | None = None):
-        return await asyncio.to_thread(self.submit, body, fmt, topology)
+    async def submit_async(self, body: bytes, fmt: str, topology: planner_pb2.Topology | None = None, *,
+                           body_sha256: str = ""):
+        return await asyncio.to_thread(self.submit, body, fmt, topology, body_sha256=body_sha256)
 
-    async def submit_message_async(self, batch: rollouts_pb2.RolloutBatch, topology: planner_pb2.Topology | None = None):
-        return await asyncio.to_thread(self.submit_message, batch, topology)
+    async def submit_message_async(self, batch: rollouts_pb2.RolloutBatch, topology: planner_pb2.Topology | None = None,
+                                   *, body: bytes | None = None, body_sha256: str = ""):
+        return await asyncio.to_thread(self.submit_message, batch, topology, body=body, body_sha256=body_sha256)
 
     async def plan_async(self, step_id: str, topology: planner_pb2.Topology) -> planner_pb2.StepStatus:
         return await asyncio.get_running_loop().run_in_executor(self._plan_pool, self.plan, step_id, topology)
@@ -690,6 +706,18 @@ class PlannerCore:
 
     async def delete_async(self, step_id: str) -> planner_pb2.StepStatus:
         return await asyncio.to_thread(self.delete, step_id)
+
+
+def _body_digest(body: bytes | bytearray, expected: str) -> str:
+    """The hex SHA-256 of a submitted body; IntegrityError when the client's `expected` digest
+    ("": none sent) names other bytes."""
+    digest = hashlib.sha256(body).hexdigest()
+    if expected and expected.lower() != digest:
+        shown = expected if len(expected) <= 64 else expected[:61] + "..."
+        raise IntegrityError("body_sha256", f"expected the SHA-256 of the batch bytes received ({digest}), got "
+                             f"{shown!r} from the client: the request was altered in transit; nothing was stored, "
+                             "send it again")
+    return digest
 
 
 def _too_large(size: int, limit: int) -> LimitError:

@@ -5,7 +5,9 @@ Routes (all under /v1 need `Authorization: Bearer <token>` when a token is confi
 
     POST /v1/steps                               submit rollouts (JSON document or
                                                  `Content-Type: application/x-protobuf` RolloutBatch);
-                                                 optional topology in the query plans at once
+                                                 optional topology in the query plans at once;
+                                                 `X-Harts-Body-Sha256` checks the body, the answer
+                                                 carries the SHA-256 of what was stored
     POST /v1/steps/{step_id}/plan                plan a stored step for a topology (JSON body)
     GET  /v1/steps/{step_id}/ranks/{rank}/plan   one rank's sealed PlanSlice (protobuf bytes,
                                                  `X-Harts-Checksum` header), long-poll with ?wait=S
@@ -33,7 +35,7 @@ import time
 from typing import Annotated
 
 import pydantic
-from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -71,9 +73,11 @@ from proto.harts.v1 import plan_pb2
 
 log = logging.getLogger(__name__)
 
-__all__ = ["create_app", "router", "PROTOBUF", "slice_checksum"]
+__all__ = ["create_app", "router", "PROTOBUF", "BODY_SHA256_HEADER", "slice_checksum"]
 
 PROTOBUF = "application/x-protobuf"
+BODY_SHA256_HEADER = "X-Harts-Body-Sha256"
+"""Request header of POST /v1/steps: the client's SHA-256 of the body (SubmitRolloutsRequest.body_sha256)."""
 _PROTO_TYPES = {PROTOBUF, "application/protobuf", "application/vnd.google.protobuf", "application/octet-stream"}
 _TOPOLOGY_BYTES = 4 * 1024 * 1024
 """Largest plan request body: a topology with its model and cost-model documents (1 MiB each)."""
@@ -95,7 +99,8 @@ def _error_response(status: int, code: str, message: str, field: str | None = No
 
 
 _ERRORS = {
-    400: {"model": ErrorBody, "description": "Planning impossible for these settings (FAILED_PRECONDITION)"},
+    400: {"model": ErrorBody, "description": "Planning impossible for these settings (FAILED_PRECONDITION), or a "
+          "body that is not what the client digested (DATA_LOSS: altered in transit, nothing stored)"},
     401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
     404: {"model": ErrorBody, "description": "Unknown step or rank, or plan not ready after the wait"},
     409: {"model": ErrorBody, "description": "batch_id stored with other content, or step planned for another topology"},
@@ -327,6 +332,9 @@ async def metrics(core: PlannerCore = Depends(_core)):
 async def submit_rollouts(
     request: Request,
     query: Annotated[SubmitQuery, Query()],
+    body_sha256: str = Header("", alias=BODY_SHA256_HEADER, max_length=128, description=(
+        "Hex SHA-256 of the body as the client sends it: a body that arrives otherwise is refused (400 "
+        "DATA_LOSS, nothing stored; send it again). The response's body_sha256 is the digest of what was received")),
     core: PlannerCore = Depends(_core),
 ) -> SubmitResponse:
     """Store a step's rollouts: validated whole, idempotent by batch_id and content.
@@ -345,8 +353,8 @@ async def submit_rollouts(
     else:
         raise ValidationError("Content-Type", f"expected application/json or {PROTOBUF}, got {ctype!r}")
     body = await _read_body(request, core.cfg.max_request_bytes)
-    resp = await core.submit_async(body, fmt, topology)
-    return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate)
+    resp = await core.submit_async(body, fmt, topology, body_sha256=body_sha256)
+    return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate, body_sha256=resp.body_sha256)
 
 
 @router.post("/v1/steps/{step_id}/plan", response_model=StepStatus, tags=["steps"], name="plan_step",

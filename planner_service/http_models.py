@@ -165,6 +165,9 @@ class SubmitResponse(BaseModel):
     status: StepStatus
     duplicate: bool = Field(description="True when the batch_id was already stored with the same content "
                             "(however it was serialised)")
+    body_sha256: str = Field(description="Hex SHA-256 of the body the service received and stored (a duplicate's "
+                             "stored batch was compared with it by content): the client compares it with the digest of "
+                             "what it sent; a mismatch means the request or this answer was altered in transit")
 
 
 class StepList(BaseModel):

@@ -583,3 +583,31 @@ def test_slow_plans_and_submissions_never_hold_up_a_read(core, monkeypatch):
     assert status.state == planner_pb2.STEP_STATE_PLANNED and open_sealed(data).rank.rank == 1
     assert "s-read" in {s.step_id for s in steps}
     assert len(core.list_steps(100)) == 43
+
+
+def test_submit_answers_the_digest_of_what_it_stored_and_refuses_other_bytes(core):
+    """The answer's body_sha256 is the SHA-256 of the body stored (byte for byte, both forms); a
+    body that is not what the client digested is refused with nothing stored."""
+    import hashlib
+
+    from planner_service.errors import IntegrityError
+
+    doc = rollout_doc("s-digest", seed=3)
+    body = _body(doc)
+    digest = hashlib.sha256(body).hexdigest()
+    altered = body.replace(b'"tokens": [', b'"tokens": [1', 1)
+    with pytest.raises(IntegrityError) as err:
+        core.submit(altered, "json", body_sha256=digest)
+    assert err.value.field == "body_sha256" and "altered in transit" in err.value.message
+    assert core.list_steps() == []
+    resp = core.submit(body, "json", body_sha256=digest.upper())  # hex digits in either case
+    assert resp.body_sha256 == digest and core.store.body("s-digest") == ("json", body)
+    # a duplicate in another spelling answers the digest of the bytes it carried (compared by content)
+    pb = json_to_proto(doc).SerializeToString()
+    again = core.submit_message(json_to_proto(doc), body=pb, body_sha256=hashlib.sha256(pb).hexdigest())
+    assert again.duplicate and again.body_sha256 == hashlib.sha256(pb).hexdigest()
+    # gRPC stores the batch bytes as they arrived
+    other = json_to_proto(rollout_doc("s-digest-pb", seed=4))
+    raw = other.SerializeToString()
+    assert core.submit_message(other, body=raw).body_sha256 == hashlib.sha256(raw).hexdigest()
+    assert core.store.body("s-digest-pb") == ("proto", raw)
