@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-free-mb", type=float, default=64.0,
                    help="SQLite: disk space (MiB) that writes leave free; below it writes get 503 and the service is "
                         "not ready, so a full disk recovers as soon as space is freed (default 64; 0: none)")
+    p.add_argument("--accept-data-loss", action="store_true",
+                   help="SQLite: serve a database that lacks writes the service acknowledged (deleted, replaced or "
+                        "restored from an older copy while the service was down or killed) as it is; without it the "
+                        "service is not ready on such a database and /readyz says why")
     p.add_argument("--cache-mb", type=float, default=256.0,
                    help="MiB of sealed plan slices kept in memory, and again of submitted forests (default 256)")
     r = p.add_argument_group("retention (deleted steps lose their rollouts and plans; the file is compacted)")
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         retain_steps=args.retain_steps,
         max_age_seconds=args.max_age,
         vacuum=args.vacuum,
+        accept_data_loss=args.accept_data_loss,
         cost_model=cost_model,
         model=model,
     )

@@ -123,7 +123,7 @@ class PlannerCore:
         self._closing = False
         self._fault_logged = 0.0
         self.store = open_store(cfg.db_path, synchronous=cfg.synchronous, min_free_bytes=cfg.min_free_bytes,
-                                on_fault=self._storage_changed)
+                                on_fault=self._storage_changed, accept_data_loss=cfg.accept_data_loss)
         self._storage_healthy = self.store.fault is None
         self.metrics.storage_ok.set(0 if self.store.fault else 1)
         self.metrics.steps_waiting.set_function(self._count_unplanned)
@@ -158,6 +158,7 @@ class PlannerCore:
         elif time.monotonic() - self._fault_logged > 1.0:  # not just logged by _storage_changed
             log.warning("storage fault, not ready until it clears: %s", fault)
         self.store.listen(self._step_changed)
+        self.store.watch_files()
         self._started = True
         self._maintenance.start(resume=fault is not None)
         self._readiness_changed()

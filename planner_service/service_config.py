@@ -103,6 +103,10 @@ class ServiceConfig:
     resume_seconds: float = 1.0
     """Shared (PostgreSQL) stores: how often a replica looks for plans that a replica which died
     left unfinished (their planning lock is free) and plans them."""
+    accept_data_loss: bool = False
+    """SQLite: serve a database that lacks writes the service acknowledged (deleted, replaced or
+    restored from an older copy while it was down or killed; `store.acked`) as it is. Without it
+    the service stays not ready on such a database, saying why."""
     vacuum: bool = False
     """VACUUM the database once at start, before the service is ready (converts a database of an
     earlier version to incremental auto-vacuum, so that deletions shrink the file)."""

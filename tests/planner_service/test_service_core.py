@@ -475,7 +475,7 @@ def test_plans_are_stored_compressed_and_served_byte_identical(tmp_path):
         c.close()
 
 
-def _sqlite_core(tmp_path, monkeypatch, free: list[int]):
+def _sqlite_core(tmp_path, monkeypatch, free: list[int], **settings):
     import shutil
 
     real = shutil.disk_usage
@@ -485,9 +485,32 @@ def _sqlite_core(tmp_path, monkeypatch, free: list[int]):
         return shutil._ntuple_diskusage(u.total, u.total - free[0], free[0])
 
     monkeypatch.setattr(shutil, "disk_usage", usage)
-    c = PlannerCore(ServiceConfig(db_path=str(tmp_path / "space.db"), min_free_bytes=1 << 20, storage_probe_seconds=0.05))
+    c = PlannerCore(ServiceConfig(db_path=str(tmp_path / "space.db"), min_free_bytes=1 << 20, storage_probe_seconds=0.05,
+                                  **settings))
     c.start()
     return c
+
+
+def test_deleting_and_retention_go_on_while_the_disk_is_short_of_space(tmp_path, monkeypatch):
+    """The audit: on a full disk `DELETE /v1/steps/{id}` answered 503 (8 of 8) and retention was
+    blocked the same way, so the disk could not be freed through the API."""
+    free = [1 << 30]
+    c = _sqlite_core(tmp_path, monkeypatch, free, max_age_seconds=3600.0)
+    try:
+        for name in ("a", "b", "c"):
+            c.submit(_body(rollout_doc(name, seed=len(name))), "json")
+        free[0] = 1000
+        _until(lambda: not c.ready)
+        with pytest.raises(StorageError):
+            c.submit(_body(rollout_doc("d", seed=4)), "json")  # a write that takes space is refused
+        assert c.delete("a").step_id == "a"  # one that frees space is not
+        c._maintenance.max_age_seconds = 1e-9  # every step is too old now: retention deletes them
+        c._maintenance.wake()
+        _until(lambda: c.list_steps() == [])
+        assert 'harts_steps_deleted_total{cause="retention"} 2.0' in c.metrics.render().decode()
+        assert not c.ready  # the (simulated) disk is still full
+    finally:
+        c.close()
 
 
 def test_a_plan_that_does_not_fit_on_the_disk_waits_while_small_writes_go_on(tmp_path, monkeypatch):
