@@ -297,13 +297,14 @@ class ServerProcess:
         token: bearer token, or None.
         extra: further `harts serve` arguments.
         log_path: where stdout/stderr go (a temp file by default).
-        timeout: seconds `start` waits.
+        timeout: seconds `start` waits (a first start compiles the Numba code: over 90 s on a loaded
+            2-core machine).
         http_port, grpc_port: ports to listen on (0: chosen by the OS at each start; a fixed port
             lets a restarted server keep its URL).
     """
 
     def __init__(self, db: str | Path, *, token: str | None = None, extra: list[str] | None = None,
-                 log_path: str | Path | None = None, timeout: float = 120.0, http_port: int = 0, grpc_port: int = 0):
+                 log_path: str | Path | None = None, timeout: float = 600.0, http_port: int = 0, grpc_port: int = 0):
         self.http_port, self.grpc_port = http_port, grpc_port
         self.db = str(db)
         self.token = token
