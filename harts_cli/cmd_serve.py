@@ -8,7 +8,9 @@ planned at once for that default topology. With a PostgreSQL --db, any number of
 the same steps (clients take their URLs separated by commas). The token may also come from the
 HARTS_TOKEN environment variable. `--cost-model F` (from `harts calibrate`) and `--model CFG` (a
 config.json path or a named config) apply to every topology that names none: placement balances
-with that cost model and the memory model sizes open windows from that model.
+with that cost model and the memory model sizes open windows from that model. SQLite: a database
+that lacks writes the service acknowledged (`<db>.acked` says how many) keeps the service not
+ready until it is started once with --accept-data-loss. SIGTERM and SIGINT drain and exit 0.
 """
 from __future__ import annotations
 
