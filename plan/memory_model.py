@@ -56,10 +56,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 #: [low, high] of every integer `ModelDims.from_hf_config` reads, checked before anything is built.
 #: Far above the published hybrid and large models (Qwen3-Next-80B-A3B: 48 layers, hidden 2048, 512
-#: experts; `plan.named_models.hybrid_moe_124b`: 60 layers, hidden 2560; MiniMax-Text-01: 80 layers,
-#: hidden 6144; Nemotron-H-56B: 118 layers; Llama-3.1-405B: 126 layers, hidden 16384, 128 heads,
-#: MLP 53248; Gemma 3: vocabulary 262,144) and far below what exhausts the planner (a 930-byte
-#: document with 10^7 layers held it for 271 s at 13.9 GB).
+#: experts; `plan.named_models.hybrid_moe_124b`: 60 layers, hidden 2560; Llama-3.1-405B: 126 layers,
+#: hidden 16384, 128 heads, MLP 53248; Gemma 3: vocabulary 262,144) and far below what exhausts the
+#: planner (a 930-byte document with 10^7 layers held it for 271 s at 13.9 GB).
 HF_CONFIG_BOUNDS: dict[str, tuple[int, int]] = {
     "num_hidden_layers": (1, 1024),
     "full_attention_interval": (1, 1024),

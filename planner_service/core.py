@@ -14,9 +14,9 @@ Flow of a step:
     delete(step)  -> the step, its body and its slices leave the database and the caches
 
 Blocking work (ingest, SQLite, planning) never runs on the event loop: the async methods hand it to
-worker threads, three pools that cannot hold each other up (planning; reads: status, list, slices;
-submissions and deletions), and concurrent plans of one step are serialised by a per-step lock. Long-polls wait
-on an event that planning sets, not on a sleep loop.
+three pools of worker threads that cannot hold each other up (planning; reads: status, list,
+slices; submissions and deletions), and concurrent plans of one step are serialised by a per-step
+lock. Long-polls wait on an event that planning sets, not on a sleep loop.
 
 Storage faults (`store.py`): the service is not ready while the database cannot be written, every
 request that needs a write answers StorageError (503) naming the reason, and a plan that could not

@@ -164,8 +164,7 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
     extra = {}
     for name, text in (("model", topo.model or model), ("cost_model", topo.cost_model or cost_model)):
         if text:
-            doc = _document(f"topology.{name}", text, "cost model" if name == "cost_model" else "config.json")
-            extra[name] = _from_document(name, doc) if name == "cost_model" else doc
+            extra[name] = _document(f"topology.{name}", text, "cost model" if name == "cost_model" else "config.json")
     try:
         cfg = PlanConfig(
             world_size=topo.world_size,
@@ -179,7 +178,7 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
             dtype=topo.dtype or "float32",
             lockstep=topo.lockstep,
             cross_rank_windows=not topo.no_cross_rank_windows,
-            **({"cost_model": extra["cost_model"]} if "cost_model" in extra else {}),
+            **({"cost_model": CostModel.from_dict(extra["cost_model"])} if "cost_model" in extra else {}),
         )
         row_bytes = cfg.sizes.activation_row_bytes
     except ValueError as exc:
@@ -212,13 +211,6 @@ def _document(field: str, text: str, what: str) -> Any:
                                              "levels deep, got deeper")
             stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict) else value))
     return doc
-
-
-def _from_document(name: str, doc: Any) -> CostModel:
-    try:
-        return CostModel.from_dict(doc)
-    except ValueError as exc:
-        raise _topology_error(exc) from None
 
 
 def _topology_error(exc: ValueError) -> ValidationError:

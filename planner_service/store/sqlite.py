@@ -25,8 +25,9 @@ Disk space: a write that would leave less than `min_free_bytes` free is refused 
 (not ready) only while less than `min_free_bytes` is free, so small writes go on when a plan does
 not fit. Opening a database on a full disk still serves reads. Deleting and compacting go on
 while the disk is full (`short_of_space`), and need no new disk space: freed pages are not
-overwritten (`secure_delete=FAST`), the WAL keeps up to `_WAL_KEEP_BYTES` of its blocks for their
-frames, and compaction moves `_VACUUM_PAGES` pages per checkpointed transaction.
+overwritten (`secure_delete=FAST`, so a deletion changes a few pages), the WAL keeps up to
+`_WAL_KEEP_BYTES` of its blocks after a checkpoint, and compaction moves no more pages per
+checkpointed transaction than those blocks take.
 
 Retention and compaction: `delete` removes a step with its body and slices; `expired` names the
 steps a count or age policy drops; `compact` returns the freed pages to the file system
@@ -95,12 +96,12 @@ CREATE TABLE IF NOT EXISTS meta (
 _WATCH_S = 0.1
 """Seconds between two looks at the database and WAL files (`watch_files`)."""
 
-_WAL_KEEP_BYTES = 8 << 20
+_WAL_KEEP_BYTES = 16 << 20
 """WAL size kept after a checkpoint (`journal_size_limit`): its blocks take the frames of a
 deletion or a compaction step on a full disk."""
 
-_VACUUM_PAGES = 32
-"""Pages one compaction transaction gives back (2 MiB of 64 KiB pages: within the kept WAL)."""
+_VACUUM_PAGES = 256
+"""Pages one compaction transaction gives back while the disk has room (16 MiB of 64 KiB pages)."""
 
 #: SQLite errors that mean the storage, not the statement, is at fault (full, read-only, I/O,
 #: locked, corrupt). Integrity and programming errors are bugs and propagate unchanged.
@@ -250,6 +251,10 @@ class SQLiteStore:
         return None
 
     def _read_identity(self, db: sqlite3.Connection) -> None:
+        """The database's id and acknowledged writes (none in a database of an earlier version)."""
+        if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
+            self._database_id, self._writes = "", 0
+            return
         meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('database_id', 'writes')").fetchall())
         self._database_id, self._writes = str(meta.get("database_id", "")), int(meta.get("writes", 0))
 
@@ -507,6 +512,9 @@ class SQLiteStore:
                         self._check_file()
                     except StorageError:
                         pass  # the fault is set and logged
+                    except Exception:
+                        log.exception("watching %s failed; the probe and every write still check it", self.path)
+                        return
 
         self._watch = threading.Thread(target=run, name="harts-db-watch", daemon=True)
         self._watch.start()
@@ -708,13 +716,13 @@ class SQLiteStore:
     def compact(self, *, vacuum: bool = False) -> int:
         """Give free pages back to the file system. Returns the bytes freed.
 
-        Databases created with incremental auto-vacuum (every new one) shrink in place,
-        `_VACUUM_PAGES` pages per checkpointed transaction, so that compaction needs no disk
-        space and goes on while the disk is short of it. An older database only reuses its free
-        pages, unless `vacuum`: one VACUUM then converts it, writing a copy of the whole file
-        while every other database call waits, so it is never run behind the users' back (`harts
-        serve --vacuum` runs it before the service is ready), and only when the disk has room for
-        twice the file.
+        Databases created with incremental auto-vacuum (every new one) shrink in place, in
+        checkpointed transactions between which other calls go on: `_VACUUM_PAGES` pages each,
+        or, while the disk is short of space, as many as the WAL's blocks hold, so that compaction
+        needs no new disk space. An older database only reuses its free pages, unless `vacuum`:
+        one VACUUM then converts it, writing a copy of the whole file while every other database
+        call waits, so it is never run behind the users' back (`harts serve --vacuum` runs it
+        before the service is ready), and only when the disk has room for twice the file.
         """
         with self._op("compacting", write=True, frees=not vacuum) as db:
             before = self._file_bytes()
@@ -725,27 +733,49 @@ class SQLiteStore:
                     log.warning("%s predates incremental auto-vacuum: space of deleted steps is reused but the file "
                                 "does not shrink; restart once with `harts serve --vacuum` to convert it", self.path)
                 return 0
-            if mode == 2:
-                while db.execute("PRAGMA freelist_count").fetchone()[0]:
-                    db.execute("BEGIN IMMEDIATE")
-                    for _ in range(_VACUUM_PAGES):  # one statement frees one page (Python steps it once)
-                        db.execute("PRAGMA incremental_vacuum").fetchall()
-                    db.execute("COMMIT")
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # truncates the file
-            elif self.path != ":memory:":
-                need = 2 * before
-                free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
-                if free < need:
-                    log.warning("not compacting %s: VACUUM needs about %d free bytes, the disk has %d",
-                                self.path, need, free)
-                    return 0
-                t0 = time.perf_counter()
-                db.execute("PRAGMA auto_vacuum=INCREMENTAL")
-                db.execute("VACUUM")
-                db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-                log.info("vacuumed %s in %.1f s (incremental auto-vacuum from now on)", self.path,
-                         time.perf_counter() - t0)
-            return max(0, before - self._file_bytes())
+            if mode != 2:
+                if self.path != ":memory:":
+                    self._vacuum(db, before)
+                return max(0, before - self._file_bytes())
+            pages = db.execute("PRAGMA freelist_count").fetchone()[0]
+        while pages > 0:
+            with self._op("compacting", write=True, frees=True) as db:
+                db.execute("BEGIN IMMEDIATE")
+                for _ in range(min(pages, self._vacuum_chunk(db))):  # a statement frees one page (Python steps it once)
+                    db.execute("PRAGMA incremental_vacuum").fetchall()
+                db.execute("COMMIT")
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # truncates the database file
+                left = db.execute("PRAGMA freelist_count").fetchone()[0]
+            if left >= pages:
+                break
+            pages = left
+        return max(0, before - self._file_bytes())
+
+    def _vacuum_chunk(self, db: sqlite3.Connection) -> int:
+        """Pages one compaction transaction moves: `_VACUUM_PAGES`, or, while the disk is short of
+        space, what the WAL's blocks hold (a moved page takes a frame, its parent and pointer-map
+        pages up to two more)."""
+        if not self.short_of_space:
+            return _VACUUM_PAGES
+        try:
+            frames = os.path.getsize(self.path + "-wal") // (db.execute("PRAGMA page_size").fetchone()[0] + 24)
+        except OSError:
+            frames = 0
+        return max(1, frames // 3)
+
+    def _vacuum(self, db: sqlite3.Connection, size: int) -> None:
+        """Convert a database of an earlier version to incremental auto-vacuum (one VACUUM), when
+        the disk has room for the copy."""
+        need = 2 * size
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
+        if free < need:
+            log.warning("not compacting %s: VACUUM needs about %d free bytes, the disk has %d", self.path, need, free)
+            return
+        t0 = time.perf_counter()
+        db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        db.execute("VACUUM")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        log.info("vacuumed %s in %.1f s (incremental auto-vacuum from now on)", self.path, time.perf_counter() - t0)
 
     def _file_bytes(self) -> int:
         if self.path == ":memory:":
