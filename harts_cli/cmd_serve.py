@@ -8,7 +8,9 @@ planned at once for that default topology. With a PostgreSQL --db, any number of
 the same steps (clients take their URLs separated by commas). The token may also come from the
 HARTS_TOKEN environment variable. `--cost-model F` (from `harts calibrate`) and `--model CFG` (a
 config.json path or a named config) apply to every topology that names none: placement balances
-with that cost model and the memory model sizes open windows from that model.
+with that cost model and the memory model sizes open windows from that model. SQLite: a database
+that lacks writes the service acknowledged (`<db>.acked` says how many) keeps the service not
+ready until it is started once with --accept-data-loss. SIGTERM and SIGINT drain and exit 0.
 """
 from __future__ import annotations
 
@@ -53,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-free-mb", type=float, default=64.0,
                    help="SQLite: disk space (MiB) that writes leave free; below it writes get 503 and the service is "
                         "not ready, so a full disk recovers as soon as space is freed (default 64; 0: none)")
+    p.add_argument("--accept-data-loss", action="store_true",
+                   help="SQLite: serve a database that lacks writes the service acknowledged (deleted, replaced or "
+                        "restored from an older copy while the service was down or killed) as it is; without it the "
+                        "service is not ready on such a database and /readyz says why")
     p.add_argument("--cache-mb", type=float, default=256.0,
                    help="MiB of sealed plan slices kept in memory, and again of submitted forests (default 256)")
     r = p.add_argument_group("retention (deleted steps lose their rollouts and plans; the file is compacted)")
@@ -117,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         retain_steps=args.retain_steps,
         max_age_seconds=args.max_age,
         vacuum=args.vacuum,
+        accept_data_loss=args.accept_data_loss,
         cost_model=cost_model,
         model=model,
     )

@@ -15,7 +15,10 @@ stays with the one that answers. Backoff starts when every URL has failed in a r
 
 Fetched plan slices are verified with `plan.seal.open_sealed`, against the `X-Harts-Checksum`
 header, and against what was asked for (step id, rank, and the trainer's world size when given);
-a corrupted or misdirected slice is fetched again, then refused.
+a corrupted or misdirected slice is fetched again, then refused. Submissions carry the SHA-256 of
+their body (`X-Harts-Body-Sha256`): the service refuses a body that arrives altered (DATA_LOSS,
+nothing stored) and answers the digest of what it stored, which the client compares; either
+mismatch is sent again, then raised as `IntegrityError`.
 
     from harts_client.client import PlannerClient
     client = PlannerClient("http://planner-a:8000,http://planner-b:8000", token=os.environ.get("HARTS_TOKEN"))
@@ -30,6 +33,7 @@ Command line (the compose demo generator uses it):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -49,14 +53,18 @@ from plan.seal import ChecksumError, open_sealed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlannerClient", "PlannerError", "RetryPolicy", "ChecksumError", "WrongSliceError", "planner_urls"]
+__all__ = ["PlannerClient", "PlannerError", "IntegrityError", "RetryPolicy", "ChecksumError", "WrongSliceError",
+           "planner_urls"]
 
 PROTOBUF = "application/x-protobuf"
+BODY_SHA256_HEADER = "X-Harts-Body-Sha256"
+"""The SHA-256 of a submission's body, sent with it and compared with the answer's `body_sha256`."""
 _MAX_RETRY_AFTER_S = 30.0
 _ANSWER_MARGIN_S = 0.5
 """A long-poll asks the server to answer this long before the caller's deadline."""
 _BAD_SLICE_ATTEMPTS = 8
-"""Fetches of a corrupted or misdirected slice at most, when the retry policy sets no cap."""
+"""Fetches of a corrupted or misdirected slice (or submissions whose digest does not match) at
+most, when the retry policy sets no cap."""
 
 
 class PlannerError(Exception):
@@ -71,6 +79,13 @@ class PlannerError(Exception):
     def __init__(self, status: int, code: str, message: str, field: str | None = None):
         super().__init__(f"{status} {code}: {message}")
         self.status, self.code, self.message, self.field = status, code, message, field
+
+
+class IntegrityError(PlannerError):
+    """A submission whose bytes, or whose answer, kept arriving altered (`body_sha256`)."""
+
+    def __init__(self, message: str):
+        super().__init__(0, "DATA_LOSS", message)
 
 
 class WrongSliceError(ChecksumError):
@@ -253,7 +268,12 @@ class PlannerClient:
                 no_windows: plan at once for this topology.
 
         Returns:
-            {"status": {...}, "duplicate": bool}.
+            {"status": {...}, "duplicate": bool, "body_sha256": str}.
+
+        Raises:
+            IntegrityError: every attempt's answer named other bytes than those sent (a body altered
+                in transit is refused by the service and sent again; an answer that names other
+                bytes is asked for again, as a duplicate).
         """
         if isinstance(batch, dict):
             body = json.dumps(batch, separators=(",", ":")).encode()
@@ -261,10 +281,31 @@ class PlannerClient:
             body, content_type = batch.SerializeToString(deterministic=True), PROTOBUF
         else:
             body = bytes(batch)
+        digest = hashlib.sha256(body).hexdigest()
         params = {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in topology.items() if v is not None}
-        resp = self._request("POST", "/v1/steps", content=body, params=params, headers={"Content-Type": content_type},
-                             deadline=self._deadline(timeout))
-        return resp.json()
+        headers = {"Content-Type": content_type, BODY_SHA256_HEADER: digest}
+        deadline = self._deadline(timeout)
+        cap = self.retry.attempts or _BAD_SLICE_ATTEMPTS
+        for attempt in range(1, cap + 1):
+            try:
+                resp = self._request("POST", "/v1/steps", content=body, params=params, headers=headers, deadline=deadline)
+                answer = resp.json()
+                got = answer.get("body_sha256") if isinstance(answer, dict) else None
+                if got == digest:
+                    return answer
+                problem = f"{BODY_SHA256_HEADER}: sent the body's SHA-256 {digest}, the service answered {got!r}"
+            except PlannerError as exc:
+                if exc.code != "DATA_LOSS":
+                    raise
+                problem = exc.message  # the service received other bytes than those sent and stored nothing
+            except ValueError:
+                problem = "the answer is not JSON"
+            log.warning("submit: %s (attempt %d/%d)", problem, attempt, cap)
+            pause = self.retry.delay(attempt)
+            if attempt == cap or time.monotonic() + pause >= deadline:
+                break
+            time.sleep(pause)
+        raise IntegrityError(f"submit: {problem}; {attempt} attempt(s)")
 
     def plan(self, step_id: str, *, world_size: int, timeout: float | None = None, **topology) -> dict:
         """Plan a stored step for a topology; returns its status."""

@@ -67,6 +67,41 @@ CHECKPOINTING = ("none", "full", "selective")
 HEADS = ("full", "chunked")
 
 
+#: [low, high] of every integer `ModelDims.from_hf_config` reads, checked before anything is built.
+#: Far above the published hybrid and large models (Qwen3-Next-80B-A3B: 48 layers, hidden 2048, 512
+#: experts; `plan.named_models.hybrid_moe_124b`: 60 layers, hidden 2560; Llama-3.1-405B: 126 layers,
+#: hidden 16384, 128 heads, MLP 53248; Gemma 3: vocabulary 262,144) and far below what exhausts the
+#: planner (a 930-byte document with 10^7 layers held it for 271 s at 13.9 GB).
+HF_CONFIG_BOUNDS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, 1024),
+    "full_attention_interval": (1, 1024),
+    "decoder_sparse_step": (1, 1024),
+    "hidden_size": (1, 1 << 16),
+    "vocab_size": (1, 1 << 22),
+    "num_attention_heads": (0, 1024),
+    "num_key_value_heads": (0, 1024),
+    "head_dim": (0, 1024),
+    "linear_num_key_heads": (0, 1024),
+    "linear_num_value_heads": (0, 1024),
+    "linear_key_head_dim": (0, 1024),
+    "linear_value_head_dim": (0, 1024),
+    "linear_conv_kernel_dim": (1, 64),
+    "intermediate_size": (0, 1 << 18),
+    "num_experts": (0, 4096),
+    "num_experts_per_tok": (0, 4096),
+    "moe_intermediate_size": (0, 1 << 18),
+    "shared_expert_intermediate_size": (0, 1 << 18),
+}
+
+
+def _shown(v) -> str:
+    """A value for an error message, at most 80 characters (an integer of 10^400 included)."""
+    if isinstance(v, int) and v.bit_length() > 200:
+        return f"an integer of about {int(v.bit_length() * 0.30103) + 1} digits"
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 @dataclass(slots=True, kw_only=True, frozen=True)
 class ModelDims:
     """The dimensions of a Qwen3-Next-style hybrid model that decide activation sizes.
@@ -143,8 +178,12 @@ class ModelDims:
         Hugging Face defaults; `layer_types` falls back to `full_attention_interval`, MoE layers to
         `decoder_sparse_step` and `mlp_only_layers`, as in `Qwen3NextConfig`).
 
+        Every size is checked against `HF_CONFIG_BOUNDS` before anything is built, so that a
+        document of a few bytes cannot make the caller build per-layer lists of 10^7 entries.
+
         Raises:
-            ValueError: not a dict, a missing or malformed key, naming it.
+            ValueError: not a dict, a missing or malformed key, or a value outside its bound,
+                naming the key ("model config <key>: expected ...").
         """
         if not isinstance(d, dict):
             raise ValueError(f"model config: expected a config.json object, got {type(d).__name__}")
@@ -153,8 +192,11 @@ class ModelDims:
             v = d.get(key, default)
             if v is None:
                 raise ValueError(f"model config {key}: expected an integer, got none")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-                raise ValueError(f"model config {key}: expected an integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+                raise ValueError(f"model config {key}: expected an integer, got {_shown(v)}")
+            lo, hi = HF_CONFIG_BOUNDS[key]
+            if not lo <= v <= hi:
+                raise ValueError(f"model config {key}: expected an integer in [{lo}, {hi}], got {_shown(v)}")
             return int(v)
 
         n_layers = num("num_hidden_layers")
@@ -163,14 +205,25 @@ class ModelDims:
             interval = num("full_attention_interval", 4)
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
         if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-            raise ValueError(f"model config layer_types: expected a list of {n_layers} layer types, got {layer_types!r}")
+            got = f"{len(layer_types)} entries" if isinstance(layer_types, list) else _shown(layer_types)
+            raise ValueError(f"model config layer_types: expected a list of {n_layers} layer types, got {got}")
         heads = num("num_attention_heads")
         head_dim = num("head_dim", num("hidden_size") // max(heads, 1))
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        factor = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) if isinstance(rope, dict) else 1.0)
+        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) if isinstance(rope, dict) else 1.0
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor <= 1:
+            raise ValueError(f"model config partial_rotary_factor: expected a number in [0, 1], got {_shown(factor)}")
         experts = num("num_experts", 0)
-        step = max(num("decoder_sparse_step", 1), 1)
-        mlp_only = set(d.get("mlp_only_layers") or [])
+        top_k = num("num_experts_per_tok", 0) if experts else 0
+        if top_k > experts:
+            raise ValueError(f"model config num_experts_per_tok: expected at most num_experts ({experts}), got {top_k}")
+        step = num("decoder_sparse_step", 1)
+        mlp_only = d.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in mlp_only):
+            raise ValueError(f"model config mlp_only_layers: expected a list of layer indices in [0, {n_layers}), "
+                             f"got {_shown(mlp_only)}")
+        mlp_only = set(mlp_only)
         return cls(
             hidden_size=num("hidden_size"), layer_types=tuple(layer_types), vocab_size=num("vocab_size"),
             num_attention_heads=heads, num_key_value_heads=num("num_key_value_heads", heads), head_dim=head_dim,
@@ -178,7 +231,7 @@ class ModelDims:
             linear_num_key_heads=num("linear_num_key_heads", 16), linear_num_value_heads=num("linear_num_value_heads", 32),
             linear_key_head_dim=num("linear_key_head_dim", 128), linear_value_head_dim=num("linear_value_head_dim", 128),
             linear_conv_kernel_dim=num("linear_conv_kernel_dim", 4), intermediate_size=num("intermediate_size", 0),
-            num_experts=experts, num_experts_per_tok=num("num_experts_per_tok", 0) if experts else 0,
+            num_experts=experts, num_experts_per_tok=top_k,
             moe_intermediate_size=num("moe_intermediate_size", 0) if experts else 0,
             shared_expert_intermediate_size=num("shared_expert_intermediate_size", 0) if experts else 0,
             moe_layers=tuple(experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(n_layers)),

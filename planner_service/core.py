@@ -14,8 +14,9 @@ Flow of a step:
     delete(step)  -> the step, its body and its slices leave the database and the caches
 
 Blocking work (ingest, SQLite, planning) never runs on the event loop: the async methods hand it to
-worker threads, and concurrent plans of one step are serialised by a per-step lock. Long-polls wait
-on an event that planning sets, not on a sleep loop.
+three pools of worker threads that cannot hold each other up (planning; reads: status, list,
+slices; submissions and deletions), and concurrent plans of one step are serialised by a per-step
+lock. Long-polls wait on an event that planning sets, not on a sleep loop.
 
 Storage faults (`store.py`): the service is not ready while the database cannot be written, every
 request that needs a write answers StorageError (503) naming the reason, and a plan that could not
@@ -27,6 +28,7 @@ failed-to-store plans run again. The same thread applies the retention policy (`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import threading
@@ -43,6 +45,7 @@ from planner_service.digest import DIGEST_VERSION, forest_digest
 from planner_service.errors import (
     ConflictError,
     HartsError,
+    IntegrityError,
     LimitError,
     NotFoundError,
     NotReadyError,
@@ -72,6 +75,10 @@ log = logging.getLogger(__name__)
 
 _SHARED_POLL_S = 2.0
 """Longest wait of a long-poll between two looks at a shared (PostgreSQL) store."""
+
+_READ_WORKERS = 4
+"""Threads of the read pool (status, list, plan slices); submissions and deletions run in the
+event loop's default pool, plans in the planning pool."""
 
 __all__ = ["ServiceConfig", "PlannerCore", "topology_to_config", "MAX_WORLD_SIZE", "DEFAULT_MICROBATCH_TOKENS"]
 
@@ -116,11 +123,14 @@ class PlannerCore:
         self._closing = False
         self._fault_logged = 0.0
         self.store = open_store(cfg.db_path, synchronous=cfg.synchronous, min_free_bytes=cfg.min_free_bytes,
-                                on_fault=self._storage_changed)
+                                on_fault=self._storage_changed, accept_data_loss=cfg.accept_data_loss)
         self._storage_healthy = self.store.fault is None
         self.metrics.storage_ok.set(0 if self.store.fault else 1)
         self.metrics.steps_waiting.set_function(self._count_unplanned)
         self._plan_pool = ThreadPoolExecutor(max_workers=cfg.plan_workers, thread_name_prefix="harts-plan")
+        # reads (status, list, slices) have threads of their own: plans and submissions, however
+        # many or slow, never hold up a GET (six slow submissions once filled the shared pool)
+        self._read_pool = ThreadPoolExecutor(max_workers=_READ_WORKERS, thread_name_prefix="harts-read")
         self._maintenance = Maintenance(
             self.store, probe_seconds=cfg.storage_probe_seconds, retain_steps=cfg.retain_steps,
             max_age_seconds=cfg.max_age_seconds, resume=self.resume_pending,
@@ -148,6 +158,7 @@ class PlannerCore:
         elif time.monotonic() - self._fault_logged > 1.0:  # not just logged by _storage_changed
             log.warning("storage fault, not ready until it clears: %s", fault)
         self.store.listen(self._step_changed)
+        self.store.watch_files()
         self._started = True
         self._maintenance.start(resume=fault is not None)
         self._readiness_changed()
@@ -190,6 +201,7 @@ class PlannerCore:
         self.stop_serving()
         self._maintenance.stop()
         self._plan_pool.shutdown(wait=True, cancel_futures=True)
+        self._read_pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
     def _storage_changed(self, reason: str | None) -> None:
@@ -271,19 +283,22 @@ class PlannerCore:
             limit = min(limit, self.cfg.limits.max_body_bytes)
         return limit
 
-    def submit(self, body: bytes | bytearray, fmt: str,
-               topology: planner_pb2.Topology | None = None) -> planner_pb2.SubmitRolloutsResponse:
+    def submit(self, body: bytes | bytearray, fmt: str, topology: planner_pb2.Topology | None = None, *,
+               body_sha256: str = "") -> planner_pb2.SubmitRolloutsResponse:
         """Validate and store a step's rollouts; plan them in the background if a topology applies.
 
         Idempotency compares content: the same batch_id with the same content (however it was
         serialised: JSON spelling, key order, or protobuf) is a duplicate; with other content it
-        is a conflict.
+        is a conflict. The response's `body_sha256` is the SHA-256 of `body`, which is stored as
+        it came.
 
         Args:
             body: the JSON document (fmt "json") or RolloutBatch bytes (fmt "proto").
             topology: plan for this topology at once (else the configured default, if any).
+            body_sha256: the hex SHA-256 the client computed over `body` ("": not checked).
 
         Raises:
+            IntegrityError: `body` is not what the client digested (nothing is stored).
             ValidationError / LimitError: the batch is invalid or too large (nothing is stored).
             ConflictError: the batch_id is stored with other content.
             StorageError: the database cannot be written (nothing is stored).
@@ -291,6 +306,7 @@ class PlannerCore:
         limit = self._body_limit()
         if len(body) > limit:
             raise _too_large(len(body), limit)
+        digest = _body_digest(body, body_sha256)
         if fmt == "json":
             forest = ingest.forest_from_json(body, self.cfg.limits)
         elif fmt == "proto":
@@ -303,19 +319,27 @@ class PlannerCore:
             del batch
         else:
             raise ValueError(f"fmt: expected 'json' or 'proto', got {fmt!r}")
-        return self._store_forest(forest, fmt, body, topology)
+        return self._store_forest(forest, fmt, body, digest, topology)
 
-    def submit_message(self, batch: rollouts_pb2.RolloutBatch,
-                       topology: planner_pb2.Topology | None = None) -> planner_pb2.SubmitRolloutsResponse:
-        """`submit` for an already parsed RolloutBatch (gRPC); stores its serialisation."""
-        size = batch.ByteSize()
+    def submit_message(self, batch: rollouts_pb2.RolloutBatch, topology: planner_pb2.Topology | None = None, *,
+                       body: bytes | None = None, body_sha256: str = "") -> planner_pb2.SubmitRolloutsResponse:
+        """`submit` for an already parsed RolloutBatch (gRPC).
+
+        Args:
+            body: the batch's bytes as they arrived (stored and digested as they are); None: its
+                serialisation.
+            body_sha256: as in `submit`, over `body`.
+        """
+        if body is None:
+            body = batch.SerializeToString()
         limit = self._body_limit()
-        if size > limit:
-            raise _too_large(size, limit)
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
+        digest = _body_digest(body, body_sha256)
         forest = ingest.forest_from_proto(batch, self.cfg.limits)
-        return self._store_forest(forest, "proto", batch.SerializeToString(), topology)
+        return self._store_forest(forest, "proto", body, digest, topology)
 
-    def _store_forest(self, forest: Forest, fmt: str, body: bytes | bytearray,
+    def _store_forest(self, forest: Forest, fmt: str, body: bytes | bytearray, body_sha256: str,
                       topology: planner_pb2.Topology | None) -> planner_pb2.SubmitRolloutsResponse:
         check_step_id(forest.batch_id, "batch_id")
         if topology is not None and topology.ByteSize() == 0:
@@ -357,7 +381,7 @@ class PlannerCore:
         elif topo_cfg is not None and rec.state == SUBMITTED and rec.topology is None:
             self.store.request_plan(rec.step_id, normalized_topology(topo_cfg).SerializeToString(deterministic=True))
             self._queue_plan(rec.step_id, normalized_topology(topo_cfg))
-        return planner_pb2.SubmitRolloutsResponse(status=self._status(rec), duplicate=duplicate)
+        return planner_pb2.SubmitRolloutsResponse(status=self._status(rec), duplicate=duplicate, body_sha256=body_sha256)
 
     def _same_content(self, old: StepRecord, digest: str) -> bool:
         if old.body_sha256 == digest:
@@ -557,7 +581,7 @@ class PlannerCore:
             while True:
                 event.clear()
                 try:
-                    return await asyncio.to_thread(self.fetch, step_id, rank)
+                    return await loop.run_in_executor(self._read_pool, self.fetch, step_id, rank)
                 except (NotReadyError, NotFoundError, StorageError) as exc:
                     if isinstance(exc, NotFoundError) and exc.message.startswith("rank:"):
                         raise
@@ -664,23 +688,37 @@ class PlannerCore:
 
     # ---- async wrappers (run the blocking work off the event loop)
 
-    async def submit_async(self, body: bytes, fmt: str, topology: planner_pb2.Topology | None = None):
-        return await asyncio.to_thread(self.submit, body, fmt, topology)
+    async def submit_async(self, body: bytes, fmt: str, topology: planner_pb2.Topology | None = None, *,
+                           body_sha256: str = ""):
+        return await asyncio.to_thread(self.submit, body, fmt, topology, body_sha256=body_sha256)
 
-    async def submit_message_async(self, batch: rollouts_pb2.RolloutBatch, topology: planner_pb2.Topology | None = None):
-        return await asyncio.to_thread(self.submit_message, batch, topology)
+    async def submit_message_async(self, batch: rollouts_pb2.RolloutBatch, topology: planner_pb2.Topology | None = None,
+                                   *, body: bytes | None = None, body_sha256: str = ""):
+        return await asyncio.to_thread(self.submit_message, batch, topology, body=body, body_sha256=body_sha256)
 
     async def plan_async(self, step_id: str, topology: planner_pb2.Topology) -> planner_pb2.StepStatus:
         return await asyncio.get_running_loop().run_in_executor(self._plan_pool, self.plan, step_id, topology)
 
     async def status_async(self, step_id: str) -> planner_pb2.StepStatus:
-        return await asyncio.to_thread(self.status, step_id)
+        return await asyncio.get_running_loop().run_in_executor(self._read_pool, self.status, step_id)
 
     async def list_steps_async(self, limit: int = 0) -> list[planner_pb2.StepStatus]:
-        return await asyncio.to_thread(self.list_steps, limit)
+        return await asyncio.get_running_loop().run_in_executor(self._read_pool, self.list_steps, limit)
 
     async def delete_async(self, step_id: str) -> planner_pb2.StepStatus:
         return await asyncio.to_thread(self.delete, step_id)
+
+
+def _body_digest(body: bytes | bytearray, expected: str) -> str:
+    """The hex SHA-256 of a submitted body; IntegrityError when the client's `expected` digest
+    ("": none sent) names other bytes."""
+    digest = hashlib.sha256(body).hexdigest()
+    if expected and expected.lower() != digest:
+        shown = expected if len(expected) <= 64 else expected[:61] + "..."
+        raise IntegrityError("body_sha256", f"expected the SHA-256 of the batch bytes received ({digest}), got "
+                             f"{shown!r} from the client: the request was altered in transit; nothing was stored, "
+                             "send it again")
+    return digest
 
 
 def _too_large(size: int, limit: int) -> LimitError:

@@ -22,6 +22,11 @@ class ValidationError(HartsError, ValueError):
         self.field = field
 
 
+class IntegrityError(ValidationError):
+    """The request's bytes are not those the client digested (`body_sha256`): altered in transit.
+    Nothing was stored; the client sends the request again."""
+
+
 class LimitError(HartsError, ValueError):
     """Input larger than a configured limit (request bytes, tokens, trajectories). `field`, when not
     empty, is the document field at which the count crossed the limit."""
@@ -71,6 +76,7 @@ class Unavailable(HartsError):
 
 #: error type -> (HTTP status, gRPC status code name). Most specific first.
 STATUS: list[tuple[type[HartsError], int, str]] = [
+    (IntegrityError, 400, "DATA_LOSS"),
     (ValidationError, 422, "INVALID_ARGUMENT"),
     (LimitError, 413, "RESOURCE_EXHAUSTED"),
     (PlanningError, 400, "FAILED_PRECONDITION"),

@@ -8,6 +8,8 @@ slice bytes verbatim (a pass-through serializer), so both transports serve ident
 the client cancels (or whose deadline passes) is counted with code CANCELLED, not OK.
 
 DeleteStep answers the deleted step's StepStatus, as HTTP `DELETE /v1/steps/{step_id}` does.
+SubmitRollouts stores the request's `batch` bytes as they arrived and answers their SHA-256
+(`body_sha256`); a request whose `body_sha256` names other bytes is DATA_LOSS, nothing stored.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from planner_service.core import PlannerCore
 from planner_service.errors import INTERNAL, AuthError, HartsError, status_of
-from planner_service.wire_errors import wire_error
+from planner_service.wire_errors import field_bytes, wire_error
 from proto.harts.v1 import planner_pb2
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,9 @@ class _Planner:
         async def call():
             req = _parse(planner_pb2.SubmitRolloutsRequest, raw)
             topology = req.topology if req.HasField("topology") else None
-            return await self.core.submit_message_async(req.batch, topology)
+            # the batch's bytes as the client serialised them: stored and digested as they came
+            batch = field_bytes(raw, planner_pb2.SubmitRolloutsRequest.BATCH_FIELD_NUMBER)
+            return await self.core.submit_message_async(req.batch, topology, body=batch, body_sha256=req.body_sha256)
 
         return await self._run("SubmitRollouts", context, call)
 

@@ -5,7 +5,9 @@ Routes (all under /v1 need `Authorization: Bearer <token>` when a token is confi
 
     POST /v1/steps                               submit rollouts (JSON document or
                                                  `Content-Type: application/x-protobuf` RolloutBatch);
-                                                 optional topology in the query plans at once
+                                                 optional topology in the query plans at once;
+                                                 `X-Harts-Body-Sha256` checks the body, the answer
+                                                 carries the SHA-256 of what was stored
     POST /v1/steps/{step_id}/plan                plan a stored step for a topology (JSON body)
     GET  /v1/steps/{step_id}/ranks/{rank}/plan   one rank's sealed PlanSlice (protobuf bytes,
                                                  `X-Harts-Checksum` header), long-poll with ?wait=S
@@ -30,9 +32,10 @@ import asyncio
 import hmac
 import logging
 import time
+from typing import Annotated
 
 import pydantic
-from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -42,18 +45,18 @@ from starlette.requests import ClientDisconnect
 from planner_service.api_docs import ROLLOUT_EXAMPLES, TOPOLOGY_EXAMPLES, add_docs
 from planner_service.http_models import (
     INT32,
-    INT64,
     ErrorBody,
     ErrorDetail,
     Health,
     RolloutBatchDoc,
     StepList,
     StepStatus,
+    SubmitQuery,
     SubmitResponse,
     Topology,
     status_model,
 )
-from planner_service.core import MAX_WORLD_SIZE, PlannerCore
+from planner_service.core import PlannerCore
 from planner_service.errors import (
     INTERNAL,
     RETRY_AFTER_SECONDS,
@@ -66,13 +69,15 @@ from planner_service.errors import (
     status_of,
 )
 from planner_service.metrics import CONTENT_TYPE_LATEST
-from proto.harts.v1 import plan_pb2, planner_pb2
+from proto.harts.v1 import plan_pb2
 
 log = logging.getLogger(__name__)
 
-__all__ = ["create_app", "router", "PROTOBUF", "slice_checksum"]
+__all__ = ["create_app", "router", "PROTOBUF", "BODY_SHA256_HEADER", "slice_checksum"]
 
 PROTOBUF = "application/x-protobuf"
+BODY_SHA256_HEADER = "X-Harts-Body-Sha256"
+"""Request header of POST /v1/steps: the client's SHA-256 of the body (SubmitRolloutsRequest.body_sha256)."""
 _PROTO_TYPES = {PROTOBUF, "application/protobuf", "application/vnd.google.protobuf", "application/octet-stream"}
 _TOPOLOGY_BYTES = 4 * 1024 * 1024
 """Largest plan request body: a topology with its model and cost-model documents (1 MiB each)."""
@@ -94,7 +99,8 @@ def _error_response(status: int, code: str, message: str, field: str | None = No
 
 
 _ERRORS = {
-    400: {"model": ErrorBody, "description": "Planning impossible for these settings (FAILED_PRECONDITION)"},
+    400: {"model": ErrorBody, "description": "Planning impossible for these settings (FAILED_PRECONDITION), or a "
+          "body that is not what the client digested (DATA_LOSS: altered in transit, nothing stored)"},
     401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
     404: {"model": ErrorBody, "description": "Unknown step or rank, or plan not ready after the wait"},
     409: {"model": ErrorBody, "description": "batch_id stored with other content, or step planned for another topology"},
@@ -251,7 +257,10 @@ async def _request_invalid(request: Request, exc: RequestValidationError):
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
     field = ".".join(str(p) for p in first.get("loc", ()))
-    return _error_response(422, "INVALID_ARGUMENT", f"{field}: {first.get('msg', 'invalid')}", field or None)
+    msg = first.get("msg", "invalid")
+    if first.get("type") == "extra_forbidden":  # a query parameter the operation does not have
+        msg = f"expected only the parameters documented at /docs, got unknown parameter {field.rpartition('.')[2]!r}"
+    return _error_response(422, "INVALID_ARGUMENT", f"{field}: {msg}", field or None)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -322,14 +331,10 @@ async def metrics(core: PlannerCore = Depends(_core)):
 )
 async def submit_rollouts(
     request: Request,
-    world_size: int | None = Query(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks"),
-    microbatch_tokens: int = Query(0, ge=0, le=INT32, description="0: the service default"),
-    memory_tokens: int = Query(0, ge=0, le=INT64),
-    chunk_size: int = Query(0, ge=0, le=INT32),
-    no_sharing: bool = Query(False),
-    no_windows: bool = Query(False),
-    lockstep: bool = Query(False, description="Plan lock-step phases (see Topology.lockstep)"),
-    no_cross_rank_windows: bool = Query(False, description="With lockstep: keep windows on their rank (see Topology)"),
+    query: Annotated[SubmitQuery, Query()],
+    body_sha256: str = Header("", alias=BODY_SHA256_HEADER, max_length=128, description=(
+        "Hex SHA-256 of the body as the client sends it: a body that arrives otherwise is refused (400 "
+        "DATA_LOSS, nothing stored; send it again). The response's body_sha256 is the digest of what was received")),
     core: PlannerCore = Depends(_core),
 ) -> SubmitResponse:
     """Store a step's rollouts: validated whole, idempotent by batch_id and content.
@@ -337,7 +342,9 @@ async def submit_rollouts(
     The same batch_id with the same content (in any JSON spelling, or as protobuf) is a
     duplicate; with other content, a conflict (409). With `world_size` (or a service default
     topology) the step is planned at once, in the background; trainers long-poll their slice.
+    An unknown query parameter, or a topology parameter without `world_size`, is a 422 naming it.
     """
+    topology = query.to_proto()
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if ctype in _PROTO_TYPES:
         fmt = "proto"
@@ -346,15 +353,8 @@ async def submit_rollouts(
     else:
         raise ValidationError("Content-Type", f"expected application/json or {PROTOBUF}, got {ctype!r}")
     body = await _read_body(request, core.cfg.max_request_bytes)
-    topology = None
-    if world_size is not None:
-        topology = planner_pb2.Topology(
-            world_size=world_size, microbatch_tokens=microbatch_tokens, memory_tokens=memory_tokens,
-            chunk_size=chunk_size, no_sharing=no_sharing, no_windows=no_windows, lockstep=lockstep,
-            no_cross_rank_windows=no_cross_rank_windows,
-        )
-    resp = await core.submit_async(body, fmt, topology)
-    return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate)
+    resp = await core.submit_async(body, fmt, topology, body_sha256=body_sha256)
+    return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate, body_sha256=resp.body_sha256)
 
 
 @router.post("/v1/steps/{step_id}/plan", response_model=StepStatus, tags=["steps"], name="plan_step",

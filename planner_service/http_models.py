@@ -11,10 +11,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner_service.api_docs import TOPOLOGY_EXAMPLES
-from planner_service.service_config import MAX_WORLD_SIZE
+from planner_service.errors import ValidationError
+from planner_service.service_config import MAX_DOCUMENT_CHARS, MAX_WORLD_SIZE
 from proto.harts.v1 import planner_pb2
 
-__all__ = ["ErrorDetail", "ErrorBody", "Topology", "PlanCandidate", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
+__all__ = ["ErrorDetail", "ErrorBody", "Topology", "SubmitQuery", "PlanCandidate", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
            "RolloutBatchDoc", "status_model", "INT32", "INT64"]
 
 INT32 = 2**31 - 1
@@ -43,9 +44,9 @@ class Topology(BaseModel):
     chunk_size: int = Field(0, ge=0, le=INT32, description="Linear-attention chunk size (power of two); 0: service default")
     no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
     no_windows: bool = Field(False, description="Duplicate prefixes instead of opening sharing windows")
-    model: str = Field("", max_length=1 << 20, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
+    model: str = Field("", max_length=MAX_DOCUMENT_CHARS, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
     dtype: str = Field("", description="Trainer dtype for the memory model (float32, bfloat16); empty: float32")
-    cost_model: str = Field("", max_length=1 << 20, description="Cost model JSON written by `harts calibrate`; empty: service default")
+    cost_model: str = Field("", max_length=MAX_DOCUMENT_CHARS, description="Cost model JSON written by `harts calibrate`; empty: service default")
     lockstep: bool = Field(False, description="Plan lock-step phases (DESIGN §5.7): every rank runs one step of the "
                            "same kind per phase, so that trainers which gather parameters per forward and backward "
                            "(FSDP2 with parallelism.reshard_after_forward) pair their collectives")
@@ -60,6 +61,33 @@ class Topology(BaseModel):
 
     def to_proto(self) -> planner_pb2.Topology:
         return planner_pb2.Topology(**self.model_dump())
+
+
+class SubmitQuery(BaseModel):
+    """Query parameters of `POST /v1/steps`: the topology to plan the step for at once. An unknown
+    parameter is refused (a misspelt `?worldsize=8` would leave the step unplanned while trainers
+    wait), and so are topology parameters without `world_size`."""
+
+    model_config = ConfigDict(extra="forbid")
+    world_size: int | None = Field(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks")
+    microbatch_tokens: int = Field(0, ge=0, le=INT32, description="0: the service default")
+    memory_tokens: int = Field(0, ge=0, le=INT64)
+    chunk_size: int = Field(0, ge=0, le=INT32)
+    no_sharing: bool = False
+    no_windows: bool = False
+    lockstep: bool = Field(False, description="Plan lock-step phases (see Topology.lockstep)")
+    no_cross_rank_windows: bool = Field(False, description="With lockstep: keep windows on their rank (see Topology)")
+
+    def to_proto(self) -> planner_pb2.Topology | None:
+        """The topology to plan for at once (None: no world_size, plan later); ValidationError
+        naming the first topology parameter given without world_size."""
+        if self.world_size is not None:
+            return planner_pb2.Topology(**self.model_dump())
+        given = [name for name in type(self).model_fields if name in self.model_fields_set]
+        if given:
+            raise ValidationError(f"query.{given[0]}", "expected world_size with it (the step is planned at once only "
+                                  "for a topology that names its world size), got no world_size")
+        return None
 
 
 class PlanCandidate(BaseModel):
@@ -143,6 +171,9 @@ class SubmitResponse(BaseModel):
     status: StepStatus
     duplicate: bool = Field(description="True when the batch_id was already stored with the same content "
                             "(however it was serialised)")
+    body_sha256: str = Field(description="Hex SHA-256 of the body the service received and stored (a duplicate's "
+                             "stored batch was compared with it by content): the client compares it with the digest of "
+                             "what it sent; a mismatch means the request or this answer was altered in transit")
 
 
 class StepList(BaseModel):

@@ -6,8 +6,8 @@ a fault starts); while the database is healthy it resumes the plans a fault inte
 waited for disk space (after every probe; with a shared store every `resume_every` seconds too,
 which picks up the plans of a replica that died), deletes what the retention
 policy drops (`retain_steps`: keep the newest N; `max_age_seconds`: keep the younger ones) and
-compacts the file after deletions. `wake` starts a round early (a submission under a count policy,
-a deletion, a fault).
+compacts the file after deletions, also while the disk is short of space (they free it). `wake`
+starts a round early (a submission under a count policy, a deletion, a fault).
 """
 from __future__ import annotations
 
@@ -91,15 +91,19 @@ class Maintenance:
             if self._stop:
                 return
             try:
+                healthy = True
                 if store.fault or time.monotonic() - last_probe >= interval:
                     last_probe = time.monotonic()
-                    if store.probe() is not None:
+                    healthy = store.probe() is None
+                    if healthy:
+                        self._resume = True  # plans that waited for the disk may fit now
+                    elif not store.short_of_space:
                         continue
-                    self._resume = True  # plans that waited for the disk may fit now
-                if self._resume or (self.resume_every and time.monotonic() - last_resume >= self.resume_every):
+                if healthy and (self._resume or (self.resume_every and time.monotonic() - last_resume >= self.resume_every)):
                     self._resume = False
                     last_resume = time.monotonic()
                     self._resume_plans()
+                # retention and compaction free space: they go on while the disk is short of it
                 self._retain()
                 self._compact()
             except StorageError:

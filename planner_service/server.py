@@ -11,8 +11,13 @@ line that tests and scripts wait for:
 
     harts serve: ready http=http://HOST:PORT grpc=HOST:PORT
 
-Ports may be 0 (the lines then name the ports the OS chose). SIGINT/SIGTERM stop both servers:
-long-polls waiting for a plan answer 503 at once (their clients retry), then the ports close.
+Ports may be 0 (the lines then name the ports the OS chose). SIGTERM (Docker, Kubernetes, systemd)
+and SIGINT stop the service the same way, logging the signal: the service turns not ready,
+long-polls waiting for a plan answer 503 at once (their clients retry), gRPC calls get a
+`_GRPC_GRACE_S` grace period and HTTP requests uvicorn's graceful timeout, the plan in progress
+finishes (queued ones resume at the next start), the database is checkpointed and closed, and
+the process exits 0 with the log line "stopped". A second signal stops waiting for open HTTP
+requests.
 
 Connection hardening: the HTTP side runs `http_guard.GuardedH11Protocol` (header, body and idle
 timeouts, a bound on open connections); gRPC gets the same bounds as channel arguments (handshake
@@ -26,6 +31,7 @@ connections can neither starve the other transport nor make asyncio log every fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -60,14 +66,30 @@ _BACKLOG = 128
 before the guard's evictions have closed theirs (so it is kept free under the fd limit too)."""
 
 
+_GRPC_GRACE_S = 2.0
+"""Seconds gRPC calls in flight may take to finish once the service stops."""
+
+_HTTP_GRACE_S = 5
+"""Seconds HTTP requests in flight may take to finish once the service stops (uvicorn's
+`timeout_graceful_shutdown`)."""
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server that stops the core's long-polls first when it shuts down: waiting
     fetches answer 503 (clients retry, on another replica if they know one) instead of being
-    cancelled after the graceful timeout ("Cancel N running task(s)")."""
+    cancelled after the graceful timeout ("Cancel N running task(s)").
+
+    It leaves the signals to `serve`: uvicorn's own handlers re-raise a captured SIGTERM once
+    `serve()` returns, which killed the process (exit -15) before the gRPC grace period, the plan
+    pool's drain and the database's close ran."""
 
     def __init__(self, config: uvicorn.Config, core: PlannerCore):
         super().__init__(config)
         self._core = core
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
     async def shutdown(self, sockets=None) -> None:
         self._core.stop_serving()
@@ -142,15 +164,62 @@ def _once_a_minute(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
+class _StopSignals:
+    """SIGTERM and SIGINT, handled on the event loop while installed: the first one logs and sets
+    `requested`; a second one stops uvicorn waiting for open HTTP requests."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.requested = asyncio.Event()
+        self.http: uvicorn.Server | None = None
+        self._loop = loop
+        self._installed: list[int] = []
+
+    def __enter__(self) -> "_StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._loop.add_signal_handler(sig, self._received, signal.Signals(sig).name)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or not POSIX
+                continue
+            self._installed.append(sig)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig in self._installed:
+            self._loop.remove_signal_handler(sig)
+
+    def _received(self, name: str) -> None:
+        if self.requested.is_set():
+            log.warning("%s again: not waiting for open HTTP requests", name)
+            if self.http is not None:
+                self.http.force_exit = True
+            return
+        log.info("%s received: stopping (gRPC grace %g s, HTTP grace %d s; the plan in progress finishes, "
+                 "the database is checkpointed and closed)", name, _GRPC_GRACE_S, _HTTP_GRACE_S)
+        self.requested.set()
+
+
 async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 50051,
                 limits: ConnectionLimits | None = None) -> None:
-    """Run the service until SIGINT/SIGTERM."""
+    """Run the service until SIGTERM or SIGINT, then drain and close (module docstring)."""
     loop = asyncio.get_running_loop()
     _once_a_minute(loop)
     logging.getLogger("uvicorn.error").addFilter(_OncePerMinute())
     limits, _ = _fit_to_fd_limit(limits or ConnectionLimits())
-    core = PlannerCore(cfg)
-    await asyncio.to_thread(core.start)
+    with _StopSignals(loop) as signals:
+        core = PlannerCore(cfg)
+        try:
+            await asyncio.to_thread(core.start)
+            if not signals.requested.is_set():
+                await _serve_started(core, cfg, host, http_port, grpc_port, limits, signals)
+        finally:
+            await asyncio.to_thread(core.close)
+            log.info("stopped")
+
+
+async def _serve_started(core: PlannerCore, cfg: ServiceConfig, host: str, http_port: int, grpc_port: int,
+                         limits: ConnectionLimits, signals: _StopSignals) -> None:
+    """Open both ports over a started core and serve until a stop signal; then drain both."""
+    loop = asyncio.get_running_loop()
     grpc_server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", cfg.max_request_bytes),
@@ -175,8 +244,9 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
     guard = ConnectionGuard(limits, core.metrics)
     server = _Server(uvicorn.Config(
         create_app(core), http=guard.protocol(), log_level="warning", access_log=False, lifespan="off",
-        timeout_keep_alive=limits.idle_timeout, timeout_graceful_shutdown=5, backlog=_BACKLOG,
+        timeout_keep_alive=limits.idle_timeout, timeout_graceful_shutdown=_HTTP_GRACE_S, backlog=_BACKLOG,
     ), core)
+    signals.http = server
     urls = f"http=http://{_hostport(host, bound_http)} grpc={_hostport(host, bound_grpc)}"
     announced = asyncio.Event()
 
@@ -190,6 +260,7 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
 
     await grpc_server.start()
     http_task = asyncio.create_task(server.serve(sockets=[sock]))
+    stop_task = asyncio.create_task(signals.requested.wait())
     try:
         while not server.started:  # the ready line only once the HTTP port accepts
             if http_task.done():
@@ -201,16 +272,15 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
         if not ready:
             print(f"harts serve: not ready: {reason}", file=sys.stderr, flush=True)
         core.on_readiness(readiness)
-        await http_task
+        await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        stop_task.cancel()
         core.stop_serving()
         await set_serving(health, False)
-        await grpc_server.stop(grace=2.0)
-        if not http_task.done():
-            server.should_exit = True
-            await http_task
-        await asyncio.to_thread(core.close)
-        log.info("stopped")
+        server.should_exit = True
+        # both transports drain at once: gRPC calls within the grace period, HTTP requests
+        # within uvicorn's graceful timeout
+        await asyncio.gather(grpc_server.stop(grace=_GRPC_GRACE_S), http_task)
 
 
 def run(cfg: ServiceConfig, *, host: str, http_port: int, grpc_port: int,
@@ -227,13 +297,14 @@ class ServerProcess:
         token: bearer token, or None.
         extra: further `harts serve` arguments.
         log_path: where stdout/stderr go (a temp file by default).
-        timeout: seconds `start` waits.
+        timeout: seconds `start` waits (a first start compiles the Numba code: over 90 s on a loaded
+            2-core machine).
         http_port, grpc_port: ports to listen on (0: chosen by the OS at each start; a fixed port
             lets a restarted server keep its URL).
     """
 
     def __init__(self, db: str | Path, *, token: str | None = None, extra: list[str] | None = None,
-                 log_path: str | Path | None = None, timeout: float = 120.0, http_port: int = 0, grpc_port: int = 0):
+                 log_path: str | Path | None = None, timeout: float = 600.0, http_port: int = 0, grpc_port: int = 0):
         self.http_port, self.grpc_port = http_port, grpc_port
         self.db = str(db)
         self.token = token

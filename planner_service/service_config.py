@@ -17,7 +17,7 @@ from planner_service.planner.cost_model import CostModel
 from proto.harts.v1 import planner_pb2
 
 __all__ = ["ServiceConfig", "topology_to_config", "normalized_topology", "check_step_id", "MAX_WORLD_SIZE",
-           "MAX_STEP_ID_CHARS", "DEFAULT_MICROBATCH_TOKENS"]
+           "MAX_STEP_ID_CHARS", "DEFAULT_MICROBATCH_TOKENS", "MAX_DOCUMENT_CHARS"]
 
 MAX_WORLD_SIZE = 4096
 """Largest data-parallel world a step is planned for (one sealed slice per rank)."""
@@ -27,6 +27,12 @@ DEFAULT_MICROBATCH_TOKENS = 4096
 
 MAX_STEP_ID_CHARS = 512
 """Longest step id (batch_id): it is echoed in URLs, errors and gRPC trailers (8 KiB at most)."""
+
+MAX_DOCUMENT_CHARS = 1 << 20
+"""Longest model (config.json) or cost-model document a topology may carry, in characters."""
+
+MAX_DOCUMENT_DEPTH = 16
+"""Deepest nesting of those documents (a config.json has 3 levels, a cost model's fit report 3)."""
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -97,6 +103,10 @@ class ServiceConfig:
     resume_seconds: float = 1.0
     """Shared (PostgreSQL) stores: how often a replica looks for plans that a replica which died
     left unfinished (their planning lock is free) and plans them."""
+    accept_data_loss: bool = False
+    """SQLite: serve a database that lacks writes the service acknowledged (deleted, replaced or
+    restored from an older copy while it was down or killed; `store.acked`) as it is. Without it
+    the service stays not ready on such a database, saying why."""
     vacuum: bool = False
     """VACUUM the database once at start, before the service is ready (converts a database of an
     earlier version to incremental auto-vacuum, so that deletions shrink the file)."""
@@ -153,13 +163,8 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
         raise ValidationError("topology.chunk_size", f"expected >= 0 (0: default), got {topo.chunk_size}")
     extra = {}
     for name, text in (("model", topo.model or model), ("cost_model", topo.cost_model or cost_model)):
-        if not text:
-            continue
-        try:
-            extra[name] = CostModel.from_json(text) if name == "cost_model" else json.loads(text)
-        except (ValueError, TypeError) as exc:
-            what = "cost model" if name == "cost_model" else "config.json"
-            raise ValidationError(f"topology.{name}", f"expected a {what} JSON document, got one that does not parse: {exc}") from None
+        if text:
+            extra[name] = _document(f"topology.{name}", text, "cost model" if name == "cost_model" else "config.json")
     try:
         cfg = PlanConfig(
             world_size=topo.world_size,
@@ -176,19 +181,52 @@ def topology_to_config(topo: planner_pb2.Topology, *, conv_kernel: int = 4, chun
             activation_checkpointing=topo.activation_checkpointing or "none",
             expert_parallel=topo.expert_parallel or 1,
             head=topo.head or "full",
-            **({"cost_model": extra["cost_model"]} if "cost_model" in extra else {}),
+            **({"cost_model": CostModel.from_dict(extra["cost_model"])} if "cost_model" in extra else {}),
         )
         row_bytes = cfg.sizes.row_bytes
     except ValueError as exc:
-        name, _, msg = str(exc).partition(": ")
-        if msg and name.isidentifier():
-            raise ValidationError(f"topology.{name}", msg) from None
-        raise ValidationError("topology", str(exc)) from None
+        raise _topology_error(exc) from None
     if cfg.memory_tokens > _INT64_MAX // row_bytes:
         raise ValidationError("topology.memory_tokens",
                               f"expected at most {_INT64_MAX // row_bytes} (the plan's int64 byte budget at "
                               f"{row_bytes} activation bytes per row), got {cfg.memory_tokens}")
     return cfg
+
+
+def _document(field: str, text: str, what: str) -> Any:
+    """The JSON document of a topology's model or cost model, bounded in size and nesting before
+    anything reads it; ValidationError naming `field` otherwise."""
+    if len(text) > MAX_DOCUMENT_CHARS:
+        raise ValidationError(field, f"expected a {what} document of at most {MAX_DOCUMENT_CHARS} characters, "
+                                     f"got {len(text)}")
+    try:
+        doc = json.loads(text)
+    except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep to parse
+        raise ValidationError(field, f"expected a {what} JSON document, got one that does not parse: "
+                                     f"{str(exc)[:200] or type(exc).__name__}") from None
+    depth, stack = 0, [(doc, 1)]
+    while stack:  # iterative: a deep document must not exhaust the stack of whoever serialises it again
+        value, level = stack.pop()
+        if isinstance(value, (dict, list)):
+            depth = max(depth, level)
+            if depth > MAX_DOCUMENT_DEPTH:
+                raise ValidationError(field, f"expected a {what} document nested at most {MAX_DOCUMENT_DEPTH} "
+                                             "levels deep, got deeper")
+            stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return doc
+
+
+def _topology_error(exc: ValueError) -> ValidationError:
+    """A PlanConfig, model config or cost model error ("<key>: ...", "model config <key>: ...",
+    "cost model <key>: ...") as a ValidationError naming `topology.<field>[.<key>]`."""
+    name, _, msg = str(exc).partition(": ")
+    for prefix, field in (("model config", "topology.model"), ("cost model", "topology.cost_model")):
+        if name == prefix or name.startswith(prefix + " "):
+            key = name[len(prefix):].strip()
+            return ValidationError(f"{field}.{key}" if key else field, msg or str(exc))
+    if msg and name.isidentifier():
+        return ValidationError(f"topology.{name}", msg)
+    return ValidationError("topology", str(exc))
 
 
 def normalized_topology(cfg: PlanConfig) -> planner_pb2.Topology:

@@ -4,6 +4,8 @@ protobuf only says "Error parsing message" for bytes it refuses, most often a st
 is not UTF-8 (an id a generator built from raw bytes). `wire_error` walks the wire format with the
 message's descriptor and names the first string field whose bytes are not UTF-8, as the JSON path
 does ("trajectories[2].id: expected UTF-8 text, ..."); other damage gets the generic message.
+`field_bytes` cuts a message field's bytes out of its parent as they arrived (gRPC stores and
+digests the submitted batch exactly as the client serialised it).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from planner_service.errors import ValidationError
 
-__all__ = ["wire_error", "invalid_utf8_field"]
+__all__ = ["wire_error", "invalid_utf8_field", "field_bytes"]
 
 _MAX_DEPTH = 32
 
@@ -89,3 +91,32 @@ def wire_error(message_cls, data: bytes | bytearray | memoryview, field: str, pr
     if found is not None:
         return ValidationError(*found)
     return ValidationError(field, f"expected a serialised {message_cls.DESCRIPTOR.full_name}, got bytes that do not parse")
+
+
+def field_bytes(data: bytes | bytearray | memoryview, number: int) -> bytes | None:
+    """The bytes of the length-delimited top-level field `number` of a serialised message, its
+    occurrences concatenated (what protobuf merges into one message), b"" when absent; None when
+    the bytes are damaged or hold a wire type this walk does not follow (a group)."""
+    view = memoryview(data).cast("B")
+    parts = []
+    i = 0
+    try:
+        while i < len(view):
+            key, i = _varint(view, i)
+            wire = key & 7
+            if wire == 0:
+                _, i = _varint(view, i)
+            elif wire in (1, 5):
+                i += 8 if wire == 1 else 4
+            elif wire == 2:
+                size, i = _varint(view, i)
+                if key >> 3 == number:
+                    parts.append(view[i:i + size])
+                i += size
+            else:
+                return None
+            if i > len(view):
+                return None
+    except _Damaged:
+        return None
+    return b"".join(parts)

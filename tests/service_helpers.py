@@ -52,12 +52,13 @@ class LiveServer:
                 self.proc.wait()
 
 
-def start_serve(db, log_path, *, extra=(), nofile: int | None = None, env=None, timeout: float = 90.0) -> LiveServer:
+def start_serve(db, log_path, *, extra=(), nofile: int | None = None, env=None, timeout: float = 600.0) -> LiveServer:
     """Start `harts serve` as a subprocess, optionally under a file-descriptor limit (soft = hard
     = `nofile`, as `ulimit -n` in a container), and return once its HTTP port accepts.
 
     It waits for the first line naming the ports (`listening` or `ready`), then for a TCP connect
-    to succeed, so that it works whatever that line promises.
+    to succeed, so that it works whatever that line promises. `timeout` only catches a server that
+    never starts: a first start compiles the Numba code (over 90 s on a loaded 2-core machine).
     """
     import os
     import re

@@ -613,6 +613,16 @@ class ScannedJSON:
     one outside the lists, or a list that stayed in the skeleton."""
     depth_error: DepthError | None = None
 
+    def placeholder(self, value: str) -> int | None:
+        """k when `value` is the placeholder string of list k, else None. Lists are replaced only
+        in a text without the escape \\u0000, the one way JSON spells the placeholder's first
+        character, so a user's string (`"tokens": "\\u00000"`) is never taken for one."""
+        digits = value[1:]
+        if value[:1] != PLACEHOLDER or not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+            return None
+        k = int(digits)
+        return k if k < self.ref_length.shape[0] else None
+
     def values(self, k: int) -> np.ndarray:
         """The elements of placeholder k's list (a view)."""
         a = int(self.ref_offset[k])

@@ -18,7 +18,7 @@ import math
 from planner_service.errors import ValidationError
 from planner_service.ingest.batch import F32_MAX, NODE_FIELDS, RANK, Column, ListRef, RawBatch, Stop, Walk, describe, \
     number_text, printable
-from planner_service.ingest.json_scan import PLACEHOLDER, ScannedJSON, scan_json
+from planner_service.ingest.json_scan import ScannedJSON, scan_json
 from planner_service.ingest.limits import Limits
 
 _TOP = ("batch_id", "vocab_size", "trajectories", "trees", "policy_version")
@@ -114,8 +114,10 @@ class _Walk(Walk):
     def value(self, obj: dict, name: str):
         """obj[name] (None when absent), a parsed number list as its `ListRef`."""
         value = obj.get(name)
-        if isinstance(value, str) and value.startswith(PLACEHOLDER) and self.raw.lists is not None:
-            return ListRef(int(value[1:]), int(self.raw.lists.ref_length[int(value[1:])]))
+        if isinstance(value, str) and self.raw.lists is not None:
+            k = self.raw.lists.placeholder(value)
+            if k is not None:
+                return ListRef(k, int(self.raw.lists.ref_length[k]))
         return value
 
     def string(self, obj: dict, name: str, key: tuple, path: str, *, required: bool) -> str:

@@ -122,18 +122,11 @@ class CostModel:
         unknown = sorted(set(coef) - set(FEATURES))
         if unknown:
             raise ValueError(f"cost model coefficients: expected keys from {', '.join(FEATURES)}, got {', '.join(unknown)}")
-        vals = {}
-        for n in FEATURES:
-            v = coef.get(n, 0.0)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"cost model {n}: expected a number, got {v!r}")
-            vals[n] = float(v)
+        vals = {n: _number(coef.get(n, 0.0), n) for n in FEATURES}
         transfer = d.get("transfer_byte")
-        if transfer is not None and (isinstance(transfer, bool) or not isinstance(transfer, (int, float))):
-            raise ValueError(f"cost model transfer_byte: expected a number, got {transfer!r}")
         fit = d.get("fit") or {}
-        return cls(**vals, transfer_byte=None if transfer is None else float(transfer), source=str(d.get("source", "file")),
-                   fit=fit if isinstance(fit, dict) else {})
+        return cls(**vals, transfer_byte=None if transfer is None else _number(transfer, "transfer_byte"),
+                   source=str(d.get("source", "file")), fit=fit if isinstance(fit, dict) else {})
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
@@ -197,3 +190,15 @@ def nnls(A: np.ndarray, b: np.ndarray, *, max_iter: int = 200) -> np.ndarray:
             passive &= x > tol
             x[~passive] = 0.0
     return x
+
+
+def _number(v, name: str) -> float:
+    """A JSON number as a float; ValueError naming the key for anything else, an integer beyond
+    float64 included (the finite, non-negative checks are CostModel's)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        shown = repr(v)
+        raise ValueError(f"cost model {name}: expected a number, got {shown if len(shown) <= 80 else shown[:77] + '...'}")
+    try:
+        return float(v)
+    except OverflowError:
+        raise ValueError(f"cost model {name}: expected a finite coefficient >= 0, got an integer beyond float64") from None

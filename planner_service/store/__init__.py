@@ -14,7 +14,8 @@ written in the same transaction as the PLANNED state. Bodies and slices are kept
 
 Storage faults: every database or file-system error becomes a `StorageError` (HTTP 503 / gRPC
 UNAVAILABLE) naming the database and the reason, and puts the store in its *fault* state
-(`fault` is the reason) until `probe` succeeds; `on_fault` hears of every change.
+(`fault` is the reason) until `probe` succeeds; `on_fault` hears of every change. A fault that is
+only a disk short of space (`short_of_space`) still lets `delete` and `compact` free it.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ __all__ = ["StepRecord", "open_store", "is_postgres_url", "SUBMITTED", "PLANNED"
 
 
 def open_store(db: str, *, synchronous: str = "FULL", min_free_bytes: int = 0,
-               on_fault: Callable[[str | None], None] | None = None):
+               on_fault: Callable[[str | None], None] | None = None, accept_data_loss: bool = False):
     """The store for `db`: a PostgreSQL URL, or a SQLite file path (":memory:": throwaway).
 
     Args:
@@ -36,6 +37,8 @@ def open_store(db: str, *, synchronous: str = "FULL", min_free_bytes: int = 0,
         min_free_bytes: SQLite: disk space writes leave free (PostgreSQL manages its own disk).
         on_fault: told of every change of the fault state (the reason, or None when healthy again),
             with the store's lock held: it must not call the store.
+        accept_data_loss: SQLite: serve a database that lacks acknowledged writes as it is
+            (`store.acked`) instead of staying faulted.
     """
     if is_postgres_url(db):
         from planner_service.store.postgres import PostgresStore
@@ -43,4 +46,5 @@ def open_store(db: str, *, synchronous: str = "FULL", min_free_bytes: int = 0,
         return PostgresStore(db, on_fault=on_fault)
     from planner_service.store.sqlite import SQLiteStore
 
-    return SQLiteStore(db, synchronous=synchronous, min_free_bytes=min_free_bytes, on_fault=on_fault)
+    return SQLiteStore(db, synchronous=synchronous, min_free_bytes=min_free_bytes, on_fault=on_fault,
+                       accept_data_loss=accept_data_loss)

@@ -116,6 +116,8 @@ class PostgresStore:
     shared = True
     """Other replicas write the same database."""
     min_free_bytes = 0
+    short_of_space = False
+    """PostgreSQL manages its own disk: a fault here is never only the service's space reserve."""
 
     def __init__(self, url: str, *, on_fault: Callable[[str | None], None] | None = None):
         self.url = url
@@ -256,6 +258,9 @@ class PostgresStore:
             finally:
                 if conn is not None:
                     conn.close()  # closing it releases the lock
+
+    def watch_files(self) -> None:
+        """The server's files are not this process's to watch."""
 
     def listen(self, fn: Callable[[str, str], None]) -> None:
         """Call `fn(event, step_id)` for every step change any replica commits (this one's too),

@@ -1,6 +1,7 @@
 """harts_client.client against a real `harts serve`: submit, long-poll fetch, retries, checksum checks."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from planner_service.ingest import json_to_proto
 from planner_service.server import ServerProcess
 from plan.seal import ChecksumError
+from proto.harts.v1 import rollouts_pb2
 from tests.service_helpers import TOPOLOGY, rollout_doc
 from harts_client import client as client_module
 from harts_client.client import PlannerClient, PlannerError, RetryPolicy, WrongSliceError
@@ -152,6 +154,70 @@ def test_corrupted_slices_are_refetched_then_refused(server):
         with pytest.raises(ChecksumError):
             c.fetch_plan_bytes("c-corrupt", 0, timeout=30)
     assert flaky.calls == FAST.attempts
+
+
+class BitFlip(httpx.BaseTransport):
+    """A proxy that flips one bit of the first `bodies` submission bodies (in the first token id,
+    so that the batch stays valid with other tokens, as in the audit) and one hex digit of the
+    first `answers` submission answers' body_sha256."""
+
+    def __init__(self, *, bodies: int = 0, answers: int = 0):
+        self.inner = httpx.HTTPTransport()
+        self.bodies, self.answers, self.calls = bodies, answers, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST" or request.url.path != "/v1/steps":
+            return self.inner.handle_request(request)
+        self.calls += 1
+        if self.calls <= self.bodies:
+            body = bytearray(request.read())
+            if request.headers["content-type"] == client_module.PROTOBUF:  # the first trajectory's int32 tokens
+                tokens = rollouts_pb2.RolloutBatch.FromString(bytes(body)).trajectories[0].tokens
+                at = body.index(tokens)
+            else:
+                at = body.index(b'"tokens":[') + len(b'"tokens":[')
+            body[at] ^= 1
+            request = httpx.Request(request.method, request.url, headers=request.headers, content=bytes(body))
+        resp = self.inner.handle_request(request)
+        if self.calls <= self.answers and resp.status_code == 200:
+            answer = json.loads(resp.read())
+            answer["body_sha256"] = ("0" if answer["body_sha256"][0] != "0" else "1") + answer["body_sha256"][1:]
+            return httpx.Response(200, json=answer, request=request)
+        return resp
+
+
+@pytest.mark.parametrize("form", ["json", "protobuf"])
+def test_a_body_altered_on_the_way_is_refused_and_sent_again(server, form):
+    """The audit's proxy flipped one bit per submission: 45 of 50 JSON and 42 of 50 protobuf
+    submissions were acknowledged with altered tokens. Now the service refuses them (nothing
+    stored), the client sends them again, and what is stored is what was sent."""
+    doc = rollout_doc(f"c-flip-{form}", seed=11)
+    batch = json_to_proto(doc) if form == "protobuf" else doc
+    proxy = BitFlip(bodies=2)
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=proxy) as c:
+        out = c.submit(batch)
+    assert proxy.calls == 3 and out["duplicate"] is False
+    with PlannerClient(server.http_url, token=TOKEN) as c:  # the stored content is the sent one
+        assert c.submit(doc)["duplicate"] is True
+    proxy = BitFlip(bodies=100)
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=proxy) as c:
+        with pytest.raises(client_module.IntegrityError, match="altered in transit"):
+            c.submit(rollout_doc("c-flip-always", seed=12))
+        assert "c-flip-always" not in {s["step_id"] for s in c.list_steps()}
+    assert proxy.calls == FAST.attempts
+
+
+def test_an_answer_naming_other_bytes_is_asked_again_then_raised(server):
+    doc = rollout_doc("c-answer", seed=13)
+    proxy = BitFlip(answers=1)
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=proxy) as c:
+        out = c.submit(doc)
+    assert proxy.calls == 2 and out["duplicate"] is True  # stored by the first attempt, confirmed by the second
+    proxy = BitFlip(answers=100)
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=proxy) as c:
+        with pytest.raises(client_module.IntegrityError, match="body_sha256|Body-Sha256"):
+            c.submit(doc)
+    assert proxy.calls == FAST.attempts
 
 
 def test_client_does_not_import_the_service(server, tmp_path):

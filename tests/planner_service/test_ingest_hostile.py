@@ -1,7 +1,8 @@
 """Hostile rollout bodies (issue 13, item 2) get a 422 naming the field at submit, and nothing is
 stored: deep nesting, integers beyond float64, lone surrogates in ids, booleans as numbers, and a
 world size spelled as a string; issue 22: bytes that are not UTF-8 in ids (JSON and protobuf),
-batch ids that no URL can carry, and ids past the length bound. In-process: PlannerCore and the
+batch ids that no URL can carry, and ids past the length bound; strings that look like
+the JSON scan's placeholders. In-process: PlannerCore and the
 FastAPI app over it."""
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ CASES = [
     ("nul-batch-id", lambda: _text(_doc(), {'"step"': '"st\\u0000ep"'}), "batch_id", "control characters"),
     ("blank-batch-id", lambda: _text(_doc(), {'"step"': '" \\t "'}), "batch_id", "visible character"),
     ("long-batch-id", lambda: _text(_doc(), {'"step"': '"' + "s" * 600 + '"'}), "batch_id", "at most 512 characters"),
+    # strings shaped like the JSON scan's placeholder of a parsed list (IndexError, 500)
+    ("placeholder-tokens", lambda: _text(_doc(), {"[1, 2, 3]": '"\\u00000"'}), "trajectories[0].tokens",
+     "expected a list, got string"),
+    ("placeholder-loss-mask", lambda: _text(_doc(), {"[0, 1, 1]": '"\\u00007"'}), "trajectories[0].loss_mask",
+     "expected a list, got string"),
+    ("placeholder-node-tokens", lambda: _text(_doc(), {"[4, 5]": '"\\u00000"'}), "trees[0].nodes[0].tokens",
+     "expected a list, got string"),
 ]
 
 

@@ -475,7 +475,7 @@ def test_plans_are_stored_compressed_and_served_byte_identical(tmp_path):
         c.close()
 
 
-def _sqlite_core(tmp_path, monkeypatch, free: list[int]):
+def _sqlite_core(tmp_path, monkeypatch, free: list[int], **settings):
     import shutil
 
     real = shutil.disk_usage
@@ -485,9 +485,32 @@ def _sqlite_core(tmp_path, monkeypatch, free: list[int]):
         return shutil._ntuple_diskusage(u.total, u.total - free[0], free[0])
 
     monkeypatch.setattr(shutil, "disk_usage", usage)
-    c = PlannerCore(ServiceConfig(db_path=str(tmp_path / "space.db"), min_free_bytes=1 << 20, storage_probe_seconds=0.05))
+    c = PlannerCore(ServiceConfig(db_path=str(tmp_path / "space.db"), min_free_bytes=1 << 20, storage_probe_seconds=0.05,
+                                  **settings))
     c.start()
     return c
+
+
+def test_deleting_and_retention_go_on_while_the_disk_is_short_of_space(tmp_path, monkeypatch):
+    """The audit: on a full disk `DELETE /v1/steps/{id}` answered 503 (8 of 8) and retention was
+    blocked the same way, so the disk could not be freed through the API."""
+    free = [1 << 30]
+    c = _sqlite_core(tmp_path, monkeypatch, free, max_age_seconds=3600.0)
+    try:
+        for name in ("a", "b", "c"):
+            c.submit(_body(rollout_doc(name, seed=len(name))), "json")
+        free[0] = 1000
+        _until(lambda: not c.ready)
+        with pytest.raises(StorageError):
+            c.submit(_body(rollout_doc("d", seed=4)), "json")  # a write that takes space is refused
+        assert c.delete("a").step_id == "a"  # one that frees space is not
+        c._maintenance.max_age_seconds = 1e-9  # every step is too old now: retention deletes them
+        c._maintenance.wake()
+        _until(lambda: c.list_steps() == [])
+        assert 'harts_steps_deleted_total{cause="retention"} 2.0' in c.metrics.render().decode()
+        assert not c.ready  # the (simulated) disk is still full
+    finally:
+        c.close()
 
 
 def test_a_plan_that_does_not_fit_on_the_disk_waits_while_small_writes_go_on(tmp_path, monkeypatch):
@@ -536,3 +559,78 @@ def _until(check, seconds: float = 20.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_slow_plans_and_submissions_never_hold_up_a_read(core, monkeypatch):
+    """The hostile audit: six slow submissions filled the six threads of the pool that status
+    reads shared with them, and a status GET went from 3 ms to 29.9 s. Here every submission and
+    every plan blocks until released: status, list and a planned slice still answer."""
+    import planner_service.core as core_module
+    from planner_service import ingest
+
+    core.submit(_body(rollout_doc("s-read")), "json")
+    core.plan("s-read", TOPO)
+    for i in range(2):
+        core.submit(_body(rollout_doc(f"s-slow-plan-{i}", seed=i)), "json")
+    release = threading.Event()
+    parse, plan_step = ingest.forest_from_json, core_module._planner().plan_step
+
+    def slow_parse(*args, **kwargs):
+        release.wait(120)
+        return parse(*args, **kwargs)
+
+    def slow_plan(*args, **kwargs):
+        release.wait(120)
+        return plan_step(*args, **kwargs)
+
+    monkeypatch.setattr(ingest, "forest_from_json", slow_parse)
+    monkeypatch.setattr(core_module._planner(), "plan_step", slow_plan)
+
+    async def main():
+        # more slow submissions than the event loop's default pool has threads (min(32, cores + 4))
+        writes = [asyncio.ensure_future(core.submit_async(_body(rollout_doc(f"s-slow-{i}", seed=i)), "json"))
+                  for i in range(40)]
+        plans = [asyncio.ensure_future(core.plan_async(f"s-slow-plan-{i}", TOPO)) for i in range(2)]
+        await asyncio.sleep(0.2)
+        try:
+            # bounds that only a starved read reaches
+            status = await asyncio.wait_for(core.status_async("s-read"), 60)
+            steps = await asyncio.wait_for(core.list_steps_async(), 60)
+            data = await asyncio.wait_for(core.fetch_async("s-read", 1), 60)
+        finally:
+            release.set()
+        await asyncio.gather(*writes, *plans)
+        return status, steps, data
+
+    status, steps, data = asyncio.run(main())
+    assert status.state == planner_pb2.STEP_STATE_PLANNED and open_sealed(data).rank.rank == 1
+    assert "s-read" in {s.step_id for s in steps}
+    assert len(core.list_steps(100)) == 43
+
+
+def test_submit_answers_the_digest_of_what_it_stored_and_refuses_other_bytes(core):
+    """The answer's body_sha256 is the SHA-256 of the body stored (byte for byte, both forms); a
+    body that is not what the client digested is refused with nothing stored."""
+    import hashlib
+
+    from planner_service.errors import IntegrityError
+
+    doc = rollout_doc("s-digest", seed=3)
+    body = _body(doc)
+    digest = hashlib.sha256(body).hexdigest()
+    altered = body.replace(b'"tokens": [', b'"tokens": [1', 1)
+    with pytest.raises(IntegrityError) as err:
+        core.submit(altered, "json", body_sha256=digest)
+    assert err.value.field == "body_sha256" and "altered in transit" in err.value.message
+    assert core.list_steps() == []
+    resp = core.submit(body, "json", body_sha256=digest.upper())  # hex digits in either case
+    assert resp.body_sha256 == digest and core.store.body("s-digest") == ("json", body)
+    # a duplicate in another spelling answers the digest of the bytes it carried (compared by content)
+    pb = json_to_proto(doc).SerializeToString()
+    again = core.submit_message(json_to_proto(doc), body=pb, body_sha256=hashlib.sha256(pb).hexdigest())
+    assert again.duplicate and again.body_sha256 == hashlib.sha256(pb).hexdigest()
+    # gRPC stores the batch bytes as they arrived
+    other = json_to_proto(rollout_doc("s-digest-pb", seed=4))
+    raw = other.SerializeToString()
+    assert core.submit_message(other, body=raw).body_sha256 == hashlib.sha256(raw).hexdigest()
+    assert core.store.body("s-digest-pb") == ("proto", raw)

@@ -103,6 +103,30 @@ def _nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
+def _with_list(batch_id: str, field: str, raw_value: bytes, *, keep_tokens: bool = False) -> bytes:
+    """A document whose trajectory's per-position list `field` is the raw JSON text `raw_value`
+    (its other lists stay flat number lists, which the JSON scan parses; `keep_tokens`: a second
+    trajectory too, so that parsed lists and the odd string meet in one document)."""
+    traj = {"id": "a", "tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "old_logprobs": [-0.5, -0.5, -0.5],
+            "advantage": [0.5, 0.5, 0.5]}
+    doc = {"batch_id": batch_id, "vocab_size": 64, "trajectories": [traj] + ([{"id": "b", "tokens": [4, 5]}] if keep_tokens else [])}
+    text = json.dumps(doc).encode()
+    start = text.index(b'"' + field.encode() + b'": [') + len(field) + 4
+    return text[:start] + raw_value + text[text.index(b"]", start) + 1:]
+
+
+def _model(**changes) -> str:
+    from plan.named_models import qwen3_next_80b_a3b
+
+    cfg = qwen3_next_80b_a3b()
+    cfg.update(changes)
+    return json.dumps(cfg)
+
+
+def _plan(**topology) -> bytes:
+    return json.dumps({**TOPOLOGY, **topology}).encode()
+
+
 _HUGE = b"1" + b"0" * 400
 BAD_INPUTS = [
     # (id, method, path, body, content type)
@@ -137,6 +161,29 @@ BAD_INPUTS = [
     ("plan-body-nested-100k", "POST", f"/v1/steps/{STEP}/plan", b'{"world_size": ' + _nested(100_000) + b"}", "json"),
     ("submit-world_size-400-digits", "POST", "/v1/steps?world_size=" + "9" * 400, json.dumps(_doc("q1")).encode(),
      "json"),
+    # the hostile audit's inputs that answered 500 with a traceback. Strings shaped
+    # like the JSON scan's placeholder of a parsed list, in list fields
+    *[(f"placeholder-string-{field}", "POST", "/v1/steps", _with_list(f"ph-{field}", field, b'"\\u00000"'), "json")
+      for field in ("tokens", "loss_mask", "old_logprobs", "advantage")],
+    ("placeholder-string-10", "POST", "/v1/steps", _with_list("ph-10", "tokens", b'"\\u000010"'), "json"),
+    ("placeholder-string-beside-parsed-lists", "POST", "/v1/steps",
+     _with_list("ph-mixed", "old_logprobs", b'"\\u00001"', keep_tokens=True), "json"),
+    # topology model and cost-model values the parser did not guard
+    ("plan-model-full_attention_interval-0", "POST", f"/v1/steps/{STEP}/plan", _plan(model=_model(full_attention_interval=0)), "json"),
+    ("plan-model-mlp_only_layers-5", "POST", f"/v1/steps/{STEP}/plan", _plan(model=_model(mlp_only_layers=5)), "json"),
+    ("plan-model-mlp_only_layers-nested", "POST", f"/v1/steps/{STEP}/plan", _plan(model=_model(mlp_only_layers=[[1]])), "json"),
+    ("plan-model-partial_rotary_factor-1e308", "POST", f"/v1/steps/{STEP}/plan",
+     _plan(model=_model(partial_rotary_factor=1e308)), "json"),
+    ("plan-model-vocab_size-10^400", "POST", f"/v1/steps/{STEP}/plan",
+     _plan(model=_model().replace('"vocab_size": 151936', '"vocab_size": ' + _HUGE.decode())), "json"),
+    ("plan-model-layers-3x10^5", "POST", f"/v1/steps/{STEP}/plan", _plan(model=_model(num_hidden_layers=300_000)), "json"),
+    ("plan-cost-coefficient-10^400", "POST", f"/v1/steps/{STEP}/plan",
+     _plan(cost_model='{"format": "harts.cost_model.v1", "coefficients": {"row": ' + _HUGE.decode() + "}}"), "json"),
+    ("plan-model-nested-200k", "POST", f"/v1/steps/{STEP}/plan", _plan(model=_nested(200_000).decode()), "json"),
+    ("plan-cost-nested-200k", "POST", f"/v1/steps/{STEP}/plan", _plan(cost_model=_nested(200_000).decode()), "json"),
+    ("plan-model-a-list", "POST", f"/v1/steps/{STEP}/plan", _plan(model="[1, 2]"), "json"),
+    ("plan-model-rope-not-a-number", "POST", f"/v1/steps/{STEP}/plan",
+     _plan(model=_model(rope_parameters={"partial_rotary_factor": "half"})), "json"),
     ("fetch-wait-nan", "GET", f"/v1/steps/{STEP}/ranks/0/plan?wait=nan", None, "json"),
     ("fetch-wait-inf", "GET", f"/v1/steps/{STEP}/ranks/0/plan?wait=inf", None, "json"),
     ("fetch-rank-30-digits", "GET", f"/v1/steps/{STEP}/ranks/{'1' * 30}/plan", None, "json"),

@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from planner_service.ingest import json_to_proto
 from planner_service.server import ServerProcess
-from proto.harts.v1 import planner_pb2, planner_pb2_grpc
+from proto.harts.v1 import planner_pb2, planner_pb2_grpc, rollouts_pb2
 from plan.seal import open_sealed
 from tests.service_helpers import TOPOLOGY, rollout_doc
 
@@ -228,3 +228,83 @@ def test_a_lockstep_topology_is_kept_with_the_step(stub):
                              metadata=AUTH, timeout=10).status
     assert st.topology.lockstep
     assert stub.GetStatus(planner_pb2.GetStatusRequest(step_id="g-lock"), metadata=AUTH, timeout=5).topology.lockstep
+
+
+def test_a_kilobyte_topology_with_too_many_layers_is_refused_and_reads_keep_answering(server, stub):
+    """The hostile audit's reproducers: six concurrent 1 KB SubmitRollouts whose
+    topology's model has 3 x 10^5 layers filled the default worker threads (a status GET took
+    29.9 s), and a PlanStep with 10^7 layers (a 930-byte document) held the planning thread 271 s.
+    Both are refused at once, naming the field and the bound, and nothing is stored."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from plan.named_models import qwen3_next_80b_a3b
+
+    def topology(layers: int) -> planner_pb2.Topology:
+        model = {k: v for k, v in qwen3_next_80b_a3b().items() if k not in ("architectures", "rope_theta")}
+        model["num_hidden_layers"] = layers
+        return planner_pb2.Topology(**TOPOLOGY, model=json.dumps(model))
+
+    stub.SubmitRollouts(planner_pb2.SubmitRolloutsRequest(batch=json_to_proto(rollout_doc("g-layers"))),
+                        metadata=AUTH, timeout=10)
+    wide = topology(3 * 10**5)
+    assert wide.ByteSize() < 1024
+
+    def submit(i: int):
+        req = planner_pb2.SubmitRolloutsRequest(batch=json_to_proto(rollout_doc(f"g-layers-{i}", trajectories=2)),
+                                                topology=wide)
+        try:
+            stub.SubmitRollouts(req, metadata=AUTH, timeout=60)
+        except grpc.RpcError as err:
+            return err.code(), dict(err.trailing_metadata()).get("harts-field"), err.details()
+        return None
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(submit, range(6)))
+        st = stub.GetStatus(planner_pb2.GetStatusRequest(step_id="g-layers"), metadata=AUTH, timeout=60)
+    assert st.step_id == "g-layers"
+    for code, field, details in answers:
+        assert (code, field) == (grpc.StatusCode.INVALID_ARGUMENT, "topology.model.num_hidden_layers"), details
+        assert "expected an integer in [1, 1024], got 300000" in details
+    deep = topology(10**7)
+    assert deep.ByteSize() < 1024
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PlanStep(planner_pb2.PlanStepRequest(step_id="g-layers", topology=deep), metadata=AUTH, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "got 10000000" in err.value.details()
+    http = httpx.post(f"{server.http_url}/v1/steps/g-layers/plan", timeout=60, headers={"Authorization": f"Bearer {TOKEN}"},
+                      json={"world_size": 2, "model": deep.model})
+    assert http.status_code == 422 and http.json()["error"]["field"] == "topology.model.num_hidden_layers", http.text
+    names = {s.step_id for s in stub.ListSteps(planner_pb2.ListStepsRequest(limit=100), metadata=AUTH, timeout=5).steps}
+    assert not any(n.startswith("g-layers-") for n in names)
+
+
+def test_the_batch_bytes_are_digested_as_they_arrived_and_other_bytes_are_data_loss(channel, stub):
+    """The answer's body_sha256 is the SHA-256 of the request's batch bytes as the client
+    serialised them; a request whose body_sha256 names other bytes stores nothing."""
+    import hashlib
+
+    batch = json_to_proto(rollout_doc("g-digest", seed=21))
+    raw = batch.SerializeToString()
+    digest = hashlib.sha256(raw).hexdigest()
+    wrong = hashlib.sha256(raw + b"x").hexdigest()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SubmitRollouts(planner_pb2.SubmitRolloutsRequest(batch=batch, body_sha256=wrong), metadata=AUTH, timeout=10)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and ("harts-field", "body_sha256") in err.value.trailing_metadata()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetStatus(planner_pb2.GetStatusRequest(step_id="g-digest"), metadata=AUTH, timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # nothing stored
+    resp = stub.SubmitRollouts(planner_pb2.SubmitRolloutsRequest(batch=batch, body_sha256=digest), metadata=AUTH,
+                               timeout=10)
+    assert resp.body_sha256 == digest and not resp.duplicate
+    # the batch split in two occurrences of field 1 (protobuf merges them): the bytes as they came
+    half = len(batch.trajectories) // 2
+    first, second = rollouts_pb2.RolloutBatch(batch_id="g-digest-2", vocab_size=batch.vocab_size), rollouts_pb2.RolloutBatch()
+    first.trajectories.extend(batch.trajectories[:half])
+    second.trajectories.extend(batch.trajectories[half:])
+    field = planner_pb2.SubmitRolloutsRequest(batch=first).SerializeToString() + \
+        planner_pb2.SubmitRolloutsRequest(batch=second).SerializeToString()
+    raw_submit = channel.unary_unary("/harts.v1.Planner/SubmitRollouts",
+                                     response_deserializer=planner_pb2.SubmitRolloutsResponse.FromString)
+    sent = first.SerializeToString() + second.SerializeToString()
+    resp = raw_submit(field, metadata=AUTH, timeout=10)
+    assert resp.body_sha256 == hashlib.sha256(sent).hexdigest() and resp.status.trajectories == len(batch.trajectories)

@@ -119,6 +119,22 @@ def test_validation_errors_name_the_field_and_leak_no_trace(http):
     assert "s-invalid" not in [s["step_id"] for s in http.get("/v1/steps").json()["steps"]]
 
 
+@pytest.mark.parametrize("params,field,fragment", [
+    ({"worldsize": 8}, "query.worldsize", "unknown parameter 'worldsize'"),
+    ({"world_size": 2, "chunk": 16}, "query.chunk", "unknown parameter 'chunk'"),
+    ({"microbatch_tokens": 64}, "query.microbatch_tokens", "expected world_size with it"),
+    ({"lockstep": "true", "chunk_size": 16}, "query.chunk_size", "expected world_size with it"),
+], ids=["misspelt-world-size", "unknown-beside-a-topology", "budget-without-world-size", "flags-without-world-size"])
+def test_unknown_or_incomplete_submit_queries_are_422_naming_them(http, params, field, fragment):
+    """The hostile audit: `?worldsize=8`, or `?microbatch_tokens=64` without `world_size`, answered
+    200 and the step was never planned (trainers waited until they timed out)."""
+    r = http.post("/v1/steps", json=rollout_doc("s-query"), params=params)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and fragment in err["message"], err
+    assert "s-query" not in [s["step_id"] for s in http.get("/v1/steps").json()["steps"]]  # nothing stored
+
+
 def test_request_size_limit_413_declared_and_streamed(http):
     big = b"{" + b" " * (1 << 20) + b"}"  # the server was started with --max-request-mb 1
     r = http.post("/v1/steps", content=big, headers={"Content-Type": "application/json"})

@@ -26,35 +26,35 @@ from proto.harts.v1 import plan_pb2 as proto_dot_harts_dot_v1_dot_plan__pb2
 from proto.harts.v1 import rollouts_pb2 as proto_dot_harts_dot_v1_dot_rollouts__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/harts/v1/planner.proto\x12\x08harts.v1\x1a\x19proto/harts/v1/plan.proto\x1a\x1dproto/harts/v1/rollouts.proto\"\xb8\x02\n\x08Topology\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x19\n\x11microbatch_tokens\x18\x02 \x01(\x05\x12\x15\n\rmemory_tokens\x18\x03 \x01(\x03\x12\x12\n\nchunk_size\x18\x04 \x01(\x05\x12\x12\n\nno_sharing\x18\x05 \x01(\x08\x12\x12\n\nno_windows\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x12\n\ncost_model\x18\t \x01(\t\x12\x10\n\x08lockstep\x18\n \x01(\x08\x12\x1d\n\x15no_cross_rank_windows\x18\x0b \x01(\x08\x12 \n\x18\x61\x63tivation_checkpointing\x18\x0c \x01(\t\x12\x17\n\x0f\x65xpert_parallel\x18\r \x01(\x05\x12\x0c\n\x04head\x18\x0e \x01(\t\"\x8a\x02\n\nStepStatus\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.harts.v1.StepState\x12\x14\n\x0ctrajectories\x18\x03 \x01(\x05\x12\x15\n\runique_tokens\x18\x04 \x01(\x03\x12\x17\n\x0f\x65xpanded_tokens\x18\x05 \x01(\x03\x12\"\n\x05stats\x18\x06 \x01(\x0b\x32\x13.harts.v1.PlanStats\x12$\n\x08topology\x18\x07 \x01(\x0b\x32\x12.harts.v1.Topology\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x14\n\x0csubmitted_at\x18\t \x01(\x01\x12\x12\n\nplanned_at\x18\n \x01(\x01\"d\n\x15SubmitRolloutsRequest\x12%\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x16.harts.v1.RolloutBatch\x12$\n\x08topology\x18\x02 \x01(\x0b\x32\x12.harts.v1.Topology\"Q\n\x16SubmitRolloutsResponse\x12$\n\x06status\x18\x01 \x01(\x0b\x32\x14.harts.v1.StepStatus\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"H\n\x0fPlanStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12$\n\x08topology\x18\x02 \x01(\x0b\x32\x12.harts.v1.Topology\"G\n\x10\x46\x65tchPlanRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\"#\n\x10GetStatusRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\"!\n\x10ListStepsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"8\n\x11ListStepsResponse\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.harts.v1.StepStatus\"$\n\x11\x44\x65leteStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t*p\n\tStepState\x12\x1a\n\x16STEP_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14STEP_STATE_SUBMITTED\x10\x01\x12\x16\n\x12STEP_STATE_PLANNED\x10\x02\x12\x15\n\x11STEP_STATE_FAILED\x10\x03\x32\x9f\x03\n\x07Planner\x12S\n\x0eSubmitRollouts\x12\x1f.harts.v1.SubmitRolloutsRequest\x1a .harts.v1.SubmitRolloutsResponse\x12;\n\x08PlanStep\x12\x19.harts.v1.PlanStepRequest\x1a\x14.harts.v1.StepStatus\x12<\n\tFetchPlan\x12\x1a.harts.v1.FetchPlanRequest\x1a\x13.harts.v1.PlanSlice\x12=\n\tGetStatus\x12\x1a.harts.v1.GetStatusRequest\x1a\x14.harts.v1.StepStatus\x12\x44\n\tListSteps\x12\x1a.harts.v1.ListStepsRequest\x1a\x1b.harts.v1.ListStepsResponse\x12?\n\nDeleteStep\x12\x1b.harts.v1.DeleteStepRequest\x1a\x14.harts.v1.StepStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/harts/v1/planner.proto\x12\x08harts.v1\x1a\x19proto/harts/v1/plan.proto\x1a\x1dproto/harts/v1/rollouts.proto\"\xb8\x02\n\x08Topology\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x19\n\x11microbatch_tokens\x18\x02 \x01(\x05\x12\x15\n\rmemory_tokens\x18\x03 \x01(\x03\x12\x12\n\nchunk_size\x18\x04 \x01(\x05\x12\x12\n\nno_sharing\x18\x05 \x01(\x08\x12\x12\n\nno_windows\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x12\n\ncost_model\x18\t \x01(\t\x12\x10\n\x08lockstep\x18\n \x01(\x08\x12\x1d\n\x15no_cross_rank_windows\x18\x0b \x01(\x08\x12 \n\x18\x61\x63tivation_checkpointing\x18\x0c \x01(\t\x12\x17\n\x0f\x65xpert_parallel\x18\r \x01(\x05\x12\x0c\n\x04head\x18\x0e \x01(\t\"\x8a\x02\n\nStepStatus\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.harts.v1.StepState\x12\x14\n\x0ctrajectories\x18\x03 \x01(\x05\x12\x15\n\runique_tokens\x18\x04 \x01(\x03\x12\x17\n\x0f\x65xpanded_tokens\x18\x05 \x01(\x03\x12\"\n\x05stats\x18\x06 \x01(\x0b\x32\x13.harts.v1.PlanStats\x12$\n\x08topology\x18\x07 \x01(\x0b\x32\x12.harts.v1.Topology\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x14\n\x0csubmitted_at\x18\t \x01(\x01\x12\x12\n\nplanned_at\x18\n \x01(\x01\"y\n\x15SubmitRolloutsRequest\x12%\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x16.harts.v1.RolloutBatch\x12$\n\x08topology\x18\x02 \x01(\x0b\x32\x12.harts.v1.Topology\x12\x13\n\x0b\x62ody_sha256\x18\x03 \x01(\t\"f\n\x16SubmitRolloutsResponse\x12$\n\x06status\x18\x01 \x01(\x0b\x32\x14.harts.v1.StepStatus\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x13\n\x0b\x62ody_sha256\x18\x03 \x01(\t\"H\n\x0fPlanStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12$\n\x08topology\x18\x02 \x01(\x0b\x32\x12.harts.v1.Topology\"G\n\x10\x46\x65tchPlanRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\"#\n\x10GetStatusRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\"!\n\x10ListStepsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"8\n\x11ListStepsResponse\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.harts.v1.StepStatus\"$\n\x11\x44\x65leteStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t*p\n\tStepState\x12\x1a\n\x16STEP_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14STEP_STATE_SUBMITTED\x10\x01\x12\x16\n\x12STEP_STATE_PLANNED\x10\x02\x12\x15\n\x11STEP_STATE_FAILED\x10\x03\x32\x9f\x03\n\x07Planner\x12S\n\x0eSubmitRollouts\x12\x1f.harts.v1.SubmitRolloutsRequest\x1a .harts.v1.SubmitRolloutsResponse\x12;\n\x08PlanStep\x12\x19.harts.v1.PlanStepRequest\x1a\x14.harts.v1.StepStatus\x12<\n\tFetchPlan\x12\x1a.harts.v1.FetchPlanRequest\x1a\x13.harts.v1.PlanSlice\x12=\n\tGetStatus\x12\x1a.harts.v1.GetStatusRequest\x1a\x14.harts.v1.StepStatus\x12\x44\n\tListSteps\x12\x1a.harts.v1.ListStepsRequest\x1a\x1b.harts.v1.ListStepsResponse\x12?\n\nDeleteStep\x12\x1b.harts.v1.DeleteStepRequest\x1a\x14.harts.v1.StepStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.harts.v1.planner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STEPSTATE']._serialized_start=1184
-  _globals['_STEPSTATE']._serialized_end=1296
+  _globals['_STEPSTATE']._serialized_start=1226
+  _globals['_STEPSTATE']._serialized_end=1338
   _globals['_TOPOLOGY']._serialized_start=101
   _globals['_TOPOLOGY']._serialized_end=413
   _globals['_STEPSTATUS']._serialized_start=416
   _globals['_STEPSTATUS']._serialized_end=682
   _globals['_SUBMITROLLOUTSREQUEST']._serialized_start=684
-  _globals['_SUBMITROLLOUTSREQUEST']._serialized_end=784
-  _globals['_SUBMITROLLOUTSRESPONSE']._serialized_start=786
-  _globals['_SUBMITROLLOUTSRESPONSE']._serialized_end=867
-  _globals['_PLANSTEPREQUEST']._serialized_start=869
-  _globals['_PLANSTEPREQUEST']._serialized_end=941
-  _globals['_FETCHPLANREQUEST']._serialized_start=943
-  _globals['_FETCHPLANREQUEST']._serialized_end=1014
-  _globals['_GETSTATUSREQUEST']._serialized_start=1016
-  _globals['_GETSTATUSREQUEST']._serialized_end=1051
-  _globals['_LISTSTEPSREQUEST']._serialized_start=1053
-  _globals['_LISTSTEPSREQUEST']._serialized_end=1086
-  _globals['_LISTSTEPSRESPONSE']._serialized_start=1088
-  _globals['_LISTSTEPSRESPONSE']._serialized_end=1144
-  _globals['_DELETESTEPREQUEST']._serialized_start=1146
-  _globals['_DELETESTEPREQUEST']._serialized_end=1182
-  _globals['_PLANNER']._serialized_start=1299
-  _globals['_PLANNER']._serialized_end=1714
+  _globals['_SUBMITROLLOUTSREQUEST']._serialized_end=805
+  _globals['_SUBMITROLLOUTSRESPONSE']._serialized_start=807
+  _globals['_SUBMITROLLOUTSRESPONSE']._serialized_end=909
+  _globals['_PLANSTEPREQUEST']._serialized_start=911
+  _globals['_PLANSTEPREQUEST']._serialized_end=983
+  _globals['_FETCHPLANREQUEST']._serialized_start=985
+  _globals['_FETCHPLANREQUEST']._serialized_end=1056
+  _globals['_GETSTATUSREQUEST']._serialized_start=1058
+  _globals['_GETSTATUSREQUEST']._serialized_end=1093
+  _globals['_LISTSTEPSREQUEST']._serialized_start=1095
+  _globals['_LISTSTEPSREQUEST']._serialized_end=1128
+  _globals['_LISTSTEPSRESPONSE']._serialized_start=1130
+  _globals['_LISTSTEPSRESPONSE']._serialized_end=1186
+  _globals['_DELETESTEPREQUEST']._serialized_start=1188
+  _globals['_DELETESTEPREQUEST']._serialized_end=1224
+  _globals['_PLANNER']._serialized_start=1341
+  _globals['_PLANNER']._serialized_end=1756
 # @@protoc_insertion_point(module_scope)

@@ -77,20 +77,24 @@ class StepStatus(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., state: _Optional[_Union[StepState, str]] = ..., trajectories: _Optional[int] = ..., unique_tokens: _Optional[int] = ..., expanded_tokens: _Optional[int] = ..., stats: _Optional[_Union[_plan_pb2.PlanStats, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., error: _Optional[str] = ..., submitted_at: _Optional[float] = ..., planned_at: _Optional[float] = ...) -> None: ...
 
 class SubmitRolloutsRequest(_message.Message):
-    __slots__ = ("batch", "topology")
+    __slots__ = ("batch", "topology", "body_sha256")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    BODY_SHA256_FIELD_NUMBER: _ClassVar[int]
     batch: _rollouts_pb2.RolloutBatch
     topology: Topology
-    def __init__(self, batch: _Optional[_Union[_rollouts_pb2.RolloutBatch, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ...) -> None: ...
+    body_sha256: str
+    def __init__(self, batch: _Optional[_Union[_rollouts_pb2.RolloutBatch, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., body_sha256: _Optional[str] = ...) -> None: ...
 
 class SubmitRolloutsResponse(_message.Message):
-    __slots__ = ("status", "duplicate")
+    __slots__ = ("status", "duplicate", "body_sha256")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    BODY_SHA256_FIELD_NUMBER: _ClassVar[int]
     status: StepStatus
     duplicate: bool
-    def __init__(self, status: _Optional[_Union[StepStatus, _Mapping]] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    body_sha256: str
+    def __init__(self, status: _Optional[_Union[StepStatus, _Mapping]] = ..., duplicate: _Optional[bool] = ..., body_sha256: _Optional[str] = ...) -> None: ...
 
 class PlanStepRequest(_message.Message):
     __slots__ = ("step_id", "topology")
