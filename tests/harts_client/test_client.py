@@ -220,6 +220,29 @@ def test_an_answer_naming_other_bytes_is_asked_again_then_raised(server):
     assert proxy.calls == FAST.attempts
 
 
+class OlderServer(httpx.BaseTransport):
+    """Answers submissions as a planner of an earlier version: without body_sha256."""
+
+    def __init__(self):
+        self.inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        resp = self.inner.handle_request(request)
+        if request.method == "POST" and request.url.path == "/v1/steps" and resp.status_code == 200:
+            answer = json.loads(resp.read())
+            del answer["body_sha256"]
+            return httpx.Response(200, json=answer, request=request)
+        return resp
+
+
+def test_a_planner_reporting_no_digest_is_accepted_with_one_warning(server, caplog):
+    with PlannerClient(server.http_url, token=TOKEN, retry=FAST, transport=OlderServer()) as c:
+        with caplog.at_level("WARNING", logger=client_module.__name__):
+            for i in range(2):
+                assert "body_sha256" not in c.submit(rollout_doc(f"c-older-{i}", seed=14 + i))
+    assert sum("reports no body_sha256" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_client_does_not_import_the_service(server, tmp_path):
     code = "import sys, harts_client.client; print(sorted(m for m in sys.modules if m.startswith('planner_service')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
