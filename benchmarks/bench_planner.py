@@ -43,7 +43,8 @@ import numpy as np
 from harts_client.timing import repeat, timed
 from planner_service.forest import Forest
 from planner_service.planner.config import PlanConfig
-from planner_service.planner.partition import expand_forest, partition_with_report
+from planner_service.planner.expand import expand_forest
+from planner_service.planner.partition import partition_with_report
 from plan.validator import validate_plan
 
 log = logging.getLogger("bench_planner")

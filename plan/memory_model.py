@@ -8,7 +8,7 @@
     sizes.export_bytes(attn_rows, conv_rows, kernel_rows, states)       # a recomputed one
     live, peak = rank_live_bytes(sizes, arrays_by_id, steps)            # a rank's live stack, per step
 
-One module, three users: the partitioner's estimate (`planner_service.planner.partition`), the plan
+One module, three users: the partitioner's estimate (`planner_service.planner.memory_fit`), the plan
 builder's `PlanStats.peak_live_bytes` and the validator's check against `PlanParams.memory`; the
 trainer keeps exactly what is counted here (the executor contract of issue 10):
 

@@ -21,7 +21,7 @@ be balanced; so placement works below the microbatch level, on the unit forest o
 
 Every rank then runs level 1 on its own forest (kept and duplicated units), so that sharing
 windows never cross ranks; lock-step plans with cross_rank_windows then import a tree's shared
-prefix across ranks instead of duplicating it (`partition._crossing_forests`). Plain-Python oracles of each kernel live in `placement_ref.py`.
+prefix across ranks instead of duplicating it (`rank_forests.crossing_forests`). Plain-Python oracles of each kernel live in `placement_ref.py`.
 
 Legend: U units, P parts, W ranks, n units of all rank forests together.
 """

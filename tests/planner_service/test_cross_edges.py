@@ -13,11 +13,12 @@ from plan.memory_model import RowSizes
 from plan.phases import PHASE_FORWARD
 from plan.seal import slice_plan
 from plan.validator import validate_plan, validate_slice
-from planner_service.planner import CROSS_EQUAL_MAKESPAN, PlanConfig, crossing_partitions, plan_step
-from planner_service.planner import lockstep
+from planner_service.planner import PlanConfig, crossing_partitions, plan_step
+from planner_service.planner import lockstep, step
 from planner_service.planner.build import build_plan
 from planner_service.planner.cost_model import DEFAULT_TRANSFER_ROWS_PER_BYTE, CostModel
-from planner_service.planner.partition import SHORT_PREFIX_FRACTION
+from planner_service.planner.edge_modes import SHORT_PREFIX_FRACTION
+from planner_service.planner.step import CROSS_EQUAL_MAKESPAN
 from proto.arrays import unpack
 from tests.builder_helpers import aligned_by_both, forest_from_trajectories, random_trajectories, random_window_forest
 
@@ -250,14 +251,12 @@ def test_equal_candidates_have_one_digest_and_any_decision_changes_it():
 
 
 def test_plan_step_builds_each_distinct_candidate_once(monkeypatch):
-    import planner_service.planner as planner
-
     forest, cfg = _forest(1), _cfg(2, cross_rank_windows=True)
     distinct = {part.digest() for _, part, _ in crossing_partitions(forest, cfg)}
     assert len(distinct) == 1  # this forest's six candidates coincide
     built = []
-    real = planner.build_plan
-    monkeypatch.setattr(planner, "build_plan", lambda *a, **kw: built.append(a[2].digest()) or real(*a, **kw))
+    real = step.build_plan
+    monkeypatch.setattr(step, "build_plan", lambda *a, **kw: built.append(a[2].digest()) or real(*a, **kw))
     plan_step(forest, cfg)
     candidates = built[1:]  # built[0] is the plan without crossing windows
     assert len(candidates) == len(set(candidates)) and distinct <= set(candidates)

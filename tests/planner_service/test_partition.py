@@ -14,7 +14,8 @@ from planner_service.errors import PlanningError
 from planner_service.forest import Forest
 from planner_service.planner import level1, level2, partition_ref
 from planner_service.planner.config import PlanConfig
-from planner_service.planner.partition import expand_forest, partition, partition_with_report
+from planner_service.planner.expand import expand_forest
+from planner_service.planner.partition import partition, partition_with_report
 from plan.memory_model import RowSizes
 
 
