@@ -6,7 +6,7 @@ A rank's whole slice is decoded by `plan.decode.decode_rank`, on top of this.
 The validator (`plan.validator`) and the slice check (`plan.slice_check`) check the semantics on
 top of these arrays, and the trainer turns them into tensors (`trainer.layout`) without unpacking
 the wire's byte columns again (the planner builds the same arrays from its own tables,
-`planner_service.planner.build._arrays`). The checks here are linear in the microbatch's size and guarantee only what indexing needs: every
+`planner_service.planner.serialise._arrays`). The checks here are linear in the microbatch's size and guarantee only what indexing needs: every
 array has the length its table implies, every row index lies in its range (local rows [0, R),
 extended rows [0, R + I)), every state reference names an existing table entry, every token id
 lies in the vocabulary. Whether the rows form the right trees, schedules and hashes is the

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from planner_service.planner import build_kernels as bk
+from planner_service.planner import logprob_map as lpm
 from planner_service.planner import min_calls as mc
-from planner_service.planner.build import _TokenIndex
+from planner_service.planner.row_layout import TokenIndex
 from tests.builder_helpers import forest_from_trajectories, random_trajectories
 
 
@@ -34,7 +35,7 @@ def test_local_segments_match_reference():
     rng = np.random.default_rng(0)
     for it in range(30):
         f = _random_forest(rng, it)
-        tix = _TokenIndex(f)
+        tix = TokenIndex(f)
         n = f.unique_tokens
         pick = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)).astype(np.int64)
         dup = (rng.random(pick.shape[0]) < 0.3).astype(np.uint8)
@@ -136,8 +137,8 @@ def test_lp_grouped_matches_reference_and_ungrouped_entries(all_positions):
         none = np.zeros(0, np.float32)
         old = f.old_logprobs if f.old_logprobs is not None else none
         ref = f.ref_logprobs if f.ref_logprobs is not None else none
-        got = bk.lp_grouped(*args, f.advantages, old, ref)
-        _eq(got, bk.lp_grouped_ref(*args, f.advantages, old, ref))
+        got = lpm.lp_grouped(*args, f.advantages, old, ref)
+        _eq(got, lpm.lp_grouped_ref(*args, f.advantages, old, ref))
         bounds, row, label, traj, pos, mask, adv, old_g, ref_g = got
         g0, traj0, pos0, prev0, tok0 = lp_entries(*args[:8])
         order = np.argsort(kept_mb[prev0], kind="stable")
@@ -168,7 +169,7 @@ def test_pack_rows_layout_and_ext_rows_match_reference():
         _eq([got[k] for k in sorted(got)], [ref[k] for k in sorted(ref)])
 
         f = _random_forest(rng, it)
-        tix = _TokenIndex(f)
+        tix = TokenIndex(f)
         n = f.unique_tokens
         order = rng.permutation(S).astype(np.int32)
         first = rng.integers(0, n, S).astype(np.int64)

@@ -288,18 +288,18 @@ def test_builder_arrays_equal_the_decoded_plan(case, monkeypatch):
     # be what decode_microbatch reads back from the serialised microbatch.
     import dataclasses
 
-    from planner_service.planner import build as build_mod
+    from planner_service.planner import serialise
     from plan.microbatch import decode_microbatch
 
     seen = {}
-    real = build_mod._arrays
+    real = serialise._arrays
 
     def spy(msg, *args, **kw):
         out = real(msg, *args, **kw)
         seen[out.id] = (msg, out)
         return out
 
-    monkeypatch.setattr(build_mod, "_arrays", spy)
+    monkeypatch.setattr(serialise, "_arrays", spy)
     rng = np.random.default_rng(100 + case)
     C = [2, 4, 8, 8][case]
     trajs, tree_of = random_trajectories(rng, n=12, max_len=5 * C + 7, vocab=4, trees=2, chunk=C)
