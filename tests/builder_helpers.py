@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from planner_service.forest import Forest
+from planner_service.planner import lockstep, lockstep_ref
+from planner_service.planner.spec import MicrobatchSpec, Partition
 
 
 def forest_from_trajectories(
@@ -130,8 +132,6 @@ def random_partition(forest: Forest, rng: np.random.Generator, *, chunk: int, wo
     """A random valid Partition: forest cut into connected pieces at segment starts and at
     chunk-aligned depths inside segments; sibling pieces sometimes share a microbatch; edges shared
     or duplicated at random; a window group stays on one rank. rank_steps left empty (default order)."""
-    from planner_service.planner.spec import MicrobatchSpec, Partition
-
     units = []  # (segment, start offset, end offset, parent unit)
     last_unit = {}
     for s in range(forest.num_segments):
@@ -211,9 +211,7 @@ def random_window_forest(rng: np.random.Generator, M: int, W: int, *, crossing: 
 def aligned_by_both(args: tuple):
     """`lockstep.align_phases(*args)` after checking that its plain-Python twin gives the same
     phases, steps, voluntary recomputes and makespan."""
-    from planner_service.planner import lockstep
-
-    got, want = lockstep.align_phases(*args), lockstep.align_phases_ref(*args)
+    got, want = lockstep.align_phases(*args), lockstep_ref.align_phases_ref(*args)
     for a, b in zip(got[:4], want[:4]):
         np.testing.assert_array_equal(a, b)
     assert got[4] == want[4]

@@ -27,7 +27,7 @@ import numpy as np
 
 from planner_service.forest import Forest
 from planner_service.planner.build_kernels import expand_ranges, token_index
-from planner_service.planner.spec import MicrobatchSpec, Partition
+from planner_service.planner.spec import Partition
 
 
 def _tokens(forest: Forest, ranges: np.ndarray) -> np.ndarray:
@@ -55,32 +55,8 @@ def import_duplicates(forest: Forest, partition: Partition) -> Partition | None:
     kept = [_tokens(forest, sp.ranges) for sp in specs]
     for m, t in enumerate(kept):
         kept_mb[t] = m
-    fwd = np.zeros(M, np.int64)
-    bwd = np.zeros(M, np.int64)
-    for steps in partition.rank_steps:
-        for i, (kind, m) in enumerate(steps):
-            if m >= 0:
-                (fwd if kind == "F" else bwd)[m] = i
-    # Euler tour of the segment forest: s is an ancestor-or-self of x iff tin[s] <= tin[x] < tout[s]
-    S = forest.num_segments
-    kids: list[list[int]] = [[] for _ in range(S)]
-    for x in range(S):
-        if forest.seg_parent[x] >= 0:
-            kids[int(forest.seg_parent[x])].append(x)
-    tin = np.zeros(S, np.int64)
-    tout = np.zeros(S, np.int64)
-    clock = 0
-    for root in np.flatnonzero(forest.seg_parent < 0).tolist():
-        stack = [(root, False)]
-        while stack:
-            x, done = stack.pop()
-            if done:
-                tout[x] = clock
-                continue
-            tin[x] = clock
-            clock += 1
-            stack.append((x, True))
-            stack.extend((c, False) for c in reversed(kids[x]))
+    fwd, bwd = _step_indices(partition, M)
+    tin, tout = _euler_tour(forest.seg_parent)
     wkids: list[list[int]] = [[] for _ in range(M)]
     for m, sp in enumerate(specs):
         if sp.parent >= 0 and sp.shared:
@@ -120,3 +96,39 @@ def import_duplicates(forest: Forest, partition: Partition) -> Partition | None:
         out[m] = dataclasses.replace(sp, parent=o, shared=True, dup_ranges=np.zeros((0, 3), np.int64))
         changed = True
     return dataclasses.replace(partition, microbatches=out) if changed else None
+
+
+def _step_indices(partition: Partition, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [M] each: the step (phase) of every microbatch's FORWARD and of its BACKWARD."""
+    fwd = np.zeros(M, np.int64)
+    bwd = np.zeros(M, np.int64)
+    for steps in partition.rank_steps:
+        for i, (kind, m) in enumerate(steps):
+            if m >= 0:
+                (fwd if kind == "F" else bwd)[m] = i
+    return fwd, bwd
+
+
+def _euler_tour(seg_parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Euler tour of the segment forest, int64 [S] each: s is an ancestor-or-self of x iff
+    tin[s] <= tin[x] < tout[s]."""
+    S = seg_parent.shape[0]
+    kids: list[list[int]] = [[] for _ in range(S)]
+    for x in range(S):
+        if seg_parent[x] >= 0:
+            kids[int(seg_parent[x])].append(x)
+    tin = np.zeros(S, np.int64)
+    tout = np.zeros(S, np.int64)
+    clock = 0
+    for root in np.flatnonzero(seg_parent < 0).tolist():
+        stack = [(root, False)]
+        while stack:
+            x, done = stack.pop()
+            if done:
+                tout[x] = clock
+                continue
+            tin[x] = clock
+            clock += 1
+            stack.append((x, True))
+            stack.extend((c, False) for c in reversed(kids[x]))
+    return tin, tout

@@ -33,7 +33,7 @@ stack there, and its parent closes only after it has (a later phase); the export
 in its `full`, `win` and `exports` bytes (the partitioner adds them). An order in which every rank
 waits for another stalls: `schedule` returns None.
 
-`align_phases_ref` is the plain-Python twin. The partitioner tries a few microbatch counts and
+`lockstep_ref.align_phases_ref` is the plain-Python twin. The partitioner tries a few microbatch counts and
 every combination of p, `rec_open` and `small_fill`, and keeps the shortest lock-step makespan.
 
 Linear in phases x ranks plus O(M log M) for the per-rank heaps of available microbatches.
@@ -42,7 +42,6 @@ Legend: M microbatches, W ranks, P phases.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,14 +60,6 @@ WEIGHT_POWERS = (1, 16)
 
 @njit(cache=True)
 def _ipow(x, p):
-    out = 1.0
-    for _ in range(p):
-        out *= x
-    return out
-
-
-def _ipow_ref(x: float, p: int) -> float:
-    """Plain-Python twin of `_ipow`: the same multiplications, so the same bits."""
     out = 1.0
     for _ in range(p):
         out *= x
@@ -330,130 +321,6 @@ def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, b
         P += 1
     voluntary = is_rec & ~forced
     return phases[:P], step_phase[:n_steps], step_mb[:n_steps], voluntary, makespan
-
-
-def align_phases_ref(mb_rank, wparent, cost, priority, forced, full, win, exports, budget, world_size, power, vslack,
-                     rec_open, small_fill):
-    """Plain-Python twin of `align_phases` (per-rank lists and heapq)."""
-    M, W, share = len(mb_rank), world_size, FORWARD_SHARE
-    kids: list[list[int]] = [[] for _ in range(M)]
-    for m in range(M):
-        if wparent[m] >= 0:
-            kids[int(wparent[m])].append(m)
-    local = [[k for k in kids[m] if mb_rank[k] == mb_rank[m]] for m in range(M)]
-    sub = [float(x) for x in priority]
-    need = [int(x) for x in full]
-    need_rec = [int(x) for x in full]
-    for m in reversed(range(M)):
-        need[m] = max(int(full[m]), int(win[m]) + max((need[k] for k in local[m]), default=0))
-        need_rec[m] = max(int(full[m]), int(exports[m]) + max((need_rec[k] for k in local[m]), default=0))
-    rem = [0.0] * W
-    for m in range(M):
-        rem[int(mb_rank[m])] += share * cost[m] + (cost[m] if forced[m] else (1.0 - share) * cost[m])
-    heaps: list[list[tuple[float, int]]] = [[] for _ in range(W)]
-    smalls: list[list[tuple[int, int]]] = [[] for _ in range(W)]
-    for m in range(M):
-        if wparent[m] < 0:
-            heapq.heappush(heaps[int(mb_rank[m])], (-sub[m], m))
-            heapq.heappush(smalls[int(mb_rank[m])], (need[m], m))
-    stacks: list[list[int]] = [[] for _ in range(W)]
-    left = [len(k) for k in kids]
-    opened = [False] * M
-    is_rec = [bool(x) for x in forced]
-    open_bytes, pool = [0] * W, [0] * W
-    phases: list[int] = []
-    steps: list[tuple[int, int]] = []
-    makespan = 0.0
-    while len(steps) < 2 * M and len(phases) < 3 * M + 1:
-        crit = max(rem)
-        weight = [_ipow_ref(x / crit, power) if crit > 0 else 1.0 for x in rem]
-        acts = {0: [None] * W, 1: [None] * W, 2: [None] * W}
-        rec_act = [False] * W
-        cap = 0.0
-        for r in range(W):
-            while heaps[r] and opened[heaps[r][0][1]]:
-                heapq.heappop(heaps[r])
-            while smalls[r] and opened[smalls[r][0][1]]:
-                heapq.heappop(smalls[r])
-            m = None
-            if heaps[r]:
-                h = heaps[r][0][1]
-                if open_bytes[r] + need[h] <= budget:
-                    m = h
-                elif small_fill and open_bytes[r] + need[smalls[r][0][1]] <= budget:
-                    m = smalls[r][0][1]
-                elif rec_open and open_bytes[r] + need_rec[h] <= budget and rem[r] + share * cost[h] <= crit:
-                    m, rec_act[r] = h, True
-            if m is None and stacks[r]:
-                waiting = [k for k in local[stacks[r][-1]] if not opened[k]]
-                if waiting:
-                    m = waiting[0]
-                    rec_act[r] = open_bytes[r] + need[m] > budget
-            if m is not None:
-                acts[0][r] = (m, share * cost[m])
-            if stacks[r] and left[stacks[r][-1]] == 0:
-                t = stacks[r][-1]
-                if is_rec[t]:
-                    acts[2][r] = (t, float(cost[t]))
-                    cap = max(cap, float(cost[t]))
-                else:
-                    acts[1][r] = (t, (1.0 - share) * cost[t])
-        for r in range(W):
-            if acts[1][r] is not None:
-                t = acts[1][r][0]
-                if cap > 0 and cost[t] <= vslack * cap and rem[r] + share * cost[t] <= crit:
-                    acts[2][r] = (t, float(cost[t]))
-        best, best_score = -1, 0.0
-        for kind in (1, 2, 0):  # ties: BACKWARD, RECOMPUTE, FORWARD
-            able = [r for r in range(W) if acts[kind][r] is not None]
-            paired = kind != 1 or all(pool[r] > 0 for r in range(W) if acts[1][r] is None)
-            score = 0.0
-            for r in able:
-                score += weight[r]
-            if able and paired and (best < 0 or score > best_score):
-                best, best_score = kind, score
-        if best < 0 and not any(a is not None for kind in acts for a in acts[kind]):
-            break  # every rank waits for another
-        if best < 0:
-            phases.append(0)
-            pool = [x + 1 for x in pool]
-            continue
-        kind = best
-        phases.append(kind)
-        phase_cost = 0.0
-        for r in range(W):
-            a = acts[kind][r]
-            if a is None:
-                pool[r] += 1 if kind == 0 else -1 if kind == 1 else 0
-                continue
-            m, cm = a
-            phase_cost = max(phase_cost, cm)
-            steps.append((len(phases) - 1, m))
-            if kind == 0:
-                opened[m] = True
-                for k in kids[m]:
-                    heapq.heappush(heaps[int(mb_rank[k])], (-sub[k], k))
-                    heapq.heappush(smalls[int(mb_rank[k])], (need[k], k))
-                stacks[r].append(m)
-                rem[r] -= share * cost[m]
-                if rec_act[r] and not is_rec[m]:
-                    is_rec[m] = True
-                    rem[r] += share * cost[m]
-                open_bytes[r] += int(exports[m] if is_rec[m] else win[m])
-            else:
-                stacks[r].pop()
-                open_bytes[r] -= int(exports[m] if is_rec[m] else win[m])
-                if wparent[m] >= 0:
-                    left[int(wparent[m])] -= 1
-                if kind == 2 and not is_rec[m]:
-                    is_rec[m] = True
-                    rem[r] -= (1.0 - share) * cost[m]
-                else:
-                    rem[r] -= cost[m] if kind == 2 else (1.0 - share) * cost[m]
-        makespan += phase_cost
-    voluntary = np.array(is_rec, np.bool_) & ~np.asarray(forced, np.bool_)
-    return (np.array(phases, np.int8), np.array([p for p, _ in steps], np.int64), np.array([m for _, m in steps], np.int64),
-            voluntary, makespan)
 
 
 @dataclass(slots=True, kw_only=True)

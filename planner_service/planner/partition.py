@@ -43,7 +43,7 @@ imports are not tried: a lock-step importer forwards only after its exporter's p
 exporter closes only after it, so every level of exporters adds a phase pair to the step.
 `plan_step` builds the candidates and keeps one only where it pays.
 
-Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`, `lockstep.py`);
+Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`, `lockstep_ref.py`);
 `impl="ref"` runs the whole partitioner on them (tests compare both; the benchmark times both).
 
 `expand.expand_forest` builds the trajectory-expanded baseline's forest (cfg.sharing False).
@@ -61,6 +61,7 @@ import numpy as np
 import planner_service.planner.level1 as level1
 import planner_service.planner.level2 as level2
 import planner_service.planner.lockstep as lockstep
+import planner_service.planner.lockstep_ref as lockstep_ref
 import planner_service.planner.partition_ref as partition_ref
 import planner_service.planner.placement as placement
 import planner_service.planner.placement_ref as placement_ref
@@ -106,7 +107,7 @@ _KERNELS = {
         **{name: getattr(partition_ref, name) for name in (
             "build_units", "cut_pieces", "piece_roots", "first_fit_decreasing", "balance_bins", "context_cost",
             "window_export_counts", "window_groups", "subtree_costs", "lpt_place", "live_stack", "dfs_order")},
-        align_phases=lockstep.align_phases_ref,
+        align_phases=lockstep_ref.align_phases_ref,
         **{name: getattr(placement_ref, name) for name in (
             "context_costs", "cut_parts", "rank_closure", "closure_costs", "refine", "lp_row_flags",
             "subtree_sums", "subtree_sizes", "lpt_parts", "placement_costs")},
