@@ -19,6 +19,7 @@ from planner_service.ingest.explicit import explicit_forest
 from planner_service.ingest.json_scan import FIELDS
 from planner_service.ingest.limits import Limits
 from planner_service.ingest.radix import RadixForest, radix_forest
+from planner_service.ingest.radix_ref import radix_forest_reference
 
 
 def _empty() -> RadixForest:
@@ -62,37 +63,14 @@ def build_forest(raw: RawBatch, *, numba: bool = True, limits: Limits | None = N
         numba: False builds the flat trees with the plain-Python reference (tests, benchmarks).
         limits: checks `max_unique_tokens` on the merged forest (LimitError), when given.
     """
-    n_flat = raw.n_flat
     names: dict[str, int] = {}
-    flat_tree = np.fromiter((names.setdefault(n, len(names)) for n in raw.flat_tree_name), np.int32, n_flat)
-    tokens_col = raw.columns["tokens"]
-    tokens = None
-    if n_flat:
-        tokens = tokens_col.values.astype(np.int32, copy=False)
-        if numba:
-            flat = radix_forest(tokens, tokens_col.offsets, flat_tree, len(names))
-        else:
-            from planner_service.ingest.radix_ref import radix_forest_reference
-            flat = radix_forest_reference(tokens, tokens_col.offsets, flat_tree, len(names))
-    else:
-        flat = _empty()
-    if raw.node_id:
-        expl = explicit_forest(
-            node_tree_V=np.asarray(raw.node_tree, np.int64),
-            node_id_V=np.asarray(raw.node_id, np.int64),
-            parent_V=raw.node_parent_idx,
-            tokens_N=raw.node_tokens.values.astype(np.int32, copy=False),
-            offsets_V1=raw.node_tokens.offsets,
-            n_trees=len(raw.tree_ids),
-            traj_node=raw.traj_node_idx,
-        )
-    else:
-        expl = _empty()
-    tokens_col.values = None
+    flat_tree = np.fromiter((names.setdefault(n, len(names)) for n in raw.flat_tree_name), np.int32, raw.n_flat)
+    flat = _flat_forest(raw, flat_tree, len(names), numba)
+    expl = _explicit_forest(raw)
+    raw.columns["tokens"].values = None
     raw.node_tokens.values = None
     if raw.lists is not None:
         raw.lists.buffers = tuple(None if f == "tokens" else b for f, b in zip(FIELDS, raw.lists.buffers))
-    del tokens
     if limits is not None:
         limits.check("max_unique_tokens", int(flat.tokens.shape[0] + expl.tokens.shape[0]), "distinct tokens")
 
@@ -104,26 +82,7 @@ def build_forest(raw: RawBatch, *, numba: bool = True, limits: Limits | None = N
     T = traj_len.shape[0]
     traj_offset = np.zeros(T + 1, np.int64)
     np.cumsum(traj_len, out=traj_offset[1:])
-    n_e = int(traj_offset[-1])
-
-    mask_col = raw.columns["loss_mask"]
-    if len(mask_col.owners) == T and mask_col.values.dtype == np.uint8 and mask_col.values.flags.writeable:
-        loss_mask = mask_col.values  # every trajectory has one, in order: the parsed array itself
-    else:
-        loss_mask = np.ones(n_e, np.uint8)
-        _scatter(loss_mask, mask_col, traj_offset)
-        _scatter_nodes(loss_mask, raw, "loss_mask", traj_offset)
-    advantages = np.repeat(np.asarray(raw.adv_scalar, np.float32), traj_len)
-    _scatter(advantages, raw.columns["advantage"], traj_offset)
-    logprobs = {}
-    for name in ("old_logprobs", "ref_logprobs"):
-        col = raw.columns[name]
-        logprobs[name] = None
-        if col.owners or raw.node_columns[name].owners:
-            logprobs[name] = np.empty(n_e, np.float32)
-            _scatter(logprobs[name], col, traj_offset)
-            _scatter_nodes(logprobs[name], raw, name, traj_offset)
-
+    loss_mask, advantages, logprobs = _trajectory_fields(raw, traj_offset)
     return Forest(
         batch_id=raw.batch_id,
         vocab_size=raw.vocab_size,
@@ -146,3 +105,53 @@ def build_forest(raw: RawBatch, *, numba: bool = True, limits: Limits | None = N
         weight=np.asarray([1.0 if w is None else w for w in raw.weight], np.float32),
         group_ids=list(raw.group_ids),
     )
+
+
+def _flat_forest(raw: RawBatch, flat_tree: np.ndarray, n_trees: int, numba: bool) -> RadixForest:
+    """Radix forest of the flat trees (`flat_tree`: int32 [T_flat] tree of each trajectory)."""
+    if not raw.n_flat:
+        return _empty()
+    tokens_col = raw.columns["tokens"]
+    tokens = tokens_col.values.astype(np.int32, copy=False)
+    if numba:
+        return radix_forest(tokens, tokens_col.offsets, flat_tree, n_trees)
+    return radix_forest_reference(tokens, tokens_col.offsets, flat_tree, n_trees)
+
+
+def _explicit_forest(raw: RawBatch) -> RadixForest:
+    """Forest of the explicit trees (nodes with parents)."""
+    if not raw.node_id:
+        return _empty()
+    return explicit_forest(
+        node_tree_V=np.asarray(raw.node_tree, np.int64),
+        node_id_V=np.asarray(raw.node_id, np.int64),
+        parent_V=raw.node_parent_idx,
+        tokens_N=raw.node_tokens.values.astype(np.int32, copy=False),
+        offsets_V1=raw.node_tokens.offsets,
+        n_trees=len(raw.tree_ids),
+        traj_node=raw.traj_node_idx,
+    )
+
+
+def _trajectory_fields(raw: RawBatch, traj_offset: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray | None]]:
+    """Trajectory-space arrays [N_e]: loss mask, advantages, and old/ref log-probs (None when absent)."""
+    T, n_e = traj_offset.shape[0] - 1, int(traj_offset[-1])
+    mask_col = raw.columns["loss_mask"]
+    if len(mask_col.owners) == T and mask_col.values.dtype == np.uint8 and mask_col.values.flags.writeable:
+        loss_mask = mask_col.values  # every trajectory has one, in order: the parsed array itself
+    else:
+        loss_mask = np.ones(n_e, np.uint8)
+        _scatter(loss_mask, mask_col, traj_offset)
+        _scatter_nodes(loss_mask, raw, "loss_mask", traj_offset)
+    advantages = np.repeat(np.asarray(raw.adv_scalar, np.float32), raw.traj_len)
+    _scatter(advantages, raw.columns["advantage"], traj_offset)
+    logprobs = {}
+    for name in ("old_logprobs", "ref_logprobs"):
+        col = raw.columns[name]
+        logprobs[name] = None
+        if col.owners or raw.node_columns[name].owners:
+            logprobs[name] = np.empty(n_e, np.float32)
+            _scatter(logprobs[name], col, traj_offset)
+            _scatter_nodes(logprobs[name], raw, name, traj_offset)
+    return loss_mask, advantages, logprobs
