@@ -218,18 +218,7 @@ def check_rank_edges(header: plan_pb2.PlanHeader, rank: int, edges: list[CrossEd
         if e.id <= last:
             _fail(f"{w}.id", f"expected ids increasing and >= 0 within a rank, got {e.id} after {last}")
         last = e.id
-        for name in ("exporter_rank", "importer_rank"):
-            if not 0 <= getattr(e, name) < W:
-                _fail(f"{w}.{name}", f"expected a rank in [0, {W}), got {getattr(e, name)}")
-        if e.exporter_rank == e.importer_rank:
-            _fail(f"{w}.importer_rank", f"expected two different ranks, a rank other than the exporter's "
-                                        f"({e.exporter_rank}), got {e.importer_rank}")
-        if rank not in (e.exporter_rank, e.importer_rank):
-            _fail(w, f"expected rank {rank} to be its exporter's or its importer's rank, got "
-                     f"{e.exporter_rank} -> {e.importer_rank}")
-        if not 0 <= e.send_phase < e.grad_phase < P:
-            _fail(f"{w}.send_phase", f"expected 0 <= send_phase < grad_phase < {P} (phases of the step), "
-                                     f"got {e.send_phase} and {e.grad_phase}")
+        _check_ends(w, e, rank, W, P)
         side, here, there = ("exporter", e.exporter, e.importer) if rank == e.exporter_rank else \
             ("importer", e.importer, e.exporter)
         if here not in index:
@@ -240,39 +229,67 @@ def check_rank_edges(header: plan_pb2.PlanHeader, rank: int, edges: list[CrossEd
         a = arrays[index[here]]
         f_here, b_here = phase_of[fwd, index[here]], phase_of[bwd, index[here]]
         if side == "exporter":
-            rows_of = np.asarray(a.export_rows, np.int64)
-            for k in KINDS:
-                _sorted_subset(w, ROW_FIELDS[k], e.rows[k], rows_of, f"rows of microbatch {a.id}'s export_rows")
-            _sorted_subset(w, "states", e.states, np.asarray(a.export_states, np.int64),
-                           f"states of microbatch {a.id}'s export_states")
-            if e.send_phase < f_here:
-                _fail(f"{w}.send_phase", f"expected >= {f_here} (the exporter's FORWARD phase), got {e.send_phase}")
-            if e.grad_phase >= b_here:
-                _fail(f"{w}.grad_phase", f"expected < {b_here} (the exporter's BACKWARD phase), got {e.grad_phase}")
+            _check_exporter_side(w, e, a, f_here, b_here)
         else:
-            if (e.importer, e.exporter) in incoming:
-                _fail(w, f"a second edge from microbatch {e.exporter} to {e.importer} "
-                         f"(edge {incoming[e.importer, e.exporter]})")
-            incoming[e.importer, e.exporter] = e.id
-            imported = np.asarray(a.import_row[a.import_microbatch == e.exporter], np.int64)
-            for k in KINDS:
-                _sorted_subset(w, ROW_FIELDS[k], e.rows[k], imported,
-                               f"rows microbatch {a.id} imports from microbatch {e.exporter}")
-            states = np.asarray(a.state_import_state[a.state_import_microbatch == e.exporter], np.int64)
-            _sorted_subset(w, "states", e.states, states, f"states microbatch {a.id} imports from microbatch {e.exporter}")
-            unsent = states[~np.isin(states, e.states)]
-            if unsent.shape[0]:
-                _fail(f"{w}.states", f"expected every state microbatch {a.id} imports from microbatch {e.exporter}, "
-                                     f"state {int(unsent[0])} is missing")
-            if e.send_phase >= f_here:
-                _fail(f"{w}.send_phase", f"expected < {f_here} (the importer's FORWARD phase), got {e.send_phase}")
-            if e.grad_phase < b_here:
-                _fail(f"{w}.grad_phase", f"expected >= {b_here} (the importer's BACKWARD phase), got {e.grad_phase}")
+            _check_importer_side(w, e, a, f_here, b_here, incoming)
         want = edge_bytes(sizes, e.needs)
         if e.bytes != want:
             _fail(f"{w}.bytes", f"expected {want} (the memory model of its rows and states), got {e.bytes}")
     if incoming:
         _check_reads(rank, edges, arrays, index, steps)
+
+
+def _check_ends(w: str, e: CrossEdgeArrays, rank: int, W: int, P: int) -> None:
+    """The edge's two ranks (distinct, one of them this rank) and its phases within the step."""
+    for name in ("exporter_rank", "importer_rank"):
+        if not 0 <= getattr(e, name) < W:
+            _fail(f"{w}.{name}", f"expected a rank in [0, {W}), got {getattr(e, name)}")
+    if e.exporter_rank == e.importer_rank:
+        _fail(f"{w}.importer_rank", f"expected two different ranks, a rank other than the exporter's "
+                                    f"({e.exporter_rank}), got {e.importer_rank}")
+    if rank not in (e.exporter_rank, e.importer_rank):
+        _fail(w, f"expected rank {rank} to be its exporter's or its importer's rank, got "
+                 f"{e.exporter_rank} -> {e.importer_rank}")
+    if not 0 <= e.send_phase < e.grad_phase < P:
+        _fail(f"{w}.send_phase", f"expected 0 <= send_phase < grad_phase < {P} (phases of the step), "
+                                 f"got {e.send_phase} and {e.grad_phase}")
+
+
+def _check_exporter_side(w: str, e: CrossEdgeArrays, a: MicrobatchArrays, f_here: int, b_here: int) -> None:
+    """On the exporter's rank: rows and states it exports, sent after its FORWARD, answered before its BACKWARD."""
+    rows_of = np.asarray(a.export_rows, np.int64)
+    for k in KINDS:
+        _sorted_subset(w, ROW_FIELDS[k], e.rows[k], rows_of, f"rows of microbatch {a.id}'s export_rows")
+    _sorted_subset(w, "states", e.states, np.asarray(a.export_states, np.int64),
+                   f"states of microbatch {a.id}'s export_states")
+    if e.send_phase < f_here:
+        _fail(f"{w}.send_phase", f"expected >= {f_here} (the exporter's FORWARD phase), got {e.send_phase}")
+    if e.grad_phase >= b_here:
+        _fail(f"{w}.grad_phase", f"expected < {b_here} (the exporter's BACKWARD phase), got {e.grad_phase}")
+
+
+def _check_importer_side(w: str, e: CrossEdgeArrays, a: MicrobatchArrays, f_here: int, b_here: int,
+                         incoming: dict[tuple[int, int], int]) -> None:
+    """On the importer's rank: one edge per exporter, rows and states it imports (every state),
+    received before its FORWARD, answered after its BACKWARD; records the edge in `incoming`."""
+    if (e.importer, e.exporter) in incoming:
+        _fail(w, f"a second edge from microbatch {e.exporter} to {e.importer} "
+                 f"(edge {incoming[e.importer, e.exporter]})")
+    incoming[e.importer, e.exporter] = e.id
+    imported = np.asarray(a.import_row[a.import_microbatch == e.exporter], np.int64)
+    for k in KINDS:
+        _sorted_subset(w, ROW_FIELDS[k], e.rows[k], imported,
+                       f"rows microbatch {a.id} imports from microbatch {e.exporter}")
+    states = np.asarray(a.state_import_state[a.state_import_microbatch == e.exporter], np.int64)
+    _sorted_subset(w, "states", e.states, states, f"states microbatch {a.id} imports from microbatch {e.exporter}")
+    unsent = states[~np.isin(states, e.states)]
+    if unsent.shape[0]:
+        _fail(f"{w}.states", f"expected every state microbatch {a.id} imports from microbatch {e.exporter}, "
+                             f"state {int(unsent[0])} is missing")
+    if e.send_phase >= f_here:
+        _fail(f"{w}.send_phase", f"expected < {f_here} (the importer's FORWARD phase), got {e.send_phase}")
+    if e.grad_phase < b_here:
+        _fail(f"{w}.grad_phase", f"expected >= {b_here} (the importer's BACKWARD phase), got {e.grad_phase}")
 
 
 def _check_reads(rank: int, edges: list[CrossEdgeArrays], arrays: list[MicrobatchArrays], index: dict[int, int],

@@ -269,7 +269,14 @@ def decode_microbatch(mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams) -> M
         lp_old_logprob=optional("lp_old_logprob"), lp_ref_logprob=optional("lp_ref_logprob"),
         replay_tokens=int(mb.replay_tokens), duplicated_tokens=int(mb.duplicated_tokens), cost=float(mb.cost),
     )
-    V = params.vocab_size
+    _check_bounds(w, out, params.vocab_size)
+    return out
+
+
+def _check_bounds(w: str, out: MicrobatchArrays, V: int) -> None:
+    """Every token id in the vocabulary, every row, state and attention range inside its table."""
+    R, S, I, num_states = out.num_rows, out.num_segments, out.num_imports, out.num_states
+    tokens, conv, lp_row = out.tokens, out.conv_ancestors, out.lp_row
     if _outside(tokens, 0, V):
         _fail(f"{w}.tokens", f"expected ids in [0, {V}), got {int(tokens.min())}..{int(tokens.max())}")
     if _outside(out.lp_label, 0, V):
@@ -289,4 +296,3 @@ def decode_microbatch(mb: plan_pb2.Microbatch, params: plan_pb2.PlanParams) -> M
         _fail(f"{w}.export_rows", f"expected extended rows in [0, {R + I})")
     if _outside(out.export_states, 0, num_states):
         _fail(f"{w}.export_states", f"expected state ids in [0, {num_states})")
-    return out
