@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,9 @@ import textwrap
 import pytest
 import torch
 
-from benchmarks import suite
+from benchmarks import headline, placement_table, suite, suite_config, tables
+from benchmarks.allocator import steady_allocator
+from harts_client.synthetic import WorkloadConfig
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +20,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     # --no-trainer and no `trainer` / `rl` modules: the CPU executor needs seconds per step, and the
     # modules have their own tests; test_trainer_throughput_on_a_tiny_workload times the headline's measurement.
-    only = [n for n in suite.NAMES if n not in ("trainer", "rl")]
+    only = [n for n in suite_config.NAMES if n not in ("trainer", "rl")]
     r = subprocess.run([sys.executable, "-m", "harts_cli.main", "bench", "--quick", "--no-trainer", "--out", str(out),
                         "--only", ",".join(only)],
                        capture_output=True, text=True, timeout=300)
@@ -36,7 +39,7 @@ def test_quick_suite_writes_results(quick_run):
     wl = doc["benchmarks"]["workloads"]
     assert wl["status"] == "ok", wl.get("traceback")
     rows = wl["result"]["rows"]
-    assert [row["workload"] for row in rows] == [s.name for s in suite.workload_specs(quick=True)]
+    assert [row["workload"] for row in rows] == [s.name for s in headline.workload_specs(quick=True)]
     for row in rows:
         assert row["compression_ideal"] == pytest.approx(row["expanded_tokens"] / row["unique_tokens"])
         if "computed_tokens" in row:  # the planner has landed
@@ -63,10 +66,10 @@ def test_quick_suite_writes_results(quick_run):
 def test_trainer_throughput_on_a_tiny_workload():
     pytest.importorskip("trainer.executor")
     pytest.importorskip("planner_service.planner")
-    spec = suite.WorkloadSpec(name="tiny percall", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.005, group_size=1, turns=(10, 10)))
-    cfg = suite.SuiteConfig(quick=True, trainer_warmup=False, trainer_steps=1, reference_planner=False)
+    spec = headline.WorkloadSpec(name="tiny percall", gen=dict(scheme="percall", tasks=1, seed=0, scale=0.005, group_size=1, turns=(10, 10)))
+    cfg = suite_config.SuiteConfig(quick=True, trainer_warmup=False, trainer_steps=1, reference_planner=False)
     threads = torch.get_num_threads()
-    row = suite.measure_workload(spec, cfg)
+    row = headline.measure_workload(spec, cfg)
     assert row["trainer_threads"] == 1 and torch.get_num_threads() == threads  # timed on one, then restored
     assert row["compression_ideal"] > 3 and row["linear_attention_calls_expanded"] == 1
     assert row["throughput_ratio"] == pytest.approx(row["expanded_step_cpu_seconds"] / row["tree_step_cpu_seconds"])
@@ -97,9 +100,9 @@ def test_missing_and_failing_modules_are_reported(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     modules = {"ghost": ("benchmarks.bench_ghost_h5", "never written"),
                "boom": ("bench_boom_h5", "raises"), "fine": ("bench_fine_h5", "works")}
-    monkeypatch.setattr(suite, "MODULES", modules)
-    monkeypatch.setattr(suite, "NAMES", ("workloads", *modules))
-    doc = suite.run_suite(suite.SuiteConfig(out_dir=tmp_path / "out", quick=True, only=("ghost", "boom", "fine")))
+    monkeypatch.setattr(suite_config, "MODULES", modules)
+    monkeypatch.setattr(suite_config, "NAMES", ("workloads", *modules))
+    doc = suite.run_suite(suite_config.SuiteConfig(out_dir=tmp_path / "out", quick=True, only=("ghost", "boom", "fine")))
     b = doc["benchmarks"]
     assert list(b) == ["ghost", "boom", "fine"]
     assert b["ghost"]["status"] == "skipped" and "benchmarks/bench_ghost_h5.py is not present yet" in b["ghost"]["reason"]
@@ -118,41 +121,35 @@ def test_headline_table_formats_every_column():
            "tree_tokens_per_cpu_s": 4800.4, "expanded_tokens_per_cpu_s": 1000.0, "transformers_tokens_per_cpu_s": 900.0,
            "tree_vs_transformers": 5.333, "expanded_vs_transformers": 1.111, "throughput_ratio": 4.8,
            "fraction_of_ideal": 0.81, "tree_vs_transformers_ideal": 0.904}
-    table = suite.headline_table([row, {"workload": "bare"}])
+    table = tables.headline_table([row, {"workload": "bare"}])
     header, rule, full, bare = table.splitlines()
-    assert header.count("|") == rule.count("|") == full.count("|") == bare.count("|") == len(suite.HEADLINE) + 1
+    assert header.count("|") == rule.count("|") == full.count("|") == bare.count("|") == len(tables.HEADLINE) + 1
     assert full == ("| tree (k=2) | 123,456 | 6.00x | 1.040 | 5.77x | 0.012 | 1.500 | 4 / 1 | 5.90x | 4,800 | 1,000 | 900 "
                     "| 5.33x | 1.11x | 4.80x | 81% | 90% |")
-    assert bare == "| bare |" + " - |" * (len(suite.HEADLINE) - 1)
+    assert bare == "| bare |" + " - |" * (len(tables.HEADLINE) - 1)
     # Planning only (--full): the throughput columns are left out.
     planned = {k: v for k, v in row.items() if k in ("workload", "expanded_tokens", "compression_ideal", "computed_per_unique",
                                                      "compression_achieved", "planner_seconds", "planner_ref_seconds",
                                                      "linear_attention_calls", "linear_attention_calls_expanded")}
-    header, _, line = suite.headline_table([planned]).splitlines()
+    header, _, line = tables.headline_table([planned]).splitlines()
     assert "throughput" not in header and "FLOP" not in header and line.endswith("| 4 / 1 |")
 
 
 def test_modes_and_names():
-    assert suite.SuiteConfig(full=True).names() == ["workloads"]
-    assert suite.SuiteConfig(only=("planner",)).names() == ["planner"]
+    assert suite_config.SuiteConfig(full=True).names() == ["workloads"]
+    assert suite_config.SuiteConfig(only=("planner",)).names() == ["planner"]
     with pytest.raises(ValueError, match="^only: expected"):
-        suite.SuiteConfig(only=("nope",))
+        suite_config.SuiteConfig(only=("nope",))
     with pytest.raises(ValueError, match="^full: expected"):
-        suite.SuiteConfig(quick=True, full=True)
-    full = suite.workload_specs(full=True)
+        suite_config.SuiteConfig(quick=True, full=True)
+    full = headline.workload_specs(full=True)
     # Full scale keeps the published lengths: tens of millions of expanded tokens per workload.
-    from harts_client.synthetic import WorkloadConfig
-
     assert all(WorkloadConfig(**s.gen).scale == 1.0 and s.windows for s in full)
     r = subprocess.run([sys.executable, "-m", "harts_cli.main", "bench", "--only", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "expected names from" in r.stderr
 
 
 def test_steady_allocator_sets_the_glibc_thresholds():
-    import platform
-
-    from benchmarks.allocator import steady_allocator
-
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert steady_allocator() is True
@@ -175,12 +172,12 @@ def test_bench_trainer_forward_only_modes_against_transformers():
 
 
 def test_placement_table_shows_the_lockstep_ratio_of_every_cell():
-    rows = suite.run_placement(suite.SuiteConfig(quick=True))["rows"]
-    worlds, budgets, _ = suite.PLACEMENT_GRID["quick"]
+    rows = placement_table.run_placement(suite_config.SuiteConfig(quick=True))["rows"]
+    worlds, budgets, _ = placement_table.PLACEMENT_GRID["quick"]
     assert len(rows) == 3 * len(worlds) * len(budgets)
     for r in rows:
         assert r["lockstep_ratio"] >= 1.0 - 1e-9 and r["lockstep_phases"] > 0
-        assert r["lockstep_met"] == (r["lockstep_ratio"] <= suite.LOCKSTEP_TARGET)
-    table = suite.placement_table(rows).splitlines()
+        assert r["lockstep_met"] == (r["lockstep_ratio"] <= placement_table.LOCKSTEP_TARGET)
+    table = placement_table.placement_table(rows).splitlines()
     assert "lockstep_ratio" in table[0]
     assert all(f"{r['lockstep_ratio']:.3f}" in line for r, line in zip(rows, table[2:]))

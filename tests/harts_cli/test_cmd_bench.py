@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import suite
+from benchmarks import suite, suite_config
 from harts_cli import cmd_bench
 from harts_cli.main import build_parser
 
@@ -19,7 +19,7 @@ def test_the_runner_declares_the_suites_options():
     cmd_bench.add_arguments(p)
     assert _options(p) == _options(suite.parser())
     help_text = next(a.help for a in p._actions if "--only" in a.option_strings)
-    assert help_text.endswith(", ".join(suite.NAMES))
+    assert help_text.endswith(", ".join(suite_config.NAMES))
 
 
 def test_arguments_reach_the_suite_unchanged():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks import placement_table
+from benchmarks.suite_config import SuiteConfig
 from planner_service.errors import PlanningError
 from planner_service.planner import PlanConfig, level1, partition_ref, placement, placement_ref, plan_step
 from planner_service.planner.cost_model import CostModel
@@ -244,15 +246,13 @@ def test_full_length_style_chain_with_small_microbatches_plans_within_memory():
 
 
 def test_bench_placement_table_on_tiny_workloads():
-    from benchmarks import suite
-
-    result = suite.run_placement(suite.SuiteConfig(quick=True, trainer=False))
+    result = placement_table.run_placement(SuiteConfig(quick=True, trainer=False))
     rows = result["rows"]
     assert len(rows) == 3 * 2 * 2 and {r["world_size"] for r in rows} == {2, 4}
     assert all(r["makespan_ratio"] >= 1.0 - 1e-9 and 0 < r["compression_vs_ideal"] <= 1.0 for r in rows)
     # no placement beats the bound at its own makespan
     assert all(r["compression_vs_ideal"] <= r["bound_at_makespan"] + 1e-12 for r in rows)
-    table = suite.placement_table(rows)
+    table = placement_table.placement_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| makespan ratio |" in table
 
 
