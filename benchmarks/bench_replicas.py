@@ -16,7 +16,7 @@ Three measurements, bounded in count and time (loopback only):
    two replicas share the same cores as one).
 
 Without --pg-url a throwaway PostgreSQL server is started from the Debian package's binaries
-(tests/postgres_helpers.py). Prints one JSON line per measurement and a markdown table.
+(benchmarks/postgres_server.py). Prints one JSON line per measurement and a markdown table.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.postgres_server import PostgresServer, find_binaries
 from harts_client.client import PlannerClient, RetryPolicy
 from harts_client.synthetic import generate
 
@@ -167,8 +168,6 @@ def run(quick: bool = False, pg_url: str | None = None) -> dict:
     print(json.dumps(out["storage"]), flush=True)
     server = None
     if pg_url is None:
-        from tests.postgres_helpers import PostgresServer, find_binaries
-
         binaries = find_binaries()
         if binaries is None:
             raise SystemExit("bench_replicas: PostgreSQL binaries not found (apt-get install postgresql) and no --pg-url")

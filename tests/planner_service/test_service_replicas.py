@@ -1,6 +1,6 @@
 """Planner replicas on one PostgreSQL database (issue 22, item 2), against a real server.
 
-A throwaway PostgreSQL (`tests/postgres_helpers.py`; skipped locally without the Debian package,
+A throwaway PostgreSQL (`benchmarks/postgres_server.py`; skipped locally without the Debian package,
 a failure under CI) backs `harts serve --db postgresql://...` replicas on 127.0.0.1. What must
 hold: a step is planned once whichever replicas are asked; a replica that dies mid-plan releases
 its planning lock and another replica plans the step; a long-poll on one replica wakes when
@@ -20,9 +20,10 @@ import time
 import httpx
 import pytest
 
+from benchmarks.postgres_server import PostgresServer
 from harts_client.client import PlannerClient, RetryPolicy
 from planner_service.server import ServerProcess
-from tests.postgres_helpers import PostgresServer, require_postgres
+from tests.postgres_helpers import require_postgres
 from tests.service_helpers import TOPOLOGY, rollout_doc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
