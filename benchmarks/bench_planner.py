@@ -36,15 +36,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
+from harts_client.synthetic import WorkloadConfig, generate_workload
 from harts_client.timing import repeat, timed
+from planner_service import ingest
 from planner_service.forest import Forest
+from planner_service.planner import plan_step
+from planner_service.planner import warmup as planner_warmup
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.expand import expand_forest
 from planner_service.planner.partition import partition_with_report
+from plan import slice_kernels
+from plan.seal import slice_plan
+from plan.slice_check import check_slice
 from plan.validator import validate_plan
 
 log = logging.getLogger("bench_planner")
@@ -190,13 +200,30 @@ def run(quick: bool = False) -> dict:
         "windows": PlanConfig(world_size=W, microbatch_tokens=2048, chunk_size=64),
         "no_windows": PlanConfig(world_size=W, microbatch_tokens=4096, chunk_size=64, windows=False),
     }
+    _time_partitions(forest, configs, n_trees, out)
+    expanded, t_expand = timed(expand_forest, forest)
+    base_cfg = PlanConfig(world_size=W, microbatch_tokens=b_pack, chunk_size=64, sharing=False)
+    secs, (part, report) = _time(lambda: partition_with_report(expanded, base_cfg), runs=1)
+    out["expanded_baseline"] = {
+        "expand_seconds": round(t_expand, 3), "partition_seconds": round(secs, 3),
+        "microbatches": len(part.microbatches), "imbalance": round(report.imbalance, 4),
+    }
+    log.info("expanded baseline: %s", out["expanded_baseline"])
+    out["turns_forest"] = _turns_forest(n_trees, W)
+    log.info("long-turn forest: %s", out["turns_forest"])
+    _time_plan_steps(forest, configs, out)
+    out["slice_check_scaling"] = slice_check_scaling(quick)
+    return out
+
+
+def _time_partitions(forest: Forest, configs: dict[str, PlanConfig], n_trees: int, out: dict) -> None:
+    """The partitioner per config (out["configs"]) and against its reference (out["reference"])."""
     partition_with_report(_subforest(forest, 3), configs["pack"])  # compile / load the Numba cache
     for name, cfg in configs.items():
         secs, (part, report) = _time(lambda: partition_with_report(forest, cfg))
         row = {"B": cfg.microbatch_tokens, "partition_seconds": round(secs, 4)} | _quality(forest, cfg, report)
         out["configs"][name] = row
         log.info("%s: %s", name, row)
-
     cfg = configs["windows"]
     ref_trees = n_trees  # the partitioner alone against its reference, on the whole forest
     sub = _subforest(forest, ref_trees)
@@ -208,72 +235,57 @@ def run(quick: bool = False) -> dict:
     }
     log.info("reference on %d trees: %s", ref_trees, out["reference"])
 
-    expanded, t_expand = timed(expand_forest, forest)
-    base_cfg = PlanConfig(world_size=W, microbatch_tokens=b_pack, chunk_size=64, sharing=False)
-    secs, (part, report) = _time(lambda: partition_with_report(expanded, base_cfg), runs=1)
-    out["expanded_baseline"] = {
-        "expand_seconds": round(t_expand, 3), "partition_seconds": round(secs, 3),
-        "microbatches": len(part.microbatches), "imbalance": round(report.imbalance, 4),
-    }
-    log.info("expanded baseline: %s", out["expanded_baseline"])
 
-    # long turns (agentic trees branching at turn boundaries): few, long segments, so bounded
-    # replay (< C rows per extra branch) is a small fraction of the distinct tokens
+def _turns_forest(n_trees: int, W: int) -> dict:
+    """Long turns (agentic trees branching at turn boundaries): few, long segments, so bounded
+    replay (< C rows per extra branch) is a small fraction of the distinct tokens."""
     turns = synth_forest(n_trees=max(8, n_trees // 2), segments_per_tree=6, seed=1, segment_median=1000.0,
                          prompt_median=2000.0, chain=0.0)
     t_largest = int(np.bincount(turns.seg_tree, weights=turns.seg_length).max())
     b_turns = max(4 * t_largest, 64 * ((turns.unique_tokens // (8 * W)) // 64))
     cfg = PlanConfig(world_size=W, microbatch_tokens=b_turns, chunk_size=64)
     secs, (part, report) = _time(lambda: partition_with_report(turns, cfg))
-    out["turns_forest"] = (
-        turns.stats() | {"largest_tree": t_largest, "B": b_turns, "partition_seconds": round(secs, 4)}
-        | _quality(turns, cfg, report)
-    )
-    log.info("long-turn forest: %s", out["turns_forest"])
+    return (turns.stats() | {"largest_tree": t_largest, "B": b_turns, "partition_seconds": round(secs, 4)}
+            | _quality(turns, cfg, report))
 
-    try:
-        from planner_service.planner import plan_step
-    except ImportError:  # the builder has not landed
-        plan_step = None
-    if plan_step is not None:
-        for name in ("pack", "windows"):
-            cfg = configs[name]
-            plan_step(_subforest(forest, 3), cfg)
-            secs, plan = _time(lambda: plan_step(forest, cfg), runs=2)
-            st = plan.header.stats
-            out["configs"][name]["plan_step_seconds"] = round(secs, 3)
-            out["configs"][name]["plan_stats"] = {
-                "computed_tokens": st.computed_tokens, "replay_tokens": st.replay_tokens,
-                "duplicated_tokens": st.duplicated_tokens, "compression_achieved": round(st.compression_achieved, 4),
-                "imbalance": round(st.imbalance, 4), "linear_attention_calls": st.linear_attention_calls,
-            }
-            log.info("plan_step %s: %.3fs %s", name, secs, out["configs"][name]["plan_stats"])
-        # whole plan_step (partition + build) against its plain-Python reference (the partitioner's
-        # and the builder's twins) on the same input: the full forest, the reference timed once
-        cfg = configs["windows"]
-        t_numba, plan = _time(lambda: plan_step(forest, cfg), runs=3)
-        t_ref, plan_ref = _time(lambda: plan_step(forest, cfg, impl="ref"), runs=1)
-        plan.header.stats.plan_seconds = plan_ref.header.stats.plan_seconds = 0.0
-        same = plan.SerializeToString(deterministic=True) == plan_ref.SerializeToString(deterministic=True)
-        _, t_validate = timed(validate_plan, plan, forest)
-        out["plan_step_reference"] = {
-            "config": "windows", "unique_tokens": forest.unique_tokens, "expanded_tokens": forest.expanded_tokens,
-            "segments": forest.num_segments, "numba_seconds": round(t_numba, 3), "ref_seconds": round(t_ref, 3),
-            "speedup": round(t_ref / t_numba, 1), "identical_plans": same, "validate_seconds": round(t_validate, 3),
+
+def _time_plan_steps(forest: Forest, configs: dict[str, PlanConfig], out: dict) -> None:
+    """plan_step per config, against its plain-Python reference (the partitioner's and the
+    builder's twins, the reference timed once), the validator, and the same step lock-step."""
+    for name in ("pack", "windows"):
+        cfg = configs[name]
+        plan_step(_subforest(forest, 3), cfg)
+        secs, plan = _time(lambda: plan_step(forest, cfg), runs=2)
+        st = plan.header.stats
+        out["configs"][name]["plan_step_seconds"] = round(secs, 3)
+        out["configs"][name]["plan_stats"] = {
+            "computed_tokens": st.computed_tokens, "replay_tokens": st.replay_tokens,
+            "duplicated_tokens": st.duplicated_tokens, "compression_achieved": round(st.compression_achieved, 4),
+            "imbalance": round(st.imbalance, 4), "linear_attention_calls": st.linear_attention_calls,
         }
-        log.info("plan_step reference: %s", out["plan_step_reference"])
-        # the same step as a lock-step plan (DESIGN §5.7): its extra planning time and its phases
-        lock_cfg = PlanConfig(world_size=W, microbatch_tokens=cfg.microbatch_tokens, chunk_size=64, lockstep=True)
-        t_lock, lock = _time(lambda: plan_step(forest, lock_cfg), runs=2)
-        st = lock.header.stats
-        out["lockstep"] = {
-            "config": "windows", "plan_step_seconds": round(t_lock, 3), "over_free": round(t_lock / t_numba, 2),
-            "lockstep_phases": st.lockstep_phases, "lockstep_ratio": round(st.lockstep_ratio, 4),
-            "microbatches": st.microbatches,
-        }
-        log.info("plan_step lock-step: %s", out["lockstep"])
-        out["slice_check_scaling"] = slice_check_scaling(quick)
-    return out
+        log.info("plan_step %s: %.3fs %s", name, secs, out["configs"][name]["plan_stats"])
+    cfg = configs["windows"]
+    t_numba, plan = _time(lambda: plan_step(forest, cfg), runs=3)
+    t_ref, plan_ref = _time(lambda: plan_step(forest, cfg, impl="ref"), runs=1)
+    plan.header.stats.plan_seconds = plan_ref.header.stats.plan_seconds = 0.0
+    same = plan.SerializeToString(deterministic=True) == plan_ref.SerializeToString(deterministic=True)
+    _, t_validate = timed(validate_plan, plan, forest)
+    out["plan_step_reference"] = {
+        "config": "windows", "unique_tokens": forest.unique_tokens, "expanded_tokens": forest.expanded_tokens,
+        "segments": forest.num_segments, "numba_seconds": round(t_numba, 3), "ref_seconds": round(t_ref, 3),
+        "speedup": round(t_ref / t_numba, 1), "identical_plans": same, "validate_seconds": round(t_validate, 3),
+    }
+    log.info("plan_step reference: %s", out["plan_step_reference"])
+    # the same step as a lock-step plan (DESIGN §5.7): its extra planning time and its phases
+    lock_cfg = PlanConfig(world_size=cfg.world_size, microbatch_tokens=cfg.microbatch_tokens, chunk_size=64, lockstep=True)
+    t_lock, lock = _time(lambda: plan_step(forest, lock_cfg), runs=2)
+    st = lock.header.stats
+    out["lockstep"] = {
+        "config": "windows", "plan_step_seconds": round(t_lock, 3), "over_free": round(t_lock / t_numba, 2),
+        "lockstep_phases": st.lockstep_phases, "lockstep_ratio": round(st.lockstep_ratio, 4),
+        "microbatches": st.microbatches,
+    }
+    log.info("plan_step lock-step: %s", out["lockstep"])
 
 
 def slice_check_scaling(quick: bool = False, factor: int = 8) -> dict:
@@ -282,18 +294,12 @@ def slice_check_scaling(quick: bool = False, factor: int = 8) -> dict:
     checks per plan, per computed row. `per_row_ratio` = (large s/row) / (small s/row): about 1 is
     linear, `factor` would be quadratic (this was the wall-clock test "8x the slice in well under
     16x the time", which failed under load)."""
-    from plan import slice_kernels
-    from plan.seal import slice_plan
-    from plan.slice_check import check_slice
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import plan_step
-
     def slice_of(n: int):
         rng = np.random.default_rng(5)
         prompt = rng.integers(0, 50, 300).tolist()
         trajs = [{"id": f"t{i}", "tree_id": "task", "tokens": prompt + rng.integers(0, 50, int(rng.integers(50, 400))).tolist()}
                  for i in range(n)]
-        forest = forest_from_json(json.dumps({"batch_id": f"scaling-{n}", "vocab_size": 50, "trajectories": trajs}))
+        forest = ingest.forest_from_json(json.dumps({"batch_id": f"scaling-{n}", "vocab_size": 50, "trajectories": trajs}))
         return slice_plan(plan_step(forest, PlanConfig(chunk_size=16, microbatch_tokens=1024)), 0)
 
     slice_kernels.warmup()
@@ -343,23 +349,11 @@ def _cpu_and_wall(fn, runs: int = 1) -> tuple[float, float, object]:
 
 def ingest_and_validation(batch: str | None = None, quick: bool = False) -> dict:
     """JSON / protobuf ingest MB/s, peak memory of a JSON ingest, plan vs validate_plan vs check_slice."""
-    import os
-    import subprocess
-    import tempfile
-
-    from planner_service import ingest
-    from planner_service.planner import plan_step, warmup as planner_warmup
-    from plan.seal import slice_plan
-    from plan import slice_kernels
-    from plan.slice_check import check_slice
-
     ingest.warmup()
     planner_warmup()
     slice_kernels.warmup()
     tmp = None
     if batch is None:
-        from harts_client.synthetic import WorkloadConfig, generate_workload
-
         cfg = WorkloadConfig(scheme="percall", tasks=1 if quick else 2, seed=1, scale=0.05 if quick else 0.25)
         fd, tmp = tempfile.mkstemp(suffix=".json")
         with os.fdopen(fd, "w") as fh:

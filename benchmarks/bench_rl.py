@@ -36,6 +36,24 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from harts_client.engines import make_engine
+from harts_client.tasks import make_task
+from harts_client.tokenizer import ByteTokenizer
+from harts_client.tree_sampling import sample_batch, to_batch
+from planner_service.ingest import forest_from_json, json_to_proto
+from planner_service.planner import PlanConfig, plan_step
+from trainer.config import config_from_dict
+from trainer.distributed import DistContext
+from trainer.executor import Executor, ExecutorConfig
+from trainer.export import point_latest, write_hf_dir
+from trainer.models import load_model
+from trainer.optim import lr_at, make_optimizer, set_lr
+from trainer.parallelize import grad_norm_and_clip
+from trainer.rl.config import load_rl_config
+from trainer.rl.warmstart import warm_start
+from trainer.step_dirs import step_name
 
 log = logging.getLogger("bench_rl")
 
@@ -49,11 +67,6 @@ class _Policy:
     """One copy of the policy with the trainer's step (world size 1)."""
 
     def __init__(self, warm: Path, tcfg, chunk_size: int):
-        from trainer.distributed import DistContext
-        from trainer.executor import Executor, ExecutorConfig
-        from trainer.models import load_model
-        from trainer.optim import make_optimizer
-
         self.model = load_model(warm)
         self.tcfg, self.ctx = tcfg, DistContext()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -65,9 +78,6 @@ class _Policy:
 
     def step(self, plan, i: int, *, update: bool = True) -> dict:
         """Loss and grad norm of `plan` on the current weights; with `update`, then the optimizer step."""
-        from trainer.optim import lr_at, set_lr
-        from trainer.parallelize import grad_norm_and_clip
-
         ls, c = self.tcfg.lr_schedule, self.tcfg
         lr = lr_at(i, lr=c.optimizer.lr, total_steps=c.job.steps, warmup_steps=ls.warmup_steps, decay=ls.decay,
                    decay_steps=ls.decay_steps, min_lr_ratio=ls.min_lr_ratio)
@@ -113,8 +123,6 @@ def _per_trajectory_form(doc: dict, *, flat: bool = False) -> dict:
 def wire_sizes(batch) -> dict:
     """Bytes per expanded token of one batch (a RolloutBatchBuilder) in each form, JSON (compact
     separators, as PlannerClient sends it) and protobuf."""
-    from planner_service.ingest import forest_from_json, json_to_proto
-
     compact = batch.to_json("tree")
     expanded = forest_from_json(compact).expanded_tokens
     docs = {"flat": _per_trajectory_form(compact, flat=True), "tree_per_trajectory": _per_trajectory_form(compact)}
@@ -133,20 +141,6 @@ def _rel(a: float, b: float) -> float:
 
 def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = None, config: Path = CONFIG) -> dict:
     """Run the benchmark; returns the per-step rows and the summary (see the module docstring)."""
-    import torch
-
-    from harts_client.engines import make_engine
-    from harts_client.tasks import make_task
-    from harts_client.tokenizer import ByteTokenizer
-    from harts_client.tree_sampling import sample_batch, to_batch
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import PlanConfig, plan_step
-    from trainer.config import config_from_dict
-    from trainer.export import point_latest, write_hf_dir
-    from trainer.step_dirs import step_name
-    from trainer.rl.config import load_rl_config
-    from trainer.rl.warmstart import warm_start
-
     steps = steps or (5 if quick else 50)
     cfg = load_rl_config(config, steps=steps, nproc=1)
     if quick:
@@ -156,85 +150,121 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
     tok = ByteTokenizer()
     torch.manual_seed(cfg.run.seed)
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
-        tmp = Path(tmp)
+        bench = _SideBySide(cfg, tcfg, task, tok, Path(tmp))
+        wire = bench.wire_sizes()
+        log.info("wire: %s", json.dumps({k: round(v, 2) for k, v in wire.items()}))
+        rows = bench.train(steps)
+    result = {"settings": {"config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
+                           "steps": steps, "tasks_per_step": cfg.sampling.tasks_per_step,
+                           "branching": cfg.sampling.branching, "model": cfg.model.name,
+                           "warm_start_steps": cfg.warmup.steps, "quick": quick, "threads": torch.get_num_threads()},
+              **_summary(rows), "warm_start_seconds": bench.warm_seconds, "wire": wire, "rows": rows}
+    out_dir = Path(out_dir) if out_dir is not None else (Path(tempfile.mkdtemp(prefix="bench-rl-")) if quick else RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["figure"] = str(_figure(rows, out_dir / FIGURE))
+    return result
+
+
+class _SideBySide:
+    """One benchmark run: the warm-started tree run, its expanded copies, its exports and the
+    generator that samples from them (module docstring)."""
+
+    def __init__(self, cfg, tcfg, task, tok: ByteTokenizer, tmp: Path):
+        self.cfg, self.task, self.tok = cfg, task, tok
         t0 = time.perf_counter()
+
         def plan_batch(doc: dict, mc):  # as harts_cli.rl.run.plan_batch (the benchmarks do not import the CLI)
             return plan_step(forest_from_json(doc), PlanConfig(
                 world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
                 conv_kernel=mc.linear_conv_kernel_dim, model_config=mc.to_hf_dict(), windows=not cfg.plan.no_windows))
 
-        warm, _ = warm_start(cfg, task, tok, tmp / "warmstart", plan_batch=plan_batch, tokenizer_files=tok.hf_files())
-        warm_seconds = time.perf_counter() - t0
-        tree, expanded, repacked, anchor = (_Policy(warm, tcfg, cfg.plan.chunk_size) for _ in range(4))
-        exports = tmp / "hf"
-        exports.mkdir()
-        write_hf_dir(exports / step_name(0), tree.model.state_dict(), tree.model.config, dtype=torch.float32,
-                     meta={"policy_version": 0}, files_from=warm)
-        point_latest(exports, step_name(0))
-        engine = make_engine("transformers", str(exports))
-        mc = tree.model.config
-        common = dict(world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
-                      conv_kernel=mc.linear_conv_kernel_dim, model_config=mc.to_hf_dict())
-        longest_budget = cfg.plan.microbatch_tokens
+        self.warm, _ = warm_start(cfg, self.task, self.tok, tmp / "warmstart", plan_batch=plan_batch,
+                                  tokenizer_files=self.tok.hf_files())
+        self.warm_seconds = time.perf_counter() - t0
+        self.tree, self.expanded, self.repacked, self.anchor = (_Policy(self.warm, tcfg, cfg.plan.chunk_size)
+                                                                for _ in range(4))
+        self.exports = tmp / "hf"
+        self.exports.mkdir()
+        self.mc = self.tree.model.config
+        self._export(0)
+        self.engine = make_engine("transformers", str(self.exports))
+        self.common = dict(world_size=1, microbatch_tokens=cfg.plan.microbatch_tokens, chunk_size=cfg.plan.chunk_size,
+                           conv_kernel=self.mc.linear_conv_kernel_dim, model_config=self.mc.to_hf_dict())
 
-        def sample(s: int) -> tuple[dict, float]:
-            engine.reload()
-            seed = cfg.run.seed * 100_003 + s
-            insts = task.instances("train", cfg.sampling.tasks_per_step, seed=seed)
-            groups = sample_batch(engine, task, tok, insts, cfg.sampling.sampling(), seed=seed, id_prefix=f"s{s}/")
-            doc = to_batch(groups, f"rl-{s}", vocab_size=mc.vocab_size, policy_version=engine.policy_version).to_json("tree")
-            return doc, float(np.mean([r for g in groups for r in g.rewards]))
+    def _export(self, version: int) -> None:
+        write_hf_dir(self.exports / step_name(version), self.tree.model.state_dict(), self.mc, dtype=torch.float32,
+                     meta={"policy_version": version}, files_from=self.warm)
+        point_latest(self.exports, step_name(version))
 
-        wire_cfg = cfg.sampling.sampling()
-        wire_insts = task.instances("train", 32, seed=999_999)
-        wire_groups = sample_batch(engine, task, tok, wire_insts, wire_cfg, seed=999_999)
-        wire = wire_sizes(to_batch(wire_groups, "wire", vocab_size=mc.vocab_size, policy_version=0))
-        log.info("wire: %s", json.dumps({k: round(v, 2) for k, v in wire.items()}))
-        pending = sample(0)
+    def sample(self, s: int) -> tuple[dict, float]:
+        """Batch s from the newest export (the tree form) and its mean reward."""
+        cfg = self.cfg
+        self.engine.reload()
+        seed = cfg.run.seed * 100_003 + s
+        insts = self.task.instances("train", cfg.sampling.tasks_per_step, seed=seed)
+        groups = sample_batch(self.engine, self.task, self.tok, insts, cfg.sampling.sampling(), seed=seed,
+                              id_prefix=f"s{s}/")
+        doc = to_batch(groups, f"rl-{s}", vocab_size=self.mc.vocab_size,
+                       policy_version=self.engine.policy_version).to_json("tree")
+        return doc, float(np.mean([r for g in groups for r in g.rewards]))
+
+    def wire_sizes(self) -> dict:
+        """`wire_sizes` of a 32 x 8 batch of the warm-started policy."""
+        insts = self.task.instances("train", 32, seed=999_999)
+        groups = sample_batch(self.engine, self.task, self.tok, insts, self.cfg.sampling.sampling(), seed=999_999)
+        return wire_sizes(to_batch(groups, "wire", vocab_size=self.mc.vocab_size, policy_version=0))
+
+    def train(self, steps: int) -> list[dict]:
+        """Every step's row; batch s + 1 is sampled before step s trains (staleness 1)."""
+        pending = self.sample(0)
         rows = []
         for s in range(steps):
             doc, reward = pending
             if s + 1 < steps:
-                pending = sample(s + 1)  # staleness 1: batch s + 1 comes from the weights before step s
-            forest = forest_from_json(doc)
-            longest = int(forest.traj_length().max())
-            tree_plan = plan_step(forest, PlanConfig(**common, windows=not cfg.plan.no_windows))
-            exp_plan = plan_step(forest, PlanConfig(**{**common, "microbatch_tokens": max(longest_budget, longest)},
-                                                    sharing=False, windows=False))
-            one_plan = plan_step(forest, PlanConfig(**{**common, "microbatch_tokens": forest.expanded_tokens},
-                                                    sharing=False, windows=False))
-            anchor.model.load_state_dict(tree.model.state_dict())  # anchored: the tree run's weights of this step
-            ae, ar = anchor.step(exp_plan, s, update=False), anchor.step(one_plan, s, update=False)
-            a, b, c = tree.step(tree_plan, s), expanded.step(exp_plan, s), repacked.step(one_plan, s)
-            write_hf_dir(exports / step_name(s + 1), tree.model.state_dict(), mc, dtype=torch.float32,
-                         meta={"policy_version": s + 1}, files_from=warm)
-            point_latest(exports, step_name(s + 1))
-            row = {"step": s + 1, "reward_mean": reward, "tree_loss": a["loss"], "tree_grad_norm": a["grad_norm"],
-                   "anchored_expanded_loss": ae["loss"], "anchored_expanded_grad_norm": ae["grad_norm"],
-                   "expanded_loss": b["loss"], "expanded_grad_norm": b["grad_norm"],
-                   "anchored_loss_rel_diff": _rel(a["loss"], ae["loss"]),
-                   "anchored_grad_norm_rel_diff": _rel(a["grad_norm"], ae["grad_norm"]),
-                   "anchored_repack_loss_rel_diff": _rel(ar["loss"], ae["loss"]),
-                   "anchored_repack_grad_norm_rel_diff": _rel(ar["grad_norm"], ae["grad_norm"]),
-                   "loss_rel_diff": _rel(a["loss"], b["loss"]), "grad_norm_rel_diff": _rel(a["grad_norm"], b["grad_norm"]),
-                   "repack_loss_rel_diff": _rel(c["loss"], b["loss"]),
-                   "repack_grad_norm_rel_diff": _rel(c["grad_norm"], b["grad_norm"]),
-                   "compression": a["expanded_tokens"] / max(a["computed_tokens"], 1),
-                   "tree_seconds": a["seconds"], "expanded_seconds": b["seconds"]}
-            rows.append(row)
-            log.info("step %d/%d: reward %.3f | same weights: loss rel %.1e, grad norm rel %.1e (repacked %.1e) | "
-                     "free-running: loss rel %.1e, grad norm rel %.1e (repacked %.1e) | %.2fx compression, "
-                     "%.2f s tree / %.2f s expanded", s + 1, steps, reward, row["anchored_loss_rel_diff"],
-                     row["anchored_grad_norm_rel_diff"], row["anchored_repack_grad_norm_rel_diff"], row["loss_rel_diff"],
-                     row["grad_norm_rel_diff"], row["repack_grad_norm_rel_diff"], row["compression"], a["seconds"],
-                     b["seconds"])
+                pending = self.sample(s + 1)  # staleness 1: batch s + 1 comes from the weights before step s
+            rows.append(self._step(s, steps, doc, reward))
+        return rows
+
+    def _step(self, s: int, steps: int, doc: dict, reward: float) -> dict:
+        """Step s on the batch: the tree run and the copies train, the anchor measures; its row."""
+        forest = forest_from_json(doc)
+        longest = int(forest.traj_length().max())
+        common, no_windows = self.common, self.cfg.plan.no_windows
+        tree_plan = plan_step(forest, PlanConfig(**common, windows=not no_windows))
+        exp_plan = plan_step(forest, PlanConfig(**{**common, "microbatch_tokens": max(self.cfg.plan.microbatch_tokens, longest)},
+                                                sharing=False, windows=False))
+        one_plan = plan_step(forest, PlanConfig(**{**common, "microbatch_tokens": forest.expanded_tokens},
+                                                sharing=False, windows=False))
+        self.anchor.model.load_state_dict(self.tree.model.state_dict())  # anchored: the tree run's weights of this step
+        ae, ar = self.anchor.step(exp_plan, s, update=False), self.anchor.step(one_plan, s, update=False)
+        a, b, c = self.tree.step(tree_plan, s), self.expanded.step(exp_plan, s), self.repacked.step(one_plan, s)
+        self._export(s + 1)
+        row = {"step": s + 1, "reward_mean": reward, "tree_loss": a["loss"], "tree_grad_norm": a["grad_norm"],
+               "anchored_expanded_loss": ae["loss"], "anchored_expanded_grad_norm": ae["grad_norm"],
+               "expanded_loss": b["loss"], "expanded_grad_norm": b["grad_norm"],
+               "anchored_loss_rel_diff": _rel(a["loss"], ae["loss"]),
+               "anchored_grad_norm_rel_diff": _rel(a["grad_norm"], ae["grad_norm"]),
+               "anchored_repack_loss_rel_diff": _rel(ar["loss"], ae["loss"]),
+               "anchored_repack_grad_norm_rel_diff": _rel(ar["grad_norm"], ae["grad_norm"]),
+               "loss_rel_diff": _rel(a["loss"], b["loss"]), "grad_norm_rel_diff": _rel(a["grad_norm"], b["grad_norm"]),
+               "repack_loss_rel_diff": _rel(c["loss"], b["loss"]),
+               "repack_grad_norm_rel_diff": _rel(c["grad_norm"], b["grad_norm"]),
+               "compression": a["expanded_tokens"] / max(a["computed_tokens"], 1),
+               "tree_seconds": a["seconds"], "expanded_seconds": b["seconds"]}
+        log.info("step %d/%d: reward %.3f | same weights: loss rel %.1e, grad norm rel %.1e (repacked %.1e) | "
+                 "free-running: loss rel %.1e, grad norm rel %.1e (repacked %.1e) | %.2fx compression, "
+                 "%.2f s tree / %.2f s expanded", s + 1, steps, reward, row["anchored_loss_rel_diff"],
+                 row["anchored_grad_norm_rel_diff"], row["anchored_repack_grad_norm_rel_diff"], row["loss_rel_diff"],
+                 row["grad_norm_rel_diff"], row["repack_grad_norm_rel_diff"], row["compression"], a["seconds"],
+                 b["seconds"])
+        return row
+
+
+def _summary(rows: list[dict]) -> dict:
+    """The largest relative differences over the steps, the wall-clock ratio, compression and reward."""
     tree_s, exp_s = sum(r["tree_seconds"] for r in rows), sum(r["expanded_seconds"] for r in rows)
     r = [row["reward_mean"] for row in rows]
-    result = {
-        "settings": {"config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
-                     "steps": steps, "tasks_per_step": cfg.sampling.tasks_per_step, "branching": cfg.sampling.branching,
-                     "model": cfg.model.name, "warm_start_steps": cfg.warmup.steps, "quick": quick,
-                     "threads": torch.get_num_threads()},
+    return {
         "anchored_loss_max_rel_diff": max(row["anchored_loss_rel_diff"] for row in rows),
         "anchored_grad_norm_max_rel_diff": max(row["anchored_grad_norm_rel_diff"] for row in rows),
         "anchored_repack_loss_max_rel_diff": max(row["anchored_repack_loss_rel_diff"] for row in rows),
@@ -246,15 +276,11 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
         "tree_train_seconds": tree_s, "expanded_train_seconds": exp_s, "wall_clock_ratio": exp_s / tree_s,
         "compression_mean": float(np.mean([row["compression"] for row in rows])),
         "reward_first10": float(np.mean(r[:10])), "reward_last10": float(np.mean(r[-10:])),
-        "warm_start_seconds": warm_seconds, "wire": wire, "rows": rows,
     }
-    out_dir = Path(out_dir) if out_dir is not None else (Path(tempfile.mkdtemp(prefix="bench-rl-")) if quick else RESULTS)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result["figure"] = str(_figure(rows, out_dir / FIGURE))
-    return result
 
 
 def _figure(rows: list[dict], path: Path) -> Path:
+    # optional: matplotlib only where the figure is drawn, its Agg backend chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
@@ -341,8 +367,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=CONFIG, help="harts rl config (default examples/rl_tiny.toml)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    import torch
-
     torch.set_num_threads(1)
     result = run(quick=args.quick, steps=args.steps, out_dir=args.out, config=args.config)
     if args.out:

@@ -187,53 +187,9 @@ def run(quick: bool = False) -> dict:
         srv = ServerProcess(Path(tmp) / "bench.db", extra=["--max-wait", "30"]).start()
         try:
             url = srv.http_url
-            mb = sum(map(len, ingest_bodies)) / 1e6
-            print(f"[bench_service] ingest: {n_ingest} batches, {mb:.1f} MB, {gens} generators", file=sys.stderr, flush=True)
-            wall, sub_lat = _submit_all(url, ingest_bodies, gens)
-            ingest = {
-                "batches": n_ingest,
-                "mb": round(mb, 2),
-                "seconds": round(wall, 3),
-                "submissions_per_s": round(n_ingest / wall, 2),
-                "protobuf_ingest_mb_per_s": round(mb / wall, 1),
-                "submit_p50_ms": round(float(np.percentile(sub_lat, 50)) * 1e3, 1),
-            }
-            print(f"[bench_service] ingest: {ingest}", file=sys.stderr, flush=True)
-
-            steps = [f"pipe-{i}" for i in range(n_pipe)]
-            print(f"[bench_service] pipeline: {n_pipe} steps x {world} ranks, {gens} generators, {trainers} trainers",
-                  file=sys.stderr, flush=True)
-            with Stopwatch() as sw:
-                sub = threading.Thread(target=_submit_all, args=(url, pipe_bodies, gens, topo))
-                sub.start()
-                pipeline = asyncio.run(_poll_pipeline(url, steps, world, trainers, timeout=120))
-                sub.join()
-            pipeline["seconds"] = round(sw.wall, 3)
-            pipeline["steps_per_s"] = round(n_pipe / pipeline["seconds"], 2)
-            print(f"[bench_service] pipeline: {pipeline}", file=sys.stderr, flush=True)
-
-            ready = [f"ingest-{i}" for i in range(n_ready)]
-            print(f"[bench_service] ready-plan fetch: planning {n_ready} steps for {pollers} ranks", file=sys.stderr, flush=True)
-            with httpx.Client(base_url=url, timeout=600) as c:
-                for step in ready:
-                    r = c.post(f"/v1/steps/{step}/plan", json={**topo, "world_size": pollers})
-                    if r.status_code != 200:
-                        raise RuntimeError(f"plan failed: {r.status_code} {r.text[:300]}")
-            targets = [(s, r) for s in ready for r in range(pollers)]
-            before = httpx.get(f"{url}/metrics").text
-            lat = _ready_latency(url, ready, pollers, per_poller)
-            latency = {
-                "pollers": pollers,
-                "fetches": len(lat),
-                "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2),
-                "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 2),
-                "slice_kb": round(float(np.mean([len(httpx.get(f"{url}/v1/steps/{s}/ranks/{r}/plan").content)
-                                                 for s, r in targets[:: max(1, len(targets) // 8)]])) / 1e3, 1),
-            }
-            metrics = httpx.get(f"{url}/metrics").text
-            server_p99 = _server_quantile(before, metrics, "fetch_plan", 0.99)
-            latency["server_p99_ms_at_most"] = None if server_p99 is None else server_p99 * 1e3
-            print(f"[bench_service] ready-plan fetch: {latency}", file=sys.stderr, flush=True)
+            ingest = _ingest_phase(url, ingest_bodies, gens)
+            pipeline = _pipeline_phase(url, pipe_bodies, topo, gens, trainers)
+            latency, metrics = _fetch_phase(url, [f"ingest-{i}" for i in range(n_ready)], topo, pollers, per_poller)
         finally:
             srv.stop()
     plan_count = [line for line in metrics.splitlines() if line.startswith("harts_plan_seconds_count")]
@@ -253,6 +209,66 @@ def run(quick: bool = False) -> dict:
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     return result
+
+
+def _ingest_phase(url: str, bodies: list[bytes], gens: int) -> dict:
+    """Submissions only: `gens` generators submit every batch."""
+    mb = sum(map(len, bodies)) / 1e6
+    print(f"[bench_service] ingest: {len(bodies)} batches, {mb:.1f} MB, {gens} generators", file=sys.stderr, flush=True)
+    wall, sub_lat = _submit_all(url, bodies, gens)
+    ingest = {
+        "batches": len(bodies),
+        "mb": round(mb, 2),
+        "seconds": round(wall, 3),
+        "submissions_per_s": round(len(bodies) / wall, 2),
+        "protobuf_ingest_mb_per_s": round(mb / wall, 1),
+        "submit_p50_ms": round(float(np.percentile(sub_lat, 50)) * 1e3, 1),
+    }
+    print(f"[bench_service] ingest: {ingest}", file=sys.stderr, flush=True)
+    return ingest
+
+
+def _pipeline_phase(url: str, bodies: list[bytes], topo: dict, gens: int, trainers: int) -> dict:
+    """Generators submit steps with a topology while trainers long-poll their rank's plans."""
+    n_pipe, world = len(bodies), topo["world_size"]
+    steps = [f"pipe-{i}" for i in range(n_pipe)]
+    print(f"[bench_service] pipeline: {n_pipe} steps x {world} ranks, {gens} generators, {trainers} trainers",
+          file=sys.stderr, flush=True)
+    with Stopwatch() as sw:
+        sub = threading.Thread(target=_submit_all, args=(url, bodies, gens, topo))
+        sub.start()
+        pipeline = asyncio.run(_poll_pipeline(url, steps, world, trainers, timeout=120))
+        sub.join()
+    pipeline["seconds"] = round(sw.wall, 3)
+    pipeline["steps_per_s"] = round(n_pipe / pipeline["seconds"], 2)
+    print(f"[bench_service] pipeline: {pipeline}", file=sys.stderr, flush=True)
+    return pipeline
+
+
+def _fetch_phase(url: str, ready: list[str], topo: dict, pollers: int, per_poller: int) -> tuple[dict, str]:
+    """Fetch latency of plans already made, `pollers` ranks; returns the figures and the server's metrics."""
+    print(f"[bench_service] ready-plan fetch: planning {len(ready)} steps for {pollers} ranks", file=sys.stderr, flush=True)
+    with httpx.Client(base_url=url, timeout=600) as c:
+        for step in ready:
+            r = c.post(f"/v1/steps/{step}/plan", json={**topo, "world_size": pollers})
+            if r.status_code != 200:
+                raise RuntimeError(f"plan failed: {r.status_code} {r.text[:300]}")
+    targets = [(s, r) for s in ready for r in range(pollers)]
+    before = httpx.get(f"{url}/metrics").text
+    lat = _ready_latency(url, ready, pollers, per_poller)
+    latency = {
+        "pollers": pollers,
+        "fetches": len(lat),
+        "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2),
+        "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 2),
+        "slice_kb": round(float(np.mean([len(httpx.get(f"{url}/v1/steps/{s}/ranks/{r}/plan").content)
+                                         for s, r in targets[:: max(1, len(targets) // 8)]])) / 1e3, 1),
+    }
+    metrics = httpx.get(f"{url}/metrics").text
+    server_p99 = _server_quantile(before, metrics, "fetch_plan", 0.99)
+    latency["server_p99_ms_at_most"] = None if server_p99 is None else server_p99 * 1e3
+    print(f"[bench_service] ready-plan fetch: {latency}", file=sys.stderr, flush=True)
+    return latency, metrics
 
 
 def main(argv: list[str] | None = None) -> int:

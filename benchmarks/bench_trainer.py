@@ -44,7 +44,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.allocator import steady_allocator
+from benchmarks.peer import SavedTensorBytes, TransformersPeer
+from harts_client.synthetic import generate
 from harts_client.timing import repeat
+from planner_service.ingest import forest_from_json
+from planner_service.planner import PlanConfig, plan_step
+from trainer.executor import Executor, ExecutorConfig, train_step
+from trainer.flops import plan_flops
+from trainer.models import build_model
+from trainer.optim import make_optimizer
 
 log = logging.getLogger("bench_trainer")
 
@@ -82,46 +91,14 @@ def _timed_steps(step, steps: int) -> tuple[float, float, int]:
 
 def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microbatch_tokens: int, model_name: str,
                    max_baseline_tokens: int, modes: tuple[str, ...] = MODES) -> dict:
-    from benchmarks.peer import SavedTensorBytes, TransformersPeer
-    from harts_client.synthetic import generate
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import PlanConfig, plan_step
-    from trainer.executor import Executor, ExecutorConfig, train_step
-    from trainer.flops import plan_flops
-    from trainer.models import build_model
-    from trainer.optim import make_optimizer
-
+    """Plan one workload, time every mode of `modes` on the same model (module docstring); its row."""
     doc = generate(**gen, vocab_size=256)
     forest = forest_from_json(doc)
     sub_doc = subset_trajectories(doc, max_baseline_tokens, seed=7)
     sub = forest if sub_doc is doc else forest_from_json(sub_doc)
     model = build_model(model_name, seed=0)
-    mcfg = model.config
-    common = dict(chunk_size=chunk_size, conv_kernel=mcfg.linear_conv_kernel_dim, model_config=mcfg.to_hf_dict())
-    longest = int(forest.traj_length().max())
-    plans = {
-        "windows": plan_step(forest, PlanConfig(microbatch_tokens=microbatch_tokens, **common)),
-        "no_windows": plan_step(forest, PlanConfig(microbatch_tokens=max(microbatch_tokens, longest), windows=False, **common)),
-        "expanded": plan_step(sub, PlanConfig(microbatch_tokens=max(microbatch_tokens, int(sub.traj_length().max())),
-                                              sharing=False, windows=False, **common)),
-    }
-    st = plans["windows"].header.stats
-    full_expanded = plan_step(forest, PlanConfig(microbatch_tokens=max(microbatch_tokens, longest), sharing=False,
-                                                 windows=False, **common))
-    ideal = plan_flops(full_expanded, mcfg, chunk_size=chunk_size).total / plan_flops(plans["windows"], mcfg, chunk_size=chunk_size).total
-    del full_expanded
-    row = {
-        "workload": name, "generator": gen, "trajectories": forest.num_trajectories,
-        "expanded_tokens": int(forest.expanded_tokens), "unique_tokens": int(forest.unique_tokens),
-        "longest_trajectory": longest, "baseline_tokens": int(sub.expanded_tokens),
-        "baseline_trajectories": sub.num_trajectories, "microbatch_tokens": microbatch_tokens,
-        "no_windows_microbatch_tokens": max(microbatch_tokens, longest), "chunk_size": chunk_size,
-        "compression_ideal": float(st.compression_ideal), "compression_achieved": float(st.compression_achieved),
-        "flop_compression": ideal, "microbatches": int(st.microbatches), "windows": int(st.windows),
-        "recomputed": sum(mb.recompute for r in plans["windows"].ranks for mb in r.microbatches),
-        "peak_live_tokens_estimate": int(st.peak_live_tokens), "peak_live_bytes_estimate": int(st.peak_live_bytes),
-        "no_windows_compression_achieved": float(plans["no_windows"].header.stats.compression_achieved),
-    }
+    plans, ideal = _plans(forest, sub, model.config, chunk_size, microbatch_tokens)
+    row = _workload_row(name, gen, forest, sub, plans, ideal, chunk_size, microbatch_tokens)
     log.info("%s: %d trajectories, %d expanded / %d distinct tokens, ideal %.2fx (FLOPs %.2fx); %d microbatches, "
              "%d windows; baselines on %d tokens", name, row["trajectories"], row["expanded_tokens"],
              row["unique_tokens"], row["compression_ideal"], ideal, row["microbatches"], row["windows"],
@@ -135,21 +112,9 @@ def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microba
         kind, forward_only = mode.removesuffix("_logprobs"), mode.endswith("_logprobs")
         tokens = row["baseline_tokens"] if kind in ("expanded", "transformers") else row["expanded_tokens"]
         if kind == "transformers":
-            def step():
-                if forward_only:
-                    peer.logprobs(trajs)
-                    return 0
-                return peer.train_step(trajs, masks)[2]
+            step = _peer_step(peer, trajs, masks, forward_only)
         else:
-            plan = plans[kind]
-
-            def step():
-                if forward_only:
-                    ex.run_step(plan, backward=False)
-                    return 0
-                with SavedTensorBytes(model) as gauge:
-                    train_step(ex, plan, opt)
-                return gauge.peak
+            step = _executor_step(ex, opt, model, plans[kind], forward_only)
         cpu, wall, peak = _timed_steps(step, steps)
         row[f"{mode}_cpu_seconds"], row[f"{mode}_wall_seconds"] = cpu, wall
         row[f"{mode}_tokens_per_cpu_s"] = tokens / cpu
@@ -157,7 +122,71 @@ def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microba
             row[f"{mode}_peak_saved_bytes"] = peak
         log.info("%s: %s %.1f CPU s (%.1f wall), %.0f expanded tokens/CPU-s, peak saved %.0f MB", name, mode, cpu, wall,
                  tokens / cpu, peak / 1e6)
-    del peer
+    del peer, step
+    _add_ratios(row, ideal, sub_doc)
+    return row
+
+
+def _plans(forest, sub, mcfg, chunk_size: int, microbatch_tokens: int) -> tuple[dict, float]:
+    """The windows, no-windows and expanded (on `sub`) plans, and the FLOP compression of the
+    windowed plan against the whole batch expanded."""
+    common = dict(chunk_size=chunk_size, conv_kernel=mcfg.linear_conv_kernel_dim, model_config=mcfg.to_hf_dict())
+    longest = int(forest.traj_length().max())
+    plans = {
+        "windows": plan_step(forest, PlanConfig(microbatch_tokens=microbatch_tokens, **common)),
+        "no_windows": plan_step(forest, PlanConfig(microbatch_tokens=max(microbatch_tokens, longest), windows=False, **common)),
+        "expanded": plan_step(sub, PlanConfig(microbatch_tokens=max(microbatch_tokens, int(sub.traj_length().max())),
+                                              sharing=False, windows=False, **common)),
+    }
+    full_expanded = plan_step(forest, PlanConfig(microbatch_tokens=max(microbatch_tokens, longest), sharing=False,
+                                                 windows=False, **common))
+    ideal = plan_flops(full_expanded, mcfg, chunk_size=chunk_size).total / plan_flops(plans["windows"], mcfg, chunk_size=chunk_size).total
+    return plans, ideal
+
+
+def _workload_row(name: str, gen: dict, forest, sub, plans: dict, ideal: float, chunk_size: int,
+                  microbatch_tokens: int) -> dict:
+    """The workload's sizes and its windowed plan's statistics."""
+    st = plans["windows"].header.stats
+    longest = int(forest.traj_length().max())
+    return {
+        "workload": name, "generator": gen, "trajectories": forest.num_trajectories,
+        "expanded_tokens": int(forest.expanded_tokens), "unique_tokens": int(forest.unique_tokens),
+        "longest_trajectory": longest, "baseline_tokens": int(sub.expanded_tokens),
+        "baseline_trajectories": sub.num_trajectories, "microbatch_tokens": microbatch_tokens,
+        "no_windows_microbatch_tokens": max(microbatch_tokens, longest), "chunk_size": chunk_size,
+        "compression_ideal": float(st.compression_ideal), "compression_achieved": float(st.compression_achieved),
+        "flop_compression": ideal, "microbatches": int(st.microbatches), "windows": int(st.windows),
+        "recomputed": sum(mb.recompute for r in plans["windows"].ranks for mb in r.microbatches),
+        "peak_live_tokens_estimate": int(st.peak_live_tokens), "peak_live_bytes_estimate": int(st.peak_live_bytes),
+        "no_windows_compression_achieved": float(plans["no_windows"].header.stats.compression_achieved),
+    }
+
+
+def _peer_step(peer, trajs: list, masks: list, forward_only: bool):
+    """One transformers step (forward only: log-probs); returns the peak bytes saved for backward."""
+    def step():
+        if forward_only:
+            peer.logprobs(trajs)
+            return 0
+        return peer.train_step(trajs, masks)[2]
+    return step
+
+
+def _executor_step(ex, opt, model, plan, forward_only: bool):
+    """One executor step of `plan` (forward only: no graph); returns the peak bytes saved for backward."""
+    def step():
+        if forward_only:
+            ex.run_step(plan, backward=False)
+            return 0
+        with SavedTensorBytes(model) as gauge:
+            train_step(ex, plan, opt)
+        return gauge.peak
+    return step
+
+
+def _add_ratios(row: dict, ideal: float, sub_doc: dict) -> None:
+    """The modes' throughput ratios, and memory per live row against the planner's estimate."""
     r = lambda a, b: row.get(f"{a}_tokens_per_cpu_s", float("nan")) / row.get(f"{b}_tokens_per_cpu_s", float("nan"))  # noqa: E731
     row["windows_vs_expanded"] = r("windows", "expanded")
     row["fraction_of_ideal"] = row["windows_vs_expanded"] / ideal
@@ -173,13 +202,10 @@ def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microba
     if "transformers_peak_saved_bytes" in row:
         longest_sub = max(len(t["tokens"]) for t in sub_doc["trajectories"])
         row["transformers_saved_bytes_per_row"] = row["transformers_peak_saved_bytes"] / longest_sub
-    return row
 
 
 def run(quick: bool = False, threads: int = 1, steps: int | None = None, modes: tuple[str, ...] = MODES) -> dict:
     """Benchmark every workload; returns {"workloads": [...], "settings": {...}}."""
-    from benchmarks.allocator import steady_allocator
-
     steady_allocator()
     before = torch.get_num_threads()
     if threads:

@@ -23,6 +23,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harts_client.timing import repeat
 from kernels.tree_attention import TreeLayout, prepare_tree_layout, tree_attention
@@ -55,7 +56,7 @@ def flash_varlen() -> dict:
     """{row name: varlen attention fn(q, k, v, cu, max_len, scale) -> o} of the importable
     FlashAttention builds: FA3 (`flash_attn_interface`), FA2 (`flash_attn`)."""
     out = {}
-    try:
+    try:  # optional: FlashAttention builds exist on some CUDA machines only
         from flash_attn_interface import flash_attn_varlen_func as fa3
     except Exception:  # not installed, or built for another torch/CUDA
         fa3 = None
@@ -65,7 +66,7 @@ def flash_varlen() -> dict:
             return o[0] if isinstance(o, tuple) else o
 
         out["fa3 varlen expanded"] = fa3_call
-    try:
+    try:  # optional, as above
         from flash_attn import flash_attn_varlen_func as fa2
     except Exception:
         fa2 = None
@@ -106,12 +107,26 @@ def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, devi
     # Expanded rows: per branch, the prompt then its continuation (gathered once, not timed).
     idx_E = torch.cat([torch.cat([torch.arange(P), P + b * L + torch.arange(L)]) for b in range(B)]).to(device)
     qe, ke, ve = (x.index_select(0, idx_E).contiguous() for x in (q_RHD, k_RHD, v_RHD))
+    calls = _backends(P, B, L, H, D, tree, scale, device)
+    inputs_of = {"tree": (q_RHD, k_RHD, v_RHD), "expanded": (qe, ke, ve),
+                 "expanded, kv heads repeated": (qe, *(x.repeat_interleave(H // Hkv, 1) for x in (ke, ve)))}
+    rows = [_time_backend(name, n_rows, fn, inputs_of[kind], timer) for name, (n_rows, fn, kind) in calls.items()]
+    reference = next((name for name in REFERENCE_BACKENDS if name in calls), None)
+    if "triton tree" in calls and reference is not None:
+        rows.append(_triton_vs_reference(calls, reference, inputs_of, tree, P, B, L, scale, device))
+    rows.append({"backend": "ideal expanded/tree pairs", "value": expanded_pairs / tree_pairs})
+    for r in rows:
+        r.update(device=device, dtype=str(dtype).removeprefix("torch."))
+    return rows
+
+
+def _backends(P: int, B: int, L: int, H: int, D: int, tree: TreeLayout, scale: float, device: str) -> dict:
+    """{row name: (query rows computed, fn(q, k, v) -> o, inputs kind)} of the backends this device runs."""
+    R, S = P + B * L, P + L
 
     def sdpa(q, k, v):
         shape = lambda x: x.view(B, S, x.shape[1], D).transpose(1, 2)  # noqa: E731
         if device == "cuda":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 o = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), is_causal=True, scale=scale)
         else:
@@ -135,42 +150,42 @@ def measure(*, P: int, B: int, L: int, H: int, Hkv: int, D: int, reps: int, devi
     else:
         calls["ref tree"] = (R, lambda q, k, v: tree_attention(q, k, v, tree, scale=scale, backend="ref"), "tree")
         calls["sdpa expanded"] = (B * S, sdpa, "expanded")
+    return calls
 
-    inputs_of = {"tree": (q_RHD, k_RHD, v_RHD), "expanded": (qe, ke, ve),
-                 "expanded, kv heads repeated": (qe, *(x.repeat_interleave(H // Hkv, 1) for x in (ke, ve)))}
-    rows = []
-    for name, (n_rows, fn, kind) in calls.items():
-        inputs = inputs_of[kind]
-        try:
-            with torch.no_grad():
-                fwd = timer(lambda: fn(*inputs))
-            leaves = [x.detach().requires_grad_(True) for x in inputs]
 
-            def fwd_bwd():
-                o = fn(*leaves)
-                torch.autograd.grad(o, leaves, torch.ones_like(o))
+def _time_backend(name: str, n_rows: int, fn, inputs: tuple, timer) -> dict:
+    """Forward and forward+backward milliseconds of one backend, or its error."""
+    try:
+        with torch.no_grad():
+            fwd = timer(lambda: fn(*inputs))
+        leaves = [x.detach().requires_grad_(True) for x in inputs]
 
-            rows.append({"backend": name, "rows": n_rows, "forward_ms": fwd, "fwd_bwd_ms": timer(fwd_bwd)})
-        except Exception as exc:  # one failing backend must not hide the others' numbers
-            rows.append({"backend": name, "rows": n_rows, "error": f"{type(exc).__name__}: {exc}"[:300]})
-    reference = next((name for name in REFERENCE_BACKENDS if name in calls), None)
-    if "triton tree" in calls and reference is not None:
-        name = f"max|triton-ref| / max|ref| ({reference})"
-        try:
-            with torch.no_grad():
-                o_tree = tree_attention(q_RHD, k_RHD, v_RHD, tree, scale=scale, backend="triton").float()
-                o_exp = calls[reference][1](*inputs_of[calls[reference][2]]).float()
-            # Each branch's continuation rows, in the tree and in its expanded sequence.
-            tree_rows = torch.cat([P + b * L + torch.arange(L) for b in range(B)]).to(device)
-            exp_rows = torch.cat([b * S + P + torch.arange(L) for b in range(B)]).to(device)
-            diff = (o_tree[tree_rows] - o_exp[exp_rows]).abs().max() / o_exp.abs().max()
-            rows.append({"backend": name, "value": diff.item()})
-        except Exception as exc:
-            rows.append({"backend": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
-    rows.append({"backend": "ideal expanded/tree pairs", "value": expanded_pairs / tree_pairs})
-    for r in rows:
-        r.update(device=device, dtype=str(dtype).removeprefix("torch."))
-    return rows
+        def fwd_bwd():
+            o = fn(*leaves)
+            torch.autograd.grad(o, leaves, torch.ones_like(o))
+
+        return {"backend": name, "rows": n_rows, "forward_ms": fwd, "fwd_bwd_ms": timer(fwd_bwd)}
+    except Exception as exc:  # one failing backend must not hide the others' numbers
+        return {"backend": name, "rows": n_rows, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def _triton_vs_reference(calls: dict, reference: str, inputs_of: dict, tree: TreeLayout, P: int, B: int, L: int,
+                         scale: float, device: str) -> dict:
+    """The Triton tree output against the reference backend's on each branch's rows (relative)."""
+    S = P + L
+    q_RHD, k_RHD, v_RHD = inputs_of["tree"]
+    name = f"max|triton-ref| / max|ref| ({reference})"
+    try:
+        with torch.no_grad():
+            o_tree = tree_attention(q_RHD, k_RHD, v_RHD, tree, scale=scale, backend="triton").float()
+            o_exp = calls[reference][1](*inputs_of[calls[reference][2]]).float()
+        # Each branch's continuation rows, in the tree and in its expanded sequence.
+        tree_rows = torch.cat([P + b * L + torch.arange(L) for b in range(B)]).to(device)
+        exp_rows = torch.cat([b * S + P + torch.arange(L) for b in range(B)]).to(device)
+        diff = (o_tree[tree_rows] - o_exp[exp_rows]).abs().max() / o_exp.abs().max()
+        return {"backend": name, "value": diff.item()}
+    except Exception as exc:
+        return {"backend": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def main(argv: list[str] | None = None) -> int:
