@@ -37,14 +37,14 @@ observation, reasoning), N distinct node tokens, T trajectories, N_e expanded to
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import IO
+from dataclasses import dataclass
 
 import numpy as np
+
+from harts_client.workload import Workload
 
 log = logging.getLogger(__name__)
 
@@ -135,188 +135,6 @@ class WorkloadConfig:
 
     def scaled_max_tokens(self) -> int:
         return max(1, round(self.max_tokens_per_trajectory * self.scale))
-
-
-@dataclass(slots=True, kw_only=True)
-class Workload:
-    """A generated batch as flat arrays: the rollout trees (nodes) and the trajectories."""
-
-    config: WorkloadConfig
-    tokens: np.ndarray
-    """int32 [N] tokens of every node, node after node."""
-    loss_mask: np.ndarray
-    """uint8 [N] 1 on trained tokens (actions; percall: the call's reasoning + action)."""
-    old_logprobs: np.ndarray | None
-    """float32 [N] rollout log-probs (0 on untrained tokens), None unless requested."""
-    node_parent: np.ndarray
-    """int32 [M] parent node, -1 for a task root; parents precede children."""
-    node_offset: np.ndarray
-    """int64 [M+1] token range of each node in `tokens`."""
-    node_task: np.ndarray
-    """int32 [M] task of each node."""
-    piece_kind: np.ndarray
-    """int8 [P] SYSTEM/TASK/ACTION/OBSERVATION/REASONING of each piece (after truncation)."""
-    piece_node: np.ndarray
-    """int32 [P] node of each piece; pieces of a node are contiguous and in order."""
-    piece_offset: np.ndarray
-    """int64 [P+1] token range of each piece in `tokens`."""
-    traj_node: np.ndarray
-    """int32 [T] last node of each trajectory (its path is the root-to-node chain)."""
-    traj_rollout: np.ndarray
-    """int32 [T] rollout of each trajectory (percall: several samples per rollout)."""
-    traj_reward: np.ndarray
-    """float32 [T] reward of the trajectory's rollout."""
-    traj_advantage: np.ndarray
-    """float32 [T] reward minus the mean reward of the task's rollouts."""
-    traj_offset: np.ndarray
-    """int64 [T+1] offsets of each trajectory's positions in `traj_index`."""
-    traj_index: np.ndarray
-    """int32 (int64 when N >= 2**31) [N_e] for every trajectory position, its token index in `tokens`."""
-    task_ids: list[str] = field(default_factory=list)
-    """[tasks] tree ids."""
-
-    @property
-    def num_trajectories(self) -> int:
-        return int(self.traj_node.shape[0])
-
-    @property
-    def unique_tokens(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def expanded_tokens(self) -> int:
-        return int(self.traj_offset[-1])
-
-    def traj_ids(self) -> list[str]:
-        """Trajectory ids "<task>/<k>", k counting the task's trajectories."""
-        task = self.node_task[self.traj_node]
-        starts = np.searchsorted(task, np.arange(len(self.task_ids)))
-        k = np.arange(task.shape[0]) - starts[task]
-        return [f"{self.task_ids[a]}/{b}" for a, b in zip(task.tolist(), k.tolist())]
-
-    def trajectory(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens int32 [L], loss_mask uint8 [L]) of trajectory t."""
-        idx = self.traj_index[self.traj_offset[t] : self.traj_offset[t + 1]]
-        return self.tokens[idx], self.loss_mask[idx]
-
-    def branch_depths(self) -> np.ndarray:
-        """int64 [*] depth of every branch point (first depth after the end of a node with >= 2 children)."""
-        depth = self.node_depth()
-        counts = np.bincount(self.node_parent[self.node_parent >= 0], minlength=self.node_parent.shape[0])
-        parents = np.flatnonzero(counts >= 2)
-        return depth[parents] + np.diff(self.node_offset)[parents]
-
-    def node_depth(self) -> np.ndarray:
-        """int64 [M] depth of each node's first token."""
-        length = np.diff(self.node_offset)
-        depth = np.zeros(length.shape[0], np.int64)
-        for m in np.flatnonzero(self.node_parent >= 0):  # parents precede children
-            p = self.node_parent[m]
-            depth[m] = depth[p] + length[p]
-        return depth
-
-    def stats(self) -> dict:
-        """Summary printed by `harts gen` (exact: siblings differ at their first token)."""
-        lengths = np.diff(self.traj_offset)
-        return {
-            "batch_id": self.config.batch_id,
-            "scheme": self.config.scheme,
-            "tasks": self.config.tasks,
-            "trajectories": self.num_trajectories,
-            "nodes": int(self.node_parent.shape[0]),
-            "unique_tokens": self.unique_tokens,
-            "expanded_tokens": self.expanded_tokens,
-            "compression_ideal": self.expanded_tokens / max(1, self.unique_tokens),
-            "loss_tokens": int(self.loss_mask[self.traj_index].sum(dtype=np.int64)),
-            "mean_trajectory_tokens": float(lengths.mean()),
-            "max_trajectory_tokens": int(lengths.max()),
-        }
-
-    def to_json(self, form: str = "flat") -> dict:
-        """The JSON input document (Python lists), flat trajectories or explicit trees."""
-        return json.loads(self.dumps(form))
-
-    def dumps(self, form: str = "flat") -> str:
-        """The JSON input document as a string."""
-        parts: list[str] = []
-        self._write(parts.append, form, progress=False)
-        return "".join(parts)
-
-    def write_json(self, fp: IO[str], form: str = "flat", *, progress: bool = True) -> None:
-        """Stream the JSON input document to `fp`; logs progress every few seconds when asked."""
-        self._write(fp.write, form, progress=progress)
-
-    def _write(self, write, form: str, *, progress: bool) -> None:
-        if form not in ("flat", "tree"):
-            raise ValueError(f"form: expected 'flat' or 'tree', got {form!r}")
-        cfg = self.config
-        write(f'{{"batch_id": {json.dumps(cfg.batch_id)}, "vocab_size": {cfg.vocab_size}, ')
-        ids = self.traj_ids()
-        task = self.node_task[self.traj_node]
-        tick = _Progress(self.num_trajectories, enabled=progress)
-        if form == "flat":
-            write('"trajectories": [')
-            for t in range(self.num_trajectories):
-                idx = self.traj_index[self.traj_offset[t] : self.traj_offset[t + 1]]
-                write(("" if t == 0 else ",\n") + "{" + self._traj_fields(t, ids[t], idx))
-                write(f', "tree_id": {json.dumps(self.task_ids[task[t]])}, "tokens": [{_ints(self.tokens[idx])}]}}')
-                tick(t + 1)
-            write("]}\n")
-            return
-        write('"trees": [')
-        local = np.zeros(self.node_parent.shape[0], np.int64)
-        for a, name in enumerate(self.task_ids):
-            nodes = np.flatnonzero(self.node_task == a)
-            local[nodes] = np.arange(nodes.shape[0])
-            write(("" if a == 0 else ",\n") + f'{{"id": {json.dumps(name)}, "nodes": [')
-            for j, m in enumerate(nodes.tolist()):
-                p = int(self.node_parent[m])
-                toks = _ints(self.tokens[self.node_offset[m] : self.node_offset[m + 1]])
-                parent = "null" if p < 0 else str(int(local[p]))
-                write(("" if j == 0 else ", ") + f'{{"id": {j}, "parent": {parent}, "tokens": [{toks}]}}')
-            write('], "trajectories": [')
-            for j, t in enumerate(np.flatnonzero(task == a).tolist()):
-                idx = self.traj_index[self.traj_offset[t] : self.traj_offset[t + 1]]
-                write(("" if j == 0 else ", ") + "{" + self._traj_fields(t, ids[t], idx))
-                write(f', "node": {int(local[self.traj_node[t]])}}}')
-                tick(t + 1)
-            write("]}")
-        write("]}\n")
-
-    def _traj_fields(self, t: int, tid: str, idx: np.ndarray) -> str:
-        task = self.task_ids[self.node_task[self.traj_node[t]]]
-        out = (
-            f'"id": {json.dumps(tid)}, "group_id": {json.dumps(task)}, '
-            f'"advantage": {_float(self.traj_advantage[t])}, "reward": {_float(self.traj_reward[t])}, '
-            f'"loss_mask": [{_ints(self.loss_mask[idx])}]'
-        )
-        if self.old_logprobs is not None:
-            out += f', "old_logprobs": [{",".join(self.old_logprobs[idx].astype(str).tolist())}]'
-        return out
-
-
-class _Progress:
-    """Logs "k/n trajectories" at most every 2 s (stderr through logging)."""
-
-    def __init__(self, total: int, *, enabled: bool):
-        self.total, self.enabled = total, enabled
-        self.t0 = self.last = time.perf_counter()
-
-    def __call__(self, done: int) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if now - self.last >= 2.0 or (done == self.total and now - self.t0 >= 2.0):
-            self.last = now
-            log.info("gen: wrote %d/%d trajectories (%.0f s)", done, self.total, now - self.t0)
-
-
-def _ints(a: np.ndarray) -> str:
-    return ",".join(map(str, a.tolist()))
-
-
-def _float(x) -> str:
-    return repr(float(np.float32(x)))
 
 
 def sample_lengths(rng: np.random.Generator, rng_range: tuple[int, int], n: int, scale: float = 1.0) -> np.ndarray:
@@ -448,59 +266,17 @@ def generate_workload(cfg: WorkloadConfig) -> Workload:
 
 
 def _materialise(cfg, s: _Structure, len_rng, tok_rng, rew_rng, task_ids: list[str]) -> Workload:
+    """The Workload of structure `s`: lengths, pruning at the context limit, tokens, trajectories,
+    rewards (the random draws in this order)."""
     node_parent = np.asarray(s.node_parent, np.int32)
     node_task = np.asarray(s.node_task, np.int32)
-    may_end = np.asarray(s.node_may_end, bool)
-    node_rollout = np.asarray(s.node_rollout, np.int32)
     p_node = np.concatenate(s.piece_node)
     p_kind = np.concatenate(s.piece_kind)
-    p_trained = np.concatenate(s.piece_trained)
     p_copy = np.concatenate(s.piece_copy)
-    M, P = node_parent.shape[0], p_node.shape[0]
-
-    # Lengths, one draw per kind in piece order; copies take their source's length.
-    ranges = (cfg.system_tokens, cfg.task_tokens, None, cfg.observation_tokens, cfg.reasoning_tokens)
-    p_len = np.zeros(P, np.int64)
-    for kind in (SYSTEM, TASK, ACTION, OBSERVATION, REASONING):
-        sel = np.flatnonzero((p_kind == kind) & (p_copy < 0))
-        p_len[sel] = sample_lengths(len_rng, ranges[kind] or cfg.action_tokens, sel.shape[0], cfg.scale)
-    is_copy = p_copy >= 0
-    p_len[is_copy] = p_len[p_copy[is_copy]]
-
-    # Depths, then truncation at the context limit and pruning of nodes no trajectory reaches.
-    node_len = np.bincount(p_node, weights=p_len, minlength=M).astype(np.int64)
-    node_depth = np.zeros(M, np.int64)
-    for m in range(M):  # parents precede children
-        if node_parent[m] >= 0:
-            node_depth[m] = node_depth[node_parent[m]] + node_len[node_parent[m]]
-    p_cum = np.cumsum(p_len) - p_len
-    node_first = np.searchsorted(p_node, np.arange(M))
-    p_depth = node_depth[p_node] + p_cum - p_cum[node_first[p_node]]
-    limit = cfg.scaled_max_tokens()
-    p_keep_len = np.clip(limit - p_depth, 0, p_len)
-    useful = node_depth < limit
-    has_child = np.zeros(M, bool)
-    for m in range(M - 1, -1, -1):
-        if useful[m]:
-            useful[m] = has_child[m] or may_end[m]
-            if useful[m] and node_parent[m] >= 0:
-                has_child[node_parent[m]] = True
-    is_end = useful & may_end & ~has_child
-
-    # Raw tokens: one stream for original pieces; copies read their source's range.
-    raw_alloc = np.where(is_copy, 0, p_len)
-    raw_start = np.cumsum(raw_alloc) - raw_alloc
-    raw_start[is_copy] = raw_start[p_copy[is_copy]]
-    raw = tok_rng.integers(0, cfg.vocab_size, size=int(raw_alloc.sum()), dtype=np.int32)
-    # Siblings differ at their first token: child j of a parent gets (base_parent + j) mod vocab.
-    kids = np.flatnonzero(useful & (node_parent >= 0))
-    order = kids[np.argsort(node_parent[kids], kind="stable")]
-    par = node_parent[order]
-    rank = np.arange(order.shape[0]) - np.searchsorted(par, par)
-    base = tok_rng.integers(0, cfg.vocab_size, size=M)
-    first = node_first[order]
-    assert not is_copy[first].any(), "a node's first piece must be an original piece"
-    raw[raw_start[first]] = ((base[par] + rank) % cfg.vocab_size).astype(np.int32)
+    M = node_parent.shape[0]
+    p_len = _piece_lengths(cfg, p_kind, p_copy, len_rng)
+    node_first, p_keep_len, useful, is_end = _prune(cfg, node_parent, np.asarray(s.node_may_end, bool), p_node, p_len)
+    raw, raw_start = _raw_tokens(cfg, p_len, p_copy, node_parent, node_first, useful, tok_rng)
 
     # Kept pieces -> node tokens.
     keep = useful[p_node] & (p_keep_len > 0)
@@ -509,7 +285,7 @@ def _materialise(cfg, s: _Structure, len_rng, tok_rng, rew_rng, task_ids: list[s
     N = int(k_off[-1])
     src = np.repeat(raw_start[keep] - k_off[:-1], k_len) + np.arange(N)
     tokens = raw[src]
-    loss_mask = np.repeat(p_trained[keep].astype(np.uint8), k_len)
+    loss_mask = np.repeat(np.concatenate(s.piece_trained)[keep].astype(np.uint8), k_len)
     old_lp = None
     if cfg.old_logprobs:
         old_lp = np.where(loss_mask == 1, -tok_rng.exponential(0.5, size=N), 0.0).astype(np.float32)
@@ -524,39 +300,11 @@ def _materialise(cfg, s: _Structure, len_rng, tok_rng, rew_rng, task_ids: list[s
     parent_old = node_parent[kept_nodes]
     new_parent = np.where(parent_old >= 0, new_id[np.maximum(parent_old, 0)], -1).astype(np.int32)
 
-    # Trajectories: end nodes in order; paths by walking up, all trajectories at once.
     ends = np.flatnonzero(is_end)
-    T = ends.shape[0]
     traj_node = new_id[ends].astype(np.int32)
-    pair_t, pair_n = [], []
-    cur = traj_node.astype(np.int64)
-    alive = np.arange(T)
-    while alive.shape[0]:
-        pair_t.append(alive)
-        pair_n.append(cur)
-        nxt = new_parent[cur]
-        ok = nxt >= 0
-        alive, cur = alive[ok], nxt[ok].astype(np.int64)
-    pt, pn = np.concatenate(pair_t), np.concatenate(pair_n)
-    o = np.lexsort((pn, pt))
-    pt, pn = pt[o], pn[o]
-    seg_len = n_len[pn]
-    traj_len = np.bincount(pt, weights=seg_len, minlength=T).astype(np.int64)
-    traj_offset = np.concatenate([[0], np.cumsum(traj_len)])
-    seg_cum = np.cumsum(seg_len) - seg_len
-    traj_index = np.repeat(node_offset[pn] - seg_cum, seg_len) + np.arange(int(seg_len.sum()))
-
-    # Rewards per rollout, advantage = reward - the task's mean over its rollouts.
-    rollout = np.where(node_rollout[ends] >= 0, node_rollout[ends], np.arange(T) + 10**9).astype(np.int64)
-    uniq, traj_rollout = np.unique(rollout, return_inverse=True)
-    ro_task = np.zeros(uniq.shape[0], np.int64)
-    ro_task[traj_rollout] = node_task[ends]
-    p_task = rew_rng.random(cfg.tasks)
-    ro_reward = (rew_rng.random(uniq.shape[0]) < p_task[ro_task]).astype(np.float64)
-    mean = np.bincount(ro_task, weights=ro_reward, minlength=cfg.tasks) / np.maximum(np.bincount(ro_task, minlength=cfg.tasks), 1)
-    traj_reward = ro_reward[traj_rollout].astype(np.float32)
-    traj_adv = (ro_reward - mean[ro_task])[traj_rollout].astype(np.float32)
-
+    traj_offset, traj_index = _trajectory_index(traj_node, new_parent, n_len, node_offset)
+    traj_rollout, traj_reward, traj_adv = _rewards(cfg, np.asarray(s.node_rollout, np.int32)[ends], node_task[ends],
+                                                   rew_rng)
     return Workload(
         config=cfg,
         tokens=tokens,
@@ -576,6 +324,108 @@ def _materialise(cfg, s: _Structure, len_rng, tok_rng, rew_rng, task_ids: list[s
         traj_index=traj_index.astype(np.int32 if N < 2**31 else np.int64),
         task_ids=task_ids,
     )
+
+
+def _piece_lengths(cfg, p_kind: np.ndarray, p_copy: np.ndarray, len_rng) -> np.ndarray:
+    """int64 [P] lengths, one draw per kind in piece order; copies take their source's length."""
+    ranges = (cfg.system_tokens, cfg.task_tokens, None, cfg.observation_tokens, cfg.reasoning_tokens)
+    p_len = np.zeros(p_kind.shape[0], np.int64)
+    for kind in (SYSTEM, TASK, ACTION, OBSERVATION, REASONING):
+        sel = np.flatnonzero((p_kind == kind) & (p_copy < 0))
+        p_len[sel] = sample_lengths(len_rng, ranges[kind] or cfg.action_tokens, sel.shape[0], cfg.scale)
+    is_copy = p_copy >= 0
+    p_len[is_copy] = p_len[p_copy[is_copy]]
+    return p_len
+
+
+def _prune(cfg, node_parent: np.ndarray, may_end: np.ndarray, p_node: np.ndarray, p_len: np.ndarray):
+    """Depths, then truncation at the context limit and pruning of nodes no trajectory reaches.
+
+    Returns node_first int [M] (first piece of each node), p_keep_len int64 [P] (kept tokens per
+    piece), useful bool [M] (a trajectory reaches the node) and is_end bool [M] (a trajectory ends there).
+    """
+    M = node_parent.shape[0]
+    node_len = np.bincount(p_node, weights=p_len, minlength=M).astype(np.int64)
+    node_depth = np.zeros(M, np.int64)
+    for m in range(M):  # parents precede children
+        if node_parent[m] >= 0:
+            node_depth[m] = node_depth[node_parent[m]] + node_len[node_parent[m]]
+    p_cum = np.cumsum(p_len) - p_len
+    node_first = np.searchsorted(p_node, np.arange(M))
+    p_depth = node_depth[p_node] + p_cum - p_cum[node_first[p_node]]
+    limit = cfg.scaled_max_tokens()
+    p_keep_len = np.clip(limit - p_depth, 0, p_len)
+    useful = node_depth < limit
+    has_child = np.zeros(M, bool)
+    for m in range(M - 1, -1, -1):
+        if useful[m]:
+            useful[m] = has_child[m] or may_end[m]
+            if useful[m] and node_parent[m] >= 0:
+                has_child[node_parent[m]] = True
+    is_end = useful & may_end & ~has_child
+    return node_first, p_keep_len, useful, is_end
+
+
+def _raw_tokens(cfg, p_len: np.ndarray, p_copy: np.ndarray, node_parent: np.ndarray, node_first: np.ndarray,
+                useful: np.ndarray, tok_rng) -> tuple[np.ndarray, np.ndarray]:
+    """Raw tokens: one stream for original pieces, copies read their source's range; siblings differ
+    at their first token (child j of a parent gets (base_parent + j) mod vocab). Returns the
+    stream int32 and each piece's start in it int64 [P]."""
+    is_copy = p_copy >= 0
+    raw_alloc = np.where(is_copy, 0, p_len)
+    raw_start = np.cumsum(raw_alloc) - raw_alloc
+    raw_start[is_copy] = raw_start[p_copy[is_copy]]
+    raw = tok_rng.integers(0, cfg.vocab_size, size=int(raw_alloc.sum()), dtype=np.int32)
+    kids = np.flatnonzero(useful & (node_parent >= 0))
+    order = kids[np.argsort(node_parent[kids], kind="stable")]
+    par = node_parent[order]
+    rank = np.arange(order.shape[0]) - np.searchsorted(par, par)
+    base = tok_rng.integers(0, cfg.vocab_size, size=node_parent.shape[0])
+    first = node_first[order]
+    assert not is_copy[first].any(), "a node's first piece must be an original piece"
+    raw[raw_start[first]] = ((base[par] + rank) % cfg.vocab_size).astype(np.int32)
+    return raw, raw_start
+
+
+def _trajectory_index(traj_node: np.ndarray, new_parent: np.ndarray, n_len: np.ndarray, node_offset: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Trajectories (one per end node, in order): their offsets [T+1] and the node-token index of
+    every position [N_e]; paths by walking up, all trajectories at once."""
+    T = traj_node.shape[0]
+    pair_t, pair_n = [], []
+    cur = traj_node.astype(np.int64)
+    alive = np.arange(T)
+    while alive.shape[0]:
+        pair_t.append(alive)
+        pair_n.append(cur)
+        nxt = new_parent[cur]
+        ok = nxt >= 0
+        alive, cur = alive[ok], nxt[ok].astype(np.int64)
+    pt, pn = np.concatenate(pair_t), np.concatenate(pair_n)
+    o = np.lexsort((pn, pt))
+    pt, pn = pt[o], pn[o]
+    seg_len = n_len[pn]
+    traj_len = np.bincount(pt, weights=seg_len, minlength=T).astype(np.int64)
+    traj_offset = np.concatenate([[0], np.cumsum(traj_len)])
+    seg_cum = np.cumsum(seg_len) - seg_len
+    traj_index = np.repeat(node_offset[pn] - seg_cum, seg_len) + np.arange(int(seg_len.sum()))
+    return traj_offset, traj_index
+
+
+def _rewards(cfg, end_rollout: np.ndarray, end_task: np.ndarray, rew_rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rewards per rollout, advantage = reward - the task's mean over its rollouts: (rollout of
+    each trajectory, its reward float32, its advantage float32) [T] each."""
+    T = end_rollout.shape[0]
+    rollout = np.where(end_rollout >= 0, end_rollout, np.arange(T) + 10**9).astype(np.int64)
+    uniq, traj_rollout = np.unique(rollout, return_inverse=True)
+    ro_task = np.zeros(uniq.shape[0], np.int64)
+    ro_task[traj_rollout] = end_task
+    p_task = rew_rng.random(cfg.tasks)
+    ro_reward = (rew_rng.random(uniq.shape[0]) < p_task[ro_task]).astype(np.float64)
+    mean = np.bincount(ro_task, weights=ro_reward, minlength=cfg.tasks) / np.maximum(np.bincount(ro_task, minlength=cfg.tasks), 1)
+    traj_reward = ro_reward[traj_rollout].astype(np.float32)
+    traj_adv = (ro_reward - mean[ro_task])[traj_rollout].astype(np.float32)
+    return traj_rollout, traj_reward, traj_adv
 
 
 def generate(scheme: str, tasks: int, seed: int = 0, scale: float = 1.0, *, form: str = "flat", **knobs) -> dict:
