@@ -31,11 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import queue
+import socket
 import time
 
 import numpy as np
 
 from harts_client.timing import repeat
+from proto.arrays import unpack
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +110,7 @@ def synthetic_batch(rng: np.random.Generator, shape: str, tokens: int, vocab: in
 
 def plan_features(plan) -> np.ndarray:
     """float64 [4] summed cost features of a plan's microbatches (cost_model.FEATURES order)."""
-    from planner_service.planner.cost_model import microbatch_features
-    from proto.arrays import unpack
+    from planner_service.planner.cost_model import microbatch_features  # optional: numba (harts_cli/main.py)
 
     total = np.zeros(4)
     for rank in plan.ranks:
@@ -128,8 +131,7 @@ TRANSFER_MIN_BYTES = 1 << 10
 def _bounce(rank: int, port: int, backend: str, sizes: list[int], repeats: int, out) -> None:
     """One of the two measuring processes: rank 0 sends each buffer to rank 1, which sends it back
     (through `P2PTransport`, as the trainer does); rank 0 puts the fastest round trip per size on `out`."""
-    import os
-
+    # optional (harts_cli/main.py): torch and the trainer load only in the measuring processes
     import torch
     import torch.distributed as dist
 
@@ -173,9 +175,7 @@ def measure_transfer(backend: str, max_bytes: int, repeats: int = 3) -> dict:
     Raises:
         ValueError: max_bytes below 64 KiB, or NCCL without two CUDA devices.
     """
-    import queue
-    import socket
-
+    # optional (harts_cli/main.py): torch loads only when this command runs
     import torch
     import torch.multiprocessing as mp
 
@@ -225,7 +225,7 @@ def fit_report(X: np.ndarray, t: np.ndarray, train: np.ndarray, test: np.ndarray
     Returns:
         coefficients float64 [4], step overhead seconds, report dict.
     """
-    from planner_service.planner.cost_model import nnls
+    from planner_service.planner.cost_model import nnls  # optional: numba (harts_cli/main.py)
 
     A = np.column_stack([X, np.ones(X.shape[0])])
     scale = A[train].max(axis=0)
@@ -247,10 +247,11 @@ def fit_report(X: np.ndarray, t: np.ndarray, train: np.ndarray, test: np.ndarray
 
 
 def run(args: argparse.Namespace) -> int:
+    # optional (harts_cli/main.py): the planner's and the trainer's extras load only when this command runs
     import torch
 
     from planner_service import ingest
-    from planner_service.planner import PlanConfig, plan_step, warmup
+    from planner_service.planner import warmup
     from planner_service.planner.cost_model import FEATURES, CostModel
     from trainer.executor import Executor, ExecutorConfig
     from trainer.models import build_model
@@ -268,38 +269,14 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = build_model(args.model, seed=args.seed).to(args.device)
     ex = Executor(model, ExecutorConfig(chunk_size=args.chunk_size, backend=args.backend, validate="none"))
-    vocab = model.config.vocab_size
     rng = np.random.default_rng(args.seed)
-    # CPU: this process's CPU seconds (on a shared machine other processes only add wall time);
-    # an accelerator: wall seconds after a synchronize
-    clock, sync = ("cpu", None) if args.device == "cpu" else ("wall", torch.cuda.synchronize)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
-    X, t, shapes = [], [], []
     try:
-        for i in range(args.samples):
-            shape = SHAPES[i % len(SHAPES)]
-            tokens = int(np.exp(rng.uniform(np.log(max(args.chunk_size, 64)), np.log(args.max_rows))))
-            doc = synthetic_batch(rng, shape, tokens, vocab, float(rng.uniform(0.1, 0.9)), f"calibrate-{i}", args.chunk_size)
-            forest = ingest.forest_from_json(json.dumps(doc))
-            # one microbatch, or a few joined by sharing windows (per-microbatch work shows in the call term)
-            budget = forest.unique_tokens // int(rng.integers(1, 4)) + args.chunk_size
-            plan = plan_step(forest, PlanConfig(world_size=1, microbatch_tokens=budget, chunk_size=args.chunk_size,
-                                                conv_kernel=model.config.linear_conv_kernel_dim,
-                                                model_config=model.config.to_hf_dict()))
-            # the warm-up run warms caches and allocators
-            best = repeat(lambda: ex.run_step(plan), args.repeats, warmup=1, sync=sync).fastest(clock).on(clock)
-            model.zero_grad(set_to_none=True)
-            X.append(plan_features(plan))
-            t.append(best)
-            shapes.append(shape)
-            log.info("calibrate: batch %d/%d (%s): %d rows, %.0f pairs, %d calls, %d log-prob rows: %.4f s",
-                     i + 1, args.samples, shape, *X[-1].astype(int).tolist(), best)
+        X, t = _time_batches(args, model, ex, rng)
     finally:
         torch.set_num_threads(threads)
-    X = np.array(X)
-    t = np.array(t)
     n_test = max(1, int(round(args.held_out * len(t))))
     order = rng.permutation(len(t))
     test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
@@ -332,3 +309,36 @@ def run(args: argparse.Namespace) -> int:
         log.info("wrote %s", args.output)
     print(json.dumps(out))
     return 0
+
+
+def _time_batches(args: argparse.Namespace, model, ex, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Plan and time `args.samples` synthetic batches (SHAPES in turn): their cost features
+    float64 [n, 4] and step seconds float64 [n] (CPU: this process's CPU seconds, since other
+    processes on a shared machine only add wall time; an accelerator: wall seconds after a synchronize)."""
+    # optional (harts_cli/main.py): the planner's and the trainer's extras load only when this command runs
+    import torch
+
+    from planner_service import ingest
+    from planner_service.planner import PlanConfig, plan_step
+
+    vocab = model.config.vocab_size
+    clock, sync = ("cpu", None) if args.device == "cpu" else ("wall", torch.cuda.synchronize)
+    X, t = [], []
+    for i in range(args.samples):
+        shape = SHAPES[i % len(SHAPES)]
+        tokens = int(np.exp(rng.uniform(np.log(max(args.chunk_size, 64)), np.log(args.max_rows))))
+        doc = synthetic_batch(rng, shape, tokens, vocab, float(rng.uniform(0.1, 0.9)), f"calibrate-{i}", args.chunk_size)
+        forest = ingest.forest_from_json(json.dumps(doc))
+        # one microbatch, or a few joined by sharing windows (per-microbatch work shows in the call term)
+        budget = forest.unique_tokens // int(rng.integers(1, 4)) + args.chunk_size
+        plan = plan_step(forest, PlanConfig(world_size=1, microbatch_tokens=budget, chunk_size=args.chunk_size,
+                                            conv_kernel=model.config.linear_conv_kernel_dim,
+                                            model_config=model.config.to_hf_dict()))
+        # the warm-up run warms caches and allocators
+        best = repeat(lambda: ex.run_step(plan), args.repeats, warmup=1, sync=sync).fastest(clock).on(clock)
+        model.zero_grad(set_to_none=True)
+        X.append(plan_features(plan))
+        t.append(best)
+        log.info("calibrate: batch %d/%d (%s): %d rows, %.0f pairs, %d calls, %d log-prob rows: %.4f s",
+                 i + 1, args.samples, shape, *X[-1].astype(int).tolist(), best)
+    return np.array(X), np.array(t)
