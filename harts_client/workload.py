@@ -11,12 +11,9 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import numpy as np
-
-if TYPE_CHECKING:  # cyclic: synthetic builds Workloads; the config is only an annotation here
-    from harts_client.synthetic import WorkloadConfig
 
 log = logging.getLogger("harts_client.synthetic")  # the generator's logger: `harts gen` progress lines as before
 
@@ -25,7 +22,8 @@ log = logging.getLogger("harts_client.synthetic")  # the generator's logger: `ha
 class Workload:
     """A generated batch as flat arrays: the rollout trees (nodes) and the trajectories."""
 
-    config: WorkloadConfig
+    config: object
+    """The `harts_client.synthetic.WorkloadConfig` it was generated from (batch_id, scheme, tasks, vocab_size)."""
     tokens: np.ndarray
     """int32 [N] tokens of every node, node after node."""
     loss_mask: np.ndarray
