@@ -18,6 +18,9 @@ import logging
 import numpy as np
 
 from harts_client.timing import repeat, timed
+from planner_service.ingest import forest_from_json, forest_from_proto, json_to_proto, warmup
+from planner_service.ingest.radix import radix_forest
+from planner_service.ingest.radix_ref import radix_forest_reference
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +45,6 @@ def workload(*, trajectories: int, length: int, prefix: int, vocab: int = 151_93
 
 def run(quick: bool = False, reps: int = 3) -> dict:
     """Run the benchmark; returns the figures (seconds, sizes)."""
-    from planner_service.ingest import forest_from_json, forest_from_proto, json_to_proto, warmup
-    from planner_service.ingest.radix import radix_forest
-    from planner_service.ingest.radix_ref import radix_forest_reference
-
     shape = dict(trajectories=64, length=16_384, prefix=8_192)
     if quick:
         shape = dict(trajectories=16, length=4_096, prefix=2_048)

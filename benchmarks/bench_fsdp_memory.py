@@ -37,6 +37,22 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from harts_client.synthetic import generate
+from planner_service.ingest import forest_from_json
+from planner_service.planner import PlanConfig, plan_step
+from proto.arrays import pack
+from proto.harts.v1 import plan_pb2
+from trainer.config import ParallelismConfig
+from trainer.distributed import DistContext
+from trainer.executor import Executor, ExecutorConfig
+from trainer.models.config import FULL, LINEAR, ModelConfig
+from trainer.models.materialize import materialize, meta_model, seed_rows
+from trainer.param_memory import ParamGradGauge
+from trainer.parallelize import GradSync, make_mesh, parallelize, run_slice
 
 log = logging.getLogger("bench_fsdp_memory")
 
@@ -45,8 +61,6 @@ C = 16
 
 def model_config(layers: int):
     """The benchmark model: parameters dominate (16 experts of width 64 per layer), vocabulary 256."""
-    from trainer.models.config import FULL, LINEAR, ModelConfig
-
     return ModelConfig(
         vocab_size=256, hidden_size=128, num_hidden_layers=layers, layer_types=[FULL if i % 4 == 3 else LINEAR for i in range(layers)],
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -58,9 +72,6 @@ def model_config(layers: int):
 def lockstep_without_windows(plan):
     """A plan without windows as a lock-step plan: every rank FORWARD m, BACKWARD m per microbatch,
     shorter ranks padded with paired stand-ins (FORWARD k, BACKWARD k) to the longest."""
-    from proto.arrays import pack
-    from proto.harts.v1 import plan_pb2
-
     out = plan_pb2.Plan()
     out.CopyFrom(plan)
     n = max(len(r.microbatches) for r in out.ranks)
@@ -76,31 +87,16 @@ def lockstep_without_windows(plan):
 
 
 def make_plan(world: int, tasks: int):
-    from harts_client.synthetic import generate
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import PlanConfig, plan_step
-
     doc = generate(scheme="tree", tasks=tasks, seed=1, scale=0.01, turns=(2, 3), old_logprobs=True)
     free = plan_step(forest_from_json(doc), PlanConfig(world_size=world, microbatch_tokens=128, chunk_size=C, windows=False))
     return lockstep_without_windows(free)
 
 
 def _worker(rank: int, world: int, port: int, layers: int, plan_bytes: bytes, queue) -> None:
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from proto.harts.v1 import plan_pb2
-        from trainer.config import ParallelismConfig
-        from trainer.distributed import DistContext
-        from trainer.executor import Executor, ExecutorConfig
-        from trainer.models.materialize import materialize, meta_model, seed_rows
-        from trainer.param_memory import ParamGradGauge
-        from trainer.parallelize import GradSync, make_mesh, parallelize, run_slice
-
         ctx = DistContext(rank=rank, world_size=world, initialized=True)
         plan = plan_pb2.Plan.FromString(plan_bytes)
         slice_ = plan_pb2.PlanSlice(header=plan.header, rank=plan.ranks[rank])
@@ -132,10 +128,6 @@ def run(quick: bool = False, *, world: int = 4, layers: int = 16, tasks: int = 4
     (`quick`: 8 layers, 2 tasks; the benchmarks' component contract)."""
     if quick:
         layers, tasks = min(layers, 8), min(tasks, 2)
-    import torch.multiprocessing as mp
-
-    from trainer.models.materialize import meta_model
-
     plan = make_plan(world, tasks)
     cfg = model_config(layers)
     meta = meta_model(cfg)

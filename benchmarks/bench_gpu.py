@@ -35,12 +35,14 @@ when every section ended "ok", 1 otherwise, 143 on SIGTERM (the finished section
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.gpu.report import load, markdown
 from benchmarks.gpu.runner import Runner, Terminated, write_json
 from benchmarks.gpu.settings import NAMED_SETTINGS, SECTIONS
 
@@ -48,6 +50,8 @@ log = logging.getLogger("bench_gpu")
 
 
 def _sections():
+    # deferred: the sections load torch and the kernels, after main has set HARTS_AUTOTUNE and
+    # CUBLAS_WORKSPACE_CONFIG (read at import and when CUDA starts)
     from benchmarks.gpu.fidelity import fidelity_section
     from benchmarks.gpu.kernel_report import kernels_section
     from benchmarks.gpu.peer_section import peer_section
@@ -59,10 +63,6 @@ def _sections():
 
 
 def _write_report(out: Path) -> None:
-    import json
-
-    from benchmarks.gpu.report import load, markdown
-
     run_file = out / "run.json"
     command = json.loads(run_file.read_text())["command"] if run_file.is_file() else "python -m benchmarks.bench_gpu"
     (out / "report.md").write_text(markdown(load(out), command))
@@ -71,6 +71,7 @@ def _write_report(out: Path) -> None:
 def run(out: Path, settings_name: str, *, budget_s: float | None = None, sections: tuple[str, ...] = SECTIONS,
         command: str = "") -> int:
     """Run `sections` of the named settings into `out`; returns the exit code (see the module docstring)."""
+    # deferred: torch and the kernels load after main has set HARTS_AUTOTUNE and CUBLAS_WORKSPACE_CONFIG
     import torch
 
     from benchmarks.gpu.context import BenchContext

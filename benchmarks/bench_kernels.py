@@ -44,7 +44,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_tree_attention import REFERENCE_BACKENDS, flash_varlen
+from benchmarks.bench_tree_attention import measure as tree_measure
 from harts_client.timing import repeat
+from kernels import triton_640, triton_tuning
+from kernels.batch_invariant import mm_t
 from kernels.gated_delta_rule import chunk_gated_delta_rule
 
 #: (sequences, length, heads, K = V, chunk) of run(): CUDA full / CUDA quick / CPU full / CPU quick
@@ -173,7 +177,7 @@ def _error(exc: Exception) -> str:
 
 
 def _fla_chunk_gdr():
-    try:
+    try:  # optional: fla is a peer, installed on some GPU machines only
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     except Exception:  # not installed, or built for another torch/triton
         return None
@@ -247,8 +251,6 @@ def gdn_rows(name: str, T: int, N: int, H: int, D: int, C: int, *, device: str, 
 
 
 def tree_rows(name: str, P: int, B: int, L: int, H: int, Hkv: int, D: int, *, device: str, timer: Timer) -> list[dict]:
-    from benchmarks.bench_tree_attention import measure as tree_measure
-
     rows = tree_measure(P=P, B=B, L=L, H=H, Hkv=Hkv, D=D, reps=timer.reps, device=device, timer=timer)
     for r in rows:
         r.update(kernel="tree_attention", shape=name, H=H, Hkv=Hkv, D=D)
@@ -257,8 +259,6 @@ def tree_rows(name: str, P: int, B: int, L: int, H: int, Hkv: int, D: int, *, de
 
 def matmul_rows(name: str, M: int, K: int, N: int, *, device: str, timer: Timer) -> list[dict]:
     """y = x @ w.T forward: the batch-invariant Triton matmul and torch.mm (cuBLAS on CUDA)."""
-    from kernels.batch_invariant import mm_t
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(M + K + N)
     x = torch.randn(M, K, generator=gen).to(device, dtype)
@@ -296,8 +296,6 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 def _reference_attention(rows: list[dict], shape: str) -> str | None:
     """The first FlashAttention baseline measured at `shape` (`REFERENCE_BACKENDS` order)."""
-    from benchmarks.bench_tree_attention import REFERENCE_BACKENDS
-
     have = {r["backend"] for r in rows if r.get("shape") == shape and "fwd_bwd_ms" in r}
     return next((b for b in REFERENCE_BACKENDS if b in have), None)
 
@@ -369,13 +367,10 @@ class ReportFiles:
 
 
 def _env(device: str, mode: str) -> dict:
-    from benchmarks.bench_tree_attention import flash_varlen
-    from kernels import triton_640, triton_tuning
-
     gpu = device == "cuda"
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu (no CUDA)",
            "dtype": "bf16" if gpu else "fp32"}
-    try:
+    try:  # optional: Triton may not import on a CPU-only machine
         import triton
 
         env["triton"] = triton.__version__

@@ -33,6 +33,9 @@ import numpy as np
 from benchmarks.postgres_server import PostgresServer, find_binaries
 from harts_client.client import PlannerClient, RetryPolicy
 from harts_client.synthetic import generate
+from planner_service.core import PlannerCore, ServiceConfig
+from planner_service.server import ServerProcess
+from proto.harts.v1 import planner_pb2
 
 TOKEN = "bench-token"
 
@@ -50,9 +53,6 @@ def issue_batch(*, scale: float = 1.0) -> bytes:
 
 
 def bench_storage(scale: float) -> dict:
-    from planner_service.core import PlannerCore, ServiceConfig
-    from proto.harts.v1 import planner_pb2
-
     body = issue_batch(scale=scale)
     with tempfile.TemporaryDirectory() as tmp:
         core = PlannerCore(ServiceConfig(db_path=f"{tmp}/s.db", slice_cache_bytes=0))
@@ -87,8 +87,6 @@ TOPO = {"world_size": 2, "microbatch_tokens": 1024, "chunk_size": 64}
 
 
 def bench_failover(pg_url: str, kills: int, tmp: Path) -> dict:
-    from planner_service.server import ServerProcess
-
     a = ServerProcess(pg_url, token=TOKEN, log_path=tmp / "a.log").start()
     b = ServerProcess(pg_url, token=TOKEN, log_path=tmp / "b.log", extra=["--plan-workers", "1"]).start()
     served, resumed = [], []
@@ -131,8 +129,6 @@ def _quiet(fn, *args, **kw) -> None:
 
 
 def bench_throughput(pg_url: str, steps: int, tmp: Path) -> dict:
-    from planner_service.server import ServerProcess
-
     docs = [_step(i) for i in range(2 * steps)]
     out = {"measure": "throughput", "steps": steps}
     for replicas in (1, 2):

@@ -119,7 +119,7 @@ def measure_workload(spec: WorkloadSpec, cfg: SuiteConfig, row: dict | None = No
         warmup()
     model_config = None
     if not cfg.full:  # the memory model of the model the trainer runs (full scale: the planner's default)
-        from trainer.models import NAMED_CONFIGS
+        from trainer.models import NAMED_CONFIGS  # optional: torch, only where the trainer runs
 
         model_config = NAMED_CONFIGS["tiny" if cfg.quick else cfg.model]().to_hf_dict()
     pcfg = PlanConfig(world_size=spec.world_size, microbatch_tokens=spec.microbatch_tokens, chunk_size=spec.chunk_size,

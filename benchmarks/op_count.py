@@ -25,6 +25,17 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harts_client.synthetic import generate
+from planner_service.ingest import forest_from_json
+from planner_service.planner import PlanConfig, plan_step
+from plan.microbatch import decode_microbatch
+from proto.arrays import unpack
+from trainer.executor import Executor, ExecutorConfig
+from trainer.layout import layout_from_arrays
+from trainer.models.config import FULL, LINEAR, ModelConfig
+from trainer.models.materialize import materialize, meta_model, seed_rows
+from trainer.objectives import Normalizers
+
 GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm", "baddbmm"}
 
 
@@ -70,16 +81,6 @@ class HostReads:
 
 
 def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0) -> dict:
-    from harts_client.synthetic import generate
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import PlanConfig, plan_step
-    from plan.microbatch import decode_microbatch
-    from trainer.executor import Executor, ExecutorConfig
-    from trainer.layout import layout_from_arrays
-    from trainer.models.config import FULL, LINEAR, ModelConfig
-    from trainer.models.materialize import materialize, meta_model, seed_rows
-    from trainer.objectives import Normalizers
-
     torch.manual_seed(seed)
     cfg = ModelConfig(num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
                       layer_types=([LINEAR] * 3 + [FULL]) * (layers // 4) + [LINEAR] * (layers % 4))
@@ -91,8 +92,6 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0) ->
     header, mb = plan.header, plan.ranks[0].microbatches[0]
     a = decode_microbatch(mb, header.params)
     n = header.normalizers
-    from proto.arrays import unpack
-
     norm = Normalizers(total_loss_tokens=float(n.total_loss_tokens), num_trajectories=int(n.num_trajectories),
                        traj_loss_tokens=torch.from_numpy(unpack(n.traj_loss_tokens, "float32").copy()),
                        traj_weight=torch.from_numpy(unpack(n.traj_weight, "float32").copy()))

@@ -37,6 +37,8 @@ from collections.abc import Iterator
 import torch
 
 from harts_client.timing import Stopwatch
+from trainer.export import write_hf_dir
+from trainer.optim import make_optimizer
 
 
 class SavedTensorBytes:
@@ -103,8 +105,6 @@ class TransformersPeer:
     """transformers' Qwen3NextForCausalLM with the weights of one of our models."""
 
     def __init__(self, hf_model, lr: float = 1e-5):
-        from trainer.optim import make_optimizer
-
         self.model = hf_model
         self.opt = make_optimizer(hf_model.parameters(), lr=lr)
         self.device = next(hf_model.parameters()).device
@@ -113,9 +113,8 @@ class TransformersPeer:
     def from_model(cls, model, lr: float = 1e-5) -> "TransformersPeer":
         """Export `model` (a Qwen3NextForRL) as a HF directory and load it with transformers (fp32)."""
         sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's GPU kernels on CPU
+        # deferred: transformers binds fla (or not) when it loads, so only after the line above
         from transformers import AutoModelForCausalLM
-
-        from trainer.export import write_hf_dir
 
         with tempfile.TemporaryDirectory() as tmp:
             path = write_hf_dir(f"{tmp}/hf", model.state_dict(), model.config, dtype=torch.float32)
@@ -135,7 +134,7 @@ class TransformersPeer:
         """
         if torch.device(device).type == "cpu":
             sys.modules.setdefault("fla", None)
-        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # deferred: after the fla choice above
 
         hf_cfg = Qwen3NextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
         with torch.device(device):
@@ -210,6 +209,7 @@ class TransformersPeer:
 
 
 def _qwen3_next_modeling():
+    # deferred: the caller decides first whether transformers may bind fla (`sys.modules["fla"]`)
     from transformers.models.qwen3_next import modeling_qwen3_next
 
     return modeling_qwen3_next
@@ -245,7 +245,7 @@ def fla_hopper_guard_lifted() -> Iterator[None]:
     """Inside the block fla runs its gated `chunk_bwd_dqkwg` on Hopper with Triton 3.4-3.7.0 instead
     of raising (its check reads `fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1` at call time). Sound
     only where fla tiles K as BK = 128 (Hopper, K = 128): callers check the gradients."""
-    from fla.ops.common import chunk_o
+    from fla.ops.common import chunk_o  # optional: fla is installed on some GPU machines only
 
     old = chunk_o.TRITON_ABOVE_3_7_1
     chunk_o.TRITON_ABOVE_3_7_1 = True

@@ -34,7 +34,10 @@ import sys
 
 import numpy as np
 
+from harts_client.synthetic import WorkloadConfig, generate_workload
 from planner_service.forest import Forest
+from planner_service.ingest import forest_from_json
+from planner_service.planner import PlanConfig, plan_step, warmup
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +120,6 @@ def placement_specs(*, quick: bool = False) -> list[tuple[str, dict]]:
 
 def run(worlds=(8, 32, 64), budget: int = 65536, chunk: int = 64, slacks=(1.0, 1.25)) -> list[dict]:
     """Per placement workload and W: the planner's ratio and compression beside the bounds."""
-    from harts_client.synthetic import WorkloadConfig, generate_workload
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import PlanConfig, plan_step, warmup
-
     warmup()
     rows = []
     for name, gen in placement_specs():

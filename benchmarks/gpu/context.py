@@ -27,6 +27,12 @@ import torch
 
 from benchmarks.bench_trainer import subset_trajectories
 from benchmarks.gpu.settings import BenchSettings, Workload
+from harts_client.synthetic import generate
+from planner_service.ingest import forest_from_json
+from planner_service.planner import PlanConfig, plan_step
+from trainer.executor import ExecutorConfig
+from trainer.flops import plan_flops
+from trainer.models import build_model, materialize, meta_model, model_config
 
 log = logging.getLogger("bench_gpu")
 
@@ -46,8 +52,6 @@ class BenchContext:
     """Device, weights, batches and plans of one benchmark run (see the module docstring)."""
 
     def __init__(self, settings: BenchSettings):
-        from trainer.models import model_config
-
         self.s = settings
         self.device = torch.device(settings.device)
         self.dtype = DTYPES[settings.dtype]
@@ -85,8 +89,6 @@ class BenchContext:
         Args:
             trains: the caller steps an optimizer on it; the next call rebuilds the seeded weights.
         """
-        from trainer.models import build_model, materialize, meta_model
-
         if dtype in self._trained:
             self._models.pop(dtype, None)
             self._trained.discard(dtype)
@@ -111,8 +113,6 @@ class BenchContext:
 
     @property
     def num_parameters(self) -> int:
-        from trainer.models import meta_model
-
         return sum(p.numel() for p in meta_model(self.model_config).parameters())
 
     def release_models(self) -> None:
@@ -131,15 +131,10 @@ class BenchContext:
 
     def executor_config(self, **overrides):
         """ExecutorConfig of this run: C, the GDN backend, then `overrides` (fields it lacks are refused)."""
-        from trainer.executor import ExecutorConfig
-
         return ExecutorConfig(chunk_size=self.s.chunk_size, backend=self.s.backend, **overrides)
 
     def batch(self, name: str) -> _Batch:
         """The workload's batch: the generator's document and its prefix forest (made once)."""
-        from harts_client.synthetic import generate
-        from planner_service.ingest import forest_from_json
-
         if name not in self._batches:
             w = next(w for w in self.s.workloads if w.name == name)
             t0 = time.perf_counter()
@@ -152,8 +147,6 @@ class BenchContext:
 
     def subset(self, name: str, tokens: int | None) -> tuple[dict, object]:
         """(document, forest) of a seeded subset of about `tokens` expanded tokens (None: the batch)."""
-        from planner_service.ingest import forest_from_json
-
         b = self.batch(name)
         if tokens is None:
             return b.doc, b.forest
@@ -170,8 +163,6 @@ class BenchContext:
             tokens: plan a seeded subset of about this many expanded tokens (None: the batch).
             microbatch_tokens: B (default the settings').
         """
-        from planner_service.planner import PlanConfig, plan_step
-
         if kind not in ("windows", "expanded"):
             raise ValueError(f"kind: expected 'windows' or 'expanded', got {kind!r}")
         B = microbatch_tokens or self.s.microbatch_tokens
@@ -189,8 +180,6 @@ class BenchContext:
 
     def flops(self, plan) -> float:
         """Model FLOPs of one training step of `plan`: 3 x `trainer.flops` (forward + backward)."""
-        from trainer.flops import plan_flops
-
         return 3.0 * plan_flops(plan, self.model_config, chunk_size=self.s.chunk_size).total
 
 

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.gpu.context import DTYPES, BenchContext, config_dict, plan_summary
 from benchmarks.gpu.runner import Section
+from trainer.executor import Executor, ExecutorConfig
 
 #: the optional ExecutorConfig switches this section runs when present
 MODES = ("deterministic", "batch_invariant")
@@ -38,8 +39,6 @@ MODES = ("deterministic", "batch_invariant")
 
 def executor_modes() -> tuple[list[tuple[str, dict]], list[str]]:
     """([(mode name, ExecutorConfig overrides)], the modes ExecutorConfig lacks)."""
-    from trainer.executor import ExecutorConfig
-
     have = {f.name for f in dataclasses.fields(ExecutorConfig)}
     return [("default", {})] + [(m, {m: True}) for m in MODES if m in have], [m for m in MODES if m not in have]
 
@@ -58,8 +57,6 @@ def logprob_diff(ref, got) -> dict:
 
 
 def fidelity_section(ctx: BenchContext, sec: Section) -> None:
-    from trainer.executor import Executor
-
     s = ctx.s
     modes, missing = executor_modes()
     for m in missing:

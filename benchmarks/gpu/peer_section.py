@@ -30,8 +30,11 @@ import time
 import numpy as np
 import torch
 
+import benchmarks.peer as hf_peer
 from benchmarks.gpu.context import BenchContext
 from benchmarks.gpu.runner import Section
+from trainer.executor import Executor
+from trainer.verify import grad_rel_errors
 
 
 def _rate(ctx: BenchContext, sec: Section, run, tokens: int) -> dict:
@@ -57,12 +60,9 @@ def _lin_grads(model) -> dict[str, torch.Tensor]:
 
 def _grad_check(peer, trajs, masks) -> dict:
     """fla (guard lifted) against transformers' PyTorch gated delta rule: gradients of one short trajectory."""
-    from benchmarks.peer import fla_hopper_guard_lifted, torch_gated_delta_rule
-    from trainer.verify import grad_rel_errors
-
     i = int(np.argmin([len(t) for t in trajs]))
     grads = {}
-    for name, impl in (("torch", torch_gated_delta_rule), ("fla", fla_hopper_guard_lifted)):
+    for name, impl in (("torch", hf_peer.torch_gated_delta_rule), ("fla", hf_peer.fla_hopper_guard_lifted)):
         peer.model.zero_grad(set_to_none=True)
         with impl():
             peer.backward(trajs[i], masks[i], n_loss=max(sum(masks[i][1:]), 1))
@@ -76,8 +76,6 @@ def _grad_check(peer, trajs, masks) -> dict:
 
 def _agreement(ctx: BenchContext, peer_lp: list[torch.Tensor], doc: dict) -> dict:
     """Our executor's log-probs of the same trajectories (expanded plan, forward only) against the peer's."""
-    from trainer.executor import Executor
-
     s = ctx.s
     plan = ctx.plan(s.peer_workload, "expanded", tokens=s.peer_tokens)
     res = Executor(ctx.model(ctx.dtype), ctx.executor_config(want_logprobs=True)).run_step(plan, backward=False)
@@ -91,8 +89,6 @@ def _agreement(ctx: BenchContext, peer_lp: list[torch.Tensor], doc: dict) -> dic
 
 
 def peer_section(ctx: BenchContext, sec: Section) -> None:
-    from benchmarks.peer import TransformersPeer, fla_hopper_guard_lifted, gated_delta_rule_bound, torch_gated_delta_rule
-
     s = ctx.s
     d = sec.data
     doc, _ = ctx.subset(s.peer_workload, s.peer_tokens)
@@ -102,9 +98,9 @@ def peer_section(ctx: BenchContext, sec: Section) -> None:
     d.update(workload=s.peer_workload, trajectories=len(trajs), tokens=tokens, variants={})
     ctx.release_models()  # the peak memory below is the peer's alone
     t0 = time.perf_counter()
-    peer = TransformersPeer.on_device(ctx.model_config, ctx.reference_state(), device=ctx.device, dtype=ctx.dtype, lr=s.lr)
+    peer = hf_peer.TransformersPeer.on_device(ctx.model_config, ctx.reference_state(), device=ctx.device, dtype=ctx.dtype, lr=s.lr)
     d["build_seconds"] = time.perf_counter() - t0
-    d["bound"] = gated_delta_rule_bound()
+    d["bound"] = hf_peer.gated_delta_rule_bound()
     if d["bound"] != "fla":
         sec.note("transformers bound its PyTorch gated delta rule (fla not importable" +
                  (", hidden on the CPU)" if not ctx.cuda else ")"))
@@ -140,10 +136,10 @@ def peer_section(ctx: BenchContext, sec: Section) -> None:
         sec.save()
     if d["bound"] == "fla" and not guarded("fla", train):
         if "640" in d["variants"]["fla"]["error"] or "chunk_bwd_dqkwg" in d["variants"]["fla"]["error"]:
-            if guarded("fla_guard_lifted", train, fla_hopper_guard_lifted):
+            if guarded("fla_guard_lifted", train, hf_peer.fla_hopper_guard_lifted):
                 d["grad_check"] = _grad_check(peer, trajs, masks)
                 sec.save()
-    guarded("torch_gdn", train, torch_gated_delta_rule if d["bound"] == "fla" else None)
+    guarded("torch_gdn", train, hf_peer.torch_gated_delta_rule if d["bound"] == "fla" else None)
     ours = next((r for r in (ctx.results.get("throughput") or {}).get("rows", []) if r["workload"] == s.peer_workload), {})
     d["ratios"] = {f"{mode}_vs_{name}": ours[mode]["tokens_per_s"] / v["tokens_per_s"]
                    for mode in ("windows", "expanded") if "tokens_per_s" in ours.get(mode, {})

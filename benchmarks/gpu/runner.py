@@ -216,7 +216,7 @@ def _raise_terminated(signum, frame) -> None:
 
 def _free_memory() -> None:
     gc.collect()
-    try:
+    try:  # optional: the runner itself needs no torch (its tests run without a model)
         import torch
 
         if torch.cuda.is_available():

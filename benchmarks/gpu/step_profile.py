@@ -26,9 +26,12 @@ import time
 from collections import Counter, defaultdict
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.context import BenchContext, plan_summary
 from benchmarks.gpu.runner import Section
+from trainer.executor import Executor, train_step
+from trainer.optim import make_optimizer
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
@@ -107,11 +110,6 @@ def summarize(events: list[tuple[str, bool, int, int]], *, microbatches: int) ->
 
 
 def profile_section(ctx: BenchContext, sec: Section) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    from trainer.executor import Executor, train_step
-    from trainer.optim import make_optimizer
-
     s = ctx.s
     plan = ctx.plan(s.workloads[0].name, "windows", tokens=s.profile_tokens)
     sec.data["workload"] = s.workloads[0].name

@@ -28,6 +28,8 @@ import torch
 from benchmarks.gpu.context import BenchContext, config_dict, plan_summary
 from benchmarks.gpu.runner import Section
 from harts_client.timing import repeat
+from trainer.executor import Executor, train_step
+from trainer.optim import make_optimizer
 
 #: distributions whose versions the env section records
 PACKAGES = ("torch", "triton", "transformers", "numpy", "numba", "protobuf", "fla-core", "flash-linear-attention",
@@ -72,9 +74,6 @@ def env_section(ctx: BenchContext, sec: Section) -> None:
 
 
 def throughput_section(ctx: BenchContext, sec: Section) -> None:
-    from trainer.executor import Executor, train_step
-    from trainer.optim import make_optimizer
-
     s = ctx.s
     peak = (ctx.results.get("env") or {}).get("matmul", {}).get("tflops")
     if not peak:

@@ -31,6 +31,8 @@ Each Numba function has a plain-Python twin named `*_ref` with the same contract
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import njit
 
@@ -164,8 +166,6 @@ def min_calls_chunk_tree_ref(seg_parent, seg_depth, seg_length, chunk: int) -> i
             else:
                 memo[v] = max(vals[0], (vals[1] if len(vals) > 1 else 0) + 1)
         return memo[v]
-
-    import sys
 
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
     return max(f(r) for r in roots)
