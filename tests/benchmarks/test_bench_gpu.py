@@ -3,6 +3,7 @@ result files, the profile's counts, and the whole GPU check as `--dry-run` on th
 every section's code path)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -12,21 +13,25 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import benchmarks.peer as peer_mod
+from benchmarks.gpu.context import BenchContext
+from benchmarks.gpu.fidelity import logprob_diff
+from benchmarks.gpu.peer_section import peer_section
 from benchmarks.gpu.runner import Deadline, Runner, SectionTimeout, Terminated
 from benchmarks.gpu.settings import SECTIONS, dry_run, full, quick
 from benchmarks.gpu.step_profile import summarize
+from trainer.models import meta_model, model_config
+from trainer.models.config import FULL, LINEAR
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_model_has_qwen3_next_80b_layer_shapes_and_2_52b_parameters():
-    from trainer.models import meta_model, model_config
-    from trainer.models.config import FULL, LINEAR
-
     cfg = model_config("qwen3-next-8l-64e")
     assert cfg.layer_types == [LINEAR, LINEAR, LINEAR, FULL] * 2
     assert (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size) == (2048, 64, 8, 151936)
@@ -171,10 +176,6 @@ def test_gpu_check_dry_run_runs_every_step_and_every_bench_section_on_the_cpu(tm
 
 
 def test_logprob_diff_reports_max_mean_and_bits():
-    from types import SimpleNamespace
-
-    from benchmarks.gpu.fidelity import logprob_diff
-
     nan = float("nan")
     ref = SimpleNamespace(logprobs={"a": np.array([nan, -1.0, -2.0]), "b": np.array([-0.5])}, expert_load=np.ones(3))
     same = SimpleNamespace(logprobs={"b": np.array([-0.5]), "a": np.array([nan, -1.0, -2.0])}, expert_load=np.ones(3))
@@ -191,12 +192,6 @@ def test_peer_section_lifts_fla_hopper_refusal_and_checks_the_gradients(tmp_path
     on the CPU: transformers "binds fla", whose backward refuses (the RuntimeError fla raises,
     naming issue #640) unless its guard is lifted; the section records the refusal, runs the
     guard-lifted variant and its gradient check, then the PyTorch gated delta rule."""
-    import contextlib
-
-    import benchmarks.peer as peer_mod
-    from benchmarks.gpu.context import BenchContext
-    from benchmarks.gpu.peer_section import peer_section
-
     sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's GPU kernels on CPU
     active = set()
 

@@ -6,6 +6,7 @@ import pytest
 
 @pytest.mark.slow
 def test_tree_and_expanded_training_of_one_run_agree_for_5_steps():
+    # optional: the trainer extra
     import torch
 
     from benchmarks.bench_rl import result_markdown, run

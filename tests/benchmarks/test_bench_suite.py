@@ -158,7 +158,7 @@ def test_steady_allocator_sets_the_glibc_thresholds():
 def test_bench_trainer_forward_only_modes_against_transformers():
     """The log-prob modes (what `harts logprobs` runs) beside transformers' forward, same weights."""
     pytest.importorskip("trainer.executor")
-    from benchmarks import bench_trainer
+    from benchmarks import bench_trainer  # optional: after the importorskip above
 
     name, gen = bench_trainer.QUICK_WORKLOADS[0]
     row = bench_trainer.bench_workload(name, gen, steps=1, chunk_size=16, microbatch_tokens=256, model_name="tiny",

@@ -2,15 +2,20 @@
 features, and a short real calibration writes a cost model that `harts plan` balances with."""
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 
 import numpy as np
 import pytest
 
+from harts_cli import cmd_calibrate
 from harts_cli.cmd_calibrate import SHAPES, fit_report, plan_features, synthetic_batch
 from harts_cli.main import main
+from planner_service import ingest
+from planner_service.planner import PlanConfig, plan_step
 from planner_service.planner.cost_model import DEFAULT_TRANSFER_ROWS_PER_BYTE, FEATURES, CostModel, nnls
+from proto.harts.v1 import plan_pb2
 
 
 def test_nnls_matches_the_best_nonnegative_subset_fit():
@@ -42,9 +47,6 @@ def test_fit_recovers_coefficients_and_the_step_overhead():
 
 
 def test_synthetic_batches_span_the_features():
-    from planner_service import ingest
-    from planner_service.planner import PlanConfig, plan_step
-
     rng = np.random.default_rng(0)
     feats = []
     for i, shape in enumerate(SHAPES * 2):
@@ -87,7 +89,6 @@ def test_calibrate_measures_the_point_to_point_bandwidth_into_transfer_byte(tmp_
     assert t["backend"] == "gloo" and t["sizes"][0] == 1024 and t["sizes"][-1] == 1 << 20
     assert cm.transfer_byte == report["transfer_byte"] == t["transfer_byte"] > 0
     assert t["bandwidth_gb_s"] == pytest.approx(1e-9 / cm.transfer_byte) and t["latency_seconds"] < 1.0
-    from proto.harts.v1 import plan_pb2
 
     msg = plan_pb2.CostModel()
     cm.fill(msg, transfer=True)
@@ -100,9 +101,6 @@ def test_calibrate_refuses_a_too_small_transfer_measurement():
 
 
 def _run_calibrate(extra: list[str]) -> int:
-    import argparse
-
-    from harts_cli import cmd_calibrate
 
     p = argparse.ArgumentParser()
     cmd_calibrate.add_arguments(p)

@@ -273,7 +273,7 @@ def test_old_logprobs_and_explicit_form():
 @pytest.mark.parametrize("form", ["flat", "tree"])
 @pytest.mark.parametrize("scheme", ["group", "tree", "percall"])
 def test_documents_pass_ingest(scheme, form):
-    try:
+    try:  # optional: the planner extra (harts_client is tested without it too)
         from planner_service.ingest import forest_from_json
     except ImportError:
         pytest.skip("planner_service.ingest.forest_from_json has not landed")

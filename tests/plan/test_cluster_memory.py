@@ -4,15 +4,19 @@ built on the meta device); the planner's default budget; the `harts plan` memory
 from __future__ import annotations
 
 import json
+import pathlib
+import runpy
 import sys
 
 import numpy as np
 import pytest
 
+from harts_cli.main import main
 from plan.cluster_memory import (GIB, PhaseCounts, collective_bytes, default_memory_tokens, fsdp_units, gathered_bytes,
                                  memory_report)
 from plan.memory_model import ModelDims, RowSizes
 from plan.named_models import NAMED_MODELS, hybrid_moe_124b, qwen3_next_80b_a3b
+from planner_service.planner import PlanConfig
 from proto.harts.v1 import plan_pb2
 
 #: 2 layers (linear, full), D = 8, V = 15 (odd: dim-0 padding when sharded), 2 experts top-1
@@ -124,6 +128,7 @@ def test_full_size_units_match_transformers_and_the_trainer_on_meta(name):
     the trainer's Qwen3NextForRL, both on the meta device, unit by unit, shape by shape."""
     torch = pytest.importorskip("torch")
     sys.modules.setdefault("fla", None)  # transformers would bind fla's kernels (ENV.md)
+    # optional and deferred: the trainer extra, and transformers only after the fla choice above
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     from trainer.models.config import ModelConfig
@@ -163,8 +168,7 @@ def test_default_budget_is_what_the_device_leaves():
 
 
 def test_plan_config_takes_its_default_budget_from_the_model():
-    from planner_service.planner import PlanConfig
-    from trainer.models.config import debugmodel
+    from trainer.models.config import debugmodel  # optional: the trainer extra (plan/ itself needs no torch)
 
     tiny = debugmodel().to_hf_dict()
     cfg = PlanConfig(world_size=2, microbatch_tokens=512, chunk_size=16, model_config=tiny, model_name="tiny")
@@ -182,8 +186,6 @@ def test_plan_config_takes_its_default_budget_from_the_model():
 
 
 def test_harts_plan_prints_the_memory_report(capsys):
-    from harts_cli.main import main
-
     assert main(["plan", "--model", "hybrid-moe-124b", "--world-size", "32", "--microbatch-tokens", "1024"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("hybrid-moe-124b: 124.45B parameters in 61 FSDP2 units, W = 32, bfloat16 compute, lock-step")
@@ -263,8 +265,6 @@ def test_default_budget_follows_checkpointing_and_expert_parallelism():
 
 
 def test_plan_config_carries_checkpointing_expert_parallelism_and_the_head():
-    from planner_service.planner import PlanConfig
-
     cfg = hybrid_moe_124b()
     plan = PlanConfig(world_size=32, microbatch_tokens=16384, model_config=cfg, dtype="bfloat16", lockstep=True,
                       activation_checkpointing="full", expert_parallel=8, head="chunked")
@@ -283,9 +283,6 @@ def test_plan_config_carries_checkpointing_expert_parallelism_and_the_head():
 
 
 def test_readme_memory_table_is_what_the_script_prints():
-    import pathlib
-    import runpy
-
     root = pathlib.Path(__file__).parents[2]
     tables = runpy.run_path(str(root / "scripts" / "memory_table.py"))["tables"]
     readme = (root / "README.md").read_text()

@@ -8,6 +8,7 @@ import pytest
 
 from plan.cross_edges import CrossEdgeArrays, decode_edges, edge_bytes, held_bytes, transfer_bytes
 from plan.memory_model import RowSizes, rank_live_bytes
+from plan.microbatch import decode_microbatch
 from plan.phases import step_cost
 from plan.seal import slice_plan
 from plan.validator import PlanValidationError, validate_plan, validate_slice
@@ -162,7 +163,6 @@ def test_memory_counts_what_an_importer_holds_and_what_an_exporter_keeps():
     assert edge_bytes(SIZES, edge.needs) == 5 * 4 + 3 * 2 + 20
     # the exporter rank of the hand-built plan: a recomputed exporter keeps what the remote importer reads
     f, plan = _crossing_plan()
-    from plan.microbatch import decode_microbatch
 
     mb0 = decode_microbatch(plan.ranks[0].microbatches[0], plan.header.params)
     mb0.recompute = True

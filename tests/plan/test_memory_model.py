@@ -7,7 +7,17 @@ import pytest
 
 from plan.memory_model import (DTYPE_BYTES, MEASURED_FACTOR, ModelDims, RowSizes, checkpointed_bytes_per_row,
                                layer_bytes_per_row, rank_live_bytes, saved_bytes_per_row)
+from plan.microbatch import decode_microbatch
 from plan.named_models import NAMED_MODELS
+from planner_service.planner import PlanConfig
+from planner_service.planner.build import build_plan
+from planner_service.planner.spec import MicrobatchSpec, Partition
+from proto.harts.v1 import plan_pb2
+from tests.builder_helpers import forest_from_trajectories
+from tests.memory_helpers import compare_with_memory_model
+from trainer.executor import kernel_backend
+from trainer.layout import layout_from_sequences
+from trainer.models import RunOptions, build_model
 from trainer.models.config import NAMED_CONFIGS, ModelConfig
 
 
@@ -108,8 +118,6 @@ def test_modes_and_heads_are_checked():
 
 
 def test_row_sizes_round_trip_the_plan_and_old_plans_read_without_recompute():
-    from proto.harts.v1 import plan_pb2
-
     sizes = RowSizes.of(ModelDims.default(), "bfloat16", checkpointing="full", head="chunked")
     msg = plan_pb2.MemoryModel()
     sizes.fill(msg, 100)
@@ -136,12 +144,6 @@ def test_bad_model_configs_are_rejected_naming_the_key(bad, match):
 def test_rank_live_bytes_counts_full_or_exported_windows_along_the_steps(recompute_row_bytes):
     # Through the builder: a root window, a recomputed middle window, a leaf (test_plan_builder
     # checks the kinds); here the step-by-step series: forward of each adds the open windows.
-    from planner_service.planner import PlanConfig
-    from planner_service.planner.build import build_plan
-    from planner_service.planner.spec import MicrobatchSpec, Partition
-    from plan.microbatch import decode_microbatch
-    from tests.builder_helpers import forest_from_trajectories
-
     base = list(range(1, 25))
     f = forest_from_trajectories([base, base[:19] + [80, 81]])
     segs = {(int(f.seg_depth[s]), int(f.tokens[f.seg_offset[s]])): s for s in range(f.num_segments)}
@@ -169,10 +171,6 @@ def test_rank_live_bytes_counts_full_or_exported_windows_along_the_steps(recompu
 def _tiny_forward(name: str, rows: int = 512):
     """(model, run(mode) -> a scalar to backward from, rows): one packed sequence through a trainer
     model in float32 on the CPU, logits of every row (the full-logits head)."""
-    from trainer.executor import kernel_backend
-    from trainer.layout import layout_from_sequences
-    from trainer.models import build_model
-
     model = build_model(name, seed=0)
     lay = layout_from_sequences([np.random.default_rng(0).integers(0, 256, rows).tolist()], conv_kernel=4, chunk_size=16)
 
@@ -184,8 +182,6 @@ def _tiny_forward(name: str, rows: int = 512):
 
 def _run_options(mode: str, linear_fn):
     """The trainer's RunOptions for a checkpointing mode."""
-    from trainer.models import RunOptions
-
     return RunOptions(linear_fn=linear_fn, chunk_size=16, checkpointing=mode)
 
 
@@ -195,8 +191,6 @@ def test_formula_covers_the_measured_activations(name):
     microbatch of the trainer's model (saved-tensor hooks, tests/memory_helpers.py): an upper bound,
     and not a loose one, in total, per decoder layer and per FFN sub-block (the two recompute
     transients)."""
-    from tests.memory_helpers import compare_with_memory_model
-
     model, run, rows = _tiny_forward(name)
     got = compare_with_memory_model(model, run, rows=rows, mode="none", chunk_size=16)
     print(f"{name}: measured {got.kept[0]:.0f} B/row, estimate {got.kept[1]:.0f} B/row ({got.kept[1] / got.kept[0]:.2f}x)")
@@ -209,8 +203,6 @@ def test_formula_covers_the_measured_activations(name):
 def test_checkpointed_formula_covers_the_measured_activations(name, mode):
     """Under activation checkpointing: what a forward keeps for backward (the checkpointed blocks'
     inputs and what they do not recompute) and the recompute transient, against the memory model."""
-    from tests.memory_helpers import compare_with_memory_model
-
     model, run, rows = _tiny_forward(name)
     got = compare_with_memory_model(model, run, rows=rows, mode=mode, chunk_size=16)
     print(f"{name} {mode}: kept measured {got.kept[0]:.0f} / model {got.kept[1]:.0f} B/row, transient measured "

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from plan.microbatch import PlanValidationError, decode_microbatch
+from plan.window_exports import ATTN, CONV, KERNEL, export_needs
 from planner_service.planner import PlanConfig, plan_step
 from proto.arrays import pack, unpack
-from plan.microbatch import PlanValidationError, decode_microbatch
 from tests.builder_helpers import forest_from_trajectories, random_trajectories
 
 
@@ -61,8 +62,6 @@ def test_decode_rejects_bad_state_reference():
 
 
 def test_export_needs_cover_every_import():
-    from plan.window_exports import ATTN, CONV, KERNEL, export_needs
-
     plan = _plan()
     p = plan.header.params
     checked = 0

@@ -10,7 +10,10 @@ import pytest
 from planner_service.planner import build_kernels as bk
 from planner_service.planner import logprob_map as lpm
 from planner_service.planner import min_calls as mc
+from planner_service.planner.linear_calls_codec import encode_linear_calls, fill_linear_calls_ref
+from planner_service.planner.logprob_map import lp_entries
 from planner_service.planner.row_layout import TokenIndex
+from proto.harts.v1 import plan_pb2
 from tests.builder_helpers import forest_from_trajectories, random_trajectories
 
 
@@ -122,8 +125,6 @@ def test_occurrence_kernels_match_reference():
 
 @pytest.mark.parametrize("all_positions", [False, True], ids=["loss", "all"])
 def test_lp_grouped_matches_reference_and_ungrouped_entries(all_positions):
-    from planner_service.planner.logprob_map import lp_entries
-
     rng = np.random.default_rng(3)
     for it in range(10):
         f = _random_forest(rng, it)
@@ -200,9 +201,6 @@ def test_pack_rows_layout_and_ext_rows_match_reference():
 
 
 def test_encode_linear_calls_matches_protobuf_api():
-    from planner_service.planner.linear_calls_codec import encode_linear_calls, fill_linear_calls_ref
-    from proto.harts.v1 import plan_pb2
-
     rng = np.random.default_rng(5)
     for _ in range(40):
         Q = int(rng.integers(0, 12))

@@ -13,11 +13,12 @@ from plan.memory_model import RowSizes
 from plan.phases import PHASE_FORWARD
 from plan.seal import slice_plan
 from plan.validator import validate_plan, validate_slice
-from planner_service.planner import PlanConfig, crossing_partitions, plan_step
-from planner_service.planner import lockstep, step
+from planner_service.planner import PlanConfig, crossing_partitions, lockstep, plan_step, step
 from planner_service.planner.build import build_plan
 from planner_service.planner.cost_model import DEFAULT_TRANSFER_ROWS_PER_BYTE, CostModel
+from planner_service.planner.crossing import import_duplicates
 from planner_service.planner.edge_modes import SHORT_PREFIX_FRACTION
+from planner_service.planner.spec import MicrobatchSpec, Partition
 from planner_service.planner.step import CROSS_EQUAL_MAKESPAN
 from proto.arrays import unpack
 from tests.builder_helpers import aligned_by_both, forest_from_trajectories, random_trajectories, random_window_forest
@@ -200,8 +201,6 @@ def test_cost_model_transfer_byte():
 def _enclosed_partition(enclosed: bool):
     """Rank 0 keeps a 7-token prompt and a branch; rank 1 keeps another branch and duplicates the
     prompt. With `enclosed`, rank 1's window opens after rank 0's and closes before it."""
-    from planner_service.planner.spec import MicrobatchSpec, Partition
-
     prefix = list(range(1, 8))
     f = forest_from_trajectories([prefix + [101, 102, 103], prefix + [101, 102, 201], prefix + [301, 302]])
     ranges = np.array([[s, 0, f.seg_length[s]] for s in range(f.num_segments)], np.int64)
@@ -213,8 +212,6 @@ def _enclosed_partition(enclosed: bool):
 
 
 def test_import_duplicates_keeps_the_schedule_and_imports_the_enclosed_prompt():
-    from planner_service.planner.crossing import import_duplicates
-
     f, part = _enclosed_partition(enclosed=True)
     cfg = PlanConfig(chunk_size=8, microbatch_tokens=64, world_size=2, lockstep=True, row_sizes=SIZES, memory_tokens=64)
     base = build_plan(f, cfg, part)

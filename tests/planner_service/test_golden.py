@@ -10,7 +10,14 @@ import json
 import os
 import pathlib
 
+import numpy as np
 import pytest
+
+from harts_client.synthetic import generate
+from planner_service.errors import PlanningError
+from planner_service.ingest import forest_from_json
+from planner_service.planner import PlanConfig, plan_step
+from tests.builder_helpers import forest_from_trajectories, random_trajectories
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 UPDATE = os.environ.get("HARTS_UPDATE_GOLDEN") == "1"
@@ -31,17 +38,12 @@ def _check(name: str, got: dict, *, rel: float = 0.0) -> None:
 
 
 def _batch() -> dict:
-    from harts_client.synthetic import generate
-
     doc = generate("tree", 2, seed=7, scale=0.01, vocab_size=256, old_logprobs=True)
     doc["batch_id"] = "golden"
     return doc
 
 
 def test_golden_plan():
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import PlanConfig, plan_step
-
     forest = forest_from_json(_batch())
     plan = plan_step(forest, PlanConfig(world_size=2, microbatch_tokens=1024, chunk_size=16))
     plan.header.stats.plan_seconds = 0.0
@@ -57,10 +59,9 @@ def test_golden_plan():
 
 
 def test_golden_loss_curve():
+    # optional: the trainer extra, only for the loss curve
     import torch
 
-    from planner_service.ingest import forest_from_json
-    from planner_service.planner import PlanConfig, plan_step
     from trainer.executor import Executor, ExecutorConfig, train_step
     from trainer.models import build_model
 
@@ -76,12 +77,6 @@ def test_golden_loss_curve():
 def test_golden_lockstep_plans_without_cross_rank_windows():
     """cross_rank_windows=False gives the lock-step plans of before windows across ranks, byte for
     byte (sha256 of each plan, recorded at b17554c)."""
-    import numpy as np
-
-    from planner_service.errors import PlanningError
-    from planner_service.planner import PlanConfig, plan_step
-    from tests.builder_helpers import forest_from_trajectories, random_trajectories
-
     cases = [dict(world_size=2, microbatch_tokens=32), dict(world_size=3, microbatch_tokens=48, memory_tokens=96),
              dict(world_size=4, microbatch_tokens=64), dict(world_size=6, microbatch_tokens=32),
              dict(world_size=8, microbatch_tokens=48)]

@@ -8,8 +8,10 @@ import copy
 import numpy as np
 import pytest
 
-from planner_service.errors import ValidationError
-from planner_service.ingest import forest_from_json, forest_from_proto, json_to_proto, proto_to_json
+from planner_service.errors import LimitError, ValidationError
+from planner_service.ingest import Limits, forest_from_json, forest_from_proto, json_to_proto, proto_to_json
+from proto.arrays import pack
+from proto.harts.v1 import rollouts_pb2
 
 NODES = [{"id": 0, "parent": None, "tokens": [5, 6, 7]}, {"id": 1, "parent": 0, "tokens": [8, 9]},
          {"id": 2, "parent": 1, "tokens": [3]}, {"id": 3, "parent": 0, "tokens": [4, 4]}, {"id": 9, "parent": 3, "tokens": [1]}]
@@ -49,9 +51,6 @@ def test_node_fields_give_the_forest_of_per_trajectory_fields():
 
 
 def test_node_loss_masks_count_against_the_loss_limit():
-    from planner_service.errors import LimitError
-    from planner_service.ingest import Limits
-
     loss = int(forest_from_json(_doc(False)).loss_mask.sum())
     forest_from_json(_doc(True), Limits(max_loss_tokens=loss))
     with pytest.raises(LimitError, match="max_loss_tokens"):
@@ -91,9 +90,6 @@ def test_bad_node_fields_name_the_field(case, field, message):
 
 def _proto(doc: dict):
     """The protobuf form of a (possibly invalid) compact document, built field by field."""
-    from proto.arrays import pack
-    from proto.harts.v1 import rollouts_pb2
-
     msg = rollouts_pb2.RolloutBatch(batch_id=doc["batch_id"], vocab_size=doc["vocab_size"])
     for t in doc["trajectories"]:
         m = msg.trajectories.add(id=t["id"], tokens=pack(t["tokens"], "int32"), loss_mask=pack(t["loss_mask"], "uint8"))

@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 from planner_service.core import PlannerCore, ServiceConfig
 from planner_service.errors import ValidationError
 from planner_service.http_api import create_app
+from planner_service.ingest import json_to_proto
 
 
 def _doc() -> dict:
@@ -80,8 +81,6 @@ PROTO_CASES = [  # the string field, and the value the placeholder stands for
 
 @pytest.mark.parametrize("where,field", [c[1:] for c in PROTO_CASES], ids=[c[0] for c in PROTO_CASES])
 def test_protobuf_strings_that_are_not_utf8_name_their_field(service, where, field):
-    from planner_service.ingest import json_to_proto
-
     core, client = service
     doc = _doc()
     obj = doc

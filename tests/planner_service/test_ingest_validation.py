@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import random
 
 import pytest
 
@@ -286,8 +287,6 @@ def _paths(obj, prefix=()):
 @pytest.mark.parametrize("seed", range(3))
 def test_random_corruption_gives_a_forest_or_a_project_error(seed):
     """A service must never leak another exception: random edits either validate or are rejected."""
-    import random
-
     rng = random.Random(seed)
     base = _base()
     paths = list(_paths(base))[1:]

@@ -6,6 +6,7 @@ forests; the whole partitioner runs on both and must agree exactly.
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -562,8 +563,6 @@ def test_memory_error_names_a_sufficient_budget(seed):
     try:
         partition(f, cfg)
     except PlanningError as exc:
-        import re
-
         need = int(re.search(r"raise memory_tokens to >= (\d+)", str(exc)).group(1))
         roomy = PlanConfig(world_size=1, microbatch_tokens=16, chunk_size=4, memory_tokens=need)
         part, report = partition_with_report(f, roomy)

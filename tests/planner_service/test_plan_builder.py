@@ -1,18 +1,24 @@
 """build_plan (planner_service/planner/build.py): rows, ancestry, schedule, windows, log-prob map."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from plan.memory_model import ModelDims, RowSizes
+from plan.microbatch import decode_microbatch
+from plan.validator import validate_plan
 from planner_service.errors import PlanningError
+from planner_service.planner import serialise
 from planner_service.planner.build import build_plan
 from planner_service.planner.config import PlanConfig
+from planner_service.planner.level1 import group_by
+from planner_service.planner.logprob_map import loss_per_trajectory, lp_entries, lp_entries_ref
 from planner_service.planner.min_calls import min_calls, min_calls_chunk_tree_ref
 from planner_service.planner.spec import MicrobatchSpec, Partition
 from proto.arrays import unpack
 from proto.harts.v1 import plan_pb2
-from plan.memory_model import ModelDims, RowSizes
-from plan.validator import validate_plan
 from tests.builder_helpers import forest_from_trajectories, random_partition, random_trajectories
 
 
@@ -258,9 +264,6 @@ def test_bad_partitions_are_rejected():
 
 @pytest.mark.parametrize("all_positions", [False, True], ids=["loss", "all"])
 def test_logprob_map_kernels_match_references(all_positions):
-    from planner_service.planner.level1 import group_by
-    from planner_service.planner.logprob_map import loss_per_trajectory, lp_entries, lp_entries_ref
-
     rng = np.random.default_rng(17)
     for it in range(5):
         trajs, tree_of = random_trajectories(rng, n=int(rng.integers(1, 25)), max_len=40, vocab=3, trees=3)
@@ -286,10 +289,6 @@ def test_logprob_map_kernels_match_references(all_positions):
 def test_builder_arrays_equal_the_decoded_plan(case, monkeypatch):
     # The memory model runs on the builder's own MicrobatchArrays (no decoding pass): they must
     # be what decode_microbatch reads back from the serialised microbatch.
-    import dataclasses
-
-    from planner_service.planner import serialise
-    from plan.microbatch import decode_microbatch
 
     seen = {}
     real = serialise._arrays

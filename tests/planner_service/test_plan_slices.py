@@ -88,6 +88,7 @@ def test_validator_rejects_broken_local_tables():
 
 
 def test_trainer_runs_slices_with_local_tables_like_the_whole_plan():
+    # optional: the trainer extra (the planner's tests need no torch otherwise)
     import torch
 
     from trainer.executor import Executor, ExecutorConfig
