@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, layers: int, plan_bytes: bytes, qu
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from proto.harts.v1 import plan_pb2
-        from trainer.config import ParallelismConfig
+        from trainer.config import ParallelismSection
         from trainer.distributed import DistContext
         from trainer.executor import Executor, ExecutorConfig
         from trainer.models.materialize import materialize, meta_model, seed_rows
@@ -107,7 +107,7 @@ def _worker(rank: int, world: int, port: int, layers: int, plan_bytes: bytes, qu
         cfg = model_config(layers)
         out = {}
         for mode, reshard in (("sharded", True), ("gathered", False)):
-            pcfg = ParallelismConfig(reshard_after_forward=reshard)
+            pcfg = ParallelismSection(reshard_after_forward=reshard)
             model = parallelize(meta_model(cfg), make_mesh(pcfg, ctx), pcfg, ctx, reshard=reshard)
             materialize(model, ctx.device, seed_rows(cfg, seed=0))
             gauge = ParamGradGauge(model)
