@@ -22,6 +22,7 @@ from planner_service.errors import ValidationError
 from planner_service.planner.config import PlanConfig
 from planner_service.planner.cost_model import CostModel
 from plan.memory_model import CHECKPOINTING, HEADS
+from plan.named_models import qwen3_next_80b_a3b
 from proto.harts.v1 import planner_pb2
 
 __all__ = ["TopologyField", "FIELDS", "BY_NAME", "topology_to_config", "normalized_topology", "MAX_WORLD_SIZE",
@@ -79,6 +80,9 @@ class TopologyField:
     """A document's PlanConfig value -> its normalised text ("" for the default)."""
     metavar: str | None = None
     """The CLI flag's value name."""
+    example: Any = None
+    """A value other than the unset one, valid together with the other fields' examples (the
+    tests carry every field through every surface with these)."""
 
     def __post_init__(self) -> None:
         if not self.plan_field:
@@ -127,54 +131,58 @@ class TopologyField:
 
 
 FIELDS: tuple[TopologyField, ...] = (
-    TopologyField(name="world_size", type=int, required=True, minimum=1, maximum=MAX_WORLD_SIZE,
+    TopologyField(name="world_size", type=int, required=True, minimum=1, maximum=MAX_WORLD_SIZE, example=4,
                   help="Number of data-parallel trainer ranks W"),
     TopologyField(name="microbatch_tokens", type=int, minimum=0, maximum=INT32, default=DEFAULT_MICROBATCH_TOKENS,
+                  example=256,
                   help="Token budget B per microbatch (computed rows: kept + replay + duplicated)",
                   unset=f"the service default (`harts serve --microbatch-tokens`, {DEFAULT_MICROBATCH_TOKENS} unless "
                         "set), over HTTP and gRPC alike"),
-    TopologyField(name="memory_tokens", type=int, minimum=0, maximum=INT64, default=0,
+    TopologyField(name="memory_tokens", type=int, minimum=0, maximum=INT64, default=0, example=4096,
                   help="Live-activation budget M per rank, in rows of the model's activations",
                   unset="what a device leaves after the model's shards and gathered units (with a model), else 8 x "
                         "microbatch_tokens"),
-    TopologyField(name="chunk_size", type=int, minimum=0, maximum=INT32, default=64,
+    TopologyField(name="chunk_size", type=int, minimum=0, maximum=INT32, default=64, example=16,
                   help="Linear-attention chunk size C (a power of two: the kernel's)",
                   unset="the service default (`harts serve --chunk-size`, 64 unless set)"),
-    TopologyField(name="no_sharing", type=bool,
+    TopologyField(name="no_sharing", type=bool, example=True,
                   help="Plan the trajectory-expanded baseline (every trajectory its own tree, standard packing)"),
-    TopologyField(name="no_windows", type=bool,
+    TopologyField(name="no_windows", type=bool, example=True,
                   help="Duplicate the prefix of every cross-microbatch edge instead of opening sharing windows "
                        "(the ablation)"),
     TopologyField(name="model", type=str, plan_field="model_config", document="config.json", maximum=MAX_DOCUMENT_CHARS,
                   decode=lambda doc: doc,
                   encode=lambda cfg: json.dumps(cfg, sort_keys=True) if cfg is not None else "",
+                  example=json.dumps(qwen3_next_80b_a3b(), sort_keys=True),
                   help="The trainer's model as a Qwen3-Next config.json document (JSON text): the memory model sizes "
                        "open windows from it",
                   unset="the service default (`harts serve --model`; Qwen3-Next-80B-A3B unless set)"),
-    TopologyField(name="dtype", type=str, default="float32", choices=("float32", "bfloat16"),
+    TopologyField(name="dtype", type=str, default="float32", choices=("float32", "bfloat16"), example="bfloat16",
                   help="Trainer dtype for the memory model (float32, bfloat16)", unset="float32"),
     TopologyField(name="cost_model", type=str, document="cost model", maximum=MAX_DOCUMENT_CHARS,
                   decode=CostModel.from_dict,
                   encode=lambda cost: cost.to_json() if cost != CostModel() else "",
+                  example=CostModel(row=1.0, attention=0.002, linear_call=4.0, source="example").to_json(),
                   help="Cost model JSON written by `harts calibrate`, which placement balances with",
                   unset="the service default (`harts serve --cost-model`; computed rows unless set)"),
-    TopologyField(name="lockstep", type=bool,
+    TopologyField(name="lockstep", type=bool, example=True,
                   help="Plan lock-step phases: every rank runs one step of the same kind per phase, so that trainers "
                        "which gather parameters per forward and backward (FSDP2 with "
                        "parallelism.reshard_after_forward) pair their collectives"),
-    TopologyField(name="no_cross_rank_windows", type=bool,
+    TopologyField(name="no_cross_rank_windows", type=bool, example=True,
                   help="With lockstep: keep every sharing window on its rank (the ablation of windows across ranks, "
                        "which import a tree's shared prefix from the rank that computes it, plan.proto CrossEdge)"),
     TopologyField(name="activation_checkpointing", type=str, default="none", choices=CHECKPOINTING, elide_default=True,
-                  metavar="MODE", unset="none",
+                  metavar="MODE", unset="none", example="full",
                   help="The trainer's parallelism.activation_checkpointing the memory model counts rows under: none, "
                        "full (every decoder block keeps its input and is recomputed in backward) or selective (the FFN "
                        "sub-block only)"),
     TopologyField(name="expert_parallel", type=int, minimum=0, maximum=MAX_WORLD_SIZE, default=1, elide_default=True,
-                  metavar="E", unset="1",
+                  metavar="E", unset="1", example=2,
                   help="The trainer's parallelism.expert_parallel E: every MoE layer's routed experts split over E "
                        "ranks (E divides world_size and the model's num_experts; E > 1 needs lockstep)"),
     TopologyField(name="head", type=str, default="full", choices=HEADS, elide_default=True, unset="full",
+                  example="chunked",
                   help="The trainer's lm head for the memory model: full (fp32 logits, the CPU path) or chunked (the "
                        "GPU path, no [rows, V] logits)"),
 )

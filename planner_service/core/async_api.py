@@ -100,7 +100,8 @@ class AsyncCore:
                     if remaining <= 0:
                         raise
                     if self.readiness.closing:
-                        raise Unavailable("the service is stopping; retry (on another replica, if there is one)") from None
+                        raise Unavailable("the service is stopping; retry (on another replica, if there is "
+                                          "one)") from None
                 await self._wait(event, remaining)
         finally:
             self.waiters.remove(step_id, wake)

@@ -41,6 +41,7 @@ class TokenGate:
                 got = value
         if bearer_ok(got, self.token):
             return await self.app(scope, receive, send)
-        resp = error_response(401, "UNAUTHENTICATED", "Authorization: expected 'Bearer <token>' with the service's token",
+        resp = error_response(401, "UNAUTHENTICATED",
+                              "Authorization: expected 'Bearer <token>' with the service's token",
                               headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)

@@ -7,33 +7,30 @@ import argparse
 import json
 
 import pytest
+from google.protobuf.descriptor import FieldDescriptor as FD
 
 from harts_cli import cmd_plan, cmd_serve
 from harts_cli.topology_flags import add_topology_arguments, plan_kwargs_from_args, topology_from_args
 from planner_service.errors import ValidationError
 from planner_service.planner.config import PlanConfig
-from planner_service.planner.cost_model import CostModel
 from planner_service.topology import FIELDS, normalized_topology, topology_to_config
 from planner_service.transport.http_models import SubmitQuery, Topology
 from proto.harts.v1 import planner_pb2
-from trainer.models.config import debugmodel
 
 
 def _values() -> dict:
-    """A value other than the unset one for every declared field (a new field without one fails here)."""
-    return {"world_size": 4, "microbatch_tokens": 256, "memory_tokens": 4096, "chunk_size": 16, "no_sharing": True,
-            "no_windows": True, "model": json.dumps(debugmodel().to_hf_dict(), sort_keys=True), "dtype": "bfloat16",
-            "cost_model": CostModel(row=1.0, attention=0.002, linear_call=4.0, source="svc").to_json(),
-            "lockstep": True, "no_cross_rank_windows": True, "activation_checkpointing": "full",
-            "expert_parallel": 2, "head": "chunked"}
+    """Every declared field's example: a value other than the unset one."""
+    return {f.name: f.example for f in FIELDS}
 
 
 def test_the_declaration_is_the_proto_topology_field_for_field():
     proto = planner_pb2.Topology.DESCRIPTOR.fields
     assert [f.name for f in FIELDS] == [f.name for f in proto], "declare every harts.v1.Topology field, in order"
     for f, p in zip(FIELDS, proto):
-        assert {int: p.cpp_type in (1, 2), bool: p.cpp_type == 7, str: p.cpp_type == 9}[f.type], f.name
-    assert set(_values()) == {f.name for f in FIELDS}
+        wire = {int: (FD.CPPTYPE_INT32, FD.CPPTYPE_INT64), bool: (FD.CPPTYPE_BOOL,), str: (FD.CPPTYPE_STRING,)}
+        assert p.cpp_type in wire[f.type], f"{f.name}: declared {f.type.__name__}, the proto says otherwise"
+    for f in FIELDS:
+        assert f.example is not None and f.example != f.type(), f"{f.name}: declare an example other than unset"
 
 
 def test_every_field_reaches_the_http_models_and_both_commands():
@@ -54,7 +51,8 @@ def test_every_field_goes_from_each_surface_to_the_plan_config_and_back():
     assert normalized_topology(cfg) == wire  # gRPC, and what a planned step keeps
     assert Topology.model_validate_json(json.dumps(values)).to_proto() == wire  # HTTP body
     scalars = {f.name: values[f.name] for f in FIELDS if not f.document}
-    query = SubmitQuery.model_validate({k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in scalars.items()})
+    as_text = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in scalars.items()}
+    query = SubmitQuery.model_validate(as_text)
     assert query.to_proto() == planner_pb2.Topology(**scalars)  # HTTP query: strings, as a URL has them
     argv = []
     for f in FIELDS:
