@@ -46,7 +46,7 @@ from planner_service.ingest import forest_from_json
 from planner_service.planner import PlanConfig, plan_step
 from proto.arrays import pack
 from proto.harts.v1 import plan_pb2
-from trainer.config import ParallelismConfig
+from trainer.config import ParallelismSection
 from trainer.distributed import DistContext
 from trainer.executor import Executor, ExecutorConfig
 from trainer.models.config import FULL, LINEAR, ModelConfig
@@ -103,7 +103,7 @@ def _worker(rank: int, world: int, port: int, layers: int, plan_bytes: bytes, qu
         cfg = model_config(layers)
         out = {}
         for mode, reshard in (("sharded", True), ("gathered", False)):
-            pcfg = ParallelismConfig(reshard_after_forward=reshard)
+            pcfg = ParallelismSection(reshard_after_forward=reshard)
             model = parallelize(meta_model(cfg), make_mesh(pcfg, ctx), pcfg, ctx, reshard=reshard)
             materialize(model, ctx.device, seed_rows(cfg, seed=0))
             gauge = ParamGradGauge(model)

@@ -9,17 +9,19 @@ microbatch of synthetic tree rollouts through the executor, forward + backward, 
 - `view_ops`: those returning an alias of an input (views: no launch);
 - `gemm_ops`: mm / addmm / bmm / grouped mm;
 - `host_reads`: `aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`) plus `Tensor.tolist()`
-  and `Tensor.numpy()` calls on tensors that the forward or backward made (not the plan's index
-  arrays): each is a host synchronisation on a GPU.
+  and `Tensor.numpy()` calls on tensors an aten op made (not the plan's index arrays, made from
+  numpy on the host): each is a host synchronisation on a GPU.
 
-A count that grows with the number of layers or experts is a host-bound design; the figures are
-per microbatch and do not depend on this machine's speed.
+A count that grows with the number of layers or experts is a host-bound design; the figures do not
+depend on this machine's speed. (The executor's own bookkeeping adds two reads per step: its loss
+totals and expert loads, accumulated on the device, `trainer.step_walk.StepRun.result`.)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import weakref
 from collections import Counter
 
 import torch
@@ -34,31 +36,45 @@ from trainer.executor import Executor, ExecutorConfig
 from trainer.layout import layout_from_arrays
 from trainer.models.config import FULL, LINEAR, ModelConfig
 from trainer.models.materialize import materialize, meta_model, seed_rows
+from trainer.models.ops import FAST
 from trainer.objectives import Normalizers
 
 GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm", "baddbmm"}
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name while active."""
+    """Counts aten ops by name while active, and remembers the tensors they made (what a GPU run
+    would hold on the device)."""
 
     def __init__(self):
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.views = 0
+        self.made: dict[int, weakref.ref] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         self.ops[name] += 1
         if any(r.alias_info is not None for r in func._schema.returns):
             self.views += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.made[id(t)] = weakref.ref(t)
+        return out
+
+    def has_made(self, t: torch.Tensor) -> bool:
+        ref = self.made.get(id(t))
+        return ref is not None and ref() is t
 
 
 class HostReads:
-    """Counts `tolist()` / `numpy()` calls on tensors while active (patched on torch.Tensor)."""
+    """Counts `tolist()` / `numpy()` calls while active (patched on torch.Tensor) on tensors an aten
+    op made (`OpCounter.made`): reads of computed values, a host synchronisation on a GPU; the
+    plan's index tensors (made from numpy arrays on the host) are not counted."""
 
-    def __init__(self):
+    def __init__(self, ops: "OpCounter"):
+        self.ops = ops
         self.count = 0
 
     def __enter__(self):
@@ -66,11 +82,11 @@ class HostReads:
         counter = self
 
         def tolist(t, *a, **k):
-            counter.count += 1
+            counter.count += counter.ops.has_made(t)
             return counter._orig[0](t, *a, **k)
 
         def numpy(t, *a, **k):
-            counter.count += 1
+            counter.count += counter.ops.has_made(t)
             return counter._orig[1](t, *a, **k)
 
         torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
@@ -80,7 +96,10 @@ class HostReads:
         torch.Tensor.tolist, torch.Tensor.numpy = self._orig
 
 
-def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0) -> dict:
+def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, path: str = "cpu") -> dict:
+    """The counts of one microbatch and one step (module docstring). `path`: "cpu" (the CPU's
+    primitives) or "gpu" (the GPU's: `trainer.models.ops.FAST`, grouped-GEMM experts through torch's
+    CPU implementation, the chunked head), both run here on the CPU."""
     torch.manual_seed(seed)
     cfg = ModelConfig(num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
                       layer_types=([LINEAR] * 3 + [FULL]) * (layers // 4) + [LINEAR] * (layers % 4))
@@ -89,6 +108,8 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0) ->
     forest = forest_from_json(doc)
     plan = plan_step(forest, PlanConfig(chunk_size=16, microbatch_tokens=rows, all_positions=True))
     ex = Executor(model, ExecutorConfig(chunk_size=16, validate="none"))
+    if path == "gpu":
+        ex.run_options.ops, ex.run_options.head = FAST, "chunked"
     header, mb = plan.header, plan.ranks[0].microbatches[0]
     a = decode_microbatch(mb, header.params)
     n = header.normalizers
@@ -98,13 +119,14 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0) ->
     layout = layout_from_arrays(a, chunk_size=16)
     ex.forward(layout, None, norm, grad=True)[1].loss.backward()  # warm-up (kernel layouts built once)
     model.zero_grad(set_to_none=True)
-    ops, reads = OpCounter(), HostReads()
+    ops = OpCounter()
+    reads = HostReads(ops)
     with reads, ops:
         out, mb_loss = ex.forward(layout, None, norm, grad=True)
         mb_loss.loss.backward()
     total = sum(ops.ops.values())
     return {
-        "model": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": cfg.hidden_size},
+        "model": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": cfg.hidden_size}, "path": path,
         "rows": layout.num_rows, "aten_ops": total, "view_ops": ops.views, "non_view_ops": total - ops.views,
         "gemm_ops": sum(v for k, v in ops.ops.items() if k in GEMMS),
         "host_reads": ops.ops.get("_local_scalar_dense", 0) + reads.count,
@@ -118,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--rows", type=int, default=512, help="microbatch token budget B")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--path", choices=("cpu", "gpu"), default="cpu",
+                    help="the primitives counted: the CPU's, or the GPU's run on the CPU (grouped GEMMs, chunked head)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    json.dump(count(experts=args.experts, top_k=args.top_k, rows=args.rows, layers=args.layers), sys.stdout, indent=1)
+    json.dump(count(experts=args.experts, top_k=args.top_k, rows=args.rows, layers=args.layers, path=args.path),
+              sys.stdout, indent=1)
     print()
     return 0
 

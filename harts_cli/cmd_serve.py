@@ -3,8 +3,8 @@
     harts serve --host 127.0.0.1 --http-port 8000 --grpc-port 50051 --db harts.db [--token T]
     harts serve --db postgresql://harts@db:5432/harts ...   # replicas sharing one database
 
-With --world-size (and optionally the other budget flags, --lockstep included) every submission is
-planned at once for that default topology. With a PostgreSQL --db, any number of replicas serve
+With --world-size (and optionally the other topology flags, --lockstep included: every field of
+harts.v1.Topology but its documents) every submission is planned at once for that default topology. With a PostgreSQL --db, any number of replicas serve
 the same steps (clients take their URLs separated by commas). The token may also come from the
 HARTS_TOKEN environment variable. `--cost-model F` (from `harts calibrate`) and `--model CFG` (a
 config.json path or a named config) apply to every topology that names none: placement balances
@@ -15,7 +15,13 @@ ready until it is started once with --accept-data-loss. SIGTERM and SIGINT drain
 from __future__ import annotations
 
 import argparse
+import json
 import os
+
+from harts_cli.model_arg import resolve_model
+from harts_cli.topology_flags import add_topology_arguments, topology_from_args
+from planner_service.core import ServiceConfig
+from planner_service.planner.cost_model import CostModel
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,23 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=os.environ.get("HARTS_TOKEN") or None,
                    help="bearer token required on every non-health endpoint (default: $HARTS_TOKEN)")
     p.add_argument("--max-request-mb", type=float, default=1024.0, help="largest request body in MiB (413 above; default 1024, ingest's body limit)")
-    g = p.add_argument_group("default topology (plan every submission at once)")
-    g.add_argument("--world-size", type=int, default=0, help="data-parallel ranks (0: no default topology)")
-    g.add_argument("--microbatch-tokens", type=int, default=4096,
-                   help="token budget per microbatch; also what a request's 0 (or none) means (default 4096)")
-    g.add_argument("--memory-tokens", type=int, default=0, help="0: 8 x microbatch tokens")
-    g.add_argument("--chunk-size", type=int, default=64,
-                   help="linear-attention chunk size C; also what a request's 0 means (default 64)")
+    g = p.add_argument_group("default topology (plan every submission at once; harts.v1.Topology)")
+    add_topology_arguments(g, defaults={"world_size": 0}, help={
+        "world_size": "data-parallel ranks (0: no default topology)",
+        "microbatch_tokens": "token budget per microbatch; also what a request's 0 (or none) means (default 4096)",
+        "chunk_size": "linear-attention chunk size C; also what a request's 0 means (default 64)",
+    })
     g.add_argument("--conv-kernel", type=int, default=4, help="short-convolution kernel size of the model")
-    g.add_argument("--no-windows", action="store_true",
-                   help="ablation: duplicate prefixes instead of opening sharing windows")
-    g.add_argument("--no-sharing", action="store_true", help="plan the trajectory-expanded baseline")
-    g.add_argument("--dtype", default="", choices=("", "float32", "bfloat16"), help="trainer dtype for the memory model")
-    g.add_argument("--lockstep", action="store_true",
-                   help="plan lock-step phases (trainers that gather parameters per forward and backward: FSDP2 "
-                        "with parallelism.reshard_after_forward)")
-    g.add_argument("--no-cross-rank-windows", action="store_true",
-                   help="with --lockstep: keep every sharing window on its rank (ablation of windows across ranks)")
     p.add_argument("--cost-model", default=None, help="cost model JSON from `harts calibrate` for topologies that name none")
     p.add_argument("--model", default=None,
                    help="trainer model (config.json path or named config) for topologies that name none")
@@ -82,35 +78,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner_service.core import ServiceConfig
-    from planner_service.http_guard import ConnectionLimits
+    # the server stack (uvicorn, grpc, FastAPI) is imported here, on use: optional for every
+    # other `harts` command, whose parser imports this module
     from planner_service.server import run as run_server
-    from proto.harts.v1 import planner_pb2
-
-    import json
-
-    from planner_service.planner.cost_model import CostModel
+    from planner_service.transport.http_guard import ConnectionConfig
 
     cost_model = CostModel.load(args.cost_model).to_json() if args.cost_model else ""
-    model = ""
-    if args.model:
-        from harts_cli.model_arg import resolve_model
-
-        model = json.dumps(resolve_model(args.model)[1], sort_keys=True)
-    default = None
-    if args.world_size:
-        default = planner_pb2.Topology(
-            world_size=args.world_size, microbatch_tokens=args.microbatch_tokens,
-            memory_tokens=args.memory_tokens, chunk_size=args.chunk_size,
-            no_windows=args.no_windows, no_sharing=args.no_sharing, dtype=args.dtype, lockstep=args.lockstep,
-            no_cross_rank_windows=args.no_cross_rank_windows,
-        )
+    model = json.dumps(resolve_model(args.model)[1], sort_keys=True) if args.model else ""
     cache = int(args.cache_mb * 1024 * 1024)
     cfg = ServiceConfig(
         db_path=args.db,
         token=args.token,
         max_request_bytes=int(args.max_request_mb * 1024 * 1024),
-        default_topology=default,
+        default_topology=topology_from_args(args) if args.world_size else None,
         conv_kernel=args.conv_kernel,
         default_chunk_size=args.chunk_size,
         default_microbatch_tokens=args.microbatch_tokens,
@@ -127,6 +107,6 @@ def run(args: argparse.Namespace) -> int:
         cost_model=cost_model,
         model=model,
     )
-    limits = ConnectionLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
-                              body_timeout=args.body_timeout, idle_timeout=args.idle_timeout)
-    return run_server(cfg, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, limits=limits)
+    connections = ConnectionConfig(max_connections=args.max_connections, header_timeout=args.header_timeout,
+                                   body_timeout=args.body_timeout, idle_timeout=args.idle_timeout)
+    return run_server(cfg, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, limits=connections)

@@ -1,6 +1,7 @@
 """Independent checker of HARTS plans (the wire contract of proto/harts/v1/plan.proto).
 
-Used by the planner before it hands a plan out and by trainers before they execute one; it never
+The test oracle of the planner's plans, and what `harts plan` and a trainer's `validate="full"`
+run (the service and a trainer's default run the linear-time `plan.slice_check` instead); it never
 imports the planner. Numpy plus plain Python, written from the contract, not from the builder.
 
     validate_plan(plan, forest_like=None)   # the whole step (all ranks)

@@ -1,7 +1,8 @@
-"""Project error types and the one table that maps them to HTTP and gRPC status codes.
+"""Project error types: what ingest, the planner, the stores and the core raise.
 
-Core code (ingest, planner, store) raises these; the HTTP and gRPC adapters translate them with
-`STATUS` and never let any other exception text reach a client.
+A `HartsError`'s message is safe to show a client. The HTTP and gRPC adapters translate these
+with one table (`planner_service.transport.status_codes.STATUS`) and never let any other
+exception text reach a client.
 """
 from __future__ import annotations
 
@@ -72,34 +73,3 @@ class StorageError(HartsError):
 class Unavailable(HartsError):
     """The service cannot answer now (it is stopping); the client retries, on another replica
     if it knows one."""
-
-
-#: error type -> (HTTP status, gRPC status code name). Most specific first.
-STATUS: list[tuple[type[HartsError], int, str]] = [
-    (IntegrityError, 400, "DATA_LOSS"),
-    (ValidationError, 422, "INVALID_ARGUMENT"),
-    (LimitError, 413, "RESOURCE_EXHAUSTED"),
-    (PlanningError, 400, "FAILED_PRECONDITION"),
-    (ConflictError, 409, "ALREADY_EXISTS"),
-    (NotFoundError, 404, "NOT_FOUND"),
-    (NotReadyError, 404, "DEADLINE_EXCEEDED"),
-    (AuthError, 401, "UNAUTHENTICATED"),
-    (StorageError, 503, "UNAVAILABLE"),
-    (Unavailable, 503, "UNAVAILABLE"),
-    (HartsError, 500, "INTERNAL"),
-]
-
-
-#: HTTP status and gRPC code of any other exception: its text never reaches the client.
-INTERNAL = (500, "INTERNAL")
-
-#: Seconds a client should wait before retrying a 503 (sent as `Retry-After`).
-RETRY_AFTER_SECONDS = 1
-
-
-def status_of(err: HartsError) -> tuple[int, str]:
-    """(HTTP status, gRPC code name) of a project error."""
-    for cls, http, grpc_code in STATUS:
-        if isinstance(err, cls):
-            return http, grpc_code
-    return INTERNAL

@@ -19,7 +19,7 @@ finishes (queued ones resume at the next start), the database is checkpointed an
 the process exits 0 with the log line "stopped". A second signal stops waiting for open HTTP
 requests.
 
-Connection hardening: the HTTP side runs `http_guard.GuardedH11Protocol` (header, body and idle
+Connection hardening: the HTTP side runs `transport.http_guard.GuardedH11Protocol` (header, body and idle
 timeouts, a bound on open connections); gRPC gets the same bounds as channel arguments (handshake
 timeout, idle timeout, incoming connections, concurrent RPCs). The soft file-descriptor limit is
 raised to the hard one, and the connection bounds are kept below it, so that a flood of
@@ -47,9 +47,9 @@ import grpc
 import uvicorn
 
 from planner_service.core import PlannerCore, ServiceConfig
-from planner_service.grpc_api import add_to_server, set_serving
-from planner_service.http_api import create_app
-from planner_service.http_guard import ConnectionGuard, ConnectionLimits
+from planner_service.transport.grpc_servicer import add_to_server, set_serving
+from planner_service.transport.http import create_app
+from planner_service.transport.http_guard import ConnectionConfig, ConnectionGuard
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _fit_to_fd_limit(limits: ConnectionLimits) -> tuple[ConnectionLimits, int]:
+def _fit_to_fd_limit(limits: ConnectionConfig) -> tuple[ConnectionConfig, int]:
     """Raise the soft RLIMIT_NOFILE to the hard limit; lower max_connections (per transport) so
     that both transports' connections fit under it. Returns (limits, the soft limit)."""
     try:
@@ -121,7 +121,7 @@ def _fit_to_fd_limit(limits: ConnectionLimits) -> tuple[ConnectionLimits, int]:
     if limits.max_connections > fit:
         log.warning("max_connections lowered from %d to %d: the file-descriptor limit is %d (raise `ulimit -n`)",
                     limits.max_connections, fit, soft)
-        limits = ConnectionLimits(max_connections=fit, header_timeout=limits.header_timeout,
+        limits = ConnectionConfig(max_connections=fit, header_timeout=limits.header_timeout,
                                   body_timeout=limits.body_timeout, idle_timeout=limits.idle_timeout)
     return limits, soft
 
@@ -199,12 +199,12 @@ class _StopSignals:
 
 
 async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 50051,
-                limits: ConnectionLimits | None = None) -> None:
+                limits: ConnectionConfig | None = None) -> None:
     """Run the service until SIGTERM or SIGINT, then drain and close (module docstring)."""
     loop = asyncio.get_running_loop()
     _once_a_minute(loop)
     logging.getLogger("uvicorn.error").addFilter(_OncePerMinute())
-    limits, _ = _fit_to_fd_limit(limits or ConnectionLimits())
+    limits, _ = _fit_to_fd_limit(limits or ConnectionConfig())
     with _StopSignals(loop) as signals:
         core = PlannerCore(cfg)
         try:
@@ -217,7 +217,7 @@ async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int =
 
 
 async def _serve_started(core: PlannerCore, cfg: ServiceConfig, host: str, http_port: int, grpc_port: int,
-                         limits: ConnectionLimits, signals: _StopSignals) -> None:
+                         limits: ConnectionConfig, signals: _StopSignals) -> None:
     """Open both ports over a started core and serve until a stop signal; then drain both."""
     loop = asyncio.get_running_loop()
     grpc_server = grpc.aio.server(
@@ -284,7 +284,7 @@ async def _serve_started(core: PlannerCore, cfg: ServiceConfig, host: str, http_
 
 
 def run(cfg: ServiceConfig, *, host: str, http_port: int, grpc_port: int,
-        limits: ConnectionLimits | None = None) -> int:
+        limits: ConnectionConfig | None = None) -> int:
     asyncio.run(serve(cfg, host=host, http_port=http_port, grpc_port=grpc_port, limits=limits))
     return 0
 

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from proto.harts.v1 import plan_pb2
-from trainer.config import ParallelismConfig
+from trainer.config import ParallelismSection
 from trainer.distributed import DistContext, broadcast_parameters, sync_gradients
 from trainer.lockstep import standin_microbatch
 
@@ -80,7 +80,7 @@ __all__ = ["parallelize", "param_dtype_of", "GradSync", "run_slice", "participat
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def param_dtype_of(cfg: ParallelismConfig, device: torch.device) -> torch.dtype:
+def param_dtype_of(cfg: ParallelismSection, device: torch.device) -> torch.dtype:
     """The compute dtype of the parameters: bfloat16 on CUDA for "auto", float32 on the CPU."""
     if cfg.param_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -101,7 +101,7 @@ def full_param_grad_bytes(model: torch.nn.Module) -> int:
     return 2 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def resolve_reshard(cfg: ParallelismConfig, full_bytes: int, device: torch.device) -> bool:
+def resolve_reshard(cfg: ParallelismSection, full_bytes: int, device: torch.device) -> bool:
     """`parallelism.reshard_after_forward` as a bool: none means full parameters plus gradients
     (`full_bytes`) above `reshard_memory_fraction` of the device memory (`device_memory_gb`, or the
     CUDA device's own; on the CPU without device_memory_gb: false)."""
@@ -117,7 +117,7 @@ def resolve_reshard(cfg: ParallelismConfig, full_bytes: int, device: torch.devic
     return bool(memory) and full_bytes > cfg.reshard_memory_fraction * memory
 
 
-def parallelize(model: torch.nn.Module, mesh, cfg: ParallelismConfig, ctx: DistContext | None = None, *,
+def parallelize(model: torch.nn.Module, mesh, cfg: ParallelismSection, ctx: DistContext | None = None, *,
                 reshard: bool = False) -> torch.nn.Module:
     """Apply the data parallelism of `cfg` to `model` (in place) and return it.
 
@@ -265,7 +265,7 @@ def scale_grads(params: list[torch.Tensor], factor: float) -> None:
             _local(p.grad).mul_(factor)
 
 
-def make_mesh(cfg: ParallelismConfig, ctx: DistContext):
+def make_mesh(cfg: ParallelismSection, ctx: DistContext):
     """The DeviceMesh of FSDP2: 1-D "dp" over all ranks, or with `expert_parallel` E > 1 a 2-D
     ("dp", "ep") mesh of W / E x E ranks (`trainer.expert_parallel`); None for "replicate".
 

@@ -31,7 +31,10 @@ class TrajectoryProbes:
 
     def add(self, layout: RowLayout, logprob_P: torch.Tensor, entropy_P: torch.Tensor | None,
             linear: dict[int, torch.Tensor]) -> None:
-        """Record one microbatch's entries (tensors of the microbatch's log-prob map)."""
+        """Record one microbatch's entries (tensors of the microbatch's log-prob map); nothing (and no
+        read from the device) when no probe was asked for."""
+        if self.logprobs is None and self.entropies is None and self.linear is None:
+            return
         lp = layout.logprobs
         flat = self.offsets[lp.traj.cpu().numpy()] + lp.pos.cpu().numpy() - 1
         if self.logprobs is not None:

@@ -7,7 +7,7 @@ first shape that compiles for too long is killed, not waited for). fla is hidden
 the settings ask for it (`kernels_fla`): fla autotunes every kernel on its first call (6-16
 candidates each, each a compilation), more than this section's budget; the peer section times
 transformers+fla end to end. Its files go to DIR/kernels/
-(kernels-gpu.md and .json; without CUDA its CPU fallback, kernels-cpu-fallback.*), and this
+(kernels-gpu.md and .json; without CUDA its dry run, kernels-dry-run.*), and this
 section records the command, exit code, the tail of its log and the report's JSON when it wrote one
 (status "error" when the child failed or was killed).
 """
@@ -54,7 +54,7 @@ def kernels_section(ctx: BenchContext, sec: Section) -> None:
     sec.data["seconds"] = time.perf_counter() - t0
     sec.data["log_tail"] = log[-3000:]
     sec.data["files"] = sorted(p.name for p in out.glob("*")) if out.is_dir() else []
-    for stem in ("kernels-gpu", "kernels-cpu-fallback"):
+    for stem in ("kernels-gpu", "kernels-dry-run"):
         path = out / f"{stem}.json"
         if path.is_file():
             sec.data["report"] = json.loads(path.read_text())

@@ -2,7 +2,7 @@
 
     y = x rsqrt(sum(x^2) + eps)          dx = rstd (dy - y sum(y dy))
 
-exactly `naive.l2norm` (transformers' and fla's form). One program per BR rows; a row (D <= BD
+exactly `recurrent_ref.l2norm` (transformers' and fla's form). One program per BR rows; a row (D <= BD
 columns) is one tile.
 
 Legend: R rows (T * H), D row length; tiles: BR rows, BD >= D columns.

@@ -67,11 +67,13 @@ def lp_entries(traj_offset, traj_seg, seg_parent, seg_offset, seg_depth, seg_len
 
 @njit(cache=True)
 def loss_per_trajectory(traj_offset: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """int64 [T] sum of loss_mask per trajectory (Numba)."""
+    """int64 [T] loss terms per trajectory: loss_mask summed over positions 1..L-1, the positions
+    that have a log-prob (position 0 has no previous token, so its mask bit is no loss term and no
+    denominator's) (Numba)."""
     T = traj_offset.shape[0] - 1
     out = np.zeros(T, np.int64)
     for t in range(T):
-        for x in range(traj_offset[t], traj_offset[t + 1]):
+        for x in range(traj_offset[t] + 1, traj_offset[t + 1]):
             out[t] += loss_mask[x]
     return out
 

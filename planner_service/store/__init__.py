@@ -1,6 +1,7 @@
-"""Durable step stores: what both backends keep, and `open_store`, which picks one by its URL.
+"""Durable step stores: the `Store` protocol, what both backends keep, and `open_store`, which
+picks one by its URL.
 
-Two backends with one interface (the methods of `SQLiteStore`):
+Two backends implement `store.protocol.Store`:
 
 - `store.sqlite.SQLiteStore`: an embedded SQLite file in WAL mode (the default; one process).
 - `store.postgres.PostgresStore`: a PostgreSQL database (`postgresql://...`) that any number of
@@ -13,23 +14,24 @@ written in the same transaction as the PLANNED state. Bodies and slices are kept
 (`stored_form`): the bytes a trainer receives are the sealed bytes, exactly.
 
 Storage faults: every database or file-system error becomes a `StorageError` (HTTP 503 / gRPC
-UNAVAILABLE) naming the database and the reason, and puts the store in its *fault* state
-(`fault` is the reason) until `probe` succeeds; `on_fault` hears of every change. A fault that is
-only a disk short of space (`short_of_space`) still lets `delete` and `compact` free it.
+UNAVAILABLE) naming the database and the reason, and moves the store through one state machine
+(`store.faults`: READY, SHORT_OF_SPACE, FAULTED, LOST); `fault` is the reason until `probe`
+succeeds, and `on_fault` hears of every change.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+from planner_service.store.protocol import Store
 from planner_service.store.records import (COLUMNS, FAILED, NAMES, PLANNED, STEP_EVENTS, SUBMITTED, StepRecord,
                                            is_postgres_url)
 
-__all__ = ["StepRecord", "open_store", "is_postgres_url", "SUBMITTED", "PLANNED", "FAILED", "COLUMNS", "NAMES",
-           "STEP_EVENTS"]
+__all__ = ["Store", "StepRecord", "open_store", "is_postgres_url", "SUBMITTED", "PLANNED", "FAILED", "COLUMNS",
+           "NAMES", "STEP_EVENTS"]
 
 
 def open_store(db: str, *, synchronous: str = "FULL", min_free_bytes: int = 0,
-               on_fault: Callable[[str | None], None] | None = None, accept_data_loss: bool = False):
+               on_fault: Callable[[str | None], None] | None = None, accept_data_loss: bool = False) -> Store:
     """The store for `db`: a PostgreSQL URL, or a SQLite file path (":memory:": throwaway).
 
     Args:
@@ -40,6 +42,7 @@ def open_store(db: str, *, synchronous: str = "FULL", min_free_bytes: int = 0,
         accept_data_loss: SQLite: serve a database that lacks acknowledged writes as it is
             (`store.acked`) instead of staying faulted.
     """
+    # each backend imported on use (optional, chosen by the URL): a SQLite service never loads psycopg and libpq
     if is_postgres_url(db):
         from planner_service.store.postgres import PostgresStore
 

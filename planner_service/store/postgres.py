@@ -15,7 +15,7 @@ Across replicas:
   with `<event>:<step_id>` (events in `store.STEP_EVENTS`) in its transaction; `listen` runs a
   thread that LISTENs and calls back, and reconnects when the database goes away.
 
-Storage faults: a lost connection, a read-only database, a full disk (PostgreSQL's class 53) or
+Storage faults (`store.faults`: READY, FAULTED): a lost connection, a read-only database, a full disk (PostgreSQL's class 53) or
 any other server-side failure becomes a `StorageError` naming the database (its URL without the
 password) and sets the fault. The probe reconnects and checks that the database accepts writes
 (`transaction_read_only` off); it writes nothing. Space of deleted steps is reclaimed by
@@ -34,7 +34,8 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from psycopg import errors as pg_errors
 
-from planner_service.errors import NotFoundError, StorageError
+from planner_service.errors import NotFoundError
+from planner_service.store.faults import FaultState
 from planner_service.store.records import COLUMNS, NAMES, PLANNED, SUBMITTED, FAILED, StepRecord
 from planner_service.store.stored_form import pack_body, pack_slice, unpack
 
@@ -116,28 +117,36 @@ class PostgresStore:
     shared = True
     """Other replicas write the same database."""
     min_free_bytes = 0
-    short_of_space = False
     """PostgreSQL manages its own disk: a fault here is never only the service's space reserve."""
 
     def __init__(self, url: str, *, on_fault: Callable[[str | None], None] | None = None):
         self.url = url
         self.path = _redacted(url)
-        self._on_fault = on_fault
+        self._faults = FaultState(is_fault=_is_fault, describe=self._reason)
         self._lock = threading.Lock()
         self._db: psycopg.Connection | None = None
         self._spare: list[psycopg.Connection] = []
         self._spare_lock = threading.Lock()
         self._listener: threading.Thread | None = None
         self._closing = False
-        self.fault: str | None = None
-        """Why the storage is unusable now; None when healthy."""
         try:
             self._db = self._connect()
             self._create_schema(self._db)
         except BaseException as exc:
             if not _is_fault(exc):
                 raise
-            self.fault = self._reason(exc, "opening")
+            self._faults.set(self._reason(exc, "opening"))
+        self._faults.on_change = on_fault  # from now on: opening tells nobody
+
+    @property
+    def fault(self) -> str | None:
+        """Why the storage is unusable now; None when healthy."""
+        return self._faults.reason
+
+    @property
+    def short_of_space(self) -> bool:
+        """Never: PostgreSQL manages its own disk."""
+        return False
 
     # ---- connections and faults
 
@@ -155,29 +164,17 @@ class PostgresStore:
         sqlstate = getattr(exc, "sqlstate", None)
         return f"storage: {what}{f' ({sqlstate})' if sqlstate else ''} while {doing} {self.path}"
 
-    def _set_fault(self, reason: str | None) -> None:
-        if reason == self.fault:
-            return
-        self.fault = reason
-        if self._on_fault is not None:
-            self._on_fault(reason)
-
     @contextmanager
     def _op(self, doing: str, *, write: bool) -> Iterator[psycopg.Connection]:
         """The main connection, under the lock (reconnected for reads after a failure); storage
         errors become StorageError and set the fault."""
         with self._lock:
-            if write and self.fault is not None:
-                raise StorageError(self.fault)
-            try:
+            if write:
+                self._faults.check_write()
+            with self._faults.translating(doing):
                 if self._db is None or self._db.broken or self._db.closed:
                     self._db = self._connect()
                 yield self._db
-            except BaseException as exc:
-                if not _is_fault(exc):
-                    raise
-                self._set_fault(self._reason(exc, doing))
-                raise StorageError(self.fault) from None
 
     def probe(self) -> str | None:
         """Reconnect if needed and check that the database accepts writes; writes nothing.
@@ -189,14 +186,14 @@ class PostgresStore:
                     self._create_schema(self._db)
                 read_only = self._db.execute("SHOW transaction_read_only").fetchone()[0]
                 if read_only != "off":
-                    self._set_fault(f"storage: {self.path} is read-only (transaction_read_only = {read_only})")
+                    self._faults.set(f"storage: {self.path} is read-only (transaction_read_only = {read_only})")
                     return self.fault
             except BaseException as exc:
                 if not _is_fault(exc):
                     raise
-                self._set_fault(self._reason(exc, "checking"))
+                self._faults.set(self._reason(exc, "checking"))
                 return self.fault
-            self._set_fault(None)
+            self._faults.set(None)
             return None
 
     def free_bytes(self) -> int | None:
@@ -240,8 +237,7 @@ class PostgresStore:
             if not _is_fault(exc):
                 raise
             with self._lock:
-                self._set_fault(self._reason(exc, "locking a step in"))
-            raise StorageError(self.fault) from None
+                raise self._faults.fail(self._reason(exc, "locking a step in")) from None
         try:
             yield got
         finally:

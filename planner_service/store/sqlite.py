@@ -4,45 +4,30 @@ Bodies live in their own table, so reading a step's record never walks the overf
 large body (databases of earlier versions keep theirs inline).
 
 Durability: every acknowledged write is checkpointed from the WAL into the database file before
-it is acknowledged (the WAL only ever holds the write in progress), counted in the database
-(`meta.writes`) and then in the mark beside it (`store.acked`). A start on a database that lacks
-acknowledged writes (deleted, replaced or restored from an older copy while the service was down
-or killed) is faulted for good, not ready, until started once with `accept_data_loss`.
+it is acknowledged, counted in the database (`meta.writes`) and then in the mark beside it
+(`store.acked`). A start on a database that lacks acknowledged writes is LOST (not ready) until
+started once with `accept_data_loss`.
 
-Storage faults: while faulted, writes are refused at once (reads still go to the database) until
-`probe` succeeds. A healthy store's probe writes nothing (an idle server leaves the disk alone):
-it checks that the database and its WAL are the files opened, that both are writable, and that
-the disk has `min_free_bytes` free; during a fault it commits a one-row write, reopening the
-database when that helps (a file that was read-only at start). The files are also looked at ten
-times a second (`watch_files`), and before every write: a database deleted under the running
-service is copied back from the open connection (SQLite's backup API) and serving goes on; when
-that fails, or the file was replaced by another one, writes are refused and readiness says why
-until a restart. A WAL deleted under it loses nothing (the database holds every acknowledged
-write); a new one is started.
+Storage faults (`store.faults`: READY, SHORT_OF_SPACE, FAULTED, LOST): while faulted, writes are
+refused at once (reads still go to the database) until `probe` succeeds. The files are looked at
+ten times a second (`watch_files`) and before every write: a database deleted under the running
+service is copied back from the open connection (SQLite's backup API); when that fails, or the
+file was replaced by another one, the store is LOST until a restart. A deleted WAL loses nothing.
 
-Disk space: a write that would leave less than `min_free_bytes` free is refused with a
-`StorageError` (`need` says how much it wants) before SQLite fills the disk; the store is faulted
-(not ready) only while less than `min_free_bytes` is free, so small writes go on when a plan does
-not fit. Opening a database on a full disk still serves reads. Deleting and compacting go on
-while the disk is full (`short_of_space`), and need no new disk space: freed pages are not
-overwritten (`secure_delete=FAST`, so a deletion changes a few pages), the WAL keeps up to
-`_WAL_KEEP_BYTES` of its blocks after a checkpoint, and compaction moves no more pages per
-checkpointed transaction than those blocks take.
-
-Retention and compaction: `delete` removes a step with its body and slices; `expired` names the
-steps a count or age policy drops; `compact` returns the freed pages to the file system
-(`PRAGMA incremental_vacuum` on databases created with incremental auto-vacuum, which new ones
-are; an older one is converted by one `VACUUM` only on request, `harts serve --vacuum`, since it
-copies the whole file while every other call waits, and only when the disk has room for the copy).
+Disk space: a write that would leave less than `min_free_bytes` free is refused (`need` says how
+much it wants) before SQLite fills the disk; the store is SHORT_OF_SPACE only while less than that
+is free. Deleting and compacting go on then, and need no new disk space: freed pages are not
+overwritten (`secure_delete=FAST`), the WAL keeps `WAL_KEEP_BYTES` of its blocks after a
+checkpoint, and compaction moves no more pages per transaction than those blocks take.
 
 The store is thread-safe: one connection guarded by a lock (SQLite serialises writers anyway, and
-the service caches the hot reads, the sealed slices, in memory).
+the service caches the hot reads, the sealed slices, in memory). Opening the files, their identity
+and sizes are `store.sqlite_files`.
 """
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sqlite3
 import threading
 import time
@@ -51,83 +36,22 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from planner_service.errors import NotFoundError, StorageError
-from planner_service.store.acked import AckedMark, new_database_id
+from planner_service.store.acked import AckedMark
+from planner_service.store.faults import FaultState
 from planner_service.store.records import COLUMNS as _COLUMNS
 from planner_service.store.records import NAMES as _NAMES
 from planner_service.store.records import PLANNED, SUBMITTED, FAILED, StepRecord
+from planner_service.store.sqlite_files import (FAULTS, connect, connect_for_reading, convert_to_incremental,
+                                                describe, disk_free, file_bytes, free_pages, fsync_dir, ident_of,
+                                                is_fault)
 from planner_service.store.stored_form import pack_body, pack_slice, unpack
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SQLiteStore"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS steps (
-    step_id         TEXT PRIMARY KEY,
-    body_sha256     TEXT NOT NULL,
-    body_format     TEXT NOT NULL,
-    trajectories    INTEGER NOT NULL,
-    unique_tokens   INTEGER NOT NULL,
-    expanded_tokens INTEGER NOT NULL,
-    submitted_at    REAL NOT NULL,
-    state           INTEGER NOT NULL,
-    topology        BLOB,
-    stats           BLOB,
-    error           TEXT NOT NULL DEFAULT '',
-    planned_at      REAL NOT NULL DEFAULT 0,
-    world_size      INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS bodies (
-    step_id TEXT PRIMARY KEY,
-    body    BLOB NOT NULL
-);
-CREATE TABLE IF NOT EXISTS slices (
-    step_id TEXT NOT NULL,
-    rank    INTEGER NOT NULL,
-    data    BLOB NOT NULL,
-    PRIMARY KEY (step_id, rank)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value
-);
-"""
-
 _WATCH_S = 0.1
 """Seconds between two looks at the database and WAL files (`watch_files`)."""
-
-_WAL_KEEP_BYTES = 16 << 20
-"""WAL size kept after a checkpoint (`journal_size_limit`): its blocks take the frames of a
-deletion or a compaction step on a full disk."""
-
-_VACUUM_PAGES = 256
-"""Pages one compaction transaction gives back while the disk has room (16 MiB of 64 KiB pages)."""
-
-#: SQLite errors that mean the storage, not the statement, is at fault (full, read-only, I/O,
-#: locked, corrupt). Integrity and programming errors are bugs and propagate unchanged.
-_FAULTS = (sqlite3.OperationalError, sqlite3.InternalError, OSError)
-
-
-def _ident_of(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename in the folder of `path` durable."""
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _is_fault(exc: BaseException) -> bool:
-    return isinstance(exc, _FAULTS) or type(exc) is sqlite3.DatabaseError  # "file is not a database"
-
 
 class SQLiteStore:
     """SQLite persistence of steps and sealed plan slices.
@@ -158,117 +82,79 @@ class SQLiteStore:
         self.path = str(path)
         self.min_free_bytes = int(min_free_bytes)
         self._synchronous = synchronous.upper()
-        self._on_fault = on_fault
+        self._faults = FaultState(is_fault=is_fault, describe=lambda exc, doing: describe(exc, doing, self.path))
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         self._ident: tuple[int, int] | None = None
         self._wal_ident: tuple[int, int] | None = None
         self._inline_bodies = False
-        self._gone: str | None = None
         self._vacuum_hint = False
         self._mark = AckedMark(self.path) if self.path != ":memory:" else None
         self._database_id = ""
         self._writes = 0
         self._watch: threading.Thread | None = None
         self._watch_stop = threading.Event()
-        self.fault: str | None = None
-        """Why the storage is unusable now; None when healthy."""
-        self.short_of_space = False
-        """The fault is only that the disk is fuller than `min_free_bytes` allows: deleting and
-        compacting, which free space, go on."""
         try:
             self._db = self._connect()
         except BaseException as exc:
-            if not _is_fault(exc):
+            if not is_fault(exc):
                 raise
-            self.fault = self._reason(exc, "opening")
+            self._faults.set(describe(exc, "opening", self.path))
             self._db = self._connect_for_reading()
         self._check_acknowledged(accept_data_loss)
         if self._db is not None and self.fault is None:
-            self.fault = self._space_fault()
-            self.short_of_space = self.fault is not None
+            space = self._space_fault()
+            self._faults.set(space, space=space is not None)
+        self._faults.on_change = on_fault  # from now on: opening tells nobody
+
+    @property
+    def fault(self) -> str | None:
+        """Why the storage is unusable now; None when healthy."""
+        return self._faults.reason
+
+    @property
+    def short_of_space(self) -> bool:
+        """The fault is only that the disk is fuller than `min_free_bytes` allows: deleting and
+        compacting, which free space, go on."""
+        return self._faults.short_of_space
 
     # ---- connection and faults
 
     def _connect(self) -> sqlite3.Connection:
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        opened = connect(self.path, self._synchronous)
+        db = opened.db
         try:
-            # Bodies and slices are megabyte blobs: 64 KiB pages write them about twice as fast as
-            # the default 4 KiB. Both pragmas only apply to a new file (WAL mode fixes the page
-            # size afterwards); incremental auto-vacuum lets `compact` shrink the file in place.
-            db.execute("PRAGMA page_size=65536")
-            db.execute("PRAGMA auto_vacuum=INCREMENTAL")
-            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if mode.lower() not in ("wal", "memory"):
-                raise sqlite3.OperationalError(f"cannot use WAL mode (journal_mode stays {mode})")
-            db.execute(f"PRAGMA synchronous={self._synchronous}")
-            db.execute("PRAGMA secure_delete=FAST")
-            db.execute(f"PRAGMA journal_size_limit={_WAL_KEEP_BYTES}")
-            db.executescript(_SCHEMA)
-            self._inline_bodies = any(r[1] == "body" for r in db.execute("PRAGMA table_info(steps)"))
-            db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('database_id', ?), ('writes', 0)",
-                       (new_database_id(),))
-            self._read_identity(db)
+            self._inline_bodies, self._database_id, self._writes = opened[1:]
             if self.path != ":memory:":
                 st = os.stat(self.path)
                 ident = (st.st_dev, st.st_ino)
                 if self._ident is not None and ident != self._ident:
                     raise OSError(f"{self.path} is another file than the one opened before")
                 self._ident = ident
-                self._wal_ident = _ident_of(self.path + "-wal")
+                self._wal_ident = ident_of(self.path + "-wal")
         except BaseException:
             db.close()
             raise
         return db
 
     def _connect_for_reading(self) -> sqlite3.Connection | None:
-        """A connection that only reads, for a database that cannot be opened for writing (a full
-        disk, a read-only file): acknowledged steps stay readable while the store is faulted."""
-        if self.path == ":memory:" or not os.path.exists(self.path):
+        opened = connect_for_reading(self.path)
+        if opened is None:
             return None
-        # read-only needs the -shm (and -wal) to exist or be creatable; after a clean stop they
-        # are gone (or left empty by the failed open) and the file holds every commit, so on a
-        # full disk it is read as immutable
-        try:
-            wal_bytes = os.path.getsize(self.path + "-wal")
-        except OSError:
-            wal_bytes = 0
-        modes = ["mode=ro"] + ([] if wal_bytes else ["immutable=1"])
-        for mode in modes:
-            try:
-                db = sqlite3.connect(f"file:{self.path}?{mode}", uri=True, isolation_level=None,
-                                     check_same_thread=False, timeout=30.0)
-                db.execute("SELECT COUNT(*) FROM steps").fetchone()
-                self._inline_bodies = any(r[1] == "body" for r in db.execute("PRAGMA table_info(steps)"))
-                self._read_identity(db)
-            except sqlite3.Error as exc:
-                log.warning("%s cannot be opened for reading (%s): %s", self.path, mode, exc)
-                continue
-            log.warning("%s opened for reading only until it can be written", self.path)
-            return db
-        return None
-
-    def _read_identity(self, db: sqlite3.Connection) -> None:
-        """The database's id and acknowledged writes (none in a database of an earlier version)."""
-        if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
-            self._database_id, self._writes = "", 0
-            return
-        meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('database_id', 'writes')").fetchall())
-        self._database_id, self._writes = str(meta.get("database_id", "")), int(meta.get("writes", 0))
+        self._inline_bodies, self._database_id, self._writes = opened[1:]
+        return opened.db
 
     def _check_acknowledged(self, accept: bool) -> None:
-        """At open: fault for good when the database lacks writes the mark says were acknowledged
+        """At open: LOST when the database lacks writes the mark says were acknowledged
         (`accept`: log it and serve the database as it is); then mark what it holds."""
         if self._mark is None or self._db is None:
             return
         lost = self._mark.lost(self._database_id, self._writes)
         if lost is not None and not accept:
-            self._gone = (f"storage: {self.path} lacks acknowledged writes: {lost}. It was deleted, replaced or "
-                          "restored from an older copy while the service was down or killed. Put the right file "
-                          "back, or start once with `harts serve --accept-data-loss` to serve it as it is")
-            self.fault = self._gone
+            self._faults.lose(f"storage: {self.path} lacks acknowledged writes: {lost}. It was deleted, replaced or "
+                              "restored from an older copy while the service was down or killed. Put the right file "
+                              "back, or start once with `harts serve --accept-data-loss` to serve it as it is")
+            self._faults.set(self._faults.lost)
             return
         if lost is not None:
             log.warning("serving %s as it is (--accept-data-loss): %s", self.path, lost)
@@ -277,12 +163,7 @@ class SQLiteStore:
 
     def free_bytes(self) -> int | None:
         """Free bytes on the database's file system (None for ":memory:" or when unknown)."""
-        if self.path == ":memory:":
-            return None
-        try:
-            return shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
-        except OSError:
-            return None
+        return disk_free(self.path)
 
     def _space_fault(self) -> str | None:
         free = self.free_bytes()
@@ -300,63 +181,39 @@ class SQLiteStore:
             return
         fault = self._space_fault()
         if fault is not None:
-            self._set_fault(fault, space=True)
+            self._faults.set(fault, space=True)
         raise StorageError(f"storage: the disk holding {self.path} is too full for {what}: it needs about {need} "
                            f"bytes, {free} are free and {self.min_free_bytes} stay free (`harts serve --min-free-mb`)",
                            need=need)
-
-    def _reason(self, exc: BaseException, doing: str) -> str:
-        if isinstance(exc, sqlite3.Error):
-            name = getattr(exc, "sqlite_errorname", None)
-            what = f"{exc} ({name})" if name else str(exc)
-        elif isinstance(exc, OSError):
-            what = exc.strerror or str(exc)
-            if exc.filename and exc.filename != self.path:
-                what += f" ({exc.filename})"
-        else:
-            what = str(exc)
-        return f"storage: {what} while {doing} {self.path}"
-
-    def _set_fault(self, reason: str | None, *, space: bool = False) -> None:
-        self.short_of_space = space and reason is not None
-        if reason == self.fault:
-            return
-        self.fault = reason
-        if self._on_fault is not None:
-            self._on_fault(reason)
 
     def _check_file(self) -> None:
         """Fault when the database or its WAL cannot be written (made read-only or immutable: WAL
         appends may still pass, the checkpoint and the next start would not); copy a deleted
         database back from the open connection; fault for good when that fails or the file at
         `path` is another one (later writes would be lost)."""
-        if self._gone is None and self.path != ":memory:" and self._ident is not None:
+        if self._faults.lost is None and self.path != ":memory:" and self._ident is not None:
             try:
                 st = os.stat(self.path)
                 if (st.st_dev, st.st_ino) != self._ident:
-                    self._gone = (f"storage: the database file {self.path} was replaced by another file while "
-                                  "the service ran; writes are refused; restart the service to use the new file "
-                                  "(with --accept-data-loss: it lacks the writes acknowledged here)")
+                    self._faults.lose(f"storage: the database file {self.path} was replaced by another file while "
+                                      "the service ran; writes are refused; restart the service to use the new file "
+                                      "(with --accept-data-loss: it lacks the writes acknowledged here)")
             except FileNotFoundError:
                 self._restore_deleted()
             except OSError as exc:
-                self._set_fault(self._reason(exc, "checking"))
-                raise StorageError(self.fault) from None
-        if self._gone is not None:
-            self._set_fault(self._gone)
-            raise StorageError(self._gone)
+                raise self._faults.fail(describe(exc, "checking", self.path)) from None
+        self._faults.check_lost()
         if self.path != ":memory:":
             self._check_wal()
             for name in (self.path, self.path + "-wal"):
                 if os.path.exists(name) and not os.access(name, os.W_OK):
-                    self._set_fault(f"storage: {name} is not writable (read-only or immutable)")
-                    raise StorageError(self.fault)
+                    raise self._faults.fail(f"storage: {name} is not writable (read-only or immutable)")
 
     def _restore_deleted(self) -> None:
         """The database file was deleted under the open connection: copy the database the
         connection still reads to a new file (SQLite's backup API), close the connection, remove
         what is left of the deleted database's WAL, rename the copy to `path` and reopen it.
-        `_gone` when that fails (before the close, the open connection keeps serving reads)."""
+        LOST when that fails (before the close, the open connection keeps serving reads)."""
         tmp = self.path + ".restoring"
         try:
             copy = sqlite3.connect(tmp, isolation_level=None)
@@ -367,11 +224,11 @@ class SQLiteStore:
         except BaseException as exc:
             with suppress(OSError):
                 os.unlink(tmp)  # a partial copy must not take the space the next start needs
-            if not _is_fault(exc):
+            if not is_fault(exc):
                 raise
-            self._gone = (f"storage: the database file {self.path} was deleted while the service ran and could not "
-                          f"be written back ({exc}); writes are refused (they would be lost); stop the service and "
-                          "put the file back")
+            self._faults.lose(f"storage: the database file {self.path} was deleted while the service ran and could "
+                              f"not be written back ({exc}); writes are refused (they would be lost); stop the service "
+                              "and put the file back")
             return
         self._db.close()
         self._db = None
@@ -380,16 +237,16 @@ class SQLiteStore:
                 with suppress(FileNotFoundError):
                     os.unlink(leftover)
             os.rename(tmp, self.path)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             self._ident = self._wal_ident = None
             self._db = self._connect()
         except BaseException as exc:
-            if not _is_fault(exc):
+            if not is_fault(exc):
                 raise
             where = self.path if os.path.exists(self.path) else tmp
-            self._gone = (f"storage: the database file {self.path} was deleted while the service ran; it was copied "
-                          f"to {where} but cannot be opened there for writing ({exc}); writes are refused; stop the "
-                          f"service, make sure the copy is at {self.path}, and start it again")
+            self._faults.lose(f"storage: the database file {self.path} was deleted while the service ran; it was "
+                              f"copied to {where} but cannot be opened there for writing ({exc}); writes are refused; "
+                              f"stop the service, make sure the copy is at {self.path}, and start it again")
             self._db = self._connect_for_reading()
             return
         log.warning("the database file %s was deleted while the service ran: wrote the open database back "
@@ -398,7 +255,7 @@ class SQLiteStore:
     def _check_wal(self) -> None:
         """A WAL deleted or replaced under the open connection: checkpoint the one still open into
         the database (a safeguard: every acknowledged write is there already) and start a new one."""
-        if self._wal_ident is None or self._db is None or _ident_of(self.path + "-wal") == self._wal_ident:
+        if self._wal_ident is None or self._db is None or ident_of(self.path + "-wal") == self._wal_ident:
             return
         log.warning("the WAL of %s was deleted or replaced while the service ran: checkpointing the open WAL "
                     "into the database and starting a new one", self.path)
@@ -410,12 +267,11 @@ class SQLiteStore:
             self._db = None
             self._db = self._connect()
         except BaseException as exc:
-            if not _is_fault(exc):
+            if not is_fault(exc):
                 raise
-            self._gone = (f"storage: the WAL of {self.path} was deleted while the service ran and could not be "
-                          f"checkpointed ({exc}); writes are refused; restart the service")
-            self._set_fault(self._gone)
-            raise StorageError(self._gone) from None
+            self._faults.lose(f"storage: the WAL of {self.path} was deleted while the service ran and could not be "
+                              f"checkpointed ({exc}); writes are refused; restart the service")
+            raise self._faults.fail(self._faults.lost) from None
 
     @contextmanager
     def _op(self, doing: str, *, write: bool, frees: bool = False) -> Iterator[sqlite3.Connection]:
@@ -427,20 +283,17 @@ class SQLiteStore:
                 raise StorageError(self.fault or f"storage: {self.path} is not open")
             if write:
                 self._check_file()
-                if self.fault is not None and not (frees and self.short_of_space):
-                    raise StorageError(self.fault)
-            try:
-                yield self._db
-            except BaseException as exc:
-                if self._db.in_transaction:
-                    try:
-                        self._db.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
-                if not _is_fault(exc):
+                self._faults.check_write(frees=frees)
+            with self._faults.translating(doing):
+                try:
+                    yield self._db
+                except BaseException:
+                    if self._db.in_transaction:
+                        try:
+                            self._db.execute("ROLLBACK")
+                        except sqlite3.Error:
+                            pass
                     raise
-                self._set_fault(self._reason(exc, doing))
-                raise StorageError(self.fault) from None
 
     def probe(self) -> str | None:
         """Check that the database can be written, reopening it if needed.
@@ -455,7 +308,7 @@ class SQLiteStore:
                 return self.fault
             space = self._space_fault()
             if space is not None:
-                self._set_fault(space, space=True)
+                self._faults.set(space, space=True)
                 return space
             try:
                 if self.fault is None and self._db is not None:
@@ -465,31 +318,31 @@ class SQLiteStore:
                     self._db = self._connect()
                 self._probe_write(self._db)
             except BaseException as exc:
-                if not _is_fault(exc):
+                if not is_fault(exc):
                     raise
-                reason = self._reason(exc, "writing to")
+                reason = describe(exc, "writing to", self.path)
                 if self._db is not None:
                     # a connection opened read-only, or left unusable by an I/O error: try a new one
                     try:
                         fresh = self._connect()
                     except BaseException as exc2:
-                        if not _is_fault(exc2):
+                        if not is_fault(exc2):
                             raise
                     else:
                         try:
                             self._probe_write(fresh)
                         except BaseException as exc2:
                             fresh.close()
-                            if not _is_fault(exc2):
+                            if not is_fault(exc2):
                                 raise
                         else:
                             self._db.close()
                             self._db = fresh
-                            self._set_fault(None)
+                            self._faults.set(None)
                             return None
-                self._set_fault(reason)
+                self._faults.set(reason)
                 return reason
-            self._set_fault(None)
+            self._faults.set(None)
             return None
 
     @staticmethod
@@ -506,7 +359,7 @@ class SQLiteStore:
         def run() -> None:
             while not self._watch_stop.wait(_WATCH_S):
                 with self._lock:
-                    if self._db is None or self._gone is not None:
+                    if self._db is None or self._faults.lost is not None:
                         continue
                     try:
                         self._check_file()
@@ -526,11 +379,11 @@ class SQLiteStore:
         if self._watch is not None:
             self._watch.join(timeout=10)
         with self._lock:
-            if self._db is not None and self._gone is None and self.path != ":memory:":
+            if self._db is not None and self._faults.lost is None and self.path != ":memory:":
                 try:
                     self._check_file()
                     self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-                except (StorageError, *_FAULTS) as exc:
+                except (StorageError, *FAULTS) as exc:
                     log.warning("closing %s without a final checkpoint: %s", self.path, exc)
             if self._db is not None:
                 self._db.close()
@@ -549,9 +402,6 @@ class SQLiteStore:
             log.warning("%s: the checkpoint after a write copied %d of %d WAL frames", self.path, copied, frames)
         if self._mark is not None:
             self._mark.write(self._database_id, self._writes)
-
-    def _row(self, row) -> StepRecord:
-        return StepRecord.from_row(row)
 
     @contextmanager
     def plan_lock(self, step_id: str, *, wait: bool = True) -> Iterator[bool]:
@@ -578,7 +428,7 @@ class SQLiteStore:
             row = db.execute(f"SELECT {_COLUMNS} FROM steps WHERE step_id = ?", (rec.step_id,)).fetchone()
             if row is not None:
                 db.execute("COMMIT")
-                return self._row(row)
+                return StepRecord.from_row(row)
             names = _COLUMNS + (", body" if self._inline_bodies else "")
             values = [getattr(rec, n) for n in _NAMES] + ([b""] if self._inline_bodies else [])
             db.execute(f"INSERT INTO steps ({names}) VALUES ({', '.join('?' * len(values))})", values)
@@ -592,7 +442,7 @@ class SQLiteStore:
             row = db.execute(f"SELECT {_COLUMNS} FROM steps WHERE step_id = ?", (step_id,)).fetchone()
         if row is None:
             raise NotFoundError(f"step_id: no step {step_id!r}")
-        return self._row(row)
+        return StepRecord.from_row(row)
 
     def body(self, step_id: str) -> tuple[str, bytes]:
         """(format, body bytes) of a stored step."""
@@ -611,7 +461,7 @@ class SQLiteStore:
         """At most `limit` steps, newest submission first."""
         with self._op("reading", write=False) as db:
             rows = db.execute(f"SELECT {_COLUMNS} FROM steps ORDER BY rowid DESC LIMIT ?", (int(limit),)).fetchall()
-        return [self._row(r) for r in rows]
+        return [StepRecord.from_row(r) for r in rows]
 
     def pending(self) -> list[StepRecord]:
         """Steps with a requested topology that were never planned (planning was interrupted)."""
@@ -620,7 +470,7 @@ class SQLiteStore:
                 f"SELECT {_COLUMNS} FROM steps WHERE state = ? AND topology IS NOT NULL ORDER BY rowid",
                 (SUBMITTED,),
             ).fetchall()
-        return [self._row(r) for r in rows]
+        return [StepRecord.from_row(r) for r in rows]
 
     def count_unplanned(self) -> int:
         with self._op("reading", write=False) as db:
@@ -717,7 +567,7 @@ class SQLiteStore:
         """Give free pages back to the file system. Returns the bytes freed.
 
         Databases created with incremental auto-vacuum (every new one) shrink in place, in
-        checkpointed transactions between which other calls go on: `_VACUUM_PAGES` pages each,
+        checkpointed transactions between which other calls go on (`sqlite_files.free_pages`),
         or, while the disk is short of space, as many as the WAL's blocks hold, so that compaction
         needs no new disk space. An older database only reuses its free pages, unless `vacuum`:
         one VACUUM then converts it, writing a copy of the whole file while every other database
@@ -725,7 +575,7 @@ class SQLiteStore:
         before the service is ready), and only when the disk has room for twice the file.
         """
         with self._op("compacting", write=True, frees=not vacuum) as db:
-            before = self._file_bytes()
+            before = file_bytes(self.path)
             mode = db.execute("PRAGMA auto_vacuum").fetchone()[0]
             if mode != 2 and not vacuum:
                 if not self._vacuum_hint:
@@ -735,55 +585,13 @@ class SQLiteStore:
                 return 0
             if mode != 2:
                 if self.path != ":memory:":
-                    self._vacuum(db, before)
-                return max(0, before - self._file_bytes())
+                    convert_to_incremental(db, self.path, before)
+                return max(0, before - file_bytes(self.path))
             pages = db.execute("PRAGMA freelist_count").fetchone()[0]
         while pages > 0:
             with self._op("compacting", write=True, frees=True) as db:
-                db.execute("BEGIN IMMEDIATE")
-                for _ in range(min(pages, self._vacuum_chunk(db))):  # a statement frees one page (Python steps it once)
-                    db.execute("PRAGMA incremental_vacuum").fetchall()
-                db.execute("COMMIT")
-                db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # truncates the database file
-                left = db.execute("PRAGMA freelist_count").fetchone()[0]
+                left = free_pages(db, self.path, pages, short_of_space=self.short_of_space)
             if left >= pages:
                 break
             pages = left
-        return max(0, before - self._file_bytes())
-
-    def _vacuum_chunk(self, db: sqlite3.Connection) -> int:
-        """Pages one compaction transaction moves: `_VACUUM_PAGES`, or, while the disk is short of
-        space, what the WAL's blocks hold (a moved page takes a frame, its parent and pointer-map
-        pages up to two more)."""
-        if not self.short_of_space:
-            return _VACUUM_PAGES
-        try:
-            frames = os.path.getsize(self.path + "-wal") // (db.execute("PRAGMA page_size").fetchone()[0] + 24)
-        except OSError:
-            frames = 0
-        return max(1, frames // 3)
-
-    def _vacuum(self, db: sqlite3.Connection, size: int) -> None:
-        """Convert a database of an earlier version to incremental auto-vacuum (one VACUUM), when
-        the disk has room for the copy."""
-        need = 2 * size
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
-        if free < need:
-            log.warning("not compacting %s: VACUUM needs about %d free bytes, the disk has %d", self.path, need, free)
-            return
-        t0 = time.perf_counter()
-        db.execute("PRAGMA auto_vacuum=INCREMENTAL")
-        db.execute("VACUUM")
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        log.info("vacuumed %s in %.1f s (incremental auto-vacuum from now on)", self.path, time.perf_counter() - t0)
-
-    def _file_bytes(self) -> int:
-        if self.path == ":memory:":
-            return 0
-        total = 0
-        for suffix in ("", "-wal"):
-            try:
-                total += os.path.getsize(self.path + suffix)
-            except OSError:
-                pass
-        return total
+        return max(0, before - file_bytes(self.path))

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from harts_client.tokenizer import ByteTokenizer
-from trainer.rl.config import RLConfigError, load_rl_config
+from trainer.config import ConfigError
+from trainer.rl.config import load_rl_config
 from harts_cli.rl.run import compare_curves, compression_summary, reward_rise, run_rl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,9 +58,9 @@ def test_example_config_loads_and_fills_the_trainer_ranks_config(tmp_path):
 
 @pytest.mark.parametrize("text,match", [
     ("[runn]\nsteps = 1\n", "runn: unknown section"),
-    ("[run]\nstepz = 1\n", "run.stepz: unknown field"),
+    ("[run]\nstepz = 1\n", "unknown field run.stepz"),
     ("[run]\nsteps = 0\n", "run.steps: expected >= 1"),
-    ("[run]\nsteps = 'x'\n", "run.steps: expected int"),
+    ("[run]\nsteps = 'x'\n", "run.steps: expected an integer"),
     ("[trainer.job]\nsteps = 3\n", "trainer.job.steps: set by harts rl"),
     ("[trainer.optimizer]\nlr = -1.0\n", "trainer: optimizer.lr: expected > 0"),
     ("[plan]\nform = 'dag'\n", "plan.form"),
@@ -72,7 +73,7 @@ def test_config_errors_name_the_field(tmp_path, text, match):
         with pytest.raises(ValueError, match="branching"):
             load_rl_config(path).sampling.sampling()
         return
-    with pytest.raises(RLConfigError, match=match.replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=match.replace("[", r"\[")):
         load_rl_config(path)
 
 
@@ -81,14 +82,15 @@ def test_harts_rl_cli_errors_are_one_line(tmp_path):
     bad.write_text("[run]\nstepz = 1\n")
     out = subprocess.run([sys.executable, "-m", "harts_cli.main", "rl", "--config", str(bad)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "harts rl: error: run.stepz: unknown field" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "harts rl: error: " in out.stderr and "unknown field run.stepz" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     out = subprocess.run([sys.executable, "-m", "harts_cli.main", "rl", "--config", str(EXAMPLE), "--replay", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "expected a harts rl run folder" in out.stderr
 
 
 def test_sinks_write_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):
-    from trainer.rl.config import MetricsSection
+    from trainer.rl.config import RLMetricsSection
     from harts_cli.rl.sinks import Sinks, plot_run
 
     calls = []
@@ -103,7 +105,7 @@ def test_sinks_write_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):
 
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    sinks = Sinks(tmp_path, MetricsSection(wandb_project="harts-test", wandb_mode="offline"), config={"run": {"steps": 2}})
+    sinks = Sinks(tmp_path, RLMetricsSection(wandb_project="harts-test", wandb_mode="offline"), config={"run": {"steps": 2}})
     lines = [{"step": 1, "reward_mean": 0.25, "reward_std": 0.1, "compression": 2.0, "step_id": "rl-0"},
              {"step": 2, "reward_mean": 0.5, "reward_std": 0.1, "compression": 2.1, "eval_reward": 1.0}]
     for line in lines:
@@ -116,7 +118,7 @@ def test_sinks_write_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):
     assert plot_run(lines, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ValueError, match="wandb package"):
-        Sinks(tmp_path, MetricsSection(wandb_project="p"), config={})
+        Sinks(tmp_path, RLMetricsSection(wandb_project="p"), config={})
 
 
 def test_reward_rise_and_curve_comparison():

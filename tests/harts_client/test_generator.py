@@ -166,9 +166,9 @@ def test_explicit_tree_from_a_tree_search_generator(server):
 
 @pytest.mark.integration
 def test_example_generator_plans_lock_step_phases_when_asked(server):
-    from planner_service import http_api
+    from planner_service.transport import http_models
 
-    if "lockstep" not in http_api.Topology.model_fields:
+    if "lockstep" not in http_models.Topology.model_fields:
         pytest.skip("the HTTP topology has no lockstep field on this branch (the service wires it)")
     out = subprocess.run([sys.executable, "examples/generator_submit.py", "--url", server.http_url, "--steps", "1",
                           "--batch-prefix", "lockstep-", "--world-size", "2", "--lockstep"],

@@ -13,8 +13,8 @@ from starlette.testclient import TestClient
 
 from planner_service.core import PlannerCore, ServiceConfig
 from planner_service.errors import ValidationError
-from planner_service.http_api import create_app
 from planner_service.ingest import json_to_proto
+from planner_service.transport.http import create_app
 
 
 def _doc() -> dict:

@@ -277,8 +277,9 @@ def test_logprob_map_kernels_match_references(all_positions):
             sel = traj == t
             np.testing.assert_array_equal(f.tokens[tok[sel]], np.asarray(trajs[t])[pos[sel]])
             np.testing.assert_array_equal(f.tokens[prev_tok[sel]], np.asarray(trajs[t])[pos[sel] - 1])
+        # loss terms: positions 1..L-1 (position 0 has no log-prob, whatever its mask bit)
         np.testing.assert_array_equal(loss_per_trajectory(f.traj_offset, f.loss_mask),
-                                      [int(f.loss_mask[a:b].sum()) for a, b in zip(f.traj_offset[:-1], f.traj_offset[1:])])
+                                      [int(f.loss_mask[a + 1:b].sum()) for a, b in zip(f.traj_offset[:-1], f.traj_offset[1:])])
         keys = rng.integers(0, 7, 50)
         order, bounds = group_by(keys, 7)
         np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))

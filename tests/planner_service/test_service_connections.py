@@ -19,7 +19,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from planner_service.http_guard import _OVERFLOW
+from planner_service.transport.http_guard import _OVERFLOW
 from planner_service.server import _BACKLOG, _RESERVED_FDS
 from tests.service_helpers import raw_request, start_serve, status_line
 

@@ -15,6 +15,7 @@ from planner_service.errors import (
     ConflictError, LimitError, NotFoundError, NotReadyError, PlanningError, StorageError, ValidationError,
 )
 from planner_service.ingest import json_to_proto
+from planner_service.store.sqlite_files import file_bytes
 from proto.harts.v1 import planner_pb2
 from plan.seal import open_sealed
 from tests.service_helpers import TOPOLOGY, rollout_doc
@@ -171,7 +172,7 @@ def test_submit_with_topology_plans_in_the_background_and_wakes_long_polls(core)
     doc = rollout_doc("s-poll")
 
     async def scenario():
-        waiter = asyncio.create_task(core.fetch_async("s-poll", 1, wait=20.0))
+        waiter = asyncio.create_task(core.aio.fetch("s-poll", 1, wait=20.0))
         await asyncio.sleep(0.2)  # the step does not exist yet: the fetch waits for it
         assert not waiter.done()
         threading.Thread(target=core.submit, args=(_body(doc), "json", TOPO)).start()
@@ -188,7 +189,7 @@ def test_long_poll_gives_up_after_the_wait(core):
     async def scenario(step):
         t0 = time.perf_counter()
         with pytest.raises((NotReadyError, NotFoundError)) as err:
-            await core.fetch_async(step, 0, wait=0.3)
+            await core.aio.fetch(step, 0, wait=0.3)
         return err.type, time.perf_counter() - t0
 
     kind, elapsed = asyncio.run(scenario("s-wait"))
@@ -214,7 +215,7 @@ def test_restart_recovers_plans_and_resumes_interrupted_planning(tmp_path):
     b.start()
     try:
         assert [b.fetch("s-done", r) for r in range(2)] == before
-        data = asyncio.run(b.fetch_async("s-cut", 0, wait=20.0))
+        data = asyncio.run(b.aio.fetch("s-cut", 0, wait=20.0))
         assert open_sealed(data).header.step_id == "s-cut"
         assert b.submit(json_to_proto(rollout_doc("s-cut")).SerializeToString(), "proto").duplicate
     finally:
@@ -241,7 +242,7 @@ def test_default_topology_plans_every_submission(tmp_path):
     c.start()
     try:
         c.submit(_body(rollout_doc("s-default")), "json")
-        data = asyncio.run(c.fetch_async("s-default", 1, wait=20.0))
+        data = asyncio.run(c.aio.fetch("s-default", 1, wait=20.0))
         assert open_sealed(data).rank.rank == 1
         assert c.status("s-default").topology.world_size == TOPO.world_size
     finally:
@@ -362,7 +363,7 @@ def test_a_database_of_an_earlier_version_is_read_deleted_and_vacuumed(tmp_path)
     c = PlannerCore(ServiceConfig(db_path=str(db), vacuum=True))  # harts serve --vacuum
     c.start()
     try:
-        assert c.store._file_bytes() < before / 2  # converted before the service was ready
+        assert file_bytes(c.store.path) < before / 2  # converted before the service was ready
         assert c.store._db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
         assert [s.step_id for s in c.list_steps()] == ["s-later"] and c.fetch("s-later", 0)
     finally:
@@ -504,8 +505,8 @@ def test_deleting_and_retention_go_on_while_the_disk_is_short_of_space(tmp_path,
         with pytest.raises(StorageError):
             c.submit(_body(rollout_doc("d", seed=4)), "json")  # a write that takes space is refused
         assert c.delete("a").step_id == "a"  # one that frees space is not
-        c._maintenance.max_age_seconds = 1e-9  # every step is too old now: retention deletes them
-        c._maintenance.wake()
+        c.maintenance.max_age_seconds = 1e-9  # every step is too old now: retention deletes them
+        c.maintenance.wake()
         _until(lambda: c.list_steps() == [])
         assert 'harts_steps_deleted_total{cause="retention"} 2.0' in c.metrics.render().decode()
         assert not c.ready  # the (simulated) disk is still full
@@ -565,7 +566,7 @@ def test_slow_plans_and_submissions_never_hold_up_a_read(core, monkeypatch):
     """The hostile audit: six slow submissions filled the six threads of the pool that status
     reads shared with them, and a status GET went from 3 ms to 29.9 s. Here every submission and
     every plan blocks until released: status, list and a planned slice still answer."""
-    import planner_service.core as core_module
+    import planner_service.planner as planner
     from planner_service import ingest
 
     core.submit(_body(rollout_doc("s-read")), "json")
@@ -573,7 +574,7 @@ def test_slow_plans_and_submissions_never_hold_up_a_read(core, monkeypatch):
     for i in range(2):
         core.submit(_body(rollout_doc(f"s-slow-plan-{i}", seed=i)), "json")
     release = threading.Event()
-    parse, plan_step = ingest.forest_from_json, core_module._planner().plan_step
+    parse, plan_step = ingest.forest_from_json, planner.plan_step
 
     def slow_parse(*args, **kwargs):
         release.wait(120)
@@ -584,19 +585,19 @@ def test_slow_plans_and_submissions_never_hold_up_a_read(core, monkeypatch):
         return plan_step(*args, **kwargs)
 
     monkeypatch.setattr(ingest, "forest_from_json", slow_parse)
-    monkeypatch.setattr(core_module._planner(), "plan_step", slow_plan)
+    monkeypatch.setattr(planner, "plan_step", slow_plan)
 
     async def main():
         # more slow submissions than the event loop's default pool has threads (min(32, cores + 4))
-        writes = [asyncio.ensure_future(core.submit_async(_body(rollout_doc(f"s-slow-{i}", seed=i)), "json"))
+        writes = [asyncio.ensure_future(core.aio.submit(_body(rollout_doc(f"s-slow-{i}", seed=i)), "json"))
                   for i in range(40)]
-        plans = [asyncio.ensure_future(core.plan_async(f"s-slow-plan-{i}", TOPO)) for i in range(2)]
+        plans = [asyncio.ensure_future(core.aio.plan(f"s-slow-plan-{i}", TOPO)) for i in range(2)]
         await asyncio.sleep(0.2)
         try:
             # bounds that only a starved read reaches
-            status = await asyncio.wait_for(core.status_async("s-read"), 60)
-            steps = await asyncio.wait_for(core.list_steps_async(), 60)
-            data = await asyncio.wait_for(core.fetch_async("s-read", 1), 60)
+            status = await asyncio.wait_for(core.aio.status("s-read"), 60)
+            steps = await asyncio.wait_for(core.aio.list_steps(), 60)
+            data = await asyncio.wait_for(core.aio.fetch("s-read", 1), 60)
         finally:
             release.set()
         await asyncio.gather(*writes, *plans)

@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from planner_service.core import PlannerCore, ServiceConfig
-from planner_service.http_api import create_app
+from planner_service.transport.http import create_app
 from proto.harts.v1 import planner_pb2
 from tests.service_helpers import TOPOLOGY, rollout_doc
 

@@ -10,10 +10,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from planner_service.cache import ByteLRU
+from planner_service.core.caches import ByteLRU
 from planner_service.core import PlannerCore, ServiceConfig
 from planner_service.errors import LimitError
-from planner_service.http_api import _read_body
+from planner_service.transport.http import _read_body
 from proto.harts.v1 import planner_pb2, rollouts_pb2
 from tests.service_helpers import TOPOLOGY, rollout_doc
 
@@ -43,10 +43,10 @@ def test_slice_cache_is_bounded_by_bytes_and_evicted_plans_are_served_from_the_s
             core.submit(json.dumps(rollout_doc(step, seed=i, trajectories=8)).encode(), "json")
             core.plan(step, planner_pb2.Topology(**TOPOLOGY))
             first[step] = [core.fetch(step, r) for r in range(2)]
-            assert core._slices.nbytes <= 40_000 and core._forests.nbytes <= 60_000
+            assert core.caches.slices.nbytes <= 40_000 and core.caches.forests.nbytes <= 60_000
         step_bytes = sum(map(len, first["s-cache-0"]))
         assert 8 * step_bytes > 40_000  # a count bound of 8 steps would hold more than the budget
-        assert not any(key[0] == "s-cache-0" for key in core._slices._items)
+        assert not any(key[0] == "s-cache-0" for key in core.caches.slices._items)
         metrics = core.metrics.render().decode()
         held = float(metrics.split('harts_cache_bytes{cache="slices"} ')[1].split()[0])
         assert 0 < held <= 40_000

@@ -227,7 +227,7 @@ def test_a_database_outage_is_a_storage_fault_that_clears(pg):
         other = PlannerCore(ServiceConfig(db_path=pg.url))
         try:
             async def poll():
-                return await core.fetch_async("outage-1", 0, 30)
+                return await core.aio.fetch("outage-1", 0, 30)
 
             async def both():
                 task = asyncio.ensure_future(poll())

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from planner_service.core import PlannerCore, ServiceConfig, topology_to_config
+from planner_service.core import PlannerCore, ServiceConfig
+from planner_service.topology import normalized_topology, topology_to_config
+from planner_service.transport.http_models import Topology
 from planner_service.errors import ValidationError
 from planner_service.planner.cost_model import CostModel
 from proto.harts.v1 import planner_pb2
@@ -60,14 +62,10 @@ def test_bad_model_documents_name_the_topology_field(field, value, match):
 
 
 def test_lockstep_reaches_the_plan_config_over_json_and_grpc_and_the_service_default():
-    from planner_service.http_models import Topology
-
     assert topology_to_config(planner_pb2.Topology(**TOPOLOGY, lockstep=True)).lockstep
     assert not topology_to_config(planner_pb2.Topology(**TOPOLOGY)).lockstep
     proto = Topology.model_validate_json(json.dumps({**TOPOLOGY, "lockstep": True})).to_proto()
     assert proto.lockstep and topology_to_config(proto).lockstep
-    from planner_service.service_config import normalized_topology
-
     assert normalized_topology(topology_to_config(proto)).lockstep  # kept with the step, compared for idempotency
     # windows across ranks are on by default for lock-step plans; no_cross_rank_windows is the ablation
     assert topology_to_config(proto).cross_rank_windows and not normalized_topology(topology_to_config(proto)).no_cross_rank_windows
@@ -78,9 +76,6 @@ def test_lockstep_reaches_the_plan_config_over_json_and_grpc_and_the_service_def
 
 
 def test_checkpointing_expert_parallelism_and_head_reach_the_plan_config_and_stay_unset_by_default():
-    from planner_service.http_models import Topology
-    from planner_service.service_config import normalized_topology
-
     doc = {**TOPOLOGY, "lockstep": True, "activation_checkpointing": "full", "expert_parallel": 2, "head": "chunked"}
     for proto in (planner_pb2.Topology(**doc), Topology.model_validate_json(json.dumps(doc)).to_proto()):
         cfg = topology_to_config(proto)

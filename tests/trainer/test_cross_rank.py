@@ -242,10 +242,10 @@ def _worker(rank: int, world: int, port: int, plan_bytes: bytes, mode: str, queu
     sl = plan_pb2.PlanSlice(header=plan.header, rank=plan.ranks[rank])
     try:
         if mode == "fsdp":
-            from trainer.config import ParallelismConfig
+            from trainer.config import ParallelismSection
 
             ctx = DistContext(rank=rank, world_size=world, initialized=True)
-            cfg = ParallelismConfig(reshard_after_forward=True)
+            cfg = ParallelismSection(reshard_after_forward=True)
             mesh = make_mesh(cfg, ctx)
             model = build_model("tiny", seed=SEED, shard=lambda m: parallelize(m, mesh, cfg, ctx, reshard=True))
             log: list[str] = []

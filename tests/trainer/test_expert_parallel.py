@@ -30,12 +30,12 @@ def _worker(rank: int, world: int, port: int, args: tuple, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from trainer.config import ParallelismConfig
+        from trainer.config import ParallelismSection
         from trainer.distributed import DistContext
         from trainer.parallelize import GradSync, make_mesh, parallelize, run_slice
 
         ctx = DistContext(rank=rank, world_size=world, initialized=True)
-        cfg = ParallelismConfig(reshard_after_forward=True, expert_parallel=ep, activation_checkpointing=ckpt)
+        cfg = ParallelismSection(reshard_after_forward=True, expert_parallel=ep, activation_checkpointing=ckpt)
         mesh = make_mesh(cfg, ctx)
         model = build_model("tiny", seed=SEED, shard=lambda m: parallelize(m, mesh, cfg, ctx, reshard=True))
         experts = model.model.layers[0].mlp.experts.gate_up_proj
@@ -70,11 +70,11 @@ def test_expert_parallel_step_equals_the_one_process_step(world, ep, ckpt):
 
 
 def test_expert_parallelism_needs_fsdp_and_lockstep():
-    from trainer.config import ParallelismConfig
+    from trainer.config import ParallelismSection
 
     with pytest.raises(ValueError, match="expert_parallel: expected 1 with data_parallel='replicate'"):
-        ParallelismConfig(data_parallel="replicate", expert_parallel=2)
+        ParallelismSection(data_parallel="replicate", expert_parallel=2)
     with pytest.raises(ValueError, match="expert_parallel: expected reshard_after_forward true or none"):
-        ParallelismConfig(expert_parallel=2, reshard_after_forward=False)
+        ParallelismSection(expert_parallel=2, reshard_after_forward=False)
     with pytest.raises(ValueError, match="expert_parallel: expected >= 1"):
-        ParallelismConfig(expert_parallel=0)
+        ParallelismSection(expert_parallel=0)

@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, port: int, plan_bytes: bytes, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from trainer.config import ParallelismConfig
+    from trainer.config import ParallelismSection
     from trainer.distributed import DistContext
     from trainer.param_memory import ParamGradGauge
     from trainer.parallelize import GradSync, make_mesh, parallelize, run_slice
@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, port: int, plan_bytes: bytes, queue) -> None:
         setattr(dist, name, logging_(name))
     try:
         ctx = DistContext(rank=rank, world_size=world, initialized=True)
-        cfg = ParallelismConfig(reshard_after_forward=True)
+        cfg = ParallelismSection(reshard_after_forward=True)
         mesh = make_mesh(cfg, ctx)
         model = build_model("tiny", seed=SEED, shard=lambda m: parallelize(m, mesh, cfg, ctx, reshard=True))
         local_elements = sum(p.to_local().numel() for p in model.parameters())

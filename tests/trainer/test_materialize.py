@@ -34,7 +34,7 @@ def _worker(rank: int, port: int, hf_dir: str, queue) -> None:
     import safetensors
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.config import ParallelismConfig
+    from trainer.config import ParallelismSection
     from trainer.distributed import DistContext
     from trainer.models.materialize import local_rows
     from trainer.parallelize import parallelize
@@ -76,7 +76,7 @@ def _worker(rank: int, port: int, hf_dir: str, queue) -> None:
     safetensors.safe_open = Opened
     try:
         ctx = DistContext(rank=rank, world_size=4, initialized=True)
-        cfg = ParallelismConfig()
+        cfg = ParallelismSection()
         meshes = {4: init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)),
                   2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "dp"))["dp"]}
         out = {}

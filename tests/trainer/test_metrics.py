@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import MetricsConfig, StalenessConfig
+from trainer.config import MetricsSection, StalenessSection
 from trainer.metrics import MetricsWriter, stat_metrics
 from trainer.objectives import Normalizers, ObjectiveConfig, policy_loss
 from trainer.staleness import staleness_scale
@@ -65,15 +65,15 @@ def test_an_empty_microbatch_has_identity_stats():
 
 def test_writer_creates_the_folder_rank0_only_and_drops_lines_after_the_resumed_step(tmp_path):
     path = tmp_path / "new" / "dir" / "metrics.jsonl"
-    w = MetricsWriter(MetricsConfig(jsonl=str(path)), is_main=False)
+    w = MetricsWriter(MetricsSection(jsonl=str(path)), is_main=False)
     w.write({"step": 1})
     w.close()
     assert not path.exists()
-    w = MetricsWriter(MetricsConfig(jsonl=str(path)), is_main=True)
+    w = MetricsWriter(MetricsSection(jsonl=str(path)), is_main=True)
     for s in (1, 2, 3):
         w.write({"step": s, "loss": 0.5})
     w.close()
-    w = MetricsWriter(MetricsConfig(jsonl=str(path)), is_main=True, resume_step=2)  # checkpoint after step 2
+    w = MetricsWriter(MetricsSection(jsonl=str(path)), is_main=True, resume_step=2)  # checkpoint after step 2
     w.write({"step": 3, "loss": 0.25})
     w.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
@@ -84,7 +84,7 @@ def test_a_resumed_run_that_trains_nothing_leaves_the_metrics_file_alone(tmp_pat
     # issue 22: a run that exits before its first step (a world-size check) truncated 4 lines to 0
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
-    w = MetricsWriter(MetricsConfig(jsonl=str(path)), is_main=True, resume_step=0)
+    w = MetricsWriter(MetricsSection(jsonl=str(path)), is_main=True, resume_step=0)
     w.close()
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
 
@@ -92,12 +92,12 @@ def test_a_resumed_run_that_trains_nothing_leaves_the_metrics_file_alone(tmp_pat
 @pytest.mark.parametrize(
     "trainer,batch,cfg,expect",
     [
-        (5, None, StalenessConfig(max_staleness=0), (None, 1.0)),
-        (5, 5, StalenessConfig(max_staleness=0), (0, 1.0)),
-        (5, 3, StalenessConfig(max_staleness=2), (2, 1.0)),
-        (5, 2, StalenessConfig(max_staleness=2), (3, 0.0)),
-        (5, 1, StalenessConfig(max_staleness=2, mode="downweight", decay=0.5), (4, 0.25)),
-        (9, 0, StalenessConfig(), (9, 1.0)),
+        (5, None, StalenessSection(max_staleness=0), (None, 1.0)),
+        (5, 5, StalenessSection(max_staleness=0), (0, 1.0)),
+        (5, 3, StalenessSection(max_staleness=2), (2, 1.0)),
+        (5, 2, StalenessSection(max_staleness=2), (3, 0.0)),
+        (5, 1, StalenessSection(max_staleness=2, mode="downweight", decay=0.5), (4, 0.25)),
+        (9, 0, StalenessSection(), (9, 1.0)),
     ],
     ids=["unversioned", "fresh", "at-bound", "reject", "downweight", "unbounded"],
 )

@@ -52,7 +52,7 @@ def _worker(rank: int, port: int, plan_bytes: bytes, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    from trainer.config import ParallelismConfig
+    from trainer.config import ParallelismSection
     from trainer.distributed import DistContext
     from trainer.parallelize import GradSync, make_mesh, parallelize, participation_slice, run_slice
 
@@ -69,7 +69,7 @@ def _worker(rank: int, port: int, plan_bytes: bytes, queue) -> None:
         plan = plan_pb2.Plan.FromString(plan_bytes)
         out = {}
         for name, mode, on0 in (("fsdp", "fsdp", False), ("replicate", "replicate", False), ("fsdp-empty", "fsdp", True)):
-            cfg = ParallelismConfig(data_parallel=mode)
+            cfg = ParallelismSection(data_parallel=mode)
             model = parallelize(build_model("tiny", seed=SEED + rank * (mode == "replicate")), make_mesh(cfg, ctx), cfg, ctx)
             ex = Executor(model, ExecutorConfig(chunk_size=C))
             sl = _slice(plan, rank, on0)

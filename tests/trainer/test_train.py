@@ -220,17 +220,17 @@ def test_step_dirs_prune_keeps_the_newest_and_the_one_latest_names(tmp_path):
 
 
 def test_reshard_after_forward_defaults_to_the_device_memory_rule():
-    from trainer.config import ParallelismConfig
+    from trainer.config import ParallelismSection
     from trainer.parallelize import resolve_reshard
 
     cpu, gib = torch.device("cpu"), 1 << 30
-    assert resolve_reshard(ParallelismConfig(), 100 * gib, cpu) is False  # CPU without device_memory_gb
-    assert resolve_reshard(ParallelismConfig(device_memory_gb=141), 80 * gib, cpu) is True  # > 0.5 x 141 GiB
-    assert resolve_reshard(ParallelismConfig(device_memory_gb=141), 60 * gib, cpu) is False
-    assert resolve_reshard(ParallelismConfig(device_memory_gb=141, reshard_memory_fraction=0.25), 40 * gib, cpu) is True
-    assert resolve_reshard(ParallelismConfig(reshard_after_forward=True), 1, cpu) is True
-    assert resolve_reshard(ParallelismConfig(reshard_after_forward=False, device_memory_gb=1), 10 * gib, cpu) is False
-    assert resolve_reshard(ParallelismConfig(data_parallel="replicate"), 10 * gib, cpu) is False
+    assert resolve_reshard(ParallelismSection(), 100 * gib, cpu) is False  # CPU without device_memory_gb
+    assert resolve_reshard(ParallelismSection(device_memory_gb=141), 80 * gib, cpu) is True  # > 0.5 x 141 GiB
+    assert resolve_reshard(ParallelismSection(device_memory_gb=141), 60 * gib, cpu) is False
+    assert resolve_reshard(ParallelismSection(device_memory_gb=141, reshard_memory_fraction=0.25), 40 * gib, cpu) is True
+    assert resolve_reshard(ParallelismSection(reshard_after_forward=True), 1, cpu) is True
+    assert resolve_reshard(ParallelismSection(reshard_after_forward=False, device_memory_gb=1), 10 * gib, cpu) is False
+    assert resolve_reshard(ParallelismSection(data_parallel="replicate"), 10 * gib, cpu) is False
     assert load_config(None, ["--parallelism.reshard_after_forward", "none"]).parallelism.reshard_after_forward is None
 
 

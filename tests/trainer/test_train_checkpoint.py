@@ -38,14 +38,14 @@ def _worker(rank: int, world: int, port: int, path: str, save: bool, plan_bytes:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from trainer.config import ParallelismConfig
+    from trainer.config import ParallelismSection
     from trainer.distributed import DistContext
     from trainer.executor import Executor, ExecutorConfig
     from trainer.parallelize import GradSync, make_mesh, parallelize, run_slice
 
     try:
         ctx = DistContext(rank=rank, world_size=world, initialized=True)
-        cfg = ParallelismConfig(data_parallel="fsdp", reshard_after_forward=True)
+        cfg = ParallelismSection(data_parallel="fsdp", reshard_after_forward=True)
         mesh = make_mesh(cfg, ctx)
         model = build_model("tiny", seed=SEED, fill=save, shard=lambda m: parallelize(m, mesh, cfg, ctx, reshard=True))
         params = list(model.parameters())

@@ -18,23 +18,23 @@ from trainer.config.cli import ALIASES, add_config_arguments, config_from_namesp
 from trainer.config.loader import config_from_dict, read_config_file, to_dict, with_overrides
 from trainer.config.schema import (
     SECTIONS,
-    CheckpointConfig,
+    CheckpointSection,
     ConfigError,
     ExecutorSection,
-    JobConfig,
-    LRScheduleConfig,
-    MetricsConfig,
+    JobSection,
+    LRScheduleSection,
+    MetricsSection,
     ModelSection,
-    OptimizerConfig,
-    ParallelismConfig,
-    PlannerConfig,
-    StalenessConfig,
+    OptimizerSection,
+    ParallelismSection,
+    PlannerSection,
+    StalenessSection,
     TrainerConfig,
 )
 
 __all__ = [
-    "PlannerConfig", "JobConfig", "ModelSection", "ParallelismConfig", "ExecutorSection", "OptimizerConfig",
-    "LRScheduleConfig", "CheckpointConfig", "MetricsConfig", "StalenessConfig", "TrainerConfig", "ConfigError",
+    "PlannerSection", "JobSection", "ModelSection", "ParallelismSection", "ExecutorSection", "OptimizerSection",
+    "LRScheduleSection", "CheckpointSection", "MetricsSection", "StalenessSection", "TrainerConfig", "ConfigError",
     "SECTIONS", "ALIASES", "add_config_arguments", "config_from_namespace", "config_from_dict", "load_config",
     "read_config_file", "with_overrides", "to_dict", "field_docs",
 ]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainer.config.schema import SECTIONS, ConfigError, TrainerConfig
 
-__all__ = ["read_config_file", "with_overrides", "config_from_dict", "to_dict"]
+__all__ = ["read_config_file", "with_overrides", "config_from_dict", "sections_from_dict", "to_dict"]
 
 
 def read_config_file(path: str | Path) -> dict:
@@ -68,14 +68,24 @@ def config_from_dict(doc: dict, *, where: str = "config") -> TrainerConfig:
     Raises:
         ConfigError: an unknown section or field, a value of the wrong type, a failed validation.
     """
+    return TrainerConfig(**sections_from_dict(doc, SECTIONS, where=where))
+
+
+def sections_from_dict(doc: dict, sections: dict[str, type], *, where: str = "config") -> dict:
+    """Section name -> its dataclass built from `doc`'s table of that name (the sections `doc` has;
+    values coerced to the field types): the one loader of the trainer's and `harts rl`'s files.
+
+    Raises:
+        ConfigError: an unknown section or field, a value of the wrong type, a failed validation.
+    """
     kw = {}
     for name, value in doc.items():
-        if name not in SECTIONS:
-            raise ConfigError(f"{where}: unknown section {name!r}; expected one of {', '.join(SECTIONS)}")
+        if name not in sections:
+            raise ConfigError(f"{where}: unknown section {name!r}; expected one of {', '.join(sections)}")
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: {name}: expected a table of fields, got {type(value).__name__}")
-        kw[name] = _build(SECTIONS[name], value, name, where)
-    return TrainerConfig(**kw)
+        kw[name] = _build(sections[name], value, name, where)
+    return kw
 
 
 def to_dict(cfg) -> dict:
@@ -104,6 +114,10 @@ def _coerce(value, hint, name: str):
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"expected a list, got {value!r}")
         return [_coerce(v, elem, name) for v in value]
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a table, got {value!r}")
+        return dict(value)
     if hint is bool:
         if isinstance(value, bool):
             return value

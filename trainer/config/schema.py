@@ -19,8 +19,8 @@ from pathlib import Path
 from trainer.objectives import ObjectiveConfig
 
 __all__ = [
-    "PlannerConfig", "JobConfig", "ModelSection", "ParallelismConfig", "ExecutorSection", "OptimizerConfig",
-    "LRScheduleConfig", "CheckpointConfig", "MetricsConfig", "StalenessConfig", "TrainerConfig", "ConfigError",
+    "PlannerSection", "JobSection", "ModelSection", "ParallelismSection", "ExecutorSection", "OptimizerSection",
+    "LRScheduleSection", "CheckpointSection", "MetricsSection", "StalenessSection", "TrainerConfig", "ConfigError",
     "SECTIONS",
 ]
 
@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 
 @dataclass(slots=True, kw_only=True)
-class PlannerConfig:
+class PlannerSection:
     """The planner service the ranks poll."""
 
     url: str = "http://127.0.0.1:8000"
@@ -55,7 +55,7 @@ class PlannerConfig:
 
 
 @dataclass(slots=True, kw_only=True)
-class JobConfig:
+class JobSection:
     """Which planner steps the run trains."""
 
     steps: int = 1
@@ -93,7 +93,7 @@ PARAM_DTYPES = ("auto", "bfloat16", "float32")
 
 
 @dataclass(slots=True, kw_only=True)
-class ParallelismConfig:
+class ParallelismSection:
     """How ranks share the model (`trainer.parallelize`)."""
 
     data_parallel: str = "fsdp"
@@ -221,7 +221,7 @@ class ExecutorSection:
 
 
 @dataclass(slots=True, kw_only=True)
-class OptimizerConfig:
+class OptimizerSection:
     """AdamW (torch's fused kernel) and gradient clipping."""
 
     name: str = "adamw"
@@ -254,7 +254,7 @@ LR_DECAYS = ("constant", "cosine", "linear")
 
 
 @dataclass(slots=True, kw_only=True)
-class LRScheduleConfig:
+class LRScheduleSection:
     """Learning rate per step: linear warmup, then constant, cosine or linear decay."""
 
     warmup_steps: int = 0
@@ -276,7 +276,7 @@ class LRScheduleConfig:
 
 
 @dataclass(slots=True, kw_only=True)
-class CheckpointConfig:
+class CheckpointSection:
     """Sharded DCP checkpoints, retention and Hugging Face exports for the generators."""
 
     dir: str | None = None
@@ -313,7 +313,7 @@ class CheckpointConfig:
 
 
 @dataclass(slots=True, kw_only=True)
-class MetricsConfig:
+class MetricsSection:
     """Per-step metrics, written by rank 0 only."""
 
     jsonl: str | None = None
@@ -331,7 +331,7 @@ STALENESS_MODES = ("reject", "downweight")
 
 
 @dataclass(slots=True, kw_only=True)
-class StalenessConfig:
+class StalenessSection:
     """Bound on how old the policy that sampled a batch may be (AReaL's max_staleness)."""
 
     max_staleness: int = -1
@@ -356,17 +356,17 @@ class StalenessConfig:
 class TrainerConfig:
     """One training run of `trainer.train` (every rank parses the same one)."""
 
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
-    job: JobConfig = field(default_factory=JobConfig)
+    planner: PlannerSection = field(default_factory=PlannerSection)
+    job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
-    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_schedule: LRScheduleSection = field(default_factory=LRScheduleSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    staleness: StalenessSection = field(default_factory=StalenessSection)
 
     def step_id(self, i: int) -> str:
         return self.job.step_id(i)

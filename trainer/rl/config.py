@@ -13,16 +13,13 @@ are errors naming them.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RLConfig", "load_rl_config", "RLConfigError", "FORCED_TRAINER_FIELDS"]
+from trainer.config.loader import config_from_dict, read_config_file, sections_from_dict
+from trainer.config.schema import ConfigError
 
-
-class RLConfigError(ValueError):
-    """A `harts rl` configuration that cannot run (one line, names the field)."""
+__all__ = ["RLConfig", "load_rl_config", "FORCED_TRAINER_FIELDS"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -97,7 +94,7 @@ class DataSection:
 
 
 @dataclass(slots=True, kw_only=True)
-class ModelSection:
+class PolicySection:
     """The policy."""
 
     name: str = "tiny"
@@ -217,7 +214,7 @@ class EvalSection:
 
 
 @dataclass(slots=True, kw_only=True)
-class MetricsSection:
+class RLMetricsSection:
     """Where the per-step metrics go besides OUT/metrics.jsonl and OUT/tb."""
 
     wandb_project: str = ""
@@ -239,9 +236,9 @@ FORCED_TRAINER_FIELDS = {
     "staleness": ("max_staleness",), "metrics": ("jsonl", "tensorboard_dir"),
 }
 
-_SECTIONS = {"run": RunSection, "task": TaskSection, "data": DataSection, "model": ModelSection, "warmup": WarmupSection,
+_SECTIONS = {"run": RunSection, "task": TaskSection, "data": DataSection, "model": PolicySection, "warmup": WarmupSection,
              "sampling": SamplingSection, "generator": GeneratorSection, "plan": PlanSection, "eval": EvalSection,
-             "metrics": MetricsSection}
+             "metrics": RLMetricsSection}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -251,13 +248,13 @@ class RLConfig:
     run: RunSection = field(default_factory=RunSection)
     task: TaskSection = field(default_factory=TaskSection)
     data: DataSection = field(default_factory=DataSection)
-    model: ModelSection = field(default_factory=ModelSection)
+    model: PolicySection = field(default_factory=PolicySection)
     warmup: WarmupSection = field(default_factory=WarmupSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
     generator: GeneratorSection = field(default_factory=GeneratorSection)
     plan: PlanSection = field(default_factory=PlanSection)
     eval: EvalSection = field(default_factory=EvalSection)
-    metrics: MetricsSection = field(default_factory=MetricsSection)
+    metrics: RLMetricsSection = field(default_factory=RLMetricsSection)
     trainer: dict = field(default_factory=dict)
     """The trainer ranks' sections (trainer.config.TrainerConfig), without the forced fields."""
 
@@ -278,59 +275,31 @@ class RLConfig:
                 for f in dataclasses.fields(self)}
 
 
-def _build(cls: type, values: dict, section: str):
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(values) - set(hints))
-    if unknown:
-        raise RLConfigError(f"{section}.{unknown[0]}: unknown field; expected one of {', '.join(hints)}")
-    for key, value in values.items():
-        want = hints[key]
-        origin = typing.get_origin(want) or want
-        ok = isinstance(value, origin) and not (origin in (int, float) and isinstance(value, bool))
-        if origin is float and isinstance(value, int) and not isinstance(value, bool):
-            values[key], ok = float(value), True
-        if not ok:
-            raise RLConfigError(f"{section}.{key}: expected {getattr(origin, '__name__', origin)}, got {value!r}")
-    try:
-        return cls(**values)
-    except ValueError as exc:
-        raise RLConfigError(f"{section}.{exc}") from None
-
-
 def load_rl_config(path: str | Path | None = None, **overrides) -> RLConfig:
-    """Defaults < the TOML file < `overrides` (run.<name> = value, e.g. steps=10, out="runs/x").
+    """Defaults < the TOML (or YAML) file < `overrides` (run.<name> = value, e.g. steps=10, out="runs/x"),
+    read by the trainer's loader (`trainer.config.loader`: values coerced to the field types).
 
     Raises:
-        RLConfigError: missing file, TOML errors, unknown or forced fields, failed validation,
+        ConfigError: missing file, parse errors, unknown or forced fields, failed validation,
             and trainer sections that `trainer.config.TrainerConfig` rejects.
     """
-    doc: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise RLConfigError(f"--config {p}: expected a TOML file, got no such file")
-        try:
-            doc = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise RLConfigError(f"--config {p}: expected valid TOML, got {exc}") from None
+    doc: dict = read_config_file(path) if path is not None else {}
     unknown = sorted(set(doc) - set(_SECTIONS) - {"trainer"})
     if unknown:
-        raise RLConfigError(f"{unknown[0]}: unknown section; expected one of {', '.join([*_SECTIONS, 'trainer'])}")
+        raise ConfigError(f"{unknown[0]}: unknown section; expected one of {', '.join([*_SECTIONS, 'trainer'])}")
     run = dict(doc.get("run", {}))
     run.update({k: v for k, v in overrides.items() if v is not None})
     doc["run"] = run
-    kw = {name: _build(cls, dict(doc.get(name, {})), name) for name, cls in _SECTIONS.items()}
+    kw = sections_from_dict({name: dict(doc.get(name, {})) for name in _SECTIONS}, _SECTIONS, where=str(path or "harts rl"))
     trainer = doc.get("trainer", {})
     for section, names in FORCED_TRAINER_FIELDS.items():
         for name in names:
             if name in trainer.get(section, {}):
-                raise RLConfigError(f"trainer.{section}.{name}: set by harts rl (from the run/plan sections); remove it")
+                raise ConfigError(f"trainer.{section}.{name}: set by harts rl (from the run/plan sections); remove it")
     cfg = RLConfig(**kw, trainer={k: dict(v) for k, v in trainer.items()})
-    from trainer.config import ConfigError, config_from_dict
-
     try:
         config_from_dict(cfg.trainer_doc(planner_url="http://127.0.0.1:1", model_dir=Path("."), out=Path(cfg.run.out)),
-                                where="trainer")
+                         where="trainer")
     except ConfigError as exc:
-        raise RLConfigError(f"trainer: {exc}") from None
+        raise ConfigError(f"trainer: {exc}") from None
     return cfg

@@ -1,8 +1,8 @@
-"""gRPC transport of the planner service (grpc.aio): harts.v1.Planner over PlannerCore.
+"""gRPC transport of the planner service (grpc.aio): harts.v1.Planner over `PlannerCore.aio`.
 
 The standard grpc.health.v1 service and server reflection are registered beside it and never need
 a token; every harts.v1.Planner RPC needs metadata `authorization: Bearer <token>` when a token is
-configured. Errors map through `planner_service.errors.STATUS`; the first offending field of an
+configured (`auth.bearer_ok`). Errors map through the one table, `status_codes.STATUS`; the first offending field of an
 INVALID_ARGUMENT is also sent as trailing metadata `harts-field`. FetchPlan sends the stored sealed
 slice bytes verbatim (a pass-through serializer), so both transports serve identical bytes. A call
 the client cancels (or whose deadline passes) is counted with code CANCELLED, not OK.
@@ -14,7 +14,6 @@ SubmitRollouts stores the request's `batch` bytes as they arrived and answers th
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 import grpc
@@ -24,7 +23,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from planner_service.core import PlannerCore
-from planner_service.errors import INTERNAL, AuthError, HartsError, status_of
+from planner_service.errors import AuthError, HartsError
+from planner_service.transport.auth import bearer_ok
+from planner_service.transport.status_codes import INTERNAL, status_of
 from planner_service.wire_errors import field_bytes, wire_error
 from proto.harts.v1 import planner_pb2
 
@@ -40,17 +41,17 @@ class _Planner:
 
     def __init__(self, core: PlannerCore):
         self.core = core
-        self.token = core.cfg.token
+        self.aio = core.aio
+        self.token = core.cfg.token.encode() if core.cfg.token is not None else None
 
     def _check_token(self, context: grpc.aio.ServicerContext) -> None:
         if self.token is None:
             return
-        got = ""
+        got = b""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
-                got = value if isinstance(value, str) else value.decode("latin-1")
-        scheme, _, cred = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(cred.strip().encode(), self.token.encode()):
+                got = value.encode() if isinstance(value, str) else value
+        if not bearer_ok(got, self.token):
             raise AuthError("authorization: expected metadata 'Bearer <token>' with the service's token")
 
     async def _run(self, operation: str, context: grpc.aio.ServicerContext, call):
@@ -81,40 +82,40 @@ class _Planner:
             topology = req.topology if req.HasField("topology") else None
             # the batch's bytes as the client serialised them: stored and digested as they came
             batch = field_bytes(raw, planner_pb2.SubmitRolloutsRequest.BATCH_FIELD_NUMBER)
-            return await self.core.submit_message_async(req.batch, topology, body=batch, body_sha256=req.body_sha256)
+            return await self.aio.submit_message(req.batch, topology, body=batch, body_sha256=req.body_sha256)
 
         return await self._run("SubmitRollouts", context, call)
 
     async def plan_step(self, raw: bytes, context):
         async def call():
             req = _parse(planner_pb2.PlanStepRequest, raw)
-            return await self.core.plan_async(req.step_id, req.topology)
+            return await self.aio.plan(req.step_id, req.topology)
 
         return await self._run("PlanStep", context, call)
 
     async def fetch_plan(self, raw: bytes, context) -> bytes:
         async def call():
             req = _parse(planner_pb2.FetchPlanRequest, raw)
-            return await self.core.fetch_async(req.step_id, req.rank, req.wait_seconds)
+            return await self.aio.fetch(req.step_id, req.rank, req.wait_seconds)
 
         return await self._run("FetchPlan", context, call)
 
     async def get_status(self, raw: bytes, context):
         async def call():
-            return await self.core.status_async(_parse(planner_pb2.GetStatusRequest, raw).step_id)
+            return await self.aio.status(_parse(planner_pb2.GetStatusRequest, raw).step_id)
 
         return await self._run("GetStatus", context, call)
 
     async def delete_step(self, raw: bytes, context):
         async def call():
-            return await self.core.delete_async(_parse(planner_pb2.DeleteStepRequest, raw).step_id)
+            return await self.aio.delete(_parse(planner_pb2.DeleteStepRequest, raw).step_id)
 
         return await self._run("DeleteStep", context, call)
 
     async def list_steps(self, raw: bytes, context):
         async def call():
             limit = _parse(planner_pb2.ListStepsRequest, raw).limit
-            return planner_pb2.ListStepsResponse(steps=await self.core.list_steps_async(limit))
+            return planner_pb2.ListStepsResponse(steps=await self.aio.list_steps(limit))
 
         return await self._run("ListSteps", context, call)
 

@@ -1,7 +1,10 @@
-"""An LRU map bounded by the bytes of its values (the service's slice and forest caches).
+"""The service's in-memory caches: sealed slices and forests, each an LRU bounded by bytes.
 
 A count bound lets memory grow with the size of the entries (100 planned steps of large slices
 held 2.3 GB); a byte bound holds whatever fits. An entry larger than the whole budget is not kept.
+`StepCaches` is the two caches of one core: sealed slices by (step, rank), so a miss reads (and
+decompresses) that rank's slice only; forests by (step, content digest), so planning does not
+re-ingest what was just submitted, and a step deleted and submitted again never finds the old one.
 Thread-safe.
 """
 from __future__ import annotations
@@ -10,7 +13,12 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Generic, TypeVar
 
-__all__ = ["ByteLRU"]
+from planner_service import ingest
+from planner_service.core.metrics import Metrics
+from planner_service.forest import Forest
+from planner_service.store import Store
+
+__all__ = ["ByteLRU", "StepCaches", "forest_size"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -84,3 +92,50 @@ class ByteLRU(Generic[K, V]):
 
     def __contains__(self, key: K) -> bool:
         return key in self._items
+
+
+def forest_size(forest: Forest) -> int:
+    """Approximate memory of a forest: its arrays plus its id strings."""
+    total = 0
+    for name in Forest.__slots__:
+        value = getattr(forest, name)
+        if hasattr(value, "nbytes"):
+            total += int(value.nbytes)
+        elif isinstance(value, list):
+            total += sum(56 + len(s) for s in value)
+    return total
+
+
+class StepCaches:
+    """The slice and forest caches of one core (module docstring).
+
+    Args:
+        slice_bytes, forest_bytes: byte budgets of the two caches.
+        metrics: where their sizes are reported (`harts_cache_bytes`).
+        limits: `ingest.Limits` a stored body is re-ingested under (None: ingest's defaults).
+    """
+
+    def __init__(self, *, slice_bytes: int, forest_bytes: int, metrics: Metrics, limits=None):
+        self.slices: ByteLRU[tuple[str, int], bytes] = ByteLRU(
+            slice_bytes, len, metrics.cache_bytes.labels("slices").set)
+        self.forests: ByteLRU[tuple[str, str], Forest] = ByteLRU(
+            forest_bytes, forest_size, metrics.cache_bytes.labels("forests").set)
+        self._limits = limits
+
+    def drop(self, step_id: str) -> None:
+        """Forget everything of a step (deleted, here or on a replica)."""
+        self.slices.pop_where(lambda key: key[0] == step_id)
+        self.forests.pop_where(lambda key: key[0] == step_id)
+
+    def forest(self, store: Store, step_id: str, digest: str) -> Forest:
+        """The forest of a stored step: cached, else re-ingested from its stored body."""
+        forest = self.forests.get((step_id, digest))
+        if forest is not None:
+            return forest
+        fmt, body = store.body(step_id)
+        if fmt == "json":
+            forest = ingest.forest_from_json(body, self._limits)
+        else:
+            forest = ingest.forest_from_proto(body, self._limits)
+        self.forests.put((step_id, digest), forest)
+        return forest

@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from planner_service.errors import NotFoundError, StorageError
+from planner_service.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Maintenance:
             replicas pick up the plans of a replica that died.
     """
 
-    def __init__(self, store, *, probe_seconds: float, retain_steps: int, max_age_seconds: float,
+    def __init__(self, store: Store, *, probe_seconds: float, retain_steps: int, max_age_seconds: float,
                  resume: Callable[[], None], delete: Callable[[str], object], resume_every: float = 0.0):
         self.store = store
         self.probe_seconds = probe_seconds

@@ -1,25 +1,24 @@
 """The JSON bodies of the HTTP API (pydantic models): what OpenAPI documents and responses carry.
 
-`Topology` is also how a plan request's body is validated (strict: "2" is not a world size); the
-rollout document models (`RolloutBatchDoc` and its parts) are documentation only, since ingest
+`Topology` (a plan request's body, strict: "2" is not a world size) and `SubmitQuery` (the query
+of POST /v1/steps) are built from the one topology declaration, `planner_service.topology.FIELDS`;
+the rollout document models (`RolloutBatchDoc` and its parts) are documentation only, since ingest
 (`planner_service.ingest`) validates the body and names the first offending field.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from planner_service.api_docs import TOPOLOGY_EXAMPLES
 from planner_service.errors import ValidationError
-from planner_service.service_config import MAX_DOCUMENT_CHARS, MAX_WORLD_SIZE
+from planner_service.topology import FIELDS, INT32, TopologyField
+from planner_service.transport.api_docs import TOPOLOGY_EXAMPLES
 from proto.harts.v1 import planner_pb2
 
-__all__ = ["ErrorDetail", "ErrorBody", "Topology", "SubmitQuery", "PlanCandidate", "PlanStats", "StepStatus", "SubmitResponse", "StepList", "Health",
-           "RolloutBatchDoc", "status_model", "INT32", "INT64"]
+__all__ = ["ErrorDetail", "ErrorBody", "Topology", "SubmitQuery", "PlanCandidate", "PlanStats", "StepStatus",
+           "SubmitResponse", "StepList", "Health", "RolloutBatchDoc", "status_model"]
 
-INT32 = 2**31 - 1
-INT64 = 2**63 - 1
 
 class ErrorDetail(BaseModel):
     code: str = Field(description="gRPC-style code name, e.g. INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS")
@@ -31,52 +30,38 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-class Topology(BaseModel):
-    """Trainer topology and budgets a step is planned for."""
+def _field(f: TopologyField, *, optional: bool = False) -> tuple[Any, Any]:
+    """The pydantic (annotation, Field) of a topology field: its bounds, its description, and
+    its unset value as the default (a required field has none, or None if `optional`)."""
+    bounds: dict[str, Any] = {}
+    if f.type is int:
+        bounds = {"ge": f.minimum, "le": f.maximum}
+    elif f.type is str and f.maximum is not None:
+        bounds = {"max_length": f.maximum}
+    if f.required:
+        if optional:
+            return f.type | None, Field(None, description=f.description, **bounds)
+        return f.type, Field(description=f.description, **bounds)
+    return f.type, Field(f.type(), description=f.description, **bounds)
 
+
+class _TopologyBody(BaseModel):
     # strict: "2", 2.0 or true are not a world size (a typo in a generator, not a number to coerce)
     model_config = ConfigDict(extra="forbid", strict=True,
                               json_schema_extra={"examples": [e["value"] for e in TOPOLOGY_EXAMPLES.values()]})
-    world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="Number of data-parallel trainer ranks")
-    microbatch_tokens: int = Field(0, ge=0, le=INT32, description="Token budget per microbatch; 0: the service "
-                                   "default (`harts serve --microbatch-tokens`, 4096 unless set), as over gRPC")
-    memory_tokens: int = Field(0, ge=0, le=INT64, description="Live-activation budget per rank; 0: 8 x microbatch_tokens")
-    chunk_size: int = Field(0, ge=0, le=INT32, description="Linear-attention chunk size (power of two); 0: service default")
-    no_sharing: bool = Field(False, description="Plan the trajectory-expanded baseline")
-    no_windows: bool = Field(False, description="Duplicate prefixes instead of opening sharing windows")
-    model: str = Field("", max_length=MAX_DOCUMENT_CHARS, description="The trainer's model as a Qwen3-Next config.json document (JSON text) for the memory model; empty: service default")
-    dtype: str = Field("", description="Trainer dtype for the memory model (float32, bfloat16); empty: float32")
-    cost_model: str = Field("", max_length=MAX_DOCUMENT_CHARS, description="Cost model JSON written by `harts calibrate`; empty: service default")
-    lockstep: bool = Field(False, description="Plan lock-step phases (DESIGN §5.7): every rank runs one step of the "
-                           "same kind per phase, so that trainers which gather parameters per forward and backward "
-                           "(FSDP2 with parallelism.reshard_after_forward) pair their collectives")
-    no_cross_rank_windows: bool = Field(False, description="With lockstep: keep every sharing window on its rank "
-                                        "(the ablation of windows across ranks, plan.proto CrossEdge)")
-    activation_checkpointing: str = Field("", description="The trainer's parallelism.activation_checkpointing for the "
-                                          "memory model: none, full, selective; empty: none")
-    expert_parallel: int = Field(0, ge=0, le=MAX_WORLD_SIZE, description="The trainer's parallelism.expert_parallel E "
-                                 "(divides world_size and the model's experts; E > 1 needs lockstep); 0: 1")
-    head: str = Field("", description="The trainer's lm head for the memory model: full (fp32 logits, the CPU path) "
-                      "or chunked (the GPU path); empty: full")
 
     def to_proto(self) -> planner_pb2.Topology:
         return planner_pb2.Topology(**self.model_dump())
 
 
-class SubmitQuery(BaseModel):
-    """Query parameters of `POST /v1/steps`: the topology to plan the step for at once. An unknown
-    parameter is refused (a misspelt `?worldsize=8` would leave the step unplanned while trainers
-    wait), and so are topology parameters without `world_size`."""
+Topology = create_model(
+    "Topology", __base__=_TopologyBody, __doc__="Trainer topology and budgets a step is planned for.",
+    **{f.name: _field(f) for f in FIELDS})
+"""The JSON body of POST /v1/steps/{step_id}/plan: every field of `planner_service.topology.FIELDS`."""
 
+
+class _SubmitQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    world_size: int | None = Field(None, ge=1, le=MAX_WORLD_SIZE, description="Plan at once for this many ranks")
-    microbatch_tokens: int = Field(0, ge=0, le=INT32, description="0: the service default")
-    memory_tokens: int = Field(0, ge=0, le=INT64)
-    chunk_size: int = Field(0, ge=0, le=INT32)
-    no_sharing: bool = False
-    no_windows: bool = False
-    lockstep: bool = Field(False, description="Plan lock-step phases (see Topology.lockstep)")
-    no_cross_rank_windows: bool = Field(False, description="With lockstep: keep windows on their rank (see Topology)")
 
     def to_proto(self) -> planner_pb2.Topology | None:
         """The topology to plan for at once (None: no world_size, plan later); ValidationError
@@ -88,6 +73,15 @@ class SubmitQuery(BaseModel):
             raise ValidationError(f"query.{given[0]}", "expected world_size with it (the step is planned at once only "
                                   "for a topology that names its world size), got no world_size")
         return None
+
+
+SubmitQuery = create_model(
+    "SubmitQuery", __base__=_SubmitQuery,
+    __doc__="Query parameters of `POST /v1/steps`: the topology to plan the step for at once. An unknown "
+            "parameter is refused (a misspelt `?worldsize=8` would leave the step unplanned while trainers "
+            "wait), and so are topology parameters without `world_size`.",
+    **{f.name: _field(f, optional=True) for f in FIELDS if not f.document})
+"""Every field of the topology but its documents (a config.json does not belong in a URL)."""
 
 
 class PlanCandidate(BaseModel):

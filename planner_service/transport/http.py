@@ -1,4 +1,4 @@
-"""HTTP transport of the planner service (FastAPI, OpenAPI at /docs): a thin adapter over PlannerCore.
+"""HTTP transport of the planner service (FastAPI, OpenAPI at /docs): a thin adapter over `PlannerCore.aio`.
 
 Routes (all under /v1 need `Authorization: Bearer <token>` when a token is configured, as does
 /metrics; /healthz, /readyz, /docs and /openapi.json never do):
@@ -17,36 +17,32 @@ Routes (all under /v1 need `Authorization: Bearer <token>` when a token is confi
     GET  /healthz, /readyz, /metrics
     GET  /docs, /redoc                           Swagger UI / ReDoc from local assets (`api_docs.py`)
 
-Every error body is `{"error": {"code", "message", "field"}}`; the status code comes from
-`planner_service.errors.STATUS` (503s carry `Retry-After`). No exception text other than a
-HartsError's message reaches a client, and a client that disconnects is not an error.
-
-The JSON bodies are the pydantic models of `http_models.py`. The token is checked by an ASGI
-middleware (`_TokenGate`) before routing, so an unauthenticated request is answered 401 before
-any of its body is read; request bodies are read with the size limit (`_read_body`), the plan
-request's topology included.
+Error answers are `http_errors.py` (one table for both transports: `status_codes.py`); the JSON
+bodies are the pydantic models of `http_models.py`; the token is checked before routing
+(`auth.TokenGate`), so an unauthenticated request is answered 401 before any of its body is read.
+Request bodies are read with the size limit (`_read_body`), the plan request's topology included.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Annotated
 
 import pydantic
 from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from planner_service.api_docs import ROLLOUT_EXAMPLES, TOPOLOGY_EXAMPLES, add_docs
-from planner_service.http_models import (
-    INT32,
-    ErrorBody,
-    ErrorDetail,
+from planner_service.core import PlannerCore
+from planner_service.core.metrics import CONTENT_TYPE_LATEST
+from planner_service.errors import LimitError, ValidationError
+from planner_service.topology import INT32
+from planner_service.transport.api_docs import ROLLOUT_EXAMPLES, TOPOLOGY_EXAMPLES, add_docs
+from planner_service.transport.auth import TokenGate
+from planner_service.transport.http_errors import HANDLERS, responses
+from planner_service.transport.http_models import (
     Health,
     RolloutBatchDoc,
     StepList,
@@ -56,19 +52,7 @@ from planner_service.http_models import (
     Topology,
     status_model,
 )
-from planner_service.core import PlannerCore
-from planner_service.errors import (
-    INTERNAL,
-    RETRY_AFTER_SECONDS,
-    AuthError,
-    HartsError,
-    LimitError,
-    StorageError,
-    Unavailable,
-    ValidationError,
-    status_of,
-)
-from planner_service.metrics import CONTENT_TYPE_LATEST
+from planner_service.transport.status_codes import RETRY_AFTER_SECONDS
 from proto.harts.v1 import plan_pb2
 
 log = logging.getLogger(__name__)
@@ -91,31 +75,6 @@ def slice_checksum(data: bytes) -> str:
     if len(data) >= 66 and data[-66:-64] == b"\x1a\x40":
         return data[-64:].decode("ascii")
     return plan_pb2.PlanSlice.FromString(data).checksum
-
-
-def _error_response(status: int, code: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
-    body = ErrorBody(error=ErrorDetail(code=code, message=message, field=field))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-_ERRORS = {
-    400: {"model": ErrorBody, "description": "Planning impossible for these settings (FAILED_PRECONDITION), or a "
-          "body that is not what the client digested (DATA_LOSS: altered in transit, nothing stored)"},
-    401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
-    404: {"model": ErrorBody, "description": "Unknown step or rank, or plan not ready after the wait"},
-    409: {"model": ErrorBody, "description": "batch_id stored with other content, or step planned for another topology"},
-    408: {"model": ErrorBody, "description": "Request headers or body not received in time (`harts serve "
-          "--header-timeout / --body-timeout`); the connection is closed"},
-    413: {"model": ErrorBody, "description": "Request or batch over a configured limit"},
-    422: {"model": ErrorBody, "description": "Invalid input; `field` names the first offending field"},
-    503: {"model": ErrorBody, "description": "The database cannot be written (the message says why; nothing was "
-          "stored) or the server is at its connection limit; retry after `Retry-After` seconds",
-          "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}},
-}
-
-
-def _responses(*codes: int) -> dict:
-    return {c: _ERRORS[c] for c in codes}
 
 
 async def _read_body(request: Request, limit: int) -> bytearray:
@@ -188,32 +147,6 @@ class _Measure:
             self.metrics.requests.labels("http", op, str(status)).inc()
 
 
-def _needs_token(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/v1" or path == "/metrics"
-
-
-class _TokenGate:
-    """ASGI middleware: 401 for a request under /v1 or /metrics without the configured bearer
-    token, before routing reads any of its body."""
-
-    def __init__(self, app, token: str | None):
-        self.app, self.token = app, token.encode() if token is not None else None
-
-    async def __call__(self, scope, receive, send):
-        if self.token is None or scope["type"] != "http" or not _needs_token(scope["path"]):
-            return await self.app(scope, receive, send)
-        got = b""
-        for key, value in scope["headers"]:
-            if key == b"authorization":
-                got = value
-        scheme, _, cred = got.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(cred.strip(), self.token):
-            return await self.app(scope, receive, send)
-        resp = _error_response(401, "UNAUTHENTICATED", "Authorization: expected 'Bearer <token>' with the service's token",
-                               headers={"WWW-Authenticate": "Bearer"})
-        await resp(scope, receive, send)
-
-
 def _core(request: Request) -> PlannerCore:
     """The service core of the application serving `request` (set by `create_app`)."""
     return request.app.state.core
@@ -223,7 +156,7 @@ _bearer = HTTPBearer(auto_error=False, description="Bearer token configured with
 
 
 async def _bearer_scheme(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-    """Declares the bearer scheme of a route in the OpenAPI document; `_TokenGate` has checked
+    """Declares the bearer scheme of a route in the OpenAPI document; `TokenGate` has checked
     the token before the route runs."""
 
 
@@ -231,50 +164,6 @@ _AUTH = [Depends(_bearer_scheme)]
 
 router = APIRouter()
 """Every route of the service; `create_app` mounts it on an application bound to one core."""
-
-# ---- error handlers (registered by create_app)
-
-
-async def _harts_error(request: Request, exc: HartsError):
-    status, code = status_of(exc)
-    headers = None
-    if isinstance(exc, AuthError):
-        headers = {"WWW-Authenticate": "Bearer"}
-    elif status == 503:
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-    if status >= 500 and not isinstance(exc, (StorageError, Unavailable)):  # the core logs a storage fault once
-        log.error("%s %s: %s", request.method, request.url.path, exc.message)
-    return _error_response(status, code, exc.message, getattr(exc, "field", None) or None, headers)
-
-
-async def _client_gone(request: Request, exc: ClientDisconnect):
-    # nobody is left to answer: the response is dropped; 499 (client closed) is what metrics see
-    log.debug("%s %s: the client disconnected", request.method, request.url.path)
-    return Response(status_code=499)
-
-
-async def _request_invalid(request: Request, exc: RequestValidationError):
-    errs = exc.errors()
-    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    field = ".".join(str(p) for p in first.get("loc", ()))
-    msg = first.get("msg", "invalid")
-    if first.get("type") == "extra_forbidden":  # a query parameter the operation does not have
-        msg = f"expected only the parameters documented at /docs, got unknown parameter {field.rpartition('.')[2]!r}"
-    return _error_response(422, "INVALID_ARGUMENT", f"{field}: {msg}", field or None)
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException):
-    code = {404: "NOT_FOUND", 405: "UNIMPLEMENTED"}.get(exc.status_code, "INVALID_ARGUMENT")
-    return _error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
-
-
-async def _internal(request: Request, exc: Exception):
-    log.exception("%s %s failed", request.method, request.url.path)
-    return _error_response(INTERNAL[0], INTERNAL[1], "internal error; the service log has the details")
-
-
-_HANDLERS = ((HartsError, _harts_error), (ClientDisconnect, _client_gone), (RequestValidationError, _request_invalid),
-             (StarletteHTTPException, _http_error), (Exception, _internal))
 
 # ---- health and metrics
 
@@ -300,7 +189,7 @@ async def readyz(core: PlannerCore = Depends(_core)):
 
 @router.get("/metrics", tags=["health"], name="metrics", dependencies=_AUTH, response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
-                             "description": "Prometheus text format"}, **_responses(401)})
+                             "description": "Prometheus text format"}, **responses(401)})
 async def metrics(core: PlannerCore = Depends(_core)):
     """Prometheus metrics: request counts and latency, ingest bytes, plan seconds, compression, waiting steps."""
     return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -315,7 +204,7 @@ async def metrics(core: PlannerCore = Depends(_core)):
     tags=["steps"],
     name="submit_rollouts",
     dependencies=_AUTH,
-    responses=_responses(400, 401, 408, 409, 413, 422, 503),
+    responses=responses(400, 401, 408, 409, 413, 422, 503),
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -353,12 +242,12 @@ async def submit_rollouts(
     else:
         raise ValidationError("Content-Type", f"expected application/json or {PROTOBUF}, got {ctype!r}")
     body = await _read_body(request, core.cfg.max_request_bytes)
-    resp = await core.submit_async(body, fmt, topology, body_sha256=body_sha256)
+    resp = await core.aio.submit(body, fmt, topology, body_sha256=body_sha256)
     return SubmitResponse(status=status_model(resp.status), duplicate=resp.duplicate, body_sha256=resp.body_sha256)
 
 
 @router.post("/v1/steps/{step_id}/plan", response_model=StepStatus, tags=["steps"], name="plan_step",
-             dependencies=_AUTH, responses=_responses(400, 401, 404, 409, 413, 422, 503),
+             dependencies=_AUTH, responses=responses(400, 401, 404, 409, 413, 422, 503),
              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                  "schema": {"$ref": "#/components/schemas/Topology"}, "examples": TOPOLOGY_EXAMPLES}}}})
 async def plan_step(request: Request, step_id: str = Path(min_length=1),
@@ -373,7 +262,7 @@ async def plan_step(request: Request, step_id: str = Path(min_length=1),
         if first.get("type") == "json_invalid":
             raise ValidationError("body", f"expected a JSON topology object, got invalid JSON ({first.get('msg')})") from None
         raise ValidationError(field, first.get("msg", "invalid")) from None
-    return status_model(await core.plan_async(step_id, topology.to_proto()))
+    return status_model(await core.aio.plan(step_id, topology.to_proto()))
 
 
 @router.get(
@@ -389,7 +278,7 @@ async def plan_step(request: Request, step_id: str = Path(min_length=1),
             "X-Harts-Checksum header repeats its checksum",
             "headers": {"X-Harts-Checksum": {"schema": {"type": "string"}, "description": "hex SHA-256"}},
         },
-        **_responses(400, 401, 404, 422, 503),
+        **responses(400, 401, 404, 422, 503),
     },
 )
 async def fetch_plan(
@@ -401,34 +290,34 @@ async def fetch_plan(
 ):
     """One rank's plan slice; with `wait` the request returns as soon as the step is planned."""
     if wait > 0:
-        data = await _unless_disconnected(request, core.fetch_async(step_id, rank, wait))
+        data = await _unless_disconnected(request, core.aio.fetch(step_id, rank, wait))
     else:
-        data = await core.fetch_async(step_id, rank, wait)
+        data = await core.aio.fetch(step_id, rank, wait)
     return Response(data, media_type=PROTOBUF, headers={"X-Harts-Checksum": slice_checksum(data)})
 
 
 @router.get("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="get_status",
-            dependencies=_AUTH, responses=_responses(401, 404, 503))
+            dependencies=_AUTH, responses=responses(401, 404, 503))
 async def get_status(step_id: str = Path(min_length=1), core: PlannerCore = Depends(_core)) -> StepStatus:
     """State, token counts, topology and (once planned) the plan report of a step."""
-    return status_model(await core.status_async(step_id))
+    return status_model(await core.aio.status(step_id))
 
 
 @router.delete("/v1/steps/{step_id}", response_model=StepStatus, tags=["steps"], name="delete_step",
-               dependencies=_AUTH, responses=_responses(401, 404, 503))
+               dependencies=_AUTH, responses=responses(401, 404, 503))
 async def delete_step(step_id: str = Path(min_length=1), core: PlannerCore = Depends(_core)) -> StepStatus:
     """Delete a step with its rollouts and plan (a plan in progress finishes first); returns the
     step as it was. Its batch_id may then be submitted again, as a new step. `harts serve
     --retain-steps / --max-age` delete old steps automatically."""
-    return status_model(await core.delete_async(step_id))
+    return status_model(await core.aio.delete(step_id))
 
 
 @router.get("/v1/steps", response_model=StepList, tags=["steps"], name="list_steps",
-            dependencies=_AUTH, responses=_responses(401, 422, 503))
+            dependencies=_AUTH, responses=responses(401, 422, 503))
 async def list_steps(limit: int = Query(0, ge=0, le=INT32, description="At most this many (0: default)"),
                      core: PlannerCore = Depends(_core)) -> StepList:
     """Steps, newest submission first."""
-    return StepList(steps=[status_model(s) for s in await core.list_steps_async(limit)])
+    return StepList(steps=[status_model(s) for s in await core.aio.list_steps(limit)])
 
 
 def _openapi_with_rollout_schema(app: FastAPI):
@@ -464,9 +353,9 @@ def create_app(core: PlannerCore) -> FastAPI:
     )
     add_docs(app)
     app.state.core = core
-    for exc_type, handler in _HANDLERS:
+    for exc_type, handler in HANDLERS:
         app.add_exception_handler(exc_type, handler)
-    app.add_middleware(_TokenGate, token=core.cfg.token)
+    app.add_middleware(TokenGate, token=core.cfg.token)
     app.add_middleware(_Measure, metrics=core.metrics)
     app.include_router(router)
     app.openapi = _openapi_with_rollout_schema(app)

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from planner_service.errors import RETRY_AFTER_SECONDS
+from planner_service.transport.status_codes import RETRY_AFTER_SECONDS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConnectionLimits", "ConnectionGuard", "GuardedH11Protocol"]
+__all__ = ["ConnectionConfig", "ConnectionGuard", "GuardedH11Protocol"]
 
 _LOG_EVERY_S = 60.0
 _OVERFLOW = 128
@@ -58,7 +58,7 @@ a new connection."""
 
 
 @dataclass(slots=True, kw_only=True)
-class ConnectionLimits:
+class ConnectionConfig:
     """What one HTTP connection may hold, and how many may be open."""
 
     max_connections: int = 1000
@@ -95,7 +95,7 @@ class ConnectionGuard:
         metrics: `planner_service.metrics.Metrics` to count into (None: not counted).
     """
 
-    def __init__(self, limits: ConnectionLimits, metrics=None):
+    def __init__(self, limits: ConnectionConfig, metrics=None):
         self.limits = limits
         self.metrics = metrics
         self.open = 0
