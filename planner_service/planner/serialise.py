@@ -32,6 +32,7 @@ from plan.window_exports import ATTN, CONV, KERNEL, export_needs, import_needs
 
 
 def fill_header(h: plan_pb2.PlanHeader, forest: Forest, cfg: PlanConfig) -> None:
+    """The header: version, step id, parameters, memory and cost models, normalisers, the trajectory table."""
     h.version = PLAN_VERSION
     h.step_id = forest.batch_id
     p = h.params
