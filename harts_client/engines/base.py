@@ -59,6 +59,17 @@ class FollowsExports:
         self.load(path, version)
         return True
 
+    def replacement(self, path: str | Path, version: int | None, engine: str) -> tuple[Path, int]:
+        """(path, policy version) of an export to load in place: its version read from it when not
+        given; ValueError when its architecture is not the loaded model's (`_arch`)."""
+        path = Path(path)
+        if version is None:
+            version = resolve_model_dir(path)[1]
+        if architecture(path) != self._arch:
+            raise ValueError(f"{path}: expected an export of the loaded model's architecture (config.json) to update "
+                             f"{engine} in place, got another one; start a new engine for it")
+        return path, version
+
 
 def architecture(path: str | Path) -> dict:
     """An export's config.json without what exports of one model may change (dtype, versions):

@@ -48,12 +48,7 @@ class SGLangEngine(FollowsExports):
 
     def load(self, path: str | Path, version: int | None = None) -> None:
         """Load the export at `path` into the running engine (update_weights_from_disk)."""
-        path = Path(path)
-        if version is None:
-            version = resolve_model_dir(path)[1]
-        if architecture(path) != self._arch:
-            raise ValueError(f"{path}: expected an export of the loaded model's architecture (config.json) to update "
-                             f"SGLang in place, got another one; start a new engine for it")
+        path, version = self.replacement(path, version, "SGLang")
         answer = self.engine.update_weights_from_disk(str(path))
         ok, message = (answer[0], answer[1]) if isinstance(answer, (tuple, list)) else (bool(answer), "")
         if not ok:

@@ -56,12 +56,7 @@ class VLLMEngine(FollowsExports):
 
     def load(self, path: str | Path, version: int | None = None) -> None:
         """Load the export at `path` into the running engine (module docstring)."""
-        path = Path(path)
-        if version is None:
-            version = resolve_model_dir(path)[1]
-        if architecture(path) != self._arch:
-            raise ValueError(f"{path}: expected an export of the loaded model's architecture (config.json) to update "
-                             f"vLLM in place, got another one; start a new engine for it")
+        path, version = self.replacement(path, version, "vLLM")
         self.llm.collective_rpc("harts_load_export", args=(str(path),))
         self.llm.reset_prefix_cache()
         self.model_dir, self.policy_version = path, version
