@@ -4,7 +4,8 @@
     steps, rank_order = rank_orders(partition, cfg)
     phases = check_phases(partition, cfg, steps)       # uint8 [P], or None for a free plan
 
-Each raises PlanningError naming the partition's field. Legend: N_u forest tokens, M microbatches.
+Each raises PlanningError naming the partition's field (docs/design/planner.md, "The builder").
+Legend: N_u forest tokens, M microbatches.
 """
 from __future__ import annotations
 
