@@ -8,6 +8,7 @@ which picks up the plans of a replica that died), deletes what the retention
 policy drops (`retain_steps`: keep the newest N; `max_age_seconds`: keep the younger ones) and
 compacts the file after deletions, also while the disk is short of space (they free it). `wake`
 starts a round early (a submission under a count policy, a deletion, a fault).
+See docs/design/service.md.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ __all__ = ["Maintenance"]
 
 
 class Maintenance:
-    """Background upkeep of one store (module docstring).
+    """Background upkeep of one store (docs/design/service.md, "Recovery", "Retention").
 
     Args:
         store: the database it probes, prunes and compacts.

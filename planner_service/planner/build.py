@@ -46,7 +46,7 @@ _KERNELS = {
 
 
 def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, impl: str = "numba") -> plan_pb2.Plan:
-    """Lay out and serialise the plan of one step (the stages of the module docstring).
+    """Lay out and serialise the plan of one step (the stages listed at the top of this module).
 
     Args:
         forest: the step's prefix forest.
