@@ -26,7 +26,7 @@ __all__ = ["Maintenance"]
 
 
 class Maintenance:
-    """Background upkeep of one store (docs/design/service.md, "Recovery", "Retention").
+    """Background upkeep of one store (docs/design/service.md, "Durability", "Retention").
 
     Args:
         store: the database it probes, prunes and compacts.

@@ -6,7 +6,7 @@
 `cut_pieces` is Kundu and Misra's greedy (pieces that fit B), `first_fit_decreasing` packs pieces
 into microbatches over a max segment tree, `balance_bins` spreads them for lock-step plans;
 `children_csr`, `group_by`, `piece_roots`, `stamp_path` are helpers the other kernels share.
-Plain-Python oracles: `partition_ref.py` (docs/design/planner.md, "Units", "Level 1").
+Plain-Python oracles: `partition_ref.py` (docs/design/planner.md, units and level 1).
 Legend: S segments, U units, n items (pieces), m items of one group, P a power of two >= m.
 """
 from __future__ import annotations

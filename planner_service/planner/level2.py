@@ -5,7 +5,7 @@
     order = dfs_order(...)                                   # per rank, depth-first over the window forest
 
 Also `window_groups`, `subtree_costs`, `live_stack` and `lpt_place` (placement without windows).
-Plain-Python oracles: `partition_ref.py` (docs/design/planner.md, "Level 2").
+Plain-Python oracles: `partition_ref.py` (docs/design/planner.md, level 2).
 Legend: U units, M microbatches, G window groups, W ranks.
 """
 from __future__ import annotations
