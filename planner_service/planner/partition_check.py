@@ -25,7 +25,7 @@ def check_layouts(forest: Forest, cfg: PlanConfig, partition: Partition, k: Simp
                  ) -> tuple[list[Layout], np.ndarray, list[int]]:
     """One Layout per microbatch with its kept and duplicated tokens, after checking that the
     partition keeps every forest token once, places microbatches on existing ranks and keeps
-    sharing windows on one rank.
+    sharing windows on one rank (unless cfg.crossing: a lock-step plan with windows across ranks).
 
     Returns:
         layouts, kept_mb int32 [N_u] (the microbatch keeping each token), topological order.
