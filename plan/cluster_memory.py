@@ -1,62 +1,13 @@
 """Per-rank memory of training a model with FSDP2 on W ranks, and the bytes a step's collectives move.
 
     report = memory_report(config, world_size=64, dtype="bfloat16", device_memory_gb=141)
-    report = memory_report(config, 32, activation_checkpointing="full", expert_parallel=8, microbatch_tokens=16384)
     print("\\n".join(report.lines())); report.fits; report.to_dict()
     memory_tokens, source = default_memory_tokens(config, world_size=64, microbatch_tokens=2048)
     coll = collective_bytes(config, world_size=64, dtype="bfloat16", phases=PhaseCounts.of(plan.header))
 
 `config` is a Qwen3-Next `config.json` dict (`plan.named_models`, or a trainer's `to_hf_dict()`).
-FSDP2 units are the decoder blocks and the root (token embeddings, final norm and lm head; one
-matrix when the embeddings are tied), as `trainer/parallelize.py` wraps them. With P_u the
-parameters of unit u, W ranks and e bytes per element of the compute dtype, a rank holds at its peak:
-
-- parameter shards: every parameter's dim-0 slice, ceil(d0 / W) rows (FSDP2 pads dim 0 to a
-  multiple of W), in fp32: FSDP2 keeps the sharded parameters in their storage dtype, so with bf16
-  compute they are the fp32 master weights and the gathered copies are bf16 (no third copy);
-- gradient shards: fp32, the same size (the accumulators gradients are reduce-scattered into);
-- AdamW state: exp_avg and exp_avg_sq in fp32, twice that;
-- gathered units. Lock-step (parameters resharded after forward, DESIGN §5.7): the root stays
-  gathered from its forward to its backward, with its unsharded gradient during the backward; a
-  block is gathered for its forward and again for its backward while FSDP2 prefetches the next
-  one (`prefetch` = 2 blocks at once); in a block's backward its unsharded gradient (e) and the fp32
-  reduce-scatter input (4) exist at once: 2e P_root + (2e + e + 4) max P_block. Free schedule (every
-  unit gathered for the whole step, as before lock-step plans): 2e P_all + 4 max P_u;
-- activations: the live window stack, the planner's budget M (PlanParams.memory.memory_bytes), or
-  whatever the rest leaves, in rows of `RowSizes.row_bytes` (plan.memory_model: what a row of a
-  running microbatch holds under the activation-checkpointing mode, with the GPU trainer's chunked
-  lm head unless told otherwise);
-- a margin, `margin_fraction` of the device (default 10%): CUDA context, NCCL buffers, allocator
-  fragmentation, the loss's transient chunks of logits.
-
-Expert parallelism E (`parallelism.expert_parallel`; E divides W and num_experts): every MoE
-layer's routed experts are split over E ranks, num_experts / E whole experts each, and FSDP2-
-sharded over the W / E ranks holding the same experts; everything else is sharded over all W as
-above. A rank's shards stay about P / W (dim 0 of its experts padded to a multiple of W / E); a
-block it gathers is its non-expert parameters plus num_experts / E experts (P_u above becomes
-that), and its expert gradients are reduce-scattered over the W / E group. Tokens move by
-all-to-all (`trainer.expert_parallel`), counted in transfers of a row's k routed copies through
-every MoE layer, k x D x e bytes per row and MoE layer, (E-1)/E of them off the rank under balanced
-routing, as much received (`all_to_all_row_bytes`): a forward makes 2 (the copies out, the
-outputs back), a backward 3 (the copies and their output gradients out, the input gradients back:
-the backward re-runs the experts on what it receives, so no rank keeps anything for another), and
-a recomputed forward 2 more, under activation checkpointing (the backward re-runs the FFN; the
-block is gathered then anyway, so checkpointing adds no all-gather) and for a recomputed window.
-
-Collective bytes per rank and step (ring collectives: a rank receives (W-1)/W of a unit's
-unsharded bytes per all-gather, and sends (W-1)/W of its fp32 gradient per reduce-scatter). A
-lock-step plan of F FORWARD, B BACKWARD and R RECOMPUTE phases (a RECOMPUTE phase re-runs the
-forward inside the backward) gathers every block F + B + 2R times and the root at most F + R times
-(it stays gathered from a forward to its backward), and reduce-scatters every unit B + R times:
-
-    all_gather     = (W-1)/W x e x ((F + B + 2R) P_blocks + (F + R) P_root)
-    reduce_scatter = (W-1)/W x 4 x (B + R) x (P_blocks + P_root)
-
-(with E > 1, (W-1)/W P_blocks is (W-1)/W of the non-expert block parameters plus (G-1)/G x P_experts / E,
-G = W / E). A free schedule gathers and reduce-scatters every unit once per step.
-
-Byte figures are in GiB (2^30 bytes), as `torch.cuda` reports device memory: an H200's 141 GiB
-(torch sees about 139.8 of it). Torch-free: what the planner, `harts plan` and the trainer share.
+What a rank holds at its peak, expert parallelism and the collectives' bytes, in GiB (2^30 bytes):
+docs/design/planner.md ("The memory budget M") and docs/design/lockstep.md ("What they cost").
 """
 from __future__ import annotations
 
@@ -71,7 +22,7 @@ GIB = 1 << 30
 
 #: a H200's memory in GiB: the planner's and `harts plan`'s default device
 DEFAULT_DEVICE_MEMORY_GB = 141.0
-#: share of the device left unplanned (see the module docstring)
+#: share of the device left unplanned (docs/design/planner.md, "The memory budget M")
 DEFAULT_MARGIN_FRACTION = 0.10
 #: blocks gathered at once: the one computing and the one FSDP2 prefetches
 PREFETCH_BLOCKS = 2
@@ -177,8 +128,9 @@ def check_expert_parallel(expert_parallel: int, world_size: int, num_experts: in
 
 
 def gathered_bytes(units: list[Unit], dtype: str, *, lockstep: bool, expert_parallel: int = 1) -> int:
-    """Peak bytes of gathered parameters and unsharded gradients (module docstring); with expert
-    parallelism a block gathers its non-expert parameters and num_experts / E experts."""
+    """Peak bytes of gathered parameters and unsharded gradients (docs/design/planner.md, "The
+    memory budget M"); with expert parallelism a block gathers its non-expert parameters and
+    num_experts / E experts."""
     e = DTYPE_BYTES[dtype]
     root, blocks = units[0].numel, [u.gathered_numel(expert_parallel) for u in units[1:]]
     if not lockstep:
@@ -211,7 +163,8 @@ def transfers_per_step(activation_checkpointing: str) -> int:
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class MemoryReport:
-    """What one rank holds at its peak (module docstring); bytes unless named otherwise."""
+    """What one rank holds at its peak (docs/design/planner.md, "The memory budget M"); bytes
+    unless named otherwise."""
 
     model: str
     """The model's name (a named config, a path, or "model config")."""
@@ -360,7 +313,7 @@ def memory_report(config: dict, world_size: int, *, dtype: str = "bfloat16",
                   microbatch_tokens: int = 0, chunk_size: int = 64, margin_fraction: float = DEFAULT_MARGIN_FRACTION,
                   model_name: str = "", activation_checkpointing: str = "none", expert_parallel: int = 1,
                   head: str = "chunked") -> MemoryReport:
-    """Per-rank peak memory of training `config` on `world_size` ranks (module docstring).
+    """Per-rank peak memory of training `config` on `world_size` ranks (docs/design/planner.md).
 
     Args:
         config: a Qwen3-Next config.json dict.
@@ -462,7 +415,7 @@ class PhaseCounts:
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class CollectiveBytes:
-    """Bytes one rank moves through FSDP2's collectives in a step (module docstring)."""
+    """Bytes one rank moves through FSDP2's collectives in a step (docs/design/lockstep.md, "What they cost")."""
 
     all_gather_bytes: int
     """Received by all-gathers of parameters (compute dtype)."""
@@ -486,8 +439,9 @@ def collective_bytes(config: dict, world_size: int, *, dtype: str = "bfloat16", 
                      expert_parallel: int = 1, activation_checkpointing: str = "none",
                      rank_rows: list[tuple[int, int]] = ()) -> CollectiveBytes:
     """All-gather and reduce-scatter bytes per rank and step of a lock-step plan with `phases`, or of
-    a free schedule (every unit once) when `phases` is None (module docstring); with expert
-    parallelism E the routed experts move over their W / E ranks and the tokens by all-to-all.
+    a free schedule (every unit once) when `phases` is None (docs/design/lockstep.md, "What they
+    cost"); with expert parallelism E the routed experts move over their W / E ranks and the tokens
+    by all-to-all.
 
     Args:
         rank_rows: per rank, (computed rows, rows of recomputed microbatches) of the step: the

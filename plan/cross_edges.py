@@ -1,51 +1,12 @@
-"""Windows across ranks (DESIGN §5.7, plan.proto `CrossEdge`): decoded edges, their rules, bytes,
-what moves when.
+"""Windows across ranks (plan.proto `CrossEdge`): decoded edges, their rules, bytes, what moves when.
 
     edges = decode_edges(rank_plan)                                   # [CrossEdgeArrays]
     check_rank_edges(header, rank, edges, arrays, index, steps)       # one rank's rules
     check_plan_edges(plan.ranks)                                      # step-wide: both sides agree
-    needs = export_needs(arrays_by_id, order, sent=sent_needs(edges, rank),
-                         remote=remote_imports(edges, rank))          # plan.window_exports
-    held = held_bytes(edges, rank, num_phases)                        # what received exports occupy
-    moved = transfer_bytes(edges, rank, num_phases)                   # what the rank sends or receives
+    held, moved = held_bytes(edges, rank, P), transfer_bytes(edges, rank, P)   # memory, cost per phase
 
-A sharing window whose importer runs on another rank than its exporter is a `CrossEdge`, listed in
-both ranks' `RankPlan.cross_edges` with a step-wide id. The importer's Microbatch names the
-exporter in `import_microbatch` (rows) and / or `state_imports` (states) as for a local window; the
-edge says what travels and when. The rules one rank can check alone (`check_rank_edges`; the fast
-slice check `plan.slice_check` and the oracle `plan.validator` both run them):
-
-- a lock-step plan (phases name when tensors travel); edges in increasing id >= 0;
-- exporter_rank != importer_rank, both in [0, world_size), this rank one of them; the microbatch
-  of this rank's side is one of its microbatches, the other side's is not; at most one edge per
-  (exporter, importer);
-- rows and states int32, sorted, distinct, >= 0. On the exporter's rank: rows among the
-  exporter's `export_rows`, states among its `export_states`. On the importer's rank: exactly
-  `plan.window_exports.import_needs(importer, its own needs)[exporter]`, what the importer and,
-  transitively, its own importers (local ones, and remote ones through the importer's outgoing
-  edges) read of the exporter, per kind (ATTN: K/V; CONV: conv inputs; KERNEL: q/k/v/g/beta of
-  replay rows) plus every fp32 state it imports from it;
-- phases: the exports travel at the end of `send_phase` (>= the exporter's FORWARD phase, < the
-  importer's), their gradients at the end of `grad_phase` (>= the importer's BACKWARD phase, < the
-  exporter's BACKWARD phase), send_phase < grad_phase < P; in a lock-step plan step i runs in
-  phase i, each rank checks its side;
-- bytes: `edge_bytes`, the memory model of the rows and states (PlanParams.memory), each way.
-
-Step-wide (`check_plan_edges`): every edge is listed, identically, by exactly its two ranks, and
-the ids are 0..E-1.
-
-Memory (plan.memory_model): the exporter's open window is what it is for a local importer (its
-full activations, or when recomputed its exports, those the remote importers read included:
-`sent_needs`); the importer's rank holds the received tensors, `bytes`, in every phase p with
-send_phase < p <= grad_phase (`held_bytes`), whatever it runs then.
-
-Cost (PlanStats, plan.phases): the exports cost `bytes x CostModel.transfer_byte` to both ranks in
-`send_phase`, and their gradients the same in `grad_phase` (`transfer_bytes`): a lock-step phase
-lasts as long as its slowest rank's step plus its transfers.
-
-Used by the planner's builder, the oracle validator, the fast slice check and the trainer
-(`trainer/cross_rank.py`). Numpy only.
-
+Used by the planner's builder, the validator, the slice check and the trainer (`trainer/cross_rank.py`);
+numpy only. The rules, memory and costs: docs/design/cross-rank.md.
 Legend: E edges of a rank, P phases, n rows of one kind, q states of an edge.
 """
 from __future__ import annotations
@@ -183,7 +144,7 @@ def _sorted_subset(where: str, name: str, values: np.ndarray, of: np.ndarray, wh
 
 def check_rank_edges(header: plan_pb2.PlanHeader, rank: int, edges: list[CrossEdgeArrays],
                      arrays: list[MicrobatchArrays], index: dict[int, int], steps: list[tuple[int, int]]) -> None:
-    """The one-rank rules of the module docstring for one rank's edges.
+    """The one-rank rules for one rank's edges (docs/design/cross-rank.md, "The rules").
 
     Args:
         rank: this rank.

@@ -6,7 +6,7 @@
 The one decoding of a slice between the wire and its users: the trainer's check
 (`plan.slice_check.check_decoded`) reads the decoded slice, and the executor runs it (`trainer.layout`
 turns its arrays into tensors). Decoding checks only what indexing needs (lengths, index bounds,
-vocabulary); the rules across microbatches are the slice check's.
+vocabulary); the rules across microbatches are the slice check's (docs/design/plan-contract.md).
 """
 from __future__ import annotations
 

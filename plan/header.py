@@ -1,7 +1,7 @@
 """The step-wide header rules of a plan or slice (version, parameters, phases, trajectory table, normalisers).
 
 Shared by the fast slice check (`plan.slice_check`) and the oracle validator (`plan.validator`),
-so that neither imports the other.
+so that neither imports the other (docs/design/plan-contract.md, "The header").
 """
 from __future__ import annotations
 

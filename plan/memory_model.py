@@ -1,48 +1,15 @@
-"""The memory model of sharing windows (DESIGN §4.2, §5.5): what an open window keeps, in bytes.
+"""The memory model of sharing windows: what an open window keeps, in bytes (docs/design/windows.md).
 
-    dims = ModelDims.from_hf_config(json.load(open("config.json")))   # or ModelDims.default()
-    sizes = RowSizes.of(dims, dtype="float32")                          # per-row and per-state bytes
-    sizes = RowSizes.of(dims, "bfloat16", checkpointing="full", head="chunked")   # a GPU trainer's
-    sizes.full_bytes(rows)                                              # a running microbatch
-    sizes.kept_bytes(rows)                                              # a window that is not recomputed
-    sizes.export_bytes(attn_rows, conv_rows, kernel_rows, states)       # a recomputed one
+    sizes = RowSizes.of(ModelDims.default(), "bfloat16", checkpointing="full", head="chunked")
+    sizes.full_bytes(rows); sizes.kept_bytes(rows)                      # running; an open window
+    sizes.export_bytes(attn_rows, conv_rows, kernel_rows, states)       # a recomputed window
     live, peak = rank_live_bytes(sizes, arrays_by_id, steps)            # a rank's live stack, per step
 
-One module, three users: the partitioner's estimate (`planner_service.planner.memory_fit`), the plan
-builder's `PlanStats.peak_live_bytes` and the validator's check against `PlanParams.memory`; the
-trainer keeps exactly what is counted here (the executor contract of issue 10):
-
-- an open window whose microbatch is not recomputed keeps what its forward saved for backward:
-  `activation_row_bytes` per computed row (num_rows + replay_tokens): the whole forward graph, or
-  under activation checkpointing (`parallelism.activation_checkpointing`,
-  `checkpointed_bytes_per_row`) the inputs of its checkpointed blocks and what they do not
-  recompute;
-- a recomputed one (`Microbatch.recompute`: forward without a graph first) keeps only the tensors
-  `plan.window_exports.export_needs` lists for it, and of those only its own rows
-  (`ExportNeeds.local_counts`; imported rows it re-exports stay live in the ancestor that computed
-  them): per softmax-attention layer K and V of its ATTN rows, per linear-attention layer the conv
-  inputs of its CONV rows, the kernel inputs q, k (before the per-value-head repeat), v, g and
-  beta (fp32) of its KERNEL rows, and every fp32 state it exports.
-
-While microbatch m runs (forward or backward), a rank holds m's activations plus, under
-activation checkpointing, one recomputed sub-block's (`recompute_row_bytes` per computed row; the
-two together are `RowSizes.row_bytes`), plus the live bytes of every open window below which m
-runs, plus, with windows across ranks (plan.cross_edges), the exports it has received and not yet
-answered with their gradients; an exporter's window stays open for its remote importers exactly as
-for local ones. The budget is `PlanParams.memory.memory_bytes` = memory_tokens x row_bytes: M stays
-a user-facing token count ("M rows of a running microbatch") and is checked in bytes everywhere.
-
-Per-row sizes come from the model config the topology names (a Qwen3-Next `config.json`); without
-one the planner uses `ModelDims.default()`, the published Qwen3-Next-80B-A3B configuration, in
-fp32, with the CPU's full-logits head. `saved_bytes_per_row` is the one formula for full
-activations: it is derived by reading what autograd saves in `trainer/models/qwen3_next.py` (plus
-the fused chunked gated-delta-rule kernel's own saved tensors) and is corrected against saved-tensor
-hooks (MEASURED_FACTOR); the checkpointing modes split the same per-layer numbers
-(`layer_bytes_per_row`), and everything else uses them.
-
-Legend: D hidden, V vocab, H/Hkv attention query/key-value heads, hd head dim, Hk/Hv linear key/
-value heads, Kd/Vd linear head dims, K conv kernel, C chunk size, I dense MLP width, E experts,
-k top-k, Ie/Is routed/shared expert width, e element bytes of the model dtype, f = 4 (fp32).
+One module, three users: the partitioner's estimate (`planner_service.planner.memory_fit`), the
+builder's `PlanStats.peak_live_bytes` and the validator's check; the trainer keeps exactly what is
+counted here. Legend: D hidden, V vocab, H/Hkv attention query/key-value heads, hd head dim, Hk/Hv
+linear key/value heads, Kd/Vd linear head dims, K conv kernel, C chunk size, I dense MLP width,
+E experts, k top-k, Ie/Is routed/shared expert width, e element bytes of the model dtype, f = 4.
 """
 from __future__ import annotations
 
@@ -416,7 +383,8 @@ class RowSizes:
     conv_row_bytes: int
     """Exported conv inputs of one CONV row, summed over the linear-attention layers."""
     kernel_row_bytes: int
-    """Exported q, k, v, g, beta of one KERNEL (replay) row, summed over the linear-attention layers."""
+    """Exported q, k (before the per-value-head repeat), v, g, beta of one KERNEL (replay) row,
+    summed over the linear-attention layers."""
     state_bytes: int
     """One exported fp32 state, summed over the linear-attention layers."""
     recompute_row_bytes: int = 0
@@ -434,7 +402,7 @@ class RowSizes:
     @classmethod
     def of(cls, dims: ModelDims, dtype: str = "float32", chunk_size: int = 64, *, checkpointing: str = "none",
            head: str = "full") -> "RowSizes":
-        """The sizes of a model (see the module docstring and `checkpointed_bytes_per_row`).
+        """The sizes of a model (docs/design/windows.md, "Memory accounting"; `checkpointed_bytes_per_row`).
 
         Raises:
             ValueError: an unknown dtype, checkpointing mode or head.

@@ -2,16 +2,10 @@
 
     arrays = decode_microbatch(mb, params)      # MicrobatchArrays, or PlanValidationError naming the field
 
-A rank's whole slice is decoded by `plan.decode.decode_rank`, on top of this.
-The validator (`plan.validator`) and the slice check (`plan.slice_check`) check the semantics on
-top of these arrays, and the trainer turns them into tensors (`trainer.layout`) without unpacking
-the wire's byte columns again (the planner builds the same arrays from its own tables,
-`planner_service.planner.serialise._arrays`). The checks here are linear in the microbatch's size and guarantee only what indexing needs: every
-array has the length its table implies, every row index lies in its range (local rows [0, R),
-extended rows [0, R + I)), every state reference names an existing table entry, every token id
-lies in the vocabulary. Whether the rows form the right trees, schedules and hashes is the
-validator's job.
-
+Linear in the microbatch's size, it guarantees only what indexing needs: every array has the
+length its table implies, row indices in range (local [0, R), extended [0, R + I)), state
+references to existing entries, token ids in the vocabulary. A whole slice: `plan.decode`; the
+semantics: `plan.slice_check`, `plan.validator` (docs/design/plan-contract.md).
 Legend: R local rows, I imported rows, S segments, P log-prob entries, N sequences of a call,
 E state exports of a call, Q imported states, K conv kernel.
 """
@@ -67,7 +61,7 @@ class LinearCallArrays:
 
 @dataclass(slots=True, kw_only=True)
 class MicrobatchArrays:
-    """Every array of one plan microbatch, decoded and bounds-checked (see the module docstring)."""
+    """Every array of one plan microbatch, decoded and bounds-checked."""
 
     id: int
     num_rows: int

@@ -6,7 +6,8 @@
 The memory model's default (`plan.memory_model.ModelDims.default`) and the cluster memory report
 (`plan.cluster_memory`) read these; the trainer builds them by name (`trainer.models.build_model`,
 through `ModelConfig.from_hf_dict`: they are Hugging Face `Qwen3NextConfig` documents). Named configs are plain functions
-returning a fresh dict, so that a caller may change its copy.
+returning a fresh dict, so that a caller may change its copy (docs/design/planner.md, "The memory
+budget M").
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 
 Without `forest_like` consecutive entries of a trajectory must chain (prefix hashes, `oracle_rows`);
 with it every row reproduces the trajectory prefix and every label and loss mask is the forest's.
-Legend: T trajectories, P log-prob entries.
+Part of `plan.validator` (docs/design/plan-contract.md). Legend: T trajectories, P log-prob entries.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     st = StepRows(mbs); st.resolve(m, order)        # exporters first: pred, depth, token, hash, identity
 
 Token chains are compared through 64-bit polynomial prefix hashes (`hash_terms`, wrap-around
-arithmetic). Legend: R local rows, I imported rows, S segments.
+arithmetic; docs/design/plan-contract.md). Legend: R local rows, I imported rows, S segments.
 """
 from __future__ import annotations
 

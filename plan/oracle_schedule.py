@@ -3,7 +3,8 @@
     check_ancestry(mb, st.pred[m], params.conv_kernel)
     check_linear(mb, st, params, states_of)     # states_of: microbatch -> {state: (depth, identity)}
 
-Both run on rows resolved by `oracle_rows.StepRows` (exporters first). Legend: R local rows,
+Both run on rows resolved by `oracle_rows.StepRows` (exporters first; docs/design/min-calls.md).
+Legend: R local rows,
 I imported rows, S segments, K conv kernel, C chunk size.
 """
 from __future__ import annotations

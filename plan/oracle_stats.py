@@ -3,7 +3,7 @@
     check_counts(plan, all_mbs, kept, peak, sizes)    # tokens, live memory, costs, lock-step, windows
     check_cross_edge_stats(plan, edges)                # edges listed on both ranks, their totals
 
-Costs compare within a relative 1e-9. Legend: W ranks, P phases, E cross edges.
+Costs compare within a relative 1e-9 (docs/design/plan-contract.md, "The header"). Legend: W ranks, P phases, E cross edges.
 """
 from __future__ import annotations
 

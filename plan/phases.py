@@ -1,28 +1,11 @@
-"""What a lock-step schedule means (DESIGN §5.7, PlanParams.lockstep): phases, stand-ins, costs.
+"""What a lock-step schedule means (PlanParams.lockstep): phases, stand-ins, their rules and costs.
 
-A lock-step plan carries one global sequence of P phases (`PlanHeader.lockstep_phases`, uint8 [P]
-of `PhaseKind`) and every rank's `steps` has exactly P entries, entry i of phase i's kind:
-
-- PHASE_FORWARD: the FORWARD of a microbatch (a recomputed one's graph-less first forward
-  included), or a FORWARD stand-in (`microbatch` -1);
-- PHASE_BACKWARD: the BACKWARD of a microbatch not marked `recompute`, or the BACKWARD stand-in
-  whose `standin` id k > 0 pairs it with an earlier FORWARD stand-in of the same rank;
-- PHASE_RECOMPUTE: the BACKWARD of a microbatch marked `recompute` (its forward re-runs inside),
-  or a BACKWARD stand-in with standin 0 (a one-row zero-loss forward and backward).
-
-A FORWARD stand-in with standin 0 runs without a graph; every id k > 0 appears exactly twice on its
-rank, FORWARD first. Real steps keep the window rules of a free plan (checked elsewhere).
-
-Cost model of a phase (PlanStats.lockstep_makespan): a microbatch of cost c (Microbatch.cost)
-costs FORWARD_SHARE x c forward (with or without graph) and the rest backward; a recompute
-BACKWARD costs c (forward and backward); a stand-in costs 0; a rank's cross edges add
-CostModel.transfer_byte x the bytes it moves in the phase (plan.cross_edges.transfer_bytes). A
-phase lasts as long as its slowest rank, so lockstep_makespan = sum over phases of the largest
-step cost of any rank.
+    phases = lockstep_phases(header)                              # uint8 [P] of PhaseKind; empty: a free plan
+    check_rank_phases(where, phases, steps, recompute)            # one rank: one step per phase, of its kind
+    cost = step_cost(phase, microbatch_cost)                      # FORWARD_SHARE forward, the rest backward
 
 Shared by the planner (the report), the fast slice check and the oracle validator, like
-`plan.header`.
-
+`plan.header`; the rules and the cost model: docs/design/lockstep.md.
 Legend: P phases, W ranks, n steps of a rank.
 """
 from __future__ import annotations
@@ -65,7 +48,7 @@ def lockstep_phases(header: plan_pb2.PlanHeader) -> np.ndarray:
 
 
 def check_rank_phases(where: str, phases: np.ndarray, steps: list[tuple[int, int, int]], recompute: list[bool]) -> None:
-    """Check one rank's steps against the phases (module docstring).
+    """Check one rank's steps against the phases (docs/design/lockstep.md, "The rules").
 
     Args:
         where: e.g. "rank 3", for the messages.

@@ -1,7 +1,8 @@
 """Sealing and verifying plan slices: deterministic bytes plus a SHA-256 checksum.
 
 The service stores sealed slices and serves those bytes verbatim, so a retry returns identical
-bytes; trainers verify the checksum before executing anything.
+bytes; trainers verify the checksum before executing anything (docs/design/plan-contract.md,
+"Slices and sealing").
 """
 from __future__ import annotations
 

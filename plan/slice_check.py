@@ -3,41 +3,9 @@
     decoded = check_slice(slice_)     # DecodedSlice, or PlanValidationError naming the field
     decoded = check_decoded(decode_rank(header, rank))   # the same in two steps (the executor's "check")
 
-`plan.validator.validate_plan` is the independent, complete checker (token chains through
-prefix hashes, exact conv and attention ancestries, kept-token coverage, stats, live-memory stack)
-and stays the test oracle; it costs up to 10x the planning time on full-scale steps. A trainer
-rank only needs the invariants its executor relies on to index safely and to run every row, state
-and window exactly once, and it needs the decoded arrays anyway. So this check runs on the slice
-decoded once (`plan.decode.decode_rank`: lengths, index bounds, vocabulary) and adds, each in time
-linear in the slice:
-
-- header: version, chunk size, parameters, trajectory table and normalisers;
-- per microbatch: computed rows within `microbatch_tokens`; `duplicated_tokens` and
-  `replay_tokens` equal to what the tables say; segments tile the rows in order, parents precede
-  children, depths are consecutive within a segment and continue from the parent's last row;
-  occurrence 0 exactly on duplicated rows; no imports without windows;
-- linear-attention calls: every local row in exactly one sequence range; replay within C-1 rows
-  (none with replay off); aligned starts with replay on, depth 0 for a zero state, the first row's
-  depth as `start_depth`; exported states unique, within the table, at chunk boundaries of their
-  sequence and read (LOCAL) only by strictly later calls; every state exported;
-- windows: every import names a microbatch of this rank that is open (forwarded, not yet
-  backwarded) when the importer runs, an extended row or state that exporter lists in
-  `export_rows` / `export_states`, or an exporter on another rank that a cross edge names;
-- windows across ranks (`RankPlan.cross_edges`, `plan.cross_edges`): lock-step plans only,
-  ranks, rows and states within the exporter's exports and the importer's imports, send and
-  gradient phases ordered against this rank's own steps, bytes of the memory model;
-- execution order: each microbatch forwarded once then backwarded once, properly nested; in a
-  lock-step plan exactly one step per phase of header.lockstep_phases, of its kind, stand-ins
-  paired and real BACKWARDs in the phase their `recompute` flag names (`plan.phases`);
-- log-prob map: rows kept (not duplicated context) at depth `position - 1`, loss positions only
-  in a loss-positions plan.
-
-The rules run as fused Numba passes (`plan.slice_kernels`): at step scale the check is
-memory-bound, about half of it the copy of the wire tables out of the message.
-
-What it does not check (validate_plan does): that token chains, conv ancestors and attention
-ranges reproduce the trajectories, that states come from the right path, the live-memory stack.
-
+The invariants the executor relies on to index safely and to run every row, state and window
+exactly once, on the slice decoded once; the rules, and what only `plan.validator` checks:
+docs/design/plan-contract.md ("Three levels of checking"). Fused Numba passes: `plan.slice_kernels`.
 Legend: R local rows, I imported rows, S segments, N sequences of a call, M microbatches of the rank.
 """
 from __future__ import annotations
@@ -63,7 +31,7 @@ def _fail(where: str, msg: str):
 
 
 def check_slice(slice_: plan_pb2.PlanSlice) -> DecodedSlice:
-    """Check one rank's slice (see the module docstring) and return its decoded arrays.
+    """Check one rank's slice (docs/design/plan-contract.md) and return its decoded arrays.
 
     Raises:
         PlanValidationError: the first violated rule, naming the microbatch and field.
@@ -81,7 +49,7 @@ def check_rank(header: plan_pb2.PlanHeader, rank: plan_pb2.RankPlan) -> DecodedS
 
 
 def check_decoded(d: DecodedSlice) -> DecodedSlice:
-    """The rules of the module docstring on a decoded rank slice (`plan.decode.decode_rank`); returns it.
+    """The slice check's rules on a decoded rank slice (`plan.decode.decode_rank`); returns it.
 
     Raises:
         PlanValidationError: the first violated rule, naming the microbatch and field.

@@ -3,7 +3,8 @@
 A trainer rank checks its slice before running it (`plan.slice_check`); at step scale a slice
 holds ~20 MB of row tables, and the checks are memory-bound: each numpy expression is a pass over
 cold memory plus a temporary. These kernels fuse the passes and return the first violating index
-of each rule (-1: none); the callers keep the rules' order and error messages.
+of each rule (-1: none); the callers keep the rules' order and error messages
+(docs/design/plan-contract.md, "Three levels of checking").
 
 Legend: R local rows, S segments, P log-prob entries, I imported rows.
 """

@@ -1,41 +1,12 @@
-"""Independent checker of HARTS plans (the wire contract of proto/harts/v1/plan.proto).
-
-The test oracle of the planner's plans, and what `harts plan` and a trainer's `validate="full"`
-run (the service and a trainer's default run the linear-time `plan.slice_check` instead); it never
-imports the planner. Numpy plus plain Python, written from the contract, not from the builder.
+"""Independent checker of HARTS plans (the wire contract of proto/harts/v1/plan.proto): the test oracle.
 
     validate_plan(plan, forest_like=None)   # the whole step (all ranks)
     validate_slice(slice_)                  # one rank's slice: what a trainer can check alone
 
-Both raise `PlanValidationError` (a ValueError) naming the microbatch and field at fault.
-
-`forest_like` (optional) is any object with `path_tokens(t) -> int array`, `traj_offset` [T+1]
-and `loss_mask` [N_e] (a planner Forest qualifies); with it the validator also checks that every
-log-prob row's token chain reproduces the trajectory prefix, every label, the loss mask, and that
-the plan keeps every distinct token of the batch. Token chains are compared through 64-bit
-polynomial prefix hashes (wrap-around arithmetic), so a mismatch can only slip through by a hash
-collision.
-
-Lock-step plans (params.lockstep): every rank has exactly one step per phase of
-header.lockstep_phases, of the phase's kind, with the stand-in pairing and recompute rules of
-`plan.phases`, so every rank has the same phase count and kinds; the lock-step statistics follow
-from the steps. Stand-ins are skipped by the window-order and memory rules.
-
-Windows across ranks (lock-step plans, RankPlan.cross_edges): every rank's edges pass the
-one-rank rules of `plan.cross_edges` (rows and states exactly what the importer and its own
-importers read, phase order, bytes); the whole plan lists each edge identically on both of its
-ranks with ids 0..E-1, its statistics count them, and rows resolve across ranks by forward phase
-(an exporter before its importers), so token chains, ancestry and states are checked through the
-edge as through a local window. `validate_slice` cannot see the other rank: it checks the
-one-rank rules and leaves the rows that come from there to `validate_plan`.
-
-Live memory (what must fit params.memory.memory_bytes): `plan.memory_model.rank_live_bytes`, the
-function the planner uses: while microbatch m runs, its activations (with activation checkpointing
-plus one recomputed block's) plus, for every open window below which it runs, the activations that
-window keeps, or, when it is marked `recompute`, only the export tensors of its own rows that
-`plan.window_exports.export_needs` lists (those its remote importers read included), plus the
-exports it has received over cross edges and not yet answered.
-
+Both raise `PlanValidationError` (a ValueError) naming the microbatch and field at fault. Numpy
+plus plain Python, written from the contract, not from the builder, and never importing the
+planner; `harts plan` and a trainer's `validate="full"` run it. What it checks beyond the slice
+check, and `forest_like`: docs/design/plan-contract.md ("Three levels of checking").
 Legend: R local rows, I imported rows, S segments, P log-prob entries, K conv kernel, C chunk size.
 """
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""What each sharing-window parent must export, per kind of tensor (DESIGN §5.5).
+"""What each sharing-window parent must export, per kind of tensor (docs/design/windows.md).
 
     needs = export_needs(arrays_by_id, forward_order)   # {exporter id: ExportNeeds}
     import_needs(child, needs.get(child.id))            # {exporter id: what this child reads of it}
 
-A window child reads its imported (extended) rows through three consumers, each needing another
-per-layer tensor of the exporter:
-- softmax attention (rows inside the child's attention ranges): the K/V rows;
-- the short conv (rows named in the child's conv_ancestors): the conv inputs;
-- bounded replay (rows named in the child's replay_rows): the linear-attention kernel inputs
-  q/k/v/g/beta;
-plus the fp32 states of its state imports. A row the child re-exports to a grandchild needs, in
-the child's exporter, whatever the grandchild needs of it. Rows that no consumer reads are not
-exported at all: with a real model the conv inputs and kernel inputs are 8x the K/V bytes per
-row, and only the last K-1 rows above a child's roots and its replay rows need them.
-
-The trainer exports exactly these tensors; the planner's and the validator's memory accounting of
-recomputed windows counts exactly these rows (one rule, one module). A window across ranks
-(`plan.cross_edges`) carries exactly what its importer reads of its exporter (`import_needs`):
-the exporter's rank counts it in the exporter's needs (`sent`), the importer's rank leaves the
-remote exporter out (`remote`).
-
-Legend: R local rows, I imported rows.
+A child reads imported rows through softmax attention (K/V: ATTN), the short conv (conv inputs:
+CONV) and bounded replay (q/k/v/g/beta: KERNEL), plus fp32 states; rows no consumer reads are not
+exported. The trainer exports exactly these, and the memory model counts exactly these; a window
+across ranks carries what `import_needs` says (`sent` on the exporter's rank, `remote` on the
+importer's). Legend: R local rows, I imported rows.
 """
 from __future__ import annotations
 
@@ -78,7 +65,7 @@ def used_imports(mb: MicrobatchArrays, own: ExportNeeds | None) -> dict[str, np.
 def export_needs(mbs: dict[int, MicrobatchArrays], order: list[int], *,
                  sent: Mapping[int, list[ExportNeeds]] | None = None,
                  remote: Collection[tuple[int, int]] = ()) -> dict[int, ExportNeeds]:
-    """Per exporter, the rows and states its importers read (see the module docstring).
+    """Per exporter, the rows and states its importers read (docs/design/windows.md).
 
     Args:
         mbs: decoded microbatches of one rank, by id.

@@ -1,4 +1,4 @@
-"""HARTS planner: rollout ingestion, prefix forests, the two-level planner and the service.
+"""HARTS planner: rollout ingestion, prefix forests, the two-level planner and the service (docs/design/).
 
     ingest/       rollout batches (JSON, protobuf) -> validated prefix `Forest` (`forest.py`)
     planner/      the two-level planner: a Forest and a PlanConfig -> harts.v1.Plan

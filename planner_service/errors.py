@@ -2,7 +2,7 @@
 
 A `HartsError`'s message is safe to show a client. The HTTP and gRPC adapters translate these
 with one table (`planner_service.transport.status_codes.STATUS`) and never let any other
-exception text reach a client.
+exception text reach a client (docs/design/service.md, "Shape").
 """
 from __future__ import annotations
 

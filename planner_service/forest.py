@@ -1,19 +1,11 @@
-"""The canonical prefix forest of one training step (DESIGN §2-§3).
+"""The canonical prefix forest of one training step (`Forest`): flat numpy arrays that Numba code can walk.
 
-Ingestion (`planner_service.ingest`) builds it from flat trajectories or explicit trees; the
-planner consumes it. Everything is flat numpy arrays so that Numba code can walk it.
+    forest = planner_service.ingest.forest_from_json(body)    # built by ingestion, consumed by the planner
+    forest.check()                                            # the invariants (tests)
 
+Segments in depth-first preorder, a trajectory the root-to-`traj_seg[t]` chain, trajectory-space
+arrays concatenated per trajectory: docs/design/rollout-forest.md ("The forest").
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens (sum of lengths).
-
-Invariants (checked by `Forest.check`):
-- segments are numbered in depth-first preorder: a parent precedes its children and every subtree
-  is a contiguous index range; segment s's tokens are tokens[seg_offset[s] : +seg_length[s]],
-  laid out in segment order (seg_offset is increasing and gap-free);
-- seg_depth[child] == seg_depth[parent] + seg_length[parent]; roots have depth 0;
-- every trajectory ends at the end of its segment traj_seg[t] (segments are split where a
-  trajectory ends inside one), so its path is the root-to-traj_seg[t] chain;
-- trajectory-space arrays are concatenated per trajectory: positions of trajectory t are
-  traj_offset[t] : traj_offset[t+1].
 """
 from __future__ import annotations
 
@@ -116,7 +108,7 @@ class Forest:
         }
 
     def check(self) -> None:
-        """Assert the invariants of the module docstring (internal consistency, for tests)."""
+        """Assert the forest's invariants (docs/design/rollout-forest.md, "The forest"; for tests)."""
         S = self.num_segments
         assert self.seg_offset.shape == self.seg_length.shape == self.seg_depth.shape == (S,)
         assert self.seg_tree.shape == (S,)

@@ -2,6 +2,7 @@
 
 A step id is echoed in URLs (one path segment), errors and gRPC trailers, so it is bounded and
 printable; `check_step_id` is what the core runs on every id it is given or stores.
+See docs/design/service.md.
 """
 from __future__ import annotations
 

@@ -1,32 +1,12 @@
 """One process, one core, two transports: uvicorn (HTTP) and grpc.aio on one event loop.
 
 Run it with `harts serve --host 127.0.0.1 --http-port 8000 --grpc-port 50051 --db harts.db`.
-Start-up compiles the Numba code, checks that the database can be written and resumes interrupted
-plans, then opens both ports. Once both accept connections it prints on stderr
-
-    harts serve: listening http=http://HOST:PORT grpc=HOST:PORT
-
-and, as soon as the service is also ready (at once, unless the database cannot be written), the
-line that tests and scripts wait for:
-
-    harts serve: ready http=http://HOST:PORT grpc=HOST:PORT
-
-Ports may be 0 (the lines then name the ports the OS chose). SIGTERM (Docker, Kubernetes, systemd)
-and SIGINT stop the service the same way, logging the signal: the service turns not ready,
-long-polls waiting for a plan answer 503 at once (their clients retry), gRPC calls get a
-`_GRPC_GRACE_S` grace period and HTTP requests uvicorn's graceful timeout, the plan in progress
-finishes (queued ones resume at the next start), the database is checkpointed and closed, and
-the process exits 0 with the log line "stopped". A second signal stops waiting for open HTTP
-requests.
-
-Connection hardening: the HTTP side runs `transport.http_guard.GuardedH11Protocol` (header, body and idle
-timeouts, a bound on open connections); gRPC gets the same bounds as channel arguments (handshake
-timeout, idle timeout, incoming connections, concurrent RPCs). The soft file-descriptor limit is
-raised to the hard one, and the connection bounds are kept below it, so that a flood of
-connections can neither starve the other transport nor make asyncio log every failed accept
-(repeated loop errors, and uvicorn's per-request warnings, are logged once a minute).
-
-`ServerProcess` starts the service as a subprocess on loopback (tests, benchmarks).
+It prints `harts serve: listening http=... grpc=...` once both ports accept and
+`harts serve: ready http=... grpc=...` (`READY_RE`) once the service is ready. SIGTERM and SIGINT
+drain and close: not ready, long-polls answered 503, gRPC and HTTP grace periods, the plan in
+progress finished, the database checkpointed and closed, exit 0; the connection bounds and the
+file-descriptor limit are set here. `ServerProcess` runs it as a subprocess on loopback (tests,
+benchmarks). See docs/design/service.md ("Stopping", "Connections and request limits").
 """
 from __future__ import annotations
 
@@ -200,7 +180,7 @@ class _StopSignals:
 
 async def serve(cfg: ServiceConfig, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 50051,
                 limits: ConnectionConfig | None = None) -> None:
-    """Run the service until SIGTERM or SIGINT, then drain and close (module docstring)."""
+    """Run the service until SIGTERM or SIGINT, then drain and close (docs/design/service.md, "Stopping")."""
     loop = asyncio.get_running_loop()
     _once_a_minute(loop)
     logging.getLogger("uvicorn.error").addFilter(_OncePerMinute())

@@ -1,16 +1,13 @@
 """The trainer topology a step is planned for, declared once (`FIELDS`).
 
-One `TopologyField` per field of `harts.v1.Topology` (proto/harts/v1/planner.proto): its name is
-also the JSON key of a plan request, the POST /v1/steps query parameter and the CLI flag
-(`--name-with-dashes`). Everything that carries a topology is derived from `FIELDS` by iteration:
+    cfg = topology_to_config(topo, **service_defaults)   # harts.v1.Topology -> PlanConfig (ValidationError: topology.<field>)
+    topo = normalized_topology(cfg)                      # PlanConfig -> the Topology as planned (idempotency compares it)
 
-    topology_to_config(topo, ...)   harts.v1.Topology -> PlanConfig (ValidationError names topology.<field>)
-    normalized_topology(cfg)        PlanConfig -> harts.v1.Topology as planned (what idempotency compares)
-    transport.http_models           the pydantic Topology body and the POST /v1/steps query model
-    harts_cli.topology_flags        the `harts plan` / `harts serve` flags and what they build
-
-A new field is a `TopologyField` here, its proto field (`make proto`; never renumber one) and the
-PlanConfig field it sets (planner/config.py, which validates the value).
+One `TopologyField` per field of `harts.v1.Topology`; its name is also the JSON key, the POST
+/v1/steps query parameter and the CLI flag, and `transport.http_models` and
+`harts_cli.topology_flags` derive from `FIELDS`. A new field is a `TopologyField` here, its proto
+field (`make proto`; never renumber one) and the PlanConfig field it sets. The bounds of the wire
+values and documents: docs/design/service.md ("Ingestion and validation").
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ is not UTF-8 (an id a generator built from raw bytes). `wire_error` walks the wi
 message's descriptor and names the first string field whose bytes are not UTF-8, as the JSON path
 does ("trajectories[2].id: expected UTF-8 text, ..."); other damage gets the generic message.
 `field_bytes` cuts a message field's bytes out of its parent as they arrived (gRPC stores and
-digests the submitted batch exactly as the client serialised it).
+digests the submitted batch exactly as the client serialised it; docs/design/service.md).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Little-endian array codecs for the `bytes` fields of the wire contract.
 
 Every large array of a HARTS message is a little-endian `bytes` field; these two functions are
-the only place that converts between them and numpy.
+the only place that converts between them and numpy (docs/design/plan-contract.md, "Conventions").
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
 #
 # Needs a Python with CUDA torch and triton (PYTHON=..., else .venv/bin/python, else python3) and no
 # network. Wheels the image lacks are carried in wheels/ at the repository root (gitignored; else
-# shared/wheels/), e.g. the run tool's carry option ["wheels"]: protobuf 7.36.2 (the generated
+# shared/wheels/), copied along with the checkout: protobuf 7.36.2 (the generated
 # modules need >= 7.35.1; its abi3 wheel and its pure-Python one), fla-core and
 # flash-linear-attention 0.6.0 (pure Python). A module that is
 # missing (or protobuf too old) is installed from them with `pip install --no-index --no-deps`
@@ -22,8 +22,9 @@
 # step: exit code, seconds, log), nvidia-smi.txt, wheels.txt, env.txt, tests-*.txt (pytest -v
 # logs), gpu-figures.jsonl (what the trainer's GPU tests saw), bench-warm.log and warm/ (the
 # warm-up beside the tests), bench.log and bench/ (bench_gpu: one JSON file per section, written as
-# each ends, report.md, kernels/); and into $OUT, packed after every step and every 20 s (the device
-# tool returns at most 8 files): results.tgz (all of it), summary.txt, report.md, gpu-figures.jsonl.
+# each ends, report.md, kernels/); and into $OUT, packed after every step and every 20 s (a few
+# files, for runners that bring back only a few): results.tgz (all of it), summary.txt, report.md,
+# gpu-figures.jsonl.
 # Exit code: 0 when every step passed, 1 otherwise.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -37,7 +38,7 @@ esac
 START=$SECONDS
 TESTS_S=170
 OUT=${OUT:-$PWD/gpu-check-out}
-# Everything is written under RES; $OUT (what the device tool sends back: at most 8 files) gets a
+# Everything is written under RES; $OUT (what a runner brings back, maybe only a few files) gets a
 # packed copy after every step and every 20 s (`pack`): results.tgz, summary.txt, report.md,
 # gpu-figures.jsonl. A run killed by its timeout keeps what was packed last.
 RES=${GPU_CHECK_RESULTS:-/tmp/gpu-check-results}

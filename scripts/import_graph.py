@@ -5,17 +5,8 @@
     .venv/bin/python scripts/import_graph.py --dot graph.dot --svg graph.svg   # drawings
     .venv/bin/python scripts/import_graph.py --check            # exit 1 on a cycle or a forbidden arrow
 
-No module is imported: the sources are parsed, so the graph holds every import statement, at
-module level, inside functions (lazy imports are still dependencies) and under `TYPE_CHECKING`
-(a type-only import still couples the two modules). `from pkg import name` is an arrow to the
-submodule `pkg.name` when there is one, else to `pkg`. Imports of modules outside the project are
-kept by their top-level name (`torch`, `numba`), for the rules that forbid them.
-
-The rules (`RULES`) are the layering of the house (README "Architecture", STYLE.md "Shape of the
-house"); tests/test_layering.py runs `check` on every test run. The SVG drawing is the package
-graph laid out in layers (an arrow points from importer to imported, so the wire is at the
-bottom), drawn without Graphviz; `--dot` writes the same graph (or, with `--modules`, the module
-graph) for Graphviz.
+The rules (`RULES`) are the layering of docs/design/README.md, which also says how the graph is
+read (no module is imported); tests/test_layering.py runs `check` on every test run.
 """
 from __future__ import annotations
 

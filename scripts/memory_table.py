@@ -5,6 +5,7 @@ under each activation-checkpointing mode and expert parallelism (plan/cluster_me
 
 bf16 compute, C = 64, the GPU trainer's chunked lm head, lock-step FSDP2, a 10% margin: what
 `harts plan --model M --world-size W --activation-checkpointing MODE --expert-parallel E` reports.
+How the figures are made: docs/design/planner.md ("The memory budget M").
 """
 from __future__ import annotations
 

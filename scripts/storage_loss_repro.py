@@ -1,15 +1,13 @@
-"""The storage audit's reproducer: delete the WAL or the database under a running `harts serve`,
-stop it (kill -9 after a delay, or SIGTERM), restart it on the same path, count the acknowledged
-batches that came back.
+"""Reproduce storage loss: delete the WAL or the database under a running `harts serve`, stop it
+(kill -9 after a delay, or SIGTERM), restart it on the same path, count the acknowledged batches
+that came back.
 
     .venv/bin/python scripts/storage_loss_repro.py                     # every variant, 10 batches each
     .venv/bin/python scripts/storage_loss_repro.py --delays 0.1 --batches 20 --only wal
 
-Variants: `rm db-wal`, `rm db db-wal db-shm`; then kill -9 after each delay (seconds), or SIGTERM
-after the shortest. A line per variant: batches acknowledged, batches back after the restart,
-and whether the restarted service was ready (a start on a database that lacks acknowledged
-batches is not, until `--accept-data-loss`). Each variant starts a fresh database in a temporary
-folder; a start compiles nothing new (the Numba cache), so a variant takes a few seconds.
+Variants `rm db-wal` and `rm db db-wal db-shm`, each in a fresh database; a line per variant:
+batches acknowledged, batches back, and whether the restarted service was ready (it is not on a
+database that lacks acknowledged batches, until `--accept-data-loss`; docs/design/service.md).
 """
 from __future__ import annotations
 

@@ -2,14 +2,13 @@
 and spills: the compiled path's check on a machine that has none (the interpreter runs the kernels'
 Python, not Triton's compiler, so type and layout errors of the compiled path only show here).
 
-Run: `python scripts/triton_aot_check.py [--arch 90] [--dtype bf16] [--all-configs]` from the
-repository root (no TRITON_INTERPRET). It runs the backends' host code on small CPU tensors with
-each kernel launch recorded instead of executed (so the launches carry the real argument dtypes and
-constexprs; by default at production tiles: H = 16, K = V = 128, C = 64, tree attention D = 128;
-`--heads/--dim/--chunk` change them), then compiles
-each recorded launch with `triton.compile` for `cuda:<arch>` (ptxas ships with triton) under its
-first autotune config (or every config), and runs `ptxas -v` on the PTX. Prints one line per kernel
-and config; exits 1 when a compilation fails. A few seconds per compilation.
+    python scripts/triton_aot_check.py [--arch 90] [--dtype bf16] [--all-configs] [--heads/--dim/--chunk N]
+
+From the repository root, without TRITON_INTERPRET: the backends' host code runs on small CPU
+tensors with every launch recorded (real dtypes and constexprs; production tiles by default: H = 16,
+K = V = 128, C = 64, tree attention D = 128), each launch is compiled with `triton.compile` for
+`cuda:<arch>` under its first autotune config (or all), and `ptxas -v` reads the PTX; one line per
+kernel and config, exit 1 when a compilation fails (docs/design/numerics.md).
 """
 from __future__ import annotations
 

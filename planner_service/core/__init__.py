@@ -5,7 +5,7 @@
     core.submit(body, "json"); core.plan(step_id, topology); core.fetch(step_id, rank)
     await core.aio.fetch(step_id, rank, wait=30.0)      # from an event loop: the long-poll
 
-`service.PlannerCore` puts the parts together (its docstring lists them, one job each).
+`service.PlannerCore` puts the parts together, one job each (docs/design/service.md).
 """
 from __future__ import annotations
 

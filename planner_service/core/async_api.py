@@ -4,7 +4,7 @@ Blocking work (ingest, the database, planning) never runs on the event loop. It 
 pools of worker threads that cannot hold each other up: planning (`Planning.pool`); reads (status,
 list, slices: `_READ_WORKERS` threads of their own, so that slow plans and submissions never hold
 up a GET); submissions and deletions (the loop's default pool). A long-poll waits on an event that
-whoever changes the step sets (`Waiters`), not on a sleep loop.
+whoever changes the step sets (`Waiters`), not on a sleep loop. See docs/design/service.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ held 2.3 GB); a byte bound holds whatever fits. An entry larger than the whole b
 `StepCaches` is the two caches of one core: sealed slices by (step, rank), so a miss reads (and
 decompresses) that rank's slice only; forests by (step, content digest), so planning does not
 re-ingest what was just submitted, and a step deleted and submitted again never finds the old one.
-Thread-safe.
+Thread-safe. See docs/design/service.md ("Storage").
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def forest_size(forest: Forest) -> int:
 
 
 class StepCaches:
-    """The slice and forest caches of one core (module docstring).
+    """The slice and forest caches of one core (docs/design/service.md, "Storage").
 
     Args:
         slice_bytes, forest_bytes: byte budgets of the two caches.

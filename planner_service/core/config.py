@@ -2,6 +2,7 @@
 
 Its topology defaults (`topology_defaults`) are what a requested topology's unset fields mean on
 this service, over HTTP and gRPC alike (`planner_service.topology.topology_to_config`).
+See docs/design/service.md.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ or the protobuf form of the same content. Ingestion reduces every form to one ca
 digest is a SHA-256 over the forest's fields: every array with its dtype and shape, every string
 list with explicit lengths. Floats are hashed as the float32 values the planner uses, so two
 spellings that round to the same float32 are the same batch.
+See docs/design/service.md ("Idempotency").
 """
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """The service's background upkeep: storage probes, plans resumed after a fault, retention, compaction.
 
-One daemon thread per `PlannerCore`. Each round it probes the database (every
-`storage_probe_seconds` while healthy, writing nothing; every second during a fault, at once when
-a fault starts); while the database is healthy it resumes the plans a fault interrupted or that
-waited for disk space (after every probe; with a shared store every `resume_every` seconds too,
-which picks up the plans of a replica that died), deletes what the retention
-policy drops (`retain_steps`: keep the newest N; `max_age_seconds`: keep the younger ones) and
-compacts the file after deletions, also while the disk is short of space (they free it). `wake`
-starts a round early (a submission under a count policy, a deletion, a fault).
+    m = Maintenance(store, probe_seconds=5.0, retain_steps=0, max_age_seconds=0.0, resume=..., delete=...)
+    m.start(resume=False); m.wake(); m.deleted(); m.stop()
+
+One daemon thread per `PlannerCore`: each round probes the database (every `probe_seconds` while
+healthy, writing nothing; every second during a fault), resumes interrupted plans once it is
+healthy, applies the retention policy and compacts after deletions, these two also while the disk
+is short of space (they free it). See docs/design/service.md ("Durability", "Retention").
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ __all__ = ["Maintenance"]
 
 
 class Maintenance:
-    """Background upkeep of one store (module docstring).
+    """Background upkeep of one store (docs/design/service.md, "Durability", "Retention").
 
     Args:
         store: the database it probes, prunes and compacts.

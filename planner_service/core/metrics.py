@@ -2,6 +2,7 @@
 
 Each `Metrics` owns its registry, so tests can run several service instances in one process.
 Both transports record into the same instance; `/metrics` renders it in the text format.
+See docs/design/service.md.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ Plans run on a pool of their own (`plan_workers` threads: planning is CPU-bound 
 step at a time (`StepLocks`, and across replicas the store's `plan_lock`). A plan whose outcome
 could not be stored is kept in `UnstoredPlans` and planned again by `resume_pending` when the
 storage recovers; so is a plan a restart or a replica's death interrupted.
+See docs/design/service.md.
 """
 from __future__ import annotations
 

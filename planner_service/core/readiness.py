@@ -2,7 +2,7 @@
 
 The store tells `storage_changed` of every change of its fault (with its lock held: this only
 records, logs, counts and wakes); readiness listeners (the transports' health services) hear
-every change of (ready, reason).
+every change of (ready, reason) (docs/design/service.md).
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """`PlannerCore`: the planner service without a transport, put together from parts of one job each.
 
-    readiness.Readiness       ready or not, and why (starting, stopping, the store's fault)
-    submissions.Submissions   submit: validate, ingest, store idempotently, queue the plan
-    planning.Planning         plan: PlanConfig, planner, sealed slices stored; resume after faults
-    steps.Steps               status, list, fetch one rank's slice, delete
-    waiters.Waiters           who long-polls which step
-    unstored.UnstoredPlans    plans whose outcome could not be stored
-    caches.StepCaches         sealed slices and forests in memory
-    maintenance.Maintenance   storage probes, resumed plans, retention, compaction (a thread)
-    async_api.AsyncCore       the same for the event loop (`core.aio`), the long-poll included
+    core = PlannerCore(ServiceConfig(db_path="harts.db")); core.start(); ...; core.close()
 
-The HTTP (`transport/http.py`) and gRPC (`transport/grpc_servicer.py`) adapters call `core.aio`;
-the errors it raises are `planner_service.errors` types that both map through one table.
+Parts: `readiness.Readiness`, `submissions.Submissions`, `planning.Planning`, `steps.Steps`,
+`waiters.Waiters`, `unstored.UnstoredPlans`, `caches.StepCaches`, `maintenance.Maintenance` (a
+thread) and `async_api.AsyncCore` (`core.aio`, what the transports call); their jobs and the
+service around them: docs/design/service.md ("Shape").
 """
 from __future__ import annotations
 

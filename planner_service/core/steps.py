@@ -3,6 +3,7 @@
     fetch(step, rank) -> the stored sealed bytes, exactly (restored from their compressed stored
                          form, cached in memory once read)
     delete(step)      -> the step, its body and its slices leave the database and the caches
+See docs/design/service.md.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@
 Idempotency compares content: the same batch_id with the same content (however it was
 serialised: JSON spelling, key order, or protobuf) is a duplicate; with other content it is a
 conflict. The body is stored as it came, and its SHA-256 is what the response carries.
+See docs/design/service.md.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Such a step shows as FAILED with the storage error (its status and fetches say so) and is planned
 again when the storage recovers, or, for a plan that did not fit on the disk, once the disk has
 room for it (`resumable`). A plan stored later, or the step deleted, clears its entry. `status`
-is the status clients see, this record laid over the stored one.
+is the status clients see, this record laid over the stored one (docs/design/service.md).
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 A long-poll registers before its first look (so no change slips between) and is woken by whoever
 changes the step: a plan stored or failed, a submission, a deletion, a replica's notification, or
 the service stopping (`notify_all`). A callback must not block (it sets an event).
+See docs/design/service.md.
 """
 from __future__ import annotations
 

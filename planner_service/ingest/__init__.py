@@ -1,16 +1,14 @@
-"""Rollout ingestion: JSON or protobuf rollout batches -> validated prefix `Forest` (DESIGN §2-§3).
+"""Rollout ingestion: JSON or protobuf rollout batches -> validated prefix `Forest` (docs/design/rollout-forest.md).
 
     from planner_service.ingest import Limits, forest_from_json, forest_from_proto, warmup
     warmup()                                   # once at start-up: loads/compiles the Numba code
     forest = forest_from_json(body_bytes)      # or a dict / str; raises ValidationError, LimitError
     forest = forest_from_proto(pb_bytes, Limits(max_tokens=10_000_000))
 
-Both input forms (docs/rollouts.md, proto/harts/v1/rollouts.proto) go through one pipeline:
-a parsing pass (`parse_json` / `parse_proto`) into a `RawBatch`, vectorised validation
-(`check.check_batch`), then `build.build_forest` (Numba radix merge of flat trajectories,
-`radix.py`, beside its Python oracle `radix_ref.py`; explicit trees, `explicit.py`).
-The same content therefore gives the same Forest in either form. A rejected batch raises
-`ValidationError` whose `field` is the first offending field in document order.
+Both input forms (docs/rollouts.md, proto/harts/v1/rollouts.proto) go through one pipeline,
+`parse_json` / `parse_proto` -> `RawBatch` -> `check.check_batch` -> `build.build_forest`, so the
+same content gives the same Forest in either form; a `ValidationError` names the first offending
+field in document order.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""The source-independent form of a rollout batch between parsing and validation.
+"""The source-independent form of a rollout batch between parsing and validation (`RawBatch`).
 
-`parse_json` and `parse_proto` fill a `RawBatch` in one pass over the document (structure, scalar
-fields, ids), leaving per-position arrays raw (JSON lists or protobuf bytes) in `Column`s;
-`check.check_batch` then validates and materialises the arrays with vectorised numpy, and
-`build.build_forest` turns the checked batch into a `Forest`. Both input forms therefore share
-every rule and produce the same Forest for the same content.
+    raw = parse_json(load_document(body, limits), limits)     # or parse_proto: a RawBatch, one pass
+    raw = check.check_batch(raw, limits)                       # arrays validated and materialised
 
-"First offending field": every problem is reported with a sort key that follows document order
-(batch_id, vocab_size, trajectories[i] field by field, then trees[k]: id, nodes[j], trajectories[j]),
-and the smallest key wins. The parsing pass stops at its first problem; the vectorised checks
-then only look at what was parsed before it, so the winner is the first problem in the document.
+Per-position arrays stay raw (JSON lists or protobuf bytes) in `Column`s until `check_batch`;
+every problem goes to a `FirstError` with a sort key in document order, so the error names the
+first offending field (docs/design/rollout-forest.md, "How a forest is built").
 """
 from __future__ import annotations
 

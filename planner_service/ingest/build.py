@@ -4,7 +4,8 @@ trajectory-space arrays.
 Flat trees come first (in order of first appearance of their tree_id), then explicit trees in
 submission order; trajectories keep submission order (flat ones, then each tree's). Scalar
 advantages are broadcast to every position, a missing loss_mask means all ones, a missing weight 1.0;
-per-node fields (the compact tree form) are gathered along each trajectory's root-to-node path.
+per-node fields (the compact tree form) are gathered along each trajectory's root-to-node path
+(docs/design/rollout-forest.md).
 
 Legend: T trajectories, N_e expanded tokens, S segments.
 """

@@ -1,11 +1,11 @@
-"""Vectorised validation of a parsed batch (DESIGN §3), shared by the JSON and protobuf paths.
+"""Vectorised validation of a parsed batch, shared by the JSON and protobuf paths.
 
-Checks that tree ids are unique (and distinct from the flat trajectories' tree_ids) and node ids
-unique in their tree (the one place: the parsers only record them). Decodes every per-position
-column with one numpy conversion over all its entries, then checks element types, token ranges,
-0/1 masks and finite float32 values on the concatenated arrays; resolves explicit-tree parents, finds cycles and checks root-to-node path lengths. Only the error
-path drops to per-element Python (to describe the offending value). Every problem is offered to
-a `FirstError`; the first one in document order is raised as `ValidationError`.
+    raw = check_batch(raw, limits)     # arrays decoded and checked; ValidationError / LimitError
+
+The one place that checks tree and node ids for uniqueness (the parsers only record them). Each
+per-position column is decoded with one numpy conversion over all its entries and checked on the
+concatenated arrays; only the error path drops to per-element Python, to describe the offending
+value. The first problem in document order is raised (docs/design/rollout-forest.md).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Both directions go through a checked `RawBatch`, so only valid batches convert and the two forms
 of one batch build the same Forest (floats travel as float32 either way). Absent optional fields
 stay absent (loss_mask, log-probs, weight); a per-token advantage list is `advantage` in JSON and
-`advantages` in protobuf; per-node fields of the compact tree form stay on the nodes.
+`advantages` in protobuf; per-node fields of the compact tree form stay on the nodes (docs/rollouts.md).
 """
 from __future__ import annotations
 

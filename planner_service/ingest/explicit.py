@@ -3,7 +3,7 @@
 Nodes of all explicit trees are handled together with global indices (n); tree k's virtual root
 is the extra node k (real nodes are shifted by K) so that one `radix.preorder` call orders every
 tree. Children are visited by (first token, node id). Nodes become segments as given (siblings
-that start with the same token are not re-merged).
+that start with the same token are not re-merged; docs/design/rollout-forest.md).
 
 Legend: V nodes (all trees), K trees, N_n node tokens (concatenated), T_x explicit trajectories.
 """

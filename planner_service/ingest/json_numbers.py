@@ -4,13 +4,9 @@
                                                               c_count, tok, mask, flt, flt_base, POW10)
     fix_floats(data, flt, offset, fix_pos, fix_a, fix_b, fix_list)
 
-Integers go through the fastest path that applies (single digits, SWAR <= 7 digits, general).
-Floats are converted decimal -> float64 -> float32 with the result of Python's `float()`: the
-significand (up to 19 digits) times an exact power of ten is the correctly rounded float64 when
-the significand has <= 15 digits and the power <= 22 (Clinger's fast path); otherwise it is within
-two float64 ulps, which gives the same float32 unless it lies within a few ulps of a float32
-rounding midpoint (or outside the normal float32 range), and those rare elements are converted
-by `float()` afterwards (`fix_floats`). Legend: n body bytes, A lists, X elements converted by float().
+Integers exactly, floats as Python's `float()` would give them (Clinger's fast path, the rare
+rest by `float()` in `fix_floats`): docs/design/rollout-forest.md, "Reading JSON without
+decoding its numbers". Legend: n body bytes, A lists, X elements converted by float().
 """
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
 """Numba pre-pass over JSON rollout text: the per-position number arrays straight into numpy.
 
-    scan = scan_json(body_bytes)     # ScannedJSON: skeleton bytes + one typed buffer per field
+    scan = scan_json(body_bytes, max_depth=32)    # ScannedJSON: skeleton bytes + one typed buffer per field
 
-A rollout document is almost all numbers: `tokens`, `loss_mask`, `old_logprobs`, `ref_logprobs`
-and per-token `advantage` lists. Decoding them into Python objects costs ~30 bytes and tens of
-nanoseconds per element; instead, this pass finds every such list (a member of one of those names
-whose value is a flat list of JSON numbers) and parses it into the field's typed buffer (int32
-tokens, uint8 masks, float32 floats). The rest of the document, the *skeleton* (ids, scalars,
-structure), is copied with each parsed list replaced by the placeholder string `"\\u0000<k>"`
-(list k of `ScannedJSON.ref_*`), and is small enough for an ordinary JSON decoder.
-
-The pass never decides validity: a list it cannot represent exactly in its buffer (an element
-that is not a JSON number literal, an integer outside the buffer's type, a float that is not a
-finite float32, malformed number text) stays in the skeleton as it was, and the decoder and the
-Python checks see it exactly as before (same values, same errors). Replacing a list that follows
-`"name":` with a string cannot make invalid JSON valid or change the meaning of valid JSON. If the
-text contains the escape `\\u0000` no list is replaced (a user string could spell a placeholder).
-
-Number lists are parsed by `json_numbers.py` (integers exactly, floats as Python's `float()` would).
-
-Containers nested deeper than `max_depth` stop the pass (`depth_error_at`): a rollout document has
-at most 6 levels, and a bounded depth keeps every later recursive decoder safe.
-
+Every flat list of JSON numbers under `tokens`, `loss_mask`, `old_logprobs`, `ref_logprobs` or
+`advantage` is parsed into its field's buffer (`json_numbers.py`) and replaced in the skeleton by
+the placeholder `"\\u0000<k>"`; the pass never decides validity, and a text holding `\\u0000`
+keeps every list (docs/design/rollout-forest.md, "Reading JSON without decoding its numbers").
 Legend: n body bytes, A lists found, E elements of one field's lists, X elements converted by float().
 """
 from __future__ import annotations
@@ -340,7 +324,12 @@ class ScannedJSON:
 
 
 def scan_json(data: bytes | bytearray | memoryview, max_depth: int) -> ScannedJSON:
-    """Parse the number lists of JSON text into typed buffers; see the module docstring.
+    """Parse the number lists of JSON text into typed buffers; the rest stays as the skeleton.
+
+    A list the buffers cannot hold exactly (an element that is not a JSON number literal, an
+    integer outside the buffer's type, a float that is not a finite float32, malformed number text)
+    stays in the skeleton as it was, so the decoder and the checks see it unchanged; a text that
+    holds the escape \\u0000 has no list replaced (docs/design/rollout-forest.md).
 
     Args:
         data: UTF-8 JSON text.

@@ -1,23 +1,11 @@
-"""Size limits of one rollout batch (DESIGN §3: "sizes over the configured limits").
+"""Size limits of one rollout batch (`Limits`): what a batch may cost to ingest and plan.
 
-The limits bound what a batch costs, not how much it shares: the body's bytes (parse time and
-the memory of the decoded arrays), the trajectories (per-trajectory objects), the distinct tokens
-(what the planner packs and the plan carries) and, as a guard against amplification, the expanded
-tokens and the loss positions (the trajectory-space arrays: 5 bytes per expanded token in the
-Forest plus 4 per log-prob array sent, and one plan log-prob entry per loss position). Expanded
-counts are int64 throughout.
+    limits = Limits(max_tokens=10_000_000)
+    limits.check("max_tokens", n, "expanded tokens", field)   # LimitError naming the limit and the field
 
-Each limit is checked as soon as the count it bounds is known (before any array is built where
-possible: distinct tokens only after the prefix merge), and exceeding one raises `LimitError`
-naming the limit and, where one field crosses it, that field: `max_trajectory_length: expected at
-most 1048576 tokens in one trajectory, got 1048577` with `field = "trajectories[3].tokens"`.
-
-Largest steps the defaults admit (`harts gen --scheme percall --tasks 16 --seed 1`: 2,105
-trajectories, 70.1M expanded / 4.20M distinct tokens, 1.57M loss positions, 390.6 MB of flat
-JSON, 350 MB of protobuf): the body limit binds first for flat batches, at about 2.7x that batch
-(~190M expanded tokens of flat JSON, ~215M of protobuf); explicit trees without per-position arrays
-are bounded by `max_unique_tokens` (16x its distinct tokens) and `max_tokens` (15x its expanded
-tokens), and every form by `max_trajectories` (47x its trajectories).
+The limits bound what a batch costs, not how much it shares, and each is checked as soon as the
+count it bounds is known (expanded counts in int64); the defaults and the largest steps they
+admit: docs/rollouts.md ("Limits") and docs/design/service.md ("Ingestion and validation").
 """
 from __future__ import annotations
 

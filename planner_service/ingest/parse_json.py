@@ -1,14 +1,11 @@
 """Parsing pass over a JSON rollout document (docs/rollouts.md): structure, scalars, ids.
 
-JSON text goes through `json_scan.scan_json` first: the per-position number lists are parsed
-into typed numpy buffers by a Numba pass and the remaining skeleton (ids, scalars, structure) is
-decoded with orjson (the standard library's decoder where orjson refuses what it accepts: NaN and
-Infinity literals, integers beyond 64 bits, lone surrogates, so that those reach the checks below
-and get a field-naming error). A decoded dict skips the scan. Then one walk in document order
-checks object shapes, scalar fields and id uniqueness, counts sizes against the limits and collects
-per-position arrays (placeholders of parsed lists, or raw lists); element types and values are
-checked afterwards, vectorised, by `check.check_batch`. The walk stops at its first problem
-(recorded in `RawBatch.stop`).
+    raw = parse_json(load_document(body, limits), limits)   # RawBatch; a decoded dict skips the scan
+
+`load_document` runs `json_scan.scan_json` and decodes the skeleton (orjson, else the standard
+library's decoder for what orjson refuses); one walk in document order then checks shapes,
+scalars and ids, counts sizes against the limits and stops at its first problem
+(`RawBatch.stop`). Element types and values are `check.check_batch`'s (docs/design/rollout-forest.md).
 """
 from __future__ import annotations
 
@@ -99,7 +96,7 @@ def _too_deep(scan: ScannedJSON) -> ValidationError:
 
 
 def parse_json(loaded: tuple[dict, ScannedJSON | None] | dict, limits: Limits) -> RawBatch:
-    """One parsing pass over a decoded document (`load_document`'s result); see the module docstring."""
+    """One parsing pass over a decoded document (`load_document`'s result), in document order."""
     doc, scan = loaded if isinstance(loaded, tuple) else (loaded, None)
     raw = RawBatch(source="json", lists=scan)
     for name in ("loss_mask", "old_logprobs", "ref_logprobs", "advantage"):

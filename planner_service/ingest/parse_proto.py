@@ -2,7 +2,7 @@
 
 Same walk, same rules, same sort keys; arrays stay as their little-endian `bytes` and are decoded
 in one `numpy.frombuffer` per field by `check.check_batch`. Per-position arrays use the proto
-field names in error paths (`trajectories[2].advantages`).
+field names in error paths (`trajectories[2].advantages`; docs/design/rollout-forest.md).
 """
 from __future__ import annotations
 

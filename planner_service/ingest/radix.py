@@ -1,13 +1,11 @@
-"""Prefix forests from flat trajectories and explicit trees: the Numba fast path (DESIGN §3).
+"""Prefix forests from flat trajectories and explicit trees: the Numba fast path.
 
-`radix_forest` merges equal token prefixes within each tree by inserting trajectories one after
-another into a radix tree (compressed trie): walking a trajectory costs O(its length), and each
-insertion creates at most two nodes (a split and a leaf), so the build is linear in the expanded
-tokens plus O(1) hash probes per visited branch. Node children live in one open-addressing hash
-table keyed by (node, first token). `preorder` then numbers the nodes depth-first with children
-ordered by (first token, tie id), which makes the output deterministic and independent of the
-insertion order within a tree. `radix_ref.py` holds the plain-Python oracle.
+    rf = radix_forest(tokens_N, offsets_T1, traj_tree_T, n_trees)   # RadixForest: segments in preorder
 
+A radix tree (compressed trie) per tree, children in one open-addressing hash table keyed by
+(node, first token): linear in the expanded tokens. `preorder` numbers the nodes depth-first with
+children by (first token, tie id), so the forest does not depend on the order of insertion;
+`radix_ref.py` is the plain-Python oracle (docs/design/rollout-forest.md, "How a forest is built").
 Legend: N expanded tokens (concatenated trajectories), T trajectories, F trees, V radix nodes
 (F virtual roots first, then real nodes), S segments (real nodes in preorder), N_u distinct tokens.
 """

@@ -1,7 +1,8 @@
 """Plain-Python oracle for `radix.py`: a per-token dict trie, compressed into segments.
 
 Slow (a Python step per token) and obviously correct; tests compare it with the Numba path on
-seeded random inputs. Same contract and output as `radix.radix_forest` and `explicit_forest`.
+seeded random inputs. Same contract and output as `radix.radix_forest` and `explicit_forest`
+(docs/design/rollout-forest.md).
 """
 from __future__ import annotations
 

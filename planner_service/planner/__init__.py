@@ -1,22 +1,13 @@
-"""The HARTS planner (DESIGN §4): partition a step's prefix forest and build its plan.
+"""The HARTS planner: partition a step's prefix forest and build its plan (docs/design/planner.md).
 
     from planner_service.planner import PlanConfig, plan_step, warmup
-    warmup()                                   # compile the Numba kernels once, at start-up (kernel_warmup.py)
+    warmup()                                   # compile the Numba kernels once, at start-up
     plan = plan_step(forest, PlanConfig(world_size=8, microbatch_tokens=16384))
 
-`plan_step` (`step.py`) = `partition` (levels 1-2, `partition.py`; with `cfg.lockstep` the phases of
-`lockstep.py`) + `build_plan` (`build.py`) + the wall time of both in `PlanStats.plan_seconds`.
-With `cfg.sharing=False` it plans the trajectory-expanded baseline: every trajectory its own tree
-(`expand_forest`), standard packing, the same builder.
-
-With windows across ranks allowed (`cfg.crossing`: a lock-step plan with cross_rank_windows) it
-builds the plan whose placement duplicates root paths (windows stay on their rank) and the plans
-with windows across ranks: that plan's schedule with the duplicated rows imported where windows
-enclose each other (`crossing.import_duplicates`), and the partitioner's crossing candidates
-(`partition.crossing_partitions`: a tree's shared prefix imported from the rank keeping its root).
-The best of the latter (shortest lock-step makespan, then fewest duplicated rows) replaces the
-first only where it shortens the step or duplicates fewer rows at a step at most
-CROSS_EQUAL_MAKESPAN longer; PlanStats.with_cross_edges / without_cross_edges report both.
+`plan_step` (`step.py`) is `partition` (levels 1-2, `partition.py`) then `build_plan` (`build.py`);
+`cfg.sharing=False` plans the trajectory-expanded baseline (`expand_forest`), and a lock-step plan
+with cross_rank_windows keeps the better of its plans with and without windows across ranks
+(docs/design/cross-rank.md).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     part, report = assemble(k, cfg, rf, l1, e, l2)        # depth-first order per rank
     part, report = assemble(k, cfg, rf, l1, e, l2, sch)   # a lock-step schedule's order
 
-Legend: n units of all rank forests, M microbatches, W ranks.
+Order and report: docs/design/planner.md. Legend: n units of all rank forests, M microbatches, W ranks.
 """
 from __future__ import annotations
 

@@ -1,45 +1,12 @@
-"""The plan builder: from a Forest and a Partition to the wire plan (DESIGN §4.3-§4.4, §5.5).
+"""The plan builder: from a Forest and a Partition to the wire plan (docs/design/planner.md, "The builder").
 
-`build_plan(forest, cfg, partition)` lays out, for every microbatch, its rows (packed depth-first,
-the continuing child first), segment table, occurrence counts, conv and attention ancestry, the
-minimum-call linear-attention schedule (min_calls.py), sharing-window imports/exports, the log-prob
-map with its trajectory-space fields, then the global normalisers, header, execution steps and the
-report. `PlanStats.plan_seconds` is left to `plan_step`.
+    plan = build_plan(forest, cfg, partition)      # plan_pb2.Plan; impl="ref" runs the kernels' twins
 
-`build_plan` runs named stages, in order: `check_layouts` (the partition's tokens, ranks and
-windows; `partition_check.py`), `fill_context` (root paths and what window children need),
-`lay_out` (rows of every microbatch), `link_windows` (imports and exports), `schedule_calls`
-(linear-attention calls), `state_sources` (every sequence's initial state; these five in
-`row_layout.py`), `logprob_map` (`logprob_map.py`), `rank_orders` (execution steps),
-`serialise_microbatch` (one wire microbatch), `fill_cross_edges` (windows across ranks, lock-step
-plans with cfg.crossing: a window parent or a state's exporter on another rank; `serialise.py`)
-and `fill_steps` / `fill_stats` (`stats.py`).
-
-The passes over tokens, rows, sequences and log-prob entries are Numba kernels over flat arrays
-(`build_kernels.py`, `logprob_map.py`, `min_calls.py`, `linear_calls_codec.py`), picked once per
-plan as a namespace (`_KERNELS`, like the partitioner's): `impl="ref"` runs their plain-Python
-twins instead, and the two modes produce byte-identical plans. The stage modules hold the
-per-microbatch glue and checks.
-
-Rows of a microbatch m:
-- kept rows: the forest tokens m keeps (MicrobatchSpec.ranges);
-- context: every forest token on the root-to-piece paths of m's pieces, plus the context its
-  shared children need, that m does not keep. A shared (window) child imports its context from its
-  parent's extended rows (the parent re-exports rows it imported itself); any other microbatch with
-  a parent duplicates it as local rows (occurrence 0, no log-prob entries).
-A linear-attention state consumed across microbatches comes straight from the microbatch whose
-sequence computed it (an ancestor in the same window), which lists it in export_states.
-
-Cost model (Microbatch.cost, PlanStats.rank_costs): `cfg.cost_model` (cost_model.py) over the
-microbatch's computed rows, attended (query, key) pairs (a row at depth d attends to d + 1 keys),
-linear-attention calls and distinct log-prob rows. The makespan statistics compare the largest
-rank cost with max(total / W, the longest trajectory computed alone).
-
-Live memory (PlanStats.peak_live_bytes): plan.memory_model.rank_live_bytes over the decoded
-microbatches, the same function the validator checks with (with windows across ranks: the
-exporters' remote needs and the exports an importer holds, plan.cross_edges). Transfers:
-CostModel.transfer_byte x each rank's exchanged bytes in PlanStats.rank_transfer_costs (added to
-the makespan) and, per phase, in lockstep_makespan.
+Stages, in order: `partition_check.check_layouts`; `row_layout.fill_context`, `lay_out`,
+`link_windows`, `schedule_calls`, `state_sources`; `logprob_map.logprob_map`;
+`partition_check.rank_orders`, `check_phases`; `serialise.fill_header`, `serialise_microbatch`,
+`fill_cross_edges`, `fill_steps`; `stats.fill_stats`. The kernels are picked once per plan
+(`_KERNELS`), and both modes give byte-identical plans; `PlanStats.plan_seconds` is `plan_step`'s.
 
 Legend: N_u forest tokens, N_e expanded positions, T trajectories, R local rows, I imported rows,
 S local segments, K conv kernel, C chunk size.
@@ -79,7 +46,7 @@ _KERNELS = {
 
 
 def build_plan(forest: Forest, cfg: PlanConfig, partition: Partition, *, impl: str = "numba") -> plan_pb2.Plan:
-    """Lay out and serialise the plan of one step (the stages of the module docstring).
+    """Lay out and serialise the plan of one step (the stages listed at the top of this module).
 
     Args:
         forest: the step's prefix forest.

@@ -1,17 +1,11 @@
 """Numba kernels of the plan builder over flat arrays, each with a plain-Python twin (`*_ref`).
 
-`build.py` picks one namespace of kernels per plan (`impl="numba"` or `"ref"`); a twin takes the
-same arguments as its kernel, loops over Python ints and lists (no numpy vector ops) and returns
-the same arrays, so the two builder modes give byte-identical plans
-(tests/planner_service/test_plan_builder.py compares them on seeded random forests).
+    k = build._KERNELS["numba"]        # or ["ref"]: the twins, same arguments, same arrays
+    ranges = k.attn_ranges(...)        # local_segments, attn_ranges, conv_ancestors, *_occurrence, ...
 
-- `local_segments`: cut a microbatch's sorted rows into local segments and link each to its
-  local parent (or to the imported context row it hangs below).
-- `attn_ranges`: per packed segment, the compact extended-row ranges of its attention ancestry.
-- `conv_ancestors`: the K-1 path predecessors of every local row.
-- `subtree_occurrence`, `row_occurrence`: trajectories through every forest segment / local row.
-(The log-prob map's kernels, `lp_grouped` and its twin, are in `logprob_map.py`.)
-
+A twin loops over Python ints and lists (no numpy vector ops) and returns the same arrays, so both
+builder modes give byte-identical plans (tests/planner_service/test_plan_builder.py). The log-prob
+map's kernels are in `logprob_map.py` (docs/design/planner.md, "The builder").
 Legend: S segments, R local rows, I imported rows, K conv kernel, T trajectories, N_u forest tokens.
 """
 from __future__ import annotations

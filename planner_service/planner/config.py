@@ -1,4 +1,4 @@
-"""Planner settings (DESIGN §4)."""
+"""Planner settings: `PlanConfig`, validated on construction, naming the field at fault (docs/design/planner.md, "Inputs")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -63,12 +63,12 @@ class PlanConfig:
     cost_model: CostModel = field(default_factory=CostModel)
     """Microbatch cost for placement and the report (default: computed rows)."""
     lockstep: bool = False
-    """True: a lock-step plan (DESIGN §5.7, PlanParams.lockstep): one global sequence of phases in
+    """True: a lock-step plan (docs/design/lockstep.md, PlanParams.lockstep): one global sequence of phases in
     which every rank runs one step of the same kind (a real one or a stand-in), for trainers that
     gather parameters per forward and backward (FSDP2 with reshard_after_forward)."""
     cross_rank_windows: bool = True
     """Lock-step plans with windows and W > 1: the planner may place a window's importer on another
-    rank than its exporter (DESIGN §5.7, plan.proto CrossEdge), a tree split over several ranks
+    rank than its exporter (docs/design/cross-rank.md, plan.proto CrossEdge), a tree split over several ranks
     then computes its shared prefix once instead of once per rank; it keeps such a plan only where
     it shortens the step or duplicates less at an equal one (`plan_step`). False (the ablation):
     windows stay on one rank. Free plans never cross ranks."""

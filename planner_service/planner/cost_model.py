@@ -3,28 +3,10 @@
     cm = CostModel.load("cost.json")          # written by `harts calibrate`; CostModel() = rows
     cm.cost(rows, attention, calls, logprob_rows)
 
-A microbatch's cost is linear in four features (DESIGN §4.2, AReaL-DTA's tree time model):
-- `rows`: computed rows, num_rows + replay_tokens;
-- `attention`: attended (query, key) pairs, the sum over those rows of depth + 1 (a row at depth d
-  attends to its d ancestors and itself);
-- `calls`: sequential linear-attention calls (kernel launches per linear layer);
-- `logprob_rows`: distinct rows whose logits the loss reads.
-Coefficients are non-negative; `harts calibrate` fits them (non-negative least squares) to
-executor timings, so that costs are seconds of the measured trainer. Without a file every
-coefficient but `row` is 0: costs are computed rows.
-
-Windows across ranks (lock-step plans, plan/cross_edges.py) add a fifth coefficient outside the
-microbatch cost: `transfer_byte`, the cost of one byte an edge sends (CrossEdge.bytes: exports one
-way, their gradients the other), charged to both ranks in the phase that moves it
-(PlanParams.cost_model.transfer_byte). `harts calibrate` measures it as the inverse bandwidth of
-the trainer's point-to-point backend in seconds per byte; not measured (no file, a file without
-it, `harts calibrate --transfer-backend none`) it is `row x DEFAULT_TRANSFER_ROWS_PER_BYTE`: a
-byte costs that fraction of a computed row.
-
-The JSON file (FORMAT):
-    {"format": "harts.cost_model.v1", "coefficients": {"row": ..., "attention": ...,
-     "linear_call": ..., "logprob_row": ...}, "transfer_byte": ..., "source": "...", "fit": {...}}
-("transfer_byte" optional).
+A cost is linear in computed rows, attended (query, key) pairs, sequential linear-attention calls
+and distinct log-prob rows, with non-negative coefficients; `transfer_byte` prices the bytes of
+windows across ranks. The features, the fit and the file format (`FORMAT`): docs/design/planner.md,
+"The cost model".
 """
 from __future__ import annotations
 
@@ -48,7 +30,7 @@ DEFAULT_TRANSFER_ROWS_PER_BYTE = 1e-6
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class CostModel:
-    """Coefficients of the linear microbatch cost (see the module docstring)."""
+    """Coefficients of the linear microbatch cost (docs/design/planner.md, "The cost model")."""
 
     row: float = 1.0
     """Cost per computed row."""

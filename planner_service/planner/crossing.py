@@ -1,22 +1,10 @@
-"""Windows across ranks on a lock-step schedule that stays as it is (issue 24, DESIGN §5.7).
+"""Windows across ranks on a lock-step schedule that stays as it is: duplicated rows imported instead.
 
     part = import_duplicates(forest, lockstep_partition)     # a Partition, or None: nothing to import
 
-A lock-step partition without windows across ranks makes every rank compute the root path of the
-rows it keeps (`MicrobatchSpec.dup_ranges`, placement.py). The rows a microbatch m duplicates are
-kept by a microbatch o on another rank. When o's window encloses m's in the schedule (o forwards
-in an earlier phase than m and closes in a later one), m can import them from o instead: the
-exports are sent at the end of the phase before m's forward and their gradients return at the end
-of m's backward phase, inside o's window, so the phases, every rank's steps and the stand-ins stay
-as they are. Only m shrinks (its duplicated rows are gone), so no phase gets longer; the
-transfers and memory are the builder's to count (plan.cross_edges) and `plan_step`'s to weigh.
-
-m imports its whole context from o (one parent per window), and with it what its own window
-children import through it: every row above m's window subtree (m and its sharing descendants)
-must be a row o holds, o's own rows or one of their ancestors (o imports what it does not hold
-itself from its own window parent, as local windows do). Checked per microbatch, parents first; a
-microbatch that fails keeps its duplicated rows.
-
+Where a microbatch m duplicates rows that a microbatch o keeps on another rank and o's window
+encloses m's in the schedule, m imports them from o; phases, steps and stand-ins stay as they are,
+and only m shrinks (docs/design/cross-rank.md, "When the planner uses them").
 Legend: N_u forest tokens, M microbatches, S segments.
 """
 from __future__ import annotations
@@ -40,7 +28,15 @@ def _tokens(forest: Forest, ranges: np.ndarray) -> np.ndarray:
 
 def import_duplicates(forest: Forest, partition: Partition) -> Partition | None:
     """The lock-step `partition` with every microbatch that can import its duplicated root path
-    from the microbatch keeping it on another rank doing so (module docstring); None when none can.
+    from the microbatch keeping it on another rank doing so; None when none can.
+
+    A microbatch m imports from o when o keeps rows m duplicates and o's window encloses m's in the
+    schedule (o forwards in an earlier phase and closes in a later one): the exports travel at the
+    end of the phase before m's forward and their gradients at the end of m's backward phase. m
+    then imports its whole context from o (one parent per window), and with it what its own window
+    children import through it, so every row above m's window subtree must be a row o holds (its
+    own rows or their ancestors). Checked per microbatch, parents first; a microbatch that fails
+    keeps its duplicated rows (docs/design/cross-rank.md).
 
     Args:
         forest: the step's prefix forest.

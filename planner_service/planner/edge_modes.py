@@ -3,8 +3,8 @@
     e = edge_rows(k, cfg, rf, l1)                # EdgeRows: every microbatch's rows under both edge modes
     l2 = choose_edge_modes(k, cfg, rf, l1, e)    # Level2: share or duplicate, ranks, recomputation, live bytes
 
-Memory is kept within M by `memory_fit.fit_memory`. Legend: n units of all rank forests, K pieces,
-M microbatches, W ranks.
+Memory is kept within M by `memory_fit.fit_memory` (docs/design/planner.md, level 2).
+Legend: n units of all rank forests, K pieces, M microbatches, W ranks.
 """
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
     source = expand_forest(forest)
 
+The baseline every comparison uses: docs/design/rollout-forest.md, "The expanded baseline".
+
 Legend: T trajectories, N_e expanded positions.
 """
 from __future__ import annotations

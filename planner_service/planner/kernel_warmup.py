@@ -4,7 +4,7 @@
 
 It plans a tiny forest under settings that reach every kernel: windows, duplication,
 recomputation, placement with a full cost model, the expanded baseline, the replay ablation and a
-lock-step plan.
+lock-step plan (docs/design/planner.md).
 """
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""Level 1 of the partitioner (DESIGN §4.1), Numba kernels over flat arrays.
+"""Level 1 of the partitioner, Numba kernels over flat arrays: units, pieces, microbatches.
 
-The forest is first refined into **units**: every segment is cut at the chunk-aligned depths
-(multiples of C) strictly inside it, so a unit is at most C tokens and every cut between two units of
-one segment needs no replay. The unit forest keeps the segments' depth-first preorder (a parent unit
-precedes its children). On it:
+    units = build_units(seg_parent, seg_length, seg_depth, C)   # segments cut at chunk-aligned depths
+    cut_pieces(...); first_fit_decreasing(...); balance_bins(...)
 
-- `cut_pieces` is the bottom-up greedy of Kundu and Misra (1977): at each unit, keep the children's
-  residual pieces while they fit the budget and cut the largest ones off otherwise. With additive
-  weights it gives the fewest connected pieces of size <= B; here the size of a piece also counts
-  the rows the builder adds (bounded replay at unaligned branches inside a piece, and the replay or
-  duplicated context a piece root needs), so every piece fits B by construction.
-- `first_fit_decreasing` packs groups of pieces (those that start at forest roots, or hang below
-  one microbatch) into microbatches, first fit over bins kept in a max segment tree: O(n log n);
-  `balance_bins` spreads a group's pieces over as many bins longest first onto the least loaded
-  one (lock-step plans, where a phase waits for the largest microbatch of any rank).
-- `children_csr`, `group_by`, `piece_roots`, `stamp_path`: the CSR, counting-sort, part-root and
-  root-path walk helpers the placement, level-2 and builder kernels share.
-
-Plain-Python oracles of each kernel live in `partition_ref.py`.
-
+`cut_pieces` is Kundu and Misra's greedy (pieces that fit B), `first_fit_decreasing` packs pieces
+into microbatches over a max segment tree, `balance_bins` spreads them for lock-step plans;
+`children_csr`, `group_by`, `piece_roots`, `stamp_path` are helpers the other kernels share.
+Plain-Python oracles: `partition_ref.py` (docs/design/planner.md, units and level 1).
 Legend: S segments, U units, n items (pieces), m items of one group, P a power of two >= m.
 """
 from __future__ import annotations

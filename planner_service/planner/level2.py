@@ -1,18 +1,11 @@
-"""Level 2 of the partitioner (DESIGN §4.2), Numba kernels over flat arrays.
+"""Level 2 of the partitioner, Numba kernels over flat arrays: edge costs, window exports, order.
 
-- `context_cost`: rows a microbatch would add if its edge to the parent were duplicated (the union
-  of its pieces' root paths, plus the bounded replay at the branch points of that union).
-- `window_export_counts`: upper bounds of what a window parent exports of its own rows, per kind
-  (attention K/V rows, conv inputs, replay kernel inputs, states): its live cost under activation
-  recomputation (plan/memory_model.py). Rows it imported and re-exports are counted in the
-  ancestor that computes them (which is open too).
-- `window_groups`, `subtree_costs`: the window forest's components and subtree costs.
-- `lpt_place`: longest-processing-time-first placement of window groups on ranks.
-- `dfs_order`: per-rank execution order, depth-first over the window forest (forward on entry,
-  backward after every dependent), and the live stack it implies.
+    ctx, ctx_replay = context_cost(roots_off, roots, unit_parent, unit_len, unit_depth, C, replay)
+    attn, conv, kern, states = window_export_counts(...)    # upper bounds per recomputed window
+    order = dfs_order(...)                                   # per rank, depth-first over the window forest
 
-Plain-Python oracles of each kernel live in `partition_ref.py`.
-
+Also `window_groups`, `subtree_costs`, `live_stack` and `lpt_place` (placement without windows).
+Plain-Python oracles: `partition_ref.py` (docs/design/planner.md, level 2).
 Legend: U units, M microbatches, G window groups, W ranks.
 """
 from __future__ import annotations

@@ -2,18 +2,12 @@
 
     fill_linear_calls(msg, sched, src_kind, src_state, ex_seq, ex_depth, ex_state, n_calls)
 
-`Microbatch.linear_calls` (proto/harts/v1/plan.proto, field 16) is the one nested, per-sequence
-part of a plan (every other large table is a column of bytes). Filling it through the generated
-protobuf API costs one Python message per sequence: measured side by side in one process on the
-`benchmarks.bench_planner` forest (650 trees, 16k sequences), `plan_step` took 19-21% longer
-with the API than with this encoder (0.41 -> 0.48 s packed, 0.80 -> 0.96 s with windows), above
-the 10% the planner may spend on its wire format. So `encode_linear_calls` writes the same bytes
-in Numba and `fill_linear_calls` merges them into the message; `fill_linear_calls_ref` is the
-protobuf-API twin the plain-Python builder uses, and
-tests/planner_service/test_build_kernels.py checks that both give identical messages.
-
-Only implicit-presence scalar fields with tags < 16 and one packed bytes field are written, so the
-encoding is the canonical one protobuf itself produces (fields in tag order, zeros omitted).
+`Microbatch.linear_calls` is the one nested, per-sequence part of a plan (why it is not built
+through the generated API: docs/design/plan-contract.md, "Conventions"). `encode_linear_calls`
+writes it in Numba, only implicit-presence scalar fields with tags < 16 and one packed bytes field,
+so the bytes are the canonical ones protobuf produces (fields in tag order, zeros omitted);
+`fill_linear_calls_ref`, through the generated API, is the twin the plain-Python builder uses
+(tests/planner_service/test_build_kernels.py checks that both give identical messages).
 """
 from __future__ import annotations
 

@@ -1,44 +1,12 @@
-"""Lock-step schedules (DESIGN §5.7, plan/phases.py): one global sequence of phases for all ranks.
+"""Lock-step schedules: one global sequence of phases for all ranks (docs/design/lockstep.md).
 
-In a lock-step plan every rank runs, in phase i, one step of phase i's kind: a real FORWARD, a
-real BACKWARD (PHASE_BACKWARD) or a recompute BACKWARD (PHASE_RECOMPUTE), or a stand-in. A phase
-lasts as long as its slowest rank (`plan.phases`: forward 1/3 of a microbatch's cost, backward
-2/3, recompute backward all of it, stand-ins nothing), so the planner wants ranks whose steps
-line up in kind and in cost. Two parts:
+    caps = equal_count_caps(counts, W, B, C, n)     # per rank forest: the capacity that packs into <= n microbatches
+    sch = schedule(align_phases, mb_rank, wparent, cost, priority, forced, full, win, exports,
+                   budget, W, power, rec_open, small_fill)       # Schedule, or None when the order stalls
 
-- `equal_count_caps`: per rank forest, the smallest microbatch capacity (<= B) at which it packs
-  into at most n microbatches (bisection; level 1 packs with it, `partition._lockstep`), so that
-  every rank has about the same number of microbatches of about the same size;
-- `align_phases`: the phases themselves, built one at a time. Each rank keeps its depth-first
-  window rules (a stack of open windows; a window closes after its dependents; the live stack
-  within M) but chooses its order online. In a FORWARD phase it opens the available microbatch
-  (a window root, or a child of an open window) of highest priority (the costliest window
-  subtree) if that subtree fits the memory left; else, with `small_fill`, the available one that
-  needs least memory; else, with `rec_open`, the first one graph-less (recomputed: it then holds
-  only its exports) if its remaining work stays below the slowest rank's; else its top window's
-  next child, which always fits (as it, or recomputed). In a BACKWARD or RECOMPUTE phase it
-  closes its top window if all its dependents have closed and the kind matches. The phase kind
-  is the one whose able ranks weigh most, a rank weighing (remaining cost / the largest
-  remaining cost)^p (p = 1, or 16: the ranks furthest behind decide). A PHASE_BACKWARD is chosen
-  only if every rank that does not close holds a FORWARD stand-in to pair its BACKWARD stand-in
-  with (an idle rank in a FORWARD phase opens one); with none possible, an all-stand-in FORWARD
-  phase gives every rank one. In a RECOMPUTE phase, a rank whose top window is not recomputed may
-  close it there anyway (voluntary recomputation: the microbatch becomes `recompute`) when that
-  costs at most VOLUNTARY_SLACK x the phase's slowest forced recompute and its remaining work
-  stays below the slowest rank's: it saves a BACKWARD phase of its own later.
-
-Windows across ranks (a window parent on another rank, plan.proto CrossEdge): such a microbatch
-becomes available on its own rank once its parent has forwarded (so in a later phase), starts a
-stack there, and its parent closes only after it has (a later phase); the exports it receives are
-in its `full`, `win` and `exports` bytes (the partitioner adds them). An order in which every rank
-waits for another stalls: `schedule` returns None.
-
-`lockstep_ref.align_phases_ref` is the plain-Python twin. The partitioner tries a few microbatch counts and
-every combination of p, `rec_open` and `small_fill`, and keeps the shortest lock-step makespan.
-
-Linear in phases x ranks plus O(M log M) for the per-rank heaps of available microbatches.
-
-Legend: M microbatches, W ranks, P phases.
+`align_phases` builds the phases one at a time: every rank keeps its depth-first window rules and
+picks its order online; `lockstep_ref.align_phases_ref` is its plain-Python twin. Linear in phases
+x ranks plus O(M log M) for the per-rank heaps. Legend: M microbatches, W ranks, P phases.
 """
 from __future__ import annotations
 
@@ -121,7 +89,7 @@ def _subtree_needs(off, kids, full, win, exports):
 
 @njit(cache=True)
 def _pick_forward(h, s, t, off, kids, next_kid, opened, need, need_rec, open_bytes, budget, may_rec, small_fill):
-    """What a rank opens in a FORWARD phase (module docstring): (microbatch or -1, opened
+    """What a rank opens in a FORWARD phase (docs/design/lockstep.md): (microbatch or -1, opened
     graph-less). h / s: its available microbatch of highest priority / smallest need (-1: none);
     t: its top window (-1: none); may_rec: it may open h graph-less (rec_open and the slack);
     next_kid (advanced past opened children) belongs to the rank's windows."""
@@ -167,7 +135,7 @@ def _phase_kind(act, weight, pool):
 @njit(cache=True)
 def align_phases(mb_rank, wparent, cost, priority, forced, full, win, exports, budget, world_size, power, vslack,
                  rec_open, small_fill):
-    """Phases and every rank's steps (module docstring).
+    """Phases and every rank's steps (docs/design/lockstep.md, "How phases are built").
 
     Args:
         mb_rank: int64 [M] rank of each microbatch; wparent: int64 [M] its sharing-window parent

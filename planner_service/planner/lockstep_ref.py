@@ -3,7 +3,7 @@
     phases, step_phase, step_mb, voluntary, makespan = align_phases_ref(*the arguments of align_phases)
 
 Same arguments, same arrays, same bits (tests/builder_helpers.py compares the two on every
-lock-step plan the tests build). Legend: M microbatches, W ranks, P phases.
+lock-step plan the tests build; docs/design/lockstep.md). Legend: M microbatches, W ranks, P phases.
 """
 from __future__ import annotations
 

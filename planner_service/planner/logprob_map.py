@@ -1,12 +1,11 @@
-"""Log-prob map of the plan builder (DESIGN §4.4, §5.6): kernels and the step's entries grouped by microbatch.
+"""Log-prob map of the plan builder: kernels and the step's entries grouped by microbatch.
 
     lp = logprob_map(forest, cfg, k, kept_mb, kept_row, M)    # LogprobMap: entries of microbatch m in bounds[m]:bounds[m+1]
 
 Every trajectory position i >= 1 with a loss term (or every one, for log-prob export) gets one
-entry: the row of token i-1 (its logits predict token i) and the label token i, with the
-trajectory-space fields at i. These kernels walk the forest once over flat arrays; each has a
-plain-Python twin (`*_ref`) or is trivially checked against numpy in the tests.
-
+entry: the row of token i-1 (its logits predict token i), the label token i, and the
+trajectory-space fields at i (docs/design/plan-contract.md, "The log-prob map"). Each kernel has
+a plain-Python twin (`*_ref`) or is checked against numpy in the tests.
 Legend: T trajectories, N_e expanded positions, P log-prob entries, N_u forest tokens, M microbatches.
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@
     live = fit_memory(k, cfg, est, mb_parent, shared, recompute, can_dup, rows_now)   # changes shared, recompute
 
 Byte sizes follow `plan.memory_model` (the builder and the validator use the same rules), so the
-builder's exact stack never exceeds this estimate. Legend: M microbatches.
+builder's exact stack never exceeds this estimate (docs/design/planner.md, level 2).
+Legend: M microbatches.
 """
 from __future__ import annotations
 

@@ -1,33 +1,12 @@
-"""Minimum sequential linear-attention calls and the order that realises it (DESIGN §4.3).
+"""Minimum sequential linear-attention calls and the order that realises it (docs/design/min-calls.md).
 
-Model: a linear-attention layer runs in *calls*; each call is one varlen chunkwise launch over
-sequences that start at chunk-aligned depths from known fp32 states. Cutting every root-to-leaf
-path into its absolute chunks [kC, (k+1)C) and merging equal chunks gives the *chunk tree*; a
-sequence is a downward path in it. With f(leaf) = 1 and f(v) = max(f1, f2 + 1) over v's children
-values f1 >= f2 >= ..., the optimum is the largest f over the chunk nodes that start from a known
-state (a root's depth-0 chunks; in a window child, the chunks of its piece roots).
+    n = min_calls(seg_parent, seg_depth, seg_length, C)               # the optimum, per segment in linear time
+    packed = pack(seg_parent, seg_depth, seg_length, seg_attach, C)   # rows depth-first, continuing child first
+    sched = forest_schedule(seg_parent, seg_depth, seg_length, C, replay=True)   # calls, sequences, states
 
-Computed per segment, not per chunk: for segment s with start depth d, end e and children, M(s) is
-the multiset of f-values of the chunk nodes at chunk index floor(d/C) inside s's subtree, of which
-only the top two matter. A leaf has M = {1}. Otherwise, with U the union of the children's M: if
-e % C != 0 and floor(d/C) == floor(e/C) the children's chunks split the chunk s lies in, so
-M(s) = U; else the chunk of s ending at floor(e/C)*C (or at e) has the children's chunks as its
-children, so M(s) = {max(u1, u2 + 1)}.
-
-The order that realises the optimum: visit a segment's children by decreasing top value of M (the
-continuing child first). A depth-first packing in that order makes every sequence a contiguous run
-of rows (its owned rows) preceded by at most C-1 replay rows (the shared rows [kC, branch depth)).
-
-Ablation `replay=False` (PlanConfig.replay, DESIGN §5.3): no replay rows. A branch child starts a
-new sequence at its own, possibly unaligned, branch depth from the state its parent's sequence
-exports there; since a sequence can only export at start_depth + jC or at its end, the parent
-sequence is split at that depth when needed (the continuation becomes a new sequence one call
-later). The result is neither call-optimal nor bitwise-exact against expanded execution; it exists
-to measure what bounded replay buys.
-
-Legend: S segments. Arrays are numpy; segments are numbered so that a parent precedes its children.
-Each Numba function has a plain-Python twin named `*_ref` with the same contract (the test oracle);
+Each Numba function has a plain-Python twin `*_ref` with the same contract (the test oracle);
 `min_calls_chunk_tree_ref` is an independent oracle that builds the chunk tree explicitly.
+Legend: S segments, numbered so that a parent precedes its children.
 """
 from __future__ import annotations
 

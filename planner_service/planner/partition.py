@@ -1,52 +1,12 @@
-"""The two-level partitioner: forest -> placement, microbatches, edge modes, order (DESIGN §4.1-4.2).
+"""The two-level partitioner: forest -> placement, microbatches, edge modes, order (docs/design/planner.md).
 
-`partition(forest, cfg) -> Partition` is what `build_plan` consumes (see `spec.py`):
+    part = partition(forest, cfg)                       # Partition: what `build_plan` consumes (spec.py)
+    part, report = partition_with_report(forest, cfg)   # plus the partitioner's own estimates
 
-1. Units (`level1.build_units`): segments cut at the chunk-aligned depths inside them.
-2. Placement (`placement_search.place_units` over the kernels of `placement.py`, with sharing
-   windows and W > 1): the unit forest is cut into parts whose duplicated root paths make them
-   independent, the parts are placed on ranks longest-processing-time first and refined by
-   moving subtrees from the busiest rank to the idlest, keeping the placement with the smallest
-   makespan under `cfg.cost_model` (within `cfg.makespan_slack`, the one that duplicates least).
-   Every rank's forest is the units it keeps plus their ancestors, duplicated there, so windows
-   never cross ranks.
-3. Level 1 (`pieces.py` over the kernels of `level1.py`) per rank forest: cut into the fewest
-   connected pieces that fit B (Kundu-Misra; a duplicated unit below a kept one always starts a
-   piece) and pack pieces into microbatches, first fit decreasing, level by level down the piece
-   forest: each rank's root pieces together, then the pieces hanging below one microbatch
-   together (so microbatches form a forest on each rank). A piece's size counts every row the
-   builder will compute for it: kept and duplicated tokens, bounded replay at its unaligned
-   branches, and the replay rows (window) or the duplicated root path (no windows) its root needs.
-4. Level 2 (`edge_modes.py`, `memory_fit.py` over the kernels of `level2.py`): choose each
-   cross-microbatch edge's mode (share through a window, or duplicate a short prefix), keep every
-   rank's live window stack under M in bytes of the memory model (`plan.memory_model`: activation
-   recomputation first, then duplication), and order each rank depth-first. Without windows every
-   microbatch carries its whole root path and microbatches are placed longest-processing-time
-   first over computed rows.
-
-With `cfg.lockstep` (`_lockstep`, DESIGN §5.7) level 1 packs every rank forest into about the
-same number of microbatches of about the same size (`lockstep.equal_count_caps`, then
-`level1.balance_bins`), level 2 marks only the root-most windows a too-deep stack needs as
-recomputed, and the order is one global sequence of phases (`lockstep.align_phases`; stand-ins
-where a rank has nothing of a phase's kind): of a few microbatch counts and aligner variants, the
-shortest lock-step makespan.
-
-Windows across ranks (`crossing_partitions`, cfg.crossing: lock-step plans with
-cross_rank_windows; plan.proto CrossEdge): `rank_forests.crossing_forests` takes the duplicating placement, moves
-every unit above a depth (its tree's root segment, or a fraction of B: CROSS_PREFIXES) that
-another rank needs (a tree's shared prefix) to the rank keeping the tree's root, and drops the other ranks' duplicated copies of it:
-what hung below them now has a unit parent on another rank. Level 1 cuts pieces there, and keeps
-the units that travel in pieces of their own, packed apart, so the microbatches exporting them are
-thin and open first; level 2 counts what an importer receives in its live bytes; the aligner makes
-a microbatch whose parent runs on another rank available once that parent has forwarded. Deeper
-imports are not tried: a lock-step importer forwards only after its exporter's phase and the
-exporter closes only after it, so every level of exporters adds a phase pair to the step.
-`plan_step` builds the candidates and keeps one only where it pays.
-
-Every kernel has a plain-Python twin (`partition_ref.py`, `placement_ref.py`, `lockstep_ref.py`);
-`impl="ref"` runs the whole partitioner on them (tests compare both; the benchmark times both).
-
-`expand.expand_forest` builds the trajectory-expanded baseline's forest (cfg.sharing False).
+Stages: `rank_forests` (units, placement), `pieces.cut_and_pack` (level 1), `edge_modes` with
+`memory_fit` (level 2), `assemble` (order, specs). Lock-step plans align phases (`_lockstep`,
+docs/design/lockstep.md); `crossing_partitions` are the candidates with windows across ranks
+(docs/design/cross-rank.md). `impl="ref"` runs every kernel's plain-Python twin (`_KERNELS`).
 
 Legend: S segments, U units, n units of all rank forests, K pieces, M microbatches, G window
 groups, W ranks, T trajectories, P placement parts.
@@ -116,7 +76,7 @@ _KERNELS = {
 
 
 def partition(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> Partition:
-    """Placement, microbatches, edge modes and execution order of one step (see module docstring).
+    """Placement, microbatches, edge modes and execution order of one step (docs/design/planner.md).
 
     Raises:
         PlanningError: settings that cannot be satisfied (a trajectory longer than B without

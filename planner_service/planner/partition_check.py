@@ -4,7 +4,8 @@
     steps, rank_order = rank_orders(partition, cfg)
     phases = check_phases(partition, cfg, steps)       # uint8 [P], or None for a free plan
 
-Each raises PlanningError naming the partition's field. Legend: N_u forest tokens, M microbatches.
+Each raises PlanningError naming the partition's field (docs/design/planner.md, "The builder").
+Legend: N_u forest tokens, M microbatches.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def check_layouts(forest: Forest, cfg: PlanConfig, partition: Partition, k: Simp
                  ) -> tuple[list[Layout], np.ndarray, list[int]]:
     """One Layout per microbatch with its kept and duplicated tokens, after checking that the
     partition keeps every forest token once, places microbatches on existing ranks and keeps
-    sharing windows on one rank.
+    sharing windows on one rank (unless cfg.crossing: a lock-step plan with windows across ranks).
 
     Returns:
         layouts, kept_mb int32 [N_u] (the microbatch keeping each token), topological order.

@@ -2,7 +2,7 @@
 
 Same signatures and results as the Numba kernels, written for reading rather than speed: lists,
 dicts and `sorted`. Tests compare both on seeded random forests; `partition(..., impl="ref")` runs
-the whole partitioner on them (the benchmark's baseline).
+the whole partitioner on them (the benchmark's baseline; docs/design/planner.md).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
     l1 = cut_and_pack(k, cfg, rf, caps)    # lock-step plans: a smaller capacity per rank forest
 
 `k` is the partitioner's kernel namespace (`level1.py`'s kernels or their twins in
-`partition_ref.py`). Legend: n units of all rank forests, K pieces, M microbatches, W ranks.
+`partition_ref.py`; docs/design/planner.md, level 1).
+Legend: n units of all rank forests, K pieces, M microbatches, W ranks.
 """
 from __future__ import annotations
 

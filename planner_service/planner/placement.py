@@ -1,28 +1,11 @@
-"""Placement of the unit forest on ranks, minimising the step's makespan (DESIGN §4.2, issue 12).
+"""Placement kernels: which rank keeps each unit of the unit forest, minimising the step's makespan.
 
-A step lasts as long as its slowest rank. When trees are few and large, whole window groups cannot
-be balanced; so placement works below the microbatch level, on the unit forest of level 1
-(segments cut at chunk-aligned depths):
+    parts = cut_parts(...)         # Kundu-Misra over unit costs, each part with its duplicated root path
+    lpt_parts(...); rank_closure(...); closure_costs(...); refine(...)
 
-- a **part** is a connected subtree of units that one rank keeps; a part whose root is not a forest
-  root needs its root path on that rank too, as duplicated rows (the prefix of the cut edge,
-  duplicated on the other rank): its cost is its units' costs plus the path's (`ctx`);
-- `cut_parts` is the bottom-up greedy of Kundu and Misra over unit costs with a capacity that
-  every part, its duplicated prefix included, must fit (`cap`); it cuts the costliest children
-  first, so it makes few parts and duplicates little;
-- the parts go to ranks longest-processing-time first (`lpt_parts`: to the rank where a part ends
-  soonest, or, packing, to the one holding most of its prefix among those where it ends within
-  the makespan target), and
-  `rank_closure` adds to every rank the ancestors of the units it keeps (duplicated there), from
-  which `closure_costs` gives each rank's cost with every duplicated unit counted once per rank;
-- `partition.place_units` tries a range of capacities and keeps the placement with the smallest
-  makespan (the least duplication among those within 1% of it), then moves boundary parts from the
-  busiest rank to the idlest while that lowers the makespan (`refine`).
-
-Every rank then runs level 1 on its own forest (kept and duplicated units), so that sharing
-windows never cross ranks; lock-step plans with cross_rank_windows then import a tree's shared
-prefix across ranks instead of duplicating it (`rank_forests.crossing_forests`). Plain-Python oracles of each kernel live in `placement_ref.py`.
-
+A part is a connected subtree of units one rank keeps; a part whose root is not a forest root also
+needs its root path there, as duplicated rows. `placement_search.place_units` drives these kernels
+(docs/design/planner.md, "Placement"); plain-Python oracles: `placement_ref.py`.
 Legend: U units, P parts, W ranks, n units of all rank forests together.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Plain-Python oracles of the placement kernels (`placement.py`): same signatures and results,
 written for reading (lists, sets, recursion-free walks). Tests compare both on seeded random
-forests; `partition(..., impl="ref")` runs the whole placement on them."""
+forests; `partition(..., impl="ref")` runs the whole placement on them (docs/design/planner.md).
+"""
 from __future__ import annotations
 
 import numpy as np

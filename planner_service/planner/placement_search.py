@@ -1,12 +1,10 @@
-"""The placement search of the partitioner (DESIGN §4.2, issue 12): which rank keeps each unit.
+"""The placement search of the partitioner: which rank keeps each unit (docs/design/planner.md, "Placement").
 
     uc = unit_costs(k, forest, cfg, *units)            # cost-model costs per unit
     unit_rank, lower_bound = place_units(k, cfg, unit_parent, uc)
 
 `k` is the partitioner's kernel namespace (`partition._KERNELS`: the Numba kernels of
-`placement.py`, or their plain-Python twins of `placement_ref.py`); see `place_units` for the
-search and `placement.py` for what a part, a rank forest and a move are.
-
+`placement.py`, or their plain-Python twins of `placement_ref.py`).
 Legend: U units, W ranks.
 """
 from __future__ import annotations
@@ -72,7 +70,7 @@ def unit_costs(k, forest: Forest, cfg: PlanConfig, unit_seg, unit_off, unit_len,
 
 
 def place_units(k, cfg: PlanConfig, unit_parent: np.ndarray, uc: UnitCosts) -> tuple[np.ndarray, float]:
-    """Rank keeping every unit (module docstring, step 2).
+    """Rank keeping every unit (docs/design/planner.md, "Placement").
 
     1. For every part capacity of a geometric grid from the makespan's lower bound to the
        costliest tree, `cut_parts` cuts the forest and LPT places the parts, twice: soonest end

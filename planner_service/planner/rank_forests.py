@@ -3,7 +3,8 @@
     rf = rank_forests(k, forest, cfg)                      # placement (placement_search), windows on their rank
     rf = crossing_forests(k, forest, cfg, units, uc, ...)  # a tree's shared prefix imported across ranks
 
-`k` is the partitioner's kernel namespace (`partition._KERNELS`). Legend: U units of the forest,
+`k` is the partitioner's kernel namespace (`partition._KERNELS`); docs/design/planner.md, "Placement",
+and docs/design/cross-rank.md. Legend: U units of the forest,
 n units of all rank forests, W ranks.
 """
 from __future__ import annotations

@@ -4,8 +4,8 @@
     lay_out(layouts[m], tix, cfg, k, kept_row)     # for m in topological order, after fill_context
 
 The builder's stages between the partition's checks and serialisation (`build.py`); `k` is its
-kernel namespace (`build._KERNELS`). Legend: N_u forest tokens, R local rows, I imported rows,
-Q sequences.
+kernel namespace (`build._KERNELS`; docs/design/planner.md, "The builder").
+Legend: N_u forest tokens, R local rows, I imported rows, Q sequences.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
     rank_costs, peak = fill_steps(plan, cfg, steps, rank_order, mbs, arrays, edges)
 
 `serialise_microbatch` returns the MicrobatchArrays that decoding the message gives (no decoding
-pass). Legend: R local rows, I imported rows, J = K - 1 conv ancestors, Q sequences, P entries.
+pass; docs/design/plan-contract.md). Legend: R local rows, I imported rows, J = K - 1 conv ancestors, Q sequences, P entries.
 """
 from __future__ import annotations
 

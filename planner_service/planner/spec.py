@@ -2,7 +2,7 @@
 
 `partition(forest, cfg) -> Partition` decides microbatch membership, edge modes, placement and
 order; `build_plan(forest, cfg, partition) -> plan_pb2.Plan` lays out rows, ancestry, the
-minimum-call linear-attention schedule, imports/exports, the log-prob map and the report.
+minimum-call linear-attention schedule, imports/exports, the log-prob map and the report (docs/design/planner.md).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     fill_stats(plan.header.stats, forest, cfg, layouts, mbs, rank_costs, peak, edges)
     fill_lockstep_stats(plan, phases, edges)          # lock-step plans
 
-Legend: W ranks, P phases.
+The fields: docs/design/plan-contract.md, "The header". Legend: W ranks, P phases.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def fill_lockstep_stats(plan: plan_pb2.Plan, phases: np.ndarray, edges: list[Cro
 def fill_stats(st: plan_pb2.PlanStats, forest: Forest, cfg: PlanConfig, layouts: list[Layout],
                mbs: dict[int, plan_pb2.Microbatch], rank_costs: list[float], peak: int,
                edges: list[CrossEdgeArrays]) -> None:
-    """The plan report (DESIGN §4.2): token counts, compression, costs, makespan, live memory,
+    """The plan report (PlanStats): token counts, compression, costs, makespan, live memory,
     windows across ranks."""
     st.unique_tokens = forest.unique_tokens
     st.expanded_tokens = forest.expanded_tokens

@@ -3,7 +3,8 @@
     plan = plan_step(forest, PlanConfig(world_size=8, microbatch_tokens=16384))   # plan_pb2.Plan
 
 With `cfg.sharing=False` it plans the trajectory-expanded baseline (`expand.expand_forest`); with
-`cfg.crossing` it compares the plans with and without windows across ranks (the package docstring).
+`cfg.crossing` it compares the plans with and without windows across ranks
+(docs/design/cross-rank.md, "When the planner uses them").
 """
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ def plan_step(forest: Forest, cfg: PlanConfig, *, impl: str = "numba") -> plan_p
 
 
 def _plan_crossing(source: Forest, cfg: PlanConfig, impl: str) -> plan_pb2.Plan:
-    """The plan without windows across ranks, or the best plan with them where it is better
-    (module docstring)."""
+    """The plan without windows across ranks, or the best plan with them where it is better: a
+    shorter lock-step makespan, or one at most CROSS_EQUAL_MAKESPAN longer with fewer duplicated
+    rows (docs/design/cross-rank.md)."""
     plans: dict[bool, plan_pb2.Plan] = {}
     errors: list[PlanningError] = []
     candidates: list[Partition] = []

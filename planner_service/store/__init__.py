@@ -1,22 +1,12 @@
-"""Durable step stores: the `Store` protocol, what both backends keep, and `open_store`, which
-picks one by its URL.
+"""Durable step stores: the `Store` protocol, what both backends keep, and `open_store`.
 
-Two backends implement `store.protocol.Store`:
+    store = open_store("harts.db")                         # SQLiteStore: one file, WAL mode, one process
+    store = open_store("postgresql://harts@db:5432/harts")  # PostgresStore: shared by replicas
 
-- `store.sqlite.SQLiteStore`: an embedded SQLite file in WAL mode (the default; one process).
-- `store.postgres.PostgresStore`: a PostgreSQL database (`postgresql://...`) that any number of
-  `harts serve` replicas share. A step is planned once across them (`plan_lock`), and each
-  replica hears what the others store (`listen`) to wake its long-polls and drop stale caches.
-
-Per step both keep the submitted body and the batch's content digest for idempotency, the forest
-counts, the requested or planned topology, the plan state, and every rank's sealed plan slice,
-written in the same transaction as the PLANNED state. Bodies and slices are kept compressed
-(`stored_form`): the bytes a trainer receives are the sealed bytes, exactly.
-
-Storage faults: every database or file-system error becomes a `StorageError` (HTTP 503 / gRPC
-UNAVAILABLE) naming the database and the reason, and moves the store through one state machine
-(`store.faults`: READY, SHORT_OF_SPACE, FAULTED, LOST); `fault` is the reason until `probe`
-succeeds, and `on_fault` hears of every change.
+Both keep per step the submitted body and its content digest, the forest counts, the topology,
+the state and every rank's sealed slice (written with the PLANNED state, in one transaction),
+compressed (`stored_form`); every storage error is a `StorageError` and a state of one fault
+machine (`store.faults`). See docs/design/service.md ("Storage", "Durability").
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """The acknowledged-writes mark of a SQLite database: a small file beside it, `<db>.acked`.
 
-Every write the service acknowledges counts itself in the database (`meta.writes`, inside its
-transaction) and then in the mark: "<database id> <writes>" rewritten in place (one `pwrite` of a
-fixed-width line, no fsync: a killed process keeps it; after a power loss it may trail the
-database, never lead it). At the next start the database must be the one the mark names and hold
-at least as many writes:
-
     mark = AckedMark(db_path)
-    reason = mark.lost(database_id, writes)   # None, or why acknowledged writes are missing
+    mark.write(database_id, writes)           # after every acknowledged write: one pwrite, no fsync
+    reason = mark.lost(database_id, writes)   # at start: None, or why acknowledged writes are missing
 
-A database deleted, replaced, or restored from an older copy while the service was down or being
-killed (its last writes only in a deleted WAL or an unlinked file) fails that check, and the
-service refuses to become ready on it until started once with `harts serve --accept-data-loss`.
-Deleting a database on purpose means deleting its mark too.
+A database deleted, replaced or restored from an older copy while the service was down fails the
+check, and the service stays not ready on it until started once with `harts serve
+--accept-data-loss`; deleting a database on purpose means deleting its mark too
+(docs/design/service.md, "Durability").
 """
 from __future__ import annotations
 
@@ -33,7 +28,7 @@ def new_database_id() -> str:
 
 
 class AckedMark:
-    """The mark file of the database at `db_path` (module docstring)."""
+    """The mark file of the database at `db_path`: "<database id> <writes>", one fixed-width line."""
 
     def __init__(self, db_path: str):
         self.path = db_path + ".acked"

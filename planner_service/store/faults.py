@@ -7,6 +7,7 @@
 While not READY, writes are refused with the reason (`check_write`); SHORT_OF_SPACE still lets
 the writes that free space (deleting, compacting) through. Reads go on in every state. Every
 change of the reason is told to `on_change` (the core's readiness), with the store's lock held.
+See docs/design/service.md, "Durability".
 """
 from __future__ import annotations
 

@@ -2,24 +2,10 @@
 
     harts serve --db postgresql://harts@db.internal:5432/harts
 
-The tables (`harts_steps`, `harts_bodies`, `harts_slices`) are created on first use (under an
-advisory lock, so replicas that start together do not race). Each write is one transaction,
-committed before the client is answered: an acknowledged batch survives the replica that took it.
-
-Across replicas:
-- **A step is planned once.** `plan_lock(step_id)` takes a session advisory lock on a dedicated
-  connection for the length of the planning; a replica that dies mid-plan loses its connection,
-  and PostgreSQL releases the lock, so another replica plans the step (the core resumes steps
-  whose plan is requested but not stored, skipping those whose lock is held).
-- **Long-polls wake on any replica.** Every write that changes a step sends `NOTIFY harts_steps`
-  with `<event>:<step_id>` (events in `store.STEP_EVENTS`) in its transaction; `listen` runs a
-  thread that LISTENs and calls back, and reconnects when the database goes away.
-
-Storage faults (`store.faults`: READY, FAULTED): a lost connection, a read-only database, a full disk (PostgreSQL's class 53) or
-any other server-side failure becomes a `StorageError` naming the database (its URL without the
-password) and sets the fault. The probe reconnects and checks that the database accepts writes
-(`transaction_read_only` off); it writes nothing. Space of deleted steps is reclaimed by
-PostgreSQL's autovacuum (`compact` has nothing to do).
+Each write is one transaction, committed before the client is answered. A step is planned once
+across replicas (`plan_lock`: a session advisory lock), every write that changes a step sends
+`NOTIFY harts_steps` (`listen` wakes the other replicas' long-polls), and storage errors fault the
+store until the probe reconnects (docs/design/service.md, "Replicas on PostgreSQL").
 """
 from __future__ import annotations
 
@@ -103,7 +89,7 @@ def _lock_key(step_id: str) -> int:
 
 
 class PostgresStore:
-    """PostgreSQL persistence of steps and sealed plan slices, shared by replicas (module docstring).
+    """PostgreSQL persistence of steps and sealed plan slices, shared by replicas (docs/design/service.md).
 
     Opening never raises for an unreachable database: the store starts faulted and `probe`
     connects once it can.

@@ -2,7 +2,7 @@
 
 Every method that touches the database raises `StorageError` for a storage fault and puts the
 store in its fault state (`store.faults.FaultState`: READY, SHORT_OF_SPACE, FAULTED, LOST);
-`fault` is the reason, and `probe` is how the state goes back to READY.
+`fault` is the reason, and `probe` is how the state goes back to READY (docs/design/service.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What both step stores keep: the states, the step columns and `StepRecord`."""
+"""What both step stores keep: the states, the step columns and `StepRecord` (docs/design/service.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,28 +1,13 @@
 """SQLite step store (WAL mode): the embedded default, one process (`planner_service.store`).
 
-Bodies live in their own table, so reading a step's record never walks the overflow pages of a
-large body (databases of earlier versions keep theirs inline).
+    store = SQLiteStore("harts.db", min_free_bytes=64 << 20, on_fault=readiness.storage_changed)
+    store.watch_files(); ...; store.close()          # watcher of the files; final checkpoint
 
-Durability: every acknowledged write is checkpointed from the WAL into the database file before
-it is acknowledged, counted in the database (`meta.writes`) and then in the mark beside it
-(`store.acked`). A start on a database that lacks acknowledged writes is LOST (not ready) until
-started once with `accept_data_loss`.
-
-Storage faults (`store.faults`: READY, SHORT_OF_SPACE, FAULTED, LOST): while faulted, writes are
-refused at once (reads still go to the database) until `probe` succeeds. The files are looked at
-ten times a second (`watch_files`) and before every write: a database deleted under the running
-service is copied back from the open connection (SQLite's backup API); when that fails, or the
-file was replaced by another one, the store is LOST until a restart. A deleted WAL loses nothing.
-
-Disk space: a write that would leave less than `min_free_bytes` free is refused (`need` says how
-much it wants) before SQLite fills the disk; the store is SHORT_OF_SPACE only while less than that
-is free. Deleting and compacting go on then, and need no new disk space: freed pages are not
-overwritten (`secure_delete=FAST`), the WAL keeps `WAL_KEEP_BYTES` of its blocks after a
-checkpoint, and compaction moves no more pages per transaction than those blocks take.
-
-The store is thread-safe: one connection guarded by a lock (SQLite serialises writers anyway, and
-the service caches the hot reads, the sealed slices, in memory). Opening the files, their identity
-and sizes are `store.sqlite_files`.
+Every acknowledged write is checkpointed into the database file and counted in the database and
+in its mark (`store.acked`); a deleted database is copied back with SQLite's backup API, else the
+store is LOST; a full disk makes it SHORT_OF_SPACE, where deleting and compacting still go on.
+Thread-safe: one connection under a lock; the files themselves are `store.sqlite_files`.
+See docs/design/service.md ("Durability").
 """
 from __future__ import annotations
 
@@ -56,7 +41,7 @@ _WATCH_S = 0.1
 class SQLiteStore:
     """SQLite persistence of steps and sealed plan slices.
 
-    Opening never raises for a storage fault: the store starts faulted (see the module docstring)
+    Opening never raises for a storage fault: the store starts faulted (docs/design/service.md)
     and `probe` opens it once the file can be opened and written.
 
     Args:
@@ -531,7 +516,7 @@ class SQLiteStore:
 
     def delete(self, step_id: str) -> bool:
         """Delete a step with its body and slices, in one transaction; False when there was none.
-        Goes on while the disk is short of space (module docstring)."""
+        Goes on while the disk is short of space (it frees space; docs/design/service.md)."""
         with self._op("deleting a step from", write=True, frees=True) as db:
             db.execute("BEGIN IMMEDIATE")
             gone = db.execute("DELETE FROM steps WHERE step_id = ?", (step_id,)).rowcount

@@ -1,6 +1,7 @@
 """The SQLite store's files: opening them (schema, pragmas, a read-only fallback), their identity,
 their sizes, and the VACUUM that converts a database of an earlier version. `store.sqlite` owns
 the connection and the fault state; these functions only touch the files and one connection.
+See docs/design/service.md.
 """
 from __future__ import annotations
 

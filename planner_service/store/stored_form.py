@@ -1,19 +1,11 @@
 """How bodies and sealed plan slices are kept in the database: compressed, restored byte for byte.
 
-A sealed slice is mostly little-endian integer columns (DESIGN §4.4): row indices, depths,
-window imports and exports, log-prob rows and positions, most of them runs that grow by one. Kept
-as they are, the slices of a 12 x 100k-token batch planned for 8 ranks are ~58x the submitted
-JSON; zlib alone gets that to ~14x. `pack_slice` first replaces every bytes column whose length
-is a multiple of 4 by its differences (unsigned 32-bit lanes, wrapping: exactly invertible for
-any bytes, whatever the column's type), then compresses the message with zlib: ~1.8x the JSON.
-`unpack` adds the differences back up and re-serialises deterministically, which gives the sealed
-bytes exactly (seal() serialises deterministically too); `pack_slice` checks that before it
-trusts the transform and otherwise keeps plain zlib of the sealed bytes. Bodies are kept as zlib
-of the bytes received.
+    stored = pack_slice(sealed)       # MAGIC_DELTA: 32-bit differences of the byte columns, then zlib
+    stored = pack_body(body)          # MAGIC_ZLIB: zlib of the bytes received
+    sealed = unpack(stored)           # exactly the sealed bytes (a value of an earlier version as it is)
 
-Stored form: `MAGIC_DELTA` or `MAGIC_ZLIB` + zlib data. Anything else is a value stored verbatim
-by an earlier version (a sealed slice starts with protobuf tag 0x0a, a body with JSON text or a
-tag byte, never with 0xff), returned as it is.
+`pack_slice` checks the round trip before it trusts the transform and otherwise keeps plain zlib
+(docs/design/service.md, "Storage").
 """
 from __future__ import annotations
 

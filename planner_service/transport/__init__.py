@@ -1,4 +1,4 @@
-"""The planner service's transports: thin adapters over one core (`planner_service.core`).
+"""The planner service's transports: thin adapters over one core (docs/design/service.md).
 
     http.py            FastAPI routes (`create_app`), OpenAPI at /docs
     http_models.py     the JSON bodies (pydantic), the topology's built from its one declaration

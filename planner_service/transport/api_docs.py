@@ -5,7 +5,7 @@ blank. Here both pages reference only this server: the JavaScript, CSS and favic
 `fastapi-offline` distribution (MIT; it bundles Swagger UI's and ReDoc's standalone builds), a
 pinned dependency installed with the package (pyproject.toml, requirements.lock), served as
 static files under /docs/assets. Nothing is fetched at run time, and ReDoc runs without its
-Google fonts.
+Google fonts (docs/design/service.md).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Every request under /v1 and /metrics, and every harts.v1.Planner RPC, carries `Authorization:
 Bearer <token>` (gRPC: metadata `authorization`) when the service has a token; health checks,
 /docs and /openapi.json never need one. `TokenGate` answers 401 before routing, so an
-unauthenticated request is refused before any of its body is read.
+unauthenticated request is refused before any of its body is read (docs/design/service.md).
 """
 from __future__ import annotations
 

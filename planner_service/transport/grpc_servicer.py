@@ -1,15 +1,12 @@
 """gRPC transport of the planner service (grpc.aio): harts.v1.Planner over `PlannerCore.aio`.
 
-The standard grpc.health.v1 service and server reflection are registered beside it and never need
-a token; every harts.v1.Planner RPC needs metadata `authorization: Bearer <token>` when a token is
-configured (`auth.bearer_ok`). Errors map through the one table, `status_codes.STATUS`; the first offending field of an
-INVALID_ARGUMENT is also sent as trailing metadata `harts-field`. FetchPlan sends the stored sealed
-slice bytes verbatim (a pass-through serializer), so both transports serve identical bytes. A call
-the client cancels (or whose deadline passes) is counted with code CANCELLED, not OK.
+    health = add_to_server(grpc_server, core)     # Planner, grpc.health.v1 and reflection
 
-DeleteStep answers the deleted step's StepStatus, as HTTP `DELETE /v1/steps/{step_id}` does.
-SubmitRollouts stores the request's `batch` bytes as they arrived and answers their SHA-256
-(`body_sha256`); a request whose `body_sha256` names other bytes is DATA_LOSS, nothing stored.
+Every harts.v1.Planner RPC needs metadata `authorization: Bearer <token>` when a token is
+configured (health and reflection never do); errors map through `status_codes.STATUS`, with the
+first offending field in the trailing metadata `harts-field`. FetchPlan sends the stored sealed
+bytes verbatim; SubmitRollouts stores the `batch` bytes as they arrived and checks `body_sha256`
+(DATA_LOSS); a cancelled call is counted as CANCELLED (docs/design/service.md).
 """
 from __future__ import annotations
 

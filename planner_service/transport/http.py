@@ -1,26 +1,12 @@
 """HTTP transport of the planner service (FastAPI, OpenAPI at /docs): a thin adapter over `PlannerCore.aio`.
 
-Routes (all under /v1 need `Authorization: Bearer <token>` when a token is configured, as does
-/metrics; /healthz, /readyz, /docs and /openapi.json never do):
+    app = create_app(core)       # the routes of `router`, the token gate, the error handlers, /docs
 
-    POST /v1/steps                               submit rollouts (JSON document or
-                                                 `Content-Type: application/x-protobuf` RolloutBatch);
-                                                 optional topology in the query plans at once;
-                                                 `X-Harts-Body-Sha256` checks the body, the answer
-                                                 carries the SHA-256 of what was stored
-    POST /v1/steps/{step_id}/plan                plan a stored step for a topology (JSON body)
-    GET  /v1/steps/{step_id}/ranks/{rank}/plan   one rank's sealed PlanSlice (protobuf bytes,
-                                                 `X-Harts-Checksum` header), long-poll with ?wait=S
-    GET  /v1/steps/{step_id}                     step status
-    DELETE /v1/steps/{step_id}                   delete a step with its rollouts and plan
-    GET  /v1/steps                               steps, newest first
-    GET  /healthz, /readyz, /metrics
-    GET  /docs, /redoc                           Swagger UI / ReDoc from local assets (`api_docs.py`)
-
-Error answers are `http_errors.py` (one table for both transports: `status_codes.py`); the JSON
-bodies are the pydantic models of `http_models.py`; the token is checked before routing
-(`auth.TokenGate`), so an unauthenticated request is answered 401 before any of its body is read.
-Request bodies are read with the size limit (`_read_body`), the plan request's topology included.
+Routes: POST /v1/steps (JSON or protobuf; a topology in the query plans at once;
+`X-Harts-Body-Sha256` checks the body), POST /v1/steps/{step_id}/plan, GET
+/v1/steps/{step_id}/ranks/{rank}/plan (sealed bytes, `X-Harts-Checksum`, ?wait= long-polls),
+GET and DELETE /v1/steps/{step_id}, GET /v1/steps, /healthz, /readyz, /metrics. Bodies are read
+with the size limit (`_read_body`); errors are `http_errors.py`'s (docs/design/service.md).
 """
 from __future__ import annotations
 

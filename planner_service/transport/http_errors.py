@@ -3,7 +3,7 @@
 `HANDLERS` (registered by `create_app`) answer a project error with its status from the one table
 (`status_codes.STATUS`; 503s carry `Retry-After`), FastAPI's own validation errors as 422 naming
 the field, a client that went away with nothing (499 in the metrics), and anything else as a 500
-whose text stays in the log. `ERRORS` documents them in OpenAPI.
+whose text stays in the log. `ERRORS` documents them in OpenAPI (docs/design/service.md).
 """
 from __future__ import annotations
 

@@ -1,32 +1,12 @@
 """Connection guard of the HTTP server: header, body and idle timeouts and a bound on connections.
 
-uvicorn's h11 protocol keeps a connection as long as the client does: a request whose headers
-never finish, or whose declared body never arrives, holds its socket forever. About 1,500 of them
-used up the process's file descriptors, so that /healthz and gRPC health stopped answering for
-everyone while asyncio logged every failed accept. `GuardedH11Protocol` (uvicorn's protocol plus
-timers) bounds what one connection can hold:
+    guard = ConnectionGuard(ConnectionConfig(max_connections=1024), metrics)
+    uvicorn.Config(app, http=guard.protocol(), ...)      # GuardedH11Protocol: uvicorn's h11 plus timers
 
-- header timeout: the request line and headers must be complete `header_timeout` seconds after
-  the connection opened (or after the first byte following a keep-alive pause), else 408 and close;
-- body timeout: while a request body is arriving, at most `body_timeout` seconds may pass between
-  two pieces of it, else 408 (when no response has started) and close;
-- idle timeout: a keep-alive connection without a new request for `idle_timeout` seconds is
-  closed (uvicorn's `timeout_keep_alive`);
-- at most `max_connections` open connections: one more closes, in this order, the connection
-  that has held half-sent headers the longest (a slowloris), the one that sat idle the longest,
-  the one that connected longest ago without sending a byte (at least `_STALLED_S` ago), else
-  the upload that has received nothing for the longest time (at least `_STALLED_S`). A connection
-  that has just opened is never the victim: the server accepts connections in bursts and reads
-  them after, so an attacker who reconnects every evicted connection at once would otherwise
-  evict new legitimate connections before their (complete) requests were read. While such young
-  connections (or uploads that received data just now) are open, a new one is admitted over the
-  bound (by at most `_OVERFLOW`), and the bound is restored as connections show what they are
-  (half-sent ones are closed). When every connection is busy with a request, the new one is
-  answered 503 (Retry-After) and closed.
-
-The guard logs the first closing at once and then at most one summary line a minute;
-`harts_http_connections_closed_total{reason}` counts every one (header_timeout, body_timeout,
-evicted, refused), `harts_http_connections` the open ones.
+uvicorn's h11 protocol keeps a connection as long as the client does; this bounds what one
+connection can hold, evicts in a fixed order over the bound (never a connection that has just
+opened) and counts every closing in `harts_http_connections_closed_total{reason}`
+(docs/design/service.md, "Connections and request limits").
 """
 from __future__ import annotations
 
@@ -128,7 +108,8 @@ class ConnectionGuard:
             pass
 
     def _evict_one(self, proto: GuardedH11Protocol) -> bool:
-        """Close one evictable connection other than `proto` (module docstring's order)."""
+        """Close one evictable connection other than `proto`, in this order: the longest half-sent headers,
+        the longest idle, the oldest silent one (>= _STALLED_S), the longest-stalled upload (>= _STALLED_S)."""
         now = time.monotonic()
         pools = [(kind, pool) for kind, pool in self._evictable.items()] + [("uploading", self._uploading)]
         for kind, pool in pools:
@@ -188,7 +169,7 @@ class ConnectionGuard:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the guard's timers and connection bound (module docstring)."""
+    """uvicorn's h11 protocol with the guard's timers and connection bound (docs/design/service.md)."""
 
     def __init__(self, config, server_state, app_state, _loop=None, *, guard: ConnectionGuard):
         super().__init__(config, server_state, app_state, _loop)

@@ -4,6 +4,7 @@
 of POST /v1/steps) are built from the one topology declaration, `planner_service.topology.FIELDS`;
 the rollout document models (`RolloutBatchDoc` and its parts) are documentation only, since ingest
 (`planner_service.ingest`) validates the body and names the first offending field.
+See docs/design/service.md.
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 Both transports answer a `HartsError` with `status_of(err)` and its message; any other exception
 is INTERNAL, its text kept in the service log. 503s tell the client when to retry.
+See docs/design/service.md.
 """
 from __future__ import annotations
 
