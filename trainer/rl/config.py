@@ -1,7 +1,7 @@
 """The `harts rl` configuration: typed sections read from TOML, plus the trainer ranks' config.
 
     cfg = load_rl_config("examples/rl_tiny.toml", steps=10, out="runs/x")
-    trainer_doc = cfg.trainer_doc(planner_url=url, model_dir=path, out=Path(cfg.run.out))  # -> trainer.toml
+    trainer_doc = cfg.trainer_doc(planner_url=url, model_dir=path, out=Path(cfg.run.out))  # -> OUT/trainer.yaml
 
 Sections (`RLConfig` fields, read by `trainer.config.loader.sections_from_dict`): run, task, data,
 model (`PolicySection`), warmup, sampling, generator, plan, eval, metrics (`RLMetricsSection`), and
@@ -258,7 +258,7 @@ class RLConfig:
     """The trainer ranks' sections (trainer.config.TrainerConfig), without the forced fields."""
 
     def trainer_doc(self, *, planner_url: str, model_dir: Path, out: Path) -> dict:
-        """The trainer ranks' config document (written to OUT/trainer.toml)."""
+        """The trainer ranks' config document (written to OUT/trainer.yaml)."""
         doc = {k: dict(v) for k, v in self.trainer.items()}
         doc.setdefault("planner", {})["url"] = planner_url
         doc.setdefault("job", {}).update(steps=self.run.steps, step_prefix=self.run.step_prefix, seed=self.run.seed)
