@@ -127,7 +127,7 @@ def test_full_size_units_match_transformers_and_the_trainer_on_meta(name):
     """Two counts built independently of plan/cluster_memory.py: transformers' Qwen3NextForCausalLM and
     the trainer's Qwen3NextForRL, both on the meta device, unit by unit, shape by shape."""
     torch = pytest.importorskip("torch")
-    sys.modules.setdefault("fla", None)  # transformers would bind fla's kernels (ENV.md)
+    sys.modules.setdefault("fla", None)  # transformers would bind fla's GPU kernels, even for CPU tensors
     # optional and deferred: the trainer extra, and transformers only after the fla choice above
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
