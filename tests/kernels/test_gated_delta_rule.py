@@ -1,6 +1,6 @@
 """Tests of kernels.gated_delta_rule: chunk_gated_delta_rule (reference backend) against the
 token-by-token oracle, transformers' Qwen3-Next functions, and the bitwise packing invariance that
-tree execution relies on (DESIGN §2 invariant E, §5.3)."""
+tree execution relies on (Invariant E; docs/design/numerics.md)."""
 from __future__ import annotations
 
 import sys

@@ -248,7 +248,8 @@ def test_expert_parallel_must_split_whole_experts_over_whole_ranks(config, E, ma
 
 
 def test_default_budget_follows_checkpointing_and_expert_parallelism():
-    """The issue's goal: hybrid-moe-124b, B = 16,384 rows per microbatch, W = 32 on 141 GiB devices."""
+    """The sizing goal of README "Planning a cluster": hybrid-moe-124b, B = 16,384 rows per
+    microbatch, W = 32 on 141 GiB devices."""
     cfg = hybrid_moe_124b()
     kw = dict(dtype="bfloat16", lockstep=True)
     with pytest.raises(ValueError, match="turn on activation_checkpointing"):

@@ -1,4 +1,4 @@
-"""Parity of trainer.models with transformers' Qwen3-Next on the same weights (DESIGN §5.1, §8)."""
+"""Parity of trainer.models with transformers' Qwen3-Next on the same weights (docs/design/execution.md)."""
 from __future__ import annotations
 
 import json
