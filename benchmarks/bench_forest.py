@@ -1,13 +1,11 @@
-"""Ingestion benchmark: rollout batch bytes -> validated prefix Forest (issue 2, item 7).
+"""Ingestion benchmark: rollout batch bytes -> validated prefix Forest.
 
 Run: `.venv/bin/python -m benchmarks.bench_forest [--quick] [--reps 3]`.
 
-Workload: 64 trajectories x 16,384 tokens in one tree, all sharing an 8,192-token prefix
-(1,048,576 expanded tokens, 532,480 distinct), each with a loss mask (0 on the prefix), float32
-old log-probs and a scalar advantage. Times (median of `reps` after a warm-up) for JSON bytes ->
-Forest and protobuf bytes -> Forest, validation included, with the Numba radix builder and with
-the plain-Python reference; and the radix merge alone. Target: under 1 s per batch including
-validation. `--quick` shrinks the workload 16x (a smoke run).
+64 trajectories x 16,384 tokens in one tree sharing an 8,192-token prefix: JSON and protobuf
+bytes -> Forest, validation included, Numba radix builder against the plain-Python reference,
+and the radix merge alone. Target: under 1 s per batch including validation. `--quick` shrinks the
+workload 16x (benchmarks/README.md, "Smaller benchmarks").
 """
 from __future__ import annotations
 

@@ -4,25 +4,10 @@ Run: `.venv/bin/python -m benchmarks.bench_fsdp_memory [--world-size 4] [--layer
 (progress on stderr, one JSON object on stdout; with --out also `fsdp_memory.md` and
 `fsdp_memory.json` there). A benchmark, not a timed test: it measures bytes, not seconds.
 
-Issue 20 item 5a. One training step (forward and backward of every microbatch; no optimizer step,
-which changes nothing here) on `--world-size` gloo ranks of one machine, of a model whose
-parameters dominate its activations (16 hybrid MoE layers, D = 128, 16 experts, a few short
-microbatches per rank), twice:
-
-- `sharded`: `parallelism.reshard_after_forward = true` on a lock-step plan: every unit gathered
-  for each forward and each backward, gradients reduce-scattered after every backward;
-- `gathered`: `reshard_after_forward = false` on the same plan: units gathered from the first
-  forward to the last backward, gradients reduced once.
-
-Each rank builds only its shards (meta device, `trainer.models.loading.build_model(shard=...)`)
-and measures `peak_param_grad_bytes` with the trainer's own gauge (`trainer.param_memory`: the
-distinct storages of shards, gathered units and gradients alive at each FSDP2 unit boundary).
-Reported beside it: `full_param_grad_bytes` (full fp32 parameters + full gradients) and the goal
-`full / W + 3 units` (a unit's parameters plus gradients, the largest unit).
-
-The plan: synthetic tree rollouts planned without windows for W ranks (`plan_step`), made
-lock-step here by padding every rank to the same FORWARD/BACKWARD alternation with paired
-stand-ins (a plan without windows needs no other alignment).
+One step on gloo ranks of one machine, of a model whose parameters dominate its activations,
+`reshard_after_forward` true (`sharded`) and false (`gathered`) on the same lock-step plan, each
+rank measuring `peak_param_grad_bytes` with the trainer's gauge (benchmarks/README.md, "Parameter +
+gradient bytes per rank with FSDP2").
 """
 from __future__ import annotations
 

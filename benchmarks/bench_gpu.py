@@ -7,30 +7,9 @@ Run (from the repository root; `scripts/gpu_check.sh` runs it after the GPU test
     python -m benchmarks.bench_gpu --out DIR --dry-run    # without CUDA: the tiny model on the CPU, same code paths
     python -m benchmarks.bench_gpu --render DIR           # DIR/report.md again from the section files
 
-The model is `qwen3-next-8l-64e` (`plan.named_models`: Qwen3-Next-80B-A3B's layer shapes, 8
-layers, 64 experts top-8, 2.52B parameters), built on the device from a seed, in bf16 (fp32 too
-for fidelity). The batches are two `harts gen` workloads (tree sampling, per-call sampling),
-planned in this process at B = 8,192 and C = 64 as windows (tree) plans and as expanded plans
-(`benchmarks.gpu.context`). Sections, in order, each with its own budget and its own result file
-DIR/<section>.json written the moment it ends (and after each unit of work inside it), so a
-timeout loses only the unit in progress (`benchmarks.gpu.runner`):
-
-- env: versions, device, numerics flags, the bf16 torch.mm rate at 8192^3 (the MFU denominator);
-- throughput: windows vs expanded update throughput per workload, model FLOPs, MFU, the FLOP
-  ideal, peak memory (`benchmarks.gpu.throughput`);
-- fidelity: log-probs tree vs expanded vs repacked vs rerun, bf16 and fp32, and the executor's
-  deterministic and batch-invariant modes where it has them (`benchmarks.gpu.fidelity`);
-- profile: top CUDA kernels of one windows step, host time between kernels, launch, aten-op and
-  host-sync counts (`benchmarks.gpu.step_profile`);
-- peer: transformers' Qwen3-Next (+fla) on the same weights and trajectories, our rate against
-  it (`benchmarks.gpu.peer_section`);
-- kernels: `benchmarks.bench_kernels --gpu` under the section's budget (`benchmarks.gpu.kernel_report`).
-
-DIR/report.md (every table so far) is rewritten after each section. HARTS_AUTOTUNE defaults to 0
-here (one launch config per Triton kernel: each autotune candidate is a compilation); set
-HARTS_AUTOTUNE=1 where a tuning cache exists. CUBLAS_WORKSPACE_CONFIG defaults to :4096:8, which
-deterministic cuBLAS needs (the fidelity section's deterministic mode). Progress goes to stderr with timestamps. Exit code 0
-when every section ended "ok", 1 otherwise, 143 on SIGTERM (the finished sections' files stay).
+Sections env, throughput, fidelity, profile, peer, kernels (`benchmarks.gpu`), each under its own
+budget and writing DIR/<section>.json as it ends; exit 0 when all are "ok", 1 otherwise, 143 on
+SIGTERM. The model, batches, sections and settings: benchmarks/README.md ("The trainer on a GPU").
 """
 from __future__ import annotations
 
@@ -70,7 +49,7 @@ def _write_report(out: Path) -> None:
 
 def run(out: Path, settings_name: str, *, budget_s: float | None = None, sections: tuple[str, ...] = SECTIONS,
         command: str = "") -> int:
-    """Run `sections` of the named settings into `out`; returns the exit code (see the module docstring)."""
+    """Run `sections` of the named settings into `out`; returns the exit code (benchmarks/README.md, "The trainer on a GPU")."""
     # deferred: torch and the kernels load after main has set HARTS_AUTOTUNE and CUBLAS_WORKSPACE_CONFIG
     import torch
 

@@ -1,32 +1,12 @@
 """Kernel benchmarks: the chunked gated delta rule (GDN), tree attention and the batch-invariant matmul.
 
-Run:
-
     python -m benchmarks.bench_kernels --gpu [--out DIR] [--quick] [--budget-s 300] [--shape-budget-s 90]
-        The kernel report, one run, bf16 on CUDA: GDN forward and forward+backward of our Triton
-        backend, fla's `chunk_gated_delta_rule` (when importable) and our PyTorch reference
-        (varlen, T = 16k-64k, H = 16-32, K = V = 128); tree attention of our Triton backend on the
-        tree (also in its batch-invariant mode) and on the expanded sequences against FlashAttention
-        on the expanded sequences at equal work (FA3, FA2 varlen when importable; SDPA's flash backend always); the batch-invariant
-        matmul (`kernels.batch_invariant.mm_t`) against `torch.mm` (cuBLAS) at M = 8192,
-        K, N in {2048, 4096, 8192}, with TFLOP/s. Writes DIR/kernels-gpu.{md,json,jsonl} (default
-        DIR: benchmarks/results/). Without CUDA it runs the dry run instead.
-    python -m benchmarks.bench_kernels --dry-run [--out DIR]
-        The same code on tiny shapes on the CPU, fp32, into DIR/kernels-dry-run.*: our Triton rows
-        only under TRITON_INTERPRET=1 (a correctness run: its timings mean nothing), the references
-        and torch otherwise. tests/benchmarks/test_bench_kernels_report.py runs it.
-    python -m benchmarks.bench_kernels [--seqs 32 --seq-len 512 --heads 16]
-        One GDN shape, our backends (the suite's entry, `harts bench --only kernels`, `run(quick)`).
+    python -m benchmarks.bench_kernels --dry-run [--out DIR]     # the same code, tiny CPU shapes, fp32
+    python -m benchmarks.bench_kernels [--seqs 32 --seq-len 512 --heads 16]   # one GDN shape (the suite's entry)
 
-Surviving its own timeout: every shape's rows are appended to the .jsonl file the moment they are
-measured, and the .md/.json are rewritten after every shape, so a killed run keeps what it
-finished. `--shape-budget-s` bounds one shape (the first call of a Triton kernel compiles it and,
-unless HARTS_AUTOTUNE=0, benchmarks its num_stages candidates once per key, cached on disk:
-`kernels/triton_tuning.py`): once spent, the shape's pending measurements become "budget" errors;
-`--budget-s` skips the shapes still pending (listed in the report). Shapes of the kinds are
-interleaved so that each kind's first shape comes early. Timings are medians of `--reps` after two
-warm-ups. A backend that fails (or is missing) gets a row saying so and the others still run.
-
+`--gpu` writes DIR/kernels-gpu.{md,json,jsonl}, every shape's rows appended the moment they are
+measured, so a killed run keeps what it finished. Shapes, rivals, budgets and targets:
+benchmarks/README.md ("Kernels on a GPU").
 Legend: T packed rows, N sequences, H heads, K key dim, V value dim, C chunk size; matmul
 M x K by K x N.
 """

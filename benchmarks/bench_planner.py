@@ -1,34 +1,11 @@
 """Planner benchmark: partitioner and whole-`plan_step` speed against the plain-Python reference
-(`impl="ref"`: the partitioner's and the builder's plain-Python twins, same input, same plan), plan
-quality (compression achieved vs ideal, rank imbalance) and the plan validator's time. A
-benchmark, not a timed test.
+(`impl="ref"`: same input, same plan), plan quality and the plan validator's time.
 
-Run: `.venv/bin/python -m benchmarks.bench_planner [--quick]` (prints progress on stderr and one
-JSON object of figures on stdout).
+Run: `.venv/bin/python -m benchmarks.bench_planner [--quick]`, or `--ingest-only [--batch FILE]` for
+ingest, planning and validation at step scale (progress on stderr, one JSON object on stdout).
 
-The forest is synthesised directly with numpy (no dependency on ingestion or the workload
-generator): `n_trees` random branching trees, each a long prompt segment followed by a random
-recursive tree of short segments (chain-biased, so trajectories are deep), every leaf a trajectory.
-The default size is about 1M distinct tokens, 10M expanded tokens and 50k segments (short
-segments: many branches at unaligned depths, so bounded replay is a large share of the computed
-rows whatever the partition). A second forest of long turns (~1k-token segments, ~2k-token prompts)
-shows the regime of agentic trees that branch at turn boundaries.
-
-Figures: `partition_overhead` = computed rows / (distinct tokens + the forest's intrinsic replay) - 1
-isolates what the partition adds (cuts, duplication); `achieved_over_ideal` includes replay.
-
-Ingest and validation at step scale (`--batch FILE`, or a generated percall batch: 2 tasks at
-scale 0.25, `--quick` 1 task at 0.05): JSON bytes -> Forest and protobuf bytes -> Forest in MB/s
-(CPU seconds of this process, and wall seconds), the peak resident memory of a JSON ingest (a
-subprocess: the body read, its Forest built) against the body size, then the step planned like
-the full-scale suite (8 ranks, B = 65,536, C = 64, windows) and its validation: the independent
-`validate_plan` (whole plan) against `plan.slice_check.check_slice` (every rank slice) and the
-planning seconds (planning and each slice check: the fastest of 3 runs). The numbers of issue 16 before this work are in `BEFORE`.
-`slice_check_scaling`: the slice check's CPU seconds per computed row on a slice 8x larger than
-another (about 1: linear).
-The `windows` step is also planned lock-step (`lockstep`: its planning time over the free plan's,
-its phases and lockstep_ratio).
-
+The synthesised forests, `partition_overhead`, the step-scale figures and `BEFORE`:
+benchmarks/README.md ("Planner speed and plan quality", "Ingest and validation at step scale").
 Legend: S segments, T trajectories, N_u distinct tokens, N_e expanded tokens.
 """
 from __future__ import annotations
@@ -64,7 +41,7 @@ def synth_forest(
     *, n_trees: int, segments_per_tree: int, seed: int = 0, vocab: int = 50_000, segment_median: float = 12.0,
     prompt_median: float = 450.0, chain: float = 0.55,
 ) -> Forest:
-    """Random branching forest in DFS preorder (see module docstring); segment and prompt lengths
+    """Random branching forest in DFS preorder (benchmarks/README.md, "Planner speed and plan quality"); segment and prompt lengths
     are log-normal around the given medians."""
     rng = np.random.default_rng(seed)
     parents: list[np.ndarray] = []
@@ -276,7 +253,7 @@ def _time_plan_steps(forest: Forest, configs: dict[str, PlanConfig], out: dict) 
         "speedup": round(t_ref / t_numba, 1), "identical_plans": same, "validate_seconds": round(t_validate, 3),
     }
     log.info("plan_step reference: %s", out["plan_step_reference"])
-    # the same step as a lock-step plan (DESIGN §5.7): its extra planning time and its phases
+    # the same step as a lock-step plan (docs/design/lockstep.md): its extra planning time and its phases
     lock_cfg = PlanConfig(world_size=cfg.world_size, microbatch_tokens=cfg.microbatch_tokens, chunk_size=64, lockstep=True)
     t_lock, lock = _time(lambda: plan_step(forest, lock_cfg), runs=2)
     st = lock.header.stats
@@ -314,7 +291,8 @@ def slice_check_scaling(quick: bool = False, factor: int = 8) -> dict:
     return out
 
 
-#: Issue 16's measurements before this work (16-task percall batch of `harts gen`, seed 1).
+#: The measurements before the current JSON ingest and plan validation (16-task percall batch of
+#: `harts gen`, seed 1): the README's "before" column.
 BEFORE = {
     "json_mb_per_s": "17-24", "proto_mb_per_s": "374-440", "json_peak_rss": "1.8 GB for a 200 MB body",
     "validate_plan_seconds": "2-36 (up to 10x planning)",

@@ -2,21 +2,11 @@
 
     python -m benchmarks.bench_replicas [--pg-url postgresql://...] [--quick]
 
-Three measurements, bounded in count and time (loopback only):
-1. storage: the batch of issue 22 (12 trajectories x 100k tokens sharing 60k, explicit tree)
-   planned at W = 8 into a SQLite store; stored slice bytes (and body bytes) per submitted JSON
-   byte, against the sealed bytes the trainers receive.
-2. failover: two `harts serve` replicas on one PostgreSQL database; a client that knows both
-   URLs talks to replica A; A is killed (SIGKILL) and the client submits a step and fetches its
-   plan: seconds from the kill to the plan served (by B), over several kills (A restarted in
-   between). Also with the plan in progress: a step is requested from A, A is killed before it
-   stores the plan, and B resumes it (its orphan scan, `resume_seconds`).
-3. throughput: steps planned per second with 1 and with 2 replicas on one PostgreSQL, 4
-   submitters spreading the steps over the replicas (planning is CPU-bound: on a 2-core machine
-   two replicas share the same cores as one).
-
-Without --pg-url a throwaway PostgreSQL server is started from the Debian package's binaries
-(benchmarks/postgres_server.py). Prints one JSON line per measurement and a markdown table.
+Storage (12 x 100k tokens sharing 60k, planned at W = 8 into SQLite: stored bytes per submitted
+byte against the sealed bytes trainers receive), failover (two `harts serve` replicas on one
+PostgreSQL, one killed with SIGKILL, also mid-plan) and throughput with 1 and 2 replicas. Without
+--pg-url a throwaway server starts from the Debian package (`benchmarks.postgres_server`). Prints
+one JSON line per measurement and a markdown table (benchmarks/README.md, "Operations").
 """
 from __future__ import annotations
 
@@ -40,7 +30,7 @@ from proto.harts.v1 import planner_pb2
 TOKEN = "bench-token"
 
 
-def issue_batch(*, scale: float = 1.0) -> bytes:
+def shared_prefix_batch(*, scale: float = 1.0) -> bytes:
     """12 trajectories of 100k tokens sharing a 60k prefix (explicit tree), as JSON."""
     rng = np.random.default_rng(0)
     vocab = 151936
@@ -48,25 +38,25 @@ def issue_batch(*, scale: float = 1.0) -> bytes:
     nodes = [{"id": 0, "tokens": rng.integers(0, vocab, shared).tolist()}]
     nodes += [{"id": i + 1, "parent": 0, "tokens": rng.integers(0, vocab, own).tolist()} for i in range(12)]
     trajs = [{"id": f"t{i}", "node": i + 1, "advantage": float(rng.normal())} for i in range(12)]
-    doc = {"batch_id": "issue-22", "vocab_size": vocab, "trees": [{"id": "task", "nodes": nodes, "trajectories": trajs}]}
+    doc = {"batch_id": "prefix60", "vocab_size": vocab, "trees": [{"id": "task", "nodes": nodes, "trajectories": trajs}]}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def bench_storage(scale: float) -> dict:
-    body = issue_batch(scale=scale)
+    body = shared_prefix_batch(scale=scale)
     with tempfile.TemporaryDirectory() as tmp:
         core = PlannerCore(ServiceConfig(db_path=f"{tmp}/s.db", slice_cache_bytes=0))
         core.start()
         try:
             core.submit(body, "json")
             t0 = time.perf_counter()
-            core.plan("issue-22", planner_pb2.Topology(world_size=8))
+            core.plan("prefix60", planner_pb2.Topology(world_size=8))
             plan_s = time.perf_counter() - t0
             db = core.store._db
             stored = db.execute("SELECT SUM(LENGTH(data)), MAX(LENGTH(data)) FROM slices").fetchone()
             stored_body = db.execute("SELECT LENGTH(body) FROM bodies").fetchone()[0]
             t0 = time.perf_counter()
-            sealed = [core.fetch("issue-22", r) for r in range(8)]
+            sealed = [core.fetch("prefix60", r) for r in range(8)]
             read_s = time.perf_counter() - t0
         finally:
             core.close()
@@ -159,7 +149,7 @@ def bench_throughput(pg_url: str, steps: int, tmp: Path) -> dict:
 
 
 def run(quick: bool = False, pg_url: str | None = None) -> dict:
-    """The three measurements (module docstring) as {"storage": ..., "failover": ..., "throughput": ...}."""
+    """The three measurements (benchmarks/README.md, "Operations") as {"storage": ..., "failover": ..., "throughput": ...}."""
     out = {"storage": bench_storage(0.1 if quick else 1.0)}
     print(json.dumps(out["storage"]), flush=True)
     server = None
@@ -191,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"""
 | measure | value |
 | --- | --- |
-| submitted JSON (issue 22 batch) | {s['json_bytes'] / 1e6:.2f} MB |
+| submitted JSON (12 x 100k tokens sharing 60k) | {s['json_bytes'] / 1e6:.2f} MB |
 | sealed slices at W = 8 (what trainers receive) | {s['sealed_bytes'] / 1e6:.1f} MB ({s['sealed_per_input']:.1f}x) |
 | stored slices | {s['stored_slice_bytes'] / 1e6:.2f} MB ({s['stored_per_input']:.2f}x the input) |
 | stored body | {s['stored_body_bytes'] / 1e6:.2f} MB |

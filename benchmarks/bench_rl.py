@@ -2,28 +2,12 @@
 
 Run: `.venv/bin/python -m benchmarks.bench_rl [--quick] [--steps 50] [--out benchmarks/results]`
 (progress on stderr, one JSON object on stdout; with --out also `rl.md`, `rl.json` and the figure
-there). `harts bench --only rl` runs it inside the suite (figure in benchmarks/results).
+there). `harts bench --only rl` runs it inside the suite.
 
-In one process, side by side (so that machine load weighs on both alike), one rank: the policy
-is warm-started as `harts rl` does (`trainer.rl.warmstart`); then every step the generator (the
-transformers engine on the tree model's newest export, staleness 1 like `harts rl`: batch n + 1 is
-sampled with the weights after step n - 1) plays the task as trees, and the tree run trains on the
-tree plan (sharing windows) with the trainer's step (`trainer.parallelize.grad_norm_and_clip`,
-`trainer.optim.lr_at`, AdamW, the config's objective). The same recorded batch is also run:
-
-- on the tree run's weights of the step (same weights): the trajectory-expanded plan
-  (`PlanConfig(sharing=False)`) and the expanded plan repacked into one microbatch; their loss and
-  grad norm against the tree run's are Invariant E over a real run (target <= 1e-6 relative in
-  fp32 on the CPU), the repacked one is its yardstick (the reassociation the expanded run has anyway);
-- by copies that train on their own from the same warm start, expanded and expanded repacked: their
-  curves overlay the tree run's, but their rounding differences grow step over step (two fp32
-  runs of Adam drift apart whatever computes them; the repacked copy shows the same growth).
-
-Reported per step: losses, grad norms, their relative differences, the reward, the compression,
-the seconds of the tree and the expanded training step (side by side); overall the wall-clock
-ratio (expanded training seconds / tree training seconds). `--quick`: 5 steps on a smaller batch
-(the tests). Also the wire size of a 32 x 8 batch of the warm-started policy in each rollout form
-(`wire_sizes`).
+In one process, one rank: the tree run (the recorded run), the expanded and repacked plans on its
+weights of each step (Invariant E over a real run), copies trained on their own (drift), and the
+wire size of each rollout form (`wire_sizes`): benchmarks/README.md ("RL: one run on trees and
+expanded").
 """
 from __future__ import annotations
 
@@ -140,7 +124,7 @@ def _rel(a: float, b: float) -> float:
 
 
 def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = None, config: Path = CONFIG) -> dict:
-    """Run the benchmark; returns the per-step rows and the summary (see the module docstring)."""
+    """Run the benchmark; returns the per-step rows and the summary (benchmarks/README.md, "RL: one run on trees and expanded")."""
     steps = steps or (5 if quick else 50)
     cfg = load_rl_config(config, steps=steps, nproc=1)
     if quick:
@@ -167,7 +151,8 @@ def run(quick: bool = False, steps: int | None = None, out_dir: Path | None = No
 
 class _SideBySide:
     """One benchmark run: the warm-started tree run, its expanded copies, its exports and the
-    generator that samples from them (module docstring)."""
+    generator that samples from them (benchmarks/README.md, "RL: one run
+    on trees and expanded")."""
 
     def __init__(self, cfg, tcfg, task, tok: ByteTokenizer, tmp: Path):
         self.cfg, self.task, self.tok = cfg, task, tok

@@ -2,17 +2,10 @@
 
     python -m benchmarks.bench_service [--quick]
 
-Three phases, bounded in count and time:
-1. ingest: N concurrent generators submit protobuf RolloutBatches (no planning), giving
-   submissions/s and MB/s of protobuf ingest (validation, forest build, durable SQLite write).
-2. pipeline: N generators submit steps planned at once for W ranks while M trainer pollers
-   long-poll every (step, rank) slice; every slice is checked with `open_sealed`, fetched
-   again and compared byte for byte, and the set of fetched slices must equal the set planned
-   (nothing lost, nothing duplicated).
-3. ready-plan latency: P concurrent pollers fetch ready slices; p50/p99 latency.
-
-Targets: protobuf ingest >= 100 MB/s; p99 fetch latency of a ready plan <= 50 ms with 32 pollers.
-Workloads come from `harts_client.synthetic.generate` (group sampling, flat form, with log-probs).
+Three phases, bounded in count and time: protobuf ingest, a submit-and-poll pipeline whose every
+slice is checked and fetched twice, and ready-plan latency. Targets: protobuf ingest >= 100 MB/s;
+p99 fetch latency of a ready plan <= 50 ms with 32 pollers (benchmarks/README.md, "Smaller
+benchmarks").
 """
 from __future__ import annotations
 

@@ -1,37 +1,12 @@
 """Trainer benchmark: sharing windows, no windows, expanded, and transformers on the same weights.
 
-Run: `.venv/bin/python -m benchmarks.bench_trainer [--quick] [--steps N] [--out DIR]` (progress on
-stderr, one JSON object on stdout; with --out also `trainer.md` and `trainer.json` there). A
-benchmark, not a timed test; `harts bench --only trainer` runs it inside the suite.
+Run: `.venv/bin/python -m benchmarks.bench_trainer [--quick] [--steps N] [--modes M,...] [--out DIR]`
+(progress on stderr, one JSON object on stdout; with --out also `trainer.md` and `trainer.json`).
+A benchmark, not a timed test; `harts bench --only trainer` runs it inside the suite.
 
-Workloads whose trees are several times larger than the microbatch budget (issue 10): synthetic
-agentic rollouts (`harts_client.synthetic`) with per-call sampling (`percall`) and tree sampling
-(`tree`) at length scale 0.05, planned with C = 16 and B = 2,048. Per workload, on the `small`
-model with one intra-op thread, a step (forward + backward of every microbatch + one AdamW step)
-of each mode:
-
-- `windows`: the tree plan with sharing windows (the default);
-- `no_windows`: the tree plan without windows, at the smallest B it accepts (the longest
-  trajectory: a duplicated edge recomputes the whole root path in one microbatch);
-- `expanded`: the trajectory-expanded plan (PlanConfig(sharing=False)), the same executor;
-- `transformers`: transformers' Qwen3NextForCausalLM on the same weights, trajectory by
-  trajectory (`benchmarks.peer`; it takes no packed varlen batch without fla);
-- `windows_logprobs`, `expanded_logprobs`, `transformers_logprobs`: forward only, what `harts
-  logprobs` runs (the executor without a graph; transformers under no_grad, log-softmax gather).
-
-Throughput is expanded tokens per CPU second of this process (the fastest of the timed steps
-after one warm-up step: other jobs on a shared machine only ever add wall time). Where the batch
-has more expanded tokens than `max_baseline_tokens`, `expanded` and `transformers` run a random
-subset of its trajectories (seeded, the same for both) and their rate stands for the batch; the
-tree modes always run the whole batch. The ideal is the FLOP compression of the plan
-(`trainer.flops`: FLOPs of the expanded plan / FLOPs of the tree plan); `fraction_of_ideal` =
-(windows rate / expanded rate) / ideal (target >= 0.9).
-
-Memory: the peak bytes of tensors saved for backward during a step (`benchmarks.peer.
-SavedTensorBytes`: the activations of the open windows plus the running microbatch for HARTS, one
-trajectory at a time for transformers), per mode; beside it the planner's estimate of the
-windowed plan (`PlanStats.peak_live_bytes` under the model's `plan.memory_model`), and per-row
-figures (HARTS peak / the plan's peak live rows, transformers peak / its longest trajectory).
+Percall and tree workloads at scale 0.05, C = 16, B = 2,048, the `small` model: expanded tokens
+per CPU second of each mode against the FLOP ideal, and peak saved-for-backward bytes against the
+planner's estimate. The modes and figures: benchmarks/README.md ("Sharing windows").
 """
 from __future__ import annotations
 
@@ -91,7 +66,7 @@ def _timed_steps(step, steps: int) -> tuple[float, float, int]:
 
 def bench_workload(name: str, gen: dict, *, steps: int, chunk_size: int, microbatch_tokens: int, model_name: str,
                    max_baseline_tokens: int, modes: tuple[str, ...] = MODES) -> dict:
-    """Plan one workload, time every mode of `modes` on the same model (module docstring); its row."""
+    """Plan one workload, time every mode of `modes` on the same model (benchmarks/README.md, "Sharing windows"); its row."""
     doc = generate(**gen, vocab_size=256)
     forest = forest_from_json(doc)
     sub_doc = subset_trajectories(doc, max_baseline_tokens, seed=7)

@@ -1,19 +1,11 @@
 """Tree-attention micro-benchmark: a group-sampling tree (one prompt, B continuations) through our
-backends (the Triton kernels also on a `batch_invariant=True` layout), against
-causal attention on the B expanded sequences (the same work unshared).
+backends, against causal attention on the B expanded sequences (the same work unshared).
 
 Run: `python -m benchmarks.bench_tree_attention [--prompt 2048 --branches 8 --cont 1024 --heads 16
---kv-heads 2 --dim 128]` (one markdown table row per measurement). On CUDA: bf16; our "triton"
-backend on the tree and on the expanded sequences (each its own segment: equal work), and
-FlashAttention on the expanded sequences: FA3 (`flash_attn_interface`) and FA2 (`flash_attn`) varlen
-when importable, and PyTorch SDPA restricted to its flash backend. On CPU: fp32, the "ref" backend
-and SDPA (and our Triton backend when TRITON_INTERPRET=1: a correctness run, its timings mean
-nothing), at the sizes given (keep them small). The "ideal" row is the expanded/tree ratio of
-visible (query, key) pairs: the most a tree layout can save. `benchmarks.bench_kernels --gpu` runs
-this at its report's shapes (`measure`, with its budgeted timer).
-
-Legend: P prompt rows, B branches, L continuation rows, R = P + B L tree rows, E = B (P + L)
-expanded rows, S = P + L rows per expanded sequence, H heads, Hkv kv heads, D head dim.
+--kv-heads 2 --dim 128]` (one markdown table row per measurement). CUDA: bf16, our Triton backend
+against FA3 / FA2 / SDPA flash; CPU: fp32, "ref" and SDPA (benchmarks/README.md, "Smaller
+benchmarks"). Legend: P prompt rows, B branches, L continuation rows, R = P + B L tree rows,
+E = B (P + L) expanded rows, S = P + L rows per expanded sequence, H heads, Hkv kv heads, D head dim.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     row = measure_workload(spec, cfg)           # generate, ingest, plan (Numba and reference), train
 
 The update throughput times the tree plan, the expanded plan and transformers on the same model
-(`_measure_trainer`); see the suite's docstring for the modes.
+(`_measure_trainer`); benchmarks/README.md ("The headline") for the columns and modes.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Count what one microbatch costs the host: aten ops, GEMM launches and host reads (CPU, no GPU needed).
 
 Run: `.venv/bin/python -m benchmarks.op_count [--experts 16 --top-k 4 --rows 512]` (one JSON object on
-stdout). A small hybrid MoE (the `tiny` shapes with `--experts` experts top-`--top-k`) runs one
-microbatch of synthetic tree rollouts through the executor, forward + backward, under a
-`TorchDispatchMode` that sees every aten op:
-
-- `aten_ops`: every op the dispatcher runs (on a GPU each non-view op is a kernel launch);
-- `view_ops`: those returning an alias of an input (views: no launch);
-- `gemm_ops`: mm / addmm / bmm / grouped mm;
-- `host_reads`: `aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`) plus `Tensor.tolist()`
-  and `Tensor.numpy()` calls on tensors an aten op made (not the plan's index arrays, made from
-  numpy on the host): each is a host synchronisation on a GPU.
-
-A count that grows with the number of layers or experts is a host-bound design; the figures do not
-depend on this machine's speed. (The executor's own bookkeeping adds two reads per step: its loss
-totals and expert loads, accumulated on the device, `trainer.step_walk.StepRun.result`.)
+stdout): a small hybrid MoE runs one microbatch forward + backward through the executor under a
+`TorchDispatchMode` counting `aten_ops`, `view_ops`, `gemm_ops` and `host_reads`. A count that
+grows with the number of layers or experts is a host-bound design (benchmarks/README.md, "Smaller
+benchmarks").
 """
 from __future__ import annotations
 
@@ -97,7 +87,7 @@ class HostReads:
 
 
 def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, path: str = "cpu") -> dict:
-    """The counts of one microbatch and one step (module docstring). `path`: "cpu" (the CPU's
+    """The counts of one microbatch and one step (benchmarks/README.md, "Smaller benchmarks"). `path`: "cpu" (the CPU's
     primitives) or "gpu" (the GPU's: `trainer.models.ops.FAST`, grouped-GEMM experts through torch's
     CPU implementation, the chunked head), both run here on the CPU."""
     torch.manual_seed(seed)

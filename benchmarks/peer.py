@@ -4,26 +4,9 @@
     peer = TransformersPeer.on_device(cfg, state, device="cuda", dtype=torch.bfloat16)   # GPU: built in memory
     seconds, cpu_seconds, saved = peer.train_step(trajectories, loss_masks)
 
-`TransformersPeer` runs forward + backward of every trajectory one at a time (batch 1: without
-fla, transformers' Qwen3-Next takes no packed varlen batch; its pure-torch gated delta rule
-ignores `cu_seqlens`), without a KV cache (`use_cache=False`: transformers makes one by default,
-which training does not read), with the token-mean negative log-likelihood over the loss
-positions, then one fused AdamW step: the same work per token as a HARTS step. Attention is transformers'
-default (PyTorch SDPA), the routed experts its default experts implementation (grouped GEMMs
-where torch has them).
-
-The GPU path: transformers binds fla's `chunk_gated_delta_rule` at import when fla is importable
-(`gated_delta_rule_bound()` says which it bound); `torch_gated_delta_rule()` runs its PyTorch
-reference instead for a block, and `fla_hopper_guard_lifted()` lets fla run its gated backward
-on Hopper with Triton 3.4-3.7.0, which fla refuses (fla issue #640: Triton miscompiles
-`tl.dot(tl.trans(x), y)` at BK = 64) although on Hopper it tiles K = 128 as BK = 128. On the CPU
-fla must stay hidden (ENV.md): `from_model` hides it.
-
-`SavedTensorBytes` measures activation memory the same way for every runner: the bytes of the
-tensors autograd keeps for backward (storages counted once, parameters excluded), live at once
-at the worst point of the step, through saved-tensor hooks.
-
-Legend: L trajectory length, V vocabulary.
+One trajectory at a time, no KV cache, token-mean NLL, one fused AdamW step; fla bound or hidden
+as the device needs; `SavedTensorBytes` counts the bytes autograd keeps for backward
+(benchmarks/README.md, "The transformers peer"). Legend: L trajectory length, V vocabulary.
 """
 from __future__ import annotations
 
@@ -112,7 +95,7 @@ class TransformersPeer:
     @classmethod
     def from_model(cls, model, lr: float = 1e-5) -> "TransformersPeer":
         """Export `model` (a Qwen3NextForRL) as a HF directory and load it with transformers (fp32)."""
-        sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's GPU kernels on CPU
+        sys.modules.setdefault("fla", None)  # transformers must not bind fla's GPU kernels on CPU
         # deferred: transformers binds fla (or not) when it loads, so only after the line above
         from transformers import AutoModelForCausalLM
 

@@ -1,28 +1,11 @@
-"""How little duplication any placement can reach at a given makespan: a lower bound (issue 12).
+"""How little duplication any placement can reach at a given makespan: a lower bound.
 
     python -m benchmarks.placement_bound            # the full-scale placement workloads, W = 8, 32, 64
+    compression_bound(forest, capacity)             # upper bound on compression / ideal, <= capacity rows per rank
 
-Issue 12 asks for makespan_ratio <= 1.25 with few large trees and compression >= 0.95 of ideal. A
-rank computes the root path of every token it keeps (windows never cross ranks, DESIGN §4.2), so
-balance costs duplicated prefixes. With the computed-rows cost model, a plan of makespan ratio
-<= s computes at most c = s * makespan_lower_bound rows on every rank. For each tree larger than c:
-
-- the rank holding the end of the tree's longest root path (length l) computes that whole path, so
-  at most c - l more rows of the tree. Every other rank keeping rows of a branch off that path
-  computes the path down to the branch's attach depth a (duplicated rows) and has room for at most
-  c - a branch rows. With branch rows allowed to split anywhere (a relaxation), the cheapest cover
-  is greedy deepest-first (`path_bound`);
-- the tree spans at least k = ceil(size / c) ranks, each computing its root segment (r rows): it
-  duplicates at least (k - 1) * r; and the subtrees below the root segment hold disjoint rows, so
-  the same argument as above inside each of them (the rows of its longest path between its top
-  and its own x*) adds to that.
-
-Trees duplicate disjoint rows, so their bounds max(x*, (k - 1) r + the subtrees' terms) add up. Then computed rows >=
-distinct + that sum, and compression / ideal = distinct / computed is bounded above. Replay rows
-are left out (they only shrink what fits under c; a cut can also replace a branch's replay by the
-duplicated prefix, so the intrinsic replay is not a lower bound on a cut plan's replay).
-
-Legend: S segments, N_u distinct tokens.
+Without windows across ranks a rank computes the root path of every token it keeps, so balance
+costs duplicated prefixes; the argument (`path_bound`, root segments, disjoint subtrees):
+benchmarks/README.md ("The placement table"). Legend: S segments, N_u distinct tokens.
 """
 from __future__ import annotations
 
@@ -43,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def duplication_lower_bound(forest: Forest, capacity: float) -> int:
-    """Rows any placement whose ranks compute at most `capacity` rows each must duplicate (module docstring)."""
+    """Rows any placement whose ranks compute at most `capacity` rows each must duplicate (benchmarks/README.md, "The placement table")."""
     parent = forest.seg_parent.astype(np.int64)
     length = forest.seg_length.astype(np.int64)
     depth = forest.seg_depth.astype(np.int64)
@@ -108,8 +91,7 @@ def compression_bound(forest: Forest, capacity: float) -> float:
 
 
 def placement_specs(*, quick: bool = False) -> list[tuple[str, dict]]:
-    """The workloads of the placement table (`harts bench --full`) and of `run`: few large trees
-    (issue 12's measurements)."""
+    """The workloads of the placement table (`harts bench --full`) and of `run`: few large trees."""
     if quick:
         return [(f"{scheme} (2 tasks)", dict(scheme=scheme, tasks=2, seed=1, scale=0.01, turns=(10, 14)))
                 for scheme in ("percall", "group", "tree")]

@@ -22,9 +22,9 @@ log = logging.getLogger("benchmarks.suite")
 PLACEMENT_GRID = {"full": ((8, 32, 64), (16384, 32768, 65536), 64), "quick": ((2, 4), (256, 512), 16)}
 
 
-#: issue 20's goal for the lock-step plan of every cell (lockstep_makespan / makespan)
+#: the goal for the lock-step plan of every cell (lockstep_makespan / makespan; benchmarks/README.md)
 LOCKSTEP_TARGET = 1.10
-#: issue 24's goal for the lock-step plans with windows across ranks at W >= 32: compression / ideal
+#: the goal for the lock-step plans with windows across ranks at W >= 32: compression / ideal
 #: at least this, at a step (lock-step makespan) at most CROSS_GOAL_RATIO x the lower bound
 CROSS_GOAL_COMPRESSION = 0.95
 CROSS_GOAL_RATIO = 1.05
@@ -80,12 +80,12 @@ def run_placement(cfg: SuiteConfig) -> dict:
                     # plan's makespan, and anywhere the ratio target is met
                     "bound_at_makespan": compression_bound(forest, st.makespan),
                     "bound_at_target": compression_bound(forest, target * st.makespan_lower_bound),
-                    # the same cell as a lock-step plan (DESIGN §5.7): its phases' makespan over its free
+                    # the same cell as a lock-step plan (docs/design/lockstep.md): its phases' makespan over its free
                     # makespan, and over this (free) plan's
                     "lockstep_ratio": float(lock.lockstep_ratio), "lockstep_met": lock.lockstep_ratio <= LOCKSTEP_TARGET,
                     "lockstep_vs_free": lock.lockstep_makespan / st.makespan if st.makespan > 0 else 1.0,
                     "lockstep_phases": int(lock.lockstep_phases),
-                    # windows across ranks (issue 24): the lock-step plan's edges, and the two plans it was chosen from
+                    # windows across ranks (docs/design/cross-rank.md): the lock-step plan's edges, and the two plans it was chosen from
                     "cross_edges": int(lock.cross_edges), "lockstep_plan_seconds": float(lock.plan_seconds),
                     "lockstep_compression_vs_ideal": lock.compression_achieved / lock.compression_ideal,
                     "lockstep_step_vs_bound": lock.lockstep_makespan / lock.makespan_lower_bound,
@@ -101,7 +101,7 @@ def _crossing_columns(with_x, without_x, ideal: float, row_bytes: int, world: in
     """The placement table's columns of the two lock-step plans compared (PlanStats.with_cross_edges,
     without_cross_edges): compression / ideal, makespan ratio and step / lower bound of each, the
     crossing plan's exchanged bytes and the activation bytes of the duplicated rows it saves, and
-    issue 24's goal on the plan with crossing windows (W >= 32)."""
+    the goal on the plan with crossing windows (W >= 32: CROSS_GOAL_COMPRESSION at CROSS_GOAL_RATIO)."""
     if not without_x.lockstep_makespan:
         return {}
     out = {}

@@ -1,28 +1,12 @@
 """The benchmark suite: `make bench` / `harts bench [--quick] [--full] [--only NAME ...]`.
 
-Runs the per-workload headline benchmark (`headline.py`) and every component benchmark module
-`benchmarks/bench_<name>.py` (contract: `run(quick: bool = False) -> dict` and `main()`); a module
-that is not there yet is skipped and the results say so. Writes into `benchmarks/results/`
-(or `--out DIR`):
+    python -m benchmarks.suite [--quick | --full] [--only workloads --only planner] [--out DIR]
 
-- `summary.md`: the headline table, each benchmark's status and seconds, the command, the machine;
-- `README-table.md`: the headline table for the top-level README (the lead pastes it);
-- `<name>.md` per benchmark, `results.json` (everything), `compression.png`, `planner.png`.
-
-Headline, per synthetic agentic workload (`harts_client/synthetic.py`, fixed seeds): token
-compression (expanded / unique tokens), computed / unique tokens of the plan, planner time (Numba
-vs the plain-Python reference), sequential linear-attention calls (tree vs expanded plan), and the
-update throughput (forward + backward + optimizer step, expanded tokens/s) of tree vs expanded
-execution on a small hybrid model, as a ratio and as a fraction of the ideal: the plan's FLOP
-compression (`trainer.flops`: FLOPs of the expanded plan / FLOPs of the tree plan, which counts
-replay rows and weighs attention by depth).
-
-Modes: default CPU scale (a few minutes on 2 cores); `--quick` (tiny inputs, for tests);
-`--full`: planning only, at full scale (tens of millions of expanded tokens per workload), plus
-the placement table (issue 12: makespan ratio and compression over W in {8, 32, 64} and
-B in {16k, 32k, 64k} for the three schemes, `placement_table.run_placement`; issue 20: each cell's lockstep_ratio;
-issue 24: the lock-step plan with and without windows across ranks, the bytes they exchange per
-step and the duplicated activations they save).
+Runs the headline benchmark (`headline.py`) and every component module `benchmarks/bench_<name>.py`
+(contract: `run(quick: bool = False) -> dict` and `main()`; a missing module is skipped), and writes
+`summary.md`, `README-table.md`, `<name>.md`, `results.json` and the plots into
+`benchmarks/results/`. `--full` plans at full scale and adds the placement table
+(`placement_table.run_placement`). Columns, modes and targets: benchmarks/README.md.
 """
 from __future__ import annotations
 

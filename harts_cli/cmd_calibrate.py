@@ -3,28 +3,10 @@
     harts calibrate --model tiny --chunk-size 16 -o cost.json
     harts plan rollouts.json --world-size 8 --cost-model cost.json       # placement balances seconds
 
-Generates synthetic rollout batches whose microbatches span the four features of
-`planner_service.planner.cost_model` (computed rows, attended pairs, linear-attention calls,
-log-prob rows): long chains (deep attention), prompts with many branches at unaligned depths (many
-calls, bounded replay), many short trajectories (shallow), with loss masks of varying density.
-Each batch is planned (one rank, sharing windows on, as a trainer runs it) and timed on `trainer.executor.Executor.run_step` (forward + backward,
-the fastest of --repeats runs after a warm-up; CPU seconds of this process on the CPU, wall seconds
-on an accelerator), and the step time is modelled as a fixed step overhead plus the sum of its
-microbatches' costs. Non-negative least squares fits the coefficients on all but the held-out
-batches; on those the report gives R^2 and the largest relative error of the predicted step time.
-The step overhead is reported but not part of the cost model (it is the same on every rank).
-
-Then it measures the trainer's point-to-point backend (`--transfer-backend`: gloo on the CPU,
-NCCL between two GPUs), the path windows across ranks take (`trainer.cross_rank.P2PTransport`):
-two local processes bounce uint8 buffers of 1 KiB up to `--transfer-max-mb` MiB, and a least
-squares line through the one-way times (half the round trip, the fastest of the repeats) gives
-`transfer_byte` = seconds per byte (its inverse, the bandwidth, and the latency are reported).
-`--transfer-backend none` skips it (not measured: the cost model's default, row x
-DEFAULT_TRANSFER_ROWS_PER_BYTE).
-
-Prints one JSON object (the fit report); with -o writes the cost model file (format
-`harts.cost_model.v1`, the report under "fit") that `harts plan --cost-model`, `harts serve
---cost-model` and a topology's `cost_model` accept.
+Times synthetic batches on `Executor.run_step`, fits the four coefficients by non-negative least
+squares (R^2 on held-out batches), then measures `transfer_byte` through the trainer's
+point-to-point backend; prints the fit, `-o` writes `harts.cost_model.v1`. How: README.md ("What
+`harts plan`, `harts verify` and `harts calibrate` print"); the model: docs/design/planner.md.
 """
 from __future__ import annotations
 
@@ -167,7 +149,8 @@ def _bounce(rank: int, port: int, backend: str, sizes: list[int], repeats: int, 
 
 
 def measure_transfer(backend: str, max_bytes: int, repeats: int = 3) -> dict:
-    """Point-to-point bandwidth of `backend` between two local processes (module docstring).
+    """Point-to-point bandwidth of `backend` between two local processes (README.md, "What `harts plan`,
+    `harts verify` and `harts calibrate` print").
 
     Returns:
         {"transfer_byte": seconds per byte, "bandwidth_gb_s", "latency_seconds", "backend",

@@ -3,15 +3,11 @@
     harts demo                                   # what `make demo` runs (about a minute on 2 cores)
     harts demo --steps 6 --scheme group --tasks 3 --out demo-out
 
-Each step generates a batch of synthetic agentic rollouts (`harts_client.synthetic`, the same
-generator as `harts gen`), submits it to an in-process planner service core backed by SQLite
-(`OUT/planner.db`: the same validation, storage, planning and sealed plan slices as `harts serve`),
-fetches rank 0's slice, verifies its checksum and trains the tiny Qwen3-Next-style hybrid model on
-it (forward, backward, AdamW). Trees are larger than the microbatch budget (B = 1,024 by default),
-so every step runs sharing windows: a child microbatch imports its ancestors' K/V rows, conv
-inputs and fp32 states from its parent and the parent runs one backward through the shared prefix. Per-step metrics go to stderr and `OUT/metrics.jsonl`. At the end the
-last batch is run twice on the same weights, as a tree and trajectory-expanded, to show Invariant E
-(DESIGN §2): identical log-probs and gradients for less compute. Prints one JSON summary on stdout.
+Each step submits a synthetic batch to an in-process planner core (SQLite, `OUT/planner.db`),
+fetches rank 0's sealed slice and trains the tiny model on it with sharing windows (the trees are
+larger than B = 1,024); at the end the last batch runs as a tree and trajectory-expanded on the
+same weights: identical log-probs and gradients (Invariant E, docs/design/rollout-forest.md).
+Per-step metrics go to stderr and `OUT/metrics.jsonl`; prints one JSON summary on stdout.
 """
 from __future__ import annotations
 

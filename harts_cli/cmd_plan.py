@@ -4,63 +4,12 @@ print the per-rank memory report of a model on a cluster.
     harts plan rollouts.json --world-size 8 --microbatch-tokens 16384 --chunk-size 64 -o plan.bin
     harts plan rollouts.json --world-size 64 --microbatch-tokens 16384 --model config.json --cost-model cost.json
     harts plan batch.pb --world-size 2 --microbatch-tokens 4096 --no-sharing     # expanded baseline
-    cat rollouts.json | harts plan - --world-size 1
-    harts plan --model qwen3-next-80b-a3b --world-size 64 [--device-memory-gb 141]   # memory report
+    harts plan rollouts.json --world-size 8 --lockstep                           # lock-step phases
     harts plan --model hybrid-moe-124b --world-size 32 --microbatch-tokens 16384 \
-        --activation-checkpointing full --expert-parallel 8 --json
+        --activation-checkpointing full --expert-parallel 8 --json              # memory report
 
-Memory report (no batch; plan/cluster_memory.py): per rank, the fp32 parameter shards (the master
-weights), gradient shards and AdamW state of FSDP2 over W ranks, the gathered units (the root and
-the largest decoder blocks, per forward and backward as lock-step plans run them), the live window
-stack's activations (--memory-tokens rows, default what the device leaves) and a 10% margin, and
-whether that fits the device with room for one microbatch of --microbatch-tokens rows; then the
-peak of a free schedule, which keeps every unit gathered for the whole step. Defaults there:
-bfloat16 and the chunked lm head (a CUDA trainer). `--activation-checkpointing none|full|selective`
-counts a row as the trainer's parallelism.activation_checkpointing keeps it (plan/memory_model.py:
-"full" keeps each decoder block's input and recomputes the block in backward, "selective" the FFN
-sub-block only); `--expert-parallel E` splits every MoE layer's routed experts over E ranks
-(parallelism.expert_parallel; E divides --world-size and the model's experts): fewer gathered
-expert parameters per block, and the tokens' all-to-all bytes per row and per microbatch.
-`--json` prints one JSON object: the lock-step report's fields, among them
-activation_rows_per_rank, bytes_per_row, peak_bytes_per_rank (shards + gathered units +
-activations, margin excluded), fits and shortfall_bytes (what one microbatch of B rows needs
-beyond the device), and `free_schedule`, the free schedule's report.
-
-Sharing windows are on (`--no-windows` is the ablation that duplicates every cut edge's prefix).
-`--model` names the trainer's model (a config.json path or a named config: `qwen3-next-80b-a3b`,
-`hybrid-moe-124b`, or a trainer config such as `tiny`) so that the live window stack is checked in
-its bytes (plan/memory_model.py; default: Qwen3-Next-80B-A3B's sizes in fp32) and, unless
---memory-tokens is given, the budget M is what a device of --device-memory-gb leaves after that
-model's shards and gathered units (without --model: 8 x B rows); `--activation-checkpointing`,
-`--expert-parallel` (lock-step plans only) and `--head` (default full: the CPU trainer's logits;
-chunked for a GPU trainer) size rows and that budget as the trainer runs; `--cost-model` is a file
-written by `harts calibrate` that placement balances with.
-
-`--lockstep` plans one global sequence of phases that every rank runs in step (DESIGN §5.7: for
-trainers that gather parameters per forward and backward, FSDP2 with reshard_after_forward). A
-lock-step plan may then give windows across ranks (a tree split over ranks imports its shared
-prefix from the rank that computes it, plan.proto CrossEdge) where that shortens the step or
-duplicates less at an equal one; `--no-cross-rank-windows` is the ablation that keeps every window
-on its rank.
-
-Prints one JSON object on stdout: the plan's PlanStats (unique_tokens, expanded_tokens,
-computed_tokens, replay_tokens, duplicated_tokens, compression_ideal, compression_achieved,
-microbatches, linear_attention_calls, rank_costs, imbalance, peak_live_tokens, peak_live_bytes,
-makespan, makespan_lower_bound, makespan_ratio, plan_seconds, windows; with --lockstep also
-lockstep_phases, lockstep_forward_phases, lockstep_backward_phases, lockstep_recompute_phases,
-lockstep_makespan, lockstep_ratio, and the windows across ranks: cross_edges, exchanged_bytes,
-max_rank_exchanged_bytes, with_cross_edges and without_cross_edges (the two plans compared:
-compression_achieved, makespan_ratio, lockstep_makespan, duplicated_tokens, cross_edges,
-exchanged_bytes, makespan, makespan_lower_bound)) plus `validated`, `memory_model` (the model whose sizes
-peak_live_bytes counts), `memory_budget` (memory_tokens, memory_bytes, bytes_per_row, where they come
-from, and the checkpointing mode, expert parallelism and head they assume), with --model
-`memory_report` (the report above for this topology), for a lock-step plan `collectives`
-(all-gather and reduce-scatter bytes per rank and step from its phase counts; with
---expert-parallel also the busiest rank's all-to-all bytes per step) and, with -o, `output`. With more than 16 ranks `rank_costs` is summarised (min, max) unless --all-ranks. The plan is checked with the independent
-validator before it is written. `-o` writes the `harts.v1.Plan` serialised deterministically with
-`plan_seconds` zeroed, so that the same batch and settings always give the same bytes (the timing
-is in the printed report). Settings that cannot be satisfied exit with code 2 and a message that
-names the setting and the remedy.
+What it prints and the flags that size rows and M: README.md ("What `harts plan`, `harts verify`
+and `harts calibrate` print", "Planning a cluster: memory per rank").
 """
 from __future__ import annotations
 
@@ -216,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(plan: plan_pb2.Plan, cfg: PlanConfig, *, all_ranks: bool) -> dict:
-    """The printed report: the plan's stats (module docstring), `validated`, the memory budget."""
+    """The printed report: the plan's stats, `validated`, the memory budget (README.md, "What `harts
+    plan`, `harts verify` and `harts calibrate` print")."""
     st = plan.header.stats
     report = {name: getattr(st, name) for name in REPORT_FIELDS + (LOCKSTEP_FIELDS if cfg.lockstep else ())}
     for name in ("with_cross_edges", "without_cross_edges"):

@@ -7,21 +7,8 @@
     harts rl --config examples/rl_plugin.toml                  # a plugin task on a JSONL dataset
     harts -v rl --config ...                                   # debug logs, libraries' progress bars
 
-A live run warm-starts the policy on the task's demonstrations, starts the planner (`harts serve`,
-SQLite in OUT), the trainer ranks (torchrun, FSDP2 on gloo) and the generator (the transformers
-engine on the newest export: every step's weights come back to it; with run.max_staleness = 1 it
-samples step n + 1 while step n trains). Each step plays the task as trees that branch at turn
-boundaries, submits them as explicit trees with the policy's log-probs and GRPO advantages, and
-records them. OUT gets metrics.jsonl (reward_mean, reward_std, compression,
-expanded_tokens_per_s, eval_reward, the trainer's metrics), tb/ (TensorBoard), rl.png, the
-exports, the recorded rollouts and summary.json (reward of the first and last 10 steps, wall time).
-The task is a shipped one or a plugin ("package.module:Class"), its instances generated or read
-from a dataset (`[data]`); a model directory with a chat template renders the conversations with
-it. Without -v, transformers' progress bars and advisory warnings stay off.
-`--replay DIR` trains DIR's warm start on DIR's recorded rollouts instead of generating
-(`--no-sharing`: trajectory-expanded plans) and compares loss and grad norm per step with DIR,
-trained on its own and on DIR's weights of every step (`harts_cli.rl.anchored`; replay.json,
-replay.png). Prints the summary as one JSON object on stdout.
+Prints the run's summary as one JSON object on stdout. What a run does and writes:
+docs/design/training-loop.md ("`harts rl`"); tasks, data and engines: README.md ("Using it").
 """
 from __future__ import annotations
 

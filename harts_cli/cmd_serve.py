@@ -2,15 +2,11 @@
 
     harts serve --host 127.0.0.1 --http-port 8000 --grpc-port 50051 --db harts.db [--token T]
     harts serve --db postgresql://harts@db:5432/harts ...   # replicas sharing one database
+    harts serve --world-size 8 --lockstep ...               # plan every submission for this default topology
 
-With --world-size (and optionally the other topology flags, --lockstep included: every field of
-harts.v1.Topology but its documents) every submission is planned at once for that default topology. With a PostgreSQL --db, any number of replicas serve
-the same steps (clients take their URLs separated by commas). The token may also come from the
-HARTS_TOKEN environment variable. `--cost-model F` (from `harts calibrate`) and `--model CFG` (a
-config.json path or a named config) apply to every topology that names none: placement balances
-with that cost model and the memory model sizes open windows from that model. SQLite: a database
-that lacks writes the service acknowledged (`<db>.acked` says how many) keeps the service not
-ready until it is started once with --accept-data-loss. SIGTERM and SIGINT drain and exit 0.
+The token may also come from HARTS_TOKEN; `--cost-model F` and `--model CFG` apply to every
+topology that names none. SIGTERM and SIGINT drain and exit 0. Replicas, durability
+(`--accept-data-loss`), retention and limits: README.md ("The planner service in operation").
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""Trainer client: fetch this rank's plan slices from the planner service and train (DESIGN §5.7).
+"""Trainer client: fetch this rank's plan slices from the planner service and train.
 
     harts train --config examples/train_tiny_fsdp.toml
     harts train --nproc-per-node 2 --config examples/train_tiny_fsdp.toml --objective.clip_high 0.28
     harts train --planner-url http://127.0.0.1:8000 --steps 3 --model tiny --chunk-size 16
 
-The same flags as `python -m trainer.train` (see its docstring and `--help`). Without
-`--nproc-per-node` (or under torchrun) it trains in this process; `--nproc-per-node N` with N > 1
-launches `torchrun --standalone --nproc_per_node=N -m trainer.train ...` and returns its exit status.
+The same flags as `python -m trainer.train` (`--help`). Without `--nproc-per-node` (or under
+torchrun) it trains in this process; `--nproc-per-node N` with N > 1 launches
+`torchrun --standalone --nproc_per_node=N -m trainer.train ...` and returns its exit status.
 """
 from __future__ import annotations
 

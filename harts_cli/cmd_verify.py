@@ -4,26 +4,9 @@
     harts verify rollouts.json --model tiny --no-replay          # ablation: shows the difference
     harts verify rollouts.json --model tiny --f64-reference      # both runs against a float64 oracle
 
-Plans the batch twice (the tree plan: sharing with sharing windows, so that trajectories longer
-than B span several microbatches, and activation recomputation where M demands it; the
-trajectory-expanded plan: PlanConfig(sharing=False) with B raised to the longest trajectory),
-runs forward and backward of both with log-probs and linear-attention outputs captured, and prints
-ONE JSON object: the tree plan's `windows` (microbatches that imported from a window) and
-`recomputed_microbatches`,
-log-prob max abs/rel difference, loss difference, relative gradient difference per parameter and
-its max (see trainer/verify.py for the definition), whether linear-attention outputs are bitwise
-equal at every trajectory position and layer, and whether expert-load counts are equal.
-`targets_met` applies DESIGN's fp32 CPU targets (bitwise linear outputs, log-prob <= 1e-5,
-gradients <= 1e-5, equal expert loads); the exit code is 0 either way. `--repack-baseline` adds
-the expanded run's own differences when its batch is packed differently (the noise floor that
-Invariant E allows). `--f64-reference` also runs the expanded plan on a float64 copy of the same
-weights (the model computes in float64 end to end; kernel backend "ref") and reports under
-`f64_reference` each fp32 run's error against it (trainer/verify.py `f64_reference_report`):
-grad_rel_err_tree / grad_rel_err_expanded (same per-parameter relative error and 1% floor as
-grad_rel_diff, against the float64 gradient), worst_param_*, logprob_max_abs_err_*, loss_err_*,
-and both errors on diff_param, the parameter where tree and expanded differ most. It tells whether
-a tree-vs-expanded difference is the tree's error or the expanded reference's own fp32 rounding;
-`targets_met` ignores it.
+Prints one JSON object (log-prob, loss, gradient, linear-output and expert-load differences,
+`targets_met`); the exit code is 0 either way. The fields: README.md ("What `harts plan`,
+`harts verify` and `harts calibrate` print"); the measures: docs/design/numerics.md.
 """
 from __future__ import annotations
 
@@ -45,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus weight")
     parser.add_argument("--repack-baseline", action="store_true",
                         help="also run the expanded plan packed with another budget and report its own differences "
-                             "(the reassociation noise floor of DESIGN's Invariant E) under `baseline_repacked`")
+                             "(the reassociation noise floor Invariant E allows) under `baseline_repacked`")
     parser.add_argument("--f64-reference", action="store_true",
                         help="also run the expanded plan on a float64 copy of the weights and report each fp32 run's "
                              "log-prob and relative gradient error against it under `f64_reference` (is the tree's "

@@ -1,25 +1,13 @@
 """How a conversation becomes token ids: plain text (the byte tokenizer's format) or a chat template.
 
-    from harts_client.chat import load_format
     fmt = load_format("runs/rl/hf/step-00000003")         # chat template if the directory has one
     ids = fmt.prompt_ids(task.prompt(instance))           # system + user messages, then the assistant header
     turn = engine.generate([ids], ..., stop_ids=fmt.stop_ids)[0][0]
-    messages += [{"role": "assistant", "content": fmt.decode(turn.token_ids)}]
     obs = fmt.observation_ids(messages, task.observe(instance, texts), turn.token_ids[-1])
 
-A task's prompt and observations are plain text or chat messages (`harts_client.tasks.episode`).
-`PlainFormat` (a model directory without a chat template, the byte tokenizer of the tiny models)
-puts text into the stream as it is: the prompt after the bos id, a policy turn ends with eos,
-the observation follows; messages become their contents joined by newlines. `ChatTemplateFormat`
-(a directory whose tokenizer_config.json or chat_template.jinja carries a template) renders every
-conversation with transformers' `tokenizer.apply_chat_template`: the prompt with the generation
-prompt (the assistant header), and after each policy turn exactly the tokens the template puts
-between the turn's end-of-turn token and the next assistant header (the rest of the turn's
-closing markup, the tool messages, the header) so that a tree branches at assistant turns of the
-rendered stream: the stream of a trajectory is the template's rendering of its conversation, with
-the policy's sampled ids where the assistant contents are (sampled ids are never re-encoded). It
-needs the template to render a conversation's prefix as a prefix of the conversation (checked:
-a ValueError names the template otherwise). transformers is imported only when a template is used.
+`PlainFormat` puts text in as it is; `ChatTemplateFormat` renders with transformers'
+`apply_chat_template` so that trees branch at assistant turns (docs/design/training-loop.md,
+"Conversations, tokenizers and data").
 """
 from __future__ import annotations
 

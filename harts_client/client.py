@@ -1,34 +1,12 @@
 """HTTP client of the planner service, for rollout generators and trainer ranks.
 
-It depends on the wire contract (`proto/`) and `plan/` only, never on `planner_service`.
-
-Outages: connection errors and 5xx answers are retried with capped exponential backoff and
-jitter (at least the `Retry-After` of a 503) until the caller's deadline, so a client waits out a
-planner restart: the client's `timeout` bounds every call, retries included, `fetch_plan(timeout=
-...)` bounds the whole long-poll, and `retry_seconds` lets a long-poll ride out an outage of that
-length even past its timeout (trainers: `planner.retry_seconds`). A call that gives up says
-"no answer from <url> for N s". 4xx answers raise `PlannerError` at once (they will not get better).
-
-Replicas: the client takes several planner URLs (a list, or one string with commas) of replicas
-that share one database; a connection error or 5xx moves it to the next one at once, and it
-stays with the one that answers. Backoff starts when every URL has failed in a row.
-
-Fetched plan slices are verified with `plan.seal.open_sealed`, against the `X-Harts-Checksum`
-header, and against what was asked for (step id, rank, and the trainer's world size when given);
-a corrupted or misdirected slice is fetched again, then refused. Submissions carry the SHA-256 of
-their body (`X-Harts-Body-Sha256`): the service refuses a body that arrives altered (DATA_LOSS,
-nothing stored) and answers the digest of what it stored, which the client compares; either
-mismatch is sent again, then raised as `IntegrityError`.
-
-    from harts_client.client import PlannerClient
     client = PlannerClient("http://planner-a:8000,http://planner-b:8000", token=os.environ.get("HARTS_TOKEN"))
     client.submit(doc, world_size=2, microbatch_tokens=4096)       # generator
     slice_ = client.fetch_plan("step-0", rank, timeout=600)        # trainer rank: long-polls
-
-Command line (the compose demo generator uses it):
-
-    python -m harts_client.client --url http://127.0.0.1:8000 submit rollouts.json --world-size 2
     python -m harts_client.client --url http://127.0.0.1:8000 fetch step-0 0 -o rank0.pb
+
+Depends on `proto/` and `plan/` only. Retries within the caller's deadline, failover over
+replicas, verified slices and submissions: docs/design/training-loop.md ("The client").
 """
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Where task instances come from: a task's own generator, or a dataset of rows (JSONL, Hugging Face).
 
-    from harts_client.data import load_rows, split_rows, DatasetInstances, GeneratedInstances
-    rows = load_rows("data/train.jsonl")                      # one JSON object per line
-    rows = load_rows("hf:openai/gsm8k", config="main")        # Hugging Face `datasets`, when installed
+    rows = load_rows("data/train.jsonl")                      # or "hf:openai/gsm8k" (datasets, when installed)
     train, held_out = split_rows(rows, eval_fraction=0.1, seed=0)
     source = DatasetInstances(task, train, held_out, seed=0)  # each row -> task.from_row(row)
-    source.train(step=3, count=16)                            # the rows of batch 3: an epoch-wise shuffle
-    source.eval(32)                                           # the first 32 held-out rows (eval_reward)
+    source.train(step=3, count=16); source.eval(32)           # an epoch-wise shuffle; the held-out rows
     source = GeneratedInstances(task, seed=0)                 # task.instances(split, count, seed)
 
-`split_rows` shuffles with `seed` and holds out `eval_fraction` of the rows (at least one); a
-separate held-out file can be given instead (`DatasetInstances(task, train, load_rows(eval))`).
-`DatasetInstances.train(step, count)` walks the training rows in a fresh order each epoch (seeded
-by `seed` and the epoch; `shuffle=False`: file order), so a run sees every row once per epoch and
-is reproducible; batches of the warm start use their own stream (`stream=1`). The Hugging Face
-loader imports `datasets` only when a `hf:` source is asked for and says how to install it.
+Splits, epochs and the warm start's own stream: docs/design/training-loop.md ("Conversations,
+tokenizers and data").
 """
 from __future__ import annotations
 

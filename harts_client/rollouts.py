@@ -1,37 +1,14 @@
-"""Generator side: turn inference-engine outputs into a HARTS rollout batch and submit it (DESIGN §3).
-
-Needs only numpy, protobuf and httpx (no torch): import it in vLLM / SGLang workers.
-
-    from harts_client.client import PlannerClient
-    from harts_client.rollouts import RolloutBatchBuilder, Trajectory, grpo_advantages
+"""Generator side: turn inference-engine outputs into a HARTS rollout batch and submit it.
 
     traj = Trajectory("task-7/s0", prompt_ids, group_id="task-7")    # prompt: context, no loss
     traj.add_completion(ids, logprobs)           # what the policy sampled: loss tokens, old log-probs
     traj.add_observation(tool_ids)               # a tool result / user turn: context, no loss
-    traj.add_completion(ids2, logprobs2)
-    traj.reward = 1.0
-    batch = RolloutBatchBuilder("step-3", vocab_size=151936, policy_version=version)
-    batch.add(traj, ...)
+    batch = RolloutBatchBuilder("step-3", vocab_size=151936, policy_version=version); batch.add(traj)
     grpo_advantages(batch.trajectories)          # or set traj.advantage yourself
-    with PlannerClient(url, token=token) as client:
-        batch.submit(client, form="tree", world_size=8, microbatch_tokens=65536, chunk_size=64)
+    batch.submit(client, form="tree", world_size=8, microbatch_tokens=65536, chunk_size=64)
 
-Both input forms of docs/rollouts.md come out of one builder: `form="flat"` sends every
-trajectory's full token list and lets the service merge equal prefixes; `form="tree"` merges them
-here into explicit trees (one per `tree_id`, default the group id) and sends each shared token
-once, with its loss mask and sampled log-prob on the tree node (the compact form: only the
-advantage, reward and ids are sent per trajectory), which is far smaller for group or tree sampling. A generator that knows its branching (tree
-search) can build the tree directly with `RolloutTree`. Both forms travel as JSON (`to_json`) or
-protobuf (`to_proto`); they describe the same batch and the planner builds the same forest.
-
-Engine adapters (duck-typed, no engine import): `samples_from_vllm(request_output)` reads
-`prompt_token_ids` and each `outputs[i].token_ids` / `.logprobs` (the sampled token's log-prob,
-request `SamplingParams(logprobs=0)`); `samples_from_sglang(result)` reads an SGLang `/generate`
-answer with `return_logprob=True` (`meta_info.output_token_logprobs`).
-
-Weights back: `latest_export(root)` returns the newest export of the trainer
-(`checkpoint.export_every`) and its policy version; pass that version to the next batches so the
-trainer can report and bound staleness (`staleness.max_staleness`).
+Needs only numpy, protobuf and httpx. The forms, the engine adapters and `latest_export`:
+docs/rollouts.md ("From a generator in Python"), docs/design/training-loop.md.
 """
 from __future__ import annotations
 

@@ -1,39 +1,13 @@
-"""Synthetic agentic rollouts shaped like published agent statistics (issue 6).
+"""Synthetic agentic rollouts shaped like published agent statistics: group, tree and per-call sampling.
 
-Three sampling schemes, one tree per task (`tree_id` = task id):
+    doc = generate("tree", tasks=4, seed=0, scale=0.05)          # the JSON input document
+    w = generate_workload(WorkloadConfig(scheme="percall", ...))  # numpy arrays (harts_client.workload)
+    harts gen --scheme tree --tasks 4 --seed 0 --scale 0.05 -o rollouts.json
 
-- `group`: GRPO group sampling. G rollouts per task share the system+tools prompt and the task
-  statement, then branch at the first action; each rollout is an independent multi-turn
-  action/observation episode. Sharing is the prompt only, so compression stays modest.
-- `tree`: tree sampling at turn boundaries (tree search, retries from a checkpoint). A task's
-  rollout branches `branching` ways after the observation of a sampled turn, `levels` times, so that
-  branch depths fall at arbitrary token positions relative to the linear-attention chunk
-  boundaries. Leaves are the trajectories (`branching ** levels` per task unless truncated).
-- `percall`: one training sample per model call of a reasoning agent whose chat template drops the
-  reasoning of earlier turns (Qwen3/DeepSeek-R1 style). Call i sees system + task + (action_j,
-  observation_j for j < i) and produces reasoning_i + action_i, so its sample is the spine's prefix
-  plus a private leaf: a caterpillar tree per rollout (G rollouts hang below the shared prompt).
-  The loss mask is 1 on the call's own output only; earlier actions are context there.
-
-Lengths follow the statistics the issue cites (SWE-agent-like): a system+tools prompt of 2-6k
-tokens, a task statement of 0.5-2k, 10-100 turns, actions of 20-1,500 tokens, observations of
-100-4,000 tokens (reasoning of 50-2,000 in `percall`). Each length is drawn from a log-normal whose
-median is the geometric mean of its range and whose +-2 sigma span the range, clipped to it. `scale`
-multiplies every token length (never the turn counts) after sampling, so a seed gives the same
-structure at every scale and CPU-sized runs keep the shape. The system prompt is one token sequence
-shared by ALL tasks, but trees are per task: flat ingest merges prefixes only within a tree_id, so it
-is counted once per task (a deliberate choice: tasks are independent trees in the plan).
-
-Siblings always differ at their first token, so the radix tree that ingest builds has exactly the
-branch points generated here, and `unique_tokens` / `compression_ideal` are exact. Advantages are
-GRPO-style: a Bernoulli(p_task) reward per rollout, advantage = reward - the task's mean reward.
-
-Python API: `generate(scheme, tasks, seed, scale, ...) -> dict` (the JSON input document), or
-`generate_workload(WorkloadConfig(...)) -> Workload` for the numpy arrays and `write_json`.
-CLI: `harts gen --scheme tree --tasks 4 --seed 0 --scale 0.05 -o rollouts.json`.
-
-Legend: M nodes (runs of tokens without branching, as generated), P pieces (system, task, action,
-observation, reasoning), N distinct node tokens, T trajectories, N_e expanded tokens.
+The schemes, the length statistics and why `unique_tokens` / `compression_ideal` are exact:
+docs/design/training-loop.md ("Synthetic workloads"). Legend: M nodes (runs of tokens without
+branching, as generated), P pieces (system, task, action, observation, reasoning), N distinct node
+tokens, T trajectories, N_e expanded tokens.
 """
 from __future__ import annotations
 
@@ -59,7 +33,7 @@ class WorkloadConfig:
     """What to generate. Token ranges are at full scale, inclusive, and scaled by `scale`."""
 
     scheme: str
-    """One of SCHEMES: "group", "tree" or "percall" (see the module docstring)."""
+    """One of SCHEMES: "group", "tree" or "percall" (docs/design/training-loop.md, "Synthetic workloads")."""
     tasks: int
     """Number of tasks; one rollout tree (tree_id) per task."""
     seed: int = 0

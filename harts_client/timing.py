@@ -6,14 +6,8 @@
     runs = repeat(fn, 5, warmup=2, sync=torch.cuda.synchronize)
     runs.median("wall"), runs.fastest("cpu").wall, runs.result
 
-Two clocks: `wall` (`time.perf_counter`) and `cpu` (`time.process_time`, this process's CPU seconds).
-On a shared CPU other processes only ever add wall time, so CPU benchmarks compare CPU seconds (and
-report the wall ratio beside them); on an accelerator the work runs outside the process and only
-wall seconds after a `sync` count. `repeat` calls `sync` before starting and after stopping each
-clock, so that queued device work is neither charged to the next run nor left out of this one.
-
-Stdlib only: it sits below both the CLI and the benchmarks (neither imports the other), and a
-torch-free generator may use it as well.
+Stdlib only, below both the CLI and the benchmarks. Which clock counts where:
+benchmarks/README.md ("How work is timed").
 """
 from __future__ import annotations
 

@@ -1,25 +1,13 @@
 """Tokenizers for the generator side: the project's byte tokenizer and Hugging Face `tokenizer.json`.
 
-    from harts_client.tokenizer import ByteTokenizer, load_tokenizer
     tok = ByteTokenizer()                      # ships with the project: no download, vocab 256
     ids = tok.encode("calc 37+45") + [tok.eos_id]
     tok = load_tokenizer("runs/rl_tiny/hf/step-00000004")   # whatever the model directory carries
+    check_vocab(tok, model_vocab=256)          # one line before any weights are built, when they do not fit
 
-`ByteTokenizer` maps UTF-8 bytes to ids one to one (id = byte value) and reserves the control
-bytes 0, 1 and 2 for `<|pad|>`, `<|bos|>` and `<|eos|>`, so its vocabulary is exactly the 256 ids
-of the tiny models (`trainer.models.debugmodel`) and `decode(encode(text)) == text` for any text
-without those three control characters. `ByteTokenizer.hf_files()` writes it as a Hugging Face
-fast tokenizer (`tokenizer.json`: byte-level BPE without merges, the same ids;
-`tokenizer_config.json`, `special_tokens_map.json`), so transformers, vLLM and SGLang read an
-export's tokenizer without this package.
-
-`load_tokenizer(dir)` returns a `ByteTokenizer` for a directory whose `tokenizer_config.json`
-names it (`"harts_tokenizer": "bytes"`), an `HFTokenizer` (the `tokenizers` package, imported
-only then) for any other `tokenizer.json`, and raises `ValueError` when there is none.
-`check_vocab(tokenizer, model_vocab)` refuses a tokenizer and a model that do not fit each other
-(one line, before any weights are built). Trajectories carry token ids, never re-encoded text: a
-generator appends `encode(observation)` to the sampled ids, so a BPE tokenizer whose
-`encode(decode(ids))` differs changes nothing.
+Byte ids one to one with 0, 1, 2 reserved for pad, bos, eos; `hf_files()` writes it as a fast
+tokenizer; trajectories carry ids, never re-encoded text (docs/design/training-loop.md,
+"Conversations, tokenizers and data").
 """
 from __future__ import annotations
 
@@ -159,7 +147,7 @@ def _read_json(path: Path) -> dict:
 
 
 def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer a model directory carries (see the module docstring).
+    """The tokenizer a model directory carries (docs/design/training-loop.md, "Conversations, tokenizers and data").
 
     Raises:
         ValueError: no tokenizer.json / tokenizer_config.json naming the byte tokenizer.

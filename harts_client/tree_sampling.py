@@ -1,33 +1,12 @@
 """GRPO tree sampling: the policy plays a task's episodes, branching at turn boundaries.
 
-    from harts_client.tree_sampling import SamplingConfig, sample_batch
     groups = sample_batch(engine, task, tokenizer, instances, SamplingConfig(branching=[4, 2]), seed=7)
     batch = to_batch(groups, "step-7", vocab_size=256, policy_version=engine.policy_version)
     batch.submit(client, form="tree", world_size=2, chunk_size=16)
 
-Per task instance one explicit `RolloutTree` whose root is the prompt (with `shared_prefix`, one
-tree for the batch: its root is the prompt prefix all instances share, e.g. a long system prompt,
-and each distinct rest of a prompt continues it); at policy turn t every open branch samples
-`branching[t]` completions (1 after the list ends), so the k samples of a turn share everything
-before it (prompt, earlier turns, tool observations) and the tree holds each of those
-tokens once. A completion and the task's observation after it (`Task.observe`) are one node: the
-policy tokens with the engine's log-probs (the policy's real sampling log-probs, the PPO old
-log-probs; loss mask 1), then the observation (context, mask 0); the next turn samples from there.
-Prompts and observations are rendered by a conversation format (`harts_client.chat`): plain text
-(the byte tokenizer's format), or a model's chat template, where the branches start at the
-assistant turns of the rendered stream and an observation node carries the template's markup
-around the tool messages up to the next assistant header.
-A branch ends when the task says so, when the policy did not finish its turn within
-`max_new_tokens`, or after `Task.max_turns`.
-Samples of a turn that equal a sibling's (the same ids after the same context) are one node with
-one log-prob per token, so the tree holds each distinct token once; branches continue from it
-separately. Every leaf is a trajectory (equal episodes are equal trajectories, each counted);
-its reward is `reward_fn(episode)` (default `Task.reward`), and the instance's trajectories form
-one GRPO group (advantage = (reward - group mean) / group std).
-
-All open branches of a turn are sampled in one engine call (n = branching[t] per branch), so a
-batch costs `Task.max_turns` engine calls. The seed of turn t is derived from `seed` and t: a
-batch is reproducible given the engine's weights.
+One explicit tree per instance (or one for the batch with `shared_prefix`), equal samples merged,
+one GRPO group per instance, one engine call per turn: docs/design/training-loop.md ("Tree
+sampling").
 """
 from __future__ import annotations
 
@@ -98,7 +77,7 @@ class _Open:
 
 def sample_batch(engine, task: Task, tokenizer, instances: list, cfg: SamplingConfig, *, seed: int,
                  reward_fn: RewardFn | None = None, id_prefix: str = "") -> list[SampledGroup]:
-    """Play every instance as a tree of episodes (see the module docstring).
+    """Play every instance as a tree of episodes (docs/design/training-loop.md, "Tree sampling").
 
     Args:
         engine: a `harts_client.engines.Engine`.

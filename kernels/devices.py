@@ -1,11 +1,11 @@
 """Device identity for layouts and tensors: compare the device a spelling resolves to, not the spelling.
 
+    same_device("cuda", "cuda:0")      # True when cuda:0 is the current device
+    idx = to_device(idx_cpu, "cuda")   # from pinned memory, without a stream synchronisation
+
 `torch.device("cuda") != torch.device("cuda:0")` although a tensor created on the first is on the
-second (the index None means the current device of that type). Layouts prepared once and matched
-against every call's tensors therefore store and compare resolved devices: `resolve_device` turns
-an index-less accelerator device into the explicit current one, and drops the index of the CPU
-(there is one CPU device; `cpu` and `cpu:0` name it). `to_device` moves a host index tensor to
-the GPU without a stream synchronisation (from pinned memory).
+second, so layouts prepared once store and compare `resolve_device`'s answer
+(docs/design/execution.md, "Small pieces").
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """Fixed-order accumulation of rows into rows, without `index_add_`/`scatter_add_`.
 
-`index_add_` with repeated indices adds in an unspecified order on a GPU (float atomics), so the
-gradient of a state requested twice could differ in its last bit from run to run. A `RowAdds` plan,
-built once on the host from the index, splits the additions `dst[target[i]] += src[i]` into
-levels in which every target appears once (level l holds each target's (l+1)-th occurrence, in
-index order); applying the levels one after the other adds each target's rows in index order, the
-order the CPU's sequential `index_add_` uses, with gathers and unique-index copies only. Indices
-of a layout are host data, so the plan costs no device synchronisation; duplicates are rare (a
-state exported twice), so there is usually one level.
+    adds = RowAdds.build(target).to(device)     # host indices -> levels of distinct targets, once
+    adds.apply_(dst, src)                        # dst[target[i]] += src[i], in order of i
+
+`index_add_` with repeated indices adds in an unspecified order on a GPU (float atomics); the
+levels add each target's rows in index order, as the CPU's sequential `index_add_` does, with
+gathers and unique-index copies only (docs/design/execution.md, "Small pieces").
 """
 from __future__ import annotations
 

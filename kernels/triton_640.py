@@ -1,31 +1,11 @@
-"""Guard against fla issue #640: Triton 3.4.0 - 3.7.0 miscompiles `tl.dot(tl.trans(x), y)` on Hopper.
+"""Guard against the Hopper miscompile of `tl.dot(tl.trans(x), y)` in Triton 3.4.0 - 3.7.0 (fla #640).
 
-The bug (fla-org/flash-linear-attention #640, PR #826's analysis, fixed in Triton 3.7.1): when x
-is the result of a `tl.dot` (it lives in the wgmma accumulator layout), `tl.trans(x)` yields a
-linear layout whose conversion to a dot operand is emitted wrongly on sm_90; fla's
-`chunk_bwd_kernel_dqkwg` then returns wrong dk (and through it dg) at BK = 64 tiles (its sweep:
-BK = 32 and 128 pass, BK = 64 fails). fla raises on Hopper with Triton in [3.4.0, 3.7.1).
+    trans_free = check(device)   # True: run the transpose-free forms; RuntimeError under "refuse"
 
-Our kernels with that pattern (every `tl.trans` in kernels/ read; the others transpose loaded
-tiles, the operand path every flash kernel uses):
-
-- `gated_delta_rule.output_triton._dqkwg_kernel`: dk += ds^T q, ds = (do vnew^T) * decay
-  ([BT, BT], a dot result): fla's very line, at BK = 64 for K = 64, 100 and 128.
-- `gated_delta_rule.wy_triton._wy_bwd_kernel`: dk += dM^T (beta k), dM from dA = Ai^T dAi Ai^T.
-
-Each has a transpose-free form (the kernels' `TRANS_FREE` flag): the [BT, BT] tile is written to a
-scratch tile of its program in global memory and read back transposed, so the dot's operand is a
-loaded tile (fla PR #826's workaround; BT^2 elements per program). Tree attention has no such
-pattern (its dk/dv program computes the transposed scores directly).
-
-Policy on an affected device (CUDA compute capability 9.x with Triton in [3.4.0, 3.7.1)):
-`ON_AFFECTED`, overridable with HARTS_TRITON_640=plain|transpose_free|refuse:
-
-- "plain": run the kernels as written (the default: allowing);
-- "transpose_free": run the transpose-free forms;
-- "refuse": raise RuntimeError naming the versions, unless HARTS_ALLOW_TRITON_640=1.
-
-Unaffected devices (other GPUs, other Tritons, the CPU interpreter) always run the plain forms.
+Two backward sites have transpose-free forms (`TRANS_FREE`); on an affected device (sm_90, Triton
+in [3.4.0, 3.7.1)) the policy is `ON_AFFECTED`, overridable with
+HARTS_TRITON_640=plain|transpose_free|refuse (HARTS_ALLOW_TRITON_640=1 lifts a refusal). The bug,
+the sites and the policy: docs/design/numerics.md ("Hopper and Triton 3.4-3.7.0").
 """
 from __future__ import annotations
 

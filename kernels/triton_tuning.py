@@ -1,31 +1,12 @@
 """Launch configurations of the Triton kernels: tuned over num_stages only, cached on disk.
 
-Determinism. A kernel's result is a function of its inputs and of the numerics of its launch
-config: num_warps and the tile meta-parameters decide how a tile is spread over threads, hence the
-order of every `tl.sum`/`tl.cumsum` reduction and which MMA instructions a `tl.dot` becomes
-(Inductor's deterministic mode avoids tuning reductions for the same reason). num_stages only
-decides how far the loads of a loop run ahead (software pipelining); the arithmetic and its order
-stay as written. So `autotune` accepts candidate configs that differ in num_stages alone (it
-raises ValueError otherwise) and each kernel fixes its numerics in its source: whichever candidate
-wins, on whichever run or rank, the bits are the same. Tuning keys never include a row count
-(T, R, M), so a layer's tree and expanded calls also run one config.
-`tests/kernels/test_triton_tuning_gpu.py` checks the num_stages claim bitwise on a GPU.
+    @autotune(stages(4, (2, 3)), key=["D"])     # num_warps 4 fixed; num_stages 2 or 3
+    @triton.jit(do_not_specialize=["M"])
 
-Modes (HARTS_AUTOTUNE, read at import):
-
-- "1" (the default on a GPU): the first call with a new key benchmarks the candidates; the choice
-  is cached on disk, so later processes reuse it without benchmarking: Triton's own
-  `autotune(..., cache_results=True)` where the installed Triton has it (3.7.1 here), else
-  `JsonTuningCache` (a JSON file per kernel under the Triton cache dir, keyed by the kernel's source,
-  the device name, the Triton version and the candidates). Both live under TRITON_CACHE_DIR
-  (default ~/.triton/cache).
-- "0": the first candidate only: nothing is benchmarked and no other candidate is compiled
-  (correctness runs over many shapes, the GPU tests, bounded benchmark runs).
-
-Under the interpreter (`TRITON_INTERPRET=1`, the CPU tests) every kernel runs its first candidate:
-`triton.autotune` times candidates through the GPU driver, which the interpreter does not have.
-Tuned kernels must be pure functions of their inputs (no in-place accumulation into an output),
-since tuning launches them repeatedly.
+Candidates may differ in num_stages alone (ValueError otherwise), so whichever wins the bits are
+the same; keys never include a row count. HARTS_AUTOTUNE=1 (default on a GPU) benchmarks once and
+caches the choice under TRITON_CACHE_DIR; 0 or the interpreter runs the first candidate
+(docs/design/numerics.md, "Determinism").
 """
 from __future__ import annotations
 

@@ -12,12 +12,12 @@ log-prob entries); log-prob entries live where the row of token i-1 is kept.
 
 `lockstep_plan(plan)` turns any plan (this maker's or the plan builder's, windows and
 recomputation included) into a lock-step plan: one global sequence of phases with stand-ins
-(DESIGN §5.7), aligned greedily here, independently of the planner's phase builder.
+(docs/design/lockstep.md), aligned greedily here, independently of the planner's phase builder.
 
 `cross_rank_plan(plan, importer, dst)` moves a window's importer, with the block of its rank's
 steps from its FORWARD to its BACKWARD (its own importers, and any window opened above it), to
 another rank of a lock-step plan, and emits the windows across ranks (`CrossEdge`) that the move
-creates: the same step, computed with windows that cross ranks (DESIGN §5.7, issue 24).
+creates: the same step, computed with windows that cross ranks (docs/design/cross-rank.md).
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def make_plan(
 
 
 def lockstep_plan(plan: plan_pb2.Plan) -> plan_pb2.Plan:
-    """The same plan as a lock-step plan (DESIGN §5.7), aligned here independently of the planner.
+    """The same plan as a lock-step plan (docs/design/lockstep.md), aligned here independently of the planner.
 
     Every rank keeps its real steps in their order. Phases are chosen greedily: the phase kind most
     ranks' next steps have (FORWARD first on ties); a rank whose next step is of another kind gets

@@ -1,30 +1,12 @@
-"""The per-microbatch boundary channel of sharing windows (DESIGN §5.5).
+"""The per-microbatch boundary channel of sharing windows: imports in, exports out, per mixer of every layer.
 
-One `Boundary` per microbatch forward carries, for every mixer of every layer, the tensors the
-microbatch imports from its window ancestors and the tensors it exports to its importers:
+    bd = Boundary(layout.window, imports)        # one per forward; each decoder block records into bd.scope()
+    k_NHd = scope.table("3.attn_k", k_RHd, ATTN)  # local rows + that kind's imported rows; records the exports
+    export_layout(model.config, dtype)           # every export's name, kind, row shape and dtype, in order
 
-    name             kind     rows / shape                      mixer
-    "{l}.conv"       conv     [n, conv_dim] conv inputs          Gated DeltaNet short conv
-    "{l}.q", ".k"    kernel   [n, Hk, Kd] kernel inputs          Gated DeltaNet replay rows
-    "{l}.v"          kernel   [n, Hv, Vd]
-    "{l}.g", ".beta" kernel   [n, Hv]
-    "{l}.state"      state    [n, Hv, Kd, Vd] fp32 states        Gated DeltaNet imported states
-    "{l}.attn_k/v"   attn     [n, Hkv, hd] K (RoPE applied), V  softmax attention
-
-A mixer asks `table(name, local, kind)` for its local tensor extended with the imported rows of
-that kind (the compact table `trainer.layout` indexes) and the boundary records the rows it must
-export from that table; `states(name)` and `export_states(name, table)` do the same for states.
-Each decoder block records into its own `scope()` and returns those exports.
-The forward's outputs therefore include its exports, and nothing outside the returned values is
-changed: a recomputed forward over the same imports returns the same exports.
-
-`export_layout(config, dtype)` lists every export name with its kind, per-row shape and dtype in
-the canonical order of a window across ranks (proto `CrossEdge`): per layer, K then V of a
-softmax-attention layer, the conv inputs, q, k, v, g, beta and the states of a linear-attention
-layer. Activations travel in the compute dtype, g and the states in `compute_dtype` (fp32 for a
-bf16 or fp32 model): the dtypes the forward computes them in.
-
-Legend: R rows, n rows of one kind, l layer index.
+Export names, kinds and shapes, and why the forward returns its exports: docs/design/windows.md
+("What a child reads of its ancestors"); the order windows across ranks send them:
+docs/design/cross-rank.md. Legend: R rows, n rows of one kind, l layer index.
 """
 from __future__ import annotations
 
@@ -49,7 +31,7 @@ def kind_of(name: str) -> str:
 
 def export_layout(cfg, dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
     """(name, kind, per-row shape, dtype) of every export of a model, in the canonical order of a
-    window across ranks (module docstring).
+    window across ranks (docs/design/windows.md, docs/design/cross-rank.md).
 
     Args:
         cfg: the model's `trainer.models.ModelConfig`.
@@ -128,7 +110,7 @@ class Imports(Mapping):
     in its post-backward function, so the root unit's gradient reduce-scatter would run when the
     imports' gradients are complete instead of in its final callback, as it does on a rank whose
     microbatch imports nothing. Hidden here, every rank reduces the root at the same point of
-    every backward (lock-step plans pair collectives across ranks, DESIGN §5.7).
+    every backward (lock-step plans pair collectives across ranks: docs/design/lockstep.md).
     """
 
     __slots__ = ("_by_name",)

@@ -1,19 +1,11 @@
 """Training checkpoints with `torch.distributed.checkpoint` (DCP): model, optimizer and step.
 
-Layout under the checkpoint directory:
+    path = save(ckpt_dir, step=2, model=model, optimizer=opt, meta={"step_ids": [...]}, ctx=ctx)  # collective
+    meta = load(latest(ckpt_dir), model=model, optimizer=opt)      # -> {"step": 2, ...}; any world size
 
-    step-00000002/          one DCP checkpoint (.metadata + per-rank shards) + harts.json
-    latest                  name of the newest complete checkpoint (replaced atomically)
-
-`save` is collective (every rank calls it); FSDP2 shards are written by their owners and replicated
-tensors once, and `load` reshards to whatever world size and data parallelism loads it (a
-checkpoint saved by 2 FSDP2 ranks loads on 1 or 4 ranks, sharded or replicated). `harts.json`
-records the number of completed steps and their step ids, so that `--resume` can refuse a
-checkpoint of another step sequence. `latest` is written last, by rank 0, after every shard and
-the metadata are on disk: a run killed while saving resumes from the previous checkpoint.
-
-    path = save(ckpt_dir, step=2, model=model, optimizer=opt, meta={"step_ids": [...]}, ctx=ctx)
-    meta = load(latest(ckpt_dir), model=model, optimizer=opt)      # -> {"step": 2, ...}
+`ckpt_dir/step-00000002/` holds one DCP checkpoint and `harts.json` (completed steps, step ids);
+`latest` is written last, by rank 0 (`trainer.step_dirs`). Sharding, resharding on load and
+resuming: docs/design/training-loop.md ("Checkpoints").
 """
 from __future__ import annotations
 

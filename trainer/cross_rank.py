@@ -1,27 +1,13 @@
-"""Windows across ranks in the trainer (DESIGN §5.7, proto `CrossEdge`): what travels, and how.
-
-A cross edge's exporter runs on one rank and its importer on another. At the end of its step of
-phase `send_phase` the exporter's rank sends the edge's exports; the importer's rank receives them
-into the tensors its import leaves are copied from, exactly as from a local window. At the end of
-`grad_phase` (after the importer's BACKWARD) the importer's rank sends the gradients its leaves
-accumulated, and the exporter's rank adds them to those of its local importers before the
-exporter's one BACKWARD. `trainer.executor` decides what is sent when; this module holds
-
-- `EdgeWire`: one edge's tensors as one byte buffer in the canonical layout of the proto comment
-  (`trainer.boundary.export_layout`: per layer K, V of `attn_rows`; conv inputs of `conv_rows`,
-  q, k, v, g, beta of `kernel_rows`, the `states`; activations in the compute dtype, g and the
-  states in fp32), the same layout both ways;
-- transports that move a phase's buffers: `P2PTransport` with `torch.distributed`'s batched
-  point-to-point (`batch_isend_irecv`; gloo on CPU, NCCL on GPU), every operation of the phase
-  posted together in increasing edge id, every wait bounded by a timeout that names the phase,
-  the edge and the peer rank (`CrossRankError`); `LocalTransport` for a whole plan run in one
-  process (every rank's side is here: a copy).
+"""Windows across ranks in the trainer (proto `CrossEdge`): what travels, and how.
 
     wire = EdgeWire.of(edge, layout)               # layout: export_layout(model.config, dtype)
     buf = wire.pack(tensors_by_name, device)       # uint8 [wire.nbytes]
     tensors = wire.unpack(buf)                     # name -> [n, ...] tensor
     transport.run(phase, [Transfer(...), ...])     # fills the receive buffers
 
+`EdgeWire` is one edge's tensors as one buffer in the canonical layout, both ways; `P2PTransport`
+moves a phase's buffers with batched point-to-point, every wait bounded (`CrossRankError`);
+`LocalTransport` serves a whole plan in one process (docs/design/cross-rank.md).
 Legend: n rows of one kind of the edge.
 """
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Process group and the replicated data-parallel path: parameter broadcast, one SUM gradient sync per step.
 
-FSDP2 (the default of `trainer.train`) is set up by `trainer.parallelize`; this module is the
-`--data-parallel replicate` path and the shared process-group plumbing.
-
     ctx = init_distributed()                      # torchrun env or a single process (world size 1)
     broadcast_parameters(model, ctx)              # every replica starts from rank 0's weights
     ...executor.run_step(slice_)...               # local microbatches, no communication
     sync_gradients(params, ctx)                   # flattened buckets, SUM all-reduce
     shutdown(ctx)
 
-Why SUM and not DDP's mean: the plan's loss normalisers are global (DESIGN §5.6): every rank's
-loss is already its share of the whole step's loss (divided by the step's token count, not the
-rank's), so the step gradient is the SUM of the ranks' gradients. Averaging would scale it by
-1 / world_size and make it depend on the topology. This is also why the trainer does not wrap the
-model in DDP: its hooks average, and they fire during every microbatch's backward unless
-suppressed with `no_sync()`; here one flattened SUM per step after the last microbatch suffices.
-
-A parameter that no rank touched in a step (an expert nobody routed to) keeps `grad = None` after
-the sync, exactly as in a single process that ran every microbatch, so AdamW skips it the same
-way (a zero gradient would still decay it and advance its moments).
-
+FSDP2 (the default) is `trainer.parallelize`. Why SUM and not DDP's mean, and why an untouched
+parameter keeps `grad = None`: docs/design/execution.md ("Data parallelism").
 Legend: N flattened gradient elements of one bucket, P parameters.
 """
 from __future__ import annotations

@@ -1,55 +1,13 @@
-"""Run a step's plan on the model: the rank's execution order with sharing windows (DESIGN §5.2-§5.5).
+"""Run a step's plan on the model: decode and check it once, then walk each rank's steps.
 
-    from trainer.executor import Executor, ExecutorConfig
     ex = Executor(model, ExecutorConfig(chunk_size=64))
-    result = ex.run_step(plan_or_slice)      # StepResult; the step's gradients are left in .grad
-    optimizer.step(); optimizer.zero_grad()  # the caller steps (and syncs gradients) once per step
-    result = train_step(ex, plan, optimizer) # the same, single process
+    result = ex.run_step(plan_or_slice)       # StepResult; the step's gradients are left in .grad
+    result = train_step(ex, plan, optimizer)  # the same plus one optimizer step (single process)
 
-One code path for tree plans and trajectory-expanded plans (PlanConfig(sharing=False)): the
-expanded baseline is just a plan whose trees are single trajectories. A `plan_pb2.Plan` runs
-every rank's microbatches in this process (rank after rank, gradients summed: with the plan's
-global normalisers that equals a data-parallel step whose gradients are SUM-reduced); a
-`plan_pb2.PlanSlice` runs one rank. Each rank is checked in linear time and decoded once
-(`plan.slice_check`; `validate="full"` runs the complete oracle `plan.validator` as well);
-plans made for another chunk size, conv kernel or vocabulary are rejected.
-
-Sharing windows (DESIGN §5.5). The rank's `ExecStep`s are a depth-first walk over its window
-forest. FORWARD m runs m's forward (`Qwen3NextForRL.forward`, pure: it returns logits, MoE
-routing and the window exports) on imports that are fresh leaf tensors (`requires_grad=True`)
-copied from its exporters' exports, and keeps m open: its loss, its exports and, unless m is
-recomputed, its graph. BACKWARD m (after every importer of m has run) runs one
-`torch.autograd.backward` over m's loss plus its exports with the gradients its importers
-accumulated on them, then hands the gradients of m's own import leaves to m's exporters. A
-microbatch marked `recompute` that others import from runs its first forward without a graph,
-keeping only its exports; at BACKWARD it re-runs the forward with a graph on the same imports
-(the re-run's exports are the same bits: `check_recompute` asserts it) and backpropagates that.
-Losses, log-probs, expert loads and probes are recorded from the first forward only. The walk
-itself is `trainer.step_walk`.
-
-An open window's importers are found by id, never as the top of the stack: a lock-step order may
-open a window above an unrelated open window (still properly nested).
-
-Lock-step plans (DESIGN §5.7; phases and stand-ins checked by `plan.slice_check` with the rules
-of `plan.phases`): each rank has one step per phase; stand-in steps (microbatch -1) run a one-row
-zero-loss microbatch (`trainer.lockstep`) so that every rank issues the same FSDP2 collectives in
-every phase, and every microbatch marked `recompute` re-runs its forward inside its BACKWARD (a
-PHASE_RECOMPUTE phase), exporter or not. With `reach_all_units` every backward also carries an
-exact zero over the final hidden states, so that it reaches every sharded unit.
-
-Windows across ranks (`RankPlan.cross_edges`, `trainer.cross_rank`): a lock-step plan may run a
-window's importer on another rank than its exporter. The exporter's export table then also holds
-the rows its remote importers read; at the end of each phase the rank sends or receives the
-edges of that phase (exports at `send_phase`, their gradients at `grad_phase`) through the
-executor's transport; the importer builds its leaves from what it received exactly as from a
-local window, and the exporter's one BACKWARD includes the gradients that came back. A whole
-Plan with cross edges runs its ranks phase by phase in this process (`LocalTransport`).
-
-Dtypes: values upcast for accuracy (logits, log-probs, router probabilities, the load-balancing
-loss) use `compute_dtype` (at least fp32), so a float64 model (`model.double()`, the oracle of
-`harts verify --f64-reference`) runs in float64 end to end.
-
-Legend: R rows, P log-prob entries, E experts.
+A `PlanSlice` runs one rank; a whole `Plan` runs every rank in this process, gradients summed.
+`Executor.decode` is the one place that chooses how much is checked (`validate`); the walk with
+sharing windows, recomputation, stand-ins and cross edges is `trainer.step_walk`
+(docs/design/execution.md, docs/design/windows.md). Legend: R rows, P log-prob entries, E experts.
 """
 from __future__ import annotations
 

@@ -3,28 +3,9 @@
     mesh = make_mesh(cfg.parallelism, ctx)           # 2-D ("dp", "ep") when parallelism.expert_parallel = E > 1
     shard_experts(model, mesh["ep"])                 # on the meta model, before fully_shard (trainer.parallelize)
 
-Layout (as torchtitan and Megatron-Core train MoE models): the W ranks form a (W / E) x E mesh.
-Rank (i, j) of expert-parallel group i holds experts [j E_l, (j + 1) E_l) of every MoE layer
-(E_l = num_experts / E; `Experts` parameters become DTensors sharded on dim 0 over "ep"), and
-FSDP2 shards those over "dp", the ranks that hold the same experts; every other parameter is
-sharded over all W ranks as without expert parallelism.
-
-The exchange of one MoE layer (`ExpertParallel.apply`): the rows of a microbatch, already sorted
-by global expert (`trainer.models.moe.route`), are contiguous per destination rank. The ranks of a
-group swap their per-expert counts (one small all-to-all, read once on the host: the split sizes),
-send the rows (`all_to_all_single`), run their local experts on what they received (grouped by
-local expert, sources in rank order: a fixed order) and send the outputs back; the combine stays
-local. The backward is self-contained: it swaps the counts again, sends the rows and their output
-gradients, and every rank re-runs its experts' forward on what it received, backpropagates it
-(its expert weights' gradients, whoever's rows they were) and sends the rows' gradients back. No
-rank keeps anything for another, so the forward and the backward of a microbatch may meet
-different microbatches of the other ranks: every rank of a group only has to run the same MoE
-layer of a step of the same kind at the same time, which lock-step plans give (every rank runs a
-FORWARD, a BACKWARD or a recomputing BACKWARD in each phase, stand-ins included; every backward
-reaches every block: `ExecutorConfig.reach_all_units`). The price is one more expert forward per
-backward (GEMM work) and the rows sent twice. Routing, occurrence counts and expert loads are
-computed before the exchange and do not change.
-
+Rank (i, j) of the (W / E) x E mesh holds experts [j E_l, (j + 1) E_l) of every MoE layer; the
+exchange and its self-contained backward (`ExpertParallel.apply`): docs/design/execution.md
+("Expert parallelism").
 Legend: R rows, D hidden, E experts, E_l local experts, P ranks of a group, S sorted rows.
 """
 from __future__ import annotations
@@ -52,7 +33,8 @@ class ExpertParallel:
     def apply(self, x_SD: torch.Tensor, d: Dispatch, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops) -> torch.Tensor:
         """[S, D] the experts' outputs of the rows `x_SD` (sorted by global expert: dispatch `d`
         without padding), computed on the ranks that own those experts; `gate_up`, `down` are this
-        rank's experts. Differentiable w.r.t. x_SD and the local weights (module docstring)."""
+        rank's experts. Differentiable w.r.t. x_SD and the local weights (docs/design/execution.md,
+        "Expert parallelism")."""
         return _ExpertExchange.apply(x_SD, d.counts, gate_up, down, self, ops)
 
     def _splits(self, counts_E: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:

@@ -3,26 +3,10 @@
     harts export ckpt/step-00000004 --out hf/step-4 [--dtype bfloat16] [--max-shard-mb 2048]
     python -m trainer.train ... --checkpoint.export_every 2      # the trainer exports as it goes
 
-An export is what vLLM / SGLang / transformers load: `config.json` (Qwen3NextConfig), the weights
-as sharded safetensors (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`) in
-the original Qwen3-Next layout (per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`; a tied lm
-head is not written twice), and `harts.json` with the policy version (= completed trainer steps)
-and the step ids that produced it, the tokenizer files and `generation_config.json` of the model
-directory the run started from (`TOKENIZER_FILES`, the chat template included; a named model
-without a directory gets the project's byte tokenizer; a plain-sampling generation_config.json
-when there is none), every file mode 0644 so that a generator running as another user can read it.
-config.json carries what the trainer's model config does not model but engines read
-(`CARRIED_CONFIG_KEYS`: the context length `max_position_embeddings` and the bos/eos/pad token
-ids) from the source directory's config.json, else the token ids of the tokenizer written and
-`DEFAULT_MAX_POSITIONS`; so an export loads into `AutoTokenizer` and `generate` as it is. The
-export root's `latest` names the newest export; it is written last, atomically, so a generator polling it never sees a half-written directory
-(`harts_client.rollouts.latest_export`, `trainer.step_dirs`). Names and layouts come from
-`trainer.models.state_dict_adapter`, so `trainer.models.loading.load_model` reads an export back.
-
-No process holds the whole model to export it: the trainer all-gathers one FSDP2 unit at a time
-(`export_model`, collective) and `harts export` reads one unit at a time from the DCP checkpoint
-(`export_checkpoint`); the safetensors files are written as the units arrive, so host memory
-holds one unit plus one output file (`max_shard_bytes`).
+`export_model` (collective: the trainer all-gathers one FSDP2 unit at a time) and
+`export_checkpoint` (one unit at a time from a DCP checkpoint) write `config.json`, sharded
+safetensors in the Qwen3-Next layout, `harts.json` and the tokenizer files as the units arrive.
+What is written and why: docs/design/training-loop.md ("Weights back to the generators").
 """
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """Model FLOPs of a plan: the work an executor must do to run it, counted from the model config.
 
-The update-throughput benchmark compares tree against trajectory-expanded execution "against the
-plan's FLOP compression" (DESIGN §8): ideal speedup = FLOPs(expanded plan) / FLOPs(tree plan), both
-counted here the same way. Token compression (expanded / distinct tokens) is not that ideal: a row's
-softmax-attention work grows with its depth, shared prefixes are the shallow rows, so the tree keeps
-the expensive deep rows and drops cheap shallow ones; and the tree plan computes replay rows in
-the linear-attention kernel (bounded replay, DESIGN §4.3) and duplicated prefixes in full.
+    f = plan_flops(plan, cfg, chunk_size=64)     # PlanFlops: dense, attention, linear_kernel, lm_head
+    ideal = plan_flops(expanded, cfg, chunk_size=64).total / f.total   # the FLOP compression
 
-Counted per microbatch (forward multiply-adds x 2; the backward costs about twice each term, so
-the ratio is that of forward + backward):
-
-- dense: every computed row through each layer's projections, the short conv and the MLP (MoE:
-  the router, top-k routed experts, the shared expert and its gate); norms, activations and the
-  embedding lookup are left out (elementwise, a few FLOPs per value);
-- attention: per softmax-attention layer, scores and values over the row's keys (its depth + 1);
-- linear_kernel: per Gated DeltaNet layer, the chunked gated delta rule on every kernel row, replay
-  rows included (intra-chunk products, the two triangular solves, the state products);
-- lm_head: the logits of each distinct log-prob row.
-
-Chunk padding of partial chunks is not counted: it is a property of a kernel, not of the plan.
+The ideal speedup of tree over trajectory-expanded execution, the benchmarks' "fraction of ideal";
+what is counted and why token compression is not that ideal: docs/design/execution.md ("Counting
+FLOPs").
 """
 from __future__ import annotations
 
@@ -31,7 +18,7 @@ from trainer.models.config import FULL, ModelConfig
 
 @dataclass(slots=True, kw_only=True)
 class PlanFlops:
-    """FLOPs of one plan by kind (forward; see the module docstring)."""
+    """FLOPs of one plan by kind (forward; docs/design/execution.md, "Counting FLOPs")."""
 
     dense: float = 0.0
     attention: float = 0.0

@@ -1,19 +1,11 @@
-"""Turn a decoded plan microbatch into the torch index tensors the model runs on (DESIGN §4.4, §5.2, §5.5).
+"""Turn a decoded plan microbatch into the torch index tensors the model runs on.
 
-`layout_from_arrays(arrays, needs)` converts a `plan.decode.MicrobatchArrays` (decoded and
-bounds-checked once by proto/) into a `RowLayout`; `layout_from_sequences` builds the same
-structure for plain sequences (one segment each, one linear call from zero states), used for
-parity with transformers and by tests.
+    layout = layout_from_arrays(arrays, needs, chunk_size=64)  # plan.microbatch.MicrobatchArrays -> RowLayout
+    layout = layout_from_sequences(seqs, conv_kernel=4, chunk_size=64)  # one segment each (parity, tests)
 
-Sharing windows. The plan addresses a window child's imported rows as extended rows R + i,
-i < I. Each consumer reads another per-layer tensor of them (`plan.window_exports`): attention
-the K/V rows, the short conv the conv inputs, bounded replay the kernel inputs. The layout keeps,
-per kind, only the imported rows that kind reads (`WindowIO.import_rows`) and renumbers the plan's
-extended rows into that kind's compact table "local rows, then those imported rows, then one zero
-padding row": conv_src, attention keys and linear-call gathers index such tables. `WindowIO` also
-says where every imported row and state comes from (exporter, position in its exports) and which
-rows this microbatch exports per kind.
-
+The layout keeps, per window kind, only the imported rows that kind reads and renumbers the plan's
+extended rows `R + i` into compact tables (`WindowIO`): docs/design/execution.md ("From a slice
+to tensors"), docs/design/windows.md.
 Legend: R rows, S segments, J = K-1 conv ancestors, P log-prob entries, I imported rows.
 """
 from __future__ import annotations
@@ -73,7 +65,7 @@ class ImportSource:
 
 @dataclass(slots=True, kw_only=True)
 class WindowIO:
-    """A microbatch's sharing-window boundary: what it imports and exports (DESIGN §5.5)."""
+    """A microbatch's sharing-window boundary: what it imports and exports (docs/design/windows.md)."""
 
     import_rows: dict[str, np.ndarray] = field(default_factory=lambda: {k: np.zeros(0, np.int64) for k in KINDS})
     """kind -> int64 sorted imported rows (indices into [0, I)) that the kind's consumers read."""

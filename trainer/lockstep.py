@@ -1,20 +1,11 @@
-"""Lock-step execution on a rank (DESIGN §5.7): the stand-in microbatch.
+"""Lock-step execution on a rank: the stand-in microbatch.
 
-The phase rules (one step per phase of `PlanHeader.lockstep_phases`, of its kind; stand-ins
-paired; real BACKWARDs in the phase their `recompute` flag names) are `plan.phases`, checked with
-the rest of the slice by `plan.slice_check` (`DecodedSlice.steps`, `.standins`, `.phases`). What
-the trainer adds is how a stand-in step runs (`trainer.executor`):
+    mb = standin_microbatch(conv_kernel=4)   # one row (token 0, occurrence 0), no log-prob entries: loss exactly 0
 
-    phase             stand-in (microbatch = -1)
-    PHASE_FORWARD     FORWARD k > 0: keeps its graph for BACKWARD k; FORWARD 0: no graph
-    PHASE_BACKWARD    BACKWARD k, through the graph of the FORWARD k before it
-    PHASE_RECOMPUTE   BACKWARD 0: forward and backward of a stand-in here
-
-A stand-in is one row (token 0, occurrence 0, no log-prob entries: `standin_microbatch`) whose
-loss is an exact zero, run through every FSDP unit, so that every rank issues the same FSDP2
-collectives in every phase: per unit one all-gather per forward, one per backward, one
-reduce-scatter per backward, in the same order (`trainer.parallelize`). A rank of a free plan
-without microbatches runs the same microbatch once (`trainer.parallelize.participation_slice`).
+The phase rules are `plan.phases`, checked with the slice by `plan.slice_check`; what a stand-in
+step runs in each phase (`trainer.step_walk`) and why every rank must issue the same FSDP2
+collectives: docs/design/lockstep.md ("Phases and stand-ins"). A rank of a free plan without
+microbatches runs the same microbatch once (`trainer.parallelize.participation_slice`).
 """
 from __future__ import annotations
 

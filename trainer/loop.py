@@ -1,7 +1,9 @@
 """The training loop of one torchrun rank: build its shards, poll its plan slices, train, checkpoint, export.
 
-`trainer.train` is the entry point (its docstring says how the run goes); this module is what it
-runs, imported only once the command line is parsed, so that `--help` needs no torch.
+    summary = train(cfg)   # cfg: trainer.config.TrainerConfig; raises TrainError with one line
+
+`trainer.train` is the entry point; it imports this module only once the command line is parsed,
+so that `--help` needs no torch. Step by step: docs/design/training-loop.md ("The trainer's step").
 """
 from __future__ import annotations
 

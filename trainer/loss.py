@@ -1,15 +1,12 @@
-"""The loss of one microbatch from what its forward returned (DESIGN §5.4, §5.6).
+"""The loss of one microbatch from what its forward returned: the RL objective and the MoE balancing loss.
 
     out = model(layout, run, imports, logprobs=True, entropy=cfg.needs_entropy)
     mb_loss = microbatch_loss(out, layout, norm, cfg)        # MicrobatchLoss: loss (with graph), terms, ...
 
-The forward computes the log-probs: logits once per distinct row, per trajectory position
-`logprob = logit[row, label] - lse[row]` through the plan's log-prob map
-(`trainer.models.head`); here the RL objective
-(`trainer.objectives.policy_loss`) in trajectory space with the step-global normalisers, plus the
-occurrence-weighted load-balancing loss of MoE layers. Pure: it reads the forward's outputs and
-the layout only, so a recomputed forward gives the same loss.
-
+The objective (`trainer.objectives.policy_loss`) in trajectory space with the step-global
+normalisers, plus the occurrence-weighted load-balancing loss of MoE layers. Pure: it reads the
+forward's outputs and the layout only, so a recomputed forward gives the same loss
+(docs/design/execution.md, "The loss").
 Legend: R rows, P log-prob entries, E experts, k top-k, U distinct logit rows, V vocabulary.
 """
 from __future__ import annotations
@@ -60,7 +57,7 @@ class MicrobatchLoss:
 
 
 def microbatch_loss(out: ModelOutput, layout: RowLayout, norm: Normalizers, cfg: LossConfig) -> MicrobatchLoss:
-    """Log-probs through the log-prob map and the loss terms (see the module docstring)."""
+    """Log-probs through the log-prob map and the loss terms (docs/design/execution.md, "The loss")."""
     lp = layout.logprobs
     logprob_P, entropy_P = out.logprob, out.entropy
     if logprob_P is None:

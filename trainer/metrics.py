@@ -4,30 +4,9 @@
     writer.write(metrics)        # one JSON line + TensorBoard scalars `train/<key>` at metrics["step"]
     writer.close()
 
-What a line holds (keys absent when their inputs are: e.g. kl_ref without reference log-probs):
-
-| key | meaning |
-|---|---|
-| loss, policy_loss, kl, aux_loss | the step's loss and its parts (sums over microbatches and ranks, globally normalised) |
-| clip_fraction | loss tokens whose importance ratio the clip range changed / loss tokens |
-| approx_kl_old | mean k3 estimate of KL(rollout policy ‖ current) per loss token |
-| kl_ref | mean k3 estimate of KL(current ‖ reference) per loss token |
-| entropy | mean policy entropy per loss token |
-| ratio_mean, ratio_std, ratio_min, ratio_max | importance ratio exp(logprob - old_logprob) over loss tokens |
-| advantage_mean, advantage_std, advantage_min, advantage_max | advantages of the step's loss tokens |
-| reward_mean, reward_std, reward_min, reward_max | per-trajectory rewards of the whole step, all ranks (when the plan carries them) |
-| grad_norm, lr | global gradient norm before clipping, learning rate of the step |
-| loss_tokens, expanded_tokens, computed_tokens, compression | token counts (all ranks) and expanded / computed |
-| tokens_per_s, computed_tokens_per_s | expanded and computed tokens per second of the step |
-| microbatches, windows, recomputed_microbatches, standins | plan execution (windows and recomputed from an executor that reports them; standins: lock-step stand-in steps, all ranks) |
-| peak_memory_mib | largest peak over ranks: CUDA max allocated, else the process's max RSS |
-| peak_param_grad_bytes | largest over ranks of the parameter + gradient bytes a rank held at once during the step: shards, gathered units, unsharded gradients (measured at FSDP2's unit hooks, `trainer.param_memory`; 0 with metrics.param_grad_bytes = false) |
-| full_param_grad_bytes | bytes of the full parameters plus full gradients (what one rank held per step before sharding through the step) |
-| policy_version, batch_policy_version, staleness, staleness_scale, skipped | weights version after the step, the batch's, their difference, the gradient factor, 1 for a rejected batch |
-| seconds, wait_seconds, world_size, step, step_id | timing and identity |
-
 A resumed run rewrites the JSONL without the lines after the checkpoint's step and purges
-TensorBoard events after it, so every step appears once however often the run was restarted.
+TensorBoard events after it, so every step appears once. The keys and what each means:
+docs/design/training-loop.md ("Metrics").
 """
 from __future__ import annotations
 
@@ -51,7 +30,7 @@ STAT_MIN = ("ratio_min",)
 
 
 def stat_metrics(sums: dict[str, float], maxes: dict[str, float], mins: dict[str, float]) -> dict[str, float]:
-    """Metrics from the stats reduced over the step (see the module table); keys whose stats are missing are absent."""
+    """Metrics from the stats reduced over the step (docs/design/training-loop.md, "Metrics"); keys whose stats are missing are absent."""
     n = sums.get("loss_tokens", 0.0)
     out: dict[str, float] = {}
     if n <= 0:

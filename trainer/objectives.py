@@ -1,31 +1,11 @@
-"""RL objectives in trajectory space with the plan's global normalisers (DESIGN §5.6).
+"""RL objectives in trajectory space with the plan's global normalisers.
 
-Every term is a sum over log-prob entries divided by step-global denominators, so the loss of a
-step is the sum of its microbatches' losses however trajectories are split across microbatches or
-ranks, and tree and expanded execution give the same value.
+    terms = policy_loss(logprob_P, old_logprob_P=old, ref_logprob_P=None, advantage_P=adv, loss_mask_P=mask,
+                        traj_P=traj, entropy_P=None, norm=norm, cfg=ObjectiveConfig(clip_high=0.28))
 
-Per entry p (trajectory t, position i): ratio = exp(logprob - old_logprob);
-  pg   = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)      (PPO / GRPO surrogate)
-  kl   = exp(ref - logprob) - (ref - logprob) - 1                              (k3 estimator)
-  term = pg + kl_coef * kl - entropy_coef * entropy
-and the step loss is sum_p weight_t * mask_p * term_p / denominator:
-  token-mean:            total loss tokens of the step
-  seq-mean-token-mean:   num_trajectories * loss tokens of trajectory t
-  seq-mean-token-sum:    num_trajectories
-Advantages arrive per position (a per-trajectory scalar is broadcast by ingestion). Without old
-log-probs the ratio is taken against the detached current log-probs (on-policy, ratio 1).
-
-`LossTerms.stats` carries unnormalised, detached numerators and counts over the loss entries
-(mask = 1) for the trainer's metrics. They add over microbatches and ranks like the loss does
-(keys ending in `_max` / `_min` reduce with max / min), and the trainer divides at the end:
-
-  loss_tokens        entries with a loss term
-  clipped            entries whose ratio the clip range changed
-  ratio_sum, ratio_sq_sum, ratio_max, ratio_min       importance ratio exp(logprob - old)
-  kl_old_sum         k3 estimate of KL(old || current) per entry: (ratio - 1) - log(ratio)
-  kl_ref_sum         k3 estimate of KL(current || ref) per entry (only with ref log-probs)
-  entropy_sum        per-entry entropy (only when entropies were computed)
-
+Every term is a sum over log-prob entries divided by step-global denominators, so a step's loss is
+the sum of its microbatches' losses however the trajectories are split. The formulas:
+docs/design/execution.md ("The loss"); `LossTerms.stats`: docs/design/training-loop.md ("Metrics").
 Legend: P log-prob entries, T trajectories.
 """
 from __future__ import annotations
@@ -88,7 +68,7 @@ class LossTerms:
     clip_fraction_num: torch.Tensor
     """Number of loss entries whose ratio was clipped (unnormalised)."""
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Detached 0-dim sums / counts / extremes over the loss entries (module docstring)."""
+    """Detached 0-dim sums / counts / extremes over the loss entries (docs/design/training-loop.md, "Metrics")."""
 
 
 def entry_denominator(traj_P: torch.Tensor, norm: Normalizers, aggregation: str) -> torch.Tensor:
@@ -115,7 +95,7 @@ def policy_loss(
     norm: Normalizers,
     cfg: ObjectiveConfig,
 ) -> LossTerms:
-    """Clipped-surrogate loss of a set of log-prob entries (DESIGN §5.6).
+    """Clipped-surrogate loss of a set of log-prob entries (docs/design/execution.md, "The loss").
 
     Raises:
         ValueError: kl_coef > 0 without reference log-probs, entropy_coef > 0 without entropies.

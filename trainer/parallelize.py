@@ -1,64 +1,14 @@
-"""Data parallelism of the trainer in one step, `parallelize(model, mesh, cfg)` (DESIGN §5.7).
+"""Data parallelism of the trainer in one step, `parallelize(model, mesh, cfg)`: FSDP2, or full replicas.
 
-    mesh = make_mesh(cfg.parallelism, ctx)                  # 1-D "dp" DeviceMesh (None for replicate)
+    mesh = make_mesh(cfg.parallelism, ctx)                  # "dp" DeviceMesh (("dp", "ep") with experts; None for replicate)
     reshard = resolve_reshard(cfg.parallelism, full_param_grad_bytes(model), ctx.device)
     model = parallelize(model, mesh, cfg.parallelism, ctx, reshard=reshard)  # FSDP2, or replicas
     sync = GradSync(model, ctx, every_backward=reshard)
     res = run_slice(executor, slice_, sync)                 # FSDP2 reduces while the slice runs
     sync.finish_step(params)                                # replicate: the one bucketed SUM all-reduce
 
-"fsdp" (default): FSDP2 `fully_shard` on every decoder block, then on the root, whose unit holds
-what no block owns: the token embeddings, the final norm and the lm head (tied embeddings are one
-Parameter, so one unit by construction). The reduction is a plain SUM
-(`set_gradient_divide_factor(1.0)` with SUM-only collectives): the plan's loss normalisers are
-already global (DESIGN §5.6), so the step gradient is the sum of the ranks' gradients, as in
-`trainer.distributed`. Parameters a rank did not touch contribute zeros
-(`set_reduce_scatter_unused_params`), so every rank reduces the same tensors and none can hang.
-Prefetching is explicit (block i prefetches block i + 1 in its forward and block i - 1 in its
-backward; the root prefetches the first block in its forward and the last in its backward):
-FSDP2's implicit backward prefetch follows the order of the forwards since the previous
-backward, which differs between ranks whose windows nest differently.
-
-Two schedules of the collectives, chosen by `parallelism.reshard_after_forward`
-(`resolve_reshard`: by default on when the full parameters plus gradients exceed a fraction of
-device memory):
-
-- Parameters sharded through the step (reshard=True, lock-step plans only). A block is gathered
-  in its pre-forward hook and freed in its post-forward hook, gathered again in its pre-backward
-  hook, and its gradients are reduce-scattered into the sharded fp32 `.grad` in its post-backward
-  hook, after every backward (`set_requires_gradient_sync(True)` throughout: no full-size gradient
-  survives a backward). The root unit is gathered at its forward and freed after its backward, in
-  FSDP2's root final callback (its parameters are needed first thing in the backward). A rank
-  then holds its shards (1/W of parameters, gradients and AdamW state), plus at most the gathered
-  root, one gathered block with its unsharded gradients and the block prefetched next. These
-  collectives pair the same unit on every rank only if every rank runs a step of the same kind
-  at the same time: that is what a lock-step plan's phases guarantee (`plan.phases`, checked by `plan.slice_check`; the
-  executor's `reach_all_units` makes every backward touch every unit, and forwards without a
-  graph gather exactly as forwards with one). A free plan is refused before any collective.
-- Units gathered for the whole step (reshard=False, any plan). Ranks run different numbers of
-  microbatches and, with sharing windows, forwards and backwards in different orders, so every
-  unit is gathered once at its first forward and kept (no collective until the step's last
-  backward): gradient reduction is off while the rank's microbatches run and switched on right
-  before its last backward, which reduce-scatters each unit once and reshards. Memory during a
-  step is the full parameters plus full-size gradient accumulators; between steps a rank holds
-  only its shards of the weights, gradients and AdamW state.
-
-Mixed precision: on CUDA (`param_dtype="auto"`) a `MixedPrecisionPolicy` gathers bfloat16
-parameters for compute and reduce-scatters float32 gradients; master weights, gradients and
-AdamW state stay float32 shards. On CPU/gloo everything is float32. Forward inputs are not cast
-(`cast_forward_inputs=False`): a block's inputs are the bf16 hidden states plus the row layout,
-whose float fields (old log-probs, occurrence counts) must keep their precision.
-
-"replicate": the earlier path: every rank holds the whole model (rank 0's weights broadcast at
-start) and `trainer.distributed.sync_gradients` SUM-all-reduces once after the last backward.
-
-A rank whose slice of a free plan has no microbatches still takes part in every collective of
-the step: it runs one participation microbatch (`participation_slice`: one row, no log-prob
-entries, so its loss and gradients are exactly zero) through the same executor; in a lock-step
-plan the planner puts such stand-ins into the phases itself.
-
-Assumption about the model (trainer/models/qwen3_next.py): the decoder blocks are
-`model.model.layers`; the lm head runs inside the root forward (`logit_rows`).
+Units, SUM reductions, explicit prefetching, the two schedules (`reshard`), mixed precision and
+participation stand-ins: docs/design/execution.md ("Data parallelism").
 """
 from __future__ import annotations
 
@@ -124,10 +74,12 @@ def parallelize(model: torch.nn.Module, mesh, cfg: ParallelismSection, ctx: Dist
     Args:
         model: a `Qwen3NextForRL`, float32, the same weights on every rank ("replicate"), or on the
             meta device ("fsdp": `trainer.models.materialize` fills the shards afterwards).
-        mesh: 1-D DeviceMesh over the data-parallel ranks (FSDP2), or None for "replicate".
+        mesh: 1-D DeviceMesh over the data-parallel ranks (FSDP2), the 2-D ("dp", "ep") mesh of
+            expert parallelism (`make_mesh`), or None for "replicate".
         cfg: the parallelism section of the trainer config.
         ctx: this rank's DistContext ("replicate": rank 0's weights are broadcast).
-        reshard: FSDP2 parameters sharded through the step (`resolve_reshard`; see the module docstring).
+        reshard: FSDP2 parameters sharded through the step (`resolve_reshard`; docs/design/execution.md,
+            "Data parallelism").
     Side effects: "fsdp" replaces the parameters by DTensor shards (the model's class becomes
     FSDP's subclass); "replicate" overwrites them with rank 0's.
     """

@@ -6,24 +6,8 @@
     gauge.sample()                         # once more after the step's last backward
     gauge.peak                             # peak_param_grad_bytes of the step (this rank)
 
-Measured, not computed from a formula: a sample adds up the distinct storages (by data pointer, so
-views and tied weights count once) of every parameter shard, every gathered unit's unsharded
-parameters and FSDP2's all-gather buffer, every unsharded gradient (autograd's, FSDP2's
-accumulated one, the reduce-scatter input buffers it still holds) and every sharded gradient
-that is alive at that moment. Samples are taken where the peaks are:
-- after each unit's forward, before FSDP2 frees it (a hook ahead of FSDP2's own): the unit, the
-  block prefetched next and the root are gathered;
-- in each decoder block's backward right before FSDP2's post-backward reduce-scatter (an identity
-  autograd function on the block's input, inside FSDP2's own): the block's parameters and all its
-  unsharded gradients, the block prefetched next, the root's gradients so far;
-- after every gradient accumulation into the root's unsharded parameters (the embedding's
-  gradient is the last one of a backward, right before the root's reduce-scatter);
-- at `begin_step` and `sample()` (shards and sharded gradients; for a plain module, every
-  parameter and gradient).
-This reads FSDP2 internals (`FSDPParamGroup.fsdp_params`, `FSDPParam.all_gather_outputs`, ...) of
-the pinned torch; `tests/trainer/test_lockstep.py` checks the figures of sharded steps against
-their bounds (a shard plus a few units, against full parameters plus full gradients when units
-stay gathered) and a plain module's against its exact bytes.
+Measured, not computed from a formula; what a sample counts, where samples are taken and which
+FSDP2 internals it reads: docs/design/execution.md ("Measuring parameter and gradient memory").
 """
 from __future__ import annotations
 
@@ -47,7 +31,8 @@ class _SampleOnBackward(torch.autograd.Function):
 
 
 class ParamGradGauge:
-    """Peak bytes of parameters + gradients of this rank (see the module docstring)."""
+    """Peak bytes of parameters + gradients of this rank (docs/design/execution.md, "Measuring parameter
+    and gradient memory")."""
 
     def __init__(self, model: torch.nn.Module, *, enabled: bool = True):
         """`enabled`: False measures nothing (`peak` stays 0): no hooks, no samples."""

@@ -2,7 +2,8 @@
 
     staleness, factor = staleness_scale(trainer_version, batch_policy_version(plan.header), cfg.staleness)
 
-Torch-free (the trainer's metrics and `harts rl` read it too).
+Torch-free (the trainer's metrics and `harts rl` read it too); docs/design/training-loop.md
+("Policy versions and staleness").
 """
 from __future__ import annotations
 

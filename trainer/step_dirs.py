@@ -4,10 +4,9 @@
     root/step-00000004/
     root/latest              "step-00000004\n": the newest complete one
 
-Checkpoints and exports share this layout. A reader that follows `latest` never sees a half-written
-directory: the directory is complete before `point_latest` replaces the pointer, and the pointer
-(like every small file written here) goes to a temporary sibling first and is renamed over the
-old one (`os.replace` is atomic on POSIX).
+A reader that follows `latest` never sees a half-written directory: the directory is complete
+before `point_latest` replaces the pointer, and every small file goes to a temporary sibling and
+is renamed over the old one (`os.replace`, atomic on POSIX; docs/design/training-loop.md).
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""One step of an executor: each rank's walk over its steps, with its stack of open windows (DESIGN §5.5).
+"""One step of an executor: each rank's walk over its steps, with its stack of open windows.
 
-`trainer.executor.Executor.run_step` decodes the plan and hands every rank's `DecodedSlice` to a
-`RankWalk`; `StepRun` runs them (rank after rank, or phase by phase with windows across ranks)
-and returns the `StepResult`. The rules of the walk (what a FORWARD keeps, what a BACKWARD
-backpropagates, how import leaves and export gradients travel) are in the executor's docstring.
+    walks = [RankWalk(ex, d) for d in decoded]     # one per DecodedSlice (plan.decode.decode_rank)
+    run = StepRun(ex, header, norm, backward=True, walks=walks, before_last_backward=None)
+    run.walk(w)  # or run.phases(transport) with windows across ranks; then run.result(seconds)
 
-Legend: R rows, P log-prob entries, E experts.
+What a FORWARD keeps, what a BACKWARD backpropagates, how import leaves and export gradients
+travel: docs/design/windows.md ("The walk"); stand-ins: docs/design/lockstep.md; cross edges:
+docs/design/cross-rank.md. Legend: R rows, P log-prob entries, E experts.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Trainer entry point: each torchrun rank long-polls its plan slices from the planner and trains (DESIGN §5.7).
+"""Trainer entry point: each torchrun rank long-polls its plan slices from the planner and trains.
 
     torchrun --nproc_per_node=2 -m trainer.train --config examples/train_tiny_fsdp.toml
     torchrun --nproc_per_node=2 -m trainer.train --config examples/train_tiny_fsdp.toml \\
@@ -7,39 +7,8 @@
     harts train --nproc-per-node 2 ...     # the same CLI; launches torchrun itself
     python -m trainer.train --help         # every field of the config, with its default
 
-The run is one `trainer.config.TrainerConfig`: a TOML or YAML file (`--config`, see
-examples/train_tiny_fsdp.toml) overridden by dotted flags (`--section.field value`); the flags
-of earlier releases (`--steps`, `--lr`, `--planner-url`, `--checkpoint-dir`, ...) still work.
-
-Step i (0-based) trains the planner step `job.step_ids[i]`, or `<job.step_prefix><i>`. Every rank
-builds its part of the model on the meta device and fills only its FSDP2 shards (from
-`job.seed`, the same weights at any world size; from a Hugging Face directory; or, resuming, from
-the checkpoint; `--data-parallel replicate` builds full replicas), applies `trainer.parallelize`,
-long-polls its own slice of the step's plan (the next one is fetched in the background while the
-current one trains), runs it with the executor and reduces the gradients: with
-`parallelism.reshard_after_forward` true, FSDP2 gathers each unit per forward and per backward
-and reduce-scatters after every backward, on lock-step plans only (a free plan is refused with
-an error naming the field); otherwise units stay gathered and gradients are SUM-reduced once, in
-the rank's last backward (a rank without microbatches runs a zero-loss stand-in so that it takes
-part in the collectives). Windows across ranks of a lock-step plan (cross edges) exchange their
-exports and gradients point to point at the end of their phases (`trainer.cross_rank`), every
-wait bounded by `parallelism.p2p_timeout_s`. At start rank 0 prints the per-rank memory report of
-`plan.cluster_memory` (shards, gathered units, activations left, whether it fits). Then it clips, sets the scheduled learning rate, steps AdamW and logs
-one metrics line from rank 0 (`trainer.metrics` lists the keys, `peak_param_grad_bytes` among
-them; JSONL and TensorBoard). The plan's world size must equal torchrun's, and its chunk size,
-conv kernel and vocabulary the model's.
-
-Checkpoints (sharded DCP: model, optimizer, step; loadable at any world size) go to
-`checkpoint.dir` every `checkpoint.every` steps and after the last one, keeping the newest
-`checkpoint.keep_last`; `checkpoint.resume` continues from the newest one. Every
-`checkpoint.export_every` steps rank 0 writes a Hugging Face directory for the generators
-(`trainer.export`, gathered one unit at a time) carrying the policy version (= completed steps). A batch submitted with a
-`policy_version` older than `staleness.max_staleness` versions is rejected (skipped) or
-down-weighted (`staleness.mode`); one newer than the trainer's version (negative staleness) is an
-error naming both versions. SIGTERM (on any rank) finishes the current step, checkpoints
-and exits 0 (a rank still waiting for a plan exits at once, keeping the previous checkpoint).
-Errors (bad config, planner unreachable, a plan for another topology, vocabulary or chunk size)
-print one line per rank and exit 1.
+This module is the command line only; the loop is `trainer.loop` (docs/design/training-loop.md).
+Errors (bad config, planner unreachable, a plan for another topology) print one line per rank, exit 1.
 """
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
-"""Sequence-coupled operators over packed tree rows (DESIGN §5.2-§5.3), each beside a plain reference.
+"""Sequence-coupled operators over packed tree rows, each beside a plain reference.
 
-The per-token operators of the model run once per packed row; these couple rows along
-root-to-leaf paths through the plan's ancestry (tree attention, the third, is
-`kernels.tree_attention`):
+    y_RC = ancestry_conv(x_NC, w_CK, layout.conv_src)      # the short conv over each row's K-1 ancestors
+    out, states = linear_attention(q, k, v, g, beta, layout.linear_calls, layout.row_from_kept,
+                                   num_states, fn=kernel, chunk_size=64)   # one layer's call schedule
 
-- `ancestry_conv`: the depthwise causal short convolution, gathering the K-1 ancestor rows of each
-  row and summing in the fixed order (oldest first) that a linear sequence uses;
-- `linear_attention`: the linear-attention call schedule: per call, gather replay + range rows
-  differentiably, run the kernel from the state-table initial states, keep range outputs, discard
-  replay outputs, store exported states without detaching.
-
+Tree attention, the third, is `kernels.tree_attention`. The conv sums oldest first as a linear
+sequence does; a call gathers replay + range rows, runs from the state table and discards replay
+outputs (docs/design/min-calls.md, "Running a call"; docs/design/execution.md).
 Legend: R rows, C channels, K conv kernel, J = K-1 ancestors, H heads, Hkv kv heads, hd head dim,
 Kd/Vd linear key/value dims, n gathered rows of one call, N sequences (or rows of a table with
 imported rows), E exports, S segments.

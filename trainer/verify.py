@@ -1,24 +1,12 @@
-"""Compare two executions of the same step (tree vs trajectory-expanded) for Invariant E (DESIGN §2).
+"""Compare two executions of the same step (tree vs trajectory-expanded) for Invariant E.
 
-`run_and_capture` runs a plan with log-probs, linear-attention outputs and gradients captured;
-`compare_runs` reports log-prob, loss, gradient, linear-output and expert-load differences;
-`f64_reference_report` measures fp32 runs against a float64 run of the same step.
+    got, got_grads = run_and_capture(executor, plan)          # log-probs, linear outputs, gradients captured
+    report = compare_runs(ref, ref_grads, got, got_grads)     # log-prob, loss, gradient, ... differences
+    f64 = f64_reference_report(ref64, ref64_grads, {"tree": (got, got_grads), "expanded": (ref, ref_grads)})
 
-Gradient differences are relative per parameter: max|g_a - g_b| / max(max|g_a|, floor), with
-floor = GRAD_FLOOR (1%) x the largest |g_a| over all parameters. Without the floor, a parameter whose
-gradient is pure cancellation residue (e.g. A_log of a head whose decay exp(g) ~ 1e-9 makes every
-term vanish: |g| ~ 1e-8 while the model's largest gradient is ~1e-1) turns fp32 reassociation
-into a large "relative" number; `grad_rel_diff_raw_max` reports the unfloored value too.
-
-float64 oracle (`harts verify --f64-reference`): the expanded run is itself an fp32 computation, so
-a tree-vs-expanded gradient difference near the target can be the expanded reference's own
-rounding rather than an error of the tree (the tree sums fewer terms). `f64_reference_report`
-compares each fp32 run against the expanded plan run on a float64 copy of the same weights
-(`model.double()` computes in float64 end to end, `kernels.dtypes.compute_dtype`), with
-the same per-parameter relative error and floor as above: max|g - g64| / max(max|g64|, 1% of the
-largest |g64|). It shows whether the tree's difference is bigger than the expanded reference's own
-fp32 error (`grad_rel_err_tree` vs `grad_rel_err_expanded`, and both runs' errors on the parameter
-where tree and expanded differ most).
+Gradient differences are relative per parameter with a floor of GRAD_FLOOR (1%) of the largest
+gradient; why the floor and why a float64 oracle: docs/design/numerics.md ("How exactness is
+measured").
 """
 from __future__ import annotations
 

@@ -5,16 +5,9 @@
     plan = ctx.plan("tree", "windows")               # the whole batch, windows (tree) plan
     plan = ctx.plan("tree", "expanded", tokens=32768) # a seeded subset, trajectory-expanded
 
-Weights: the named model is built once on the device (`build_model`: meta model, then every row
-materialised there) in fp32 and copied to the host; every later model of any dtype is
-materialised from that copy (`trainer.models.materialize`), so every section runs the same
-weights whatever the sections before it trained.
-
-Plans: the batches come from the generator `harts gen` runs (`harts_client.synthetic.generate`)
-and are planned in this process by the planner's own functions (`forest_from_json`,
-`plan_step`), which import neither FastAPI nor gRPC: nothing is shipped to the device. The
-plain-Python implementations (`numba=False`, `impl="ref"`, the same plans as the Numba kernels')
-avoid tens of seconds of Numba compilation on a fresh machine; a whole batch plans in a few seconds.
+The model is built once on the device and copied to the host, every later model materialised
+from that copy; batches from `harts gen`'s generator, planned here by the planner's plain-Python
+functions (benchmarks/README.md, "How the sections run").
 """
 from __future__ import annotations
 
@@ -49,7 +42,7 @@ class _Batch:
 
 
 class BenchContext:
-    """Device, weights, batches and plans of one benchmark run (see the module docstring)."""
+    """Device, weights, batches and plans of one benchmark run (benchmarks/README.md, "How the sections run")."""
 
     def __init__(self, settings: BenchSettings):
         self.s = settings

@@ -1,25 +1,11 @@
 """Section fidelity: the same tokens' log-probs from different plans, and the same plan run twice.
 
-Per model dtype, executor mode and workload, on a seeded subset of the batch, forward only
-(`Executor.run_step(plan, backward=False)` with per-trajectory log-probs, what `harts logprobs`
-runs), four runs on the same seeded weights:
+    fidelity_section(ctx, sec)   # per dtype, executor mode and workload: expanded, rerun, tree, repacked
 
-- expanded: the subset's trajectory-expanded plan (`PlanConfig(sharing=False)`, B);
-- rerun: the same plan again (is the executor deterministic?);
-- tree: the subset's windows (tree) plan;
-- repacked: the expanded plan made at B / 2 (the same trajectories in other microbatches, at
-  other row offsets: is the forward batch-invariant?).
-
-Each of the last three against expanded: max and mean absolute log-prob difference over every
-log-prob entry, whether they are bitwise equal, and whether the expert loads are equal.
-
-Executor modes: "default" (ExecutorConfig as it is), then each of `deterministic` and
-`batch_invariant` set to True where ExecutorConfig has that field (probed on the dataclass, so
-the section runs before and after the executor grows them; a missing field is a note). The
-global `torch.use_deterministic_algorithms` state is restored after every run, whatever a mode set
-(deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG before CUDA starts: `bench_gpu` sets it).
-Order (so that a spent budget keeps the most telling runs): every dtype in the default mode, then
-the other modes.
+Forward only on a seeded subset, four runs on the same weights; rerun, tree and repacked each
+against expanded (max and mean absolute log-prob difference, bitwise equality, equal expert
+loads), in the default mode and with `deterministic` / `batch_invariant` where `ExecutorConfig`
+has them (`executor_modes`): benchmarks/README.md ("The trainer on a GPU").
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """Section kernels: the kernel report (`python -m benchmarks.bench_kernels --gpu`) under this section's budget.
 
-Its public entry is the command line, run as a child process: the child gets the device to itself
-(this process drops its models first), its own `--budget-s` (half of this section's: it skips the
-shapes it has no time for) and a hard timeout a few seconds before this section's budget ends (a
-first shape that compiles for too long is killed, not waited for). fla is hidden from it unless
-the settings ask for it (`kernels_fla`): fla autotunes every kernel on its first call (6-16
-candidates each, each a compilation), more than this section's budget; the peer section times
-transformers+fla end to end. Its files go to DIR/kernels/
-(kernels-gpu.md and .json; without CUDA its dry run, kernels-dry-run.*), and this
-section records the command, exit code, the tail of its log and the report's JSON when it wrote one
-(status "error" when the child failed or was killed).
+    kernels_section(ctx, sec)   # a child process with the device to itself; its files in DIR/kernels/
+
+Half this section's budget as its `--budget-s`, a hard timeout just before the section ends, fla
+hidden unless `kernels_fla`; records the command, exit code, log tail and the report's JSON
+(benchmarks/README.md, "How the sections run").
 """
 from __future__ import annotations
 

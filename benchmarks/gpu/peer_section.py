@@ -1,26 +1,10 @@
 """Section peer: transformers' Qwen3NextForCausalLM on the same weights and trajectories, and our rate against it.
 
-The peer (`benchmarks.peer.TransformersPeer.on_device`) gets the seeded weights in the run's
-dtype and a seeded subset of the peer workload's trajectories (the same subset seed as our
-expanded plans: a prefix of the same trajectory order), trajectory by trajectory, each step
-forward + backward + AdamW; one warm-up trajectory first (compilation and fla's autotuning), then
-the timed passes over the subset (fastest). Variants, in order, each guarded:
+    peer_section(ctx, sec)     # variants forward, fla, fla_guard_lifted, torch_gdn, each guarded
 
-- "forward": forward only (log-probs) as bound, and its agreement with our executor's log-probs
-  of the same trajectories (max and mean absolute difference over our log-prob entries), first,
-  while the peer has the seeded weights (the training variants step its optimizer);
-- "fla" (transformers as bound at import, when that is fla): forward + backward. On Hopper with
-  Triton 3.4-3.7.0 fla refuses its gated backward (RuntimeError naming fla issue #640): recorded
-  as refused, then
-- "fla_guard_lifted": the same with fla's refusal lifted (`fla_hopper_guard_lifted`: on Hopper fla
-  tiles K = 128 as BK = 128, outside the miscompile at BK = 64), and a gradient check: the
-  linear-attention layers' parameter gradients of one short trajectory against transformers'
-  PyTorch gated delta rule (per-parameter relative error, `trainer.verify.grad_rel_errors`);
-- "torch_gdn": transformers' PyTorch chunked gated delta rule, forward + backward (the peer
-  without fla; the only training variant when fla is not importable).
-
-Ratios: our windows and expanded update throughput of the peer workload (the throughput
-section's expanded tokens/s) over each forward + backward variant's.
+The peer (`benchmarks.peer.TransformersPeer.on_device`) runs a seeded subset of the peer
+workload's trajectories one at a time; the variants, the gradient check with fla's Hopper refusal
+lifted and the ratios: benchmarks/README.md ("The trainer on a GPU", "How the sections run").
 """
 from __future__ import annotations
 

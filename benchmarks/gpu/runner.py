@@ -3,20 +3,9 @@
     runner = Runner(out_dir, total_s=420, nominal=settings.budgets)
     runner.run("env", lambda sec: env_section(ctx, sec))    # writes out_dir/env.json, whatever happens
 
-Each section gets its share of the time left: budget = left x nominal / (nominal of it and every
-section after it), so time a section does not use goes to the later ones and a slow one leaves
-them less, never more than the total. Inside its budget a section runs under `Deadline`: SIGALRM
-raises `SectionTimeout` in the main thread (at the next Python instruction: after the CUDA call
-or the compilation in progress returns), the section's partial results are written with status
-"timeout" and the next section starts. An external `timeout` (SIGTERM) writes the running
-section's partial results with status "terminated" and stops the run.
-
-A section records into `Section.data` and calls `Section.save()` after each unit of work, so a
-hard kill (SIGKILL) keeps every finished unit too. Files are written atomically (temporary file,
-then rename): a reader never sees half a file.
-
-Result file: {"section", "status": "ok" | "timeout" | "error" | "terminated" | "skipped" | "running",
-"budget_s", "seconds", "notes": [...], "error": traceback or null, "data": {...}}.
+Each section gets its share of the time left and runs under a SIGALRM `Deadline`; `Section.save()`
+after each unit of work, atomic writes, statuses ok / timeout / error / terminated / skipped /
+running: benchmarks/README.md ("How the sections run").
 """
 from __future__ import annotations
 
@@ -143,7 +132,7 @@ class Section:
 
 
 class Runner:
-    """Runs sections in order under one total budget; see the module docstring."""
+    """Runs sections in order under one total budget (benchmarks/README.md, "How the sections run")."""
 
     def __init__(self, out: Path, *, total_s: float, nominal: dict[str, float], order: tuple[str, ...],
                  on_section_end: Callable[[], None] | None = None, min_section_s: float = MIN_SECTION_S):

@@ -126,7 +126,7 @@ class BenchSettings:
         return float(sum(self.budgets.values()))
 
 
-#: tree sampling and per-call sampling at the scale of the first H200 run (issue 33: a ~70k- and a ~200k-token batch)
+#: tree sampling and per-call sampling at the scale of the first H200 run (a ~70k- and a ~200k-token batch)
 TREE = Workload(name="tree", scheme="tree", tasks=1, seed=0, scale=0.1)
 PERCALL = Workload(name="percall", scheme="percall", tasks=1, seed=1, scale=0.05)
 

@@ -1,24 +1,11 @@
 """Section profile: where one windows training step spends its time, from a `torch.profiler` trace.
 
-The step: the windows plan of a seeded subset of the first workload (a few microbatches, so that
-the trace stays small), `train_step` (forward + backward + AdamW), once unprofiled after a
-warm-up, then once under `torch.profiler` (CPU and, on CUDA, CUDA activities). From the raw trace
-events (`kineto_results.events()`: no event tree is built, which takes minutes on a large trace):
+    profile_section(ctx, sec)                          # one train_step of a subset under the profiler
+    summary = summarize(trace_events(prof), microbatches=n)
 
-- top_kernels: the CUDA kernels by total time (kernels have no children: total = self time),
-  calls, mean, share of all kernel time;
-- gaps: the device's idle time inside the step (the union of kernel, memcpy and memset intervals
-  against the span from the first to the last): the host time between kernels, with counts and
-  totals by gap length, and the largest gaps with the kernels around them;
-- counts (and per microbatch): kernels, memcpys, memsets, kernel launches (cudaLaunchKernel and
-  its driver variants), aten ops (every `aten::` event, nested ones included, as the CPU counts of
-  issue 33), mm-family ops, host synchronisations by kind (cudaStreamSynchronize,
-  cudaDeviceSynchronize, cudaEventSynchronize, `aten::_local_scalar_dense`: `.item()`, `.tolist()`,
-  `float(tensor)`) and device-to-host copies;
-- top_aten_ops: by count, with their inclusive time (nested ops count in their parents too).
-
-Without CUDA (the dry run) there are no kernels: the counts and top_aten_ops still come from the
-CPU trace, and the section says so.
+Top CUDA kernels, the device's idle gaps between kernels, and counts per step and per microbatch
+(kernels, memcpys, launches, aten ops, mm-family ops, host synchronisations by kind,
+device-to-host copies): benchmarks/README.md ("The trainer on a GPU", "How the sections run").
 """
 from __future__ import annotations
 
@@ -74,7 +61,7 @@ def _gaps(device: list[tuple[str, int, int]]) -> dict:
 
 
 def summarize(events: list[tuple[str, bool, int, int]], *, microbatches: int) -> dict:
-    """The profile section's tables and counts from `trace_events` (see the module docstring)."""
+    """The profile section's tables and counts from `trace_events` (benchmarks/README.md, "The trainer on a GPU")."""
     host = Counter(name for name, on_device, _, _ in events if not on_device)
     device = [(name, start, dur) for name, on_device, start, dur in events if on_device]
     memcpy = [e for e in device if e[0].startswith("Memcpy")]

@@ -1,17 +1,11 @@
 """Sections env and throughput: the device and its matmul rate, then windows vs expanded update throughput.
 
-env: versions, the device, the flags that change numerics or speed (TF32, deterministic
-algorithms, HARTS_AUTOTUNE), the model's parameter count, and the rate of one n x n x n
-`torch.mm` in the run's dtype (median of 10 after 3 warm-ups): the MFU denominator.
+    env_section(ctx, sec)          # versions, numerics flags, parameter count, the n^3 torch.mm rate (MFU denominator)
+    throughput_section(ctx, sec)   # per workload: windows plan vs a subset's expanded plan, as training steps
 
-throughput, per workload: the whole batch's windows (tree) plan and a seeded subset's expanded
-plan (`PlanConfig(sharing=False)`; its rate stands for the batch), each run as training steps
-(`trainer.executor.train_step`: forward + backward of every microbatch + one AdamW step): warm-up
-steps first (their wall time, compilation included, is reported), then timed steps; the fastest
-counts. Per plan: expanded tokens/s, model FLOPs (3 x `trainer.flops`), TFLOP/s, MFU against the
-env matmul, peak allocated memory (`torch.cuda.max_memory_allocated` over the timed steps, and the
-allocated bytes before them: weights + optimizer state). Per workload: windows / expanded against
-the FLOP ideal (FLOPs of the whole batch's expanded plan / FLOPs of its windows plan).
+Per plan: expanded tokens/s (fastest timed step after warm-ups), model FLOPs (3 x `trainer.flops`),
+TFLOP/s, MFU, peak memory; per workload windows / expanded against the FLOP ideal
+(benchmarks/README.md, "The trainer on a GPU").
 """
 from __future__ import annotations
 

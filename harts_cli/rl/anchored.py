@@ -3,15 +3,10 @@
     lines = recompute_steps(Path("runs/rl_tiny"), cfg, steps=40)   # cfg.plan.no_sharing: expanded plans
     compare_curves(recorded_lines, lines)                          # per-step loss / grad norm differences
 
-A replay that trains on its own (`harts rl --replay`) starts from the recorded run's warm start
-and then follows its own weights: the fp32 rounding differences between any two runs grow step
-over step (AdamW amplifies them), so after some tens of steps its curve overlays the recorded one
-to the eye but no longer to 1e-6. This module checks Invariant E along the run instead: for every
-recorded step n it loads the weights that step trained from (the run's export of version n,
-float32), plans the recorded batch n with this config (`plan.no_sharing`: trajectory-expanded),
-runs forward and backward in this process (one rank) with the trainer's objective and reports the
-loss and the gradient norm (scaled by the step's staleness factor, as the trainer does), to be
-compared with the recorded step's.
+A replay that trains on its own drifts as any two fp32 AdamW runs do; this checks Invariant E
+along the run instead: step n's batch planned with this config, run on the weights step n trained
+from (export n), loss and gradient norm scaled by the step's staleness factor as the trainer does
+(docs/design/training-loop.md, "`harts rl`").
 """
 from __future__ import annotations
 

@@ -1,35 +1,12 @@
 """`harts rl`: the whole RL loop on one machine: planner, generator and trainer ranks.
 
-    run_rl(load_rl_config("examples/rl_tiny.toml"))                 # a live run, recorded
+    run_rl(load_rl_config("examples/rl_tiny.toml"))                 # a live run, recorded in run.out
     run_rl(cfg_with_no_sharing, replay=Path("runs/rl_tiny"))         # the same steps, trajectory-expanded
 
-A live run (in OUT = run.out, recreated):
-1. warm start (`trainer.rl.warmstart`) -> OUT/warmstart, copied to OUT/hf/step-00000000 (version 0);
-2. the planner: `harts serve` on loopback with its SQLite database OUT/planner.db;
-3. the trainer ranks: `torchrun --nproc_per_node=run.nproc -m trainer.train --config OUT/trainer.yaml`
-   (FSDP2 on gloo on the CPU), exporting every step to OUT/hf (the staleness bound is run.max_staleness);
-4. the generator, in this process: for step n it waits for an export of version >= n - max_staleness,
-   loads it into its engine (`harts_client.engines`), plays `sampling.tasks_per_step` task
-   instances (`trainer.rl.inputs`: the task's generator or the dataset's training rows) as trees
-   (`harts_client.tree_sampling`, rendered by the run's conversation format: plain text or the
-   model's chat template), records the batch (OUT/rollouts/<step id>.json), submits it with the
-   policy version and has it planned for the ranks. With the bound 1 it samples step n + 1 while
-   step n trains. Each batch's line says how long the generator waited for the export, loaded
-   it, sampled, and submitted and planned the batch (also in the metrics).
-Every `eval.every` versions (and for the warm start and the final policy) the exported policy plays
-`eval.instances` held-out instances greedily (the task's eval split, or the dataset's held-out
-rows): `eval_reward`. One merged line per trainer step (the trainer's metrics,
-`expanded_tokens_per_s`, the rollout statistics of its batch, eval_reward) goes to
-OUT/metrics.jsonl, OUT/tb and W&B (`harts_cli.rl.sinks`); OUT/rl.png plots reward and
-compression; OUT/summary.json has the mean reward of the first and the last 10 steps (of the
-first and last half with fewer than 20 steps), the mean compression and the wall time.
-
-A replay (`replay=DIR`) skips the warm start and the generator: it trains DIR's warm start on
-DIR's recorded batches (planned with this config: `plan.no_sharing` gives the expanded baseline)
-and compares loss and grad norm per step with DIR's metrics ("trained_on_its_own": rounding
-differences of two fp32 runs grow step over step), then recomputes every step on DIR's own
-weights of that step (`harts_cli.rl.anchored`: "same_weights", Invariant E along the run);
-OUT/replay.json, OUT/replay.png.
+A live run: warm start, `harts serve` on loopback, `torchrun` trainer ranks exporting every step,
+and the generator in this process (waits for an export within the staleness bound, samples trees,
+records, submits). A replay trains a recorded run's batches and compares per step. The steps,
+OUT's files, evaluation and the summary: docs/design/training-loop.md ("`harts rl`").
 """
 from __future__ import annotations
 
@@ -144,7 +121,7 @@ class _TrainerLines:
 
 
 class _Loop:
-    """One run's processes and bookkeeping (see the module docstring)."""
+    """One run's processes and bookkeeping (docs/design/training-loop.md, "`harts rl`")."""
 
     def __init__(self, cfg: RLConfig, out: Path, replay: Path | None):
         from trainer.rl.inputs import conversation, instance_source, run_task

@@ -22,7 +22,7 @@ __all__ = ["Sinks", "plot_run", "plot_replay"]
 
 
 class Sinks:
-    """The run's metrics sinks (see the module docstring)."""
+    """The run's metrics sinks: JSONL, TensorBoard, W&B (module docstring)."""
 
     def __init__(self, out: Path, cfg, *, config: dict):
         from torch.utils.tensorboard import SummaryWriter

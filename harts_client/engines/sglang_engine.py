@@ -3,19 +3,9 @@
     engine = SGLangEngine("runs/rl/hf", mem_fraction_static=0.5)   # sglang.Engine on <root>/latest
     engine.reload()                                                 # a newer export -> update_weights_from_disk
 
-Written against SGLang 0.5 (Qwen3-Next support; `SamplingParams.sampling_seed`). It is not a
-dependency and not installed where the test suite runs: this module imports it when an engine is
-built and says so when it is missing; it was not run on a GPU here. The calls it makes (and the
-contract tests in tests/harts_client/test_engines.py fake exactly these):
-- `sglang.Engine(model_path=<export dir>, skip_tokenizer_init=True, **engine_kwargs)`, once
-  (token ids in, token ids out: no tokenizer needed);
-- `Engine.generate(input_ids=[prompt ids, each repeated n times], sampling_params=[{"max_new_tokens",
-  "temperature", "stop_token_ids", "sampling_seed", "skip_special_tokens": False}, ...],
-  return_logprob=True)`: a list of answers with `output_ids` and `meta_info.output_token_logprobs`
-  ((logprob, token id, text) triples: `harts_client.rollouts.samples_from_sglang`);
-- for a new export, `Engine.update_weights_from_disk(<export dir>)`, which loads the weights into
-  the running engine and flushes its radix cache; it answers (success, message, ...), and a
-  failure raises here with SGLang's message.
+Written against SGLang 0.5; not a dependency, imported when an engine is built, not run on a GPU
+here. The calls it makes (which tests/harts_client/test_engines.py fakes): docs/design/training-loop.md
+("Engines").
 """
 from __future__ import annotations
 

@@ -5,22 +5,9 @@
     engine.load("runs/rl_tiny/hf/step-00000005")          # a given export (what evaluation uses)
     outs = engine.generate(prompts, n=4, max_new_tokens=16, temperature=1.0, seed=3, stop_ids=[2])
 
-Runs on the GPU when there is one (`device="auto"`, the default) and on the CPU otherwise. On a
-GPU, transformers' Qwen3-Next uses flash-linear-attention's and causal-conv1d's kernels when they
-are installed; on the CPU its PyTorch references (fla is kept out: ENV.md). torch and transformers
-are imported when the engine is built, not when this module is. All prompts of a call (n
-completions each) are generated together in one batched `generate` call with the KV cache (the
-softmax layers' keys and values and the linear layers' recurrent and conv states), left-padded:
-a masked position adds nothing to the linear-attention states and the convolution (they stay
-zero, as at the start of a sequence) and softmax attention with RoPE depends on relative
-positions only, so the log-probs are the trainer's on the same weights up to float rounding
-(tested within 1e-5). Sampling is plain multinomial over softmax(logits / temperature) (no
-top-k / top-p), temperature 0 is greedy; a call is seeded from `seed`, so it is reproducible.
-
-A new export of the same architecture is loaded into the model in place (the safetensors
-tensors copied into the parameters, the per-expert weights of the export stacked as
-transformers 5 keeps them): no model is rebuilt and no progress bar is printed. An export whose
-config differs, or a layout this mapping does not know, is loaded with `from_pretrained`.
+GPU when there is one, else the CPU (with `fla` hidden); one batched, left-padded `generate` per
+call, log-probs within 1e-5 of the trainer's; new exports copied in place
+(docs/design/training-loop.md, "Engines").
 """
 from __future__ import annotations
 
@@ -55,7 +42,7 @@ class TransformersEngine(FollowsExports):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
-            # ENV.md: with fla importable, transformers binds its GPU kernels even for CPU tensors.
+            # with fla importable, transformers binds its GPU kernels even for CPU tensors
             sys.modules.setdefault("fla", None)
         import transformers
 

@@ -3,23 +3,9 @@
     engine = VLLMEngine("runs/rl/hf", gpu_memory_utilization=0.5)   # one vllm.LLM on <root>/latest
     engine.reload()              # a newer export: its weights loaded into the running engine, prefix cache reset
 
-Written against vLLM 0.11 (the first releases with Qwen3-Next are 0.10.2+; the V1 engine). It is
-not a dependency and not installed where the test suite runs: this module imports it when an
-engine is built and says so when it is missing; it was not run on a GPU here. The calls it makes
-(and the contract tests in tests/harts_client/test_engines.py fake exactly these):
-- `vllm.LLM(model=<export dir>, worker_extension_cls="harts_client.engines.vllm_worker.ExportLoader",
-  logprobs_mode="processed_logprobs", **llm_kwargs)`, once. The extension class is mixed into
-  every GPU worker of the engine; `processed_logprobs` returns the log-probs of the sampling
-  distribution (after the temperature), what `Completion.logprobs` means.
-- `LLM.generate([vllm.inputs.TokensPrompt(prompt_token_ids=...)], SamplingParams(n, temperature,
-  max_tokens, seed, stop_token_ids, logprobs=0), use_tqdm=False)`: the sampled token's log-prob
-  per position (`harts_client.rollouts.samples_from_vllm`).
-- for a new export, `LLM.collective_rpc("harts_load_export", args=(export_dir,))`: every worker
-  streams the export's safetensors tensors into `model_runner.model.load_weights(...)` (vLLM's own
-  name mapping: per-expert weights, fused projections, tensor-parallel shards), then
-  `LLM.reset_prefix_cache()` (cached KV blocks were computed with the old weights). The LLM, its
-  CUDA graphs and KV cache stay; an export of another architecture is refused (a new engine is
-  needed then).
+Written against vLLM 0.11; not a dependency, imported when an engine is built, not run on a GPU
+here. The calls it makes (which tests/harts_client/test_engines.py fakes): docs/design/training-loop.md
+("Engines").
 """
 from __future__ import annotations
 

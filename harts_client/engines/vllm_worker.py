@@ -3,12 +3,9 @@
     vllm.LLM(model=..., worker_extension_cls="harts_client.engines.vllm_worker.ExportLoader")
     llm.collective_rpc("harts_load_export", args=("runs/rl/hf/step-00000007",))
 
-vLLM mixes `ExportLoader` into its worker class (`worker_extension_cls`), so the method runs on
-every worker with `self.model_runner` at hand. It streams the export's tensors (in the Hugging
-Face layout `trainer.export` writes: per-expert weights, the original names) from its safetensors
-files, one tensor at a time on the CPU, into `self.model_runner.model.load_weights(weights=...)`:
-the model's own loader maps names, fuses projections and keeps each worker's tensor-parallel
-shard, exactly as at start-up. Nothing here imports vLLM or torch at module level.
+Streams the export's safetensors tensors, one at a time on the CPU, into the worker's
+`model_runner.model.load_weights` (vLLM's own name mapping and tensor-parallel shards). Nothing
+here imports vLLM or torch at module level (docs/design/training-loop.md, "Engines").
 """
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ def export_tensors(path: str | Path) -> Iterator[tuple]:
 
 
 class ExportLoader:
-    """vLLM worker extension (module docstring)."""
+    """vLLM worker extension (docs/design/training-loop.md, "Engines")."""
 
     def harts_load_export(self, path: str) -> int:
         """Load the export at `path` into this worker's model; returns the number of tensors read."""

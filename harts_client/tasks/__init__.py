@@ -1,22 +1,13 @@
 """Verifiable multi-turn tasks for RL on the generator side: episodes, tool observations, rewards.
 
-    from harts_client.tasks import make_task
     task = make_task("calculator", operands=3)
     inst = task.instances("train", 8, seed=0)[0]
-    task.prompt(inst)                    # "<system line>Q: 37+45-12\n" (the tokenizer adds nothing)
-    task.observe(inst, ["calc 37+45"])   # "= 82\n": the tool's answer, context for the next turn
-    task.observe(inst, [..., "A: 70"])   # None: the episode is over
-    task.reward(episode)                 # 0.0 .. 1.0, checked against the instance's ground truth
-    task = make_task("examples.plugin_task:LookupTask")        # a plugin: any class with the protocol
-    task = make_task("path/to/my_task.py:MyTask", level=2)      # or a file
+    task.prompt(inst); task.observe(inst, ["calc 37+45"])   # "= 82\n"; None once the episode is over
+    task.reward(episode)                                    # 0.0 .. 1.0, against the ground truth
+    task = make_task("examples.plugin_task:LookupTask")     # a plugin, or "path/to/my_task.py:MyTask"
 
-Shipped tasks (`TASKS`): `seek` and `calculator` (small plain-text tasks a 0.3M-parameter model
-learns), `swe` (an agentic coding environment: generated Python repositories with a planted bug,
-tools run in a sandbox; `harts_client.tasks.swe`). The protocol every task follows, plugins
-included, is `harts_client.tasks.episode.Task` (documented there). `Task.reward(episode) -> float`
-is the verifier; a user reward is any callable with the same signature (`RewardFn`), given to the
-sampler instead (`harts_client.tree_sampling.sample_batch(reward_fn=...)`, or `task.reward =
-"package.module:function"` in `harts rl` configs).
+Shipped (`TASKS`): `seek`, `calculator`, `swe`. The protocol (`harts_client.tasks.episode.Task`),
+the tasks and user rewards: docs/design/training-loop.md ("Tasks").
 """
 from __future__ import annotations
 

@@ -7,18 +7,8 @@
     = 70
     A: 70<eos>                        policy turn 3: the answer; the episode ends
 
-An instance is a left-to-right chain of `operands` numbers of `digits` digits joined by operators
-drawn from `ops`. The tool evaluates any `calc` expression of integers and + - * (so a wrong call
-gets a true but useless answer) and answers `error` to anything else; a turn that starts with
-`A:` ends the episode, and so does the `operands`-th policy turn. The reward is 1.0 when the
-answer equals the value of the question and 0.0 otherwise (with `partial_credit`, each tool call
-that computes the correct next intermediate value adds 1 / operands, the right answer the rest).
-
-`demonstration(instance, rng)` writes the policy turns of the solving episode, for a supervised
-warm-start; with `demo_accuracy` < 1 a call uses a wrong operand with probability
-1 - demo_accuracy (the demonstrated episode stays consistent with the tool's answers, only
-wrong), so that the warm-started policy is right only part of the time and RL has room to improve.
-Train and eval instances come from disjoint random streams (`split`).
+The rules, the reward (`partial_credit`) and the demonstration (`demo_accuracy`):
+docs/design/training-loop.md ("Tasks").
 """
 from __future__ import annotations
 
@@ -79,7 +69,7 @@ def evaluate(expression: str) -> int | None:
 
 
 class CalculatorTask:
-    """Arithmetic chains solved through calculator calls (see the module docstring).
+    """Arithmetic chains solved through calculator calls (docs/design/training-loop.md, "Tasks").
 
     Args:
         operands: numbers per question (>= 2); operands - 1 tool calls, then the answer.

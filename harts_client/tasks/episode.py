@@ -1,28 +1,11 @@
 """What a task's episodes are made of (messages, turns, episodes) and what a task and a reward are.
 
-Apart from `harts_client.tasks` (the registry) so that the tasks import it without a circle.
+    class MyTask:  # max_turns, instances(split, count, seed) and/or from_row(row), prompt(instance),
+        ...        # observe(instance, turns) -> text | messages | None, reward(episode), demonstration?
 
-The Task protocol (what `harts rl`, the warm start and `harts_client.tree_sampling` call; a plugin
-`task.name = "package.module:Class"` implements it, see examples/plugin_task.py):
-
-    task.max_turns                       policy turns after which an episode ends whatever it wrote
-    task.instances(split, count, seed)   generated instances ("train" / "eval": disjoint streams)
-    task.from_row(row)                   one dataset row (a JSON object) -> an instance
-                                         (a task has at least one of the two)
-    task.prompt(instance)                reset: the first observation, text or messages
-    task.observe(instance, turns)        step: the tool results after the model's latest message
-                                         (turns[-1]; turns = every policy message of this branch,
-                                         decoded), text or messages; None: the episode is over
-    task.reward(episode)                 the verifier: a finite float
-    task.demonstration(instance, rng)    optional: policy messages of a good episode (warm start)
-
-`prompt` and `observe` return either plain text, which goes into the token stream as it is
-(the byte tokenizer's format: what `seek` and `calculator` do), or a list of chat messages
-(`{"role": "system" | "user" | "assistant" | "tool", "content": str}`), which a model
-directory's chat template renders (`harts_client.chat`); without a template the messages'
-contents are joined as plain text. `observe` is a function of the branch's whole history, so
-branches of a tree never share mutable state; a task whose state is costly to rebuild (the `swe`
-sandbox) caches it by history.
+Apart from `harts_client.tasks` (the registry) so that the tasks import it without a circle. The
+`Task` protocol every task follows, plugins included (examples/plugin_task.py):
+docs/design/training-loop.md ("Tasks").
 """
 from __future__ import annotations
 
@@ -71,7 +54,7 @@ RewardFn = Callable[[Episode], float]
 
 
 class Task(Protocol):
-    """A verifiable multi-turn task (see the module docstring: `instances` or `from_row`, and
+    """A verifiable multi-turn task (docs/design/training-loop.md, "Tasks": `instances` or `from_row`, and
     `demonstration`, are optional)."""
 
     name: str

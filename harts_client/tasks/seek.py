@@ -7,18 +7,7 @@
     up<eos>
     at 7: found                                               the episode ends (reward 1.0)
 
-An instance is a hidden integer in [0, size) and a start position (the middle of the range, or
-uniform with `random_start`), never equal. Each policy turn calls the tool with `up` or `down`; it
-moves one step (clipped to the range) and answers with the new position and `above` / `below`
-(where the hidden number lies) or `found`; anything else is answered `invalid` and does not move.
-The episode ends at `found` or after `max_turns` moves; the reward is 1.0 when the number was
-found and 0.0 otherwise. A policy that follows the compass finds every number (with the default
-`max_turns` = size - 1 from any start); one that moves at random finds about a third of them.
-
-The decision of each turn depends on the observation just before it, so a 0.3M-parameter model
-learns it within tens of RL steps; `demonstration(instance, rng)` plays random moves (the format
-and the tool, not the strategy), the supervised warm-start `harts rl` runs before RL.
-Train and eval instances come from disjoint random streams.
+The rules, the reward and the random-move demonstration: docs/design/training-loop.md ("Tasks").
 """
 from __future__ import annotations
 
@@ -44,7 +33,7 @@ class Target:
 
 
 class SeekTask:
-    """Find the hidden number by moving up or down (see the module docstring).
+    """Find the hidden number by moving up or down (docs/design/training-loop.md, "Tasks").
 
     Args:
         size: the number is in [0, size) (3 <= size <= 100).

@@ -1,25 +1,11 @@
 """Batch-invariant matmul y = x @ w.T: each output row's bits depend on that row of x, w and K only.
 
-Why a GEMM is not batch-invariant (Thinking Machines, "Defeating Nondeterminism in LLM
-Inference"): a library picks its tiles, split-K and instruction shapes by the problem shape, so
-the order in which row m's K products are summed changes with M. Here the tiles are fixed per
-dtype (`TILES`), never chosen by M; there is no split-K (one program owns an output tile and sums
-its K products in BK-sized steps, first to last, into one fp32 accumulator); the MMA computes
-every output element from its own row and column, so which rows share a tile (or are padding)
-does not matter; and M is not a specialisation key (`do_not_specialize`), so the row count never
-selects another compiled binary (operand strides and alignment still do, as for any Triton kernel;
-they change how tiles are loaded, not the arithmetic). The autotuner may choose num_stages only
-(`kernels.triton_tuning`), which leaves the arithmetic as written.
+    y = linear(x_MK, w_NK)          # differentiable: dx and dw are the same kernel
+    y = mm_t(a, b, out_dtype=None)  # a @ b.T, no autograd
 
-Precision: bf16/fp16 inputs feed the tensor cores with fp32 accumulation; fp32 inputs use exact
-fp32 products (`input_precision="ieee"`: no TF32; CUDA cores, slow). Results are rounded once to
-the output dtype.
-
-Autograd (`linear`): dx = dy @ w is the same kernel on (dy, w^T), row-invariant like the
-forward; dw = dy^T @ x is the same kernel on (dy^T, x^T), a sum over the rows in a fixed order
-(deterministic; it depends on M by nature). Strided operands are read in place.
-
-Legend: M rows of x, K reduction dim, N rows of w (output columns); tiles BM x BN, BK per step.
+Tiles fixed per dtype (`TILES`), no split-K, M not a specialisation key, num_stages the only tuned
+parameter; fp32 inputs use exact fp32 products (docs/design/numerics.md, "The batch-invariant
+mode"). Legend: M rows of x, K reduction dim, N rows of w (output columns); tiles BM x BN, BK per step.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Batch-invariant RMSNorm over the last dim, forward and backward (Triton).
 
-    x_hat = x rsqrt(mean(x^2) + eps)            (fp32)
-    y     = x_hat (1 + w)                        zero_centered (one rounding to x's dtype)
-    y     = w round_x(x_hat)                     plain weight  (x_hat rounded to x's dtype first)
+    x_hat = x rsqrt(mean(x^2) + eps) (fp32);  y = x_hat (1 + w) zero_centered, else w round_x(x_hat)
+    dx = rstd (g dy - x_hat mean(x_hat g dy)), g = 1 + w or w;  dw = sum over rows of dy x_hat
 
-exactly `reference.rms_norm_ref`. One program per block of BR rows, a row (D <= BD columns) in one
-tile; BR and BD are functions of D only, and the row's sum of squares is one `tl.sum` over its
-tile, so its order depends on D only: a row's bits do not depend on the number of rows nor on the
-rows beside it. Backward per row block:
-
-    dx = rstd (g dy - x_hat mean(x_hat g dy)),  g = 1 + w or w
-    dw = sum over rows of dy x_hat (x_hat rounded as in the forward for the plain weight)
-
-dw in two fixed-order stages: each program's [BD] partial sum of its rows, then one program per
-column block summing the partials in program order (no atomics).
-
+exactly `reference.rms_norm_ref`. One program per block of BR rows, BR and BD functions of D only;
+dw in two fixed-order stages, no atomics (docs/design/numerics.md, "The batch-invariant mode").
 Legend: M rows, D row length, P = ceil(M / BR) row blocks; tiles: BR rows, BD >= D columns.
 """
 from __future__ import annotations

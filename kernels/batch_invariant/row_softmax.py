@@ -1,15 +1,11 @@
 """Batch-invariant row-wise logsumexp and softmax over the last dim, forward and backward (Triton).
 
-One program per row walks the row in BN-column blocks, first to last, with fp32 online
-statistics (running max m, running sum s of exp(x - m), rescaled when m grows): BN is a function
-of the row length N only, so a row's bits depend on its values and N alone, never on the number
-of rows (rows of a vocabulary-sized head, N ~ 152k, take ~38 blocks of 4096).
+    lse = m + log(s)         `logsumexp`; backward dx = dlse exp(x - lse)
+    y   = exp(x - lse)       `softmax` (second pass); backward dx = y (dy - sum(dy y)), y recomputed in fp32
 
-    lse = m + log(s)                              `logsumexp`; backward dx = dlse exp(x - lse)
-    y   = exp(x - lse)                            `softmax` (second pass); backward
-    dx  = y (dy - sum(dy y))                      with y recomputed in fp32 from x and lse
-
-Legend: M rows, N row length; tiles: BN columns.
+One program per row walks it in BN-column blocks, first to last, with fp32 online statistics
+(running max m, running sum s); BN is a function of the row length only
+(docs/design/numerics.md, "The batch-invariant mode"). Legend: M rows, N row length; tiles: BN columns.
 """
 from __future__ import annotations
 

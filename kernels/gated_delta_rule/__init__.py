@@ -1,27 +1,14 @@
-"""Chunked gated delta rule (Gated DeltaNet), varlen, with fp32 boundary-state exports (DESIGN §4.3, §6).
+"""Chunked gated delta rule (Gated DeltaNet), varlen, with fp32 boundary-state exports.
 
-Contract (shared with the trainer's Gated DeltaNet layer):
-
+    layout = prepare_layout(cu_seqlens, export_seq, export_pos, chunk_size, device=...)   # once per call's indices
     o_THV, states_EHKV = chunk_gated_delta_rule(
         q_THK, k_THK, v_THV, g_TH, beta_TH, *, cu_seqlens, initial_state=None,
         export_seq, export_pos, chunk_size=64, scale=None, use_qk_l2norm=False, backend="ref",
-        layout=None)
+        layout=layout)                              # with layout=, the indices may be omitted
 
-A call's layout (chunk gather indices, export ranks) depends only on its indices: build it once
-with `layout = prepare_layout(cu_seqlens, export_seq, export_pos, chunk_size, device=...)` and
-pass `layout=layout` to every layer's call with those indices (the indices may then be omitted).
-
-Per head, S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T and o_t = S_t^T (scale q_t),
-with q, k optionally L2-normalised before the scale (transformers' Qwen3-Next convention). Chunks
-are [jC, (j+1)C) from each sequence start; a chunk's arithmetic does not depend on the rest of the
-call, so fp32 CPU outputs are bitwise equal however sequences are packed. Math in fp32 (float64
-inputs stay float64); states in fp32.
-
-Modules: `recurrent_ref` (token-by-token oracle), `chunk_ref` (chunkwise PyTorch reference, the default path),
-`chunk_triton` (staged Triton forward and backward over the kernels of `wy_triton`, `state_triton`,
-`output_triton`, `l2norm_triton`), `layout` (validation and the chunk indexing both backends use,
-`prepare_layout`).
-
+Modules: `recurrent_ref` (oracle), `chunk_ref` (reference, the CPU path), `chunk_triton` (staged
+Triton over `wy_triton`, `state_triton`, `output_triton`, `l2norm_triton`), `layout`. The math and
+its design: docs/design/execution.md ("The gated delta rule").
 Legend: T packed rows, N sequences, E exported states, H heads, K key dim, V value dim.
 """
 from __future__ import annotations
@@ -52,7 +39,7 @@ def chunk_gated_delta_rule(
     backend: str | None = None,
     layout: ChunkLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen chunked gated delta rule; see the module docstring for the contract.
+    """Varlen chunked gated delta rule (the math: docs/design/execution.md, "The gated delta rule").
 
     Args:
         q_THK, k_THK: [T, H, K]; v_THV: [T, H, V]; g_TH: [T, H] log decay (<= 0); beta_TH: [T, H].

@@ -1,46 +1,10 @@
 """Chunkwise gated delta rule in PyTorch: the reference of the Triton kernel, and the CPU path.
 
-Math per chunk (C rows; G = cumulative sum of g inside the chunk; decay D_ij = exp(G_i - G_j) for
-i >= j, else 0), as in transformers' `torch_chunk_gated_delta_rule` and fla's WY representation:
+    o, states = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, ..., backend="ref")
 
-    A   = strict_lower((beta k) k^T * D)                      intra-chunk delta-rule couplings
-    U   = (I + A)^-1 (beta v)        W = (I + A)^-1 (beta k exp(G))
-    V'  = U - W S                    the chunk's corrections given the incoming state S
-    O   = (q exp(G)) S + ((q k^T) * D) V'
-    S  <- exp(G_last) S + (k exp(G_last - G))^T V'
-
-Gate precision. G, its differences and their exponentials are formed in float64 and rounded once
-to the compute dtype. In fp32, G reaches -C x |g| (hundreds for fast-decaying heads) and
-G_i - G_j cancels: its error, ~1e-5 of the decay, moved outputs and gate gradients by several 1e-6
-against the float64 oracle, and made the trajectory-expanded run's A_log / dt_bias gradients (each
-shared chunk differentiated once per trajectory) differ from the tree run's (once, with summed
-cotangents) by up to 1.6e-5 relative. In float64 these per-chunk [C] and [C, C] terms cost little
-beside the chunk's matmuls, and both stay below 5e-7 and 3e-6 (tests/kernels/test_gated_delta_rule.py,
-`harts verify`). The matmul operands stay fp32.
-
-Batch invariance (DESIGN §2, §5.3: the tree run and the trajectory-expanded run must give bitwise
-equal fp32 outputs on CPU). Each chunk is computed by the same op sequence on tensors of the same
-per-chunk shape, whatever else is in the call: every sequence is padded to a multiple of C (pad rows
-are zeros: g = 0 keeps the decay, beta = k = 0 adds nothing), all chunks are gathered into
-[M, H, C, *] and the intra-chunk work is batched over them; the inter-chunk recurrence loops over the
-chunk index j, batched over the sequences that have a j-th chunk. Measured on this CPU build
-(torch 2.13, MKL): batched `matmul` and `linalg.solve_triangular` give each matrix of the batch the
-same bits whatever the batch size and position; `exp`, `cumsum`, `rsqrt`, row sums and the basic
-arithmetic are position independent. Not so for `sigmoid`, `softplus` and `silu` (their vectorised
-body and scalar tail round differently), which is why none of them appear here.
-
-Per-step overhead. The loop over j is the sequential part of a call (tree plans run more, shorter
-calls than trajectory-expanded ones), so it holds only what needs the running state: per step,
-vnew = U - W S and the state update, on [rank * H, *, *] views of per-slot tensors (a prefix of
-ranks is a prefix of rows), with the exported ranks of each step from the layout (host data).
-The loop is one autograd Function (`_StateRecurrence`) whose backward is written out (two `bmm`
-per step, no graph node per op); it returns the state entering every chunk, from which the
-outputs O = (q exp(G)) S + ((q k^T) * D) V' are one batch over all chunks. The straightforward
-slicing loop under autograd (tests/gated_delta_rule_v0.py keeps it) is the oracle: the tests compare
-outputs, states and gradients (1e-12 in float64). Every per-chunk product keeps fixed shapes and
-strides whatever the call (MKL's `bmm` rounds differently for a transposed or strided operand), so
-batch invariance holds; the tests pin it with packings and splits.
-
+Per chunk the WY form of transformers' `torch_chunk_gated_delta_rule`, with float64 gates, fixed
+per-chunk shapes (bitwise batch-invariant on the CPU) and the state loop as one autograd Function
+with a written-out backward (`_StateRecurrence`): docs/design/execution.md ("The gated delta rule").
 Legend: T packed rows, N sequences, M chunks, C chunk size, E exported states, H heads, K key dim,
 V value dim, a sequences active at a step, B = a * H rows of a step.
 """

@@ -1,38 +1,10 @@
 """Triton backend of the varlen chunked gated delta rule: staged forward and backward kernels.
 
-Same contract and math as `chunk_ref` (see its docstring), on the same `ChunkLayout`: chunks are
-rows [jC, (j+1)C) of each sequence, slots and ranks as the layout orders them. The stages follow
-fla's chunked algorithm (fla-org/flash-linear-attention `ops/gated_delta_rule/chunk.py`), written
-for this contract (per-slot programs, per-sequence fp32 initial states, exported states at any
-chunk boundary and injected gradients on them):
+    o, states = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, ..., backend="triton")
 
-    forward   [L2 norm of q, k]                                    `l2norm_triton`
-              G, A -> Ai -> w, u        per chunk                  `wy_triton`
-              h, vnew, exported states  recurrence over chunks     `state_triton`
-              o                         per chunk                  `output_triton`
-    backward  w, u and h, vnew recomputed (h is M x H x K x V: not kept, as in fla)
-              dv_local                  per chunk                  `output_triton`
-              dh, dvnew, d initial      reverse recurrence, export gradients injected after
-                                        their chunk                `state_triton`
-              dq, dk, dw, dG partials   per chunk                  `output_triton`
-              dk, dv, dbeta, dg         per chunk (WY backward, reverse cumsum of dG)  `wy_triton`
-              [L2 norm backward]
-
-Precision. fp32 inputs run every product in fp32 (`input_precision="ieee"`): the interpreter tests
-match the reference to ~1e-5. bf16/fp16 inputs feed the tensor cores in their own dtype with fp32
-accumulation and keep Ai, w, u, h, vnew, dh, dvnew and dw in it, as fla does; the recurrence
-state, the exported states, the initial-state gradient and the gradient partials that are summed
-stay fp32. Gates (`wy_triton`): with bf16/fp16 inputs G is an fp32 cumulative sum per chunk and
-its exponentials are fp32 (fla's choice, the GPU production path); with fp32 inputs G, its
-differences and exponentials are float64, rounded once, as in the reference, so that fp32 GPU runs
-keep the reference's tree-vs-expanded gradient agreement. The CPU path stays the reference.
-
-Hopper and fla #640: the backward's two `tl.dot(tl.trans(dot result), ...)` sites have
-transpose-free forms that `kernels.triton_640.check` selects per device (see that module).
-
-On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
-bf16 is wrong). float64 is rejected.
-
+Same contract and math as `chunk_ref`, on the same `ChunkLayout`; the stages (`wy_triton`,
+`state_triton`, `output_triton`, `l2norm_triton`) and their precision: docs/design/execution.md
+("The gated delta rule"). On CPU set `TRITON_INTERPRET=1` before triton is imported (fp32 only).
 Legend: T packed rows, N sequences, M chunk slots, E exported states, U distinct exported states,
 H heads, K key dim, V value dim, NK key blocks; tiles: BT = C, BK/BV per-chunk key/value columns,
 BKS >= K the recurrence's key rows.

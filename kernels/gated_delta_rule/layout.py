@@ -1,22 +1,10 @@
 """Input validation and the chunk layout of one varlen gated-delta-rule call.
 
-Both backends (the PyTorch reference and the Triton kernel) see the same packed inputs; this module
-checks them once and turns `cu_seqlens` and the export requests into index tensors.
+    layout = prepare_layout(cu_seqlens, export_seq, export_pos, chunk_size, device=q.device)
 
-Chunk order. Sequences are ranked by their number of chunks, most first (stable, so equal counts
-keep their input order). Chunk `j` of the sequence of rank `r` gets slot `chunk_off[j] + r`: all
-`j`-th chunks are contiguous, and the sequences that have a `j`-th chunk are the ranks
-`0 .. active[j]-1`, a prefix. The inter-chunk recurrence is then a loop over `j` on prefixes of one
-state tensor, and the intra-chunk work is one batch over all slots. The Triton kernels index the
-same slots: per-chunk programs read a slot's row range (`chunk_row_M`, `chunk_end_M`), and the
-recurrence programs, one per rank, walk slots `chunk_off[j] + rank` for their `rank_chunks` steps.
-
-Reuse. A layout depends only on `cu_seqlens`, the export requests and C (host data): every layer of
-a model runs the same calls, so `prepare_layout` builds it once (validated, index tensors on the
-compute device) and `chunk_gated_delta_rule(..., layout=...)` skips the validation of the indices,
-the layout construction and every host round trip. Host-side index work is numpy (a few
-microseconds per op where a torch op on a tiny tensor costs several).
-
+Sequences ranked by chunk count, chunk j of rank r at slot `chunk_off[j] + r`, so the recurrence
+runs on prefixes of one state tensor; built once per call's indices and shared by every layer
+(docs/design/execution.md, "The gated delta rule").
 Legend: T packed rows, N sequences, M chunks in the call, C chunk size, E exported states,
 J = the most chunks of any sequence, H heads, K key dim, V value dim.
 """

@@ -1,28 +1,9 @@
 """Triton kernels of the gated delta rule's output stage and its gradients.
 
-Per chunk slot of the call's `ChunkLayout` and head, with h = the state entering the chunk and
-vnew = u - w h from the recurrence (`state_triton`), D_ij = exp(G_i - G_j) for i >= j (else 0)
-and q already L2-normalised when asked (scale applied here):
-
-    o = scale ((q exp(G)) h + ((q k^T) * D) vnew)                         `_out_fwd_kernel`
-
-Backward: `_dv_local_kernel` gives the intra-chunk part of the gradient on vnew,
-dv_local = scale ((q k^T) * D)^T do, which the reverse recurrence completes; `_dqkwg_kernel`, with
-dh the gradient on the state after the chunk and dvnew the full gradient on vnew, gives
-
-    dq = scale (exp(G) (do h^T) + ((do vnew^T) * D) k)
-    dk = (scale (do vnew^T) * D)^T q + exp(G_last - G) (vnew dh^T)          (direct part)
-    dw = -dvnew h^T
-    dG = sum(q dq) - sum(k dk) over each row, plus, on the chunk's last row,
-         exp(G_last) sum(h * dh) + sum(k * the state part of dk)
-         (with float64 gates, the intra-chunk part as float64 row minus column sums of dP * P)
-
-per block of BK key columns (dG as NK partial sums; `wy_triton._wy_bwd_kernel` adds them up).
-With TRANS_FREE, ds^T reaches its dot through a scratch tile (`_transposed_via_memory`; fla #640,
-kernels/triton_640.py).
-
-Pointers: int64 scalar bases per chunk and state, int32 tile offsets (as in `wy_triton`).
-
+Per chunk slot and head: `_out_fwd_kernel` (o), `_dv_local_kernel` (the intra-chunk part of the
+gradient on vnew), `_dqkwg_kernel` (dq, dk, dw and dG as NK partial sums per block of BK key
+columns; with TRANS_FREE, ds^T reaches its dot through a scratch tile, `_transposed_via_memory`:
+`kernels.triton_640`). Formulas: docs/design/execution.md ("The gated delta rule").
 Legend: T packed rows, M chunk slots, H heads, K key dim, V value dim, NK = ceil(K / BK);
 tiles: BT = C rows, BK key columns, BV value columns.
 """

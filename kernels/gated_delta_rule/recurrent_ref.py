@@ -1,15 +1,10 @@
 """Token-by-token gated delta rule: the oracle every chunked implementation is tested against.
 
-Per sequence and head, with state S [K, V] (K x V convention, as transformers' Qwen3-Next and fla):
+    S_t = exp(g_t) S_{t-1};  S_t = S_t + k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T (scale * q_t)
 
-    S_t = exp(g_t) S_{t-1}
-    S_t = S_t + k_t (beta_t (v_t - S_t^T k_t))^T
-    o_t = S_t^T (scale * q_t)
-
-with q, k optionally L2-normalised first (`x * rsqrt(sum(x^2) + 1e-6)`, before the scale), exactly
-as `torch_recurrent_gated_delta_rule` in transformers `models/qwen3_next`. Slow (a Python loop over
-tokens); meant for small test shapes.
-
+Per sequence and head, state S [K, V], q and k optionally L2-normalised first: exactly transformers'
+`torch_recurrent_gated_delta_rule`. A Python loop over tokens, for small test shapes
+(docs/design/execution.md, "The gated delta rule").
 Legend: T packed rows, N sequences, E exported states, H heads, K key dim, V value dim.
 """
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Triton kernels of the gated delta rule's inter-chunk state recurrence, forward and backward.
 
 One program per (rank, head, block of BV value columns) walks its sequence's chunks in order
-(forward) or in reverse (backward) with the fp32 state block S [K, BV] in registers; rank r's chunk
-j is slot chunk_off[j] + r of the call's `ChunkLayout`. The sequential work per chunk is two
-[BT, K] x [K, BV]-sized products; everything else is per-chunk parallel (`wy_triton`,
-`output_triton`).
-
-Forward (`_state_fwd_kernel`), per chunk with incoming state S:
-
-    h[slot] = S                                     the state entering the chunk (for the output stage)
-    vnew    = u - w S                               (stored)
-    S      <- exp(G_last) S + (k exp(G_last - G))^T vnew
-    states[export_row[slot]] = S  (fp32)            where the plan exports the state after this chunk
-
-starting from the sequence's fp32 initial state (or zeros). Backward (`_state_bwd_kernel`), with
-dS the gradient on the state after the chunk (zero after the last one):
-
-    dS     += dstates[export_row[slot]]             gradient injected on an exported state
-    dh[slot] = dS
-    dvnew   = dv_local + (k exp(G_last - G)) dS     (stored; the gradient on u)
-    dS     <- exp(G_last) dS + (scale q exp(G))^T do - w^T dvnew
-
-and dS after the first chunk is the initial state's gradient.
-
-Pointers: the per-chunk and per-state bases are int64 scalars; the tile offsets, computed once per
-program, are int32.
-
+(`_state_fwd_kernel`: h, vnew, exported states) or in reverse (`_state_bwd_kernel`: dh, dvnew, the
+initial state's gradient, with gradients injected on exported states), the fp32 state block in
+registers. Formulas: docs/design/execution.md ("The gated delta rule").
 Legend: T packed rows, M chunk slots, N sequences (ranks), U distinct exported states, H heads,
 K key dim, V value dim; tiles: BT = C rows, BK >= K, BV value columns.
 """

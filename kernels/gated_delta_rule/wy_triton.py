@@ -1,38 +1,10 @@
 """Triton kernels of the gated delta rule's per-chunk WY representation, forward and backward.
 
-One program per (chunk slot of the call's `ChunkLayout`, head): rows [chunk_row, chunk_end) of one
-sequence, at most C = BT of them (a sequence's last chunk may be partial; rows past its end are
-masked, never read or written). Forward, as in `chunk_ref`:
-
-    G  = cumsum(g) over the chunk                       `_kkt_fwd_kernel` (stores G and A)
-    A  = strict_lower(beta_i k_i.k_j exp(G_i - G_j))
-    Ai = (I + A)^-1                                     `_solve_kernel`
-    w  = Ai (beta k exp(G)),  u = Ai (beta v)           `_wu_fwd_kernel`
-
-`_solve_kernel` inverts the unit lower-triangular I + A by forward substitution on its 16 x 16
-diagonal blocks and block forward substitution between them (C = 16, 32 or 64): the stable
-triangular inverse, with tensor-core products for the off-diagonal blocks.
-
-`_wy_bwd_kernel` maps the gradients on w and u (from the state recurrence) and the direct
-gradients on k and G (from the output stage) to those of k, v, beta and g: with dAi the gradient on
-Ai, dA = -Ai^T dAi Ai^T on the strictly lower part, then through A, beta k exp(G) and beta v, and
-finally the reverse cumulative sum over the chunk that turns dG into dg. With TRANS_FREE, dM^T
-reaches its dot through a scratch tile (fla #640, kernels/triton_640.py).
-
-Gate precision follows G's dtype (the host picks it). fp32 G, for bf16/fp16 inputs: an fp32
-cumulative sum within the chunk and fp32 exponentials of G and of its differences, the standard GPU
-choice (fla's `chunk_local_cumsum`). float64 G, for fp32 inputs: G, its differences and their
-exponentials in float64, rounded once to fp32, and dG summed in float64 before its reverse
-cumulative sum, as the reference does (`chunk_ref`: in fp32, G_i - G_j cancels, |G| reaching
-C max|g|). Measured through the trainer (tests/trainer/test_executor_gpu.py's cases, tiny-deep, C = 16,
-fp32, under the interpreter), the largest tree-vs-expanded parameter-gradient difference was
-1.0e-5 relative with fp32 gates (on A_log) and is 1.1e-6 with these, the reference's level. The
-float64 work is [BT] vectors and [BT, BT] elementwise tiles, beside fp32 products.
-
-Pointers: each program adds its chunk's (row, head) base to the tensor pointers in int64 scalars;
-tile offsets inside a chunk are int32 (a chunk spans far fewer than 2^31 elements), which keeps the
-per-element address arithmetic 32-bit.
-
+One program per (chunk slot, head): `_kkt_fwd_kernel` (G, A), `_solve_kernel` (Ai = (I + A)^-1
+by blocked forward substitution), `_wu_fwd_kernel` (w, u), `_wy_bwd_kernel` (dk, dv, dbeta, dg;
+with TRANS_FREE, dM^T reaches its dot through a scratch tile: `kernels.triton_640`). Gates in the
+dtype of G, which the host picks (float64 for fp32 inputs). Formulas and precision:
+docs/design/execution.md ("The gated delta rule").
 Legend: T packed rows, M chunk slots, H heads, K key dim, V value dim, NK key blocks of the
 output-stage gradients; tiles: BT = C rows, BK key columns, BV value columns.
 """

@@ -1,28 +1,10 @@
-"""Exact tree attention on the CPU, flash-style: bounded working set, no score tensor kept (DESIGN §5.2).
+"""Exact tree attention on the CPU, flash-style: bounded working set, no score tensor kept.
 
     o_RHd = tree_attention(q_RHd, k_NHd, v_NHd, layout, scale=hd ** -0.5, backend="blocked")
 
-The "blocked" backend of `kernels.tree_attention` (same contract as the reference: the layout's
-compact ranges, imported rows after the local ones). Every segment's queries attend to its keys:
-its ancestor rows (root first) and, causally, its own rows; key j of a segment is the row at depth
-j on its path. Queries run in blocks of up to BLOCK_Q rows of one segment, keys in blocks of
-exactly BLOCK_K keys at fixed depths (key block j covers depths [j*BLOCK_K, (j+1)*BLOCK_K); a
-segment's keys are gathered once and padded with zero-probability keys to a whole block). Per
-(query block, key block): scores S = q K^T (one GEMM, the query heads of a kv head folded into its
-rows), the running max, P = exp(S - m) and P [V, 1] (the value rows plus a ones column: the row
-sums come out of the same GEMM), merged into an online-softmax accumulator. Backward recomputes S
-from the saved log-sum-exp (flash attention's backward), so memory does not grow with the number
-of (query, key) pairs: the working set is a [heads x BLOCK_Q, BLOCK_K] tile. The block plan is
-built once per microbatch from the layout (`TreeLayout.plan("blocked", ...)`) and shared by every layer.
-
-Batch invariance (DESIGN §5.3, Invariant E). A query's output depends only on its own key
-sequence: key blocks sit at fixed depths and every P [V, 1] product reduces over exactly BLOCK_K
-keys, and CPU GEMMs give each output element the same bits whatever the number of rows (measured
-with MKL on this machine for >= 4 rows; blocks are padded to >= MIN_ROWS rows) but not whatever
-the reduction length (which is why key blocks are never shortened). A row of a tree segment
-therefore gets the same bits as the same position of its trajectory in the expanded run (tests:
-against the reference within fp32 rounding, tree against paths alone bitwise).
-
+Key blocks of exactly BLOCK_K keys at fixed depths, query blocks padded to at least MIN_ROWS
+rows, a backward that recomputes the scores from the saved log-sum-exp; a tree row gets the bits
+of its expanded trajectory (docs/design/execution.md, "Tree attention"; docs/design/numerics.md).
 Legend: R query rows, N key-table rows (local rows, then imported ones), H heads, Hkv kv heads,
 G = H / Hkv, hd head dim, M = G x queries of a block (padded), K keys of a key block.
 """
@@ -222,7 +204,7 @@ class _TreeAttention(torch.autograd.Function):
 
 
 def tree_attention_blocked(q_RHd: torch.Tensor, k_NHd: torch.Tensor, v_NHd: torch.Tensor, layout, scale: float) -> torch.Tensor:
-    """The "blocked" backend: `fn(q, k, v, layout, scale)` of `kernels.tree_attention` (module docstring).
+    """The "blocked" backend: `fn(q, k, v, layout, scale)` of `kernels.tree_attention` (docs/design/execution.md, "Tree attention").
 
     Args:
         q_RHd: [R, H, hd] queries (RoPE applied). k_NHd, v_NHd: [N, Hkv, hd] the key table: the

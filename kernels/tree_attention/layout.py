@@ -1,26 +1,13 @@
 """The layout of one microbatch's tree attention: validated once, shared by every attention layer.
 
-Rows follow the plan (proto/harts/v1/plan.proto, Microbatch): the R local rows are the queries;
-keys and values are the plan's *extended rows* [0, R + I): the local rows, then the I imported
-rows of a sharing window appended after them (row R + i is imported row i). Segments
-`seg_start[s] : seg_start[s] + seg_len[s]` tile the local rows; segment s sees every extended row
-in `attn_ranges[attn_offsets[s] : attn_offsets[s+1]]` (half-open, its ancestors, local or
-imported) and causally its own rows. No row index stands for padding: the kernels mask, and a
-gather-based backend that needs a zero row appends it at index R + I (`num_kv_rows`), never at R,
-which is the first imported row.
+    layout = prepare_tree_layout(seg_start, seg_len, attn_offsets, attn_ranges, num_rows=R,
+                                 num_kv_rows=R + I, device=q.device)
 
-`prepare_tree_layout` checks the compact ranges once and builds, on the compute device, the block
-maps the Triton kernels walk:
-
-- query blocks: each segment's rows cut into blocks of BM rows from the segment start (a block never
-  spans two segments), the unit of the forward and dq programs;
-- kv pieces (backward): for every kv block of BN extended rows, the (query block, column interval,
-  causal) triples that see part of it, as a CSR map. One query block's pieces are disjoint in
-  columns (ancestor ranges are disjoint and lie outside the segment), so a kv-major program sums
-  its dk/dv over the pieces without atomics.
-
-Legend: R query (local) rows, I imported rows, Rk = R + I k/v rows, S segments, n ancestor ranges,
-NB query blocks, NKB kv blocks, P kv pieces, H query heads, Hkv kv heads, D head dim.
+Keys are the plan's extended rows [0, R + I) (a window's imported rows after the local ones);
+the query blocks and the kv pieces (a CSR map) the Triton kernels walk: docs/design/execution.md
+("Tree attention"). Legend: R query (local) rows, I imported rows, Rk = R + I k/v rows,
+S segments, n ancestor ranges, NB query blocks, NKB kv blocks, P kv pieces, H query heads,
+Hkv kv heads, D head dim.
 """
 from __future__ import annotations
 

@@ -1,32 +1,10 @@
 """Triton tree attention, flash-attention-2 style: online-softmax forward saving the log-sum-exp,
 backward recomputing P from it (dq query-major, dk/dv kv-major without atomics).
 
-Same contract and math as `ref` (see the package docstring), over the block maps of a prepared
-`TreeLayout`. Forward and dq: one program per (query block of one segment, head) walks the
-segment's ancestor ranges (local or imported extended rows) in BN-row tiles, then its own rows up
-to the block's last row with the causal mask. dk/dv: one program per (kv block of BN extended
-rows, query head) walks the CSR list of query-block pieces that see the block (`layout.pieces`),
-so every row of the per-query-head dk/dv is written once by one program (rows nobody sees get
-zeros); with GQA the host sums each kv head's G shares in head order (FlashAttention-2's GQA
-backward sums them too), which keeps the work of a block that many branches see spread over H
-programs. delta = rowsum(o * do) comes from a row-wise kernel. No atomics; every reduction's
-order is fixed by the layout and the tile shapes (D, BM, BN), so a call gives the same bits on
-every run (not, in general, the bits of the same rows in another layout: a query's key tiles start
-at its ancestor ranges' starts).
-
-Batch-invariant mode (a layout prepared with `batch_invariant=True`): the forward and dq programs
-walk key tiles at fixed depths of the segment's key sequence (its ancestor ranges in depth order,
-then its own rows: tile k holds depths [k BN, (k+1) BN)), gathering each lane's key row across the
-ranges (`_depth_tile_rows`), with the causal mask on depths. A key then sits at the same tile and
-lane whatever the ranges, and a query's tiles past its own depth are exact no-ops of the online
-softmax, so a row's o, lse and dq are bitwise those of the same row in its path alone (the expanded
-run): the GPU's tree == expanded. dk/dv sum over the queries that see a key, which differ between
-tree and expanded by nature.
-
-On CPU, run with `TRITON_INTERPRET=1` set before triton is imported (fp32 only: the interpreter's
-bf16 is wrong). float64 is rejected. Row bases are int64 scalars added to the pointers; offsets
-inside a tile, and a tile's masks, are int32 and relative to its first row.
-
+Same contract and math as "ref", over the block maps of a prepared `TreeLayout`; on a layout
+prepared with `batch_invariant=True` the forward and dq walk key tiles at fixed depths
+(`_depth_tile_rows`). Design: docs/design/execution.md ("Tree attention"). On CPU set
+`TRITON_INTERPRET=1` before triton is imported (fp32 only); float64 is rejected.
 Legend: R query rows, Rk k/v rows, NB query blocks, NKB kv blocks, P kv pieces, H query heads,
 Hkv kv heads, G = H / Hkv, D head dim; tiles: BM query rows, BN k/v rows, BD >= D.
 """

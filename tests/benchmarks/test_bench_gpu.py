@@ -192,7 +192,7 @@ def test_peer_section_lifts_fla_hopper_refusal_and_checks_the_gradients(tmp_path
     on the CPU: transformers "binds fla", whose backward refuses (the RuntimeError fla raises,
     naming issue #640) unless its guard is lifted; the section records the refusal, runs the
     guard-lifted variant and its gradient check, then the PyTorch gated delta rule."""
-    sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's GPU kernels on CPU
+    sys.modules.setdefault("fla", None)  # transformers must not bind fla's GPU kernels on CPU
     active = set()
 
     def marker(name):

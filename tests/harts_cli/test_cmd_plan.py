@@ -185,7 +185,8 @@ def test_plan_lockstep_compares_windows_across_ranks_unless_told_not_to(capsys, 
 
 
 def test_memory_report_under_checkpointing_and_expert_parallelism(capsys):
-    """The issue's goal as `harts plan` answers it: hybrid-moe-124b, W = 32, 141 GiB, B = 16,384."""
+    """The sizing goal (README "Planning a cluster") as `harts plan` answers it: hybrid-moe-124b,
+    W = 32, 141 GiB, B = 16,384."""
     base = ["plan", "--model", "hybrid-moe-124b", "--world-size", "32", "--device-memory-gb", "141",
             "--microbatch-tokens", "16384"]
     docs = {}

@@ -142,7 +142,7 @@ def test_reward_rise_and_curve_comparison():
 ], ids=["byte-tokenizer-vs-320", "tokenizer-vs-200"])
 def test_vocabulary_mismatch_is_one_line_before_the_warm_start(tmp_path, vocab, tokenizer, match):
     """A model directory whose vocabulary does not fit the tokenizer stops before any weights are
-    built (the issue: vocab 320 ran the warm start, then failed decoding a sampled id >= 256)."""
+    built (the defect: vocab 320 ran the warm start, then failed decoding a sampled id >= 256)."""
     from trainer.models import debugmodel
 
     model = tmp_path / "model"

@@ -320,7 +320,7 @@ def test_step_ids_are_url_encoded_and_steps_can_be_deleted(server):
         assert err.value.status == 404
 
 
-# ---- issue 22: outages and replicas
+# ---- outages and replicas
 
 
 def _free_port() -> int:
@@ -354,7 +354,7 @@ def test_a_dead_url_fails_over_to_the_next_and_says_who_did_not_answer(server):
 
 @pytest.mark.slow
 def test_a_long_poll_rides_out_a_planner_down_for_15_s(tmp_path):
-    """Issue 22: `fetch_plan_bytes(sid, 0, timeout=120)` gave up after 12-14 s of a 15 s outage."""
+    """A defect: `fetch_plan_bytes(sid, 0, timeout=120)` gave up after 12-14 s of a 15 s outage."""
     srv = ServerProcess(tmp_path / "down.db", token=TOKEN, http_port=_free_port(), grpc_port=_free_port()).start()
     got: dict = {}
     with PlannerClient(srv.http_url, token=TOKEN) as c:

@@ -1,4 +1,4 @@
-"""`kernels.devices`: layouts match tensors by the device a spelling resolves to (GPU issue: a layout
+"""`kernels.devices`: layouts match tensors by the device a spelling resolves to (the first GPU run: a layout
 prepared on "cuda" was refused for q on "cuda:0"). Accelerator devices are faked through the
 current-index lookup, so these run on the CPU."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests of kernels.gated_delta_rule: chunk_gated_delta_rule (reference backend) against the
 token-by-token oracle, transformers' Qwen3-Next functions, and the bitwise packing invariance that
-tree execution relies on (DESIGN §2 invariant E, §5.3)."""
+tree execution relies on (Invariant E; docs/design/numerics.md)."""
 from __future__ import annotations
 
 import sys
@@ -321,7 +321,7 @@ def test_prepared_layout_is_reused_across_layers():
 @pytest.fixture(scope="module")
 def qwen3_next_fns():
     saved = sys.modules.get("fla", "absent")
-    sys.modules["fla"] = None  # ENV.md: an importable fla makes transformers bind Triton kernels on CPU
+    sys.modules["fla"] = None  # an importable fla makes transformers bind Triton kernels on CPU
     try:
         from transformers.models.qwen3_next import modeling_qwen3_next as m
     finally:

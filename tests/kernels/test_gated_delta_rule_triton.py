@@ -156,7 +156,7 @@ def test_triton_is_deterministic_under_torch_deterministic_mode():
 def test_triton_split_at_exported_state_equals_one_call():
     """A sequence run as two calls, the second starting from the state the first exports, gives the
     one-call outputs and gradients: the export gradient is injected at its chunk and comes back out
-    through the initial state (DESIGN §5.3)."""
+    through the initial state (docs/design/numerics.md)."""
     L, cut, C = 53, 32, 16
     x, cu = make_inputs([L], 2, 16, 16, seed=3)
     leaves = {n: t.detach().requires_grad_(True) for n, t in x.items()}
@@ -204,7 +204,7 @@ def test_triton_uses_the_prepared_layout():
 
 def test_triton_layout_prepared_on_another_spelling_of_the_device_is_not_copied():
     """A layout prepared on "cuda" serves tensors on "cuda:0" as it is (no per-call copy of its
-    index tensors; the GPU issue's device mismatch)."""
+    index tensors; the device mismatch of the first GPU run)."""
     x, cu = make_inputs([21, 16], 1, 16, 16, seed=9)
     es, ep = exports_of([(1, 16)])
     layout = prepare_layout(cu, es, ep, 16, device="cuda" if DEVICE == "cuda" else "cpu:0")

@@ -177,7 +177,7 @@ def test_triton_rejects_float64_and_a_layout_elsewhere():
 
 
 def test_triton_accepts_a_layout_prepared_on_another_spelling_of_qs_device():
-    """The GPU issue's failure: a layout prepared on "cuda" was refused for q on "cuda:0"
+    """The first GPU run's failure: a layout prepared on "cuda" was refused for q on "cuda:0"
     (`torch.device("cuda") != torch.device("cuda:0")`); devices are compared resolved."""
     tree = random_tree(16, num_segments=3, max_len=9, num_imported=1)
     q, k, v = random_qkv(tree, 2, 1, 16, seed=17, dtype=torch.float32, device=DEVICE)

@@ -127,7 +127,7 @@ def test_full_size_units_match_transformers_and_the_trainer_on_meta(name):
     """Two counts built independently of plan/cluster_memory.py: transformers' Qwen3NextForCausalLM and
     the trainer's Qwen3NextForRL, both on the meta device, unit by unit, shape by shape."""
     torch = pytest.importorskip("torch")
-    sys.modules.setdefault("fla", None)  # transformers would bind fla's kernels (ENV.md)
+    sys.modules.setdefault("fla", None)  # transformers would bind fla's GPU kernels, even for CPU tensors
     # optional and deferred: the trainer extra, and transformers only after the fla choice above
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -248,7 +248,8 @@ def test_expert_parallel_must_split_whole_experts_over_whole_ranks(config, E, ma
 
 
 def test_default_budget_follows_checkpointing_and_expert_parallelism():
-    """The issue's goal: hybrid-moe-124b, B = 16,384 rows per microbatch, W = 32 on 141 GiB devices."""
+    """The sizing goal of README "Planning a cluster": hybrid-moe-124b, B = 16,384 rows per
+    microbatch, W = 32 on 141 GiB devices."""
     cfg = hybrid_moe_124b()
     kw = dict(dtype="bfloat16", lockstep=True)
     with pytest.raises(ValueError, match="turn on activation_checkpointing"):

@@ -1,4 +1,4 @@
-"""Windows across ranks in the planner (issue 24): crossing partitions, the aligner with dependents
+"""Windows across ranks in the planner (docs/design/cross-rank.md): crossing partitions, the aligner with dependents
 on other ranks, the CrossEdges the builder writes, and plan_step's choice between the plans."""
 from __future__ import annotations
 

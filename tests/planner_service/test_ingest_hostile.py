@@ -1,6 +1,6 @@
-"""Hostile rollout bodies (issue 13, item 2) get a 422 naming the field at submit, and nothing is
+"""Hostile rollout bodies get a 422 naming the field at submit, and nothing is
 stored: deep nesting, integers beyond float64, lone surrogates in ids, booleans as numbers, and a
-world size spelled as a string; issue 22: bytes that are not UTF-8 in ids (JSON and protobuf),
+world size spelled as a string; bytes that are not UTF-8 in ids (JSON and protobuf),
 batch ids that no URL can carry, and ids past the length bound; strings that look like
 the JSON scan's placeholders. In-process: PlannerCore and the
 FastAPI app over it."""

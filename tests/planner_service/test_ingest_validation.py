@@ -1,4 +1,4 @@
-"""planner_service.ingest validation (DESIGN §3): every rule rejects the whole batch and names the
+"""planner_service.ingest validation (docs/design/service.md): every rule rejects the whole batch and names the
 first offending field, in both input forms; limits raise LimitError naming the limit."""
 from __future__ import annotations
 

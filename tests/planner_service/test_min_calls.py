@@ -1,4 +1,4 @@
-"""Minimum sequential linear-attention calls (planner_service/planner/min_calls.py, DESIGN §4.3)."""
+"""Minimum sequential linear-attention calls (planner_service/planner/min_calls.py, docs/design/min-calls.md)."""
 from __future__ import annotations
 
 import itertools

@@ -1,4 +1,4 @@
-"""Placement (issue 12): kernels against their plain-Python oracles, part capacities, rank forests,
+"""Placement: kernels against their plain-Python oracles, part capacities, rank forests,
 the makespan on few large trees, the lower bound in the plan stats, and the memory estimate
 bounding the exact live stack."""
 from __future__ import annotations
@@ -131,7 +131,7 @@ def _few_large_trees(n_trees=2, branches=12, prompt=40, branch=(60, 140), seed=0
 def test_few_large_trees_are_split_across_ranks_near_the_lower_bound(world, target):
     # 2 trees of ~1.2k rows on 4-16 ranks: a window group per rank would leave most ranks idle
     # (makespan ratio >= world / 2); placement splits each tree below its prompt, duplicating the
-    # 40-token prefix on the other ranks (issue 12's targets: 1.25 with fewer than 2 trees per rank).
+    # 40-token prefix on the other ranks (the placement table's target: 1.25 with fewer than 2 trees per rank).
     f = _few_large_trees()
     cfg = PlanConfig(world_size=world, microbatch_tokens=256, chunk_size=8)
     plan = plan_step(f, cfg)
@@ -231,7 +231,7 @@ def test_memory_estimate_bounds_the_exact_exports_and_plans_always_validate(seed
 
 
 def test_full_length_style_chain_with_small_microbatches_plans_within_memory():
-    # Issue 10: a 6,000-token trajectory chained through B = 256 windows (24 deep) used to need
+    # A 6,000-token trajectory chained through B = 256 windows (24 deep) used to need
     # the whole path live (old accounting: exported rows as full rows); with the byte model the
     # recomputed windows keep only their K/V, conv and replay inputs and states.
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Plan slices carry only their own rank's data (issue 12): a slice's size does not grow with the
+"""Plan slices carry only their own rank's data: a slice's size does not grow with the
 world size, its local tables map back to the step's, and a trainer runs it as before."""
 from __future__ import annotations
 

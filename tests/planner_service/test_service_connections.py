@@ -1,5 +1,5 @@
-"""Connection exhaustion against a real `harts serve` on 127.0.0.1 (issue 13, item 1; item 6's
-ready line and client disconnects).
+"""Connection exhaustion against a real `harts serve` on 127.0.0.1 (and the ready line and
+client disconnects).
 
 Half-sent requests, bodies that never arrive, idle and busy connections: health checks keep
 answering on both transports, stalled connections get 408 or are closed, a server whose
@@ -244,7 +244,7 @@ def test_client_disconnects_are_not_errors_and_free_their_long_poll(small):
 
 
 def test_slowloris_that_reconnects_at_once_does_not_evict_legitimate_requests(tmp_path):
-    """Issue 22: half-sent connections re-opened as soon as the guard closes them (here 2x the
+    """A defect: half-sent connections re-opened as soon as the guard closes them (here 2x the
     connection bound) evicted new legitimate connections: /healthz answered 16 of 86 probes."""
     import json
     import selectors

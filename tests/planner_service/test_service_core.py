@@ -387,7 +387,7 @@ def test_vacuum_is_skipped_when_the_disk_has_no_room_for_its_copy(tmp_path, monk
     store.close()
 
 
-# ---- issue 22: the last hostile-audit defects, each from its reproducer
+# ---- the last hostile-audit defects, each from its reproducer
 
 
 def test_the_content_digest_includes_the_policy_version(core):
@@ -451,7 +451,7 @@ def test_an_idle_server_writes_nothing(tmp_path):
 
 
 def test_plans_are_stored_compressed_and_served_byte_identical(tmp_path):
-    """The issue's batch shape, at a tenth of its size: 12 trajectories sharing 60% of their
+    """The replicas benchmark's batch shape, at a tenth of its size: 12 trajectories sharing 60% of their
     tokens, planned for 8 ranks; the stored slices stay within 3x the submitted JSON."""
     import numpy as np
 

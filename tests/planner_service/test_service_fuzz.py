@@ -76,7 +76,7 @@ def test_no_input_causes_a_server_error(api_schema, mode, known_step):
     assert all(code < 500 for codes in seen.values() for code in codes), seen
 
 
-# ---- hostile values: deep nesting, huge numbers, surrogates, wrong types (issue 13)
+# ---- hostile values: deep nesting, huge numbers, surrogates, wrong types
 #
 # The schema-driven cases above never send a document nested 100,000 deep or a number with 400
 # digits. These do, through the same in-process app; every one must be a 4xx with a JSON error

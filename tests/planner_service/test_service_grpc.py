@@ -189,7 +189,7 @@ def test_delete_step(stub, channel):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-# ---- issue 22: the last hostile-audit defects, each from its reproducer
+# ---- the last hostile-audit defects, each from its reproducer
 
 
 def test_a_long_step_id_is_invalid_argument_not_an_oversized_trailer(stub):

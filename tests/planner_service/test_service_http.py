@@ -246,7 +246,7 @@ def test_batch_id_with_a_slash_is_rejected(http):
     assert r.status_code == 422 and r.json()["error"]["field"] == "batch_id"
 
 
-# ---- issue 22: the last hostile-audit defects, each from its reproducer
+# ---- the last hostile-audit defects, each from its reproducer
 
 
 def _head(method: str, path: str, length: int, auth: bool) -> bytes:

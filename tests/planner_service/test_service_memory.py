@@ -1,4 +1,4 @@
-"""Memory bounds of the service (issue 13, item 5): the slice and forest caches hold at most their
+"""Memory bounds of the service: the slice and forest caches hold at most their
 byte budgets, a request body is read into one buffer, and a rejected batch is not copied on the
 way to its 413."""
 from __future__ import annotations

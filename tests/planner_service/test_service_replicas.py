@@ -1,4 +1,4 @@
-"""Planner replicas on one PostgreSQL database (issue 22, item 2), against a real server.
+"""Planner replicas on one PostgreSQL database, against a real server.
 
 A throwaway PostgreSQL (`benchmarks/postgres_server.py`; skipped locally without the Debian package,
 a failure under CI) backs `harts serve --db postgresql://...` replicas on 127.0.0.1. What must

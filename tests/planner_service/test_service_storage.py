@@ -1,4 +1,4 @@
-"""Storage faults against a real `harts serve` on 127.0.0.1 (issue 13, item 3).
+"""Storage faults against a real `harts serve` on 127.0.0.1.
 
 The database lives on a small tmpfs so the disk can really fill up; `chattr +i` makes files
 immutable. Both need root (the project's CI and developer machines run as root); the test is
@@ -176,7 +176,7 @@ def test_unwritable_database_at_start_is_not_ready_until_writable(tmpfs):
     assert "Traceback" not in srv.log_text()
 
 
-# ---- issue 22: a deleted WAL, a disk full at start-up
+# ---- a deleted WAL, a disk full at start-up
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "sigkill"])

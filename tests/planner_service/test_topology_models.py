@@ -1,4 +1,4 @@
-"""A topology that names the trainer's model and a cost model (issue 10 item 3, issue 12): the
+"""A topology that names the trainer's model and a cost model: the
 service plans with both, falls back to its own defaults, and names a bad document's field; both
 documents are bounded before anything is built."""
 from __future__ import annotations

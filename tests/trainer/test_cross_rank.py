@@ -1,4 +1,4 @@
-"""Windows across ranks (issue 24; DESIGN §5.7; plan.cross_edges, trainer.cross_rank, trainer.executor).
+"""Windows across ranks (docs/design/cross-rank.md; plan.cross_edges, trainer.cross_rank, trainer.executor).
 
 Plans: the planner's lock-step plans of small synthetic batches with a small memory budget
 (windows nested, exporters recomputed), in which `tests.executor_helpers.cross_rank_plan` moves
@@ -341,7 +341,7 @@ def test_the_planners_crossing_windows_on_two_gloo_ranks_equal_the_one_process_s
     """Not hand-built: the planner chooses and writes the cross edges, the validator and the slice
     check accept them, and 2 gloo ranks with FSDP2 running them have the loss and gradients of the
     one-process step of the same plan. That step is the batch's: without the MoE load-balancing
-    loss (a microbatch's own statistics, DESIGN §5.4, so it depends on the partition) it equals
+    loss (a microbatch's own statistics, so it depends on the partition) it equals
     the one-process step of the batch planned without windows across ranks."""
     from plan.seal import slice_plan
     from plan.validator import validate_slice

@@ -1,4 +1,4 @@
-"""Executor exactness (Invariant E, DESIGN §2, §5): tree plans vs trajectory-expanded plans.
+"""Executor exactness (Invariant E, docs/design/numerics.md): tree plans vs trajectory-expanded plans.
 
 Plans come from `tests/executor_helpers.make_plan`, a small independent plan maker, so these tests
 do not depend on the planner (tests/trainer/test_executor_planner.py runs the planner's plans).

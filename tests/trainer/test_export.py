@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's GPU kernels on CPU
+sys.modules.setdefault("fla", None)  # transformers must not bind fla's GPU kernels on CPU
 
 from harts_cli.main import main as harts  # noqa: E402
 from kernels.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402

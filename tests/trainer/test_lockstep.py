@@ -1,4 +1,4 @@
-"""Lock-step plans with parameters sharded through the step (DESIGN §5.7; trainer.lockstep, trainer.parallelize).
+"""Lock-step plans with parameters sharded through the step (docs/design/lockstep.md; trainer.lockstep, trainer.parallelize).
 
 A windowed plan with recomputation on 2 and 4 ranks (the plan builder with a random partition,
 some window parents recomputed) is aligned into lock-step phases by the test helper

@@ -81,7 +81,7 @@ def test_writer_creates_the_folder_rank0_only_and_drops_lines_after_the_resumed_
 
 
 def test_a_resumed_run_that_trains_nothing_leaves_the_metrics_file_alone(tmp_path):
-    # issue 22: a run that exits before its first step (a world-size check) truncated 4 lines to 0
+    # a run that exits before its first step (a world-size check) truncated 4 lines to 0
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
     w = MetricsWriter(MetricsSection(jsonl=str(path)), is_main=True, resume_step=0)

@@ -1,4 +1,4 @@
-"""Parity of trainer.models with transformers' Qwen3-Next on the same weights (DESIGN §5.1, §8)."""
+"""Parity of trainer.models with transformers' Qwen3-Next on the same weights (docs/design/execution.md)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's GPU kernels on CPU
+sys.modules.setdefault("fla", None)  # transformers must not bind fla's GPU kernels on CPU
 
 from kernels.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
 from trainer import tree_ops  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.modules.setdefault("fla", None)  # ENV.md: transformers must not bind fla's GPU kernels on CPU
+sys.modules.setdefault("fla", None)  # transformers must not bind fla's GPU kernels on CPU
 
 from harts_client.chat import ChatTemplateFormat, PlainFormat, load_format  # noqa: E402
 from harts_client.data import DatasetInstances, GeneratedInstances  # noqa: E402

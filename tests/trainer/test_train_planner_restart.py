@@ -1,4 +1,4 @@
-"""A 2-rank torchrun run rides out a planner restart (issue 22, item 1).
+"""A 2-rank torchrun run rides out a planner restart.
 
 The planner is killed with SIGKILL while the ranks wait for the next step's plan, stays down for
 20 s, and comes back on the same port and database. The run must finish with the parameters of

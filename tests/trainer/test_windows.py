@@ -1,4 +1,4 @@
-"""Sharing windows in the executor (DESIGN §5.5): windowed tree plans vs trajectory-expanded plans.
+"""Sharing windows in the executor (docs/design/windows.md): windowed tree plans vs trajectory-expanded plans.
 
 Windowed plans come from the plan builder with hand-made partitions (nested windows, several
 children of one parent, a child that is itself a parent, cut edges inside a chunk, one trajectory

@@ -3,16 +3,9 @@
     cfg = load_config("examples/train_tiny_fsdp.toml", ["--objective.clip_high", "0.28", "--job.steps", "4"])
     python -m trainer.train --config examples/train_tiny_fsdp.toml --objective.clip_high 0.28
 
-Precedence: the dataclass defaults, then the file (`--config`, .toml / .yaml / .yml), then dotted
-flags (`--section.field value`, one per leaf field; `--help` lists them with their docstrings and
-defaults). The short flags of earlier releases (`--steps`, `--lr`, `--planner-url`, ...) remain
-aliases of their dotted fields. Every section validates itself in `__post_init__` and errors name
-the dotted field (`optimizer.lr: expected > 0, got 0.0`); unknown keys in a file are errors.
-
-Three modules: `schema` (the slotted dataclasses), `loader` (files, coercion, dotted overrides),
-`cli` (argparse). Sections (`TrainerConfig` fields): planner, job, model, parallelism, executor,
-objective (`trainer.objectives.ObjectiveConfig`), optimizer, lr_schedule, checkpoint, metrics,
-staleness.
+Three modules: `schema` (the slotted `*Section` dataclasses and `TrainerConfig`), `loader` (files,
+coercion, dotted overrides; `sections_from_dict` also reads `harts rl`'s files), `cli` (argparse).
+Sections, precedence, aliases and errors: docs/design/training-loop.md ("Configuration").
 """
 from trainer.config.cli import ALIASES, add_config_arguments, config_from_namespace, field_docs, load_config
 from trainer.config.loader import config_from_dict, read_config_file, to_dict, with_overrides

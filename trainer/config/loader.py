@@ -1,12 +1,13 @@
-"""From a TOML/YAML file and dotted overrides to a validated `TrainerConfig`.
+"""From a TOML/YAML file and dotted overrides to validated config sections: the trainer's and `harts rl`'s.
 
     doc = read_config_file("examples/train_tiny_fsdp.toml")          # {section: {field: value}}
     doc = with_overrides(doc, {"objective.clip_high": "0.28"})       # dotted fields, strings coerced
-    cfg = config_from_dict(doc, where="--config examples/train_tiny_fsdp.toml")
+    cfg = config_from_dict(doc, where="--config examples/train_tiny_fsdp.toml")   # TrainerConfig
+    kw = sections_from_dict(doc, {"run": RunSection, ...})           # the one loader of both
 
-Values are coerced to the field types (`"0.28"` -> 0.28, `"a,b"` -> a list, `"none"` -> None, `"on"`
--> True), so a file and a command line give the same config. Errors are `ConfigError`s naming the
-dotted field; unknown sections and fields are errors.
+Values are coerced to the field types (`"0.28"` -> 0.28, `"a,b"` -> a list, `"none"` -> None,
+`"on"` -> True), so a file and a command line give the same config. Errors are `ConfigError`s
+naming the dotted field; unknown sections and fields are errors (docs/design/training-loop.md).
 """
 from __future__ import annotations
 

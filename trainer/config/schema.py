@@ -1,14 +1,11 @@
-"""The trainer's configuration schema: keyword-only, slotted dataclasses, one per section.
+"""The trainer's configuration schema: keyword-only, slotted dataclasses, one `*Section` per section.
 
 Every field carries a docstring (shown by `--help`, `trainer.config.cli`) and every section
 validates itself in `__post_init__`, raising ValueError that names the field, the value and the
 remedy; `trainer.config.loader` prefixes the section (`optimizer.lr: expected > 0, got 0.0`).
-Nothing here imports torch: `harts --help` stays fast.
-
-Sections (`TrainerConfig` fields): planner, job, model, parallelism, executor, objective
-(`trainer.objectives.ObjectiveConfig`), optimizer, lr_schedule, checkpoint, metrics, staleness.
-`ExecutorSection` holds the executor's user-facing fields once: `trainer.executor.ExecutorConfig`
-extends it with what a caller sets in code (the objective, probes, validation).
+Nothing here imports torch: `harts --help` stays fast. `ExecutorSection` holds the executor's
+user-facing fields once; `trainer.executor.ExecutorConfig` extends it with what a caller sets in
+code (docs/design/training-loop.md, "Configuration").
 """
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""Qwen3-Next-compatible model configuration and named tiny configs (DESIGN §5.1).
+"""Qwen3-Next-compatible model configuration and named tiny configs.
+
+    cfg = debugmodel()                                     # the tiny MoE of the tests and the demo
+    cfg = ModelConfig.from_hf_dict(json.load(open("config.json")))
 
 `ModelConfig` mirrors the fields of Hugging Face `Qwen3NextConfig` that change the arithmetic;
-`ModelConfig.from_hf_dict(config_json)` reads a checkpoint's config.json and rejects what this
-trainer cannot run exactly (token-dropping MoE capacity factors, other model types, activations).
+`from_hf_dict` rejects what this trainer cannot run exactly (token-dropping MoE capacity factors,
+other model types, activations; docs/design/execution.md, "The model over packed rows").
 """
 from __future__ import annotations
 
@@ -164,7 +167,7 @@ class ModelConfig:
 
 
 def debugmodel() -> ModelConfig:
-    """The tiny hybrid MoE of ENV.md: 4 layers (linear x3 + full), 8 experts top-2."""
+    """The tiny hybrid MoE (`--model tiny`): 4 layers (linear x3 + full), 8 experts top-2."""
     return ModelConfig()
 
 

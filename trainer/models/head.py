@@ -2,21 +2,9 @@
 
     logprob_P, entropy_P = chunked_logprobs(h_UD, W_VD, inv_P, label_P, chunk=8192, entropy=True)
 
-Per log-prob entry p (row inv[p] of the U distinct rows, token label[p]):
-logprob = logit[row, label] - lse[row] and entropy = lse - sum_v softmax_v logit_v, with
-logit = h W^T rounded to the model dtype, as the full head computes it (`lm_head` then a cast to
-at least fp32). The vocabulary is walked in chunks of `chunk` columns: one GEMM per chunk, an
-online logsumexp and an online softmax-weighted logit sum in fp32; the label logits are picked
-from the chunk that holds them. The backward walks the chunks again, recomputing each chunk's
-logits (as liger-kernel's fused linear cross-entropy does): dlogit = dlogprob (onehot(label) - p)
-+ dentropy (-p (logit - E_p[logit])), then dh += dlogit W_c and dW_c = dlogit^T h, so the largest
-tensor is [U, chunk]. Deterministic: the per-row reductions over entries (several entries share a
-row: every trajectory through it) are index_adds, deterministic under
-`torch.use_deterministic_algorithms` (the executor's `deterministic`, on CUDA).
-
-The CPU keeps the full head (`trainer.loss`): its bits are the CPU path's exactness; tests compare
-the two (values and gradients).
-
+The vocabulary in chunks of `chunk` columns with an online logsumexp, the backward recomputing each
+chunk's logits, so the largest tensor is [U, chunk]; the CPU keeps the full head (`trainer.loss`),
+and tests compare the two. The formulas: docs/design/execution.md ("The head").
 Legend: U distinct rows, D hidden, V vocabulary, P log-prob entries, c a chunk of columns.
 """
 from __future__ import annotations

@@ -2,14 +2,9 @@
 
     w = init_rows("model.layers.0.mlp.gate.weight", (8, 64), slice(2, 6), seed=0, cfg=cfg)   # rows 2..5
 
-transformers' Qwen3-Next scheme (A_log = log U(0.01, 16); dt_bias and the gated norms' weights 1;
-the other norms' weights 0, the model computes `x_hat * (1 + w)`; everything else N(0,
-initializer_range)), drawn so that a rank can make its FSDP2 shard alone: a parameter's rows
-(dim 0, the dimension FSDP2 shards) are split into fixed blocks of ROWS_PER_BLOCK rows (fewer for
-wide rows: about BLOCK_ELEMENTS values per block), and block b is drawn from its own generator,
-seeded from (seed, parameter name, b). A shard draws only the blocks that overlap its rows, so
-world sizes 1, 2 and 4 give bitwise the same full weights (`tests/trainer/test_materialize.py`),
-and no rank ever draws a whole large parameter.
+transformers' Qwen3-Next scheme, drawn in fixed row blocks each from its own generator, so that a
+rank draws only the blocks of its FSDP2 shard and world sizes 1, 2 and 4 give bitwise the same
+weights: docs/design/execution.md ("Building the model without holding it").
 """
 from __future__ import annotations
 

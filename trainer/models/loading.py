@@ -7,10 +7,7 @@
     model = build_model(spec, shard=..., fill=False)             # storage only: a DCP checkpoint loads next
 
 Every build starts on the meta device and materialises only the rows the process keeps
-(`trainer.models.materialize`): seeded weights are the same at every world size, a directory's
-safetensors are read slice by slice, names and layouts (per-expert or stacked experts, tied
-embeddings, `mtp.*` ignored) through `trainer.models.state_dict_adapter.StateDictAdapter`, the one
-mapping `harts export` inverts.
+(`trainer.models.materialize`; docs/design/execution.md, "Building the model without holding it").
 """
 from __future__ import annotations
 

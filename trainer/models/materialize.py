@@ -3,20 +3,12 @@
     model = meta_model(cfg)                                   # no memory: every parameter on "meta"
     model = parallelize(model, mesh, cfg.parallelism, ctx)    # FSDP2 shards, still on "meta"
     materialize(model, ctx.device, seed_rows(cfg, seed=0))    # this rank's rows from a seed ...
-    with hf_rows(model_dir, cfg) as fill:                     # ... or read from a HF directory ...
+    with hf_rows(model_dir, cfg, expect=shapes) as fill:      # ... or read from a HF directory ...
         materialize(model, ctx.device, fill)
     materialize(model, ctx.device, None)                      # ... or left empty for a DCP load
 
-A parameter is a plain tensor (one process, "replicate": every row) or an FSDP2 DTensor sharded
-along dim 0 (`Shard(0)`: rank r of W holds rows [r c, min((r + 1) c, n)), c = ceil(n / W), as
-torch.chunk splits them). `materialize` allocates the rank's storage (`to_empty`) and asks `fill`
-for exactly those rows of each parameter:
-- `seed_rows`: the counter-based initialisation of `trainer.models.init` (the same weights at
-  every world size);
-- `hf_rows`: the rows read straight from safetensors (`safe_open(...).get_slice(name)[a:b]`) through
-  the adapter's names and layouts (`trainer.models.state_dict_adapter`): a rank reads its shard of
-  each tensor and nothing else (for stacked experts, only its experts' tensors);
-- None: a sharded DCP checkpoint (`trainer.checkpoint.load`) overwrites every shard afterwards.
+Which rows a rank holds and where each fill reads them: docs/design/execution.md ("Building the
+model without holding it").
 """
 from __future__ import annotations
 

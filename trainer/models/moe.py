@@ -6,20 +6,9 @@
     y_SD = experts(x_SD, d, ops)                          # SwiGLU of every group: grouped GEMMs or a loop
     out_RD = combine(y_SD, w_Rk, d)                       # per row: its experts' outputs, ascending expert order
 
-Determinism (DESIGN §5.4): routing never drops tokens, and nothing here uses float atomics. The
-dispatch is a gather whose backward is a gather too (every slot has at most one source row, every
-row exactly k slots, so the inverse map is known: `gather_rows`); the combine gathers each row's
-k expert outputs and sums them in ascending expert order, a fixed order that is the order in which
-the per-expert reference (`Experts.forward_ref`: one `index_add` per expert) accumulates them, so
-on the CPU the two are bitwise equal. Group boundaries come from a sort and a searchsorted on the
-device: the grouped path never reads the counts on the host (the per-expert loop, the CPU path,
-reads them once per layer).
-
-Expert parallelism plugs in between the gather and the experts (`trainer.expert_parallel`): the
-slots of the experts another rank owns travel there and back by all-to-all; the combine is local.
-
-Legend: R rows, D hidden, E experts, k top-k, A = R k assignments, S slots (A plus group padding),
-I expert width.
+No dropped tokens, no float atomics, no host reads on the grouped path: docs/design/execution.md
+("Mixture of experts"). Legend: R rows, D hidden, E experts, k top-k, A = R k assignments,
+S slots (A plus group padding), I expert width.
 """
 from __future__ import annotations
 

@@ -3,24 +3,10 @@
     ops = select_ops(device, batch_invariant=False)     # EXACT on the CPU, FAST on CUDA
     y = ops.linear(x_RI, w_OI)                           # every module calls its primitives through ops
 
-One model, several execution paths picked in one place (like the planner's `impl="numba" | "ref"`):
-
-- `EXACT`: the CPU path. Every projection is `row_linear`, a GEMM over row tiles of ROW_TILE rows
-  (plain CPU GEMMs pick different blockings for different row counts); sigmoid/silu/softplus are
-  written with `exp` (torch's CPU kernels round their vector body and scalar tail differently,
-  measured); routed experts run expert by expert. A row's bits then do not depend on the other
-  rows of its microbatch, so a tree run and its expanded run agree bitwise in fp32 on the CPU.
-- `FAST`: the GPU path: cuBLAS GEMMs, torch's fused activations, routed experts as two grouped
-  GEMMs over expert-sorted rows (`torch._grouped_mm`, bf16 on CUDA; fp32 falls back to the
-  per-expert loop). Deterministic under `torch.use_deterministic_algorithms` (the executor's
-  `deterministic`), not batch-invariant: cuBLAS picks kernels by row count.
-- `invariant_ops()`: the GPU's batch-invariant mode (`executor.batch_invariant`): fixed-tile GEMMs
-  without split-K, row-wise norms, softmax and logsumexp (`kernels.batch_invariant`), so that a
-  row's result does not depend on the row count: with the depth-tiled tree attention (a layout
-  flag, `prepare_tree_layout(batch_invariant=True)`) and the full head, tree and expanded log-probs
-  agree bitwise. Slower; off by default.
-
-Legend: R rows, I input features, O output features.
+`EXACT` (the CPU: row-tiled GEMMs, `exp`-based activations, experts one by one: bitwise tree ==
+expanded in fp32), `FAST` (CUDA: cuBLAS, torch's activations, grouped-GEMM experts; deterministic,
+not batch-invariant), `invariant_ops()` (CUDA's batch-invariant mode, `kernels.batch_invariant`).
+Why each: docs/design/numerics.md. Legend: R rows, I input features, O output features.
 """
 from __future__ import annotations
 
@@ -100,7 +86,7 @@ EXPERT_IMPLS = ("loop", "grouped")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ops:
-    """The primitives of one execution path (see the module docstring)."""
+    """The primitives of one execution path: EXACT, FAST or `invariant_ops()` (docs/design/numerics.md)."""
 
     name: str
     """"exact", "fast" or "invariant"."""

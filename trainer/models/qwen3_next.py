@@ -1,34 +1,12 @@
-"""Qwen3-Next-style hybrid decoder over packed rows (DESIGN §5.1-§5.2).
+"""Qwen3-Next-style hybrid decoder over packed rows: the arithmetic of transformers' `models/qwen3_next`.
 
-The arithmetic follows transformers' `models/qwen3_next` (zero-centred RMSNorm, Gated DeltaNet with
-fused `in_proj_qkvz`/`in_proj_ba` grouped per key head, gated softmax attention with partial RoPE,
-softmax top-k MoE with a gated shared expert), but the model runs on a packed set of rows described
-by a `trainer.layout.RowLayout` instead of a [batch, seq] grid: per-token operators run once per
-row, and the sequence-coupled ones (short conv, attention, linear attention) go through the
-layout's ancestry and call schedule (`trainer.tree_ops`).
+    model = Qwen3NextForRL(debugmodel())
+    out = model(layout, RunOptions(linear_fn=kernel_backend("ref")), imports, logprobs=True)  # ModelOutput; pure
 
-Parameter names equal the Hugging Face module names (`model.layers.3.self_attn.q_proj.weight`),
-so a checkpoint's state dict loads with only the per-expert weights regrouped (`loading.py`).
-
-Arithmetic primitives (projections, activations, norms, the router softmax, routed experts) come
-from one `trainer.models.ops.Ops` chosen per run (`RunOptions.ops`): on the CPU the batch-invariant
-forms, with which a row's result does not depend on the other rows of its microbatch (and
-attention reducing over keys in blocks at fixed depths, `kernels.tree_attention.blocked`), so the
-whole forward is bitwise equal between a tree run and its expanded run in fp32 (DESIGN §5.3); on
-CUDA cuBLAS and grouped GEMMs, or the batch-invariant GPU kernels. The routed experts are
-`trainer.models.moe`; the log-prob head is `trainer.models.head` (chunked on the GPU).
-
-Activation checkpointing (`RunOptions.checkpointing`): "full" runs each decoder block under
-non-reentrant `torch.utils.checkpoint` (it keeps the block's input and re-runs the block in the
-backward); "selective" re-runs only the FFN. A block returns what it records (routing, exports,
-kernel outputs), so a re-run has no effect outside it and the gradients are bitwise those of the
-run without checkpointing on the CPU.
-
-Dtypes: where a value is upcast for accuracy (norms, the decay g, the router softmax, RoPE) it goes
-to `compute_dtype(x)` = promote(x.dtype, fp32) (`kernels.dtypes`, shared with the kernels), never
-to a hard-coded fp32: fp32 and bf16 models compute exactly as before, and a float64 model
-(`model.double()`) computes in float64 end to end, the oracle of `harts verify --f64-reference`.
-
+Per-token operators run once per packed row of a `trainer.layout.RowLayout`; the sequence-coupled
+ones go through its ancestry and call schedule (`trainer.tree_ops`). Parameter names are the
+Hugging Face module names. Primitives (`RunOptions.ops`), checkpointing (`RunOptions.checkpointing`)
+and dtypes: docs/design/execution.md ("The model over packed rows"), docs/design/numerics.md.
 Legend: R rows, D hidden, H heads, Hk/Hv linear key/value heads, Kd/Vd linear head dims,
 hd attention head dim, E experts, k top-k, C conv channels, K conv kernel, V vocab.
 """

@@ -5,18 +5,9 @@
     ours = adapter.from_hf(hf)                          # what `load_model` loads
     rows = adapter.read(name, source, slice(r0, r1))    # rows r0..r1 of one of our parameters
 
-Every name of `Qwen3NextForRL` is already the Hugging Face module name except two:
-- routed experts are stacked here, `mlp.experts.gate_up_proj` [E, 2I, D] and `mlp.experts.down_proj`
-  [E, D, I] (the transformers v5 in-memory layout), and per expert in a checkpoint
-  (`mlp.experts.{e}.gate_proj.weight` [I, D], `up_proj.weight` [I, D], `down_proj.weight` [D, I],
-  what `save_pretrained` writes); `read` accepts either layout;
-- with tied embeddings `lm_head.weight` is the embedding matrix, which a checkpoint stores once.
-Multi-token-prediction weights (`mtp.*`) are not part of the model and are ignored.
-
-`read` takes rows along dim 0, the dimension FSDP2 shards, so that a rank materialises its shard
-from a checkpoint without reading the rest (`source` maps HF names to anything sliceable by rows:
-tensors, or safetensors' lazy `safe_open(...).get_slice(name)`). For stacked experts a row is one
-expert: only that expert's tensors are read.
+Every name is the Hugging Face module name except the stacked routed experts and a tied lm head;
+`read` takes rows along dim 0, the dimension FSDP2 shards (docs/design/execution.md, "Building
+the model without holding it").
 """
 from __future__ import annotations
 
@@ -35,7 +26,8 @@ _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 class StateDictAdapter:
-    """The name and layout mapping of one model config (see the module docstring)."""
+    """The name and layout mapping of one model config (docs/design/execution.md, "Building the model
+    without holding it")."""
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg

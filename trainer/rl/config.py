@@ -1,14 +1,13 @@
 """The `harts rl` configuration: typed sections read from TOML, plus the trainer ranks' config.
 
     cfg = load_rl_config("examples/rl_tiny.toml", steps=10, out="runs/x")
-    trainer_doc = cfg.trainer_doc(planner_url=url, out=Path(cfg.run.out))   # -> trainer.toml
+    trainer_doc = cfg.trainer_doc(planner_url=url, model_dir=path, out=Path(cfg.run.out))  # -> OUT/trainer.yaml
 
-Sections (`RLConfig` fields): run, task, data, model, warmup, sampling, generator, plan, eval,
-metrics, and `trainer`: the trainer ranks' own sections (`trainer.config.TrainerConfig`: objective,
-optimizer, lr_schedule, executor, parallelism, ...). The fields that tie the ranks to this run
-(planner URL, steps, step ids, seed, model, chunk size, exports every step, the staleness bound,
-the metrics file) are set by `harts rl` and are errors in the file. Unknown sections and fields
-are errors naming them.
+Sections (`RLConfig` fields, read by `trainer.config.loader.sections_from_dict`): run, task, data,
+model (`PolicySection`), warmup, sampling, generator, plan, eval, metrics (`RLMetricsSection`), and
+`trainer`: the trainer ranks' own sections. The fields that tie the ranks to this run
+(`FORCED_TRAINER_FIELDS`) are set by `harts rl` and are errors in the file
+(docs/design/training-loop.md, "Configuration").
 """
 from __future__ import annotations
 
@@ -259,7 +258,7 @@ class RLConfig:
     """The trainer ranks' sections (trainer.config.TrainerConfig), without the forced fields."""
 
     def trainer_doc(self, *, planner_url: str, model_dir: Path, out: Path) -> dict:
-        """The trainer ranks' config document (written to OUT/trainer.toml)."""
+        """The trainer ranks' config document (written to OUT/trainer.yaml)."""
         doc = {k: dict(v) for k, v in self.trainer.items()}
         doc.setdefault("planner", {})["url"] = planner_url
         doc.setdefault("job", {}).update(steps=self.run.steps, step_prefix=self.run.step_prefix, seed=self.run.seed)

@@ -2,20 +2,10 @@
 
     path, log = warm_start(cfg, task, fmt, out / "warmstart", plan_batch=plan_batch)   # HF directory, version 0
 
-Each step plays `warmup.batch` demonstrated episodes (`Task.demonstration`: the policy turns, the
-tool's observations between them) as flat trajectories without log-probs and with advantage 1:
-the trainer's objective is then on-policy (ratio 1) and its gradient is the token-mean
-cross-entropy of the demonstrated turns (observations and prompts carry no loss). Batches go
-through the same planner and executor as RL (in this process: one rank, no service; the caller
-passes the planner in as `plan_batch(batch_json, model_config) -> Plan`, e.g. `harts_cli.rl.run`'s
-`plan_batch` on `planner_service.planner.plan_step`), so the warm start is exactly the trainer's
-arithmetic. Episodes are rendered by the generator's conversation format (`harts_client.chat`:
-plain text, or the model's chat template), so the policy learns the stream it will sample in.
-The instances come from the run's instance source (`harts_client.data`: the task's train split
-at seeds above 10**6, RL steps use seeds below; or the dataset's training rows in their own
-shuffled stream). The result is written as an export (`trainer.export.write_hf_dir`, float32,
-tokenizer files, policy_version 0) that the trainer ranks load as their model and the generator
-samples from first.
+Demonstrated episodes go as flat trajectories with advantage 1 and no log-probs (on-policy: the
+gradient is the token-mean cross-entropy of the demonstrated turns) through the same planner and
+executor as RL; the caller passes the planner in as `plan_batch(batch_json, model_config) -> Plan`,
+so the trainer never imports it. Details: docs/design/training-loop.md ("`harts rl`").
 """
 from __future__ import annotations
 

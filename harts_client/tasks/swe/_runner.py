@@ -1,18 +1,11 @@
 """The sandboxed side of one tool call: run as `python -I -S _runner.py` in a private copy of the repository.
 
-Standard library only (it runs without site-packages). Reads one JSON request on stdin:
-{"tool": "read_file" | "write_file" | "edit" | "run_tests", "args": {...}, "limits": {...}},
-confines itself, runs the tool in the working directory and prints one JSON line last on stdout:
-{"output": text, "files": {changed path: text}, "passed": n, "failed": n, "isolation": ...}.
+    stdin:  {"tool": "read_file" | "write_file" | "edit" | "run_tests", "args": {...}, "limits": {...}}
+    stdout: ... {"output": text, "files": {changed path: text}, "passed": n, "failed": n, "isolation": ...}
 
-Confinement, in this order, before any repository code runs: a new user and network namespace
-(`unshare(CLONE_NEWUSER | CLONE_NEWNET)` through libc: the process sees only a loopback device that
-is down, so no network; "namespace"), or, where the kernel refuses unprivileged namespaces, no
-namespace ("audit-hook" only); resource limits (RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE,
-no core files), hard as well as soft so the code cannot raise them; then an audit hook
-(`sys.addaudithook`, which code cannot remove) that refuses sockets, new processes, ctypes, and
-writes, deletes, renames and mode changes outside the working directory. The caller adds the wall-clock timeout and the private
-temporary directory (`sandbox.Sandbox`).
+Standard library only. Before any repository code runs: a user and network namespace where the
+kernel allows it, hard resource limits, then an audit hook that refuses sockets, processes, ctypes
+and writes outside the directory (docs/design/training-loop.md, "Tasks").
 """
 import ctypes
 import importlib.util

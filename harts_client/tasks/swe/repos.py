@@ -5,15 +5,8 @@
     repo.bug                               # where: path, 1-based line, the buggy and the correct line
     repo.failing                           # ["tests/test_numbers.py::test_gcd"]
 
-A repository is a package (`<name>/__init__.py` and `modules` modules of `functions` functions
-each, drawn from a library of small pure functions grouped by theme) and one test file per module
-with one test per function: asserts on inputs drawn from the seed, their expected values
-computed by running the correct function. One function of the repository gets a mutation (an
-off-by-one, a flipped comparison, a wrong operator or variable: a one-line change), and its test
-includes an input on which the mutant differs, so exactly the tests of that function fail
-before the fix and every test passes after it. The functions are trusted code of this module:
-they are executed here, in this process, to compute the expected values; the policy's code only
-ever runs in the sandbox (`harts_client.tasks.swe.sandbox`).
+The library's functions are trusted code, run here to compute the expected values; the policy's
+code only runs in the sandbox (docs/design/training-loop.md, "Tasks").
 """
 from __future__ import annotations
 
@@ -160,7 +153,7 @@ def _test_source(package: str, module: str, fn: Function, cases: list[tuple]) ->
 
 
 def generate_repo(rng: np.random.Generator, *, modules: int = 2, functions: int = 3, cases: int = 3) -> Repo:
-    """A repository with one planted bug (module docstring).
+    """A repository with one planted bug (docs/design/training-loop.md, "Tasks").
 
     Args:
         modules: modules in the package (1 <= modules <= len(THEMES)).

@@ -5,16 +5,8 @@
     result = box.run(files, "edit", path="toolkit/numbers.py", line=7, text="    return a")
     result["files"]                                             # the files the call changed
 
-Each call copies the repository (`files`: path -> text) into a fresh private temporary directory
-(mode 0700, removed afterwards), starts `python -I -S _runner.py` there (isolated mode: no user
-site, no environment variables read; `-S`: no site-packages, the standard library only) in a new
-session with an environment of its own (PATH, HOME = the directory), sends the request on stdin
-and reads the result from the last line of stdout. The child confines itself before any
-repository code runs (`_runner.py`: a new user + network namespace where the kernel allows it,
-RLIMIT_CPU / RLIMIT_AS / RLIMIT_FSIZE / RLIMIT_NOFILE, an audit hook that refuses sockets, new
-processes, ctypes, and writes, deletes and renames outside the directory); this side kills the
-whole session after `timeout_s` of wall time. A call that times out, exceeds a limit or crashes returns an "error:"
-output and counts as failing tests.
+This side: a fresh 0700 directory, `python -I -S _runner.py` in a new session, the wall-clock
+timeout; the child's confinement is `_runner` (docs/design/training-loop.md, "Tasks").
 """
 from __future__ import annotations
 
@@ -55,7 +47,7 @@ class SandboxLimits:
 
 
 class Sandbox:
-    """Runs tool calls of `_runner.py` under `limits` (module docstring)."""
+    """Runs tool calls of `_runner.py` under `limits` (docs/design/training-loop.md, "Tasks")."""
 
     def __init__(self, limits: SandboxLimits | None = None):
         self.limits = limits or SandboxLimits()

@@ -4,30 +4,11 @@
     inst = task.instances("train", 1, seed=0)[0]
     task.prompt(inst)                               # [system: tools and rules, user: failing tests + repository view]
     task.observe(inst, ["read_file toolkit/numbers.py"])                  # [tool: the file, numbered]
-    task.observe(inst, [..., "edit toolkit/numbers.py 12\\n    return a"])  # [tool: the edited lines]
     task.observe(inst, [..., "run_tests"])                                # [tool: "5 passed, 1 failed ..."]
-    task.observe(inst, [..., "submit"])                                   # None: the episode is over
     task.reward(episode)                                                  # 1.0 when every test passes
 
-The shape of a SWE-agent rollout: a long system prompt shared by every episode (the tools, the
-call format, the rules), a user message with the failing tests and a view of the whole repository
-(every file, numbered), then tool calls that branch. A policy message is one tool call, either a
-command (first line: `read_file PATH`, `write_file PATH`, `edit PATH LINE`, `run_tests`, `submit`;
-the lines after it are the file content of write_file or the replacement of line LINE for edit)
-or a JSON call `{"name": ..., "arguments": {...}}` (optionally inside <tool_call></tool_call>, as
-chat models write them). Every tool call runs in the sandbox (`sandbox.Sandbox`: a subprocess in
-a private temporary directory with a timeout, CPU, memory and file-size limits and no network);
-an unknown or malformed call gets an "error:" answer and the episode goes on. The episode ends at
-`submit` or after `max_turns` calls; the reward runs the repository's original tests (edits to
-tests/ are undone first, so a policy cannot pass by rewriting them) on the final files in the
-sandbox: 1.0 when all pass (`partial_credit`: the fraction that pass).
-
-The repository after a branch's calls is a function of its history: `observe` keeps the files
-per (instance, calls so far) in a bounded cache and rebuilds a missing entry by replaying the
-branch's edits, so branches never share files. Instances are generated (`repos.generate_repo`,
-train and eval from disjoint seed streams) or read from dataset rows (`from_row`: {"id", "files":
-{path: text}, "issue"?, "fix"?: {"path", "line", "text"}} or {"seed": n} for a generated one).
-`demonstration` runs the tests, edits the buggy line back, runs the tests again and submits.
+The tool calls, the reward, the per-history file cache and dataset rows:
+docs/design/training-loop.md ("Tasks").
 """
 from __future__ import annotations
 
@@ -91,7 +72,7 @@ class SWEInstance:
 
 
 def parse_call(text: str) -> tuple[str, dict] | str:
-    """(tool, arguments) of a policy message, or the error to answer (module docstring)."""
+    """(tool, arguments) of a policy message, or the error to answer (docs/design/training-loop.md, "Tasks")."""
     text = text.strip()
     tagged = _CALL_TAG.search(text)
     if tagged or text.startswith("{"):
@@ -138,7 +119,7 @@ def _view(files: dict) -> str:
 
 
 class SWETask:
-    """Fix a planted bug with sandboxed tools (see the module docstring).
+    """Fix a planted bug with sandboxed tools (docs/design/training-loop.md, "Tasks").
 
     Args:
         modules, functions, cases: size of a generated repository (`repos.generate_repo`).
