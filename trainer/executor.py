@@ -128,7 +128,7 @@ class Executor:
         head = self.cfg.head if self.cfg.head != "auto" else ("chunked" if cuda and not self.batch_invariant else "full")
         self.run_options = RunOptions(
             linear_fn=kernel_backend(backend), chunk_size=self.cfg.chunk_size, attention_backend=attention,
-            ops=select_ops(self.device, batch_invariant=self.cfg.batch_invariant), head=head,
+            ops=select_ops(self.device, batch_invariant=self.cfg.batch_invariant, compiled=self.cfg.compile), head=head,
             head_chunk=self.cfg.head_chunk, checkpointing=self.cfg.activation_checkpointing,
         )
         self.deterministic = cuda and self.cfg.deterministic

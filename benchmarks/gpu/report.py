@@ -76,17 +76,21 @@ def _throughput(d: dict) -> list[str]:
     out = ["## Update throughput (forward + backward + AdamW)", ""]
     rows = []
     for r in d["rows"]:
-        for mode in ("windows", "expanded"):
-            x = r.get(mode, {})
-            rows.append([r["workload"], mode, _f(x.get("expanded_tokens"), ","), _f(x.get("microbatches")),
+        for mode in ("windows", "expanded", "windows_compiled"):
+            x = r.get(mode)
+            if x is None:
+                continue
+            rows.append([r["workload"], mode.replace("_", ", "), _f(x.get("expanded_tokens"), ","), _f(x.get("microbatches")),
                          _f(x.get("windows")), _f(x.get("warmup_seconds"), ".2f"), _f(x.get("seconds"), ".3f"),
                          _f(x.get("tokens_per_s"), ",.0f"), _f(x.get("tflops"), ".1f"), _f(x.get("mfu"), ".1%"),
                          _gb(x.get("peak_allocated_bytes"))])
     out += _table(["workload", "plan", "expanded tokens", "microbatches", "windows", "warm-up s", "step s",
                    "expanded tok/s", "model TFLOP/s", "MFU", "peak GiB"], rows)
-    out += _table(["workload", "batch (expanded / distinct)", "FLOP ideal", "windows / expanded", "of ideal"],
+    out += _table(["workload", "batch (expanded / distinct)", "FLOP ideal", "windows / expanded", "of ideal",
+                   "compiled / eager windows"],
                   [[r["workload"], f"{r['expanded_tokens']:,} / {r['unique_tokens']:,}", _f(r.get("flop_ideal"), ".2f"),
-                    _f(r.get("windows_vs_expanded"), ".2f"), _f(r.get("fraction_of_ideal"), ".2f")] for r in d["rows"]])
+                    _f(r.get("windows_vs_expanded"), ".2f"), _f(r.get("fraction_of_ideal"), ".2f"),
+                    _f(r.get("compiled_speedup"), ".2f")] for r in d["rows"]])
     return out
 
 

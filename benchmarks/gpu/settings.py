@@ -81,6 +81,9 @@ class BenchSettings:
     """Workload whose trajectories the transformers peer runs."""
     peer_tokens: int = 16384
     """Subset of those trajectories the peer runs (its rate stands for the batch)."""
+    compiled: bool = True
+    """After the throughput rows, time every windows plan again with `ExecutorConfig.compile` (the
+    elementwise chains fused by torch.compile; its warm-up step compiles them)."""
     warmup_steps: int = 1
     """Untimed steps per plan before the timed ones (the first compiles)."""
     timed_steps: int = 2

@@ -4,7 +4,8 @@
     throughput_section(ctx, sec)   # per workload: windows plan vs a subset's expanded plan, as training steps
 
 Per plan: expanded tokens/s (fastest timed step after warm-ups), model FLOPs (3 x `trainer.flops`),
-TFLOP/s, MFU, peak memory; per workload windows / expanded against the FLOP ideal
+TFLOP/s, MFU, peak memory; per workload windows / expanded against the FLOP ideal; then each
+windows plan again with the elementwise chains compiled (`executor.compile`) against the eager one
 (benchmarks/README.md, "The trainer on a GPU").
 """
 from __future__ import annotations
@@ -93,6 +94,13 @@ def throughput_section(ctx: BenchContext, sec: Section) -> None:
             sec.save()
         row["windows_vs_expanded"] = row["windows"]["tokens_per_s"] / row["expanded"]["tokens_per_s"]
         row["fraction_of_ideal"] = row["windows_vs_expanded"] / row["flop_ideal"]
+    if s.compiled:  # after every row is saved: a timeout here loses only this comparison
+        compiled = Executor(model, ctx.executor_config(compile=True))
+        step = lambda plan: train_step(compiled, plan, opt)  # noqa: E731
+        for row in sec.data["rows"]:
+            row["windows_compiled"] = timed_steps(ctx, step, ctx.plan(row["workload"], "windows"), peak)
+            row["compiled_speedup"] = row["windows_compiled"]["tokens_per_s"] / row["windows"]["tokens_per_s"]
+            sec.save()
 
 
 def timed_steps(ctx: BenchContext, step, plan, peak_tflops: float | None) -> dict:

@@ -158,6 +158,7 @@ def test_gpu_check_dry_run_runs_every_step_and_every_bench_section_on_the_cpu(tm
     for row in docs["throughput"]["data"]["rows"]:
         assert row["windows"]["tokens_per_s"] > 0 and row["expanded"]["tokens_per_s"] > 0 and row["flop_ideal"] > 1
         assert row["windows"]["microbatches"] >= 2  # B = 256 cuts the trees: windows run
+        assert row["windows_compiled"]["tokens_per_s"] > 0 and row["compiled_speedup"] > 0
     cells = docs["fidelity"]["data"]["runs"]
     assert {c["dtype"] for c in cells} == {"bfloat16", "float32"}
     assert all(v["bitwise_equal"] and v["expert_load_equal"] for c in cells for v in c["vs_expanded"].values())
@@ -168,7 +169,7 @@ def test_gpu_check_dry_run_runs_every_step_and_every_bench_section_on_the_cpu(tm
     assert peer["agreement"]["max_abs"] < 1e-4 and set(peer["ratios"]) == {"windows_vs_torch_gdn", "expanded_vs_torch_gdn"}
     assert docs["kernels"]["data"]["returncode"] == 0 and "report" in docs["kernels"]["data"]
     report = (bench / "report.md").read_text()
-    assert "## Update throughput" in report and "## transformers peer" in report
+    assert "## Update throughput" in report and "## transformers peer" in report and "windows, compiled" in report
     (bench / "report.md").unlink()
     rendered = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu", "--render", str(bench)], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)

@@ -9,6 +9,8 @@
   cuBLAS and the grouped GEMMs, as any repacking of a bf16 batch shows).
 - With `batch_invariant` (fixed-tile GEMMs, `kernels.batch_invariant`): bf16 tree and expanded
   log-probs bitwise equal, when the installation has the kernels.
+- With `compile` (the elementwise chains fused by torch.compile): deterministic as above, fp32
+  within 1e-5 of the eager kernels.
 
 The figures each test sees are appended to $HARTS_GPU_FIGURES (JSON lines) when that is set, so
 that `scripts/gpu_check.sh` returns them.
@@ -57,9 +59,10 @@ def _executor(dtype: str, **kw) -> Executor:
                                           validate="none", aux_loss_coef=0.01, **kw))
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_same_plan_twice_is_bitwise_equal(dtype):
-    ex = _executor(dtype)
+def test_same_plan_twice_is_bitwise_equal(dtype, compile):
+    ex = _executor(dtype, compile=compile)
     expanded, tree = _plans("nested")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -71,7 +74,18 @@ def test_same_plan_twice_is_bitwise_equal(dtype):
                 assert a.logprobs[tid].tobytes() == b.logprobs[tid].tobytes(), tid
             differ = [n for n in ga if not torch.equal(ga[n], gb[n])]
             assert not differ, differ
-    _record(f"same_plan_twice[{dtype}]", bitwise=True)
+    _record(f"same_plan_twice[{dtype}-{'compiled' if compile else 'eager'}]", bitwise=True)
+
+
+def test_compiled_chains_match_eager_fp32():
+    """`executor.compile` (the elementwise chains fused by torch.compile) against the eager kernels."""
+    _, tree = _plans("nested")
+    eager, g_eager = run_and_capture(_executor("float32"), tree)
+    got, g_got = run_and_capture(_executor("float32", compile=True), tree)
+    rep = compare_runs(eager, g_eager, got, g_got)
+    _record("compiled_vs_eager_fp32", logprob=rep["logprob_max_abs_diff"], grad=rep["grad_rel_diff_max"])
+    assert rep["expert_load_equal"], rep
+    assert rep["logprob_max_abs_diff"] <= 1e-5 and rep["grad_rel_diff_max"] <= 1e-5, rep
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -201,7 +201,7 @@ class Experts(nn.Module):
         for e in torch.unique(topk_Rk).tolist():
             rows, slot = torch.where(topk_Rk == e)
             gate, up = ops.linear(x_RD.index_select(0, rows), self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = ops.linear(ops.silu(gate) * up, self.down_proj[e]) * weight_Rk[rows, slot, None]
+            h = ops.linear(ops.swiglu(gate, up), self.down_proj[e]) * weight_Rk[rows, slot, None]
             out_RD = out_RD.index_add(0, rows, h.to(out_RD.dtype))
         return out_RD
 
@@ -213,7 +213,7 @@ def expert_swiglu(x_SD: torch.Tensor, d: Dispatch, gate_up: torch.Tensor, down: 
     if ops.experts == "grouped" and _grouped_ok(x_SD):
         gu_S2I = _grouped_mm(x_SD, gate_up.transpose(-2, -1), offs=d.group_end)
         gate, up = gu_S2I.chunk(2, dim=-1)
-        return _grouped_mm(ops.silu(gate) * up, down.transpose(-2, -1), offs=d.group_end)
+        return _grouped_mm(ops.swiglu(gate, up), down.transpose(-2, -1), offs=d.group_end)
     return _expert_loop(x_SD, d, gate_up, down, ops)
 
 
@@ -232,7 +232,7 @@ def _expert_loop(x_SD: torch.Tensor, d: Dispatch, gate_up: torch.Tensor, down: t
         if lo > at:
             parts.append(x_SD.new_zeros(lo - at, x_SD.shape[1]))
         gate, up = ops.linear(x_SD[lo : lo + n], gate_up_E[e]).chunk(2, dim=-1)
-        parts.append(ops.linear(ops.silu(gate) * up, down_E[e]))
+        parts.append(ops.linear(ops.swiglu(gate, up), down_E[e]))
         at = lo + n
     if not at:  # no row for any expert: an exact zero that still reaches the weights
         return x_SD.new_zeros(x_SD.shape[0], down.shape[1]) + (gate_up.sum() + down.sum()) * 0.0

@@ -2,14 +2,17 @@
 
     ops = select_ops(device, batch_invariant=False)     # EXACT on the CPU, FAST on CUDA
     y = ops.linear(x_RI, w_OI)                           # every module calls its primitives through ops
+    h = ops.swiglu(gate, up)                             # and its elementwise chains
 
 `EXACT` (the CPU: row-tiled GEMMs, `exp`-based activations, experts one by one: bitwise tree ==
 expanded in fp32), `FAST` (CUDA: cuBLAS, torch's activations, grouped-GEMM experts; deterministic,
-not batch-invariant), `invariant_ops()` (CUDA's batch-invariant mode, `kernels.batch_invariant`).
+not batch-invariant), `compiled_ops()` (FAST with each elementwise chain fused by torch.compile),
+`invariant_ops()` (CUDA's batch-invariant mode, `kernels.batch_invariant`).
 Why each: docs/design/numerics.md. Legend: R rows, I input features, O output features.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +84,41 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, dim=-1, dtype=compute_dtype(x))
 
 
+def apply_rope(x_RHd: torch.Tensor, cos_Rr: torch.Tensor, sin_Rr: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim dims of each head (rotate-half convention); cos/sin [R, rotary_dim]."""
+    rd = cos_Rr.shape[-1]
+    x_rot, x_pass = x_RHd[..., :rd], x_RHd[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    x_rot = x_rot * cos_Rr[:, None, :] + rotated * sin_Rr[:, None, :]
+    return torch.cat([x_rot, x_pass], dim=-1)
+
+
+def _chains(sigmoid: Callable, silu: Callable, softplus: Callable, rms_norm: Callable) -> dict[str, Callable]:
+    """The model's elementwise chains composed from one path's primitives (`Ops` fields of the same
+    names): every path computes them in the same order, op by op."""
+
+    def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return silu(gate) * up
+
+    def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return sigmoid(gate) * x
+
+    def gated_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
+        out = rms_norm(x, w, eps=eps, zero_centered=False)
+        return (out * silu(z.to(compute_dtype(z)))).to(x.dtype)
+
+    def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+        beta = sigmoid(b)
+        g = -A_log.to(compute_dtype(A_log)).exp() * softplus(a.to(compute_dtype(a)) + dt_bias)
+        return beta, g
+
+    return dict(swiglu=swiglu, sigmoid_mul=sigmoid_mul, gated_norm=gated_norm, gdn_gates=gdn_gates, rope=apply_rope)
+
+
+#: the `Ops` fields `compiled_ops()` fuses with torch.compile (the elementwise chains and norms)
+CHAINS = ("rms_norm", "swiglu", "sigmoid_mul", "gated_norm", "gdn_gates", "rope")
+
 EXPERT_IMPLS = ("loop", "grouped")
 
 
@@ -89,7 +127,10 @@ class Ops:
     """The primitives of one execution path: EXACT, FAST or `invariant_ops()` (docs/design/numerics.md)."""
 
     name: str
-    """"exact", "fast" or "invariant"."""
+    """"exact", "fast", "compiled" or "invariant"."""
+    invariant: bool
+    """Every row's results are independent of the other rows (the MoE combine then sums a row's
+    experts one by one in ascending order: `trainer.models.moe.combine`)."""
     linear: Callable[..., torch.Tensor]
     """(x [R, I], w [O, I], b [O] | None) -> [R, O]."""
     sigmoid: Callable[[torch.Tensor], torch.Tensor]
@@ -101,6 +142,18 @@ class Ops:
     """Row-wise logsumexp of the last dim (the full head's)."""
     softmax: Callable[[torch.Tensor], torch.Tensor]
     """Softmax of the last dim in at least fp32 (the router)."""
+    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(gate, up) -> silu(gate) * up (the MLPs and experts)."""
+    sigmoid_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(gate, x) -> sigmoid(gate) * x (attention's output gate, the shared expert's gate)."""
+    gated_norm: Callable[..., torch.Tensor]
+    """(x, z, w, *, eps) -> rms_norm(x, w) * silu(z) in at least fp32, in x's dtype (Gated DeltaNet's
+    output norm)."""
+    gdn_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    """(b, a, A_log, dt_bias) -> (beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), g in at
+    least fp32 (Gated DeltaNet's gates)."""
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    """(x [R, H, hd], cos, sin [R, rotary_dim]) -> x rotated (`apply_rope`)."""
     experts: str
     """Routed experts: "loop" (expert by expert through `linear`; one host read of the counts per
     MoE layer) or "grouped" (grouped GEMMs, counts stay on the device; bf16 on CUDA)."""
@@ -115,10 +168,31 @@ class Ops:
             raise ValueError(f"group_align: expected >= 1, got {self.group_align}")
 
 
-EXACT = Ops(name="exact", linear=row_linear, sigmoid=exp_sigmoid, silu=exp_silu, softplus=exp_softplus,
-            rms_norm=rms_norm, logsumexp=logsumexp, softmax=softmax, experts="loop")
-FAST = Ops(name="fast", linear=F.linear, sigmoid=torch.sigmoid, silu=F.silu, softplus=torch_softplus,
-           rms_norm=rms_norm, logsumexp=logsumexp, softmax=softmax, experts="grouped", group_align=8)
+def _ops(*, sigmoid: Callable, silu: Callable, softplus: Callable, rms_norm: Callable, **fields) -> Ops:
+    return Ops(sigmoid=sigmoid, silu=silu, softplus=softplus, rms_norm=rms_norm,
+               **_chains(sigmoid, silu, softplus, rms_norm), **fields)
+
+
+EXACT = _ops(name="exact", invariant=True, linear=row_linear, sigmoid=exp_sigmoid, silu=exp_silu,
+             softplus=exp_softplus, rms_norm=rms_norm, logsumexp=logsumexp, softmax=softmax, experts="loop")
+FAST = _ops(name="fast", invariant=False, linear=F.linear, sigmoid=torch.sigmoid, silu=F.silu,
+            softplus=torch_softplus, rms_norm=rms_norm, logsumexp=logsumexp, softmax=softmax, experts="grouped",
+            group_align=8)
+
+_COMPILED: Ops | None = None
+
+
+def compiled_ops() -> Ops:
+    """FAST with each elementwise chain (`CHAINS`) fused by `torch.compile(dynamic=True,
+    fullgraph=True)`: one generated kernel per chain forward and one per backward instead of a
+    launch per op; row counts symbolic, so a new microbatch size does not recompile. The first
+    call of each chain compiles (seconds); the process's later calls and models reuse it. Not
+    batch-invariant, like FAST; deterministic (no atomics in pointwise or row-wise kernels)."""
+    global _COMPILED
+    if _COMPILED is None:
+        fused = {name: torch.compile(getattr(FAST, name), dynamic=True, fullgraph=True) for name in CHAINS}
+        _COMPILED = dataclasses.replace(FAST, name="compiled", **fused)
+    return _COMPILED
 
 
 def invariant_ops() -> Ops:
@@ -135,16 +209,20 @@ def invariant_ops() -> Ops:
     def softmax_(x: torch.Tensor) -> torch.Tensor:
         return bi.softmax(x, dtype=compute_dtype(x))
 
-    return Ops(name="invariant", linear=linear, sigmoid=torch.sigmoid, silu=F.silu, softplus=torch_softplus,
-               rms_norm=bi.rms_norm, logsumexp=bi.logsumexp, softmax=softmax_, experts="loop")
+    return _ops(name="invariant", invariant=True, linear=linear, sigmoid=torch.sigmoid, silu=F.silu,
+                softplus=torch_softplus, rms_norm=bi.rms_norm, logsumexp=bi.logsumexp, softmax=softmax_, experts="loop")
 
 
-def select_ops(device: torch.device | str, *, batch_invariant: bool = False) -> Ops:
-    """The primitives of a run on `device`: EXACT on the CPU; on CUDA FAST, or the batch-invariant ones."""
+def select_ops(device: torch.device | str, *, batch_invariant: bool = False, compiled: bool = False) -> Ops:
+    """The primitives of a run on `device`: EXACT on the CPU; on CUDA FAST (`compiled`: its chains
+    fused, `compiled_ops()`), or the batch-invariant ones (which `compiled` leaves as they are)."""
     if torch.device(device).type == "cpu":
         return EXACT
-    return invariant_ops() if batch_invariant else FAST
+    if batch_invariant:
+        return invariant_ops()
+    return compiled_ops() if compiled else FAST
 
 
-__all__ = ["Ops", "EXACT", "FAST", "ROW_TILE", "EXPERT_IMPLS", "invariant_ops", "row_linear", "row_linear_ref",
-           "select_ops", "rms_norm", "logsumexp", "softmax", "exp_sigmoid", "exp_silu", "exp_softplus"]
+__all__ = ["Ops", "EXACT", "FAST", "CHAINS", "ROW_TILE", "EXPERT_IMPLS", "apply_rope", "compiled_ops", "invariant_ops",
+           "row_linear", "row_linear_ref", "select_ops", "rms_norm", "logsumexp", "softmax", "exp_sigmoid", "exp_silu",
+           "exp_softplus"]

@@ -55,8 +55,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, ops: Ops = EXACT) -> torch.Tensor:
-        out = ops.rms_norm(x, self.weight, eps=self.eps, zero_centered=False)
-        return (out * ops.silu(z.to(compute_dtype(z)))).to(x.dtype)
+        return ops.gated_norm(x, z, self.weight, eps=self.eps)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -114,8 +113,7 @@ class GatedDeltaNet(nn.Module):
         mixed_RC = ops.silu(tree_ops.ancestry_conv(mixed_NC, self.conv1d.weight[:, 0, :], layout.conv_src))
         key_dim = self.Hk * self.Kd
         q_RHK, k_RHK, v_RHV = torch.split(mixed_RC, [key_dim, key_dim, self.Hv * self.Vd], dim=-1)
-        beta_RH = ops.sigmoid(b.reshape(R, self.Hv))
-        g_RH = -self.A_log.to(compute_dtype(self.A_log)).exp() * ops.softplus(a.reshape(R, self.Hv).to(compute_dtype(a)) + self.dt_bias)
+        beta_RH, g_RH = ops.gdn_gates(b.reshape(R, self.Hv), a.reshape(R, self.Hv), self.A_log, self.dt_bias)
         o_RHV, states = tree_ops.linear_attention(
             bd.table(name + "q", q_RHK.reshape(R, self.Hk, self.Kd), KERNEL),
             bd.table(name + "k", k_RHK.reshape(R, self.Hk, self.Kd), KERNEL),
@@ -156,11 +154,11 @@ class Attention(nn.Module):
         k_RHd = self.k_norm(_proj(ops, x_RD, self.k_proj).view(R, self.Hkv, self.hd), ops)
         v_RHd = _proj(ops, x_RD, self.v_proj).view(R, self.Hkv, self.hd)
         cos, sin = rope_cos_sin(layout.depth, self.rotary_dim, self.theta, x_RD.dtype)
-        q_RHd, k_RHd = apply_rope(q_RHd, cos, sin), apply_rope(k_RHd, cos, sin)
+        q_RHd, k_RHd = ops.rope(q_RHd, cos, sin), ops.rope(k_RHd, cos, sin)
         k_NHd = bd.table(name + "attn_k", k_RHd, ATTN)
         v_NHd = bd.table(name + "attn_v", v_RHd, ATTN)
         o_RHd = attention_backend(run.attention_backend)(q_RHd, k_NHd, v_NHd, layout.attention, self.hd**-0.5)
-        o_RD = o_RHd.reshape(R, -1) * ops.sigmoid(gate)
+        o_RD = ops.sigmoid_mul(gate, o_RHd.reshape(R, -1))
         return _proj(ops, o_RD, self.o_proj), None
 
 
@@ -177,16 +175,6 @@ def rope_cos_sin(depth_R: torch.Tensor, rotary_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x_RHd: torch.Tensor, cos_Rr: torch.Tensor, sin_Rr: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim dims of each head (rotate-half convention)."""
-    rd = cos_Rr.shape[-1]
-    x_rot, x_pass = x_RHd[..., :rd], x_RHd[..., rd:]
-    half = rd // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    x_rot = x_rot * cos_Rr[:, None, :] + rotated * sin_Rr[:, None, :]
-    return torch.cat([x_rot, x_pass], dim=-1)
-
-
 class MLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
@@ -198,7 +186,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Ops = EXACT) -> torch.Tensor:
         gate = ops.linear(x, self.gate_proj.weight)
-        return ops.linear(ops.silu(gate) * ops.linear(x, self.up_proj.weight), self.down_proj.weight)
+        return ops.linear(ops.swiglu(gate, ops.linear(x, self.up_proj.weight)), self.down_proj.weight)
 
 
 class SparseMoe(nn.Module):
@@ -220,9 +208,9 @@ class SparseMoe(nn.Module):
         # with expert parallelism the rows travel sorted by expert, unpadded (trainer.expert_parallel)
         d = route(e_Rk, self.experts.num_experts, align=1 if self.experts.expert_parallel else ops.group_align)
         y_SD = self.experts(dispatch_rows(x_RD, d), d, ops)
-        out = combine(y_SD, w_Rk, d, chained=ops.name != "fast")
+        out = combine(y_SD, w_Rk, d, chained=ops.invariant)
         if self.has_shared:
-            out = out + ops.sigmoid(ops.linear(x_RD, self.shared_expert_gate.weight)) * self.shared_expert(x_RD, ops)
+            out = out + ops.sigmoid_mul(ops.linear(x_RD, self.shared_expert_gate.weight), self.shared_expert(x_RD, ops))
         return out, probs_RE, e_Rk
 
 

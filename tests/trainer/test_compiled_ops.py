@@ -1,0 +1,122 @@
+"""The torch.compile'd elementwise chains (`trainer.models.ops.compiled_ops`) against FAST's eager
+forms, on the CPU: inductor's C++ code here, Triton on CUDA, from the same captured graphs. Outputs
+and gradients agree, a new row count does not recompile, a whole microbatch forward + backward
+through them agrees with the eager one, and the CPU keeps its exact primitives."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from trainer.models.ops import CHAINS, EXACT, FAST, compiled_ops, select_ops
+
+pytestmark = pytest.mark.slow  # inductor compiles every chain forward and backward (about a minute)
+
+H, N, I, RD = 4, 16, 24, 8
+ROWS = (7, 40, 129)
+
+
+def _args(name: str, R: int, gen: torch.Generator) -> tuple[tuple, dict]:
+    """(positional tensors, keyword constants) of one chain at R rows (fp32, grads wanted)."""
+    def t(*shape):
+        return torch.randn(*shape, generator=gen).requires_grad_()
+
+    if name == "rms_norm":
+        return (t(R, H, N), t(N)), dict(eps=1e-6, zero_centered=True)
+    if name == "swiglu":
+        return (t(R, I), t(R, I)), {}
+    if name == "sigmoid_mul":
+        return (t(R, 1), t(R, I)), {}
+    if name == "gated_norm":
+        return (t(R, H, N), t(R, H, N), t(N)), dict(eps=1e-6)
+    if name == "gdn_gates":
+        return (t(R, H), t(R, H), (torch.rand(H, generator=gen) * 3).requires_grad_(), t(H)), {}
+    if name == "rope":
+        depth = torch.arange(R, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1.0, RD // 2)
+        emb = torch.cat([depth, depth], dim=-1)
+        return (t(R, H, N), emb.cos(), emb.sin()), {}
+    raise AssertionError(name)
+
+
+def _outputs_and_grads(fn, args, kwargs, gen_seed: int):
+    out = fn(*args, **kwargs)
+    outs = out if isinstance(out, tuple) else (out,)
+    gen = torch.Generator().manual_seed(gen_seed)
+    loss = sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    wrt = [a for a in args if a.requires_grad]
+    return [o.detach() for o in outs], torch.autograd.grad(loss, wrt)
+
+
+def test_every_chain_is_compiled():
+    fused = compiled_ops()
+    assert fused.name == "compiled" and fused.invariant is False
+    for name in CHAINS:
+        assert getattr(fused, name) is not getattr(FAST, name), name
+    # the rest is FAST's
+    assert fused.linear is FAST.linear and fused.experts == FAST.experts and fused.group_align == FAST.group_align
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_compiled_chain_matches_eager_and_does_not_recompile(name):
+    from torch._dynamo.utils import counters
+
+    fused = compiled_ops()
+    for i, R in enumerate(ROWS):
+        gen = torch.Generator().manual_seed(100 + R)
+        args, kwargs = _args(name, R, gen)
+        graphs = counters["stats"]["unique_graphs"]
+        got, got_g = _outputs_and_grads(getattr(fused, name), args, kwargs, R)
+        want, want_g = _outputs_and_grads(getattr(FAST, name), args, kwargs, R)
+        if i:  # row counts are symbolic: a new R reuses the graph compiled at the first
+            assert counters["stats"]["unique_graphs"] == graphs, f"{name} recompiled at R = {R}"
+        for a, b in zip(got + list(got_g), want + list(want_g)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _microbatch(seed: int = 0):
+    """The tiny MoE model and one decoded microbatch of a tree-sampling batch (on the CPU)."""
+    from harts_client.synthetic import generate
+    from plan.microbatch import decode_microbatch
+    from planner_service.ingest import forest_from_json
+    from planner_service.planner import PlanConfig, plan_step
+    from trainer.executor import Executor, ExecutorConfig, _normalizers
+    from trainer.layout import layout_from_arrays
+    from trainer.models.config import ModelConfig
+    from trainer.models.materialize import materialize, meta_model, seed_rows
+
+    cfg = ModelConfig(num_experts=8, num_experts_per_tok=2, num_hidden_layers=4)
+    model = materialize(meta_model(cfg), "cpu", seed_rows(cfg, seed=seed))
+    doc = generate(scheme="tree", tasks=1, seed=seed, scale=0.01, turns=(4, 6), vocab_size=cfg.vocab_size)
+    plan = plan_step(forest_from_json(doc), PlanConfig(chunk_size=16, microbatch_tokens=512, all_positions=True))
+    ex = Executor(model, ExecutorConfig(chunk_size=16, validate="none"))
+    a = decode_microbatch(plan.ranks[0].microbatches[0], plan.header.params)
+    return model, ex, layout_from_arrays(a, chunk_size=16), _normalizers(plan.header)
+
+
+def test_a_microbatch_through_compiled_chains_matches_eager():
+    model, ex, layout, norm = _microbatch()
+    results = {}
+    for ops in (FAST, compiled_ops(), compiled_ops()):
+        ex.run_options = dataclasses.replace(ex.run_options, ops=ops, head="chunked")
+        model.zero_grad(set_to_none=True)
+        out, mb = ex.forward(layout, None, norm, grad=True)
+        mb.loss.backward()
+        results.setdefault(ops.name, []).append(
+            (mb.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (eager_loss, eager_g), = results["fast"]
+    (loss, grads), (loss2, grads2) = results["compiled"]
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager_g.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], eager_g[n], rtol=1e-4, atol=1e-6, msg=n)
+    # the same bits twice
+    assert torch.equal(loss, loss2) and all(torch.equal(grads[n], grads2[n]) for n in grads)
+
+
+def test_the_cpu_keeps_its_exact_primitives():
+    assert select_ops("cpu", compiled=True) is EXACT
+    assert select_ops("cuda", compiled=True) is compiled_ops()
+    assert select_ops("cuda", compiled=True, batch_invariant=True).name == "invariant"
+    assert select_ops("cuda") is FAST
