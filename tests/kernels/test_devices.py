@@ -59,3 +59,36 @@ def test_layouts_store_resolved_devices_and_do_not_copy_for_another_spelling():
                                torch.tensor([[0, 3]]), num_rows=5, device="cpu:0")
     assert tree.device == torch.device("cpu")
     assert tree.to("cpu:0") is tree
+
+
+def test_a_layout_moves_every_index_tensor_to_another_device(monkeypatch):
+    """`ChunkLayout.to` moves its tensors, its RowAdds' levels included, handing `to_device` tensors
+    only ("meta" stands for a second device; the first GPU run failed here, handing it a RowAdds)."""
+    from dataclasses import fields
+
+    from kernels import row_adds
+    from kernels.gated_delta_rule import layout as gdn_layout
+    from kernels.row_adds import RowAdds
+
+    def tensors_only(t, device):
+        assert isinstance(t, torch.Tensor), type(t)
+        return devices.to_device(t, device)
+
+    monkeypatch.setattr(gdn_layout, "to_device", tensors_only)
+    monkeypatch.setattr(row_adds, "to_device", tensors_only, raising=False)
+
+    cu = torch.tensor([0, 21, 37, 77])
+    # exports after 16 rows of sequence 0, after 32 and all 40 rows of sequence 2
+    layout = prepare_layout(cu, torch.tensor([0, 2, 2]), torch.tensor([16, 32, 40]), 16, device="cpu")
+    moved = layout.to("meta")
+    assert moved.device == torch.device("meta")
+    tensors = 0
+    for f in fields(moved):
+        value = getattr(moved, f.name)
+        for v in (value.values() if isinstance(value, dict) else (value,)):
+            parts = [t for level in v.levels for t in level] if isinstance(v, RowAdds) else [v]
+            for t in parts:
+                if isinstance(t, torch.Tensor):
+                    assert t.device.type == "meta", f.name
+                    tensors += 1
+    assert moved.export_adds_J and tensors > 10
