@@ -182,3 +182,59 @@ def test_forward_only_windowed_logprobs(models):
     a, b = ex.run_step(plan, backward=False), ex.run_step(expanded, backward=False)
     for tid, lp in b.logprobs.items():
         np.testing.assert_allclose(a.logprobs[tid], lp, rtol=0, atol=1e-6)
+
+
+def test_every_microbatch_layout_moves_to_another_device(models, monkeypatch):
+    """What `RowLayout.to` does for a GPU run, checked on the CPU with "meta" as the other device: every
+    index tensor of every layout of a windowed plan (tree attention's, the window boundary's, the
+    log-prob map's) moves, and `to_device` is handed tensors only (the first GPU run failed there)."""
+    import copy
+    from dataclasses import fields, is_dataclass
+
+    import torch
+
+    from kernels import devices, row_adds
+    from kernels.tree_attention import layout as tree_layout
+    from trainer import layout as row_layout
+    from trainer import step_walk
+
+    def tensors_only(t, device):
+        assert isinstance(t, torch.Tensor), type(t)
+        return devices.to_device(t, device)
+
+    for module in (row_layout, tree_layout, row_adds):
+        monkeypatch.setattr(module, "to_device", tensors_only)
+
+    def left_behind(obj, path="layout", seen=None):
+        """Paths of the tensors under obj not on "meta" (host-side numpy arrays are meant to stay)."""
+        seen = set() if seen is None else seen
+        if id(obj) in seen:
+            return []
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            return [] if obj.device.type == "meta" else [path]
+        if isinstance(obj, dict):
+            return [p for k, v in obj.items() for p in left_behind(v, f"{path}[{k!r}]", seen)]
+        if isinstance(obj, (list, tuple)):
+            return [p for i, v in enumerate(obj) for p in left_behind(v, f"{path}[{i}]", seen)]
+        if is_dataclass(obj):
+            return [p for f in fields(obj) for p in left_behind(getattr(obj, f.name), f"{path}.{f.name}", seen)]
+        return []
+
+    moved = []
+    build = step_walk.layout_from_arrays
+
+    def build_and_move(*args, **kwargs):
+        layout = build(*args, **kwargs)
+        copy_ = copy.deepcopy(layout).to("meta")
+        # by design on the host: the linear calls' offsets and exports (the kernel plans its chunks
+        # from them) and tree attention's validated segment index (TreeIndex)
+        stays = (".cu_seqlens", ".export_seq", ".export_pos", "layout.attention.index.")
+        moved.append([p for p in left_behind(copy_) if not any(s in p for s in stays)])
+        return layout
+
+    monkeypatch.setattr(step_walk, "layout_from_arrays", build_and_move)
+    f, segs, base = _chain_forest()
+    plan = build_plan(f, PlanConfig(chunk_size=C, microbatch_tokens=64, all_positions=True), _chain_partition(f, segs, base))
+    run_and_capture(_executor(models["moe"]), plan)
+    assert len(moved) == 4 and moved == [[]] * 4, moved
