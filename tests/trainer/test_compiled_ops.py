@@ -11,7 +11,17 @@ import torch
 
 from trainer.models.ops import CHAINS, EXACT, FAST, compiled_ops, select_ops
 
-pytestmark = pytest.mark.slow  # inductor compiles every chain forward and backward (about a minute)
+pytestmark = pytest.mark.slow  # inductor compiles every chain forward and backward (about 40 s)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_in_process():
+    """Inductor's C++ compiles in this process: on 2 cores its pool of compile workers costs more
+    than it saves."""
+    from torch._inductor import config
+
+    with config.patch(compile_threads=1):
+        yield
 
 H, N, I, RD = 4, 16, 24, 8
 ROWS = (7, 40, 129)
