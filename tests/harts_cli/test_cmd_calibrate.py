@@ -65,9 +65,27 @@ def _calibrate(capsys, out, *extra: str) -> tuple[dict, CostModel]:
     return json.loads(capsys.readouterr().out), CostModel.load(out)
 
 
-def test_calibrate_writes_a_cost_model_that_plan_accepts(tmp_path, capsys):
+#: seconds per feature (rows, attention pairs, calls, log-prob rows) and per step of the stand-in clock
+CLOCK = np.array([2e-5, 1e-8, 1e-3, 1e-5]), 0.01
+
+
+def test_calibrate_writes_a_cost_model_that_plan_accepts(tmp_path, capsys, monkeypatch):
+    """The whole command: synthetic batches planned and run as training steps, the fit, the file,
+    `harts plan` with it. The step times it fits come from a clock linear in each batch's features
+    (six tiny batches timed on a loaded 2-core machine can show no per-token cost at all, which
+    the command rightly refuses to write)."""
+    timed = cmd_calibrate._time_batches
+
+    def linear_clock(args, model, ex, rng):
+        X, t = timed(args, model, ex, rng)
+        assert (t > 0).all()  # the batches did run
+        return X, X @ CLOCK[0] + CLOCK[1]
+
+    monkeypatch.setattr(cmd_calibrate, "_time_batches", linear_clock)
     out = tmp_path / "cost.json"
     report, cm = _calibrate(capsys, out, "--samples", "6", "--max-rows", "256", "--transfer-backend", "none")
+    # four fitted batches for five unknowns (with the step overhead): a fit, not the clock's coefficients
+    assert cm.fit["r2_train"] == pytest.approx(1.0)
     assert cm.transfer_byte == pytest.approx(cm.row * DEFAULT_TRANSFER_ROWS_PER_BYTE) and "transfer" not in report  # not measured
     assert all(getattr(cm, n) >= 0 for n in FEATURES) and sum(getattr(cm, n) for n in FEATURES) > 0
     assert cm.fit["samples"] == 6 and cm.fit["held_out"] == 2 and "r2" in report and "max_rel_error" in report
