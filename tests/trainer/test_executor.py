@@ -15,6 +15,7 @@ import torch
 
 from proto.arrays import pack
 from tests.executor_helpers import make_plan
+from tests.triton_interpreter import run_under_interpreter
 from trainer.executor import Executor, ExecutorConfig, train_step
 from trainer.loss import load_balancing_loss
 from trainer.layout import layout_from_sequences
@@ -188,3 +189,10 @@ def test_rejects_plans_for_another_model(model):
     plan.ranks[0].microbatches[0].import_row = pack([0], "int32")
     with pytest.raises(ValueError, match="import"):
         ex.run_step(plan)
+
+
+@pytest.mark.slow
+def test_the_gpu_code_path_under_the_triton_interpreter():
+    """tests/trainer/test_executor_interpreted.py in a subprocess with TRITON_INTERPRET=1 set before
+    triton loads: FAST primitives, the chunked head and both Triton kernels, tree vs expanded."""
+    run_under_interpreter("trainer/test_executor_interpreted.py")
