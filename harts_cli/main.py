@@ -1,7 +1,8 @@
 """`harts` console script.
 
-Each subcommand lives in `harts_cli/cmd_<name>.py` with two functions:
-`add_arguments(parser)` (cheap: no torch/numba import at module level) and `run(args) -> int`.
+Each subcommand lives in `harts_cli/cmd_<name>.py` with two functions: `add_arguments(parser)`
+and `run(args) -> int`; a command imports only its own module (`build_parser(only=...)`), before
+`--threads` sizes torch's thread pool.
 Logs go to stderr; machine-readable results to stdout.
 """
 from __future__ import annotations
@@ -57,33 +58,44 @@ def pin_threads(n: int | None) -> int:
     return n
 
 
-def _available() -> dict[str, object]:
-    mods = {}
-    for name in COMMANDS:
-        try:
-            mods[name] = importlib.import_module(f"harts_cli.cmd_{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"harts_cli.cmd_{name}":
-                raise
-    return mods
+def _load(name: str):
+    """harts_cli.cmd_<name>, or None where it is not part of this installation."""
+    try:
+        return importlib.import_module(f"harts_cli.cmd_{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"harts_cli.cmd_{name}":
+            raise
+        return None
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
+def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The parser with every subcommand and their modules by name; `only`: just that subcommand's
+    module is imported and its arguments added (the others stay listed), so that a command pays
+    for no other command's imports (`harts plan`'s planner, `harts train`'s torch)."""
     parser = argparse.ArgumentParser(prog="harts", description="HARTS: prefix-sharing RL training for hybrid-attention models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: $OMP_NUM_THREADS, else half the usable cores, "
                              "at most 8, at least 1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    mods = _available()
-    for name, mod in mods.items():
-        p = sub.add_parser(name, help=COMMANDS[name], description=(mod.__doc__ or COMMANDS[name]).strip().split("\n\n")[0])
+    mods = {}
+    for name, help_ in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_)
+            continue
+        mod = _load(name)
+        if mod is None:
+            continue
+        p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().split("\n\n")[0])
         mod.add_arguments(p)
+        mods[name] = mod
     return parser, mods
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, mods = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # the first word naming a command is the command (no option of `harts` itself takes one as its value)
+    parser, mods = build_parser(only=next((a for a in argv if a in COMMANDS), None))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

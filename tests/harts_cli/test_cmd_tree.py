@@ -60,3 +60,13 @@ def test_tree_rejects_a_bad_batch_with_exit_2(tmp_path: pathlib.Path):
     assert proc.stdout == b""
     last = proc.stderr.decode().strip().splitlines()[-1]
     assert last.startswith("harts tree: error: trajectories[1].tokens: expected token ids in [0, 32), got 32")
+
+
+def test_a_command_imports_only_its_own_module(tmp_path: pathlib.Path):
+    """`harts tree` pays for no other command's imports: not torch (`harts train`'s arguments)."""
+    path = tmp_path / "rollouts.json"
+    path.write_text(json.dumps(DOC))
+    code = ("import sys; from harts_cli.main import main; rc = main(['tree', sys.argv[1]]); "
+            "print(rc, 'torch' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120)
+    assert proc.stderr.decode().strip().splitlines()[-1] == "0 False", proc.stderr.decode()
