@@ -1,15 +1,18 @@
 """Count what one microbatch costs the host: aten ops, GEMM launches and host reads (CPU, no GPU needed).
 
-Run: `.venv/bin/python -m benchmarks.op_count [--experts 16 --top-k 4 --rows 512]` (one JSON object on
-stdout): a small hybrid MoE runs one microbatch forward + backward through the executor under a
-`TorchDispatchMode` counting `aten_ops`, `view_ops`, `gemm_ops` and `host_reads`. A count that
-grows with the number of layers or experts is a host-bound design (benchmarks/README.md, "Smaller
-benchmarks").
+Run: `.venv/bin/python -m benchmarks.op_count [--experts 16 --top-k 4 --rows 512] [--path gpu --chains]`
+(one JSON object on stdout): a small hybrid MoE runs one microbatch forward + backward through the
+executor under a `TorchDispatchMode` counting `aten_ops`, `view_ops`, `gemm_ops` and `host_reads`;
+`--chains` (GPU path) also counts the launches of the elementwise chains, eager against compiled
+(`chain_launches`). A count that grows with the number of layers or experts is a host-bound design
+(benchmarks/README.md, "Smaller benchmarks").
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import sys
 import weakref
 from collections import Counter
@@ -26,7 +29,7 @@ from trainer.executor import Executor, ExecutorConfig
 from trainer.layout import layout_from_arrays
 from trainer.models.config import FULL, LINEAR, ModelConfig
 from trainer.models.materialize import materialize, meta_model, seed_rows
-from trainer.models.ops import FAST
+from trainer.models.ops import CHAINS, FAST, compiled_ops
 from trainer.objectives import Normalizers
 
 GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm", "baddbmm"}
@@ -86,10 +89,85 @@ class HostReads:
         torch.Tensor.tolist, torch.Tensor.numpy = self._orig
 
 
-def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, path: str = "cpu") -> dict:
+class ChainCalls:
+    """Wraps FAST's elementwise chains: how often each runs, and the arguments of its first call."""
+
+    def __init__(self):
+        self.calls: Counter[str] = Counter()
+        self.first: dict[str, tuple[tuple, dict]] = {}
+
+    def ops(self):
+        def spy(name, fn):
+            def call(*args, **kwargs):
+                self.calls[name] += 1
+                self.first.setdefault(name, (args, kwargs))
+                return fn(*args, **kwargs)
+            return call
+        return dataclasses.replace(FAST, **{name: spy(name, getattr(FAST, name)) for name in CHAINS})
+
+
+def _fresh(args: tuple) -> list:
+    """New leaf tensors shaped like a call's arguments (gradients where the originals had them)."""
+    return [torch.randn(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+            for a in args]
+
+
+def _forward_backward(fn, args: list, kwargs: dict) -> None:
+    out = fn(*args, **kwargs)
+    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
+def _launches(code: str) -> int:
+    """Kernel launches in one generated Inductor wrapper: calls of the kernels it defines, and of
+    torch's own (extern) kernels."""
+    kernels = re.findall(r"^(\w+) = async_compile\.\w+\(", code, re.M)
+    calls = 0
+    for line in code.splitlines():
+        line = line.strip()
+        calls += line.startswith("extern_kernels.") or any(line.startswith(k + "(") or line.startswith(k + ".run(")
+                                                           for k in kernels)
+    return calls
+
+
+def chain_launches(chains: ChainCalls, names: tuple[str, ...] | None = None) -> dict:
+    """Per chain of one microbatch: its calls, the non-view aten ops one call runs eagerly (forward +
+    backward: the GPU's launches), and the kernel launches of its compiled forward and backward
+    (`executor.compile`; counted in the code Inductor generates here for the CPU, whose fusion
+    decisions its GPU code shares: an estimate of the GPU's). Inductor's caches are off, so every
+    graph's code is generated here."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = compiled_ops()
+    out = {}
+    for name in names or tuple(chains.calls):
+        args, kwargs = chains.first[name]
+        counter = OpCounter()
+        fresh = _fresh(args)
+        with counter:
+            _forward_backward(getattr(FAST, name), fresh, kwargs)
+        torch._dynamo.reset()
+        fresh = _fresh(args)
+        with inductor_config.patch(fx_graph_cache=False, compile_threads=1):
+            _, codes = run_and_get_code(lambda: _forward_backward(getattr(compiled, name), fresh, kwargs))  # noqa: B023
+        out[name] = {"calls": chains.calls[name], "eager_ops_per_call": sum(counter.ops.values()) - counter.views,
+                     "compiled_launches_per_call": sum(_launches(c) for c in codes)}
+    torch._dynamo.reset()
+    return {"chains": out,
+            "eager_ops": sum(c["calls"] * c["eager_ops_per_call"] for c in out.values()),
+            "compiled_launches": sum(c["calls"] * c["compiled_launches_per_call"] for c in out.values())}
+
+
+def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, path: str = "cpu",
+          chains: bool = False) -> dict:
     """The counts of one microbatch and one step (benchmarks/README.md, "Smaller benchmarks"). `path`: "cpu" (the CPU's
     primitives) or "gpu" (the GPU's: `trainer.models.ops.FAST`, grouped-GEMM experts through torch's
-    CPU implementation, the chunked head), both run here on the CPU."""
+    CPU implementation, the chunked head), both run here on the CPU; `chains` (GPU path): also
+    `chain_launches` of the microbatch."""
+    if chains and path != "gpu":
+        raise ValueError("chains: the elementwise chains are counted on the GPU path (path='gpu')")
     torch.manual_seed(seed)
     cfg = ModelConfig(num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
                       layer_types=([LINEAR] * 3 + [FULL]) * (layers // 4) + [LINEAR] * (layers % 4))
@@ -98,8 +176,9 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, pa
     forest = forest_from_json(doc)
     plan = plan_step(forest, PlanConfig(chunk_size=16, microbatch_tokens=rows, all_positions=True))
     ex = Executor(model, ExecutorConfig(chunk_size=16, validate="none"))
+    spies = ChainCalls()
     if path == "gpu":
-        ex.run_options.ops, ex.run_options.head = FAST, "chunked"
+        ex.run_options.ops, ex.run_options.head = spies.ops(), "chunked"
     header, mb = plan.header, plan.ranks[0].microbatches[0]
     a = decode_microbatch(mb, header.params)
     n = header.normalizers
@@ -111,16 +190,18 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, pa
     model.zero_grad(set_to_none=True)
     ops = OpCounter()
     reads = HostReads(ops)
+    spies.calls.clear()
     with reads, ops:
         out, mb_loss = ex.forward(layout, None, norm, grad=True)
         mb_loss.loss.backward()
     total = sum(ops.ops.values())
+    extra = {"chain_launches": chain_launches(spies)} if chains else {}
     return {
         "model": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": cfg.hidden_size}, "path": path,
         "rows": layout.num_rows, "aten_ops": total, "view_ops": ops.views, "non_view_ops": total - ops.views,
         "gemm_ops": sum(v for k, v in ops.ops.items() if k in GEMMS),
         "host_reads": ops.ops.get("_local_scalar_dense", 0) + reads.count,
-        "top_ops": dict(ops.ops.most_common(12)),
+        "top_ops": dict(ops.ops.most_common(12)), **extra,
     }
 
 
@@ -132,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--path", choices=("cpu", "gpu"), default="cpu",
                     help="the primitives counted: the CPU's, or the GPU's run on the CPU (grouped GEMMs, chunked head)")
+    ap.add_argument("--chains", action="store_true",
+                    help="with --path gpu: the elementwise chains' launches, eager against compiled by Inductor")
     args = ap.parse_args(argv)
+    if args.chains and args.path != "gpu":
+        ap.error("--chains needs --path gpu")
     torch.set_num_threads(1)
-    json.dump(count(experts=args.experts, top_k=args.top_k, rows=args.rows, layers=args.layers, path=args.path),
-              sys.stdout, indent=1)
+    json.dump(count(experts=args.experts, top_k=args.top_k, rows=args.rows, layers=args.layers, path=args.path,
+                    chains=args.chains), sys.stdout, indent=1)
     print()
     return 0
 

@@ -23,3 +23,18 @@ def test_cpu_path_reads_the_group_bounds_once_per_moe_layer(counts):
     assert counts["cpu", 8]["host_reads"] == counts["cpu", 16]["host_reads"] == 4  # 4 MoE layers
     assert counts["cpu", 16]["gemm_ops"] > counts["cpu", 8]["gemm_ops"]  # expert by expert
     assert counts["gpu", 8]["gemm_ops"] < counts["cpu", 8]["gemm_ops"]
+
+
+@pytest.mark.slow
+def test_chain_launches_count_every_chain_eager_and_compiled():
+    """`--chains`: each elementwise chain's calls in a microbatch (from the model's structure), its
+    eager launches, and fewer launches compiled (Inductor compiles each chain here, ~10 s)."""
+    got = count(experts=8, top_k=2, rows=256, layers=4, path="gpu", chains=True)["chain_launches"]
+    calls = {name: c["calls"] for name, c in got["chains"].items()}
+    # 4 layers (3 GDN, 1 attention), every FFN an MoE with a shared expert: two norms a layer and the
+    # final one, attention's q/k norms; SwiGLU in each MoE's expert GEMMs and its shared expert
+    assert calls == {"rms_norm": 2 * 4 + 1 + 2, "gdn_gates": 3, "gated_norm": 3, "rope": 2,
+                     "swiglu": 2 * 4, "sigmoid_mul": 1 + 4}
+    for name, c in got["chains"].items():
+        assert 1 <= c["compiled_launches_per_call"] < c["eager_ops_per_call"], (name, c)
+    assert got["compiled_launches"] < got["eager_ops"] / 3
