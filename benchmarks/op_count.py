@@ -10,8 +10,10 @@ executor under a `TorchDispatchMode` counting `aten_ops`, `view_ops`, `gemm_ops`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import re
 import sys
 import weakref
@@ -106,6 +108,33 @@ class ChainCalls:
         return dataclasses.replace(FAST, **{name: spy(name, getattr(FAST, name)) for name in CHAINS})
 
 
+class TritonLaunches:
+    """Counts Triton kernel launches while active (under `TRITON_INTERPRET=1`: every launch goes
+    through `InterpretedFunction.run`); the interpreter's own tensor work inside a launch is hidden
+    from the op counter (on a GPU a launch is one kernel)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import _disable_current_modes
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self._cls, self._orig = InterpretedFunction, InterpretedFunction.run
+        counter = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            counter.count += not warmup
+            with _disable_current_modes():
+                return counter._orig(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = run
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.run = self._orig
+
+
 def _fresh(args: tuple) -> list:
     """New leaf tensors shaped like a call's arguments (gradients where the originals had them)."""
     return [torch.randn(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
@@ -161,13 +190,17 @@ def chain_launches(chains: ChainCalls, names: tuple[str, ...] | None = None) -> 
 
 
 def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, path: str = "cpu",
-          chains: bool = False) -> dict:
+          chains: bool = False, triton: bool = False) -> dict:
     """The counts of one microbatch and one step (benchmarks/README.md, "Smaller benchmarks"). `path`: "cpu" (the CPU's
     primitives) or "gpu" (the GPU's: `trainer.models.ops.FAST`, grouped-GEMM experts through torch's
     CPU implementation, the chunked head), both run here on the CPU; `chains` (GPU path): also
-    `chain_launches` of the microbatch."""
-    if chains and path != "gpu":
-        raise ValueError("chains: the elementwise chains are counted on the GPU path (path='gpu')")
+    `chain_launches` of the microbatch; `triton` (GPU path, under `TRITON_INTERPRET=1`): the gated
+    delta rule and tree attention through their Triton kernels, whose launches `triton_launches`
+    counts, instead of the CPU's PyTorch forms."""
+    if (chains or triton) and path != "gpu":
+        raise ValueError("chains, triton: counted on the GPU path (path='gpu')")
+    if triton and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("triton: needs TRITON_INTERPRET=1 in the environment before triton is imported")
     torch.manual_seed(seed)
     cfg = ModelConfig(num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
                       layer_types=([LINEAR] * 3 + [FULL]) * (layers // 4) + [LINEAR] * (layers % 4))
@@ -175,7 +208,8 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, pa
     doc = generate(scheme="tree", tasks=1, seed=seed, scale=0.01, turns=(4, 6), vocab_size=cfg.vocab_size)
     forest = forest_from_json(doc)
     plan = plan_step(forest, PlanConfig(chunk_size=16, microbatch_tokens=rows, all_positions=True))
-    ex = Executor(model, ExecutorConfig(chunk_size=16, validate="none"))
+    kernels = dict(backend="triton", attention_backend="triton") if triton else {}
+    ex = Executor(model, ExecutorConfig(chunk_size=16, validate="none", **kernels))
     spies = ChainCalls()
     if path == "gpu":
         ex.run_options.ops, ex.run_options.head = spies.ops(), "chunked"
@@ -191,14 +225,20 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, pa
     ops = OpCounter()
     reads = HostReads(ops)
     spies.calls.clear()
-    with reads, ops:
+    launches = TritonLaunches() if triton else contextlib.nullcontext()
+    with reads, ops, launches:
         out, mb_loss = ex.forward(layout, None, norm, grad=True)
         mb_loss.loss.backward()
     total = sum(ops.ops.values())
-    extra = {"chain_launches": chain_launches(spies)} if chains else {}
+    allocations = sum(v for k, v in ops.ops.items() if k.startswith("empty"))
+    extra = {"triton_launches": launches.count} if triton else {}
+    if chains:
+        extra["chain_launches"] = chain_launches(spies)
     return {
         "model": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": cfg.hidden_size}, "path": path,
         "rows": layout.num_rows, "aten_ops": total, "view_ops": ops.views, "non_view_ops": total - ops.views,
+        # a GPU's kernel launches: every op that is neither a view nor an allocation, and each Triton kernel
+        "launches": total - ops.views - allocations + extra.get("triton_launches", 0),
         "gemm_ops": sum(v for k, v in ops.ops.items() if k in GEMMS),
         "host_reads": ops.ops.get("_local_scalar_dense", 0) + reads.count,
         "top_ops": dict(ops.ops.most_common(12)), **extra,
@@ -215,12 +255,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="the primitives counted: the CPU's, or the GPU's run on the CPU (grouped GEMMs, chunked head)")
     ap.add_argument("--chains", action="store_true",
                     help="with --path gpu: the elementwise chains' launches, eager against compiled by Inductor")
+    ap.add_argument("--triton", action="store_true",
+                    help="with --path gpu: the gated delta rule and tree attention through their Triton kernels "
+                         "(run under the Triton interpreter), their launches counted")
     args = ap.parse_args(argv)
-    if args.chains and args.path != "gpu":
-        ap.error("--chains needs --path gpu")
+    if (args.chains or args.triton) and args.path != "gpu":
+        ap.error("--chains and --triton need --path gpu")
+    if args.triton and os.environ.get("TRITON_INTERPRET") != "1":  # triton reads it at import: start again with it
+        argv = sys.argv[1:] if argv is None else argv
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.op_count", *argv],
+                  {**os.environ, "TRITON_INTERPRET": "1"})
     torch.set_num_threads(1)
     json.dump(count(experts=args.experts, top_k=args.top_k, rows=args.rows, layers=args.layers, path=args.path,
-                    chains=args.chains), sys.stdout, indent=1)
+                    chains=args.chains, triton=args.triton), sys.stdout, indent=1)
     print()
     return 0
 

@@ -38,3 +38,22 @@ def test_chain_launches_count_every_chain_eager_and_compiled():
     for name, c in got["chains"].items():
         assert 1 <= c["compiled_launches_per_call"] < c["eager_ops_per_call"], (name, c)
     assert got["compiled_launches"] < got["eager_ops"] / 3
+
+
+def test_triton_path_counts_the_kernels_launches():
+    """`--path gpu --triton` starts itself again under the Triton interpreter and counts the gated
+    delta rule's Triton launches beside the aten ops (what a GPU microbatch launches)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.op_count", "--path", "gpu", "--triton", "--layers", "1",
+                           "--experts", "4", "--top-k", "2", "--rows", "64"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["triton_launches"] > 0 and got["host_reads"] == 0
+    assert got["gemm_ops"] < count(experts=4, top_k=2, rows=64, layers=1, path="gpu")["gemm_ops"]  # no PyTorch GDN
+    assert 0 < got["launches"] < got["non_view_ops"] + got["triton_launches"]  # allocations launch nothing
