@@ -13,6 +13,7 @@ Why each: docs/design/numerics.md. Legend: R rows, I input features, O output fe
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,7 +125,8 @@ EXPERT_IMPLS = ("loop", "grouped")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ops:
-    """The primitives of one execution path: EXACT, FAST or `invariant_ops()` (docs/design/numerics.md)."""
+    """The primitives of one execution path: EXACT, FAST, `compiled_ops()` or `invariant_ops()`
+    (docs/design/numerics.md)."""
 
     name: str
     """"exact", "fast", "compiled" or "invariant"."""
@@ -179,20 +181,15 @@ FAST = _ops(name="fast", invariant=False, linear=F.linear, sigmoid=torch.sigmoid
             softplus=torch_softplus, rms_norm=rms_norm, logsumexp=logsumexp, softmax=softmax, experts="grouped",
             group_align=8)
 
-_COMPILED: Ops | None = None
-
-
+@functools.cache
 def compiled_ops() -> Ops:
     """FAST with each elementwise chain (`CHAINS`) fused by `torch.compile(dynamic=True,
     fullgraph=True)`: one generated kernel per chain forward and one per backward instead of a
     launch per op; row counts symbolic, so a new microbatch size does not recompile. The first
     call of each chain compiles (seconds); the process's later calls and models reuse it. Not
     batch-invariant, like FAST; deterministic (no atomics in pointwise or row-wise kernels)."""
-    global _COMPILED
-    if _COMPILED is None:
-        fused = {name: torch.compile(getattr(FAST, name), dynamic=True, fullgraph=True) for name in CHAINS}
-        _COMPILED = dataclasses.replace(FAST, name="compiled", **fused)
-    return _COMPILED
+    fused = {name: torch.compile(getattr(FAST, name), dynamic=True, fullgraph=True) for name in CHAINS}
+    return dataclasses.replace(FAST, name="compiled", **fused)
 
 
 def invariant_ops() -> Ops:
