@@ -1,11 +1,12 @@
 """Count what one microbatch costs the host: aten ops, GEMM launches and host reads (CPU, no GPU needed).
 
-Run: `.venv/bin/python -m benchmarks.op_count [--experts 16 --top-k 4 --rows 512] [--path gpu --chains]`
-(one JSON object on stdout): a small hybrid MoE runs one microbatch forward + backward through the
-executor under a `TorchDispatchMode` counting `aten_ops`, `view_ops`, `gemm_ops` and `host_reads`;
-`--chains` (GPU path) also counts the launches of the elementwise chains, eager against compiled
-(`chain_launches`). A count that grows with the number of layers or experts is a host-bound design
-(benchmarks/README.md, "Smaller benchmarks").
+Run: `.venv/bin/python -m benchmarks.op_count [--experts 16 --top-k 4 --rows 512] [--path gpu [--triton]
+[--chains]]` (one JSON object on stdout): a small hybrid MoE runs one microbatch forward + backward
+through the executor under a `TorchDispatchMode` counting `aten_ops`, `view_ops`, `gemm_ops`,
+`host_reads` and `launches` (what a GPU would launch); `--triton` runs the Triton kernels under the
+interpreter and counts their launches too; `--chains` counts the elementwise chains' launches, eager
+against compiled (`chain_launches`). A count that grows with the number of layers or experts is a
+host-bound design (benchmarks/README.md, "Smaller benchmarks").
 """
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ class OpCounter(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.made[id(t)] = weakref.ref(t)
         return out
+
+    @property
+    def launches(self) -> int:
+        """Ops a GPU would launch a kernel for: neither views nor allocations."""
+        return sum(n for name, n in self.ops.items() if not name.startswith("empty")) - self.views
 
     def has_made(self, t: torch.Tensor) -> bool:
         ref = self.made.get(id(t))
@@ -160,9 +166,9 @@ def _launches(code: str) -> int:
     return calls
 
 
-def chain_launches(chains: ChainCalls, names: tuple[str, ...] | None = None) -> dict:
-    """Per chain of one microbatch: its calls, the non-view aten ops one call runs eagerly (forward +
-    backward: the GPU's launches), and the kernel launches of its compiled forward and backward
+def chain_launches(chains: ChainCalls) -> dict:
+    """Per chain of one microbatch: its calls, the launches of one call run eagerly (forward +
+    backward, `OpCounter.launches`), and the kernel launches of its compiled forward and backward
     (`executor.compile`; counted in the code Inductor generates here for the CPU, whose fusion
     decisions its GPU code shares: an estimate of the GPU's). Inductor's caches are off, so every
     graph's code is generated here."""
@@ -171,7 +177,7 @@ def chain_launches(chains: ChainCalls, names: tuple[str, ...] | None = None) -> 
 
     compiled = compiled_ops()
     out = {}
-    for name in names or tuple(chains.calls):
+    for name in chains.calls:
         args, kwargs = chains.first[name]
         counter = OpCounter()
         fresh = _fresh(args)
@@ -181,11 +187,11 @@ def chain_launches(chains: ChainCalls, names: tuple[str, ...] | None = None) -> 
         fresh = _fresh(args)
         with inductor_config.patch(fx_graph_cache=False, compile_threads=1):
             _, codes = run_and_get_code(lambda: _forward_backward(getattr(compiled, name), fresh, kwargs))  # noqa: B023
-        out[name] = {"calls": chains.calls[name], "eager_ops_per_call": sum(counter.ops.values()) - counter.views,
+        out[name] = {"calls": chains.calls[name], "eager_launches_per_call": counter.launches,
                      "compiled_launches_per_call": sum(_launches(c) for c in codes)}
     torch._dynamo.reset()
     return {"chains": out,
-            "eager_ops": sum(c["calls"] * c["eager_ops_per_call"] for c in out.values()),
+            "eager_launches": sum(c["calls"] * c["eager_launches_per_call"] for c in out.values()),
             "compiled_launches": sum(c["calls"] * c["compiled_launches_per_call"] for c in out.values())}
 
 
@@ -230,15 +236,13 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, pa
         out, mb_loss = ex.forward(layout, None, norm, grad=True)
         mb_loss.loss.backward()
     total = sum(ops.ops.values())
-    allocations = sum(v for k, v in ops.ops.items() if k.startswith("empty"))
     extra = {"triton_launches": launches.count} if triton else {}
     if chains:
         extra["chain_launches"] = chain_launches(spies)
     return {
         "model": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": cfg.hidden_size}, "path": path,
         "rows": layout.num_rows, "aten_ops": total, "view_ops": ops.views, "non_view_ops": total - ops.views,
-        # a GPU's kernel launches: every op that is neither a view nor an allocation, and each Triton kernel
-        "launches": total - ops.views - allocations + extra.get("triton_launches", 0),
+        "launches": ops.launches + extra.get("triton_launches", 0),
         "gemm_ops": sum(v for k, v in ops.ops.items() if k in GEMMS),
         "host_reads": ops.ops.get("_local_scalar_dense", 0) + reads.count,
         "top_ops": dict(ops.ops.most_common(12)), **extra,
