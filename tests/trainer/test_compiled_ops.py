@@ -125,6 +125,24 @@ def test_a_microbatch_through_compiled_chains_matches_eager():
     assert torch.equal(loss, loss2) and all(torch.equal(grads[n], grads2[n]) for n in grads)
 
 
+def test_compiled_chains_under_activation_checkpointing_give_the_same_bits():
+    """"full" and "selective" checkpointing re-run the compiled chains in the backward: the loss and
+    every gradient are bitwise those of the run that keeps its activations."""
+    model, ex, layout, norm = _microbatch(seed=1)
+    runs = {}
+    for mode in ("none", "full", "selective"):
+        ex.run_options = dataclasses.replace(ex.run_options, ops=compiled_ops(), head="chunked", checkpointing=mode)
+        model.zero_grad(set_to_none=True)
+        _, mb = ex.forward(layout, None, norm, grad=True)
+        mb.loss.backward()
+        runs[mode] = (mb.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    loss, grads = runs["none"]
+    for mode in ("full", "selective"):
+        assert torch.equal(runs[mode][0], loss), mode
+        assert runs[mode][1].keys() == grads.keys()
+        assert all(torch.equal(runs[mode][1][n], grads[n]) for n in grads), mode
+
+
 def test_the_cpu_keeps_its_exact_primitives():
     assert select_ops("cpu", compiled=True) is EXACT
     assert select_ops("cuda", compiled=True) is compiled_ops()
