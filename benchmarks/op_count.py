@@ -155,15 +155,14 @@ def _forward_backward(fn, args: list, kwargs: dict) -> None:
 
 
 def _launches(code: str) -> int:
-    """Kernel launches in one generated Inductor wrapper: calls of the kernels it defines, and of
-    torch's own (extern) kernels."""
+    """Kernel launches in the `call` of one generated Inductor wrapper: calls of the kernels it
+    defines, and of torch's own (`extern_kernels.*`, and the ops it falls back to, `aten.*`)."""
     kernels = re.findall(r"^(\w+) = async_compile\.\w+\(", code, re.M)
-    calls = 0
-    for line in code.splitlines():
-        line = line.strip()
-        calls += line.startswith("extern_kernels.") or any(line.startswith(k + "(") or line.startswith(k + ".run(")
-                                                           for k in kernels)
-    return calls
+    call = code[code.find("def call("):].split("\nrunner = ", 1)[0]
+    launch = re.compile(r"^(?:[\w, ]+ = )?(?:(?:" + "|".join(map(re.escape, kernels)) + r")(?:\.run)?\("
+                        r"|extern_kernels\.|(?:torch\.ops\.)?aten\.)" if kernels else
+                        r"^(?:[\w, ]+ = )?(?:extern_kernels\.|(?:torch\.ops\.)?aten\.)")
+    return sum(bool(launch.match(line.strip())) for line in call.splitlines())
 
 
 def chain_launches(chains: ChainCalls) -> dict:

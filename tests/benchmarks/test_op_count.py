@@ -32,9 +32,9 @@ def test_chain_launches_count_every_chain_eager_and_compiled():
     got = count(experts=8, top_k=2, rows=256, layers=4, path="gpu", chains=True)["chain_launches"]
     calls = {name: c["calls"] for name, c in got["chains"].items()}
     # 4 layers (3 GDN, 1 attention), every FFN an MoE with a shared expert: two norms a layer and the
-    # final one, attention's q/k norms; SwiGLU in each MoE's expert GEMMs and its shared expert
+    # final one, attention's q/k norms; SwiGLU in each MoE's expert GEMMs and its shared expert; a router each
     assert calls == {"rms_norm": 2 * 4 + 1 + 2, "gdn_gates": 3, "gated_norm": 3, "rope": 2,
-                     "swiglu": 2 * 4, "sigmoid_mul": 1 + 4}
+                     "swiglu": 2 * 4, "sigmoid_mul": 1 + 4, "router": 4}
     for name, c in got["chains"].items():
         assert 1 <= c["compiled_launches_per_call"] < c["eager_launches_per_call"], (name, c)
     assert got["compiled_launches"] < got["eager_launches"] / 3

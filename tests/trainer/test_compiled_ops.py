@@ -46,6 +46,8 @@ def _args(name: str, R: int, gen: torch.Generator) -> tuple[tuple, dict]:
         depth = torch.arange(R, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1.0, RD // 2)
         emb = torch.cat([depth, depth], dim=-1)
         return (t(R, H, N), emb.cos(), emb.sin()), {}
+    if name == "router":
+        return (t(R, 8),), dict(top_k=3, norm=True)
     raise AssertionError(name)
 
 

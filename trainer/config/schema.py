@@ -195,7 +195,7 @@ class ExecutorSection:
     its microbatch has, and tree and expanded log-probs agree bitwise in bf16. Slower than the
     default; the CPU path is batch-invariant already."""
     compile: bool = False
-    """On CUDA, fuse the model's elementwise chains (norms, SwiGLU, gates, RoPE) with torch.compile:
+    """On CUDA, fuse the model's elementwise chains (norms, SwiGLU, gates, RoPE, the MoE router) with torch.compile:
     one generated kernel per chain instead of a launch per op (`trainer.models.ops.compiled_ops`;
     the first step compiles them). Off by default until measured on a GPU; no effect with
     `batch_invariant` or on the CPU, whose exact forms stay as they are."""

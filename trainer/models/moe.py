@@ -164,12 +164,7 @@ class Router(nn.Module):
     def forward(self, x_RD: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probs [R, E] in at least fp32, top-k weights [R, k] in x's dtype, top-k experts [R, k]),
         each row's experts in ascending order (weights permuted with them)."""
-        probs_RE = ops.softmax(ops.linear(x_RD, self.weight))
-        top_w, top_i = torch.topk(probs_RE, self.top_k, dim=-1)
-        if self.norm_topk:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        top_i, perm = torch.sort(top_i, dim=-1)
-        return probs_RE, top_w.gather(-1, perm).to(x_RD.dtype), top_i
+        return ops.router(ops.linear(x_RD, self.weight), top_k=self.top_k, norm=self.norm_topk)
 
 
 class Experts(nn.Module):

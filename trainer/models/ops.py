@@ -95,7 +95,8 @@ def apply_rope(x_RHd: torch.Tensor, cos_Rr: torch.Tensor, sin_Rr: torch.Tensor) 
     return torch.cat([x_rot, x_pass], dim=-1)
 
 
-def _chains(sigmoid: Callable, silu: Callable, softplus: Callable, rms_norm: Callable) -> dict[str, Callable]:
+def _chains(sigmoid: Callable, silu: Callable, softplus: Callable, rms_norm: Callable,
+            softmax: Callable) -> dict[str, Callable]:
     """The model's elementwise chains composed from one path's primitives (`Ops` fields of the same
     names): every path computes them in the same order, op by op."""
 
@@ -114,11 +115,20 @@ def _chains(sigmoid: Callable, silu: Callable, softplus: Callable, rms_norm: Cal
         g = -A_log.to(compute_dtype(A_log)).exp() * softplus(a.to(compute_dtype(a)) + dt_bias)
         return beta, g
 
-    return dict(swiglu=swiglu, sigmoid_mul=sigmoid_mul, gated_norm=gated_norm, gdn_gates=gdn_gates, rope=apply_rope)
+    def router(logits: torch.Tensor, *, top_k: int, norm: bool):
+        probs = softmax(logits)
+        top_w, top_i = torch.topk(probs, top_k, dim=-1)
+        if norm:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_i, perm = torch.sort(top_i, dim=-1)
+        return probs, top_w.gather(-1, perm).to(logits.dtype), top_i
+
+    return dict(swiglu=swiglu, sigmoid_mul=sigmoid_mul, gated_norm=gated_norm, gdn_gates=gdn_gates, rope=apply_rope,
+                router=router)
 
 
 #: the `Ops` fields `compiled_ops()` fuses with torch.compile (the elementwise chains and norms)
-CHAINS = ("rms_norm", "swiglu", "sigmoid_mul", "gated_norm", "gdn_gates", "rope")
+CHAINS = ("rms_norm", "swiglu", "sigmoid_mul", "gated_norm", "gdn_gates", "rope", "router")
 
 EXPERT_IMPLS = ("loop", "grouped")
 
@@ -156,6 +166,10 @@ class Ops:
     least fp32 (Gated DeltaNet's gates)."""
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     """(x [R, H, hd], cos, sin [R, rotary_dim]) -> x rotated (`apply_rope`)."""
+    router: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """(logits [R, E], *, top_k, norm) -> (probs [R, E] = softmax in at least fp32, the top-k weights
+    [R, k] in the logits' dtype (normalised to sum 1 when `norm`), their experts [R, k] ascending,
+    the weights permuted with them) (the MoE router)."""
     experts: str
     """Routed experts: "loop" (expert by expert through `linear`; one host read of the counts per
     MoE layer) or "grouped" (grouped GEMMs, counts stay on the device; bf16 on CUDA)."""
@@ -170,9 +184,10 @@ class Ops:
             raise ValueError(f"group_align: expected >= 1, got {self.group_align}")
 
 
-def _ops(*, sigmoid: Callable, silu: Callable, softplus: Callable, rms_norm: Callable, **fields) -> Ops:
-    return Ops(sigmoid=sigmoid, silu=silu, softplus=softplus, rms_norm=rms_norm,
-               **_chains(sigmoid, silu, softplus, rms_norm), **fields)
+def _ops(*, sigmoid: Callable, silu: Callable, softplus: Callable, rms_norm: Callable, softmax: Callable,
+         **fields) -> Ops:
+    return Ops(sigmoid=sigmoid, silu=silu, softplus=softplus, rms_norm=rms_norm, softmax=softmax,
+               **_chains(sigmoid, silu, softplus, rms_norm, softmax), **fields)
 
 
 EXACT = _ops(name="exact", invariant=True, linear=row_linear, sigmoid=exp_sigmoid, silu=exp_silu,
