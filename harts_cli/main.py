@@ -1,8 +1,7 @@
 """`harts` console script.
 
 Each subcommand lives in `harts_cli/cmd_<name>.py` with two functions: `add_arguments(parser)`
-and `run(args) -> int`; a command imports only its own module (`build_parser(only=...)`), before
-`--threads` sizes torch's thread pool.
+and `run(args) -> int`; a command imports only its own module (`build_parser(only=...)`).
 Logs go to stderr; machine-readable results to stdout.
 """
 from __future__ import annotations
