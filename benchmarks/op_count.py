@@ -27,13 +27,11 @@ from harts_client.synthetic import generate
 from planner_service.ingest import forest_from_json
 from planner_service.planner import PlanConfig, plan_step
 from plan.microbatch import decode_microbatch
-from proto.arrays import unpack
-from trainer.executor import Executor, ExecutorConfig
+from trainer.executor import Executor, ExecutorConfig, normalizers_from_header
 from trainer.layout import layout_from_arrays
 from trainer.models.config import FULL, LINEAR, ModelConfig
 from trainer.models.materialize import materialize, meta_model, seed_rows
 from trainer.models.ops import CHAINS, FAST, compiled_ops
-from trainer.objectives import Normalizers
 
 GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm", "baddbmm"}
 
@@ -194,6 +192,21 @@ def chain_launches(chains: ChainCalls) -> dict:
             "compiled_launches": sum(c["calls"] * c["compiled_launches_per_call"] for c in out.values())}
 
 
+def tiny_microbatch(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, **executor):
+    """(model, executor, layout, normalisers) of one microbatch on the CPU: a small hybrid MoE (3 GDN
+    layers to 1 attention layer), the first microbatch of a seeded tree-sampling batch planned at
+    B = `rows`, C = 16; `executor`: further ExecutorConfig fields."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
+                      layer_types=([LINEAR] * 3 + [FULL]) * (layers // 4) + [LINEAR] * (layers % 4))
+    model = materialize(meta_model(cfg), "cpu", seed_rows(cfg, seed=seed))
+    doc = generate(scheme="tree", tasks=1, seed=seed, scale=0.01, turns=(4, 6), vocab_size=cfg.vocab_size)
+    plan = plan_step(forest_from_json(doc), PlanConfig(chunk_size=16, microbatch_tokens=rows, all_positions=True))
+    ex = Executor(model, ExecutorConfig(chunk_size=16, validate="none", **executor))
+    a = decode_microbatch(plan.ranks[0].microbatches[0], plan.header.params)
+    return model, ex, layout_from_arrays(a, chunk_size=16), normalizers_from_header(plan.header)
+
+
 def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, path: str = "cpu",
           chains: bool = False, triton: bool = False) -> dict:
     """The counts of one microbatch and one step (benchmarks/README.md, "Smaller benchmarks"). `path`: "cpu" (the CPU's
@@ -206,25 +219,12 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, pa
         raise ValueError("chains, triton: counted on the GPU path (path='gpu')")
     if triton and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("triton: needs TRITON_INTERPRET=1 in the environment before triton is imported")
-    torch.manual_seed(seed)
-    cfg = ModelConfig(num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
-                      layer_types=([LINEAR] * 3 + [FULL]) * (layers // 4) + [LINEAR] * (layers % 4))
-    model = materialize(meta_model(cfg), "cpu", seed_rows(cfg, seed=seed))
-    doc = generate(scheme="tree", tasks=1, seed=seed, scale=0.01, turns=(4, 6), vocab_size=cfg.vocab_size)
-    forest = forest_from_json(doc)
-    plan = plan_step(forest, PlanConfig(chunk_size=16, microbatch_tokens=rows, all_positions=True))
     kernels = dict(backend="triton", attention_backend="triton") if triton else {}
-    ex = Executor(model, ExecutorConfig(chunk_size=16, validate="none", **kernels))
+    model, ex, layout, norm = tiny_microbatch(experts=experts, top_k=top_k, rows=rows, layers=layers, seed=seed,
+                                              **kernels)
     spies = ChainCalls()
     if path == "gpu":
         ex.run_options.ops, ex.run_options.head = spies.ops(), "chunked"
-    header, mb = plan.header, plan.ranks[0].microbatches[0]
-    a = decode_microbatch(mb, header.params)
-    n = header.normalizers
-    norm = Normalizers(total_loss_tokens=float(n.total_loss_tokens), num_trajectories=int(n.num_trajectories),
-                       traj_loss_tokens=torch.from_numpy(unpack(n.traj_loss_tokens, "float32").copy()),
-                       traj_weight=torch.from_numpy(unpack(n.traj_weight, "float32").copy()))
-    layout = layout_from_arrays(a, chunk_size=16)
     ex.forward(layout, None, norm, grad=True)[1].loss.backward()  # warm-up (kernel layouts built once)
     model.zero_grad(set_to_none=True)
     ops = OpCounter()
@@ -239,7 +239,7 @@ def count(*, experts: int, top_k: int, rows: int, layers: int, seed: int = 0, pa
     if chains:
         extra["chain_launches"] = chain_launches(spies)
     return {
-        "model": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": cfg.hidden_size}, "path": path,
+        "model": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": model.config.hidden_size}, "path": path,
         "rows": layout.num_rows, "aten_ops": total, "view_ops": ops.views, "non_view_ops": total - ops.views,
         "launches": ops.launches + extra.get("triton_launches", 0),
         "gemm_ops": sum(v for k, v in ops.ops.items() if k in GEMMS),

@@ -94,7 +94,8 @@ class ExecutorConfig(ExecutorSection):
                              f"got {self.activation_checkpointing!r}")
 
 
-def _normalizers(header: plan_pb2.PlanHeader) -> Normalizers:
+def normalizers_from_header(header: plan_pb2.PlanHeader) -> Normalizers:
+    """The loss normalisers a plan's header carries, as tensors on the CPU."""
     n = header.normalizers
     return Normalizers(
         total_loss_tokens=float(n.total_loss_tokens), num_trajectories=int(n.num_trajectories),
@@ -214,7 +215,7 @@ class Executor:
                   before_last_backward: Callable[[], None] | None) -> StepResult:
         t0 = time.perf_counter()
         header, decoded = self.decode(plan)
-        norm = _normalizers(header).to(self.device)
+        norm = normalizers_from_header(header).to(self.device)
         if backward and zero_grad:
             self.model.zero_grad(set_to_none=True)
         walks = [RankWalk(self, d) for d in decoded]
@@ -271,4 +272,4 @@ def train_step(executor: Executor, plan, optimizer: torch.optim.Optimizer) -> St
     return res
 
 
-__all__ = ["Executor", "ExecutorConfig", "StepResult", "kernel_backend", "train_step"]
+__all__ = ["Executor", "ExecutorConfig", "StepResult", "kernel_backend", "normalizers_from_header", "train_step"]
